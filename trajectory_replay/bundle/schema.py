@@ -1,0 +1,343 @@
+"""The bundle documents: manifest, index and expected outputs, as pydantic v2 models.
+
+Names follow the system this project replaces so that hand-built bundles keep working.
+Only structure is validated here (types, required fields, name syntax); semantics such as
+an unsupported estimator or a NaN in an expected value are written as given and left to
+validate and replay (DESIGN.md invariant 7). Unknown fields are kept out of the model and
+reported with a `SchemaWarning`, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from enum import Enum
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+FORMAT_VERSION = "1.1.0"
+"""Manifest format written by this package. Major 1 is shared with the older directory format."""
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""Bundle ids and payload names (DESIGN.md, on-storage layout)."""
+
+DIGEST_PATTERN = re.compile(r"blake3:[0-9a-f]{64}")
+
+
+class SchemaWarning(UserWarning):
+    """A document holds a field this version does not know; it is ignored."""
+
+
+def check_name(value: str, what: str) -> str:
+    """Return `value` if it is a valid bundle id / payload name, else raise ValueError naming `what`."""
+    if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value) or value in ("objects", "blobs"):
+        raise ValueError(f"invalid {what} {value!r}: must match [A-Za-z0-9][A-Za-z0-9._-]* "
+                         "and not be a reserved name (objects, blobs)")
+    if ".." in value:
+        raise ValueError(f"invalid {what} {value!r}: '..' is not allowed")
+    return value
+
+
+class _Model(BaseModel):
+    """Shared configuration: unknown fields warn and are ignored; enums serialize as values."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, use_enum_values=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = set(cls.model_fields)
+            known |= {f.alias for f in cls.model_fields.values() if f.alias}
+            for key in data:
+                if key not in known:
+                    warnings.warn(f"{cls.__name__}: unknown field {key!r} ignored", SchemaWarning, stacklevel=2)
+        return data
+
+
+class StageId(str, Enum):
+    """The replay stages, in pipeline order."""
+
+    SAMPLE = "sample"
+    REWARD_RAW = "reward.raw"
+    REWARD_POST_PROCESS = "reward.post_process"
+    ADVANTAGE_KL = "advantage.kl"
+    ADVANTAGE_ESTIMATE = "advantage.estimate"
+    LOSS_POLICY = "loss.policy"
+    LOSS_VALUE = "loss.value"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STAGE_ORDER: tuple[StageId, ...] = tuple(StageId)
+
+
+class StageCapability(str, Enum):
+    """How replay can treat a stage."""
+
+    RECOMPUTE = "recompute"
+    RECORDED_ONLY = "recorded-only"
+    INSPECT_ONLY = "inspect-only"
+    UNSUPPORTED = "unsupported"
+
+    @classmethod
+    def _missing_(cls, value: object) -> "StageCapability | None":
+        # the older tool wrote underscores in places; accept both spellings
+        if isinstance(value, str):
+            norm = value.strip().lower().replace("_", "-")
+            for member in cls:
+                if member.value == norm:
+                    return member
+        return None
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ActorStepId(_Model):
+    """The anchor of a step-level bundle: which actor update consumed the samples."""
+
+    model_config = ConfigDict(frozen=True)
+
+    rollout_id: int
+    step_id: int
+
+    def __str__(self) -> str:
+        return f"{self.rollout_id}:{self.step_id}"
+
+
+class WeightLineage(_Model):
+    """Weight versions that generated (rollout) and consumed (actor) the samples."""
+
+    rollout_weight: Optional[int | str] = None
+    actor_weight: Optional[int | str] = None
+
+
+class RankTopology(_Model):
+    """Parallel sizes of the producing job. Any sizes are accepted here; replay refuses what it cannot do."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+
+class Identity(_Model):
+    """Exactly one anchor (actor_step_id for a step-level bundle, rollout_id for a rollout-level one) plus provenance."""
+
+    actor_step_id: Optional[ActorStepId] = None
+    rollout_id: Optional[int] = None
+    rollout_partition_ids: list[str] = Field(default_factory=list)
+    consumer_batch_ids: list[str] = Field(default_factory=list)
+    micro_batch_ids: list[str] = Field(default_factory=list)
+    semantic_group_ids: list[str] = Field(default_factory=list)
+    normalization_cohort_ids: list[str] = Field(default_factory=list)
+    weight_lineage: WeightLineage = Field(default_factory=WeightLineage)
+    rank: RankTopology = Field(default_factory=RankTopology)
+
+    @model_validator(mode="after")
+    def _one_anchor(self) -> "Identity":
+        if (self.actor_step_id is None) == (self.rollout_id is None):
+            raise ValueError("identity must have exactly one of actor_step_id or rollout_id")
+        return self
+
+    @property
+    def level(self) -> Literal["step", "rollout"]:
+        """`step` for a step-level bundle, `rollout` for a rollout-level one."""
+        return "step" if self.actor_step_id is not None else "rollout"
+
+    def anchor(self) -> str:
+        """A short human-readable anchor: `step R:S` or `rollout R`."""
+        if self.actor_step_id is not None:
+            return f"step {self.actor_step_id}"
+        return f"rollout {self.rollout_id}"
+
+
+class SampleRecord(_Model):
+    """Per-sample scalars (and optional text, redacted before storage)."""
+
+    sample_id: str
+    group_index: Optional[int] = None
+    response_length: int
+    total_length: int
+    loss_mask: list[int] = Field(default_factory=list)
+    raw_reward: float
+    reward: float
+    label_hash: Optional[str] = None
+    micro_batch_id: Optional[str] = None
+    prompt: Optional[str] = None
+    response: Optional[str] = None
+    label: Optional[str] = None
+    tool_output: Optional[str] = None
+
+
+TEXT_FIELDS = ("prompt", "response", "label", "tool_output")
+
+
+class RecomputeConfig(_Model):
+    """Algorithm settings replay recomputes with. Any estimator string is accepted (replay refuses it)."""
+
+    advantage_estimator: str = "grpo"
+    n_samples_per_prompt: int = 1
+    grpo_std_normalization: bool = False
+    kl_loss_type: str = "k1"
+    kl_coef: float = 0.0
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.2
+    eps_clip_c: Optional[float] = None
+    entropy_coef: float = 0.0
+
+
+class StageContract(_Model):
+    """What a bundle promises about one stage."""
+
+    stage: StageId
+    version: str = "v1"
+    capability: StageCapability = StageCapability.RECOMPUTE
+    implementation: Literal["reuse", "reimplemented"] = "reimplemented"
+    inputs: list[str] = Field(default_factory=list)
+    expected_outputs: list[str] = Field(default_factory=list)
+
+
+class PayloadSpec(_Model):
+    """One tensor payload: how it is encoded and where its bytes are (filled in by the writer)."""
+
+    name: str
+    role: Literal["input", "expected"] = "input"
+    codec: str = "safetensors"
+    dtype: str
+    shape: list[int]
+    size: int = Field(ge=0, description="Size in bytes of the encoded payload blob.")
+    digest: Optional[str] = Field(default=None, description="blake3 digest of the encoded payload blob.")
+    record: Optional[str] = Field(default=None, description="blake3 digest of the blob's record.")
+    per_token: bool = Field(default=True, description="Flat concatenation of the samples' response tokens.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_name(v, "payload name")
+
+    @field_validator("digest", "record")
+    @classmethod
+    def _digest(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not DIGEST_PATTERN.fullmatch(v):
+            raise ValueError(f"invalid digest {v!r}: expected blake3:<64 lowercase hex>")
+        return v
+
+
+class ProducerInfo(_Model):
+    """Which code produced the bundle."""
+
+    commit: str = "unknown"
+    dirty_patch_digest: Optional[str] = None
+    torch_version: Optional[str] = None
+
+
+class Tolerance(_Model):
+    """Absolute and relative tolerance of one stage; a missing value takes the default."""
+
+    atol: Optional[float] = None
+    rtol: Optional[float] = None
+
+
+class ComparisonPolicy(_Model):
+    """Per-stage tolerances and fields compared exactly between replica ranks. Every field is optional."""
+
+    exact_fields: list[str] = Field(default_factory=list)
+    tolerances: dict[str, Tolerance] = Field(default_factory=dict)
+
+
+class Manifest(_Model):
+    """What the bundle contains: stage contracts, payloads, comparison and redaction policy."""
+
+    format_version: str = FORMAT_VERSION
+    bundle_id: str
+    producer: ProducerInfo = Field(default_factory=ProducerInfo)
+    stage_contracts: dict[StageId, StageContract] = Field(default_factory=dict)
+    payloads: dict[str, PayloadSpec] = Field(default_factory=dict)
+    comparison_policy: ComparisonPolicy = Field(default_factory=ComparisonPolicy)
+    redaction: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("bundle_id")
+    @classmethod
+    def _bundle_id(cls, v: str) -> str:
+        return check_name(v, "bundle_id")
+
+    @field_validator("format_version")
+    @classmethod
+    def _version(cls, v: str) -> str:
+        major = v.split(".", 1)[0]
+        if major != "1":
+            raise ValueError(f"unsupported format_version {v!r}: major version must be 1")
+        return v
+
+    @field_validator("redaction")
+    @classmethod
+    def _redaction(cls, v: dict[str, str]) -> dict[str, str]:
+        for field, rule in v.items():
+            if rule in ("hash", "drop"):
+                continue
+            if rule.startswith("truncate:") and rule[len("truncate:"):].isdigit():
+                continue
+            raise ValueError(f"invalid redaction rule {rule!r} for field {field!r}: "
+                             "expected hash, drop or truncate:N")
+        return v
+
+
+class BundleIndex(_Model):
+    """Identity, per-sample records and recompute config."""
+
+    bundle_id: str
+    identity: Identity
+    samples: list[SampleRecord]
+    config: RecomputeConfig = Field(default_factory=RecomputeConfig)
+
+    @field_validator("bundle_id")
+    @classmethod
+    def _bundle_id(cls, v: str) -> str:
+        return check_name(v, "bundle_id")
+
+
+class RewardRawExpected(_Model):
+    raw_rewards: list[float]
+
+
+class RewardPostProcessExpected(_Model):
+    rewards: list[float]
+
+
+class LossPolicyExpected(_Model):
+    """The loss scalars production reported. Each may be missing (replay then fails that field)."""
+
+    loss: Optional[float] = None
+    pg_loss: Optional[float] = None
+    entropy_loss: Optional[float] = None
+    pg_clipfrac: Optional[float] = None
+    ppo_kl: Optional[float] = None
+
+
+class Expected(_Model):
+    """expected.json: the scalar outputs production reported (per-token ones are payloads)."""
+
+    reward_raw: Optional[RewardRawExpected] = Field(default=None, alias="reward.raw")
+    reward_post_process: Optional[RewardPostProcessExpected] = Field(default=None, alias="reward.post_process")
+    loss_policy: Optional[LossPolicyExpected] = Field(default=None, alias="loss.policy")
+
+
+def json_schemas() -> dict[str, Any]:
+    """The JSON Schema of the three bundle documents."""
+    return {
+        "manifest": Manifest.model_json_schema(),
+        "index": BundleIndex.model_json_schema(),
+        "expected": Expected.model_json_schema(by_alias=True),
+    }
+
+
+__all__ = [
+    "ActorStepId", "BundleIndex", "ComparisonPolicy", "Expected", "FORMAT_VERSION", "Identity",
+    "LossPolicyExpected", "Manifest", "PayloadSpec", "ProducerInfo", "RankTopology", "RecomputeConfig",
+    "SampleRecord", "SchemaWarning", "STAGE_ORDER", "StageCapability", "StageContract", "StageId",
+    "TEXT_FIELDS", "Tolerance", "WeightLineage", "check_name", "json_schemas",
+]
