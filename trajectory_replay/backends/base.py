@@ -1,0 +1,255 @@
+"""The storage interface every layer above speaks: keys are validated relative paths under a root.
+
+Modelled on zarr's store ABC: a small set of operations, capabilities declared as values that
+callers check, and the guarantee of each method written next to it. Subclasses implement the
+`_`-prefixed primitives; the public methods validate keys, count bytes and requests (the
+benchmarks count every byte fetched at this layer) and translate "not found" uniformly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+from trajectory_replay.errors import BackendError, InvalidKeyError
+
+log = logging.getLogger(__name__)
+
+
+def validate_key(key: str) -> str:
+    """Return `key` if it is a clean relative path, else raise InvalidKeyError saying what is wrong."""
+    if not isinstance(key, str) or not key:
+        raise InvalidKeyError(f"invalid key {key!r}: must be a non-empty string")
+    if key.startswith("/") or key.startswith("\\") or (len(key) > 1 and key[1] == ":"):
+        raise InvalidKeyError(f"invalid key {key!r}: must be relative, not absolute")
+    if "\\" in key or "\x00" in key:
+        raise InvalidKeyError(f"invalid key {key!r}: backslashes and NUL are not allowed")
+    for part in key.split("/"):
+        if part == "":
+            raise InvalidKeyError(f"invalid key {key!r}: empty path segment")
+        if part in (".", ".."):
+            raise InvalidKeyError(f"invalid key {key!r}: '{part}' segments are not allowed")
+    return key
+
+
+def validate_prefix(prefix: str) -> str:
+    """A listing prefix: empty (the whole root) or a valid key, optionally ending in '/'."""
+    if prefix == "":
+        return prefix
+    validate_key(prefix.rstrip("/"))
+    return prefix
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """A request for bytes [start, end) of one key."""
+
+    key: str
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.start <= self.end):
+            raise InvalidKeyError(f"invalid byte range [{self.start}, {self.end}) of {self.key!r}")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend guarantees. Callers check these instead of guessing from exceptions."""
+
+    atomic_create: bool
+    """create_if_absent is atomic against concurrent writers (still confirm with `probe()`)."""
+    ranged_reads: bool
+    listing: bool
+    deletes: bool
+    remote: bool
+    """Reads cross a network: the object store serves them through its local cache."""
+
+
+@dataclass
+class IOStats:
+    """Bytes and requests that crossed this backend, for benchmarks and tests."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    reads: int = 0
+    writes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count_read(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
+            self.reads += 1
+
+    def count_write(self, n: int) -> None:
+        with self._lock:
+            self.bytes_written += n
+            self.writes += 1
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes_read = self.bytes_written = self.reads = self.writes = 0
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Outcome of `Backend.probe()`: whether create-once markers can be trusted on this target."""
+
+    ok: bool
+    checks: dict[str, bool]
+    detail: str = ""
+
+
+class Backend(ABC):
+    """A root prefix on one storage system. Thread-safe; keys are '/'-separated relative paths."""
+
+    capabilities: Capabilities
+    url: str
+    max_workers: int = 8
+
+    def __init__(self) -> None:
+        self.stats = IOStats()
+        self._probe: Optional[ProbeResult] = None
+        self._probe_lock = threading.Lock()
+
+    # ---- primitives (subclasses) -------------------------------------------------------------
+    @abstractmethod
+    def _read(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def _read_range(self, key: str, start: int, end: int) -> bytes: ...
+
+    @abstractmethod
+    def _write(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def _create(self, key: str, data: bytes) -> bool:
+        """Store `data` at `key` only if nothing is there; True if this call created it."""
+
+    @abstractmethod
+    def _exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def _size(self, key: str) -> int: ...
+
+    @abstractmethod
+    def _mtime(self, key: str) -> float: ...
+
+    @abstractmethod
+    def _list(self, prefix: str) -> list[str]: ...
+
+    @abstractmethod
+    def _delete(self, key: str) -> None: ...
+
+    # ---- public API ----------------------------------------------------------------------------
+    def read(self, key: str) -> bytes:
+        """The whole value at `key`; NotFoundError if absent."""
+        data = self._read(validate_key(key))
+        self.stats.count_read(len(data))
+        return data
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of `key` (end exclusive; clipped at the value's end)."""
+        ByteRange(key, start, end)
+        if start == end:
+            return b""
+        data = self._read_range(validate_key(key), start, end)
+        self.stats.count_read(len(data))
+        return data
+
+    def read_many(self, keys: Sequence[str]) -> list[bytes]:
+        """Values of several keys, fetched concurrently, in the order given. NotFoundError if any is absent."""
+        for key in keys:
+            validate_key(key)
+        return self._map(self.read, keys)
+
+    def read_ranges(self, ranges: Sequence[ByteRange]) -> list[bytes]:
+        """Several byte ranges fetched concurrently, in the order given."""
+        return self._map(lambda r: self.read_range(r.key, r.start, r.end), ranges)
+
+    def write(self, key: str, data: bytes) -> None:
+        """Store `data` at `key`, replacing any value. Atomic: a reader sees the old value or all of the new one."""
+        self._write(validate_key(key), data)
+        self.stats.count_write(len(data))
+
+    def create_if_absent(self, key: str, data: bytes) -> bool:
+        """Create-once. True when `key` now holds exactly `data` and held nothing else before (a retry, or a
+        concurrent writer of identical bytes, also gets True); False when different bytes were there.
+        Among concurrent writers of different bytes exactly one gets True, provided the backend's
+        `probe()` passed (see `require_atomic_create`)."""
+        validate_key(key)
+        created = self._create(key, data)
+        if created:
+            self.stats.count_write(len(data))
+            return True
+        try:
+            existing = self.read(key)
+        except KeyError:
+            # deleted between the refusal and our read: a rare race with gc; try once more
+            return self._create(key, data)
+        return existing == bytes(data)
+
+    def exists(self, key: str) -> bool:
+        """True when `key` holds a value."""
+        return self._exists(validate_key(key))
+
+    def size(self, key: str) -> int:
+        """Size in bytes of the value at `key`; NotFoundError if absent."""
+        return self._size(validate_key(key))
+
+    def mtime(self, key: str) -> float:
+        """Last modification time (POSIX seconds) of `key`; NotFoundError if absent."""
+        return self._mtime(validate_key(key))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """All keys under `prefix` (recursively), sorted. Temporary files of in-progress writes are never listed."""
+        return sorted(self._list(validate_prefix(prefix)))
+
+    def delete(self, key: str) -> None:
+        """Remove `key` if present. Idempotent (S3 does not say whether a key existed)."""
+        self._delete(validate_key(key))
+
+    def child(self, prefix: str) -> "Backend":
+        """A backend rooted at `prefix` under this one (same storage, same options)."""
+        raise NotImplementedError
+
+    # ---- create-once safety --------------------------------------------------------------------
+    def probe(self) -> ProbeResult:
+        """Self-test on the real target: sequential and concurrent create_if_absent of different bytes."""
+        from trajectory_replay.backends.probe import run_probe
+
+        with self._probe_lock:
+            if self._probe is None:
+                self._probe = run_probe(self)
+            return self._probe
+
+    def require_atomic_create(self, *, unsafe: bool = False) -> None:
+        """Raise BackendError unless create-once markers can be trusted here; `unsafe=True` downgrades to a logged warning."""
+        result = self.probe() if self.capabilities.atomic_create else ProbeResult(
+            False, {"declared": False}, "backend does not declare atomic create")
+        if result.ok:
+            return
+        message = f"{self.url}: create-if-absent is not atomic on this target ({result.detail})"
+        if unsafe:
+            log.warning("%s; continuing because the unsafe override was given", message)
+            return
+        raise BackendError(message + "; refusing to write completion markers (pass the unsafe override to force)")
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _map(self, fn, items: Sequence) -> list:
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        with ThreadPoolExecutor(max_workers=min(self.max_workers, len(items))) as pool:
+            return list(pool.map(fn, items))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+def join_key(*parts: Iterable[str]) -> str:
+    """Join key segments with '/' (empty segments dropped)."""
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))

@@ -1,0 +1,139 @@
+"""Local-disk backend. Atomicity comes from the filesystem, not from fsspec.
+
+Every write goes to a temporary file in the destination directory, is fsynced, and is then
+published with one atomic call: `os.replace` for `write`, `os.link` for `create_if_absent`
+(link fails if the name exists, so exactly one of several racing writers wins and a reader
+never sees a partial file). fsspec's own `mode="create"` is a check-then-write race and is
+not used. A process killed at any instant leaves at most a `.tmp-*` file, which is never listed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from pathlib import Path
+
+from trajectory_replay.backends.base import Backend, Capabilities
+from trajectory_replay.errors import BackendError, NotFoundError
+
+TMP_PREFIX = ".tmp-"
+
+
+class LocalBackend(Backend):
+    """Keys are files under `root`."""
+
+    capabilities = Capabilities(atomic_create=True, ranged_reads=True, listing=True, deletes=True, remote=False)
+    max_workers = 4
+
+    def __init__(self, root: str | os.PathLike, *, fsync: bool = True) -> None:
+        super().__init__()
+        self.root = Path(root).expanduser().absolute()
+        self.url = str(self.root)
+        self.fsync = fsync
+        if self.root.exists() and not self.root.is_dir():
+            raise BackendError(f"{self.root}: exists and is not a directory")
+
+    def child(self, prefix: str) -> "LocalBackend":
+        return LocalBackend(self.root / prefix, fsync=self.fsync)
+
+    def _path(self, key: str) -> Path:
+        return self.root / key
+
+    def _read(self, key: str) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            raise NotFoundError(f"{self.url}: no such key {key!r}") from None
+        except IsADirectoryError:
+            raise NotFoundError(f"{self.url}: {key!r} is a directory, not a value") from None
+
+    def _read_range(self, key: str, start: int, end: int) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                f.seek(start)
+                return f.read(end - start)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise NotFoundError(f"{self.url}: no such key {key!r}") from None
+
+    def _temp_file(self, key: str, data) -> Path:
+        """Write `data` to a fresh temporary file beside `key` and make it durable."""
+        final = self._path(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f"{TMP_PREFIX}{final.name}.{uuid.uuid4().hex[:12]}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return tmp
+
+    def _write(self, key: str, data) -> None:
+        tmp = self._temp_file(key, data)
+        try:
+            os.replace(tmp, self._path(key))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _create(self, key: str, data) -> bool:
+        tmp = self._temp_file(key, data)
+        try:
+            os.link(tmp, self._path(key))
+            return True
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                raise BackendError(f"{self.url}: hard links are not supported here ({exc.strerror}); "
+                                   "create-if-absent cannot be made atomic") from None
+            raise
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def _stat(self, key: str) -> os.stat_result:
+        try:
+            return os.stat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            raise NotFoundError(f"{self.url}: no such key {key!r}") from None
+
+    def _size(self, key: str) -> int:
+        return self._stat(key).st_size
+
+    def _mtime(self, key: str) -> float:
+        return self._stat(key).st_mtime
+
+    def _list(self, prefix: str) -> list[str]:
+        base = self.root / prefix if prefix else self.root
+        # a prefix may name a directory ("objects/") or a partial name ("objects/ab")
+        start = base if base.is_dir() else base.parent
+        if not start.is_dir():
+            return []
+        out = []
+        for dirpath, _dirs, files in os.walk(start):
+            rel_dir = os.path.relpath(dirpath, self.root)
+            for name in files:
+                if name.startswith(TMP_PREFIX):
+                    continue
+                key = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
+                if key.startswith(prefix):
+                    out.append(key)
+        return out
+
+    def _delete(self, key: str) -> None:
+        try:
+            os.unlink(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            pass

@@ -1,0 +1,60 @@
+"""Self-test of create-if-absent on the real target.
+
+A server that ignores `If-None-Match`, or a filesystem without hard links, would let two
+ranks both "win" a completion marker. Declared capabilities are not enough, so before a
+backend writes markers it proves, on a scratch key under `.probe/`, that a second create of
+different bytes is refused and that among concurrent creators exactly one wins.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from trajectory_replay.backends.base import ProbeResult
+
+if TYPE_CHECKING:
+    from trajectory_replay.backends.base import Backend
+
+log = logging.getLogger(__name__)
+
+CONCURRENT_WRITERS = 8
+
+
+def run_probe(backend: "Backend") -> ProbeResult:
+    """Run the create-once checks against `backend` and clean up after them."""
+    token = uuid.uuid4().hex
+    seq_key = f".probe/{token}-seq"
+    con_key = f".probe/{token}-con"
+    checks: dict[str, bool] = {}
+    detail = []
+    try:
+        first = backend.create_if_absent(seq_key, b"probe-a")
+        second = backend.create_if_absent(seq_key, b"probe-b")
+        same = backend.create_if_absent(seq_key, b"probe-a")
+        checks["sequential"] = first and not second and same and backend.read(seq_key) == b"probe-a"
+        if not checks["sequential"]:
+            detail.append("a second create of different bytes was not refused")
+
+        payloads = [f"probe-{i}".encode() for i in range(CONCURRENT_WRITERS)]
+        with ThreadPoolExecutor(CONCURRENT_WRITERS) as pool:
+            wins = list(pool.map(lambda p: backend.create_if_absent(con_key, p), payloads))
+        stored = backend.read(con_key)
+        winners = [p for p, won in zip(payloads, wins) if won]
+        checks["concurrent"] = len(winners) == 1 and winners[0] == stored
+        if not checks["concurrent"]:
+            detail.append(f"{len(winners)} of {CONCURRENT_WRITERS} concurrent creators won")
+    except Exception as exc:  # a backend that cannot even run the probe is not safe
+        checks.setdefault("sequential", False)
+        checks["error"] = False
+        detail.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        for key in (seq_key, con_key):
+            try:
+                backend.delete(key)
+            except Exception:  # cleanup is best effort; the probe keys are tiny
+                log.debug("could not remove probe key %s", key)
+    ok = all(checks.values())
+    return ProbeResult(ok=ok, checks=checks, detail="; ".join(detail) or "ok")

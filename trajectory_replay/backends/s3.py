@@ -1,0 +1,179 @@
+"""S3 backend over s3fs (AWS S3, MinIO, SeaweedFS, ...).
+
+Endpoint and credentials come from the usual places: storage options, AWS_* variables
+(AWS_ENDPOINT_URL included), AWS config files, and fsspec's FSSPEC_S3_* configuration,
+which `fsspec.filesystem("s3", ...)` applies. create_if_absent is a PUT with
+`If-None-Match: *`, issued directly as one put_object (s3fs switches large bodies to a
+multipart upload that drops the condition). A refusal surfaces from s3fs as an OSError
+whose cause is a botocore ClientError with code PreconditionFailed (412); a 409
+ConditionalRequestConflict means a concurrent conditional write is in flight and is retried.
+Ranged reads use `cat_file(start=, end=)` / `cat_ranges`, never `open()`, whose read-ahead
+block would fetch far more than asked.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import fsspec
+from fsspec.asyn import sync
+
+from trajectory_replay.backends.base import Backend, ByteRange, Capabilities, validate_key
+from trajectory_replay.errors import BackendError, NotFoundError
+
+_REFUSED = {"PreconditionFailed", "412"}
+_CONFLICT = {"ConditionalRequestConflict", "409", "OperationAborted"}
+
+
+def _error_code(exc: BaseException) -> str | None:
+    """The S3 error code behind an exception raised by s3fs, looking through its cause chain."""
+    seen = 0
+    while exc is not None and seen < 5:
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            if code:
+                return str(code)
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status:
+                return str(status)
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
+class S3Backend(Backend):
+    """Keys are objects under `s3://bucket/prefix/`."""
+
+    capabilities = Capabilities(atomic_create=True, ranged_reads=True, listing=True, deletes=True, remote=True)
+    max_workers = 16
+
+    def __init__(self, path: str, fs: Any = None, **storage_options: Any) -> None:
+        super().__init__()
+        path = path.split("://", 1)[-1].strip("/")
+        if not path or len(path.split("/", 1)[0]) < 3:
+            raise BackendError(f"s3://{path}: a bucket name (3+ characters) is required")
+        self.path = path
+        self.url = f"s3://{path}"
+        self.storage_options = storage_options
+        if fs is None:
+            # fresh instance: listings are never cached, so exists/list see other writers at once
+            fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False, **storage_options)
+        self.fs = fs
+
+    def child(self, prefix: str) -> "S3Backend":
+        return S3Backend(f"{self.path}/{prefix}", fs=self.fs, **self.storage_options)
+
+    def _path(self, key: str) -> str:
+        return f"{self.path}/{key}"
+
+    def _not_found(self, key: str) -> NotFoundError:
+        return NotFoundError(f"{self.url}: no such key {key!r}")
+
+    def _read(self, key: str) -> bytes:
+        try:
+            return self.fs.cat_file(self._path(key))
+        except FileNotFoundError:
+            raise self._not_found(key) from None
+
+    def _read_range(self, key: str, start: int, end: int) -> bytes:
+        try:
+            return self.fs.cat_file(self._path(key), start=start, end=end)
+        except FileNotFoundError:
+            raise self._not_found(key) from None
+
+    def read_many(self, keys: Sequence[str]) -> list[bytes]:
+        """Concurrent GETs in s3fs's event loop."""
+        paths = [self._path(validate_key(k)) for k in keys]
+        if not paths:
+            return []
+        out = self.fs.cat(paths, on_error="return")
+        if not isinstance(out, dict):  # a single path returns bare bytes
+            out = {paths[0]: out}
+        values = []
+        for key, path in zip(keys, paths):
+            value = out.get(path)
+            if isinstance(value, FileNotFoundError) or value is None:
+                raise self._not_found(key)
+            if isinstance(value, BaseException):
+                raise value
+            self.stats.count_read(len(value))
+            values.append(value)
+        return values
+
+    def read_ranges(self, ranges: Sequence[ByteRange]) -> list[bytes]:
+        """Concurrent ranged GETs in s3fs's event loop."""
+        if not ranges:
+            return []
+        paths = [self._path(validate_key(r.key)) for r in ranges]
+        try:
+            values = self.fs.cat_ranges(paths, [r.start for r in ranges], [r.end for r in ranges],
+                                        on_error="return")
+        except FileNotFoundError:
+            raise self._not_found(ranges[0].key) from None
+        for r, value in zip(ranges, values):
+            if isinstance(value, FileNotFoundError):
+                raise self._not_found(r.key)
+            if isinstance(value, BaseException):
+                raise value
+            self.stats.count_read(len(value))
+        return values
+
+    def _write(self, key: str, data) -> None:
+        # one PUT (or a multipart upload completed in one call) replaces the object atomically
+        self.fs.pipe_file(self._path(key), bytes(data))
+
+    def _create(self, key: str, data) -> bool:
+        bucket, obj_key, _ = self.fs.split_path(self._path(key))
+        body = bytes(data)
+        for attempt in range(8):
+            try:
+                sync(self.fs.loop, self.fs._call_s3, "put_object", Bucket=bucket, Key=obj_key, Body=body,
+                     IfNoneMatch="*")
+                return True
+            except FileExistsError:
+                return False
+            except Exception as exc:  # s3fs wraps ClientError in OSError; inspect the code
+                code = _error_code(exc)
+                if code in _REFUSED:
+                    return False
+                if code in _CONFLICT:
+                    time.sleep(0.05 * (attempt + 1))
+                    continue
+                raise
+        raise BackendError(f"{self.url}: conditional write of {key!r} kept conflicting")
+
+    def _exists(self, key: str) -> bool:
+        try:
+            return self.fs.info(self._path(key), refresh=True).get("type") == "file"
+        except FileNotFoundError:
+            return False
+
+    def _info(self, key: str) -> dict:
+        try:
+            return self.fs.info(self._path(key), refresh=True)
+        except FileNotFoundError:
+            raise self._not_found(key) from None
+
+    def _size(self, key: str) -> int:
+        return int(self._info(key)["size"])
+
+    def _mtime(self, key: str) -> float:
+        return self._info(key)["LastModified"].timestamp()
+
+    def _list(self, prefix: str) -> list[str]:
+        cut = len(self.path) + 1
+        base = self._path(prefix) if prefix else self.path
+        start = base if prefix == "" or prefix.endswith("/") else base.rsplit("/", 1)[0]
+        try:
+            found = self.fs.find(start, refresh=True) if start else []
+        except FileNotFoundError:
+            return []
+        return [p[cut:] for p in found if p.startswith(self.path + "/") and p[cut:].startswith(prefix)]
+
+    def _delete(self, key: str) -> None:
+        try:
+            self.fs.rm_file(self._path(key))
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,58 @@
+"""BLAKE3 digests as written everywhere: `blake3:<64 lowercase hex>`, and the keys derived from them."""
+
+from __future__ import annotations
+
+import re
+
+import blake3
+
+from trajectory_replay.errors import InvalidKeyError
+
+PREFIX = "blake3:"
+_HEX = re.compile(r"[0-9a-f]{64}")
+_PARALLEL_THRESHOLD = 8 << 20  # below this, threads cost more than they save
+
+
+def hash_bytes(data) -> str:
+    """The digest of `data` (any bytes-like object)."""
+    threads = blake3.blake3.AUTO if len(memoryview(data)) >= _PARALLEL_THRESHOLD else 1
+    return PREFIX + blake3.blake3(data, max_threads=threads).hexdigest()
+
+
+def raw_hash(data) -> bytes:
+    """The 32-byte BLAKE3 hash of `data` (block hashes are kept in this form)."""
+    return blake3.blake3(data).digest()
+
+
+def parse_digest(digest: str) -> str:
+    """The 64-hex part of a digest; InvalidKeyError with the reason when malformed."""
+    if not isinstance(digest, str):
+        raise InvalidKeyError(f"invalid digest {digest!r}: expected a string 'blake3:<64 hex>'")
+    if not digest.startswith(PREFIX):
+        raise InvalidKeyError(f"invalid digest {digest!r}: must start with '{PREFIX}'")
+    hexpart = digest[len(PREFIX):]
+    if len(hexpart) != 64:
+        raise InvalidKeyError(f"invalid digest {digest!r}: expected 64 hex characters, got {len(hexpart)}")
+    if not _HEX.fullmatch(hexpart):
+        raise InvalidKeyError(f"invalid digest {digest!r}: not lowercase hexadecimal")
+    return hexpart
+
+
+def object_key(digest: str) -> str:
+    """Key of the immutable object named by `digest`: objects/<2 hex>/<64 hex>."""
+    h = parse_digest(digest)
+    return f"objects/{h[:2]}/{h}"
+
+
+def blob_ref_key(digest: str) -> str:
+    """Key of the create-once ref from a blob digest to its record: blobs/<2 hex>/<64 hex>."""
+    h = parse_digest(digest)
+    return f"blobs/{h[:2]}/{h}"
+
+
+def digest_from_key(key: str) -> str | None:
+    """The digest a key under objects/ or blobs/ names, or None for any other key."""
+    parts = key.split("/")
+    if len(parts) == 3 and parts[0] in ("objects", "blobs") and _HEX.fullmatch(parts[2]) and parts[1] == parts[2][:2]:
+        return PREFIX + parts[2]
+    return None

@@ -1,0 +1,396 @@
+"""The content-addressed object store (DESIGN.md, `store/`).
+
+A blob (any byte string) is named by the BLAKE3 of its whole content. It is stored as
+chunks, each an immutable object named by its own digest, and described by a blob record
+(size, chunk digests and sizes, block size, the hash of every block) which is itself an
+object; the create-once ref `blobs/<digest>` maps the blob to its record. Writes go
+chunks -> record -> ref, so a ref never points at something missing. Reads verify every
+byte before returning it: `get` checks each chunk and the whole blob, `read_range` fetches
+only the blocks it covers and checks each against the record, whose own digest the caller
+holds (BlobRef.record) or reads from the ref.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from trajectory_replay.backends import Backend, ByteRange, open_backend
+from trajectory_replay.errors import IntegrityError, NotFoundError, TrajectoryReplayError
+from trajectory_replay.store.cache import ReadCache
+from trajectory_replay.store.chunking import ChunkingParams, chunk_ends
+from trajectory_replay.store.digest import (
+    PREFIX, blob_ref_key, hash_bytes, object_key, parse_digest, raw_hash,
+)
+
+log = logging.getLogger(__name__)
+
+RECORD_FORMAT = "trajectory-replay.blob/1"
+DEFAULT_BLOCK_SIZE = 16 << 10
+MAX_RECORD_BYTES = 64 << 20
+"""Records are parsed only after their digest is checked, and never when larger than this."""
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    """A stored blob: its digest, size in bytes, and the digest of its record."""
+
+    digest: str
+    size: int
+    record: str
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """One chunk of a blob: digest, size, offset in the blob, and its block hashes (32 bytes each)."""
+
+    digest: str
+    size: int
+    offset: int
+    blocks: bytes
+
+
+@dataclass(frozen=True)
+class BlobRecord:
+    """The parsed record of a blob."""
+
+    digest: str
+    size: int
+    block_size: int
+    chunks: tuple[ChunkInfo, ...]
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": RECORD_FORMAT, "digest": self.digest, "size": self.size, "block_size": self.block_size,
+            "chunks": [[c.digest, c.size, base64.b64encode(c.blocks).decode()] for c in self.chunks],
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> "BlobRecord":
+        """Parse and structurally check a record whose digest has already been verified."""
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != RECORD_FORMAT:
+                raise ValueError(f"unknown record format {doc.get('format')!r}")
+            size, block_size = int(doc["size"]), int(doc["block_size"])
+            if block_size <= 0 or size < 0:
+                raise ValueError("non-positive block size or negative size")
+            parse_digest(doc["digest"])
+            chunks, offset = [], 0
+            for digest, csize, blocks_b64 in doc["chunks"]:
+                parse_digest(digest)
+                blocks = base64.b64decode(blocks_b64, validate=True)
+                if csize <= 0 or len(blocks) != 32 * -(-csize // block_size):
+                    raise ValueError(f"chunk {digest} has {len(blocks) // 32} block hashes for {csize} bytes")
+                chunks.append(ChunkInfo(digest, int(csize), offset, blocks))
+                offset += int(csize)
+            if offset != size:
+                raise ValueError(f"chunk sizes add up to {offset}, record says {size}")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise IntegrityError(f"malformed blob record {where}: {exc}") from None
+        return cls(doc["digest"], size, block_size, tuple(chunks))
+
+
+@dataclass
+class PutPlan:
+    """Everything `put` will write, computed before any byte is written (so a caller can list it first)."""
+
+    ref: BlobRef
+    record_bytes: bytes
+    chunks: list[tuple[ChunkInfo, memoryview]]
+    existing: bool
+    """The blob's ref already exists: nothing needs writing."""
+
+    def object_digests(self) -> list[str]:
+        """Every object digest this blob needs: its chunks and its record."""
+        return [c.digest for c, _ in self.chunks] + [self.ref.record]
+
+
+@dataclass
+class PutStats:
+    """Counters of what puts wrote and what they found already stored."""
+
+    blobs: int = 0
+    blobs_existing: int = 0
+    chunks_written: int = 0
+    chunks_deduplicated: int = 0
+    bytes_written: int = 0
+    bytes_deduplicated: int = 0
+
+
+@dataclass
+class ObjectStore:
+    """Content-addressed blobs on one backend. Thread-safe."""
+
+    backend: Backend
+    cache: Optional[ReadCache] = None
+    chunking: ChunkingParams = field(default_factory=ChunkingParams)
+    block_size: int = DEFAULT_BLOCK_SIZE
+    stats: PutStats = field(default_factory=PutStats)
+
+    @classmethod
+    def open(cls, path_or_url: str | os.PathLike, *, cache_dir: Optional[str | os.PathLike] = None,
+             cache: Optional[bool] = None, **storage_options: Any) -> "ObjectStore":
+        """Open the store at a path or URL; remote stores read through the local cache (`cache=False` disables it)."""
+        backend = open_backend(path_or_url, **storage_options)
+        use_cache = backend.capabilities.remote if cache is None else cache
+        return cls(backend, ReadCache(cache_dir) if use_cache else None)
+
+    @property
+    def url(self) -> str:
+        return self.backend.url
+
+    # ---- writing -------------------------------------------------------------------------------
+    def plan(self, data, cuts: Optional[Sequence[int]] = None) -> PutPlan:
+        """Hash `data` (whole, chunks, blocks) and build its record without writing anything."""
+        view = memoryview(data).cast("B")
+        digest = hash_bytes(view)
+        ref_key = blob_ref_key(digest)
+        if self.backend.exists(ref_key):
+            record_digest = self._read_ref(digest)
+            return PutPlan(BlobRef(digest, len(view), record_digest), b"", [], existing=True)
+        ends = chunk_ends(view, cuts, self.chunking)
+        starts = [0, *ends[:-1]]
+
+        def describe(span: tuple[int, int]) -> tuple[ChunkInfo, memoryview]:
+            start, end = span
+            piece = view[start:end]
+            blocks = b"".join(raw_hash(piece[i:i + self.block_size]) for i in range(0, len(piece), self.block_size))
+            return ChunkInfo(hash_bytes(piece), end - start, start, blocks), piece
+
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+            chunks = list(pool.map(describe, zip(starts, ends)))
+        record = BlobRecord(digest, len(view), self.block_size, tuple(c for c, _ in chunks))
+        record_bytes = record.to_bytes()
+        return PutPlan(BlobRef(digest, len(view), hash_bytes(record_bytes)), record_bytes, chunks, existing=False)
+
+    def commit(self, plan: PutPlan) -> BlobRef:
+        """Write a plan's chunks (skipping those stored), then its record, then the create-once ref."""
+        self.stats.blobs += 1
+        if plan.existing:
+            self.stats.blobs_existing += 1
+            self.stats.bytes_deduplicated += plan.ref.size
+            return plan.ref
+        self._map(lambda item: self._put_object(item[0].digest, item[1]), plan.chunks)
+        self._put_object(plan.ref.record, plan.record_bytes, count=False)
+        ref_key = blob_ref_key(plan.ref.digest)
+        if self.backend.create_if_absent(ref_key, plan.ref.record.encode()):
+            return plan.ref
+        # another writer stored the same blob with a different chunking: both records are valid
+        return BlobRef(plan.ref.digest, plan.ref.size, self._read_ref(plan.ref.digest))
+
+    def put(self, data, cuts: Optional[Sequence[int]] = None,
+            before_write: Optional[Callable[[PutPlan], None]] = None) -> BlobRef:
+        """Store `data` once; `cuts` are allowed chunk boundaries (e.g. row starts). Returns its BlobRef.
+
+        `before_write(plan)` runs after hashing and before any write, so a caller can record
+        every object it is about to write or reuse (the in-flight records gc respects)."""
+        plan = self.plan(data, cuts)
+        if before_write is not None:
+            before_write(plan)
+        return self.commit(plan)
+
+    def put_object(self, data: bytes) -> str:
+        """Store `data` as one immutable object (no record, no ref); returns its digest."""
+        digest = hash_bytes(data)
+        self._put_object(digest, memoryview(data), count=False)
+        return digest
+
+    def _put_object(self, digest: str, data: memoryview, count: bool = True) -> None:
+        key = object_key(digest)
+        if self.backend.exists(key):
+            if count:
+                self.stats.chunks_deduplicated += 1
+                self.stats.bytes_deduplicated += len(data)
+            return
+        if not self.backend.create_if_absent(key, data):
+            # bytes under a digest that are not that digest's content: repair with the right ones
+            log.warning("%s: stored object %s was damaged; rewriting it", self.url, digest)
+            self.backend.write(key, data)
+        if count:
+            self.stats.chunks_written += 1
+            self.stats.bytes_written += len(data)
+
+    # ---- reading -------------------------------------------------------------------------------
+    def has(self, digest: str) -> bool:
+        """True when `digest` names a stored blob (its ref exists) or a stored object."""
+        return self.backend.exists(blob_ref_key(digest)) or self.backend.exists(object_key(digest))
+
+    def ref(self, digest: str) -> BlobRef:
+        """The BlobRef of a stored blob, from its ref and record."""
+        record_digest = self._read_ref(digest)
+        record = self.record(BlobRef(digest, -1, record_digest))
+        return BlobRef(digest, record.size, record_digest)
+
+    def get(self, ref_or_digest: BlobRef | str) -> bytes:
+        """The whole blob (or plain object), with every chunk and the whole content verified."""
+        if isinstance(ref_or_digest, str):
+            parse_digest(ref_or_digest)
+            if not self.backend.exists(blob_ref_key(ref_or_digest)):
+                return self.get_object(ref_or_digest)
+        record = self.record(ref_or_digest)
+        parts = self.get_objects([c.digest for c in record.chunks])
+        data = b"".join(parts)
+        actual = hash_bytes(data)
+        if actual != record.digest:
+            raise IntegrityError(f"blob {record.digest}: content hashes to {actual}")
+        return data
+
+    def get_object(self, digest: str) -> bytes:
+        """One immutable object, verified against its digest."""
+        return self.get_objects([digest])[0]
+
+    def get_objects(self, digests: Sequence[str]) -> list[bytes]:
+        """Several objects, fetched concurrently (cache first), each verified."""
+        hexes = [parse_digest(d) for d in digests]
+        found: dict[int, bytes] = {}
+        if self.cache is not None:
+            for i, h in enumerate(hexes):
+                hit = self.cache.get(h)
+                if hit is not None:
+                    found[i] = hit
+        missing = [i for i in range(len(digests)) if i not in found]
+        if missing:
+            keys = [object_key(digests[i]) for i in missing]
+            try:
+                values = self.backend.read_many(keys)
+            except NotFoundError as exc:
+                raise NotFoundError(f"{self.url}: missing object ({exc})") from None
+            for i, key, value in zip(missing, keys, values):
+                actual = hash_bytes(value)
+                if actual != digests[i]:
+                    raise IntegrityError(f"object {digests[i]} at {self.url}/{key}: content hashes to {actual}")
+                if self.cache is not None:
+                    self.cache.put(hexes[i], value)
+                found[i] = value
+        return [found[i] for i in range(len(digests))]
+
+    def record(self, ref_or_digest: BlobRef | str) -> BlobRecord:
+        """The verified, parsed record of a blob."""
+        if isinstance(ref_or_digest, BlobRef):
+            digest, record_digest = ref_or_digest.digest, ref_or_digest.record
+        else:
+            digest, record_digest = ref_or_digest, self._read_ref(ref_or_digest)
+        data = self.get_object(record_digest)
+        if len(data) > MAX_RECORD_BYTES:
+            raise IntegrityError(f"blob record {record_digest} is {len(data)} bytes, over the bound")
+        record = BlobRecord.from_bytes(data, f"{record_digest} (blob {digest})")
+        if record.digest != digest:
+            raise IntegrityError(f"blob record {record_digest} describes {record.digest}, not {digest}")
+        if isinstance(ref_or_digest, BlobRef) and ref_or_digest.size >= 0 and record.size != ref_or_digest.size:
+            raise IntegrityError(f"blob {digest}: record says {record.size} bytes, reference says {ref_or_digest.size}")
+        return record
+
+    def read_range(self, ref_or_digest: BlobRef | str, start: int, end: int,
+                   record: Optional[BlobRecord] = None) -> bytes:
+        """Bytes [start, end) of a blob; only the blocks covering them are fetched, each verified."""
+        return self.read_ranges(ref_or_digest, [(start, end)], record=record)[0]
+
+    def read_ranges(self, ref_or_digest: BlobRef | str, spans: Sequence[tuple[int, int]],
+                    record: Optional[BlobRecord] = None) -> list[bytes]:
+        """Several byte ranges of one blob in one concurrent fetch of the blocks they cover."""
+        record = record or self.record(ref_or_digest)
+        for start, end in spans:
+            if not (0 <= start <= end <= record.size):
+                raise TrajectoryReplayError(
+                    f"byte range [{start}, {end}) outside blob {record.digest} of {record.size} bytes")
+        needed: dict[tuple[int, int], None] = {}
+        for start, end in spans:
+            for key in self._blocks_of(record, start, end):
+                needed[key] = None
+        blocks = self._fetch_blocks(record, list(needed))
+        out = []
+        for start, end in spans:
+            pieces = []
+            for ci, bi in self._blocks_of(record, start, end):
+                chunk = record.chunks[ci]
+                block_start = chunk.offset + bi * record.block_size
+                data = blocks[(ci, bi)]
+                lo = max(start - block_start, 0)
+                hi = min(end - block_start, len(data))
+                pieces.append(data[lo:hi])
+            out.append(b"".join(pieces))
+        return out
+
+    def _blocks_of(self, record: BlobRecord, start: int, end: int):
+        """(chunk index, block index) pairs covering [start, end)."""
+        if start >= end:
+            return
+        for ci, chunk in enumerate(record.chunks):
+            c_end = chunk.offset + chunk.size
+            if c_end <= start or chunk.offset >= end:
+                continue
+            lo = (max(start, chunk.offset) - chunk.offset) // record.block_size
+            hi = (min(end, c_end) - chunk.offset - 1) // record.block_size
+            for bi in range(lo, hi + 1):
+                yield ci, bi
+
+    def _fetch_blocks(self, record: BlobRecord, wanted: list[tuple[int, int]]) -> dict[tuple[int, int], bytes]:
+        """Fetch and verify blocks; runs of adjacent blocks in one chunk become one ranged read."""
+        result: dict[tuple[int, int], bytes] = {}
+        todo = []
+        for ci, bi in wanted:
+            expected = record.chunks[ci].blocks[32 * bi:32 * bi + 32]
+            hit = self.cache.get(expected.hex()) if self.cache is not None else None
+            if hit is not None:
+                result[(ci, bi)] = hit
+            else:
+                todo.append((ci, bi))
+        runs: list[list[tuple[int, int]]] = []
+        for item in sorted(todo):
+            if runs and runs[-1][-1][0] == item[0] and runs[-1][-1][1] + 1 == item[1]:
+                runs[-1].append(item)
+            else:
+                runs.append([item])
+        requests = []
+        for run in runs:
+            chunk = record.chunks[run[0][0]]
+            lo = run[0][1] * record.block_size
+            hi = min(chunk.size, (run[-1][1] + 1) * record.block_size)
+            requests.append(ByteRange(object_key(chunk.digest), lo, hi))
+        try:
+            payloads = self.backend.read_ranges(requests)
+        except NotFoundError as exc:
+            raise NotFoundError(f"{self.url}: missing chunk of blob {record.digest} ({exc})") from None
+        for run, req, data in zip(runs, requests, payloads):
+            chunk = record.chunks[run[0][0]]
+            if len(data) != req.end - req.start:
+                raise IntegrityError(f"chunk {chunk.digest} at {self.url}/{req.key}: expected "
+                                     f"{req.end - req.start} bytes at {req.start}, got {len(data)}")
+            for j, (ci, bi) in enumerate(run):
+                block = data[j * record.block_size:(j + 1) * record.block_size]
+                expected = chunk.blocks[32 * bi:32 * bi + 32]
+                if raw_hash(block) != expected:
+                    raise IntegrityError(f"chunk {chunk.digest} at {self.url}/{req.key}: block {bi} does not "
+                                         f"match the record of blob {record.digest}")
+                if self.cache is not None:
+                    self.cache.put(expected.hex(), block)
+                result[(ci, bi)] = block
+        return result
+
+    def _read_ref(self, digest: str) -> str:
+        key = blob_ref_key(digest)
+        try:
+            value = self.backend.read(key).decode("ascii", errors="replace").strip()
+        except NotFoundError:
+            raise NotFoundError(f"{self.url}: no blob {digest}") from None
+        try:
+            parse_digest(value)
+        except TrajectoryReplayError:
+            raise IntegrityError(f"blob ref {self.url}/{key} does not hold a digest") from None
+        return value
+
+    def _map(self, fn, items: Sequence) -> list:
+        if len(items) <= 1:
+            return [fn(i) for i in items]
+        with ThreadPoolExecutor(max_workers=min(self.backend.max_workers, len(items))) as pool:
+            return list(pool.map(fn, items))
+
+
+__all__ = ["BlobRecord", "BlobRef", "ChunkInfo", "ObjectStore", "PutPlan", "PutStats", "PREFIX"]
