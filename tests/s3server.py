@@ -92,7 +92,8 @@ def start_server(workdir: Path, timeout: float = 60.0) -> S3Server:
                f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-volume.max=0",
                "-master.volumeSizeLimitMB=256",
                "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
-               "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={config}"]
+               "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+               f"-s3.config={config}"]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         server = S3Server(f"http://127.0.0.1:{s3}", ACCESS_KEY, SECRET_KEY, proc)
         deadline = time.monotonic() + timeout

@@ -233,7 +233,10 @@ class ObjectStore:
         if isinstance(ref_or_digest, str):
             parse_digest(ref_or_digest)
             if not self.backend.exists(blob_ref_key(ref_or_digest)):
-                return self.get_object(ref_or_digest)
+                try:
+                    return self.get_object(ref_or_digest)
+                except NotFoundError:
+                    raise NotFoundError(f"{self.url}: no blob or object {ref_or_digest}") from None
         record = self.record(ref_or_digest)
         parts = self.get_objects([c.digest for c in record.chunks])
         data = b"".join(parts)
@@ -335,9 +338,18 @@ class ObjectStore:
         """Fetch and verify blocks; runs of adjacent blocks in one chunk become one ranged read."""
         result: dict[tuple[int, int], bytes] = {}
         todo = []
+        whole_chunks: dict[int, Optional[bytes]] = {}
         for ci, bi in wanted:
             expected = record.chunks[ci].blocks[32 * bi:32 * bi + 32]
-            hit = self.cache.get(expected.hex()) if self.cache is not None else None
+            hit = None
+            if self.cache is not None:
+                if ci not in whole_chunks:  # a chunk cached whole by `get` serves its blocks too
+                    whole_chunks[ci] = self.cache.get(parse_digest(record.chunks[ci].digest))
+                chunk_bytes = whole_chunks[ci]
+                if chunk_bytes is not None:
+                    hit = chunk_bytes[bi * record.block_size:(bi + 1) * record.block_size]
+                else:
+                    hit = self.cache.get(expected.hex())
             if hit is not None:
                 result[(ci, bi)] = hit
             else:
