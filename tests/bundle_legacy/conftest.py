@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from v1_cases import Case, make_case
+from tests.bundle_legacy.v1_cases import Case, make_case
 
 
 @pytest.fixture

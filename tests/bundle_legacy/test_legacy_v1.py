@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from v1_cases import Case, edit_json, make_case, replace_payload, reseal, sha256, v1_json
+from tests.bundle_legacy.v1_cases import Case, edit_json, make_case, replace_payload, reseal, sha256, v1_json
 from trajectory_replay.bundle.legacy import (
     LegacyBundle, find_v1_bundles, is_v1_bundle, open_v1, open_v1_bundle, write_v1_bundle, write_v1_multirank,
 )
