@@ -1,0 +1,196 @@
+"""Comparison of recomputed values against expected ones, with the V1 flaws fixed.
+
+A value mismatches when |actual - expected| > atol + rtol * |expected| (float32, flat). A non-finite
+value on either side is always a mismatch and is named (which side, where): V1 let a NaN in an expected
+payload pass. A length mismatch fails with both lengths and compares nothing: V1 passed a truncated
+expected list on its prefix. Every mismatch is mapped back to (sample_id, token offset in its response).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from trajectory_replay.bundle.schema import Manifest
+from trajectory_replay.replay.report import MAX_DIVERGENCES, Divergence, StageResult, format_number
+
+DEFAULT_ATOL = 1e-6
+DEFAULT_RTOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """The absolute and relative tolerance one stage is compared with."""
+
+    atol: float = DEFAULT_ATOL
+    rtol: float = DEFAULT_RTOL
+
+
+EXACT = Tolerances(atol=0.0, rtol=0.0)
+
+
+def resolve_tolerance(manifest: Manifest, stage: str, atol: Optional[float] = None,
+                      rtol: Optional[float] = None) -> Tolerances:
+    """Tolerance of `stage`: explicit overrides, else the manifest's comparison policy, else the defaults."""
+    policy = manifest.comparison_policy.tolerances.get(str(stage))
+    policy_atol = policy.atol if policy is not None else None
+    policy_rtol = policy.rtol if policy is not None else None
+    return Tolerances(atol=_first(atol, policy_atol, DEFAULT_ATOL), rtol=_first(rtol, policy_rtol, DEFAULT_RTOL))
+
+
+def _first(*values: Optional[float]) -> float:
+    return next(float(v) for v in values if v is not None)
+
+
+@dataclass(frozen=True)
+class SampleLayout:
+    """Maps a flat position to (sample_id, token_offset) for per-token, per-sample or scalar values."""
+
+    sample_ids: tuple[str, ...] = ()
+    starts: Optional[torch.Tensor] = None
+    """First flat position of each sample's response (int64); None for per-sample values."""
+    scalar: bool = False
+
+    @classmethod
+    def per_token(cls, sample_ids: Sequence[str], lengths: torch.Tensor) -> "SampleLayout":
+        """Layout of a flat concatenation of responses with the given lengths."""
+        starts = torch.zeros(len(sample_ids), dtype=torch.int64)
+        if len(sample_ids) > 1:
+            torch.cumsum(lengths[:-1].to(torch.int64), 0, out=starts[1:])
+        return cls(sample_ids=tuple(sample_ids), starts=starts)
+
+    @classmethod
+    def per_sample(cls, sample_ids: Sequence[str]) -> "SampleLayout":
+        """Layout of one value per sample."""
+        return cls(sample_ids=tuple(sample_ids))
+
+    def locate(self, positions: torch.Tensor) -> list[tuple[Optional[str], Optional[int]]]:
+        """(sample_id, token_offset) of each flat position; offsets are None for per-sample values."""
+        if self.scalar or not self.sample_ids:
+            return [(None, None)] * positions.numel()
+        if self.starts is None:
+            return [(self.sample_ids[min(int(p), len(self.sample_ids) - 1)], None) for p in positions]
+        # zero-length responses share a start; right=True lands on the last, the one holding the token
+        owners = torch.searchsorted(self.starts, positions, right=True).sub_(1).clamp_(min=0)
+        return [(self.sample_ids[int(o)], int(p) - int(self.starts[o])) for o, p in zip(owners, positions)]
+
+
+SCALAR = SampleLayout(scalar=True)
+
+
+@dataclass(frozen=True)
+class FieldComparison:
+    """The comparison of one field: counts, the largest finite error, concrete divergences, problems."""
+
+    field: str
+    compared: int
+    mismatch_count: int = 0
+    max_abs_error: Optional[float] = None
+    divergences: tuple[Divergence, ...] = ()
+    problems: tuple[str, ...] = ()
+
+    @property
+    def failed(self) -> bool:
+        """True when any value mismatched or the field could not be compared."""
+        return bool(self.mismatch_count or self.problems)
+
+    def summary(self) -> str:
+        """One line: the problems, the mismatch count, or how many values matched."""
+        parts = list(self.problems)
+        if self.compared == 1 and self.divergences:  # a scalar: say both values
+            d = self.divergences[0]
+            parts.append(f"{self.field}: expected {format_number(d.expected)}, actual {format_number(d.actual)}")
+        elif self.mismatch_count:
+            parts.append(f"{self.field}: {self.mismatch_count} of {self.compared} values differ")
+        if parts:
+            return "; ".join(parts)
+        return f"{self.field} matches" if self.compared == 1 else f"{self.field}: {self.compared} values match"
+
+
+def compare_tensors(field: str, expected: torch.Tensor, actual: torch.Tensor, layout: SampleLayout,
+                    tol: Tolerances) -> FieldComparison:
+    """Compare two flat tensors as float32 under `tol`; vectorised, mismatches located through `layout`."""
+    e = expected.reshape(-1).to(torch.float32)
+    a = actual.reshape(-1).to(torch.float32)
+    if e.numel() != a.numel():
+        return FieldComparison(field=field, compared=0, problems=(
+            f"{field}: expected has {e.numel()} values, actual has {a.numel()}",))
+    diff = torch.sub(a, e).abs_()
+    finite_e, finite_a = torch.isfinite(e), torch.isfinite(a)
+    nonfinite = ~(finite_e & finite_a)
+    bad = diff > e.abs().mul_(tol.rtol).add_(tol.atol)
+    bad |= nonfinite  # NaN never compares greater, so non-finite values are added explicitly
+    count = int(bad.sum())
+    max_err = float(diff.masked_fill_(nonfinite, 0.0).max()) if e.numel() else None
+    problems: list[str] = []
+    for side, finite, values in (("expected", finite_e, e), ("actual", finite_a, a)):
+        problems.extend(_nonfinite_problem(field, side, finite, values, layout))
+    del diff, nonfinite
+    positions = bad.nonzero().flatten()[:MAX_DIVERGENCES]
+    divergences = tuple(
+        Divergence(field=field, sample_id=sid, token_offset=tok, expected=float(e[p]), actual=float(a[p]),
+                   abs_error=abs(float(a[p]) - float(e[p])))
+        for p, (sid, tok) in zip(positions, layout.locate(positions)))
+    return FieldComparison(field=field, compared=e.numel(), mismatch_count=count, max_abs_error=max_err,
+                           divergences=divergences, problems=tuple(problems))
+
+
+def _nonfinite_problem(field: str, side: str, finite: torch.Tensor, values: torch.Tensor,
+                       layout: SampleLayout) -> list[str]:
+    bad = (~finite).nonzero().flatten()
+    if not bad.numel():
+        return []
+    first = bad[:1]
+    sid, tok = layout.locate(first)[0]
+    where = "" if sid is None else f" at {sid}" + ("" if tok is None else f" token {tok}")
+    return [f"{field}: {side} value is {float(values[first])}{where} ({bad.numel()} non-finite)"]
+
+
+def compare_scalar(field: str, expected: float, actual: float, tol: Tolerances) -> FieldComparison:
+    """Compare one cohort-level scalar (no sample, no token)."""
+    return compare_tensors(field, torch.tensor([expected], dtype=torch.float64),
+                           torch.tensor([actual], dtype=torch.float64), SCALAR, tol)
+
+
+@dataclass
+class Findings:
+    """Accumulates one stage's comparisons and structural problems into a StageResult."""
+
+    comparisons: list[FieldComparison] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    divergences: list[Divergence] = field(default_factory=list)
+
+    def add(self, comparison: FieldComparison) -> FieldComparison:
+        """Record a field comparison and return it."""
+        self.comparisons.append(comparison)
+        return comparison
+
+    def problem(self, message: str, divergence: Optional[Divergence] = None) -> None:
+        """Record a failure that is not a numeric mismatch (e.g. a sample with no group_index)."""
+        self.problems.append(message)
+        if divergence is not None:
+            self.divergences.append(divergence)
+
+    @property
+    def failed(self) -> bool:
+        """True when anything failed so far."""
+        return bool(self.problems) or any(c.failed for c in self.comparisons)
+
+    def result(self, stage: str, rank: Optional[int] = None, passed_message: str = "") -> StageResult:
+        """The stage verdict: failures first in the message, divergences capped at MAX_DIVERGENCES."""
+        errors = [e for e in (c.max_abs_error for c in self.comparisons) if e is not None]
+        divergences = (self.divergences + [d for c in self.comparisons for d in c.divergences])[:MAX_DIVERGENCES]
+        if self.failed:
+            message = "; ".join(self.problems + [c.summary() for c in self.comparisons if c.failed])
+        else:
+            message = "; ".join([passed_message] * bool(passed_message) + [c.summary() for c in self.comparisons])
+        return StageResult(stage=stage, rank=rank, status="fail" if self.failed else "pass",
+                           message=message or "ok", max_abs_error=max(errors) if errors else None,
+                           mismatch_count=sum(c.mismatch_count for c in self.comparisons),
+                           divergences=tuple(divergences))
+
+
+__all__ = ["DEFAULT_ATOL", "DEFAULT_RTOL", "EXACT", "FieldComparison", "Findings", "SCALAR", "SampleLayout",
+           "Tolerances", "compare_scalar", "compare_tensors", "resolve_tolerance"]
