@@ -61,6 +61,9 @@ def test_list_and_delete(backend):
     assert not backend.exists("p/a")
     assert backend.list("p/") == ["p/b/c"]
     assert backend.list("nothing/") == []
+    assert backend.list_dir() == ["p", "pz", "q"]
+    assert backend.list_dir("p") == ["b"]
+    assert backend.list_dir("nothing") == []
 
 
 def test_create_if_absent_semantics(backend):

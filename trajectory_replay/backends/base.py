@@ -145,6 +145,9 @@ class Backend(ABC):
     @abstractmethod
     def _delete(self, key: str) -> None: ...
 
+    @abstractmethod
+    def _list_dir(self, prefix: str) -> list[str]: ...
+
     # ---- public API ----------------------------------------------------------------------------
     def read(self, key: str) -> bytes:
         """The whole value at `key`; NotFoundError if absent."""
@@ -208,6 +211,12 @@ class Backend(ABC):
     def list(self, prefix: str = "") -> list[str]:
         """All keys under `prefix` (recursively), sorted. Temporary files of in-progress writes are never listed."""
         return sorted(self._list(validate_prefix(prefix)))
+
+    def list_dir(self, prefix: str = "") -> list[str]:
+        """Names directly under `prefix` (keys and sub-prefixes, one level, no trailing '/'), sorted."""
+        if prefix:
+            validate_key(prefix.rstrip("/"))
+        return sorted(set(self._list_dir(prefix.rstrip("/"))))
 
     def delete(self, key: str) -> None:
         """Remove `key` if present. Idempotent (S3 does not say whether a key existed)."""

@@ -137,3 +137,9 @@ class LocalBackend(Backend):
             os.unlink(self._path(key))
         except (FileNotFoundError, NotADirectoryError):
             pass
+
+    def _list_dir(self, prefix: str) -> list[str]:
+        try:
+            return [n for n in os.listdir(self.root / prefix if prefix else self.root) if not n.startswith(TMP_PREFIX)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []

@@ -87,3 +87,10 @@ class MemoryBackend(Backend):
             self.fs.rm_file(self._path(key))
         except FileNotFoundError:
             pass
+
+    def _list_dir(self, prefix: str) -> list[str]:
+        base = self._path(prefix) if prefix else self.root
+        try:
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False)]
+        except FileNotFoundError:
+            return []

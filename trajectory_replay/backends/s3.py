@@ -177,3 +177,11 @@ class S3Backend(Backend):
             self.fs.rm_file(self._path(key))
         except FileNotFoundError:
             pass
+
+    def _list_dir(self, prefix: str) -> list[str]:
+        base = self._path(prefix) if prefix else self.path
+        try:
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False, refresh=True)
+                    if p.rstrip("/") != base]
+        except FileNotFoundError:
+            return []

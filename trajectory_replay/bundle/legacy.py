@@ -25,11 +25,14 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, TypeVar, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trajectory_replay.bundle.schema import (
     TEXT_FIELDS, ActorStepId, BundleIndex, Expected, Manifest, StageContract, StageId, check_name,
 )
+from trajectory_replay.bundle.documents import one_line as _one_line
+from trajectory_replay.bundle.documents import parse_json as _parse_json
+from trajectory_replay.bundle.documents import validate_document as _validate
 from trajectory_replay.errors import BundleError, NotFoundError
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -218,28 +221,10 @@ class V1Manifest(_V1Model):
 
 # --------------------------------------------------------------------------- shared helpers
 
-def _one_line(text: str, limit: int = 200) -> str:
-    """`text` collapsed onto one line and cut to `limit` characters, for error messages."""
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-def _validation_message(exc: ValidationError) -> str:
-    """The first pydantic error as `missing required field 'a.b'` or `field 'a.b': why`."""
-    err = exc.errors()[0]
-    loc = ".".join(str(part) for part in err["loc"])
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    if err["type"] == "missing":
-        return f"missing required field '{loc}'"
-    return f"field '{loc}': {_one_line(msg)}" if loc else _one_line(msg)
 
 
-def _validate(model: type[_M], raw: Any, label: str) -> _M:
-    """`model.model_validate(raw)`, with any schema error as a one-line BundleError naming `label`."""
-    try:
-        return model.model_validate(raw)
-    except ValidationError as exc:
-        raise BundleError(f"{label}: {_validation_message(exc)}") from None
 
 
 def _read_bounded(path: Path, label: str, limit: int) -> bytes:
@@ -261,19 +246,6 @@ def _read_bounded(path: Path, label: str, limit: int) -> bytes:
     return data
 
 
-def _parse_json(data: bytes, label: str) -> dict[str, Any]:
-    """Decode a UTF-8 JSON object, turning decoding errors into a one-line BundleError."""
-    try:
-        raw = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise BundleError(f"{label}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise BundleError(f"{label}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-    except RecursionError:
-        raise BundleError(f"{label}: not valid JSON (nested too deeply)") from None
-    if not isinstance(raw, dict):
-        raise BundleError(f"{label}: expected a JSON object, got {type(raw).__name__}")
-    return raw
 
 
 def _load_document(path: Path, label: str, model: type[_M], data: Optional[bytes] = None) -> tuple[Any, _M]:

@@ -1,0 +1,59 @@
+"""Parsing and validating JSON documents with one-line errors that name the document and the field.
+
+Shared by the native reader and the older-format reader, so both report bad input the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from trajectory_replay.errors import BundleError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """`text` collapsed onto one line and cut to `limit` characters, for error messages."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def validation_message(exc: ValidationError) -> str:
+    """The first pydantic error as `missing required field 'a.b'` or `field 'a.b': why`."""
+    err = exc.errors()[0]
+    loc = ".".join(str(part) for part in err["loc"])
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] == "missing":
+        return f"missing required field '{loc}'"
+    return f"field '{loc}': {one_line(msg)}" if loc else one_line(msg)
+
+
+def validate_document(model: type[M], raw: Any, label: str) -> M:
+    """`model.model_validate(raw)`, with any schema error as a one-line BundleError naming `label`."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise BundleError(f"{label}: {validation_message(exc)}") from None
+
+
+def parse_json(data: bytes, label: str) -> dict[str, Any]:
+    """Decode a UTF-8 JSON object, turning decoding errors into a one-line BundleError."""
+    try:
+        raw = json.loads(bytes(data).decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise BundleError(f"{label}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise BundleError(f"{label}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:
+        raise BundleError(f"{label}: not valid JSON (nested too deeply)") from None
+    if not isinstance(raw, dict):
+        raise BundleError(f"{label}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def compact_json(value: Any) -> bytes:
+    """The native encoding of a document: compact, sorted keys, UTF-8 (NaN kept: data replay must locate)."""
+    return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False).encode("utf-8")

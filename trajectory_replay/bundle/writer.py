@@ -1,0 +1,260 @@
+"""BundleWriter: build a bundle by hand or from capture, in the content-addressed store.
+
+The store root is the bundle's parent, so sibling bundles share `<root>/objects/`. Payloads
+are safetensors blobs (per-token ones cut at their sample rows, so runs of rows shared with
+another bundle are stored once); loss masks move from the records into a per-token uint8
+payload; manifest, index and expected are compact JSON blobs. The bundle directory holds
+only markers. Before it writes or reuses any object, the writer lists it in its in-flight
+record `.inflight/<attempt>.json`, which gc treats as a root until the writer removes it
+after commit or it passes its TTL.
+
+Only structure is checked here (names, tensor-ness, sizes against dtype and shape); NaNs,
+wrong-length lists and unsupported algorithms are written as given (DESIGN.md invariant 7).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+import warnings
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from trajectory_replay.backends import redact_url
+from trajectory_replay.bundle import codec
+from trajectory_replay.bundle.documents import compact_json, validate_document
+from trajectory_replay.bundle.markers import (
+    COMPLETE_FORMAT, CompleteMarker, DocRef, Documents, RankMarker, complete_key, rank_key, read_complete,
+    read_marker, try_finalize,
+)
+from trajectory_replay.bundle.paths import split_bundle_path
+from trajectory_replay.bundle.redaction import redact_samples
+from trajectory_replay.bundle.schema import (
+    BundleIndex, Expected, Manifest, PayloadSpec, SchemaWarning, check_name,
+)
+from trajectory_replay.errors import BundleError
+from trajectory_replay.store import BlobRef, ObjectStore, PutPlan
+
+log = logging.getLogger(__name__)
+
+LOSS_MASK = "loss_mask"
+EXPECTED_PAYLOADS = frozenset({"kl", "advantages"})
+INFLIGHT_FORMAT = "trajectory-replay.inflight/1"
+DEFAULT_INFLIGHT_TTL = 24 * 3600.0
+
+
+def anchor_of(index: BundleIndex) -> dict[str, Any]:
+    """The identity anchor as stored in markers: {"actor_step_id": {...}} or {"rollout_id": R}."""
+    ident = index.identity
+    if ident.actor_step_id is not None:
+        return {"actor_step_id": ident.actor_step_id.model_dump()}
+    return {"rollout_id": ident.rollout_id}
+
+
+class InflightRecord:
+    """`.inflight/<attempt>.json`: every object digest a writer is about to write or reuse."""
+
+    def __init__(self, store: ObjectStore, attempt: str, bundle: str, ttl: float) -> None:
+        self.store, self.attempt, self.bundle, self.ttl = store, attempt, bundle, ttl
+        self.key = f".inflight/{attempt}.json"
+        self.created = time.time()
+        self.digests: list[str] = []
+        self._seen: set[str] = set()
+
+    def add(self, digests: Sequence[str]) -> None:
+        """List `digests` durably before the objects they name are written or reused."""
+        new = [d for d in digests if d not in self._seen]
+        if not new:
+            return
+        self.digests.extend(new)
+        self._seen.update(new)
+        doc = {"format": INFLIGHT_FORMAT, "attempt": self.attempt, "bundle": self.bundle, "created": self.created,
+               "updated": time.time(), "ttl_seconds": self.ttl, "digests": self.digests}
+        self.store.backend.write(self.key, compact_json(doc))
+
+    def remove(self) -> None:
+        self.store.backend.delete(self.key)
+
+
+class BundleWriter:
+    """Write one bundle (or rank `rank` of a multi-producer bundle) at `<root>/<bundle_id>`."""
+
+    def __init__(self, path_or_url: str | os.PathLike, manifest: Manifest | Mapping, index: BundleIndex | Mapping,
+                 expected: Mapping[str, Any], *, rank: Optional[int] = None,
+                 expected_ranks: Optional[Sequence[int]] = None, store: Optional[ObjectStore] = None,
+                 unsafe_markers: bool = False, inflight_ttl: float = DEFAULT_INFLIGHT_TTL,
+                 **storage_options: Any) -> None:
+        root, name, addressed_rank = split_bundle_path(os.fspath(path_or_url))
+        if addressed_rank is not None:
+            raise BundleError(f"{path_or_url}: write to the bundle path and pass rank={addressed_rank} instead")
+        self.name = check_or_raise(name, "bundle id")
+        self.manifest = manifest if isinstance(manifest, Manifest) else validate_document(Manifest, manifest, "manifest")
+        self.index = index if isinstance(index, BundleIndex) else validate_document(BundleIndex, index, "index")
+        if self.manifest.bundle_id != self.index.bundle_id:
+            raise BundleError(f"{name}: bundle_id differs between manifest ({self.manifest.bundle_id!r}) "
+                              f"and index ({self.index.bundle_id!r})")
+        if not isinstance(expected, Mapping):
+            raise BundleError(f"{name}: expected must be a mapping of stage -> outputs, got {type(expected).__name__}")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", SchemaWarning)
+            validate_document(Expected, dict(expected), f"{name}: expected")
+        for w in caught:
+            log.warning("%s: %s", name, w.message)
+        self.expected = dict(expected)
+        try:
+            self._expected_bytes = compact_json(self.expected)
+        except (TypeError, ValueError) as exc:
+            raise BundleError(f"{name}: expected is not JSON-serializable ({exc})") from None
+        if rank is None and expected_ranks is not None:
+            raise BundleError(f"{name}: expected_ranks given without rank")
+        self.rank = rank
+        self.expected_ranks = sorted(set(expected_ranks)) if expected_ranks is not None else None
+        if rank is not None:
+            if not self.expected_ranks:
+                raise BundleError(f"{name}: rank={rank} needs expected_ranks")
+            if rank not in self.expected_ranks:
+                raise BundleError(f"{name}: rank {rank} is not among expected ranks {self.expected_ranks}")
+        self.store = store or ObjectStore.open(root, **storage_options)
+        self.unsafe_markers = unsafe_markers
+        self.attempt = uuid.uuid4().hex
+        self.inflight = InflightRecord(self.store, self.attempt, self.name, inflight_ttl)
+        self.payloads: dict[str, PayloadSpec] = {}
+        self._finalized = False
+        self._row_starts = _row_starts(self.index)
+
+    @property
+    def url(self) -> str:
+        return f"{redact_url(self.store.url)}/{self.name}"
+
+    # ---- payloads ------------------------------------------------------------------------------
+    def write_payload(self, name: str, tensor: torch.Tensor) -> PayloadSpec:
+        """Store one tensor payload now; its digests go into the manifest at finalize."""
+        self._check_open()
+        check_or_raise(name, "payload name")
+        if name == LOSS_MASK:
+            raise BundleError(f"{self.url}: payload name 'loss_mask' is reserved: loss masks are written from "
+                              "SampleRecord.loss_mask")
+        if name in self.payloads:
+            raise BundleError(f"{self.url}: payload {name!r} was already written")
+        tensor = codec.check_storable(name, tensor)
+        spec = self._put_tensor(name, tensor, role=self._role(name))
+        self.payloads[name] = spec
+        return spec
+
+    def _role(self, name: str) -> str:
+        expected = {o for c in self.manifest.stage_contracts.values() for o in c.expected_outputs}
+        return "expected" if name in expected or name in EXPECTED_PAYLOADS else "input"
+
+    def _put_tensor(self, name: str, tensor: torch.Tensor, role: str) -> PayloadSpec:
+        blob, data_start = codec.encode(tensor)
+        per_token = tensor.dim() == 1
+        cuts = None
+        if per_token and tensor.numel() == self._row_starts[-1]:
+            itemsize = tensor.element_size()
+            cuts = [data_start + s * itemsize for s in self._row_starts[:-1]]
+        ref = self._put(blob, cuts)
+        return PayloadSpec(name=name, role=role, codec="safetensors", dtype=codec.dtype_name(tensor.dtype),
+                           shape=list(tensor.shape), size=ref.size, digest=ref.digest, record=ref.record,
+                           per_token=per_token)
+
+    def _put(self, data: bytes, cuts: Optional[Sequence[int]] = None) -> BlobRef:
+        def list_first(plan: PutPlan) -> None:
+            self.inflight.add([plan.ref.digest, *plan.object_digests()])
+
+        return self.store.put(data, cuts=cuts, before_write=list_first)
+
+    # ---- commit --------------------------------------------------------------------------------
+    def finalize(self, ranks: Optional[Sequence[int]] = None) -> Optional[CompleteMarker]:
+        """Write the documents, then the markers (COMPLETE, or COMPLETE.<r> then try the final COMPLETE).
+
+        Returns the final COMPLETE marker, or None while other ranks of a multi-producer bundle are missing."""
+        self._check_open()
+        documents = self._write_documents()
+        backend = self.store.backend
+        backend.require_atomic_create(unsafe=self.unsafe_markers)
+        if self.rank is None:
+            ranks = list(ranks) if ranks is not None else [0]
+            marker = CompleteMarker(bundle_id=self.manifest.bundle_id, anchor=anchor_of(self.index),
+                                    expected_ranks=sorted(ranks), multi_rank=False, shards={str(ranks[0]): documents},
+                                    attempt=self.attempt)
+            if not backend.create_if_absent(complete_key(self.name), compact_json(marker.model_dump(mode="json"))):
+                existing = read_complete(backend, self.name)
+                if existing is None or existing.all_digests() != marker.all_digests():
+                    raise BundleError(f"{self.url}: bundle already exists with different content; refusing to "
+                                      "overwrite it")
+                marker = existing
+            result: Optional[CompleteMarker] = marker
+        else:
+            ranks = list(ranks) if ranks is not None else [self.rank]
+            for r in ranks:
+                if r not in (self.expected_ranks or []):
+                    raise BundleError(f"{self.url}: rank {r} is not among expected ranks {self.expected_ranks}")
+                self._land_rank(r, documents)
+            result = try_finalize(backend, self.name, self.expected_ranks, unsafe=self.unsafe_markers)
+        self.inflight.remove()
+        self._finalized = True
+        return result
+
+    def _land_rank(self, rank: int, documents: Documents) -> None:
+        backend = self.store.backend
+        marker = RankMarker(bundle_id=self.manifest.bundle_id, rank=rank, anchor=anchor_of(self.index),
+                            expected_ranks=list(self.expected_ranks or []), documents=documents,
+                            attempt=self.attempt, created=time.time())
+        if backend.create_if_absent(rank_key(self.name, rank), compact_json(marker.model_dump(mode="json"))):
+            return
+        earlier = read_marker(backend, rank_key(self.name, rank), RankMarker)
+        # a marker from an earlier attempt means this rank has landed: its retry stops here
+        log.info("%s: rank %d already landed (attempt %s)", self.url, rank, getattr(earlier, "attempt", "?"))
+
+    def _write_documents(self) -> Documents:
+        index = self.index.model_copy(update={"samples": redact_samples(self.index.samples, self.manifest.redaction)})
+        payloads = dict(self.payloads)
+        masks = [s.loss_mask for s in index.samples]
+        if all(len(m) == s.response_length for m, s in zip(masks, index.samples)):
+            flat = [v for m in masks for v in m]
+            if any(v not in (0, 1) for v in flat):
+                raise BundleError(f"{self.url}: loss_mask values must be 0 or 1")
+            mask_tensor = torch.tensor(flat, dtype=torch.uint8)
+            payloads[LOSS_MASK] = self._put_tensor(LOSS_MASK, mask_tensor, role="input")
+            index = index.model_copy(update={"samples": [s.model_copy(update={"loss_mask": []})
+                                                         for s in index.samples]})
+        # else: a mask whose length differs from its response is kept in the record as given, for replay to report
+        manifest = self.manifest.model_copy(update={"payloads": payloads})
+        refs = {}
+        for label, data in (("manifest", compact_json(manifest.model_dump(mode="json"))),
+                            ("index", compact_json(index.model_dump(mode="json"))),
+                            ("expected", self._expected_bytes)):
+            refs[label] = DocRef.of(self._put(data))
+        return Documents(**refs)
+
+    def abort(self) -> None:
+        """Give up: remove the in-flight record (what was written becomes garbage for gc)."""
+        self.inflight.remove()
+        self._finalized = True
+
+    def _check_open(self) -> None:
+        if self._finalized:
+            raise BundleError(f"{self.url}: writer already finalized")
+
+
+def check_or_raise(value: str, what: str) -> str:
+    """`check_name` as a BundleError."""
+    try:
+        return check_name(value, what)
+    except ValueError as exc:
+        raise BundleError(str(exc)) from None
+
+
+def _row_starts(index: BundleIndex) -> list[int]:
+    """Token offsets where each sample's rows start, plus the total."""
+    out, total = [0], 0
+    for s in index.samples:
+        total += max(s.response_length, 0)
+        out.append(total)
+    return out
+
+
+__all__ = ["BundleWriter", "COMPLETE_FORMAT", "InflightRecord", "LOSS_MASK", "anchor_of"]
