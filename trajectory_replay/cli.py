@@ -1,10 +1,165 @@
-"""The `trajectory-replay` command line: thin wrappers over the Python API."""
+"""The `trajectory-replay` command line: thin wrappers over the Python API.
+
+Errors are the package's own exceptions, turned into one line on stderr and an exit code here
+and nowhere else: 0 pass / valid, 1 divergence, invalid or incomplete bundle, selection or
+topology problem, 2 malformed command line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import warnings
+from functools import wraps
+from typing import Annotated, Callable, Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+from trajectory_replay.errors import TrajectoryReplayError, UsageError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Capture what one async RL training step consumed; replay it offline and name the first "
+                       "divergence.")
+
+
+def _fail(message: str, code: int) -> None:
+    typer.echo(f"trajectory-replay: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    typer.echo(f"trajectory-replay: warning: {message}", err=True)
+
+
+def command(fn: Callable) -> Callable:
+    """Run a command with the project's errors turned into one-line messages and exit codes."""
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        warnings.showwarning = _show_warning
+        logging.basicConfig(level=logging.WARNING, format="trajectory-replay: %(levelname)s: %(message)s")
+        try:
+            return fn(*args, **kwargs)
+        except UsageError as exc:
+            _fail(str(exc), 2)
+        except TrajectoryReplayError as exc:
+            _fail(str(exc), 1)
+        except KeyboardInterrupt:
+            _fail("interrupted", 130)
+        except OSError as exc:  # a path that cannot be read or written: the user's to fix
+            _fail(f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": "), 1)
+
+    return wrapper
+
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the human report.")]
+
+
+@app.command("replay")
+@command
+def replay_cmd(
+    path: Annotated[str, typer.Argument(help="Bundle, bundle/rank-<r>, capture directory or store root (path or URL).")],
+    sample: Annotated[list[str], typer.Option("--sample", help="Sample id (repeatable); expands to its whole group.")] = [],
+    group: Annotated[list[str], typer.Option("--group", help="Group id g-<group_index> (repeatable).")] = [],
+    batch: Annotated[list[str], typer.Option("--batch", help="Micro-batch id mb-NNNN (repeatable).")] = [],
+    step: Annotated[Optional[str], typer.Option("--step", help="ROLLOUT:STEP of a step-level bundle.")] = None,
+    rollout: Annotated[Optional[int], typer.Option("--rollout", help="Rollout id of a rollout-level bundle.")] = None,
+    stage: Annotated[list[str], typer.Option("--stage", help="Run this stage and what it depends on (repeatable).")] = [],
+    atol: Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance for every stage.")] = None,
+    rtol: Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance for every stage.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Recompute reward -> advantage -> loss and report the first divergence."""
+    from trajectory_replay.bundle import open_sources
+    from trajectory_replay.bundle.resolve import resolve_bundle
+    from trajectory_replay.replay import replay
+
+    if step is not None and rollout is not None:
+        raise UsageError("--step and --rollout are mutually exclusive")
+    target = resolve_bundle(path, step=step, rollout=rollout)
+    report = replay(open_sources(target), samples=sample, groups=group, batches=batch, stages=stage or None,
+                    atol=atol, rtol=rtol)
+    typer.echo(report.to_json() if as_json else report.render_text())
+    raise typer.Exit(report.exit_code)
+
+
+@app.command("inspect")
+@command
+def inspect_cmd(
+    path: Annotated[str, typer.Argument(help="Bundle path or URL (native or older directory format).")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Show a bundle's identity, capabilities, producer and payloads; also for an incomplete bundle."""
+    from trajectory_replay.bundle.inspect import inspect_bundle
+
+    result = inspect_bundle(path)
+    typer.echo(result.to_json() if as_json else result.render_text())
+
+
+@app.command("validate")
+@command
+def validate_cmd(
+    path: Annotated[str, typer.Argument(help="Bundle path or URL (native or older directory format).")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Verify format, every chunk's digest, safety and each recompute stage's inputs; exit 1 when invalid."""
+    from trajectory_replay.bundle import open_sources
+    from trajectory_replay.replay.validate import ValidationReport, validate_sources
+
+    try:
+        report = validate_sources(path, open_sources(path))
+    except TrajectoryReplayError as exc:
+        report = ValidationReport(path, problems=[str(exc)])
+    typer.echo(report.to_json() if as_json else report.render_text())
+    raise typer.Exit(0 if report.valid else 1)
+
+
+@app.command("schema")
+@command
+def schema_cmd() -> None:
+    """Print the JSON Schema of the manifest, index and expected documents."""
+    from trajectory_replay.bundle.schema import json_schemas
+
+    typer.echo(json.dumps(json_schemas(), indent=2))
+
+
+@app.command("import")
+@command
+def import_cmd(
+    source: Annotated[str, typer.Argument(help="An older-format (V1) bundle directory, or a directory of them.")],
+    store_root: Annotated[str, typer.Argument(help="Store root to import into (path or URL).")],
+    as_name: Annotated[Optional[str], typer.Option("--as", help="Name of the imported bundle (one bundle only).")] = None,
+) -> None:
+    """Convert V1 directory bundles into native bundles of a store."""
+    from trajectory_replay.ops.importer import import_v1
+
+    for url in import_v1(source, store_root, name=as_name):
+        typer.echo(f"imported {url}")
+
+
+@app.command("demo")
+@command
+def demo_cmd(
+    directory: Annotated[Optional[str], typer.Argument(help="Store to write into (default: a new "
+                                                            "./trajectory-replay-demo).")] = None,
+) -> None:
+    """Write a clean GRPO step and the same step with the physical-batch bug, replay both, print both reports."""
+    from trajectory_replay.demo import run_demo
+
+    result = run_demo(directory)
+    typer.echo(f"wrote {result.directory}/b-00001 (normalized per prompt group) and "
+               f"{result.directory}/b-00065 (normalized over the physical batch)\n")
+    typer.echo(result.clean.render_text())
+    typer.echo("")
+    typer.echo(result.buggy.render_text())
+    raise typer.Exit(0 if result.as_expected else 1)
 
 
 def main() -> None:
     """Console-script entry point."""
-    app()
+    app(prog_name="trajectory-replay")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,7 +9,7 @@ import torch
 from tests.replay.cases import split_ranks, token_position, twelve_case
 from tests.replay.conftest import MemorySource, source_of
 from trajectory_replay.bundle.schema import StageCapability, StageContract, StageId
-from trajectory_replay.errors import BundleError, SelectionError, UnsupportedError
+from trajectory_replay.errors import BundleError, SelectionError, UnsupportedError, UsageError
 from trajectory_replay.replay import PARTIAL_SELECTION, canonical_case, replay
 
 
@@ -355,7 +355,7 @@ def test_a_single_stage_name_is_one_stage():
 
 
 def test_stage_selection_fails_closed():
-    with pytest.raises(SelectionError, match="unknown stage 'reward'"):
+    with pytest.raises(UsageError, match="unknown stage 'reward'"):
         replay([canonical_source_of()], stages=["reward"])
     with pytest.raises(SelectionError, match="stage loss.value is not contracted"):
         replay([canonical_source_of()], stages=["loss.value"])

@@ -26,7 +26,7 @@ import torch
 from trajectory_replay.bundle.schema import (
     STAGE_ORDER, BundleIndex, Manifest, RecomputeConfig, StageCapability, StageId,
 )
-from trajectory_replay.errors import SelectionError, UnsupportedError
+from trajectory_replay.errors import SelectionError, UnsupportedError, UsageError
 from trajectory_replay.replay import kernels
 from trajectory_replay.replay.cohort import Cohort
 from trajectory_replay.replay.compare import (
@@ -304,7 +304,7 @@ def parse_stage(name: str | StageId) -> StageId:
     try:
         return StageId(name)
     except ValueError:
-        raise SelectionError(f"unknown stage {name!r}: stages are {', '.join(s.value for s in STAGE_ORDER)}") from None
+        raise UsageError(f"unknown stage {name!r}: stages are {', '.join(s.value for s in STAGE_ORDER)}") from None
 
 
 def plan_stages(manifest: Manifest, requested: Optional[Sequence[str | StageId]] = None) -> list[PlannedStage]:

@@ -1,0 +1,163 @@
+"""Resolving what a user points at: a bundle, a rank of one, or a capture directory / store root.
+
+A store root holds bundles as children (and `objects/`, `blobs/`, dot-names, which are never
+bundles); an older-format capture directory holds V1 bundle directories. `--step R:S` matches
+only a step-level bundle whose actor_step_id is exactly (R, S); `--rollout R` only a
+rollout-level bundle. No match, or several without a filter, is an error that lists what is there.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from trajectory_replay.backends import open_backend, redact_url
+from trajectory_replay.bundle.markers import COMPLETE, RANK_MARKER, read_complete
+from trajectory_replay.bundle.paths import split_bundle_path
+from trajectory_replay.errors import BundleError, SelectionError, UsageError
+
+RESERVED = ("objects", "blobs")
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A bundle's identity anchor: (rollout_id, step_id) for step-level, (rollout_id, None) for rollout-level."""
+
+    rollout_id: Optional[int]
+    step_id: Optional[int]
+
+    @classmethod
+    def from_marker(cls, anchor: dict[str, Any]) -> "Anchor":
+        step = anchor.get("actor_step_id")
+        if step:
+            return cls(int(step["rollout_id"]), int(step["step_id"]))
+        return cls(anchor.get("rollout_id"), None)
+
+    @property
+    def level(self) -> str:
+        return "step" if self.step_id is not None else "rollout"
+
+    def __str__(self) -> str:
+        return f"step {self.rollout_id}:{self.step_id}" if self.step_id is not None else f"rollout {self.rollout_id}"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A complete bundle found under a root."""
+
+    url: str
+    name: str
+    anchor: Anchor
+
+
+def parse_step(text: str) -> tuple[int, int]:
+    """`R:S` -> (R, S); UsageError (exit 2) when malformed."""
+    match = re.fullmatch(r"\s*(-?\d+)\s*:\s*(-?\d+)\s*", text or "")
+    if not match:
+        raise UsageError(f"--step {text!r}: expected ROLLOUT:STEP, e.g. 120:0")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _join(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}"
+
+
+def _is_local(text: str) -> bool:
+    return "://" not in text or text.startswith("file://")
+
+
+def _v1_candidates(path: Path) -> list[Candidate]:
+    from trajectory_replay.bundle import legacy
+
+    bundles = [path] if legacy.is_v1_bundle(path) else legacy.find_v1_bundles(path)
+    out = []
+    for b in bundles:
+        source = legacy.open_v1(b)[0]
+        ident = source.index.identity
+        anchor = Anchor(ident.actor_step_id.rollout_id, ident.actor_step_id.step_id) if ident.actor_step_id \
+            else Anchor(ident.rollout_id, None)
+        out.append(Candidate(str(b), b.name, anchor))
+    return out
+
+
+def is_native_bundle(path_or_url: str, **storage_options: Any) -> bool:
+    """True when `path_or_url` is a bundle directory of a store (it holds COMPLETE or a rank marker)."""
+    try:
+        root, name, _rank = split_bundle_path(path_or_url)
+    except BundleError:
+        return False
+    backend = open_backend(root, **storage_options)
+    return any(n == COMPLETE or RANK_MARKER.fullmatch(n) for n in backend.list_dir(name))
+
+
+def find_bundles(root_url: str, **storage_options: Any) -> list[Candidate]:
+    """Complete bundles directly under a store root (children that are not reserved names)."""
+    backend = open_backend(root_url, **storage_options)
+    out = []
+    for name in backend.list_dir():
+        if name in RESERVED or name.startswith("."):
+            continue
+        marker = read_complete(backend, name)
+        if marker is not None:
+            out.append(Candidate(_join(root_url, name), name, Anchor.from_marker(marker.anchor)))
+    return out
+
+
+def resolve_bundle(path_or_url: str | os.PathLike, *, step: Optional[str] = None, rollout: Optional[int] = None,
+                   **storage_options: Any) -> str:
+    """The one bundle path/URL that `path_or_url` designates under the filters; SelectionError otherwise."""
+    text = os.fspath(path_or_url)
+    if step is not None and rollout is not None:
+        raise UsageError("--step and --rollout are mutually exclusive")
+    want = parse_step(step) if step is not None else None
+    shown = redact_url(text)
+
+    local = Path(text.removeprefix("file://")).expanduser() if _is_local(text) else None
+    from trajectory_replay.bundle import legacy
+
+    if local is not None and not local.exists() and not re.search(r"/rank-\d+/?$", text):
+        raise SelectionError(f"{shown}: no such bundle or directory")
+    if re.search(r"/rank-\d+/?$", text.rstrip("/") + "/") and (want is None and rollout is None):
+        return text  # one rank of a bundle: the reader checks its cohort
+    if local is not None and legacy.is_v1_bundle(local):
+        return _choose(_v1_candidates(local), shown, want, rollout, direct=True)
+    if is_native_bundle(text, **storage_options):
+        if want is None and rollout is None:
+            return text
+        root, name, _ = split_bundle_path(text)
+        marker = read_complete(open_backend(root, **storage_options), name)
+        if marker is None:
+            return text  # the reader reports what is missing
+        return _choose([Candidate(text, name, Anchor.from_marker(marker.anchor))], shown, want, rollout, direct=True)
+    candidates = find_bundles(text, **storage_options)
+    if local is not None and local.is_dir():
+        candidates += _v1_candidates(local)
+    return _choose(candidates, shown, want, rollout, direct=False)
+
+
+def _choose(candidates: list[Candidate], shown: str, want: Optional[tuple[int, int]], rollout: Optional[int],
+            *, direct: bool) -> str:
+    if want is not None:
+        matches = [c for c in candidates if c.anchor.step_id is not None
+                   and (c.anchor.rollout_id, c.anchor.step_id) == want]
+        what = f"--step {want[0]}:{want[1]}"
+    elif rollout is not None:
+        matches = [c for c in candidates if c.anchor.step_id is None and c.anchor.rollout_id == rollout]
+        what = f"--rollout {rollout}"
+    else:
+        matches, what = candidates, ""
+    listing = ", ".join(f"{c.name} ({c.anchor})" for c in candidates)
+    if not matches:
+        if not candidates:
+            raise SelectionError(f"{shown}: no complete bundle found")
+        if direct:
+            raise SelectionError(f"{shown}: bundle is {candidates[0].anchor}, which does not match {what}")
+        raise SelectionError(f"{shown}: no bundle matches {what} (found: {listing})")
+    if len(matches) > 1:
+        names = ", ".join(f"{c.name} ({c.anchor})" for c in matches)
+        hint = "" if what else "; choose one with --step ROLLOUT:STEP or --rollout ROLLOUT"
+        raise SelectionError(f"{shown}: {len(matches)} bundles match{' ' + what if what else ''}: {names}{hint}")
+    return matches[0].url

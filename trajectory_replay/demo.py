@@ -1,0 +1,51 @@
+"""`demo`: the canonical physical-batch normalization bug, written as two bundles and replayed.
+
+The same GRPO step is written twice into a local store: once with rewards normalized per
+prompt group (correct) and once normalized over the physical batch (the bug). Current
+log-probs differ from the old ones (ratio e^0.5), so the final loss differs too; replay still
+names reward.post_process as the first divergent stage.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from trajectory_replay.bundle import BundleWriter, open_sources
+from trajectory_replay.replay import ReplayReport, canonical_case, replay
+
+
+@dataclass
+class DemoResult:
+    directory: Path
+    clean: ReplayReport
+    buggy: ReplayReport
+
+    @property
+    def as_expected(self) -> bool:
+        """The clean step passes and the buggy one first diverges at reward.post_process."""
+        return self.clean.passed and self.buggy.first_divergent_stage == "reward.post_process"
+
+
+def _fresh_directory(base: Path) -> Path:
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+def run_demo(directory: Optional[str | os.PathLike] = None) -> DemoResult:
+    """Write the clean and buggy bundles under `directory` (default: a new ./trajectory-replay-demo) and replay both."""
+    root = Path(directory) if directory else _fresh_directory(Path.cwd() / "trajectory-replay-demo")
+    reports = {}
+    for buggy in (False, True):
+        case = canonical_case(buggy=buggy, current_logprob=0.5)
+        writer = BundleWriter(root / case.manifest.bundle_id, case.manifest, case.index, case.expected)
+        for name, tensor in case.payloads.items():
+            writer.write_payload(name, tensor)
+        writer.finalize()
+        reports[buggy] = replay(open_sources(root / case.manifest.bundle_id))
+    return DemoResult(root, reports[False], reports[True])
