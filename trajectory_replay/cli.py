@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import warnings
 from functools import wraps
 from typing import Annotated, Callable, Optional

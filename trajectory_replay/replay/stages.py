@@ -168,7 +168,7 @@ def _check_record_masks(c: Cohort, mask: torch.Tensor, f: Findings) -> None:
 
 
 def _run_reward_raw(ctx: StageContext) -> StageOutcome:
-    c, f = ctx.cohort, Findings()
+    f = Findings()
     actual = _recorded_raw_rewards(ctx)  # V1 supports scalar rewards only: the recorded one is the recompute
     _compare_per_sample(ctx, f, StageId.REWARD_RAW, "raw_rewards", "raw_reward", actual)
     return StageOutcome(f.result(StageId.REWARD_RAW, ctx.rank), {"raw_rewards": actual})
