@@ -10,14 +10,15 @@ import time
 from trajectory_replay.store import ObjectStore, hash_bytes, object_key
 
 WRITER = r"""
-import os, sys
+import sys
 from trajectory_replay.store import ObjectStore
 store = ObjectStore.open(sys.argv[1])
-data = bytes(range(256)) * (1 << 20)  # 256 MiB, deterministic
+base = bytes(range(256)) * (1 << 18)  # 64 MiB
 print("start", flush=True)
-while True:
-    store.put(data)
-    store.backend.delete("blobs/" + store.put(data).digest[7:9] + "/" + store.put(data).digest[7:])
+i = 0
+while True:  # new content every round, so every put writes new chunks until the kill
+    store.put(i.to_bytes(8, "little") + base)
+    i += 1
 """
 
 
@@ -36,7 +37,7 @@ def test_sigkill_mid_put_leaves_no_partial_object(tmp_path):
     leftovers = [p for p in root.rglob("*") if p.is_file() and p.name.startswith(".tmp-")]
     # temporary files may remain (garbage for gc) but are never listed as keys
     assert all(not k.split("/")[-1].startswith(".tmp-") for k in keys)
-    data = bytes(range(256)) * (1 << 20)
-    ref = store.put(data)
+    data = (0).to_bytes(8, "little") + bytes(range(256)) * (1 << 18)
+    ref = store.put(data)  # the put that may have been interrupted completes now
     assert store.get(ref) == data
     del leftovers
