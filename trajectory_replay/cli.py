@@ -155,6 +155,111 @@ def demo_cmd(
     raise typer.Exit(0 if result.as_expected else 1)
 
 
+QuietFlag = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar (it is shown only on a terminal).")]
+
+
+@app.command("ls")
+@command
+def ls_cmd(
+    root: Annotated[str, typer.Argument(help="Store root (path or URL).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of bundle objects.")] = False,
+) -> None:
+    """List the bundles of a store: anchor, status, ranks, logical and stored size, age."""
+    from trajectory_replay.ops.ls import list_bundles
+
+    report = list_bundles(root)
+    typer.echo(report.to_json() if as_json else report.render_text())
+
+
+@app.command("cp")
+@command
+def cp_cmd(
+    source: Annotated[str, typer.Argument(help="A bundle, or a store root with --step/--rollout/--all.")],
+    dest_root: Annotated[str, typer.Argument(help="Destination store root (path or URL).")],
+    step: Annotated[Optional[str], typer.Option("--step", help="Copy the step-level bundle ROLLOUT:STEP.")] = None,
+    rollout: Annotated[Optional[int], typer.Option("--rollout", help="Copy the rollout-level bundle ROLLOUT.")] = None,
+    all_bundles: Annotated[bool, typer.Option("--all", help="Copy every complete bundle of the root.")] = False,
+    quiet: QuietFlag = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Copy bundles between stores, transferring only the objects the destination lacks."""
+    from trajectory_replay.ops.cp import copy_bundles
+    from trajectory_replay.ops.progress import terminal_progress
+
+    with terminal_progress(quiet) as progress:
+        report = copy_bundles(source, dest_root, step=step, rollout=rollout, all_bundles=all_bundles,
+                              progress=progress)
+    typer.echo(json.dumps(report.to_dict()) if as_json else report.render_text())
+
+
+@app.command("gc")
+@command
+def gc_cmd(
+    root: Annotated[str, typer.Argument(help="Store root (path or URL).")],
+    grace: Annotated[str, typer.Option("--grace", help="Keep unreferenced keys younger than this (0s, 30m, 24h, "
+                                                       "7d).")] = "24h",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be removed; remove nothing.")] = False,
+    quiet: QuietFlag = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Remove objects no bundle or capture in progress needs, abandoned cohorts and expired in-flight records."""
+    from trajectory_replay.ops.gc import collect_garbage, parse_duration
+    from trajectory_replay.ops.progress import terminal_progress
+
+    grace_s = parse_duration(grace)
+    with terminal_progress(quiet) as progress:
+        report = collect_garbage(root, grace=grace_s, dry_run=dry_run, progress=progress)
+    typer.echo(json.dumps(report.to_dict()) if as_json else report.render_text())
+
+
+@app.command("fsck")
+@command
+def fsck_cmd(
+    root: Annotated[str, typer.Argument(help="Store root (path or URL).")],
+    repair_from: Annotated[Optional[str], typer.Option("--repair-from", help="Store to re-fetch bad or missing "
+                                                                             "objects from.")] = None,
+    quiet: QuietFlag = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Verify every object and bundle tree; finalize finalizable bundles; exit 1 while a problem remains."""
+    from trajectory_replay.ops.fsck import check_store
+    from trajectory_replay.ops.progress import terminal_progress
+
+    with terminal_progress(quiet) as progress:
+        report = check_store(root, repair_from=repair_from, progress=progress)
+    typer.echo(json.dumps(report.to_dict()) if as_json else report.render_text())
+    raise typer.Exit(report.exit_code)
+
+
+@app.command("stats")
+@command
+def stats_cmd(
+    root: Annotated[str, typer.Argument(help="Store root (path or URL).")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Bundles, objects, logical and stored payload bytes, the dedup ratio, per payload name."""
+    from trajectory_replay.ops.stats import store_stats
+
+    report = store_stats(root)
+    typer.echo(report.to_json() if as_json else report.render_text())
+
+
+@app.command("export")
+@command
+def export_cmd(
+    bundle: Annotated[str, typer.Argument(help="Native bundle path or URL.")],
+    out_dir: Annotated[str, typer.Argument(help="New directory to write the V1 bundle to.")],
+    quiet: QuietFlag = False,
+) -> None:
+    """Write a bundle as a self-contained directory in the older V1 layout (`import` reads it back)."""
+    from trajectory_replay.ops.export import export_bundle
+    from trajectory_replay.ops.progress import terminal_progress
+
+    with terminal_progress(quiet) as progress:
+        report = export_bundle(bundle, out_dir, progress=progress)
+    typer.echo(report.render_text())
+
+
 def main() -> None:
     """Console-script entry point."""
     app(prog_name="trajectory-replay")

@@ -79,7 +79,7 @@ def test_reduction_is_a_sum_of_masked_per_sample_means():
     values = torch.tensor([1.0, 2.0, 3.0, 9.0, 9.0, 4.0])
     mask = torch.tensor([1, 0, 1, 0, 0, 1], dtype=torch.uint8)
     lengths = torch.tensor([3, 2, 1])
-    assert kernels.sum_of_masked_means(values, mask, kernels.token_sample_ids(lengths), 3) == 6.0
+    assert kernels.sum_of_masked_means(values, mask, lengths) == 6.0
 
 
 def _loss(current, advantages, **kw):

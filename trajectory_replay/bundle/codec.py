@@ -14,7 +14,6 @@ import struct
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from trajectory_replay.errors import BundleError
@@ -118,13 +117,16 @@ def parse_header(head: bytes, blob_size: int, where: str) -> Header:
     return Header(dtype, shape, 8 + n, blob_size)
 
 
-def decode(blob: bytes, where: str) -> torch.Tensor:
-    """The tensor of a one-tensor safetensors blob, header checked first."""
-    parse_header(blob[:8 + header_length(blob[:8], where)], len(blob), where)
-    try:
-        return st_load(bytes(blob))[TENSOR_NAME]
-    except Exception as exc:  # the library's own errors carry no location
-        raise BundleError(f"{where}: cannot decode safetensors blob ({exc})") from None
+def decode_buffer(buffer: bytearray, where: str) -> torch.Tensor:
+    """The tensor of a one-tensor safetensors blob held in a writable buffer, without copying the data.
+
+    The header is checked first (the same checks as `decode`); the tensor then shares the buffer's memory."""
+    header = parse_header(bytes(buffer[:8 + header_length(bytes(buffer[:8]), where)]), len(buffer), where)
+    count = math.prod(header.shape)
+    if count == 0:
+        return torch.empty(header.shape, dtype=header.dtype)
+    flat = torch.frombuffer(buffer, dtype=header.dtype, count=count, offset=header.data_start)
+    return flat.reshape(header.shape)
 
 
 def from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:

@@ -27,8 +27,8 @@ def validation_message(exc: ValidationError) -> str:
     loc = ".".join(str(part) for part in err["loc"])
     msg = str(err["msg"]).removeprefix("Value error, ")
     if err["type"] == "missing":
-        return f"missing required field '{loc}'"
-    return f"field '{loc}': {one_line(msg)}" if loc else one_line(msg)
+        return one_line(f"missing required field '{loc}'")
+    return one_line(f"field '{loc}': {msg}" if loc else msg)
 
 
 def validate_document(model: type[M], raw: Any, label: str) -> M:
@@ -49,6 +49,8 @@ def parse_json(data: bytes, label: str) -> dict[str, Any]:
         raise BundleError(f"{label}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
     except RecursionError:
         raise BundleError(f"{label}: not valid JSON (nested too deeply)") from None
+    except ValueError as exc:  # e.g. an integer literal longer than Python's conversion limit
+        raise BundleError(f"{label}: not valid JSON ({one_line(str(exc))})") from None
     if not isinstance(raw, dict):
         raise BundleError(f"{label}: expected a JSON object, got {type(raw).__name__}")
     return raw

@@ -14,7 +14,7 @@ the payload, so a partial selection never has to fetch every sample's mask.
 from __future__ import annotations
 
 import os
-import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -28,7 +28,7 @@ from trajectory_replay.bundle.markers import (
 )
 from trajectory_replay.bundle.paths import split_bundle_path
 from trajectory_replay.bundle.schema import BundleIndex, Expected, Manifest, PayloadSpec
-from trajectory_replay.bundle.writer import LOSS_MASK
+from trajectory_replay.bundle.writer import LOSS_MASK, inflight_records
 from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError
 from trajectory_replay.store import BlobRecord, BlobRef, ObjectStore
 
@@ -53,10 +53,8 @@ class BundleReader:
                 raise BundleError(f"{self.label}: bundle_id {value!r} in the {what} differs from "
                                   f"{marker.bundle_id!r} in COMPLETE")
         self._offsets = _token_offsets(self.index)
-        self._tensors: dict[str, torch.Tensor] = {}
         self._headers: dict[str, codec.Header] = {}
         self._records: dict[str, BlobRecord] = {}
-        self._lock = threading.Lock()
 
     @property
     def bundle_id(self) -> str:
@@ -104,43 +102,54 @@ class BundleReader:
             raise BundleError(f"{self.label}: no payload {name!r} (has {sorted(self.manifest.payloads)})") from None
 
     def load_payload(self, name: str, samples: Optional[Sequence[int]] = None) -> torch.Tensor:
-        """The flat tensor `name`, or only the rows of the given sample positions (index order), verified."""
+        """The flat tensor `name`, or only the rows of the given sample positions (index order), verified.
+
+        Nothing is kept: replay's own cache decides what stays loaded, so memory follows what it still needs."""
         if name == LOSS_MASK and LOSS_MASK not in self.manifest.payloads:
             return self._mask_from_records(samples)
         spec = self.spec(name)
-        positions = None if samples is None else self._check_positions(samples)
-        cached = self._tensors.get(name)
-        if cached is None and (positions is None or not spec.per_token):
-            cached = self._load_whole(name, spec)
-        if positions is None:
-            return cached
-        if cached is not None:
-            return _take_rows(cached, self._offsets, positions, self.label, name)
-        return self._load_rows(name, spec, positions)
+        if samples is None:
+            return self._load_whole(name, spec)
+        positions = self._check_positions(samples)
+        if not spec.per_token:
+            return _take_rows(self._load_whole(name, spec), self._offsets, positions, self.label, name)
+        with self._located(name):
+            return self._load_rows(name, spec, positions)
+
+    @contextmanager
+    def _located(self, name: str):
+        """Prefix a store error with the bundle and payload it happened in (once)."""
+        where = f"{self.label}: payload {name!r}"
+        try:
+            yield
+        except TrajectoryReplayError as exc:
+            if str(exc).startswith(where):
+                raise
+            raise type(exc)(f"{where}: {exc}") from None
 
     def payload_ref(self, name: str) -> BlobRef:
         spec = self.spec(name)
         if spec.digest is None or spec.record is None:
-            raise BundleError(f"{self.label}: payload {name!r} has no digest in the manifest")
+            raise BundleError(f"{self.label}: payload {name!r}: no digest in the manifest")
         return BlobRef(spec.digest, spec.size, spec.record)
 
     def _load_whole(self, name: str, spec: PayloadSpec) -> torch.Tensor:
         where = f"{self.label}: payload {name!r}"
-        try:
-            blob = self.store.get(self.payload_ref(name))
-        except TrajectoryReplayError as exc:
-            raise type(exc)(f"{where}: {exc}") from None
-        tensor = codec.decode(blob, where)
+        ref = self.payload_ref(name)
+        with self._located(name):
+            buffer = self.store.get(ref)
+        tensor = codec.decode_buffer(buffer, where)
         _check_spec(tensor.dtype, tuple(tensor.shape), spec, where)
-        flat = tensor.reshape(-1)
-        with self._lock:
-            self._tensors[name] = flat
-        return flat
+        return tensor.reshape(-1)
 
     def header(self, name: str) -> codec.Header:
         """The checked safetensors header of payload `name` (fetched with one small verified ranged read)."""
         if name in self._headers:
             return self._headers[name]
+        with self._located(name):
+            return self._read_header(name)
+
+    def _read_header(self, name: str) -> codec.Header:
         spec, ref = self.spec(name), self.payload_ref(name)
         where = f"{self.label}: payload {name!r}"
         record = self._record(name)
@@ -226,6 +235,10 @@ def describe_missing(store: ObjectStore, name: str) -> str:
     backend = store.backend
     landed = landed_ranks(backend, name)
     if not landed:
+        pending = [r for r in inflight_records(backend) if r.get("bundle") == name]
+        if pending:
+            return (f"incomplete bundle: COMPLETE is missing (documents written by {len(pending)} writer "
+                    "attempt(s) that did not commit: in progress, or crashed)")
         if backend.list(f"{name}/"):
             return "incomplete bundle: COMPLETE is missing"
         raise NotFoundError(f"{redact_url(store.url)}/{name}: no such bundle")

@@ -93,6 +93,16 @@ def is_native_bundle(path_or_url: str, **storage_options: Any) -> bool:
     return any(n == COMPLETE or RANK_MARKER.fullmatch(n) for n in backend.list_dir(name))
 
 
+def _has_pending_writer(local: Path) -> bool:
+    """True when the store above `local` has an in-flight record for a bundle of that name."""
+    from trajectory_replay.bundle.writer import inflight_records
+
+    parent = local.parent
+    if not parent.is_dir():
+        return False
+    return any(r.get("bundle") == local.name for r in inflight_records(open_backend(str(parent))))
+
+
 def find_bundles(root_url: str, **storage_options: Any) -> list[Candidate]:
     """Complete bundles directly under a store root (children that are not reserved names)."""
     backend = open_backend(root_url, **storage_options)
@@ -119,7 +129,9 @@ def resolve_bundle(path_or_url: str | os.PathLike, *, step: Optional[str] = None
     from trajectory_replay.bundle import legacy
 
     if local is not None and not local.exists() and not re.search(r"/rank-\d+/?$", text):
-        raise SelectionError(f"{shown}: no such bundle or directory")
+        if not _has_pending_writer(local):
+            raise SelectionError(f"{shown}: no such bundle or directory")
+        return text  # a writer left documents but no marker: the reader says it is incomplete
     if re.search(r"/rank-\d+/?$", text.rstrip("/") + "/") and (want is None and rollout is None):
         return text  # one rank of a bundle: the reader checks its cohort
     if local is not None and legacy.is_v1_bundle(local):

@@ -24,6 +24,10 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 DIGEST_PATTERN = re.compile(r"blake3:[0-9a-f]{64}")
 
+DTYPES = ("torch.float64", "torch.float32", "torch.float16", "torch.bfloat16", "torch.int64", "torch.int32",
+          "torch.int16", "torch.int8", "torch.uint8", "torch.bool")
+"""Payload dtypes, spelled as torch prints them (the older format's spelling)."""
+
 
 class SchemaWarning(UserWarning):
     """A document holds a field this version does not know; it is ignored."""
@@ -219,6 +223,13 @@ class PayloadSpec(_Model):
     def _name(cls, v: str) -> str:
         return check_name(v, "payload name")
 
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        if v not in DTYPES:
+            raise ValueError(f"unsupported dtype {v!r} (one of {', '.join(DTYPES)})")
+        return v
+
     @field_validator("digest", "record")
     @classmethod
     def _digest(cls, v: Optional[str]) -> Optional[str]:
@@ -264,6 +275,15 @@ class Manifest(_Model):
     @classmethod
     def _bundle_id(cls, v: str) -> str:
         return check_name(v, "bundle_id")
+
+    @field_validator("payloads")
+    @classmethod
+    def _payload_names(cls, v: dict[str, PayloadSpec]) -> dict[str, PayloadSpec]:
+        for key, spec in v.items():
+            check_name(key, "payload name")
+            if spec.name != key:
+                raise ValueError(f"payload {key!r} is described as {spec.name!r}")
+        return v
 
     @field_validator("format_version")
     @classmethod
@@ -336,7 +356,7 @@ def json_schemas() -> dict[str, Any]:
 
 
 __all__ = [
-    "ActorStepId", "BundleIndex", "ComparisonPolicy", "Expected", "FORMAT_VERSION", "Identity",
+    "ActorStepId", "BundleIndex", "ComparisonPolicy", "DTYPES", "Expected", "FORMAT_VERSION", "Identity",
     "LossPolicyExpected", "Manifest", "PayloadSpec", "ProducerInfo", "RankTopology", "RecomputeConfig",
     "SampleRecord", "SchemaWarning", "STAGE_ORDER", "StageCapability", "StageContract", "StageId",
     "TEXT_FIELDS", "Tolerance", "WeightLineage", "check_name", "json_schemas",

@@ -14,6 +14,7 @@ wrong-length lists and unsupported algorithms are written as given (DESIGN.md in
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -35,7 +36,7 @@ from trajectory_replay.bundle.redaction import redact_samples
 from trajectory_replay.bundle.schema import (
     BundleIndex, Expected, Manifest, PayloadSpec, SchemaWarning, check_name,
 )
-from trajectory_replay.errors import BundleError
+from trajectory_replay.errors import BundleError, TrajectoryReplayError
 from trajectory_replay.store import BlobRef, ObjectStore, PutPlan
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,19 @@ def anchor_of(index: BundleIndex) -> dict[str, Any]:
     if ident.actor_step_id is not None:
         return {"actor_step_id": ident.actor_step_id.model_dump()}
     return {"rollout_id": ident.rollout_id}
+
+
+def inflight_records(backend) -> list[dict]:
+    """The in-flight records of a store root (unreadable ones are skipped: they are being replaced)."""
+    out = []
+    for key in backend.list(".inflight/"):
+        try:
+            doc = json.loads(backend.read(key))
+        except (ValueError, KeyError, TrajectoryReplayError):
+            continue
+        if isinstance(doc, dict) and doc.get("format") == INFLIGHT_FORMAT:
+            out.append(doc)
+    return out
 
 
 class InflightRecord:
@@ -93,6 +107,8 @@ class BundleWriter:
         self.name = check_or_raise(name, "bundle id")
         self.manifest = manifest if isinstance(manifest, Manifest) else validate_document(Manifest, manifest, "manifest")
         self.index = index if isinstance(index, BundleIndex) else validate_document(BundleIndex, index, "index")
+        # models built with model_copy skip validation: check the names they carry here
+        check_or_raise(self.manifest.bundle_id, "bundle_id")
         if self.manifest.bundle_id != self.index.bundle_id:
             raise BundleError(f"{name}: bundle_id differs between manifest ({self.manifest.bundle_id!r}) "
                               f"and index ({self.index.bundle_id!r})")

@@ -51,6 +51,11 @@ class PayloadCache:
             self._loaded[key] = part.source.load_payload(name, samples=None if rows is None else list(rows))
         return self._loaded[key]
 
+    def retain(self, names: set[str]) -> None:
+        """Forget every loaded payload whose name is not in `names` (a later load reads it again)."""
+        for key in [k for k in self._loaded if k[1] not in names]:
+            del self._loaded[key]
+
 
 class Cohort:
     """The records and lazily loaded payloads of a union of source parts, in part order."""

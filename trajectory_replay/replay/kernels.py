@@ -1,8 +1,8 @@
 """The algorithm kernels replay recomputes with: pure, vectorised torch functions over flat tensors.
 
 Per-token tensors are flat concatenations of the samples' responses (REPLAY_SEMANTICS.md notation);
-per-sample reductions are segment sums through `index_add_` over a token -> sample vector, never a
-Python loop per token. They run on millions of tokens, so intermediates are updated in place.
+per-sample reductions are segment reductions over the response lengths (per-group ones `index_add_`
+over a sample -> group vector), never a Python loop per token. They run on millions of tokens, so intermediates are updated in place.
 """
 
 from __future__ import annotations
@@ -73,22 +73,29 @@ def grpo_advantages(rewards: torch.Tensor, response_lengths: torch.Tensor) -> to
     return torch.repeat_interleave(rewards.to(torch.float32), response_lengths.to(torch.int64))
 
 
-def token_sample_ids(response_lengths: torch.Tensor) -> torch.Tensor:
-    """The sample position of every token of the flat concatenation."""
-    lengths = response_lengths.to(torch.int64)
-    return torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-
-
-def sum_of_masked_means(values: torch.Tensor, mask: torch.Tensor, token_sample: torch.Tensor,
-                        num_samples: int) -> float:
+class MaskedMeans:
     """V1 reduction R(x) = sum_i [ sum_t x_it m_it / max(T_i, 1) ]: a sum of per-sample masked means.
 
-    Accumulated in float64 so that our own rounding stays far below the comparison tolerance.
+    The mask (as float64) and the token counts are computed once and shared by every reduction of
+    one cohort; sums are segment reductions over the response lengths, accumulated in float64 so
+    that our own rounding stays far below the comparison tolerance.
     """
-    m = mask.to(torch.float64, copy=True)  # multiplied in place below
-    tokens = segment_sum(m, token_sample, num_samples, torch.float64).clamp_(min=1.0)
-    sums = segment_sum(m.mul_(values.to(torch.float64)), token_sample, num_samples, torch.float64)
-    return float(sums.div_(tokens).sum())
+
+    def __init__(self, mask: torch.Tensor, response_lengths: torch.Tensor) -> None:
+        self.lengths = response_lengths.to(torch.int64)
+        self.mask = mask  # 0/1 in its own (small) dtype; products are taken in float64
+        self.tokens = torch.segment_reduce(mask.to(torch.float64), "sum", lengths=self.lengths).clamp_(min=1.0)
+
+    def __call__(self, values: torch.Tensor) -> float:
+        weighted = values.to(torch.float64).mul_(self.mask)
+        sums = torch.segment_reduce(weighted, "sum", lengths=self.lengths)
+        del weighted
+        return float(sums.div_(self.tokens).sum())
+
+
+def sum_of_masked_means(values: torch.Tensor, mask: torch.Tensor, response_lengths: torch.Tensor) -> float:
+    """R(values) for one tensor (see MaskedMeans, which shares the mask work across several)."""
+    return MaskedMeans(mask, response_lengths)(values)
 
 
 @dataclass(frozen=True)
@@ -107,12 +114,12 @@ def ppo_policy_loss_tokens(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
     a = advantages.to(torch.float32)
     ppo_kl = old_log_probs.to(torch.float32) - log_probs.to(torch.float32)
     ratio = torch.exp(-ppo_kl)
-    unclipped = ratio.mul(a).neg_()
+    pg = ratio.mul(a).neg_()  # the unclipped term, turned into pg in place below
     clipped = ratio.clamp_(1.0 - eps_clip, 1.0 + eps_clip_high).mul_(a).neg_()
     del ratio  # clamped in place above
-    clipfrac = (clipped > unclipped).to(torch.float32)
-    pg = torch.maximum(unclipped, clipped)
-    del unclipped, clipped
+    clipfrac = clipped > pg  # bool: a quarter of the memory of a float tensor; reductions promote it
+    torch.maximum(pg, clipped, out=pg)
+    del clipped
     if eps_clip_c is not None:
         if eps_clip_c <= 1.0:
             raise UnsupportedError(f"dual clip eps_clip_c={eps_clip_c} must be greater than 1")
@@ -125,17 +132,17 @@ def policy_loss_outputs(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
                         eps_clip: float, eps_clip_high: float, eps_clip_c: Optional[float],
                         entropy_coef: float) -> dict[str, float]:
     """The loss.policy scalars: loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl (reduced with R)."""
+    reduce = MaskedMeans(mask, response_lengths)
+    out = {"entropy_loss": reduce(entropy)}
     terms = ppo_policy_loss_tokens(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high, eps_clip_c)
-    token_sample = token_sample_ids(response_lengths)
-    n = response_lengths.numel()
-    out = {"pg_loss": sum_of_masked_means(terms.pg, mask, token_sample, n),
-           "pg_clipfrac": sum_of_masked_means(terms.clipfrac, mask, token_sample, n),
-           "ppo_kl": sum_of_masked_means(terms.ppo_kl, mask, token_sample, n),
-           "entropy_loss": sum_of_masked_means(entropy, mask, token_sample, n)}
+    out["ppo_kl"] = reduce(terms.ppo_kl)
+    out["pg_clipfrac"] = reduce(terms.clipfrac)
+    out["pg_loss"] = reduce(terms.pg)
+    del terms
     out["loss"] = out["pg_loss"] - entropy_coef * out["entropy_loss"]
     return out
 
 
 __all__ = ["GRPO_STD_EPS", "KL_TYPES", "PolicyLossTokens", "check_kl_type", "dense_group_ids", "grpo_advantages",
            "kl_estimate", "normalize_group_rewards", "policy_loss_outputs", "ppo_policy_loss_tokens",
-           "segment_sum", "sum_of_masked_means", "token_sample_ids"]
+           "segment_sum", "sum_of_masked_means", "MaskedMeans"]

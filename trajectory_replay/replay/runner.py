@@ -67,12 +67,15 @@ def replay(sources: Sequence[ReplaySource], *, samples: Sequence[str] = (), grou
 
     by_stage: dict[StageId, list[tuple[str, StageResult]]] = defaultdict(list)
     cohort_outputs: list[dict] = []
+    sample_level = [p for p in plan if not p.stage.cohort_level]
     for j, cohort in enumerate(cohorts):
         outputs: dict = {}
-        for planned in (p for p in plan if not p.stage.cohort_level):
+        for i, planned in enumerate(sample_level):
             ctx = context(planned.stage.id, cohort, outputs,
                           findings=replica_findings if j == 0 and planned.stage.id == StageId.SAMPLE else ())
             by_stage[planned.stage.id].append((_label(cohort), _run_planned(planned, ctx, outputs)))
+            _release(outputs, cache, [p.stage for p in sample_level[i + 1:]]
+                     + [p.stage for p in plan if p.stage.cohort_level])
         cohort_outputs.append(outputs)
 
     results = [_merge(by_stage[s]) for s in STAGE_ORDER if s in by_stage]
@@ -94,6 +97,14 @@ def replay(sources: Sequence[ReplaySource], *, samples: Sequence[str] = (), grou
                 per_rank.append(_run_planned(planned, ctx, {}))
         results.extend(sorted(per_rank, key=lambda r: -1 if r.rank is None else r.rank))
     return ReplayReport(bundle_id=first.bundle_id, stages=tuple(results))
+
+
+def _release(outputs: dict, cache: PayloadCache, later: Sequence) -> None:
+    """Drop stage outputs and loaded payloads that no later stage reads, so peak memory stays near the inputs."""
+    needed_outputs = {dep for stage in later for dep in stage.depends_on}
+    for stage_id in [s for s in outputs if s not in needed_outputs]:
+        del outputs[stage_id]
+    cache.retain({name for stage in later for name in stage.inputs})
 
 
 def _run_planned(planned: PlannedStage, ctx: StageContext, outputs: dict) -> StageResult:

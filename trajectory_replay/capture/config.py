@@ -1,0 +1,131 @@
+"""Capture configuration, read from the environment only (no command-line change in the training program).
+
+    RELAX_REPLAY_CAPTURE            1/true/yes/on or 0/false/no/off (case-insensitive); unset = off
+    RELAX_REPLAY_CAPTURE_DIR        store root: a path or any fsspec URL (s3://bucket/run-42); required when on
+    RELAX_REPLAY_CAPTURE_STEPS      optional step filter: R:S,R:S,...  (unset or empty = every step)
+    RELAX_REPLAY_CAPTURE_ROLLOUTS   optional rollout filter: R,R,...   (unset or empty = every rollout)
+
+S3 endpoint and credentials come from the usual places (AWS_* variables, AWS config files, FSSPEC_S3_*).
+While capture is off the other variables are not read, so they can never break a run that does not
+capture. A bad value is a `CaptureConfigError` whose one-line message names the variable and the value.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from trajectory_replay.errors import TrajectoryReplayError
+
+ENV_CAPTURE = "RELAX_REPLAY_CAPTURE"
+ENV_DIR = "RELAX_REPLAY_CAPTURE_DIR"
+ENV_STEPS = "RELAX_REPLAY_CAPTURE_STEPS"
+ENV_ROLLOUTS = "RELAX_REPLAY_CAPTURE_ROLLOUTS"
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_DIGITS = re.compile(r"[0-9]+")
+_PROTOCOLS = frozenset({"file", "local", "s3", "s3a", "s3n", "memory"})
+
+
+class CaptureConfigError(TrajectoryReplayError, ValueError):
+    """An environment variable of the capture configuration holds a value that cannot be used."""
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """The parsed configuration. `steps` / `rollouts` None means no filter (capture every one)."""
+
+    enabled: bool = False
+    capture_dir: Optional[str] = None
+    steps: Optional[frozenset[tuple[int, int]]] = None
+    rollouts: Optional[frozenset[int]] = None
+
+    def wants_step(self, rollout_id: int, step_id: int) -> bool:
+        """True when the step-level bundle of actor step (rollout_id, step_id) is to be captured."""
+        return self.steps is None or (rollout_id, step_id) in self.steps
+
+    def wants_rollout(self, rollout_id: int) -> bool:
+        """True when the rollout-level bundle of rollout `rollout_id` is to be captured."""
+        return self.rollouts is None or rollout_id in self.rollouts
+
+
+def _bad(variable: str, value: str, why: str) -> CaptureConfigError:
+    return CaptureConfigError(f"{variable}={value!r}: {why}")
+
+
+def parse_switch(value: Optional[str], variable: str = ENV_CAPTURE) -> bool:
+    """The on/off switch; unset or empty is off."""
+    if value is None or value.strip() == "":
+        return False
+    norm = value.strip().lower()
+    if norm in _TRUE:
+        return True
+    if norm in _FALSE:
+        return False
+    raise _bad(variable, value, "expected one of 1/true/yes/on or 0/false/no/off")
+
+
+def _int(text: str, variable: str, value: str, what: str) -> int:
+    text = text.strip()
+    if not _DIGITS.fullmatch(text):  # ASCII digits only: no sign, no spaces inside, not empty
+        raise _bad(variable, value, f"{what} {text!r} is not a non-negative integer")
+    return int(text)
+
+
+def parse_steps(value: Optional[str], variable: str = ENV_STEPS) -> Optional[frozenset[tuple[int, int]]]:
+    """`R:S,R:S,...` -> {(R, S), ...}; unset or empty -> None (no filter)."""
+    if value is None or value.strip() == "":
+        return None
+    out = set()
+    for item in value.split(","):
+        if item.strip() == "":
+            raise _bad(variable, value, "empty item (expected ROLLOUT:STEP,ROLLOUT:STEP,...)")
+        parts = item.split(":")
+        if len(parts) != 2:
+            raise _bad(variable, value, f"item {item.strip()!r} is not ROLLOUT:STEP")
+        out.add((_int(parts[0], variable, value, "rollout id"), _int(parts[1], variable, value, "step id")))
+    return frozenset(out)
+
+
+def parse_rollouts(value: Optional[str], variable: str = ENV_ROLLOUTS) -> Optional[frozenset[int]]:
+    """`R,R,...` -> {R, ...}; unset or empty -> None (no filter)."""
+    if value is None or value.strip() == "":
+        return None
+    out = set()
+    for item in value.split(","):
+        if item.strip() == "":
+            raise _bad(variable, value, "empty item (expected ROLLOUT,ROLLOUT,...)")
+        out.add(_int(item, variable, value, "rollout id"))
+    return frozenset(out)
+
+
+def parse_dir(value: Optional[str], variable: str = ENV_DIR) -> str:
+    """The capture directory: required, a path or a URL of a supported protocol."""
+    if value is None or value.strip() == "":
+        raise CaptureConfigError(f"{variable} is not set: it is required when {ENV_CAPTURE} is on "
+                                 "(a path or a URL such as s3://bucket/run-42)")
+    text = value.strip()
+    if "://" in text:
+        protocol, rest = text.split("://", 1)
+        if protocol.lower() not in _PROTOCOLS:
+            raise _bad(variable, value, f"unsupported storage protocol {protocol!r} "
+                       "(use a path, file://, s3:// or memory://)")
+        if not rest.strip("/"):
+            raise _bad(variable, value, "the URL has no path")
+    return text
+
+
+def load_config(environ: Optional[Mapping[str, str]] = None) -> CaptureConfig:
+    """Read the capture configuration from `environ` (default `os.environ`)."""
+    env = os.environ if environ is None else environ
+    if not parse_switch(env.get(ENV_CAPTURE)):
+        return CaptureConfig(enabled=False)
+    return CaptureConfig(enabled=True, capture_dir=parse_dir(env.get(ENV_DIR)),
+                         steps=parse_steps(env.get(ENV_STEPS)), rollouts=parse_rollouts(env.get(ENV_ROLLOUTS)))
+
+
+__all__ = ["CaptureConfig", "CaptureConfigError", "ENV_CAPTURE", "ENV_DIR", "ENV_ROLLOUTS", "ENV_STEPS",
+           "load_config", "parse_dir", "parse_rollouts", "parse_steps", "parse_switch"]

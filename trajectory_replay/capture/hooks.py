@@ -1,0 +1,208 @@
+"""The hooks a training framework calls. Each is a no-op costing well under a microsecond while capture is off.
+
+    manager = maybe_enable_for_actor(rank, is_producer, expected_ranks)   # once, at startup
+    capture_rollout(R, ...)                  # rollout-level bundle rollout-<R> (this rank's shard)
+    capture_microbatch(R, S, "mb-0007", ...) # once per micro-batch of actor step (R, S)
+    capture_step_end(R, S, loss=..., ...)    # enqueues step-level bundle step-<R>-<S>
+    capture_slime_rollout(R, rollout_data, config=...)   # slime-family dict-of-lists layout
+
+Hooks never raise into training (a bad argument is counted in `stats()["errors"]` and logged);
+only `maybe_enable_for_actor` raises, at startup, for a bad configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Optional, Sequence
+
+from trajectory_replay.capture.config import CaptureConfigError, ENV_DIR, load_config
+from trajectory_replay.capture.manager import CaptureManager
+from trajectory_replay.errors import TrajectoryReplayError
+
+log = logging.getLogger("trajectory_replay.capture")
+
+_MANAGER: Optional[CaptureManager] = None
+
+
+def maybe_enable_for_actor(rank: int, is_producer: bool, expected_ranks: Sequence[int], *,
+                           environ: Optional[Mapping[str, str]] = None, **manager_options: Any
+                           ) -> Optional[CaptureManager]:
+    """Start capture on this rank if the environment switches it on and the rank is a producer.
+
+    Reads RELAX_REPLAY_CAPTURE* (a bad value raises CaptureConfigError naming the variable, on every rank).
+    Producer ranks (e.g. the last pipeline stage of each data-parallel replica) get a CaptureManager with
+    a writer thread; other ranks get None and start nothing. `expected_ranks` are the producer ranks of
+    one bundle: with more than one, each writes its own shard (rank `rank`) of a multi-producer bundle.
+    `manager_options` go to CaptureManager (max_queue_bytes, max_queue_records, storage_options,
+    topology, producer, ...). The manager is kept module-global: the capture_* hooks use it.
+    """
+    global _MANAGER
+    config = load_config(environ)
+    if not config.enabled or not is_producer:
+        return None
+    ranks = [int(r) for r in expected_ranks]
+    if int(rank) not in ranks:
+        raise ValueError(f"capture: rank {rank} is not among expected_ranks {ranks}")
+    if _MANAGER is not None:
+        log.warning("capture: already enabled (%r); replacing it", _MANAGER)
+        shutdown()
+    try:
+        manager = CaptureManager(config.capture_dir, rank=rank, expected_ranks=ranks, steps=config.steps,
+                                 rollouts=config.rollouts, **manager_options)
+    except TrajectoryReplayError as exc:
+        raise CaptureConfigError(f"{ENV_DIR}={config.capture_dir!r}: cannot open the capture store: {exc}") from None
+    _MANAGER = manager
+    log.info("capture: enabled on rank %d of %s, writing to %s", rank, ranks, config.capture_dir)
+    return manager
+
+
+maybe_enable = maybe_enable_for_actor
+
+
+def get_manager() -> Optional[CaptureManager]:
+    """The manager the hooks use, or None while capture is off."""
+    return _MANAGER
+
+
+def set_manager(manager: Optional[CaptureManager]) -> Optional[CaptureManager]:
+    """Install `manager` for the hooks (tests, custom setups); returns the previous one (not closed)."""
+    global _MANAGER
+    previous, _MANAGER = _MANAGER, manager
+    return previous
+
+
+def disable() -> Optional[CaptureManager]:
+    """Turn the hooks into no-ops now. Records already queued are still written in the background."""
+    global _MANAGER
+    manager, _MANAGER = _MANAGER, None
+    if manager is not None:
+        manager.close(timeout=0)
+    return manager
+
+
+def shutdown(timeout: Optional[float] = None) -> bool:
+    """Turn the hooks off, write what is queued (up to `timeout`) and stop the writer. True if all was written."""
+    global _MANAGER
+    manager, _MANAGER = _MANAGER, None
+    if manager is None:
+        return True
+    return manager.close(timeout)
+
+
+def stats() -> Optional[dict[str, Any]]:
+    """The active manager's counters, or None while capture is off."""
+    manager = _MANAGER
+    return None if manager is None else manager.stats()
+
+
+# ---- hooks ----------------------------------------------------------------------------------------
+
+def capture_rollout(rollout_id: int, *, sample_ids: Sequence[str], group_index: Any, response_lengths: Any,
+                    total_lengths: Any, loss_masks: Any, raw_rewards: Any, rewards: Any, old_log_probs: Any,
+                    ref_log_probs: Any, kl: Any, advantages: Any, config: Any, weight_lineage: Any = None,
+                    micro_batch_ids: Any = None) -> Optional[bool]:
+    """Rollout-level bundle `rollout-<R>` of this rank's samples. Per-token values: a flat tensor or a list of
+    per-sample 1-D tensors, in sample order. Filtered by RELAX_REPLAY_CAPTURE_ROLLOUTS. True if enqueued."""
+    if _MANAGER is None:
+        return None
+    return _MANAGER.capture_rollout(
+        rollout_id, sample_ids=sample_ids, group_index=group_index, response_lengths=response_lengths,
+        total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards,
+        old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, kl=kl, advantages=advantages, config=config,
+        weight_lineage=weight_lineage, micro_batch_ids=micro_batch_ids)
+
+
+def capture_microbatch(rollout_id: int, step_id: int, micro_batch_id: str, *, sample_ids: Sequence[str],
+                       group_index: Any, response_lengths: Any, total_lengths: Any, loss_masks: Any, raw_rewards: Any,
+                       rewards: Any, old_log_probs: Any, log_probs: Any, entropy: Any, advantages: Any
+                       ) -> Optional[bool]:
+    """One micro-batch of actor step (R, S), snapshotted now (training may reuse its buffers).
+    A repeated micro_batch_id of the same step is ignored. Filtered by RELAX_REPLAY_CAPTURE_STEPS."""
+    if _MANAGER is None:
+        return None
+    return _MANAGER.capture_microbatch(
+        rollout_id, step_id, micro_batch_id, sample_ids=sample_ids, group_index=group_index,
+        response_lengths=response_lengths, total_lengths=total_lengths, loss_masks=loss_masks,
+        raw_rewards=raw_rewards, rewards=rewards, old_log_probs=old_log_probs, log_probs=log_probs, entropy=entropy,
+        advantages=advantages)
+
+
+def capture_step_end(rollout_id: int, step_id: int, *, loss: Any, pg_loss: Any, entropy_loss: Any, pg_clipfrac: Any,
+                     ppo_kl: Any, config: Any, weight_lineage: Any = None) -> Optional[bool]:
+    """End of actor step (R, S): enqueue step-level bundle `step-<R>-<S>` with this rank's reported loss
+    scalars (numbers or 1-element tensors; CUDA tensors are copied asynchronously). True if enqueued."""
+    if _MANAGER is None:
+        return None
+    return _MANAGER.capture_step_end(rollout_id, step_id, loss=loss, pg_loss=pg_loss, entropy_loss=entropy_loss,
+                                     pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, config=config,
+                                     weight_lineage=weight_lineage)
+
+
+def capture_slime_rollout(rollout_id: int, rollout_data: Mapping[str, Any], *, config: Any,
+                          sample_ids: Optional[Sequence[str]] = None, group_index: Optional[Sequence[int]] = None,
+                          weight_lineage: Any = None, kl: Any = None, micro_batch_ids: Any = None) -> Optional[bool]:
+    """`capture_rollout` from the dict-of-lists rollout layout of slime-family frameworks (see docs/capture.md)."""
+    if _MANAGER is None:
+        return None
+    manager = _MANAGER
+    try:
+        kwargs = slime_rollout_arguments(rollout_id, rollout_data, sample_ids=sample_ids, group_index=group_index,
+                                         kl=kl, micro_batch_ids=micro_batch_ids,
+                                         multi_producer=manager.multi_producer)
+    except Exception as exc:
+        if manager.wants_rollout(rollout_id):
+            manager._hook_error(f"capture_slime_rollout({rollout_id})", exc)
+        return False
+    return manager.capture_rollout(rollout_id, config=config, weight_lineage=weight_lineage, **kwargs)
+
+
+def slime_rollout_arguments(rollout_id: int, data: Mapping[str, Any], *, sample_ids: Optional[Sequence[str]] = None,
+                            group_index: Optional[Sequence[int]] = None, kl: Any = None, micro_batch_ids: Any = None,
+                            multi_producer: bool = False) -> dict[str, Any]:
+    """The `capture_rollout` arguments for a slime-style `rollout_data` dict. Fails closed (ValueError) on
+    anything replay compares that is missing; never guesses membership from positions or batch sizes."""
+
+    def need(key: str) -> Any:
+        if key not in data or data[key] is None:
+            raise ValueError(f"rollout_data has no {key!r}")
+        return data[key]
+
+    n = len(need("response_lengths"))
+    if sample_ids is None:
+        if data.get("sample_ids") is not None:
+            sample_ids = data["sample_ids"]
+        elif data.get("sample_indices") is not None:
+            sample_ids = [f"s-{rollout_id}-{int(i)}" for i in data["sample_indices"]]
+        elif multi_producer:
+            raise ValueError("sample ids are required with several producer ranks (pass sample_ids= or "
+                             "rollout_data['sample_ids'] / ['sample_indices']): positional ids would collide "
+                             "across ranks")
+        else:
+            sample_ids = [f"s-{rollout_id}-{i}" for i in range(n)]
+    if group_index is None:
+        group_index = data.get("group_index")
+        if group_index is None:
+            raise ValueError("group_index is required (pass group_index= or rollout_data['group_index']); "
+                             "it is never guessed from positions")
+    if data.get("log_probs") is not None:
+        old = data["log_probs"]
+    elif data.get("rollout_log_probs") is not None:
+        old = data["rollout_log_probs"]
+    else:
+        raise ValueError("rollout_data has neither 'log_probs' nor 'rollout_log_probs'")
+    if kl is None:
+        kl = data.get("kl")
+        if kl is None:
+            raise ValueError("the per-token KL production computed is required (pass kl= or store "
+                             "rollout_data['kl']); it is never recomputed at capture time")
+    if micro_batch_ids is None:
+        micro_batch_ids = data.get("micro_batch_ids")
+    return dict(sample_ids=sample_ids, group_index=group_index, response_lengths=data["response_lengths"],
+                total_lengths=need("total_lengths"), loss_masks=need("loss_masks"), raw_rewards=need("raw_reward"),
+                rewards=need("rewards"), old_log_probs=old, ref_log_probs=data.get("ref_log_probs"), kl=kl,
+                advantages=need("advantages"), micro_batch_ids=micro_batch_ids)
+
+
+__all__ = ["capture_microbatch", "capture_rollout", "capture_slime_rollout", "capture_step_end", "disable",
+           "get_manager", "maybe_enable", "maybe_enable_for_actor", "set_manager", "shutdown",
+           "slime_rollout_arguments", "stats"]

@@ -1,0 +1,498 @@
+"""CaptureManager: the training thread snapshots and enqueues; a background writer thread commits bundles.
+
+Guarantees (DESIGN.md invariants 2 and 3):
+
+- The training thread never waits on storage. A hook call snapshots its tensors (async device-to-host
+  copies into pinned memory for CUDA, one clone for CPU) and appends the record to a queue bounded in
+  bytes and in records. When the queue is full the record is dropped, counted and logged; the copy is
+  not even made (the size is known from the tensors' shapes).
+- The daemon writer thread waits on the snapshot's CUDA events, builds the documents, hashes, encodes,
+  uploads and commits (BundleWriter). Every error is counted and logged on the logger
+  `trajectory_replay.capture`, never raised into training.
+- A record that is dropped or fails never yields a bundle that looks complete: a failure calls
+  `BundleWriter.abort()`; what it leaves (an in-flight record, objects, a cohort with missing rank
+  markers) is garbage for gc. A killed process leaves the same.
+- With more than one expected rank every bundle is written as rank `rank` of a multi-producer bundle
+  (completion markers of the bundle layer); a rank never waits for its peers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from trajectory_replay.bundle.schema import ProducerInfo, RankTopology
+from trajectory_replay.bundle.writer import BundleWriter
+from trajectory_replay.capture.records import (
+    BundleParts, Columns, MicroBatch, Provenance, build_rollout, build_step, rollout_bundle_id,
+    step_bundle_id,
+)
+from trajectory_replay.capture.snapshot import Snapshot, estimate_nbytes
+from trajectory_replay.store import ObjectStore
+
+log = logging.getLogger("trajectory_replay.capture")
+
+DEFAULT_MAX_QUEUE_BYTES = 2 << 30
+DEFAULT_MAX_QUEUE_RECORDS = 64
+DEFAULT_MAX_PENDING_STEPS = 8
+DEFAULT_ATEXIT_TIMEOUT = 60.0
+
+
+@dataclass
+class _Record:
+    bundle_id: str
+    snapshot: Snapshot
+    build: Callable[[], BundleParts]
+    nbytes: int
+
+
+class _PendingStep:
+    """Micro-batches of one actor step, accumulated until `capture_step_end`."""
+
+    __slots__ = ("micro_batches", "ids", "snapshot", "nbytes", "dropped")
+
+    def __init__(self) -> None:
+        self.micro_batches: list[MicroBatch] = []
+        self.ids: set[str] = set()
+        self.snapshot = Snapshot()
+        self.nbytes = 0
+        self.dropped = False
+
+
+class CaptureManager:
+    """One capture writer for one producer rank. Thread-safe; every public method is safe to call from training."""
+
+    def __init__(self, capture_dir: str | os.PathLike, *, rank: int = 0,
+                 expected_ranks: Optional[Sequence[int]] = None,
+                 steps: Optional[frozenset[tuple[int, int]]] = None, rollouts: Optional[frozenset[int]] = None,
+                 store: Optional[ObjectStore] = None, storage_options: Optional[Mapping[str, Any]] = None,
+                 max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES, max_queue_records: int = DEFAULT_MAX_QUEUE_RECORDS,
+                 max_pending_steps: int = DEFAULT_MAX_PENDING_STEPS, producer: Optional[ProducerInfo] = None,
+                 topology: Optional[RankTopology | Mapping[str, int]] = None,
+                 atexit_timeout: Optional[float] = DEFAULT_ATEXIT_TIMEOUT, start: bool = True) -> None:
+        self.capture_dir = os.fspath(capture_dir)
+        self.rank = int(rank)
+        ranks = sorted({int(r) for r in expected_ranks}) if expected_ranks is not None else [self.rank]
+        if self.rank not in ranks:
+            raise ValueError(f"rank {self.rank} is not among expected ranks {ranks}")
+        self.expected_ranks = ranks
+        self.multi_producer = len(ranks) > 1
+        self.steps, self.rollouts = steps, rollouts
+        self.max_queue_bytes, self.max_queue_records = int(max_queue_bytes), int(max_queue_records)
+        self.max_pending_steps = int(max_pending_steps)
+        # one store per manager: the backend's create-once probe runs once, on the first commit
+        self.store = store if store is not None else ObjectStore.open(self.capture_dir, **dict(storage_options or {}))
+        prov = Provenance()
+        if producer is not None:
+            prov.producer = producer
+        if topology is not None:
+            prov.topology = topology if isinstance(topology, RankTopology) else RankTopology.model_validate(
+                dict(topology))
+        self.provenance = prov
+
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: deque[_Record] = deque()
+        self._bytes_in_use = 0      # queued + being written + pending micro-batches
+        self._active: Optional[_Record] = None
+        self._closing = False
+        self._pending: "OrderedDict[tuple[int, int], _PendingStep]" = OrderedDict()
+        self._counts = dict(enqueued=0, dropped=0, written=0, errors=0, filtered=0, ignored_microbatches=0,
+                            bytes_enqueued=0, hook_calls=0)
+        self._max_enqueue = 0.0
+        self._total_enqueue = 0.0
+        self._thread: Optional[threading.Thread] = None
+        self._atexit_timeout = atexit_timeout
+        if start:
+            self.start()
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the writer thread (a daemon) and have `close(atexit_timeout)` run at interpreter exit."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name=f"trajectory-replay-capture-{self.rank}", daemon=True)
+        self._thread.start()
+        if self._atexit_timeout is not None:
+            _register_exit_hook()
+            _LIVE.add(self)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every enqueued record is written or has failed; True if done within `timeout`.
+
+        Micro-batches of a step not yet ended are not records yet and are not waited for."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._active is not None:
+                if not self.running:
+                    return False
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining if remaining is not None else 1.0)
+        return True
+
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Stop accepting records, write what is queued (up to `timeout`), stop the thread. True if all done.
+
+        Steps whose micro-batches were captured but that never ended are dropped (counted)."""
+        with self._cond:
+            self._closing = True
+            pending = list(self._pending.items())
+            self._pending.clear()
+            for key, step in pending:
+                self._bytes_in_use -= step.nbytes
+                if not step.dropped:
+                    self._counts["dropped"] += 1
+                    log.warning("capture: step %d:%d never ended (no capture_step_end before close); dropped", *key)
+            self._cond.notify_all()
+        _LIVE.discard(self)
+        if self._thread is None:
+            return not self._queue
+        self._thread.join(timeout)
+        with self._cond:
+            left = len(self._queue) + (self._active is not None)
+        if left:
+            log.warning("capture: writer still busy after %.1fs with %d record(s) left; they will not complete "
+                        "if the process exits now", timeout or 0.0, left)
+        return left == 0
+
+    def _close_at_exit(self) -> None:
+        try:
+            self.close(self._atexit_timeout)
+        except Exception:  # never let capture disturb interpreter shutdown
+            log.exception("capture: close at exit failed")
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: enqueued, dropped, written, errors, filtered, ignored_microbatches, bytes_enqueued,
+        hook_calls, max_enqueue_seconds, total_enqueue_seconds, queued_records, bytes_in_use, pending_steps."""
+        with self._cond:
+            out: dict[str, Any] = dict(self._counts)
+            out.update(max_enqueue_seconds=self._max_enqueue, total_enqueue_seconds=self._total_enqueue,
+                       queued_records=len(self._queue) + (self._active is not None), bytes_in_use=self._bytes_in_use,
+                       pending_steps=len(self._pending))
+        return out
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._cond:
+            self._counts[key] += n
+
+    def _hook_done(self, t0: float) -> None:
+        elapsed = time.perf_counter() - t0
+        with self._cond:
+            self._counts["hook_calls"] += 1
+            self._total_enqueue += elapsed
+            if elapsed > self._max_enqueue:
+                self._max_enqueue = elapsed
+
+    def _hook_error(self, what: str, exc: BaseException) -> None:
+        self._count("errors")
+        log.error("capture: %s failed on the training thread (nothing written): %s: %s", what,
+                  type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+
+    def _reserve(self, nbytes: int, what: str, record: bool) -> bool:
+        """Take `nbytes` (and a queue slot if `record`) from the budget, or count and log a drop."""
+        with self._cond:
+            if self._closing:
+                reason = "the capture manager is closed"
+            elif record and len(self._queue) >= self.max_queue_records:
+                reason = f"the queue holds {len(self._queue)} records (max {self.max_queue_records})"
+            elif self._bytes_in_use + nbytes > self.max_queue_bytes:
+                reason = (f"{self._bytes_in_use + nbytes} bytes would exceed the queue's "
+                          f"{self.max_queue_bytes} bytes")
+            else:
+                self._bytes_in_use += nbytes
+                return True
+            self._counts["dropped"] += 1
+        log.warning("capture: dropped %s: %s", what, reason)
+        return False
+
+    def _enqueue(self, rec: _Record) -> bool:
+        """Append a record whose bytes are reserved; a closed manager or a full queue drops it (counted)."""
+        with self._cond:
+            if self._closing:
+                reason = "the capture manager is closed"
+            elif len(self._queue) >= self.max_queue_records:
+                reason = f"the queue holds {len(self._queue)} records (max {self.max_queue_records})"
+            else:
+                self._queue.append(rec)
+                self._counts["enqueued"] += 1
+                self._counts["bytes_enqueued"] += rec.nbytes
+                self._cond.notify_all()
+                return True
+            self._bytes_in_use -= rec.nbytes
+            self._counts["dropped"] += 1
+        log.warning("capture: dropped %s: %s", rec.bundle_id, reason)
+        return False
+
+    # ---- hooks (training thread) ---------------------------------------------------------------
+    def wants_rollout(self, rollout_id: int) -> bool:
+        return self.rollouts is None or rollout_id in self.rollouts
+
+    def wants_step(self, rollout_id: int, step_id: int) -> bool:
+        return self.steps is None or (rollout_id, step_id) in self.steps
+
+    def capture_rollout(self, rollout_id: int, *, sample_ids: Sequence[str], group_index: Any, response_lengths: Any,
+                        total_lengths: Any, loss_masks: Any, raw_rewards: Any, rewards: Any, old_log_probs: Any,
+                        ref_log_probs: Any, kl: Any, advantages: Any, config: Any, weight_lineage: Any = None,
+                        micro_batch_ids: Any = None) -> bool:
+        """Enqueue the rollout-level bundle `rollout-<R>` (this rank's shard). True if enqueued."""
+        t0 = time.perf_counter()
+        try:
+            if not self.wants_rollout(rollout_id):
+                self._count("filtered")
+                return False
+            cols = dict(sample_ids=sample_ids, group_index=group_index, response_lengths=response_lengths,
+                        total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards,
+                        micro_batch_ids=micro_batch_ids)
+            tensors = dict(old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, kl=kl, advantages=advantages)
+            nbytes = Columns.estimate(**cols) + sum(_estimate_flat(v) for v in tensors.values())
+            bundle_id = rollout_bundle_id(rollout_id)
+            if not self._reserve(nbytes, bundle_id, record=True):
+                return False
+            try:
+                snap = Snapshot()
+                columns = Columns.take(snap, **cols)
+                payloads = {k: snap.flat(v, k) for k, v in tensors.items()}
+                snap.finish()
+                config, lineage, prov = _freeze(config), _freeze(weight_lineage), self.provenance
+            except BaseException:
+                self._release(nbytes)
+                raise
+            rec = _Record(bundle_id, snap, lambda: build_rollout(rollout_id, columns, payloads, config, lineage, prov),
+                          nbytes)
+            return self._enqueue(rec)
+        except Exception as exc:
+            self._hook_error(f"capture_rollout({rollout_id})", exc)
+            return False
+        finally:
+            self._hook_done(t0)
+
+    def capture_microbatch(self, rollout_id: int, step_id: int, micro_batch_id: str, *, sample_ids: Sequence[str],
+                           group_index: Any, response_lengths: Any, total_lengths: Any, loss_masks: Any,
+                           raw_rewards: Any, rewards: Any, old_log_probs: Any, log_probs: Any, entropy: Any,
+                           advantages: Any) -> bool:
+        """Snapshot one micro-batch of actor step (R, S). A repeated micro_batch_id of the same step is ignored."""
+        t0 = time.perf_counter()
+        try:
+            if not self.wants_step(rollout_id, step_id):
+                self._count("filtered")
+                return False
+            key = (int(rollout_id), int(step_id))
+            mb_id = str(micro_batch_id)
+            with self._cond:
+                step = self._pending.get(key)
+                if step is None:
+                    step = self._new_pending(key)
+            if step.dropped:
+                return False
+            if mb_id in step.ids:
+                self._count("ignored_microbatches")
+                log.debug("capture: micro-batch %s of step %d:%d already captured; ignored", mb_id, *key)
+                return False
+            cols = dict(sample_ids=sample_ids, group_index=group_index, response_lengths=response_lengths,
+                        total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards)
+            tensors = dict(old_log_probs=old_log_probs, log_probs=log_probs, entropy=entropy, advantages=advantages)
+            nbytes = Columns.estimate(**cols) + sum(_estimate_flat(v) for v in tensors.values())
+            if not self._reserve(nbytes, f"{step_bundle_id(*key)} (micro-batch {mb_id}; the whole step is dropped)",
+                                 record=False):
+                self._drop_pending(key, step)
+                return False
+            try:
+                columns = Columns.take(step.snapshot, **cols)
+                payloads = {k: step.snapshot.flat(v, k) for k, v in tensors.items()}
+            except BaseException:
+                self._release(nbytes)
+                raise
+            step.nbytes += nbytes
+            step.ids.add(mb_id)
+            step.micro_batches.append(MicroBatch(mb_id, columns, payloads))
+            return True
+        except Exception as exc:
+            self._hook_error(f"capture_microbatch({rollout_id}, {step_id}, {micro_batch_id!r})", exc)
+            return False
+        finally:
+            self._hook_done(t0)
+
+    def capture_step_end(self, rollout_id: int, step_id: int, *, loss: Any, pg_loss: Any, entropy_loss: Any,
+                         pg_clipfrac: Any, ppo_kl: Any, config: Any, weight_lineage: Any = None) -> bool:
+        """Enqueue the step-level bundle `step-<R>-<S>` from the micro-batches captured for it. True if enqueued."""
+        t0 = time.perf_counter()
+        try:
+            if not self.wants_step(rollout_id, step_id):
+                self._count("filtered")
+                return False
+            key = (int(rollout_id), int(step_id))
+            with self._cond:
+                step = self._pending.pop(key, None)
+            if step is None:
+                self._count("errors")
+                log.error("capture: capture_step_end(%d, %d) without any captured micro-batch; nothing written", *key)
+                return False
+            if step.dropped:
+                return False
+            try:
+                snap = step.snapshot
+                reported = dict(loss=loss, pg_loss=pg_loss, entropy_loss=entropy_loss, pg_clipfrac=pg_clipfrac,
+                                ppo_kl=ppo_kl)
+                scalars = {name: snap.tensor(v) if _is_tensor(v) else v for name, v in reported.items()}
+                snap.finish()
+                config, lineage, prov = _freeze(config), _freeze(weight_lineage), self.provenance
+                mbs = step.micro_batches
+            except BaseException:
+                self._release(step.nbytes)
+                raise
+            rec = _Record(step_bundle_id(*key), snap,
+                          lambda: build_step(key[0], key[1], mbs, scalars, config, lineage, prov), step.nbytes)
+            return self._enqueue(rec)
+        except Exception as exc:
+            self._hook_error(f"capture_step_end({rollout_id}, {step_id})", exc)
+            return False
+        finally:
+            self._hook_done(t0)
+
+    def _new_pending(self, key: tuple[int, int]) -> _PendingStep:
+        """(lock held) A new pending step; the oldest unfinished one is dropped past max_pending_steps."""
+        while len(self._pending) >= self.max_pending_steps:
+            old_key, old = self._pending.popitem(last=False)
+            self._bytes_in_use -= old.nbytes
+            if not old.dropped:
+                self._counts["dropped"] += 1
+                log.warning("capture: step %d:%d never ended (more than %d steps open); dropped", *old_key,
+                            self.max_pending_steps)
+        step = _PendingStep()
+        if self._closing:  # counted once; the step's later micro-batches are ignored
+            step.dropped = True
+            self._counts["dropped"] += 1
+            log.warning("capture: dropped %s: the capture manager is closed", step_bundle_id(*key))
+        self._pending[key] = step
+        return step
+
+    def _drop_pending(self, key: tuple[int, int], step: _PendingStep) -> None:
+        """Forget a step's micro-batches (its drop is already counted); later ones are ignored cheaply."""
+        with self._cond:
+            self._bytes_in_use -= step.nbytes
+            step.nbytes = 0
+            step.micro_batches = []
+            step.dropped = True
+
+    def _release(self, nbytes: int) -> None:
+        with self._cond:
+            self._bytes_in_use -= nbytes
+            self._cond.notify_all()
+
+    # ---- writer thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                rec = self._queue.popleft()
+                self._active = rec
+            try:
+                self._write(rec)
+            except BaseException as exc:  # noqa: BLE001 - the writer thread must survive anything
+                with self._cond:
+                    self._counts["errors"] += 1
+                log.error("capture: writing %s failed; it is not complete (left as garbage for gc): %s: %s",
+                          rec.bundle_id, type(exc).__name__, exc, exc_info=True)
+            else:
+                with self._cond:
+                    self._counts["written"] += 1
+            finally:
+                with self._cond:
+                    self._bytes_in_use -= rec.nbytes
+                    self._active = None
+                    self._cond.notify_all()
+
+    def _write(self, rec: _Record) -> None:
+        rec.snapshot.wait()
+        parts = rec.build()
+        rank_args: dict[str, Any] = {}
+        if self.multi_producer:
+            rank_args = dict(rank=self.rank, expected_ranks=self.expected_ranks)
+        writer = BundleWriter(f"{self.capture_dir.rstrip('/')}/{rec.bundle_id}", parts.manifest, parts.index,
+                              parts.expected, store=self.store, **rank_args)
+        try:
+            for name, tensor in parts.payloads.items():
+                writer.write_payload(name, tensor)
+            writer.finalize()
+        except BaseException:
+            try:
+                writer.abort()
+            except Exception as exc:  # the in-flight record stays; gc removes it after its TTL
+                log.warning("capture: could not remove the in-flight record of %s: %s", rec.bundle_id, exc)
+            raise
+        log.info("capture: wrote %s%s", writer.url, f" (rank {self.rank})" if self.multi_producer else "")
+
+    def __repr__(self) -> str:
+        return f"CaptureManager({self.capture_dir!r}, rank={self.rank}, expected_ranks={self.expected_ranks})"
+
+
+_LIVE: "weakref.WeakSet[CaptureManager]" = weakref.WeakSet()
+_exit_hook_registered = False
+_exit_hook_lock = threading.Lock()
+
+
+def _close_all_at_exit() -> None:
+    for manager in list(_LIVE):
+        manager._close_at_exit()
+
+
+def _register_exit_hook() -> None:
+    """Close live managers at interpreter exit, while thread pools still accept work.
+
+    A plain `atexit` handler runs too late: `concurrent.futures` refuses new work once the
+    interpreter's shutdown begins, and the object store hashes and uploads through thread pools.
+    `threading._register_atexit` callbacks run first, in reverse order of registration, so this one
+    (registered after `concurrent.futures.thread` imported, which the store does) runs before the
+    pools shut down. Where that hook is missing, `atexit` is the fallback."""
+    global _exit_hook_registered
+    with _exit_hook_lock:
+        if _exit_hook_registered:
+            return
+        import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
+
+        register = getattr(threading, "_register_atexit", None)
+        try:
+            if register is None:
+                raise AttributeError("threading._register_atexit")
+            register(_close_all_at_exit)
+        except (AttributeError, RuntimeError):
+            atexit.register(_close_all_at_exit)
+        _exit_hook_registered = True
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _estimate_flat(value: Any) -> int:
+    return estimate_nbytes(value)
+
+
+def _freeze(value: Any) -> Any:
+    """A copy of a small config/lineage argument, so a later change by training is harmless."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    if hasattr(value, "model_copy"):
+        return value.model_copy()
+    return value
+
+
+__all__ = ["CaptureManager", "DEFAULT_MAX_QUEUE_BYTES", "DEFAULT_MAX_QUEUE_RECORDS", "log"]

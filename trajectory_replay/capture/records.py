@@ -1,0 +1,193 @@
+"""What one captured bundle holds, and how its documents are built (on the writer thread).
+
+The training thread turns hook arguments into a `Columns` snapshot (per-sample values) plus
+snapshotted per-token tensors; everything that costs more than a copy (pydantic documents, Python
+lists from tensors, concatenations of micro-batches) happens here, after the CUDA copies landed.
+
+Rollout-level bundle `rollout-<R>`: identity rollout_id=R; stages sample, reward.raw,
+reward.post_process, advantage.kl, advantage.estimate (recompute); payloads old_log_probs,
+ref_log_probs, kl, advantages; expected reward.raw.raw_rewards and reward.post_process.rewards.
+
+Step-level bundle `step-<R>-<S>`: identity actor_step_id=(R, S); stages sample and loss.policy;
+payloads old_log_probs, log_probs, entropy, advantages; records carry their micro_batch_id;
+expected loss.policy {loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
+
+import torch
+
+from trajectory_replay.bundle.schema import (
+    ActorStepId, BundleIndex, ComparisonPolicy, Identity, Manifest, ProducerInfo, RankTopology, RecomputeConfig,
+    SampleRecord, StageCapability, StageContract, StageId, WeightLineage,
+)
+from trajectory_replay.capture.snapshot import (
+    Snapshot, estimate_nbytes, materialize_float, materialize_list, materialize_masks,
+)
+
+ROLLOUT_STAGES = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCESS, StageId.ADVANTAGE_KL,
+                  StageId.ADVANTAGE_ESTIMATE)
+STEP_STAGES = (StageId.SAMPLE, StageId.LOSS_POLICY)
+ROLLOUT_PAYLOADS = ("old_log_probs", "ref_log_probs", "kl", "advantages")
+STEP_PAYLOADS = ("old_log_probs", "log_probs", "entropy", "advantages")
+LOSS_FIELDS = ("loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl")
+EXACT_FIELDS = ["sample_id", "loss_mask", "group_index"]
+
+_CONTRACT_IO: dict[StageId, tuple[list[str], list[str]]] = {
+    StageId.SAMPLE: ([], []),
+    StageId.REWARD_RAW: ([], ["raw_rewards"]),
+    StageId.REWARD_POST_PROCESS: (["raw_rewards", "group_index"], ["rewards"]),
+    StageId.ADVANTAGE_KL: (["old_log_probs", "ref_log_probs"], ["kl"]),
+    StageId.ADVANTAGE_ESTIMATE: (["rewards"], ["advantages"]),
+    StageId.LOSS_POLICY: (["old_log_probs", "log_probs", "entropy", "advantages", "loss_mask"], list(LOSS_FIELDS)),
+}
+
+
+def rollout_bundle_id(rollout_id: int) -> str:
+    return f"rollout-{int(rollout_id)}"
+
+
+def step_bundle_id(rollout_id: int, step_id: int) -> str:
+    return f"step-{int(rollout_id)}-{int(step_id)}"
+
+
+class BundleParts(NamedTuple):
+    """Everything a BundleWriter needs."""
+
+    manifest: Manifest
+    index: BundleIndex
+    expected: dict[str, Any]
+    payloads: dict[str, torch.Tensor]
+
+
+@dataclass
+class Columns:
+    """Per-sample values of some samples, as snapshotted on the training thread."""
+
+    sample_ids: Any
+    group_index: Any
+    response_lengths: Any
+    total_lengths: Any
+    loss_masks: Any
+    raw_rewards: Any
+    rewards: Any
+    micro_batch_ids: Any = None
+
+    @classmethod
+    def estimate(cls, **values: Any) -> int:
+        return sum(estimate_nbytes(v) for v in values.values())
+
+    @classmethod
+    def take(cls, snap: Snapshot, **values: Any) -> "Columns":
+        return cls(**{k: snap.values(v, k) for k, v in values.items()})
+
+    def records(self, micro_batch_id: Optional[str] = None) -> list[SampleRecord]:
+        """Sample records (writer thread). Lists of different lengths are a structural error."""
+        ids = materialize_list(self.sample_ids, "sample_ids")
+        n = len(ids)
+        groups = materialize_list(self.group_index, "group_index", n)
+        resp = materialize_list(self.response_lengths, "response_lengths", n)
+        total = materialize_list(self.total_lengths, "total_lengths", n)
+        raw = materialize_list(self.raw_rewards, "raw_rewards", n)
+        rewards = materialize_list(self.rewards, "rewards", n)
+        masks = materialize_masks(self.loss_masks, [int(r) for r in resp])
+        mbs = materialize_list(self.micro_batch_ids, "micro_batch_ids", n) if self.micro_batch_ids is not None \
+            else [micro_batch_id] * n
+        return [SampleRecord(sample_id=str(ids[i]), group_index=None if groups[i] is None else int(groups[i]),
+                             response_length=int(resp[i]), total_length=int(total[i]), loss_mask=masks[i],
+                             raw_reward=float(raw[i]), reward=float(rewards[i]),
+                             micro_batch_id=None if mbs[i] is None else str(mbs[i]))
+                for i in range(n)]
+
+
+@dataclass
+class Provenance:
+    """Identity provenance and producer settings shared by every bundle of a manager."""
+
+    producer: ProducerInfo = field(default_factory=lambda: ProducerInfo(torch_version=torch.__version__))
+    topology: RankTopology = field(default_factory=RankTopology)
+
+
+def _config(config: Any) -> RecomputeConfig:
+    if isinstance(config, RecomputeConfig):
+        return config
+    if isinstance(config, Mapping):
+        return RecomputeConfig.model_validate(dict(config))
+    raise TypeError(f"config: expected a RecomputeConfig or a mapping, got {type(config).__name__}")
+
+
+def _lineage(weight_lineage: Any) -> WeightLineage:
+    if weight_lineage is None:
+        return WeightLineage()
+    if isinstance(weight_lineage, WeightLineage):
+        return weight_lineage
+    if isinstance(weight_lineage, Mapping):
+        return WeightLineage.model_validate(dict(weight_lineage))
+    raise TypeError(f"weight_lineage: expected a WeightLineage or a mapping, got {type(weight_lineage).__name__}")
+
+
+def _manifest(bundle_id: str, stages: Sequence[StageId], prov: Provenance) -> Manifest:
+    contracts = {s: StageContract(stage=s, capability=StageCapability.RECOMPUTE, implementation="reimplemented",
+                                  inputs=_CONTRACT_IO[s][0], expected_outputs=_CONTRACT_IO[s][1]) for s in stages}
+    return Manifest(bundle_id=bundle_id, producer=prov.producer, stage_contracts=contracts,
+                    comparison_policy=ComparisonPolicy(exact_fields=list(EXACT_FIELDS)))
+
+
+def _unique(values: Sequence[Optional[str]]) -> list[str]:
+    return list(dict.fromkeys(v for v in values if v is not None))
+
+
+def build_rollout(rollout_id: int, columns: Columns, payloads: Mapping[str, Optional[torch.Tensor]], config: Any,
+                  weight_lineage: Any, prov: Provenance) -> BundleParts:
+    """The rollout-level bundle `rollout-<R>`."""
+    bundle_id = rollout_bundle_id(rollout_id)
+    records = columns.records()
+    identity = Identity(rollout_id=int(rollout_id), weight_lineage=_lineage(weight_lineage), rank=prov.topology,
+                        micro_batch_ids=_unique([r.micro_batch_id for r in records]),
+                        semantic_group_ids=_unique([None if r.group_index is None else f"g-{r.group_index}"
+                                                    for r in records]))
+    index = BundleIndex(bundle_id=bundle_id, identity=identity, samples=records, config=_config(config))
+    expected = {"reward.raw": {"raw_rewards": [r.raw_reward for r in records]},
+                "reward.post_process": {"rewards": [r.reward for r in records]}}
+    tensors = {k: v for k, v in payloads.items() if v is not None}
+    return BundleParts(_manifest(bundle_id, ROLLOUT_STAGES, prov), index, expected, tensors)
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of a step, snapshotted."""
+
+    micro_batch_id: str
+    columns: Columns
+    payloads: dict[str, Optional[torch.Tensor]]
+
+
+def build_step(rollout_id: int, step_id: int, micro_batches: Sequence[MicroBatch], scalars: Mapping[str, Any],
+               config: Any, weight_lineage: Any, prov: Provenance) -> BundleParts:
+    """The step-level bundle `step-<R>-<S>`: micro-batches in the order they were fed."""
+    bundle_id = step_bundle_id(rollout_id, step_id)
+    records: list[SampleRecord] = []
+    for mb in micro_batches:
+        records.extend(mb.columns.records(mb.micro_batch_id))
+    identity = Identity(actor_step_id=ActorStepId(rollout_id=int(rollout_id), step_id=int(step_id)),
+                        weight_lineage=_lineage(weight_lineage), rank=prov.topology,
+                        micro_batch_ids=[mb.micro_batch_id for mb in micro_batches],
+                        semantic_group_ids=_unique([None if r.group_index is None else f"g-{r.group_index}"
+                                                    for r in records]))
+    index = BundleIndex(bundle_id=bundle_id, identity=identity, samples=records, config=_config(config))
+    tensors: dict[str, torch.Tensor] = {}
+    for name in STEP_PAYLOADS:
+        parts = [mb.payloads.get(name) for mb in micro_batches]
+        if any(p is None for p in parts):
+            continue  # written as given: a payload missing in any micro-batch is left out (replay reports it)
+        tensors[name] = torch.cat([p.reshape(-1) for p in parts]) if len(parts) != 1 else parts[0]
+    expected = {"loss.policy": {k: materialize_float(scalars.get(k)) for k in LOSS_FIELDS}}
+    return BundleParts(_manifest(bundle_id, STEP_STAGES, prov), index, expected, tensors)
+
+
+__all__ = ["BundleParts", "Columns", "EXACT_FIELDS", "LOSS_FIELDS", "MicroBatch", "Provenance", "ROLLOUT_PAYLOADS",
+           "ROLLOUT_STAGES", "STEP_PAYLOADS", "STEP_STAGES", "build_rollout", "build_step", "rollout_bundle_id",
+           "step_bundle_id"]

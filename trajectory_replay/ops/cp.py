@@ -1,0 +1,238 @@
+"""`cp`: copy bundles between any two store roots, transferring only what the destination lacks.
+
+Order at the destination is the store's own write order, so a destination bundle is visible
+only when whole and an interrupted copy leaves only garbage that a re-run completes:
+
+    chunks (and documents' chunks) -> blob records -> refs `blobs/<d>` -> COMPLETE.<r> -> COMPLETE
+
+Every object is verified against its digest on the way (a corrupt source object stops the
+copy before anything names it at the destination). Presence at the destination is checked by
+key, concurrently; transfers run in batches (`read_many` at the source) on a thread pool.
+A finalizable source bundle (every rank landed, COMPLETE missing) is copied with the final
+COMPLETE its rank markers determine, without writing to the source.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+from trajectory_replay.backends import Backend, redact_url
+from trajectory_replay.bundle.markers import (
+    COMPLETE, CompleteMarker, complete_key, final_marker_bytes, parse_complete, read_complete,
+)
+from trajectory_replay.bundle.paths import split_bundle_path
+from trajectory_replay.bundle.resolve import parse_step
+from trajectory_replay.errors import BundleError, IntegrityError, NotFoundError, SelectionError, UsageError
+from trajectory_replay.ops.progress import Progress
+from trajectory_replay.ops.walk import (
+    COMPLETE_STATUS, FINALIZABLE, BundleState, BundleTree, Walker, concurrently, digest_matches, open_root,
+    parse_ref, scan_bundle, scan_bundles,
+)
+from trajectory_replay.store.digest import blob_ref_key, object_key
+
+BATCH_OBJECTS = 64
+BATCH_BYTES = 16 << 20
+
+
+@dataclass
+class CopyReport:
+    """What a copy transferred. A re-run after a successful copy transfers 0 objects."""
+
+    source: str
+    dest: str
+    bundles: list[str] = field(default_factory=list)
+    objects_copied: int = 0
+    objects_skipped: int = 0
+    """Objects and refs the destination already held."""
+    bytes_copied: int = 0
+    markers_written: int = 0
+    markers_skipped: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def render_text(self) -> str:
+        return (f"copied {len(self.bundles)} bundle(s) {', '.join(self.bundles)} to {self.dest}: "
+                f"{self.objects_copied} objects copied ({self.bytes_copied} bytes), "
+                f"{self.objects_skipped} already there, {self.markers_written} markers written")
+
+
+def copy_bundles(source: str | os.PathLike, dest_root: str | os.PathLike, *, step: Optional[str] = None,
+                 rollout: Optional[int] = None, all_bundles: bool = False,
+                 source_options: Optional[dict] = None, dest_options: Optional[dict] = None,
+                 progress: Optional[Progress] = None, workers: Optional[int] = None) -> CopyReport:
+    """Copy one bundle (`<root>/<bundle>`), or the bundles of a root chosen by `step`/`rollout`/`all_bundles`."""
+    if sum(x is not None and x is not False for x in (step, rollout, all_bundles or None)) > 1:
+        raise UsageError("--step, --rollout and --all are mutually exclusive")
+    progress = progress or Progress()
+    src, states = _select(os.fspath(source), step, rollout, all_bundles, source_options or {})
+    dest = open_root(dest_root, must_exist=False, **(dest_options or {}))
+    report = CopyReport(redact_url(os.fspath(source)), redact_url(os.fspath(dest_root)),
+                        bundles=[s.name for s in states])
+    trees = Walker(src).trees(states)
+    for tree in trees.values():
+        if tree.problems or tree.missing or tree.corrupt:
+            detail = "; ".join(tree.problems) or f"{len(tree.missing)} missing, {len(tree.corrupt)} corrupt objects"
+            raise BundleError(f"{redact_url(src.url)}/{tree.name}: cannot copy a damaged bundle ({detail}); "
+                              "run fsck")
+    chunks, records, refs = _layers(trees.values())
+    copier = _Copier(src, dest, report, progress, workers or max(src.max_workers, dest.max_workers))
+    for label, keys in (("chunks", chunks), ("records", records), ("refs", refs)):
+        copier.transfer(label, keys)
+    dest.require_atomic_create()
+    for state in states:
+        _write_markers(src, dest, state, report)
+    return report
+
+
+def _select(source: str, step: Optional[str], rollout: Optional[int], all_bundles: bool,
+            options: dict) -> tuple[Backend, list[BundleState]]:
+    """The source backend and the bundles to copy."""
+    want = parse_step(step) if step is not None else None
+    direct = None
+    try:
+        root, name, rank = split_bundle_path(source)
+    except BundleError:
+        rank = None
+    else:
+        if rank is not None:
+            raise UsageError(f"{redact_url(source)}: copy the whole bundle, not one rank of it")
+        try:
+            backend = open_root(root, **options)
+            direct = scan_bundle(backend, name)
+        except NotFoundError:
+            pass
+    if direct is not None:
+        candidates, shown = [direct], f"{redact_url(source)}"
+    else:
+        backend = open_root(source, **options)
+        candidates, shown = scan_bundles(backend), redact_url(source)
+    copyable = [s for s in candidates if s.status in (COMPLETE_STATUS, FINALIZABLE)]
+    if direct is not None and not copyable:
+        raise BundleError(f"{shown}: {direct.status} bundle ({direct.detail}); only complete bundles are copied")
+    if want is not None:
+        chosen = [s for s in copyable if s.anchor and s.anchor.step_id is not None
+                  and (s.anchor.rollout_id, s.anchor.step_id) == want]
+        what = f"--step {want[0]}:{want[1]}"
+    elif rollout is not None:
+        chosen = [s for s in copyable if s.anchor and s.anchor.step_id is None and s.anchor.rollout_id == rollout]
+        what = f"--rollout {rollout}"
+    else:
+        chosen, what = copyable, ""
+    listing = ", ".join(f"{s.name} ({s.anchor})" for s in copyable) or "none"
+    if not chosen:
+        raise SelectionError(f"{shown}: no complete bundle{' matches ' + what if what else ''} (found: {listing})")
+    if direct is None and not what and not all_bundles and len(chosen) > 1:
+        raise SelectionError(f"{shown}: {len(chosen)} bundles ({listing}); choose with --step ROLLOUT:STEP, "
+                             "--rollout ROLLOUT or --all")
+    return backend, chosen
+
+
+def _layers(trees: Sequence[BundleTree]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """(chunk keys, record keys, ref keys) of the trees, each key -> expected size (0 when unknown)."""
+    chunks: dict[str, int] = {}
+    records: dict[str, int] = {}
+    refs: dict[str, int] = {}
+    for tree in trees:
+        for node in [*tree.documents, *(n for _, _, n in tree.payloads)]:
+            refs[blob_ref_key(node.digest)] = 0
+            for r in (node.record, node.ref_record):
+                if r:
+                    records[object_key(r)] = 0
+            chunks.update({object_key(c): s for c, s in node.chunks})
+            for key in node.keys:
+                if key not in refs and key not in records:
+                    chunks.setdefault(key, 0)
+    return chunks, records, refs
+
+
+class _Copier:
+    """Transfers keys the destination lacks, in verified batches on a thread pool."""
+
+    def __init__(self, src: Backend, dest: Backend, report: CopyReport, progress: Progress, workers: int) -> None:
+        self.src, self.dest, self.report, self.progress, self.workers = src, dest, report, progress, workers
+        self._lock = threading.Lock()
+
+    def transfer(self, label: str, keys: dict[str, int]) -> None:
+        present = concurrently(self.dest.exists, list(keys), self.workers)
+        missing = [k for k, there in zip(keys, present) if not there]
+        self.report.objects_skipped += len(keys) - len(missing)
+        self.progress.phase(f"copying {label}", objects=len(missing),
+                            nbytes=sum(keys[k] for k in missing) or None)
+        for batch in _batches(missing, keys):
+            values = self.src.read_many(batch)  # concurrent at the source
+            for key, data in zip(batch, values):
+                _verify(self.src, key, data)
+            concurrently(self._write, list(zip(batch, values)), self.workers)
+
+    def _write(self, item: tuple[str, bytes]) -> None:
+        key, data = item
+        if not self.dest.create_if_absent(key, data) and key.startswith("objects/"):
+            # bytes under a digest that are not that digest's content: replace them with the right ones
+            self.dest.write(key, data)
+        with self._lock:
+            self.report.objects_copied += 1
+            self.report.bytes_copied += len(data)
+        self.progress.advance(1, len(data))
+
+
+def _batches(keys: list[str], sizes: dict[str, int]) -> list[list[str]]:
+    out: list[list[str]] = []
+    total = 0
+    for key in keys:
+        if not out or len(out[-1]) >= BATCH_OBJECTS or total + sizes[key] > BATCH_BYTES:
+            out.append([])
+            total = 0
+        out[-1].append(key)
+        total += sizes[key]
+    return out
+
+
+def _verify(src: Backend, key: str, data: bytes) -> None:
+    where = f"{redact_url(src.url)}/{key}"
+    if key.startswith("objects/"):
+        if not digest_matches(key, data):
+            raise IntegrityError(f"{where}: content does not match its digest; nothing that names it was copied "
+                                 "(run fsck on the source)")
+    elif parse_ref(data) is None:
+        raise IntegrityError(f"{where}: blob ref does not hold a digest")
+
+
+def _write_markers(src: Backend, dest: Backend, state: BundleState, report: CopyReport) -> None:
+    """Rank markers first, then COMPLETE: the destination bundle becomes visible only now, whole."""
+    name = state.name
+    for key in state.marker_keys:
+        if key.endswith(f"/{COMPLETE}"):
+            continue
+        if dest.create_if_absent(key, src.read(key)):
+            report.markers_written += 1
+        else:
+            report.markers_skipped += 1  # an earlier landing of that rank; COMPLETE below decides
+    if state.complete is not None:
+        data = src.read(complete_key(name))
+    else:
+        data = final_marker_bytes([state.rank_markers[r] for r in state.expected_ranks])
+    if dest.exists(complete_key(name)):
+        existing = read_complete(dest, name)
+        if existing is None or _documents(existing) != _documents(parse_complete(data)):
+            raise BundleError(f"{redact_url(dest.url)}/{name}: a different bundle with this name exists at the "
+                              "destination; refusing to overwrite it")
+        report.markers_skipped += 1
+        return
+    if not dest.create_if_absent(complete_key(name), data):
+        existing = read_complete(dest, name)
+        if existing is None or _documents(existing) != _documents(parse_complete(data)):
+            raise BundleError(f"{redact_url(dest.url)}/{name}: a different COMPLETE was written concurrently")
+        report.markers_skipped += 1
+        return
+    report.markers_written += 1
+
+
+def _documents(marker: CompleteMarker) -> dict:
+    return {r: d.digests() for r, d in marker.shards.items()}
+
+
+__all__ = ["CopyReport", "copy_bundles"]

@@ -1,0 +1,75 @@
+"""`export`: write a native bundle out as a self-contained directory in the older V1 layout.
+
+The inverse of `import`: loss masks go back into the index records (`full_index()`), tensors
+are loaded verified and reshaped to their manifest shape, and `bundle.legacy` writes the
+directory (payloads, documents, then COMPLETE last; per rank and a cohort COMPLETE for a
+multi-rank bundle). Importing the result gives a bundle that replays with the same verdicts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from trajectory_replay.bundle import legacy
+from trajectory_replay.bundle.reader import BundleReader, open_native
+from trajectory_replay.bundle.writer import LOSS_MASK
+from trajectory_replay.errors import BundleError
+from trajectory_replay.ops.progress import Progress
+
+
+@dataclass
+class ExportReport:
+    bundle: str
+    out_dir: str
+    bundle_id: str
+    ranks: list[Optional[int]] = field(default_factory=list)
+    payloads: int = 0
+    bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def render_text(self) -> str:
+        ranks = "" if self.ranks == [None] else f" (ranks {self.ranks})"
+        return (f"exported {self.bundle_id}{ranks} to {self.out_dir}: {self.payloads} payloads, "
+                f"{self.bytes} payload bytes (V1 layout)")
+
+
+def export_bundle(bundle: str | os.PathLike, out_dir: str | os.PathLike, *, progress: Optional[Progress] = None,
+                  **storage_options: Any) -> ExportReport:
+    """Write the native bundle at `bundle` to `out_dir` (new or empty) as a V1 bundle directory."""
+    progress = progress or Progress()
+    target = Path(out_dir).expanduser()
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise BundleError(f"{target}: exists and is not an empty directory; export writes a new bundle directory")
+    sources = open_native(os.fspath(bundle), **storage_options)
+    report = ExportReport(os.fspath(bundle), str(target), sources[0].bundle_id, [s.rank for s in sources])
+    progress.phase("export", objects=sum(len(_payload_names(s)) for s in sources),
+                   nbytes=sum(s.spec(n).size for s in sources for n in _payload_names(s)))
+    shards = {}
+    for source in sources:
+        tensors = {}
+        for name in _payload_names(source):
+            spec = source.spec(name)
+            tensors[name] = source.load_payload(name).reshape(spec.shape)
+            report.payloads += 1
+            report.bytes += spec.size
+            progress.advance(1, spec.size)
+        shards[source.rank] = (source.manifest, source.full_index(), source.expected, tensors)
+    if sources[0].rank is None:
+        manifest, index, expected, tensors = shards[None]
+        legacy.write_v1_bundle(target, manifest, index, expected, tensors)
+    else:
+        legacy.write_v1_multirank(target, shards, sources[0].marker.expected_ranks)
+    return report
+
+
+def _payload_names(source: BundleReader) -> list[str]:
+    """Tensor payloads as V1 stores them: loss masks live in the index records instead."""
+    return [n for n in source.manifest.payloads if n != LOSS_MASK]
+
+
+__all__ = ["ExportReport", "export_bundle"]

@@ -1,0 +1,92 @@
+"""`stats`: how much a store holds and how well it deduplicates.
+
+logical_bytes is the sum of payload sizes over every complete bundle and rank (what a naive
+copy per bundle would store); stored_bytes is the bytes of the unique chunks those payload
+blobs reference (what the store holds for them). Documents and records are left out of both,
+so dedup_ratio = logical_bytes / stored_bytes measures payload sharing only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from trajectory_replay.backends import redact_url
+from trajectory_replay.ops.ls import human_bytes
+from trajectory_replay.ops.walk import COMPLETE_STATUS, Walker, open_root, scan_bundles
+
+
+@dataclass
+class KindStats:
+    """One payload name across the store."""
+
+    payloads: int = 0
+    logical_bytes: int = 0
+    stored_bytes: int = 0
+    dedup_ratio: float = 0.0
+
+
+@dataclass
+class StoreStats:
+    root: str
+    bundles: int = 0
+    complete_bundles: int = 0
+    objects: int = 0
+    blob_refs: int = 0
+    logical_bytes: int = 0
+    stored_bytes: int = 0
+    dedup_ratio: float = 0.0
+    kinds: dict[str, KindStats] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def render_text(self) -> str:
+        lines = [f"store {self.root}: {self.bundles} bundles ({self.complete_bundles} complete), "
+                 f"{self.objects} objects, {self.blob_refs} blob refs",
+                 f"  payloads: {human_bytes(self.logical_bytes)} logical, {human_bytes(self.stored_bytes)} stored, "
+                 f"dedup ratio {self.dedup_ratio:.2f}"]
+        width = max((len(k) for k in self.kinds), default=0)
+        for name, k in sorted(self.kinds.items()):
+            lines.append(f"  {name.ljust(width)}  {k.payloads:>4} payloads  {human_bytes(k.logical_bytes):>10} logical  "
+                         f"{human_bytes(k.stored_bytes):>10} stored  x{k.dedup_ratio:.2f}")
+        return "\n".join(lines)
+
+
+def _ratio(logical: int, stored: int) -> float:
+    return logical / stored if stored else 0.0
+
+
+def store_stats(root: str | os.PathLike, **storage_options: Any) -> StoreStats:
+    """Counts, logical and stored payload bytes, the dedup ratio, and a breakdown per payload name."""
+    backend = open_root(root, **storage_options)
+    states = scan_bundles(backend)
+    complete = [s for s in states if s.status == COMPLETE_STATUS]
+    trees = Walker(backend).trees(complete)
+    out = StoreStats(redact_url(os.fspath(root)), bundles=len(states), complete_bundles=len(complete))
+    out.objects = len(backend.list("objects/"))
+    out.blob_refs = len(backend.list("blobs/"))
+    chunks: dict[str, int] = {}
+    kind_chunks: dict[str, dict[str, int]] = {}
+    for tree in trees.values():
+        out.logical_bytes += tree.logical_bytes
+        chunks.update(tree.payload_chunks())
+        for _rank, spec, node in tree.payloads:
+            kind = out.kinds.setdefault(spec.name, KindStats())
+            kind.payloads += 1
+            kind.logical_bytes += spec.size
+            kind_chunks.setdefault(spec.name, {}).update(node.chunks)
+    out.stored_bytes = sum(chunks.values())
+    out.dedup_ratio = _ratio(out.logical_bytes, out.stored_bytes)
+    for name, kind in out.kinds.items():
+        kind.stored_bytes = sum(kind_chunks[name].values())
+        kind.dedup_ratio = _ratio(kind.logical_bytes, kind.stored_bytes)
+    return out
+
+
+__all__ = ["KindStats", "StoreStats", "store_stats"]
