@@ -1,0 +1,1 @@
+"""Benchmarks of trajectory-replay: `python -m benchmarks [--only store,...] [--quick]` (see benchmarks/run.py)."""
