@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 from benchmarks.common import Context, Row, fmt_bytes, fmt_secs, median
 from benchmarks.data import GROUP_SIZE, big_case
@@ -12,42 +13,46 @@ from benchmarks.data import GROUP_SIZE, big_case
 GROUP = "replay"
 TITLE = "replay: recompute, memory, lazy remote reads"
 HOW = """\
-The 2,048 x 2,048 bundle of the bundle benchmarks, on local disk. Each command runs in a fresh
-Python process; its net time is its wall time minus that of a process doing only the bare
-`import torch, trajectory_replay` (measured interleaved, medians). **replay vs validate**: full
-replay (all six stages) against `validate`, which reads and verifies every payload. **memory**:
-peak RSS (`ru_maxrss`) of a process running the replay, minus its resident size right after the bare import,
-against the payload bytes. **S3 group**: replay of one group whose members are scattered across
+The 2,048 x 2,048 bundle of the bundle benchmarks, on local disk. Each command is the CLI in a
+fresh process (`python -m trajectory_replay replay PATH --json`, `... validate PATH`); its net time
+is its wall time minus that of a process doing only the bare `import torch, trajectory_replay`
+(the three interleaved, medians). **replay vs validate**: full replay (all six stages) against
+`validate`, which reads and verifies every payload. **memory**: peak RSS (`VmHWM` of the child process)
+of the replay process minus that of the bare-import process, against the payload bytes. **S3 group**: replay of one group whose members are scattered across
 the bundle, by `s3://` URL with an empty cache; every byte fetched at the backend counts."""
 
-_TIMED = r"""
-import sys, time, resource
-t0 = time.perf_counter()
-import torch, trajectory_replay
-from trajectory_replay.bundle import open_sources
-from trajectory_replay.replay import replay
-from trajectory_replay.replay.validate import validate_sources
-imported = time.perf_counter()
-import os
-with open("/proc/self/statm") as f:  # resident now, after the import (its transient peak may be higher)
-    base_rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-mode, path = sys.argv[1], sys.argv[2]
-if mode == "replay":
-    ok = replay(open_sources(path)).passed
-elif mode == "validate":
-    ok = validate_sources(path, open_sources(path)).valid
-else:
-    ok = True
-done = time.perf_counter()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print({"net": done - imported, "total": done - t0, "import": imported - t0, "ok": ok,
-       "base_rss": base_rss, "peak_rss": peak}.__repr__())
+# Runs a command in this fresh process and reports its own high-water RSS. VmHWM belongs to the
+# process image, so unlike ru_maxrss it does not inherit the benchmark parent's size across fork/exec.
+_PEAK = r"""
+import runpy, sys
+def _peak():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+code = 0
+try:
+    if sys.argv[1] == "--import-only":
+        import torch, trajectory_replay
+    else:
+        sys.argv = ["trajectory-replay", *sys.argv[1:]]
+        from trajectory_replay.cli import main
+        main()
+except SystemExit as exc:
+    code = exc.code or 0
+sys.stderr.write(f"\nPEAK_RSS={_peak()}\n")
+sys.exit(code)
 """
 
 
-def _measure(mode: str, path: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", _TIMED, mode, path], capture_output=True, text=True, check=True)
-    return eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - our own child's repr of a dict of numbers
+def _measure(args: list[str]) -> tuple[float, int]:
+    """(wall seconds, peak RSS bytes) of one fresh process running the CLI with `args`."""
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", _PEAK, *args], check=False, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE,
+                         text=True)
+    wall = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed: {out.stderr[-500:]}")
+    return wall, int(out.stderr.rsplit("PEAK_RSS=", 1)[1])
 
 
 def run(ctx: Context) -> list[Row]:
@@ -64,19 +69,19 @@ def run(ctx: Context) -> list[Row]:
     payload_bytes = sum(t.numel() * t.element_size() for t in case.payloads.values()) + case.loss_masks.numel()
     path = str(local / "big")
 
-    samples: dict[str, list[dict]] = {"import": [], "replay": [], "validate": []}
-    for _ in range(ctx.reps(3)):
-        for mode in samples:
-            samples[mode].append(_measure(mode, path))
-    assert all(s["ok"] for s in samples["replay"]), "the benchmark bundle must replay with a pass"
-    imp = median([s["total"] for s in samples["import"]])
-    replay_net = median([s["total"] for s in samples["replay"]]) - imp
-    validate_net = median([s["total"] for s in samples["validate"]]) - imp
+    commands = {"import": ["--import-only"], "replay": ["replay", path, "--json"], "validate": ["validate", path]}
+    samples: dict[str, list[tuple[float, int]]] = {name: [] for name in commands}
+    for _ in range(ctx.reps(5)):
+        for name, args in commands.items():  # interleaved, so load changes hit all three alike
+            samples[name].append(_measure(args))
+    imp = median([w for w, _ in samples["import"]])
+    replay_net = median([w for w, _ in samples["replay"]]) - imp
+    validate_net = median([w for w, _ in samples["validate"]]) - imp
     ratio = replay_net / validate_net
     rows = [Row(GROUP, f"full replay vs validate, {n}x2048 local, net of bare import", f"{ratio:.2f}x",
                 "<= 1.5x", ratio <= 1.5,
                 f"replay {fmt_secs(replay_net)}, validate {fmt_secs(validate_net)}, import {fmt_secs(imp)}")]
-    extra = median([s["peak_rss"] - s["base_rss"] for s in samples["replay"]])
+    extra = median([r for _, r in samples["replay"]]) - median([r for _, r in samples["import"]])
     mem_ratio = extra / payload_bytes
     rows.append(Row(GROUP, "replay peak memory above bare import", f"{mem_ratio:.2f}x payload bytes",
                     "<= 2x", mem_ratio <= 2.0, f"{fmt_bytes(extra)} above import, payloads {fmt_bytes(payload_bytes)}"))

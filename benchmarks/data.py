@@ -13,8 +13,17 @@ from typing import NamedTuple
 import torch
 
 from trajectory_replay.bundle.schema import (
-    ActorStepId, BundleIndex, ComparisonPolicy, Identity, Manifest, ProducerInfo, RecomputeConfig, SampleRecord,
-    StageCapability, StageContract, StageId,
+    ActorStepId,
+    BundleIndex,
+    ComparisonPolicy,
+    Identity,
+    Manifest,
+    ProducerInfo,
+    RecomputeConfig,
+    SampleRecord,
+    StageCapability,
+    StageContract,
+    StageId,
 )
 
 GROUP_SIZE = 8

@@ -262,6 +262,9 @@ def export_cmd(
 
 def main() -> None:
     """Console-script entry point."""
+    from trajectory_replay._allocator import return_large_buffers_to_os
+
+    return_large_buffers_to_os()
     app(prog_name="trajectory-replay")
 
 

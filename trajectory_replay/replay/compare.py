@@ -8,6 +8,7 @@ expected list on its prefix. Every mismatch is mapped back to (sample_id, token 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -118,16 +119,18 @@ def compare_tensors(field: str, expected: torch.Tensor, actual: torch.Tensor, la
         return FieldComparison(field=field, compared=0, problems=(
             f"{field}: expected has {e.numel()} values, actual has {a.numel()}",))
     diff = torch.sub(a, e).abs_()
-    # NaN compares false, so `not within` also catches NaN and Inf on either side (inf - inf is NaN)
-    bad = diff.le(e.abs().mul_(tol.rtol).add_(tol.atol)).logical_not_()
-    count = int(bad.sum())
+    max_err = float(diff.max()) if e.numel() else None
+    # one fused pass for |a - e| <= atol + rtol * |e|; NaN is never close
+    bad = torch.isclose(a, e, rtol=tol.rtol, atol=tol.atol).logical_not_()
     problems: list[str] = []
-    if count == 0:  # every value finite and within tolerance: the common case, no extra passes
-        max_err = float(diff.max()) if e.numel() else None
-    else:
+    if max_err is not None and not math.isfinite(max_err):
+        # a non-finite value on either side (isclose calls equal infinities close): always a mismatch
+        finite_e, finite_a = torch.isfinite(e), torch.isfinite(a)
+        bad |= ~(finite_e & finite_a)
         max_err = float(diff.masked_fill_(~torch.isfinite(diff), 0.0).max())
-        for side, values in (("expected", e), ("actual", a)):
-            problems.extend(_nonfinite_problem(field, side, torch.isfinite(values), values, layout))
+        for side, finite, values in (("expected", finite_e, e), ("actual", finite_a, a)):
+            problems.extend(_nonfinite_problem(field, side, finite, values, layout))
+    count = int(bad.sum())
     del diff
     positions = bad.nonzero().flatten()[:MAX_DIVERGENCES]
     divergences = tuple(

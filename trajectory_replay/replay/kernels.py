@@ -76,21 +76,24 @@ def grpo_advantages(rewards: torch.Tensor, response_lengths: torch.Tensor) -> to
 class MaskedMeans:
     """V1 reduction R(x) = sum_i [ sum_t x_it m_it / max(T_i, 1) ]: a sum of per-sample masked means.
 
-    The mask (as float64) and the token counts are computed once and shared by every reduction of
-    one cohort; sums are segment reductions over the response lengths, accumulated in float64 so
-    that our own rounding stays far below the comparison tolerance.
+    The token counts are computed once and shared by every reduction of one cohort; sums are
+    segment reductions over the response lengths, accumulated in float64 so that our own rounding
+    stays far below the comparison tolerance. `sample_sums` gives the per-sample masked sums, so a
+    caller may reduce a cohort block by block and add the results.
     """
 
     def __init__(self, mask: torch.Tensor, response_lengths: torch.Tensor) -> None:
         self.lengths = response_lengths.to(torch.int64)
-        self.mask = mask  # 0/1 in its own (small) dtype; products are taken in float64
-        self.tokens = torch.segment_reduce(mask.to(torch.float64), "sum", lengths=self.lengths).clamp_(min=1.0)
+        self.mask = mask.to(torch.float64)  # callers reduce block by block, so this stays small
+        self.tokens = torch.segment_reduce(self.mask, "sum", lengths=self.lengths).clamp_(min=1.0)
+
+    def sample_sums(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-sample sums of values * mask, in float64."""
+        weighted = values.to(torch.float64).mul_(self.mask)
+        return torch.segment_reduce(weighted, "sum", lengths=self.lengths)
 
     def __call__(self, values: torch.Tensor) -> float:
-        weighted = values.to(torch.float64).mul_(self.mask)
-        sums = torch.segment_reduce(weighted, "sum", lengths=self.lengths)
-        del weighted
-        return float(sums.div_(self.tokens).sum())
+        return float(self.sample_sums(values).div_(self.tokens).sum())
 
 
 def sum_of_masked_means(values: torch.Tensor, mask: torch.Tensor, response_lengths: torch.Tensor) -> float:
@@ -131,16 +134,44 @@ def policy_loss_outputs(log_probs: torch.Tensor, old_log_probs: torch.Tensor, ad
                         entropy: torch.Tensor, mask: torch.Tensor, response_lengths: torch.Tensor, *,
                         eps_clip: float, eps_clip_high: float, eps_clip_c: Optional[float],
                         entropy_coef: float) -> dict[str, float]:
-    """The loss.policy scalars: loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl (reduced with R)."""
-    reduce = MaskedMeans(mask, response_lengths)
-    out = {"entropy_loss": reduce(entropy)}
-    terms = ppo_policy_loss_tokens(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high, eps_clip_c)
-    out["ppo_kl"] = reduce(terms.ppo_kl)
-    out["pg_clipfrac"] = reduce(terms.clipfrac)
-    out["pg_loss"] = reduce(terms.pg)
-    del terms
+    """The loss.policy scalars: loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl (reduced with R).
+
+    Computed over blocks of whole samples (about `BLOCK_TOKENS` tokens each), so the per-token
+    temporaries stay a small fraction of the inputs however large the cohort; per-sample sums are
+    exact to float64 either way, so the result does not depend on the blocking.
+    """
+    lengths = response_lengths.to(torch.int64)
+    fields = ("entropy_loss", "ppo_kl", "pg_clipfrac", "pg_loss")
+    per_sample = {f: [] for f in fields}
+    tokens: list[torch.Tensor] = []
+    for first, last, start, end in _sample_blocks(lengths):
+        reduce = MaskedMeans(mask[start:end], lengths[first:last])
+        terms = ppo_policy_loss_tokens(log_probs[start:end], old_log_probs[start:end], advantages[start:end],
+                                       eps_clip, eps_clip_high, eps_clip_c)
+        per_sample["entropy_loss"].append(reduce.sample_sums(entropy[start:end]))
+        per_sample["ppo_kl"].append(reduce.sample_sums(terms.ppo_kl))
+        per_sample["pg_clipfrac"].append(reduce.sample_sums(terms.clipfrac))
+        per_sample["pg_loss"].append(reduce.sample_sums(terms.pg))
+        tokens.append(reduce.tokens)
+        del terms
+    count = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.float64)
+    out = {f: float((torch.cat(v) if v else count).div(count).sum()) if v else 0.0 for f, v in per_sample.items()}
     out["loss"] = out["pg_loss"] - entropy_coef * out["entropy_loss"]
     return out
+
+
+BLOCK_TOKENS = 1 << 19
+
+
+def _sample_blocks(lengths: torch.Tensor):
+    """(first sample, end sample, first token, end token) of consecutive blocks of whole samples."""
+    first, start, acc = 0, 0, 0
+    ends = torch.cumsum(lengths, 0).tolist()
+    for i, end in enumerate(ends):
+        acc = end - start
+        if acc >= BLOCK_TOKENS or i == len(ends) - 1:
+            yield first, i + 1, start, end
+            first, start = i + 1, end
 
 
 __all__ = ["GRPO_STD_EPS", "KL_TYPES", "PolicyLossTokens", "check_kl_type", "dense_group_ids", "grpo_advantages",
