@@ -1,0 +1,131 @@
+"""Environment configuration: parsing, every bad value (a clear error naming the variable), off by default."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from trajectory_replay import capture
+from trajectory_replay.capture import CaptureConfigError, load_config
+from trajectory_replay.capture.config import ENV_CAPTURE, ENV_DIR, ENV_ROLLOUTS, ENV_STEPS
+from trajectory_replay.errors import TrajectoryReplayError
+from tests.capture.helpers import microbatch_kwargs, rollout_kwargs
+
+
+def test_off_by_default():
+    config = load_config({})
+    assert not config.enabled and config.capture_dir is None
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "Yes", "on", " On "])
+def test_switch_on(value):
+    config = load_config({ENV_CAPTURE: value, ENV_DIR: "/tmp/x"})
+    assert config.enabled and config.capture_dir == "/tmp/x"
+    assert config.steps is None and config.rollouts is None
+    assert config.wants_step(3, 4) and config.wants_rollout(9)
+
+
+@pytest.mark.parametrize("value", ["0", "false", "No", "OFF", ""])
+def test_switch_off_ignores_the_rest(value):
+    # while off, the other variables are not read: a bad one cannot break a run that does not capture
+    config = load_config({ENV_CAPTURE: value, ENV_STEPS: "garbage", ENV_DIR: "ftp://nope"})
+    assert not config.enabled
+
+
+def test_filters():
+    config = load_config({ENV_CAPTURE: "1", ENV_DIR: "s3://bucket/run-42", ENV_STEPS: "1:0, 2:3,2:3",
+                          ENV_ROLLOUTS: "4,5"})
+    assert config.capture_dir == "s3://bucket/run-42"
+    assert config.steps == {(1, 0), (2, 3)} and config.rollouts == {4, 5}
+    assert config.wants_step(2, 3) and not config.wants_step(3, 2)
+    assert config.wants_rollout(5) and not config.wants_rollout(6)
+
+
+def test_empty_filters_mean_no_filter():
+    config = load_config({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: " ", ENV_ROLLOUTS: ""})
+    assert config.steps is None and config.rollouts is None
+
+
+@pytest.mark.parametrize("env, variable, shown", [
+    ({ENV_CAPTURE: "2"}, ENV_CAPTURE, "'2'"),
+    ({ENV_CAPTURE: "enable"}, ENV_CAPTURE, "'enable'"),
+    ({ENV_CAPTURE: "1"}, ENV_DIR, "not set"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "  "}, ENV_DIR, "not set"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "ftp://host/x"}, ENV_DIR, "'ftp://host/x'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "s3://"}, ENV_DIR, "'s3://'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "3"}, ENV_STEPS, "'3'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:2:3"}, ENV_STEPS, "'1:2:3'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "a:1"}, ENV_STEPS, "'a:1'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:-1"}, ENV_STEPS, "'1:-1'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:1,,2:2"}, ENV_STEPS, "'1:1,,2:2'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:"}, ENV_STEPS, "'1:'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:²"}, ENV_STEPS, "'1:²'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "x"}, ENV_ROLLOUTS, "'x'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1,-2"}, ENV_ROLLOUTS, "'1,-2'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1.5"}, ENV_ROLLOUTS, "'1.5'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1,"}, ENV_ROLLOUTS, "'1,'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1:2"}, ENV_ROLLOUTS, "'1:2'"),
+])
+def test_bad_values_name_the_variable(env, variable, shown):
+    with pytest.raises(CaptureConfigError) as info:
+        load_config(env)
+    message = str(info.value)
+    assert variable in message and shown in message and "\n" not in message
+    assert isinstance(info.value, TrajectoryReplayError)
+
+
+def test_maybe_enable_raises_config_errors_at_startup(monkeypatch):
+    monkeypatch.setenv(ENV_CAPTURE, "maybe")
+    with pytest.raises(CaptureConfigError, match=ENV_CAPTURE):
+        capture.maybe_enable_for_actor(0, True, [0])
+    monkeypatch.setenv(ENV_CAPTURE, "1")
+    monkeypatch.setenv(ENV_DIR, "s3://ab/x")  # a bucket name needs 3+ characters
+    with pytest.raises(CaptureConfigError, match=ENV_DIR):
+        capture.maybe_enable_for_actor(0, True, [0])
+    assert capture.get_manager() is None
+
+
+def test_capture_off_starts_nothing_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "cap"))  # a directory is named, but the switch is off
+    before = threading.active_count()
+    assert capture.maybe_enable_for_actor(0, True, [0]) is None
+    assert capture.get_manager() is None and capture.stats() is None
+    assert capture.capture_rollout(1, **rollout_kwargs()) is None
+    assert capture.capture_microbatch(1, 0, "mb-0000", **microbatch_kwargs([0, 1])) is None
+    assert capture.capture_step_end(1, 0, loss=0, pg_loss=0, entropy_loss=0, pg_clipfrac=0, ppo_kl=0,
+                                    config={}) is None
+    assert capture.capture_slime_rollout(1, {}, config={}) is None
+    assert threading.active_count() == before
+    assert not (tmp_path / "cap").exists() and os.listdir(tmp_path) == []
+
+
+def test_non_producer_ranks_stay_silent(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_CAPTURE, "1")
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "cap"))
+    before = threading.active_count()
+    assert capture.maybe_enable_for_actor(3, False, [0, 1]) is None
+    assert capture.get_manager() is None
+    assert threading.active_count() == before
+    assert not (tmp_path / "cap").exists()
+
+
+def test_producer_rank_starts_one_writer(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_CAPTURE, "yes")
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "cap"))
+    before = threading.active_count()
+    manager = capture.maybe_enable_for_actor(1, True, [0, 1], atexit_timeout=None)
+    assert manager is capture.get_manager() and manager.running
+    assert manager.multi_producer and manager.rank == 1 and manager.expected_ranks == [0, 1]
+    assert threading.active_count() == before + 1
+    assert capture.shutdown(timeout=10)
+    assert capture.get_manager() is None and not manager.running
+    assert threading.active_count() == before
+
+
+def test_rank_must_be_expected(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_CAPTURE, "1")
+    monkeypatch.setenv(ENV_DIR, str(tmp_path))
+    with pytest.raises(ValueError, match="expected_ranks"):
+        capture.maybe_enable_for_actor(2, True, [0, 1])
