@@ -26,7 +26,8 @@ class Progress:
 class RichProgress(Progress):
     """A rich progress bar on stderr: description, bar, objects done/total, bytes, rate."""
 
-    def __init__(self) -> None:
+    def __init__(self, console=None) -> None:
+        """`console`: a rich Console to draw on (default: stderr)."""
         from rich.console import Console
         from rich.progress import (
             BarColumn, DownloadColumn, Progress as Bar, TextColumn, TimeElapsedColumn, TransferSpeedColumn,
@@ -35,7 +36,7 @@ class RichProgress(Progress):
         self._bar = Bar(TextColumn("{task.description}"), BarColumn(),
                         TextColumn("{task.fields[done]}/{task.fields[objects]} objects"),
                         DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
-                        console=Console(stderr=True), transient=False)
+                        console=console or Console(stderr=True), transient=False)
         self._task = None
         self._lock = threading.Lock()
         self._done = 0

@@ -119,17 +119,19 @@ def compare_tensors(field: str, expected: torch.Tensor, actual: torch.Tensor, la
         return FieldComparison(field=field, compared=0, problems=(
             f"{field}: expected has {e.numel()} values, actual has {a.numel()}",))
     diff = torch.sub(a, e).abs_()
-    max_err = float(diff.max()) if e.numel() else None
-    # one fused pass for |a - e| <= atol + rtol * |e|; NaN is never close
-    bad = torch.isclose(a, e, rtol=tol.rtol, atol=tol.atol).logical_not_()
+    max_err = float(diff.max()) if e.numel() else None  # NaN anywhere makes the max NaN
     problems: list[str] = []
-    if max_err is not None and not math.isfinite(max_err):
-        # a non-finite value on either side (isclose calls equal infinities close): always a mismatch
-        finite_e, finite_a = torch.isfinite(e), torch.isfinite(a)
-        bad |= ~(finite_e & finite_a)
-        max_err = float(diff.masked_fill_(~torch.isfinite(diff), 0.0).max())
-        for side, finite, values in (("expected", finite_e, e), ("actual", finite_a, a)):
-            problems.extend(_nonfinite_problem(field, side, finite, values, layout))
+    if max_err is None or max_err <= tol.atol:
+        bad = torch.zeros(e.numel(), dtype=torch.bool)  # every error within atol <= the bound: all match
+    else:
+        bad = diff > e.abs().mul_(tol.rtol).add_(tol.atol)
+        if not math.isfinite(max_err):
+            # NaN never compares greater and inf - inf is NaN: add every non-finite value explicitly
+            finite_e, finite_a = torch.isfinite(e), torch.isfinite(a)
+            bad |= ~(finite_e & finite_a)
+            max_err = float(diff.masked_fill_(~torch.isfinite(diff), 0.0).max())
+            for side, finite, values in (("expected", finite_e, e), ("actual", finite_a, a)):
+                problems.extend(_nonfinite_problem(field, side, finite, values, layout))
     count = int(bad.sum())
     del diff
     positions = bad.nonzero().flatten()[:MAX_DIVERGENCES]
