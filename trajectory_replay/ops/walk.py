@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
@@ -408,10 +407,6 @@ RECORD_PREFIX = re.compile(rb'\{"format":"trajectory-replay\.blob/')
 def looks_like_record(head: bytes) -> bool:
     """True when an object's first bytes are those of a blob record."""
     return bool(RECORD_PREFIX.match(head))
-
-
-def now() -> float:
-    return time.time()
 
 
 __all__ = [
