@@ -221,3 +221,48 @@ def test_a_capture_that_starts_reusing_inside_a_batch_window_is_reported(tmp_pat
     monkeypatch.setattr(gc_mod._Collector, "_delete", delete_after_a_capture_listed)
     report = collect_garbage(root, grace="0s")
     assert target in report.conflicts and "WARNING" in report.render_text()
+
+
+def test_writer_refuses_to_commit_when_a_sweep_removed_what_it_listed(tmp_path):
+    """The race re-reading cannot close: an object listed just after a batch's re-read and deleted by it."""
+    from trajectory_replay.backends import open_backend
+    from trajectory_replay.bundle import BundleWriter
+    from trajectory_replay.bundle.writer import GC_EPOCH_KEY
+    from trajectory_replay.errors import BundleError
+    from trajectory_replay.replay import canonical_case
+    from trajectory_replay.store import object_key
+
+    root = str(tmp_path / "store")
+    case = canonical_case(False)
+    writer = BundleWriter(f"{root}/b-00001", case.manifest, case.index, case.expected)
+    for name, tensor in case.payloads.items():
+        writer.write_payload(name, tensor)
+    backend = open_backend(root)
+    victim = writer.payloads["kl"].record
+    backend.delete(object_key(victim))        # what the losing batch deleted
+    backend.write(GC_EPOCH_KEY, b"after-a-sweep")  # and the sweep ended
+    with pytest.raises(BundleError, match="removed by a concurrent gc"):
+        writer.finalize()
+    assert not backend.exists("b-00001/COMPLETE")
+
+
+def test_writer_waits_for_a_running_sweep_before_committing(tmp_path):
+    import json
+    import threading
+    import time as _time
+
+    from trajectory_replay.backends import open_backend
+    from trajectory_replay.bundle.writer import GC_LEASE_PREFIX
+    from tests.bundle.helpers import write_canonical
+
+    root = str(tmp_path / "store")
+    backend = open_backend(root)
+    backend.write(f"{GC_LEASE_PREFIX}x", json.dumps({"expires": _time.time() + 60}).encode())
+    threading.Timer(0.6, lambda: backend.delete(f"{GC_LEASE_PREFIX}x")).start()
+    started = _time.monotonic()
+    write_canonical(root)
+    assert _time.monotonic() - started >= 0.5
+    assert backend.exists("b-00001/COMPLETE")
+    backend.write(f"{GC_LEASE_PREFIX}dead", json.dumps({"expires": _time.time() - 1}).encode())
+    write_canonical(root, name="b-2")  # an expired lease (its gc died) is not waited for
+    assert backend.exists("b-2/COMPLETE")

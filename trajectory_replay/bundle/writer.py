@@ -55,6 +55,37 @@ def anchor_of(index: BundleIndex) -> dict[str, Any]:
     return {"rollout_id": ident.rollout_id}
 
 
+GC_EPOCH_KEY = ".gc/epoch"
+"""Rewritten by gc after every sweep that deleted something."""
+GC_LEASE_PREFIX = ".gc/lease-"
+"""Held by gc while it sweeps: {"expires": t}. Renewed before each batch."""
+GC_WAIT_LIMIT = 30 * 60.0
+
+
+def read_gc_epoch(backend) -> Optional[bytes]:
+    """The current gc epoch (None before any sweep)."""
+    try:
+        return backend.read(GC_EPOCH_KEY)
+    except TrajectoryReplayError:
+        return None
+
+
+def wait_for_gc_sweeps(backend, limit: float = GC_WAIT_LIMIT) -> None:
+    """Wait while a gc sweep holds an unexpired lease (a lease whose gc died expires on its own)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        active = False
+        for key in backend.list(GC_LEASE_PREFIX):
+            try:
+                expires = float(json.loads(backend.read(key)).get("expires", 0))
+            except (ValueError, TypeError, AttributeError, TrajectoryReplayError):
+                continue
+            active = active or expires > time.time()
+        if not active:
+            return
+        time.sleep(0.2)
+
+
 def inflight_records(backend) -> list[dict]:
     """The in-flight records of a store root (unreadable ones are skipped: they are being replaced)."""
     out = []
@@ -137,6 +168,8 @@ class BundleWriter:
         self.unsafe_markers = unsafe_markers
         self.attempt = uuid.uuid4().hex
         self.inflight = InflightRecord(self.store, self.attempt, self.name, inflight_ttl)
+        # read before anything is listed: a sweep that ends after this changes the epoch
+        self._gc_epoch = read_gc_epoch(self.store.backend)
         self.payloads: dict[str, PayloadSpec] = {}
         self._finalized = False
         self._row_starts = _row_starts(self.index)
@@ -190,6 +223,7 @@ class BundleWriter:
         self._check_open()
         documents = self._write_documents()
         backend = self.store.backend
+        self._check_survived_gc()
         backend.require_atomic_create(unsafe=self.unsafe_markers)
         if self.rank is None:
             ranks = list(ranks) if ranks is not None else [0]
@@ -213,6 +247,22 @@ class BundleWriter:
         self.inflight.remove()
         self._finalized = True
         return result
+
+    def _check_survived_gc(self) -> None:
+        """Refuse to commit if a gc sweep that ran meanwhile removed an object this bundle lists.
+
+        gc spares what in-flight records name when it re-reads them before each batch; an object
+        listed just after such a re-read could still go in that batch. Waiting out any running sweep
+        and re-checking when the epoch moved closes that window: the bundle is committed whole or not
+        at all (the caller may write it again)."""
+        backend = self.store.backend
+        wait_for_gc_sweeps(backend)
+        if read_gc_epoch(backend) == self._gc_epoch:
+            return
+        missing = [d for d in self.inflight.digests if not self.store.has(d)]
+        if missing:
+            raise BundleError(f"{self.url}: {len(missing)} object(s) this bundle reuses were removed by a "
+                              f"concurrent gc (first {missing[0]}); nothing was committed, write the bundle again")
 
     def _land_rank(self, rank: int, documents: Documents) -> None:
         backend = self.store.backend

@@ -20,11 +20,12 @@ Order matters, because writers run concurrently and take no lock:
    chunks of a listed blob or record, even when this run already removed the blob's ref) and
    new markers are looked for.
 
-Residual race (narrowed, not closed: closing it needs the writer's help): a writer that lists
-an orphaned object after the re-read of a batch and finds it present before that batch
-deletes it, loses it. The window is one batch's deletes. `store.ObjectStore.put` re-checks a
-reused blob's ref after listing it, and a removed ref's record and chunks stay protected, so
-reusing a whole blob is safe; a detected loss is reported in `conflicts`.
+The window that re-reading cannot close (a writer lists an orphaned object just after the
+re-read of a batch, finds it present, and the batch then deletes it) is closed with the writer:
+gc holds a sweep lease `.gc/lease-<run>` while it deletes and moves the epoch `.gc/epoch` when it
+is done; a writer about to commit waits out any live lease and, when the epoch moved since it
+started, checks that everything it listed still exists, refusing to commit otherwise. So a
+bundle that completes is whole; a capture that loses the race fails cleanly and is written again.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ import json
 import os
 import re
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional
 
 from trajectory_replay.backends import Backend, redact_url
-from trajectory_replay.bundle.writer import DEFAULT_INFLIGHT_TTL, INFLIGHT_FORMAT
+from trajectory_replay.bundle.writer import DEFAULT_INFLIGHT_TTL, GC_EPOCH_KEY, GC_LEASE_PREFIX, INFLIGHT_FORMAT
 from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError, UsageError
 from trajectory_replay.ops.progress import Progress
 from trajectory_replay.ops.walk import (
@@ -50,6 +52,8 @@ from trajectory_replay.store.digest import blob_ref_key, digest_from_key, object
 DEFAULT_GRACE = "24h"
 INFLIGHT_PREFIX = ".inflight/"
 DELETE_BATCH = 128
+LEASE_SECONDS = 300.0
+"""A sweep lease outlives a batch by far; a gc that dies leaves a lease that expires on its own."""
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 
@@ -166,6 +170,7 @@ class _Collector:
         self.backend, self.grace, self.dry_run, self.progress = backend, grace, dry_run, progress
         self.start = time.time()
         self.cutoff = self.start - grace
+        self.lease_key = f"{GC_LEASE_PREFIX}{uuid.uuid4().hex}"
         self.walker = Walker(backend)
         self.report = GcReport(shown, dry_run, grace)
         self.inflight_digests: set[str] = set()
@@ -192,6 +197,7 @@ class _Collector:
         markers = self._aged([k for s in abandoned for k in s.marker_keys])
         self._read_candidate_refs(candidates)
         self.candidates = set(candidates) | set(markers)
+        self._hold_lease()  # writers that commit from now on wait for this sweep, then re-check
         protected = self._refresh()
         self.report.protected_by_inflight = len(protected & set(candidates))
         expired = self._aged([r.key for r in inflight if not r.live(self.start)])
@@ -202,14 +208,18 @@ class _Collector:
                             objects=sum(map(len, layers)) + len(expired),
                             nbytes=sum(self.sizes.get(k, 0) for layer in layers for k in layer))
         first = True
-        for layer in layers:
-            for batch in batched(layer, DELETE_BATCH):
-                if not first:
-                    self._refresh()
-                first = False
-                self._delete([k for k in batch if k in self.candidates])
-        if self.report.removed and not self.dry_run:
-            self._refresh(final=True)  # only to detect conflicts with captures that started meanwhile
+        try:
+            for layer in layers:
+                for batch in batched(layer, DELETE_BATCH):
+                    if not first:
+                        self._hold_lease()
+                        self._refresh()
+                    first = False
+                    self._delete([k for k in batch if k in self.candidates])
+            if self.report.removed and not self.dry_run:
+                self._refresh(final=True)  # only to detect conflicts with captures that started meanwhile
+        finally:
+            self._release_lease()
         if expired:  # a writer past its TTL may have refreshed its record meanwhile: look again
             still = {r.key: r for r in read_inflight(self.backend)}
             self._delete([k for k in expired if k in still and not still[k].live(time.time())])
@@ -279,6 +289,19 @@ class _Collector:
         return self.record_kind.get(digest_from_key(key) or "") is not None
 
     # ---- protection -----------------------------------------------------------------------------
+    def _hold_lease(self) -> None:
+        """Take (or renew) this run's sweep lease; writers committing meanwhile wait for it."""
+        if not self.dry_run:
+            self.backend.write(self.lease_key, json.dumps({"expires": time.time() + LEASE_SECONDS}).encode())
+
+    def _release_lease(self) -> None:
+        """Move the epoch if anything was deleted (writers then re-check what they listed), drop the lease."""
+        if self.dry_run:
+            return
+        if self.report.removed:
+            self.backend.write(GC_EPOCH_KEY, uuid.uuid4().hex.encode())
+        self.backend.delete(self.lease_key)
+
     def _refresh(self, final: bool = False) -> set[str]:
         """Re-read in-flight records and look for new markers; drop what they need from the candidates."""
         self._read_inflight()
