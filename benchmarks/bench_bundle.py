@@ -11,7 +11,8 @@ HOW = """\
 A bundle of 2,048 samples x 2,048 response tokens (six float32 per-token payloads plus the uint8
 loss mask, about 100 MB) on the S3 server. **write**: `BundleWriter` (safetensors encoding, row
 cuts, in-flight record, documents, completion marker) against `ObjectStore.put` of the same six
-tensors' bytes plus the mask into a fresh prefix, interleaved, median of the repetitions.
+tensors' bytes plus the mask, with the same sample-row cut points, into a fresh prefix: what the
+bundle layer adds over the store. Interleaved, median of the repetitions.
 **group read**: a fresh reader with an empty cache opens the bundle by URL and loads the rows of
 the 8 members of one group (scattered across the bundle) from every payload; every byte fetched
 at the backend counts (markers, documents, records, headers, blocks) against the payload bytes."""
@@ -37,7 +38,8 @@ def run(ctx: Context) -> list[Row]:
         def bare_put(prefix=f"s3://{bucket}/p{rep}"):
             store = ObjectStore.open(prefix, cache_dir=str(ctx.path("cache")), **options)
             for tensor in [*case.payloads.values(), case.loss_masks]:
-                store.put(memoryview(tensor.numpy()).cast("B"))
+                row = tensor.numel() // n * tensor.element_size()  # the same row cuts the writer gives
+                store.put(memoryview(tensor.numpy()).cast("B"), cuts=list(range(0, row * n, row)))
 
         puts.append(timed(bare_put)[0])
         writes.append(timed(write_bundle)[0])

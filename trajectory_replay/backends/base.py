@@ -9,6 +9,7 @@ benchmarks count every byte fetched at this layer) and translate "not found" uni
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,35 @@ from typing import Iterable, Optional, Sequence
 from trajectory_replay.errors import BackendError, InvalidKeyError
 
 log = logging.getLogger(__name__)
+
+
+class WorkerPool:
+    """A long-lived thread pool created on first use (one per backend or store, not one per call).
+
+    Runs a single item inline; falls back to running inline when the interpreter is shutting down
+    (flushes at exit still complete) and starts afresh in a forked child, which inherits no threads."""
+
+    def __init__(self, max_workers: int) -> None:
+        self.max_workers = max_workers
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def map(self, fn, items: Sequence) -> list:
+        """`[fn(item) for item in items]`, concurrently, in order."""
+        if len(items) <= 1 or self.max_workers <= 1:
+            return [fn(item) for item in items]
+        with self._lock:
+            if self._pool is None or self._pid != os.getpid():
+                self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="trajectory-replay-io")
+                self._pid = os.getpid()
+            pool = self._pool
+        try:
+            return list(pool.map(fn, items))
+        except RuntimeError as exc:  # "cannot schedule new futures after interpreter shutdown"
+            if "shutdown" not in str(exc):
+                raise
+            return [fn(item) for item in items]
 
 
 def validate_key(key: str) -> str:
@@ -113,6 +143,7 @@ class Backend(ABC):
 
     def __init__(self) -> None:
         self.stats = IOStats()
+        self.pool = WorkerPool(self.max_workers)
         self._probe: Optional[ProbeResult] = None
         self._probe_lock = threading.Lock()
 
@@ -250,10 +281,7 @@ class Backend(ABC):
 
     # ---- helpers -------------------------------------------------------------------------------
     def _map(self, fn, items: Sequence) -> list:
-        if len(items) <= 1:
-            return [fn(item) for item in items]
-        with ThreadPoolExecutor(max_workers=min(self.max_workers, len(items))) as pool:
-            return list(pool.map(fn, items))
+        return self.pool.map(fn, items)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"

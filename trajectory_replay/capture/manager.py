@@ -396,6 +396,7 @@ class CaptureManager:
 
     # ---- writer thread -------------------------------------------------------------------------
     def _run(self) -> None:
+        _lower_thread_priority()
         while True:
             with self._cond:
                 while not self._queue and not self._closing:
@@ -496,3 +497,13 @@ def _freeze(value: Any) -> Any:
 
 
 __all__ = ["CaptureManager", "DEFAULT_MAX_QUEUE_BYTES", "DEFAULT_MAX_QUEUE_RECORDS", "log"]
+
+
+def _lower_thread_priority(niceness: int = 10) -> None:
+    """Make the writer (and the I/O threads it starts, which inherit it) yield the CPU to training.
+
+    Linux schedules threads individually, so this lowers only the capture threads. Best effort."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError):
+        pass

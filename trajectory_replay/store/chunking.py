@@ -17,8 +17,10 @@ from typing import Optional, Sequence
 import blake3
 
 DEFAULT_CHUNK_SIZE = 4 << 20
-DEFAULT_MIN_SIZE = 256 << 10
-DEFAULT_TARGET_SIZE = 1 << 20
+DEFAULT_MIN_SIZE = 32 << 10
+DEFAULT_TARGET_SIZE = 128 << 10
+"""Cut-point chunks average about min + target. Small enough that a step-level payload holding a
+contiguous run of a rollout payload's rows (often 1 MiB or less) shares all but its two edge chunks."""
 _FINGERPRINT_TAIL = 4096
 
 

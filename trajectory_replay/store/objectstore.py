@@ -16,11 +16,11 @@ import base64
 import json
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from trajectory_replay.backends import Backend, ByteRange, open_backend
+from trajectory_replay.backends.base import WorkerPool
 from trajectory_replay.errors import IntegrityError, NotFoundError, TrajectoryReplayError
 from trajectory_replay.store.cache import ReadCache
 from trajectory_replay.store.chunking import ChunkingParams, chunk_ends
@@ -134,6 +134,11 @@ class ObjectStore:
     block_size: int = DEFAULT_BLOCK_SIZE
     stats: PutStats = field(default_factory=PutStats)
 
+    def __post_init__(self) -> None:
+        # chunk transfers call the backend, whose own pool does the ranged and batched reads
+        self._io = WorkerPool(self.backend.max_workers)
+        self._hashing = WorkerPool(min(4, os.cpu_count() or 1))
+
     @classmethod
     def open(cls, path_or_url: str | os.PathLike, *, cache_dir: Optional[str | os.PathLike] = None,
              cache: Optional[bool] = None, **storage_options: Any) -> "ObjectStore":
@@ -164,8 +169,7 @@ class ObjectStore:
             blocks = b"".join(raw_hash(piece[i:i + self.block_size]) for i in range(0, len(piece), self.block_size))
             return ChunkInfo(hash_bytes(piece), end - start, start, blocks), piece
 
-        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-            chunks = list(pool.map(describe, zip(starts, ends)))
+        chunks = self._hashing.map(describe, list(zip(starts, ends)))
         record = BlobRecord(digest, len(view), self.block_size, tuple(c for c, _ in chunks))
         record_bytes = record.to_bytes()
         return PutPlan(BlobRef(digest, len(view), hash_bytes(record_bytes)), record_bytes, chunks, existing=False)
@@ -411,10 +415,7 @@ class ObjectStore:
         return value
 
     def _map(self, fn, items: Sequence) -> list:
-        if len(items) <= 1:
-            return [fn(i) for i in items]
-        with ThreadPoolExecutor(max_workers=min(self.backend.max_workers, len(items))) as pool:
-            return list(pool.map(fn, items))
+        return self._io.map(fn, items)
 
 
 __all__ = ["BlobRecord", "BlobRef", "ChunkInfo", "ObjectStore", "PutPlan", "PutStats", "PREFIX"]
