@@ -22,8 +22,11 @@ Shape of the run (slime-like, one-version-lag async):
   all-reduced over gloo (summed) and the backward pass uses R(.)/consumer_batch, an average per sample.
 
 `--fault pr65` reproduces the canonical bug: rewards are normalized over each physical consumer batch.
-Capture is not wired yet: every capture point goes through one of the `_capture_*` hooks below.
-Only torch and the standard library are used.
+
+Capture (trajectory_replay.capture) is off unless RELAX_REPLAY_CAPTURE=1 and RELAX_REPLAY_CAPTURE_DIR are set
+(`--capture-dir URL` sets both for the run). Every trainer rank then writes its own shard of a rollout-level
+bundle `rollout-<R>` per rollout and of a step-level bundle `step-<R>-<S>` per optimizer step, and flushes its
+writer at the end. Besides torch and the standard library, only trajectory_replay is used.
 """
 
 from __future__ import annotations
@@ -44,41 +47,100 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from trajectory_replay import capture
+
 SEP, EOS, PAD, VOCAB = 10, 11, 12, 16
 N_DIGITS = 4
 PROMPT_LEN = N_DIGITS + 1       # digits + SEP
 MAX_RESPONSE = N_DIGITS + 1     # sorted digits + EOS
 CONTEXT = 16
 
-# --------------------------------------------------------------------------- capture hooks (wired later)
-_CAPTURE_DIR: str | None = None
+# --------------------------------------------------------------------------- capture hooks
+# Capture is configured only by the RELAX_REPLAY_CAPTURE* environment variables (read by
+# trajectory_replay.capture.maybe_enable_for_actor); `--capture-dir URL` is a shortcut that sets
+# RELAX_REPLAY_CAPTURE=1 and RELAX_REPLAY_CAPTURE_DIR=URL for this run only (os.environ is not changed).
+# While capture is off every hook below returns after one check; nothing is imported lazily, nothing is
+# started. The hooks only snapshot (copy) what training already computed, so numerics never change.
+_CAPTURE: dict[str, Any] = {"manager": None, "config": None, "seconds": 0.0}
+CAPTURE_THREAD_PREFIX = "trajectory-replay-capture"
+
+
+def capture_environ(capture_dir: str | None) -> dict[str, str]:
+    """The environment capture is configured from: os.environ, plus what --capture-dir implies."""
+    env = dict(os.environ)
+    if capture_dir:
+        env.update(RELAX_REPLAY_CAPTURE="1", RELAX_REPLAY_CAPTURE_DIR=capture_dir)
+    return env
+
+
+def capture_threads() -> int:
+    return sum(t.name.startswith(CAPTURE_THREAD_PREFIX) for t in threading.enumerate())
+
+
+def _timed_hook(fn):
+    """Accumulate the time the training thread spends inside a capture hook (for --out-json)."""
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            fn(*args, **kwargs)
+        finally:
+            _CAPTURE["seconds"] += time.perf_counter() - t0
+    wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
+    return wrapper
 
 
 def _maybe_enable_capture(capture_dir: str | None, rank: int, expected_ranks: list[int],
                           config: dict[str, Any]) -> None:
-    """Becomes trajectory_replay.capture.maybe_enable(rank, is_producer=True, expected_ranks=...)."""
-    global _CAPTURE_DIR
-    _CAPTURE_DIR = capture_dir
-    if capture_dir:
-        raise NotImplementedError("capture not wired yet")
+    """Every trainer rank is a producer: each DP rank writes its own shard of every bundle."""
+    _CAPTURE["config"] = dict(config)
+    _CAPTURE["manager"] = capture.maybe_enable_for_actor(
+        rank, is_producer=True, expected_ranks=expected_ranks, environ=capture_environ(capture_dir),
+        topology={"dp": len(expected_ranks), "tp": 1, "pp": 1, "cp": 1})
 
 
+def _lineage(rollout_versions: list[int], actor_versions: list[int]) -> dict[str, Any]:
+    """rollout_weight = the version that generated the samples, actor_weight = the live version."""
+    def one(values: list[int]) -> int | str:
+        distinct = sorted(set(values))
+        return distinct[0] if len(distinct) == 1 else ",".join(map(str, distinct))
+    return {"rollout_weight": one(rollout_versions), "actor_weight": one(actor_versions)}
+
+
+@_timed_hook
 def _capture_rollout(rollout_id: int, rollout_data: dict[str, list]) -> None:
     """Rollout-level data of this rank's shard of one rollout (dict of per-sample lists)."""
-    if _CAPTURE_DIR:
-        raise NotImplementedError("capture not wired yet")
+    capture.capture_slime_rollout(
+        rollout_id, rollout_data, config=_CAPTURE["config"],
+        weight_lineage=_lineage(rollout_data["rollout_weight_versions"], rollout_data["actor_weight_versions"]))
 
 
+@_timed_hook
 def _capture_microbatch(rollout_id: int, step_id: int, mb_id: str, data: dict[str, Any]) -> None:
     """Step-level data of one micro-batch, as the loss saw it."""
-    if _CAPTURE_DIR:
-        raise NotImplementedError("capture not wired yet")
+    capture.capture_microbatch(
+        rollout_id, step_id, mb_id, sample_ids=data["sample_ids"], group_index=data["group_index"],
+        response_lengths=data["response_lengths"], total_lengths=data["total_lengths"],
+        loss_masks=data["loss_mask"], raw_rewards=data["raw_reward"], rewards=data["rewards"],
+        old_log_probs=data["old_log_probs"], log_probs=data["log_probs"], entropy=data["entropy"],
+        advantages=data["advantages"])
 
 
-def _capture_step_end(rollout_id: int, step_id: int, scalars: dict[str, float]) -> None:
+@_timed_hook
+def _capture_step_end(rollout_id: int, step_id: int, scalars: dict[str, float],
+                      weight_lineage: dict[str, Any] | None = None) -> None:
     """This rank's reported loss scalars for actor step (rollout_id, step_id)."""
-    if _CAPTURE_DIR:
-        raise NotImplementedError("capture not wired yet")
+    capture.capture_step_end(rollout_id, step_id, loss=scalars["loss"], pg_loss=scalars["pg_loss"],
+                             entropy_loss=scalars["entropy_loss"], pg_clipfrac=scalars["pg_clipfrac"],
+                             ppo_kl=scalars["ppo_kl"], config=_CAPTURE["config"], weight_lineage=weight_lineage)
+
+
+def _shutdown_capture(timeout: float) -> dict[str, Any]:
+    """End of training: flush and stop this rank's writer; what happened, for --out-json."""
+    manager = _CAPTURE["manager"]
+    threads = capture_threads()
+    flushed = capture.shutdown(timeout)
+    return {"enabled": manager is not None, "capture_threads": threads, "flushed": flushed,
+            "stats": manager.stats() if manager is not None else None}
 
 
 # --------------------------------------------------------------------------- model
@@ -288,12 +350,13 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> None:
         producer = threading.Thread(target=producer_loop, args=(args, board, stream), daemon=True)
         producer.start()
     history: list[dict[str, Any]] = []
+    timing: list[dict[str, Any]] = []
     placement: dict[tuple[int, int], set[tuple[int, int]]] = {}
     for k in range(args.steps):
         behaviour.load_state_dict(snapshots[max(k - 1, 0)])   # the weights that generated rollout k
         shard: dict[str, list] = {}
         for s in range(steps_per_rollout):
-            t0 = time.perf_counter()
+            t0, hook0 = time.perf_counter(), _CAPTURE["seconds"]
             msg = [stream.get(timeout=300) if rank == 0 else None]
             dist.broadcast_object_list(msg, src=0)
             if isinstance(msg[0], Exception):
@@ -351,9 +414,12 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> None:
             # This rank's scalars: V1 reduction over all of its samples in this actor step.
             rank_sc = {key: torch.cat(v).sum() for key, v in step_means.items()}
             rank_sc["loss"] = rank_sc["pg_loss"] - args.entropy_coef * rank_sc["entropy_loss"]
-            _capture_step_end(k, s, {key: float(v) for key, v in rank_sc.items()})
+            _capture_step_end(k, s, {key: float(v) for key, v in rank_sc.items()},
+                              _lineage(mine["rollout_weight_versions"], mine["actor_weight_versions"]))
             for key, vals in mine.items():
                 shard.setdefault(key, []).extend(vals)
+            if s == steps_per_rollout - 1:   # this rank's shard of rollout k is complete
+                _capture_rollout(k, shard)
             # Reported step scalars: the sum over ranks (the reduction is a sum over samples).
             names = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss"]
             glob = torch.tensor([float(rank_sc[n]) for n in names], dtype=torch.float64)
@@ -362,26 +428,36 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> None:
                 rec = {"rollout_id": k, "step_id": s, **dict(zip(names, glob.tolist())),
                        "mean_raw_reward": sum(batch["raw_reward"]) / len(batch["raw_reward"])}
                 history.append(rec)
+                # Timing of rank 0's training thread (not part of the scalars compared across runs): the
+                # step's wall time and the part of it spent inside capture hooks.
+                timing.append({"rollout_id": k, "step_id": s, "step_seconds": time.perf_counter() - t0,
+                               "capture_seconds": _CAPTURE["seconds"] - hook0})
                 print(f"rollout={k} step={s} reward={rec['mean_raw_reward']:.4f} loss={rec['loss']:.6f} "
                       f"pg_loss={rec['pg_loss']:.6f} clipfrac={rec['pg_clipfrac']:.4f} "
                       f"time={time.perf_counter() - t0:.3f}s", flush=True)
-        _capture_rollout(k, shard)
         # Version k+1 exists now; the producer needs it for rollout k+2.
         snapshots = {v: st for v, st in snapshots.items() if v >= k}
         snapshots[k + 1] = copy.deepcopy(policy.state_dict())
         if rank == 0:
             board.publish(k + 1, snapshots[k + 1])
+    # Every rank flushes its capture writer before exit (a no-op while capture is off).
+    cap = {"rank": rank, **_shutdown_capture(args.capture_timeout)}
+    caps: list[Any] = [None] * world
+    dist.all_gather_object(caps, cap)
     if rank == 0:
         assert producer is not None
         producer.join(timeout=60)
         stats = split_stats(placement)
         checksum = float(sum(p.double().sum() for p in policy.state_dict().values()))
+        threads = sum(c["capture_threads"] for c in caps)
         print(" ".join(f"{key}={v}" for key, v in stats.items()) + f" param_checksum={checksum!r}", flush=True)
+        print(f"capture_threads={threads} capture_flushed={all(c['flushed'] for c in caps)}", flush=True)
         if args.out_json:
             steps = [{key: v.hex() if isinstance(v, float) else v for key, v in rec.items()} for rec in history]
             with open(args.out_json, "w", encoding="utf-8") as f:
                 json.dump({"config": config, "world_size": world, "fault": args.fault, "steps": steps,
-                           "param_checksum": checksum.hex(), **stats}, f, indent=2, sort_keys=True)
+                           "param_checksum": checksum.hex(), **stats, "timing": timing,
+                           "capture": {"threads": threads, "ranks": caps}}, f, indent=2, sort_keys=True)
                 f.write("\n")
 
 
@@ -390,7 +466,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=4, help="rollouts to train on")
     p.add_argument("--world-size", type=int, default=1, help="data-parallel trainer processes (gloo)")
-    p.add_argument("--capture-dir", default=None, help="capture URL (not wired yet)")
+    p.add_argument("--capture-dir", default=None,
+                   help="capture to this path or URL: sets RELAX_REPLAY_CAPTURE=1 and RELAX_REPLAY_CAPTURE_DIR for "
+                        "this run (capture is otherwise configured by the RELAX_REPLAY_CAPTURE* variables)")
+    p.add_argument("--capture-timeout", type=float, default=120.0,
+                   help="seconds each rank waits at the end for its capture writer to flush")
     p.add_argument("--fault", choices=["pr65"], default=None, help="inject the per-batch normalization bug")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-json", default=None, help="rank 0 writes per-step scalars (float.hex) here")
