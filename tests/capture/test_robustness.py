@@ -36,9 +36,9 @@ def _slow_writes(backend, seconds: float, release: threading.Event) -> None:
         release.wait(seconds)
         return create(key, data)
 
-    def slow_write(key, data):
+    def slow_write(key, data, durable=True):
         release.wait(seconds)
-        return write(key, data)
+        return write(key, data, durable)
 
     backend._create, backend._write = slow_create, slow_write
 
@@ -124,9 +124,9 @@ CHILD = textwrap.dedent("""
     def slow_create(key, data):
         time.sleep(0.03)
         return create(key, data)
-    def slow_write(key, data):
+    def slow_write(key, data, durable=True):
         time.sleep(0.03)
-        return write(key, data)
+        return write(key, data, durable)
     backend._create, backend._write = slow_create, slow_write
     for r in range(4):
         assert manager.capture_rollout(r, **rollout_kwargs())

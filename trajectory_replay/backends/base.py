@@ -155,7 +155,7 @@ class Backend(ABC):
     def _read_range(self, key: str, start: int, end: int) -> bytes: ...
 
     @abstractmethod
-    def _write(self, key: str, data: bytes) -> None: ...
+    def _write(self, key: str, data: bytes, durable: bool = True) -> None: ...
 
     @abstractmethod
     def _create(self, key: str, data: bytes) -> bool:
@@ -205,9 +205,12 @@ class Backend(ABC):
         """Several byte ranges fetched concurrently, in the order given."""
         return self._map(lambda r: self.read_range(r.key, r.start, r.end), ranges)
 
-    def write(self, key: str, data: bytes) -> None:
-        """Store `data` at `key`, replacing any value. Atomic: a reader sees the old value or all of the new one."""
-        self._write(validate_key(key), data)
+    def write(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        """Store `data` at `key`, replacing any value. Atomic: a reader sees the old value or all of the new one.
+
+        `durable=False` skips flushing to stable storage where a backend would (local disks): for
+        bookkeeping that only other live processes need to see, such as in-flight records."""
+        self._write(validate_key(key), data, durable)
         self.stats.count_write(len(data))
 
     def create_if_absent(self, key: str, data: bytes) -> bool:

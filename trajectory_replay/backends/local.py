@@ -57,7 +57,7 @@ class LocalBackend(Backend):
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise NotFoundError(f"{self.url}: no such key {key!r}") from None
 
-    def _temp_file(self, key: str, data) -> Path:
+    def _temp_file(self, key: str, data, durable: bool = True) -> Path:
         """Write `data` to a fresh temporary file beside `key` and make it durable."""
         final = self._path(key)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -68,7 +68,7 @@ class LocalBackend(Backend):
             while view:
                 written = os.write(fd, view)
                 view = view[written:]
-            if self.fsync:
+            if self.fsync and durable:
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -77,8 +77,8 @@ class LocalBackend(Backend):
         os.close(fd)
         return tmp
 
-    def _write(self, key: str, data) -> None:
-        tmp = self._temp_file(key, data)
+    def _write(self, key: str, data, durable: bool = True) -> None:
+        tmp = self._temp_file(key, data, durable)
         try:
             os.replace(tmp, self._path(key))
         except BaseException:

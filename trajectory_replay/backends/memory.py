@@ -47,7 +47,7 @@ class MemoryBackend(Backend):
         except FileNotFoundError:
             raise NotFoundError(f"{self.url}: no such key {key!r}") from None
 
-    def _write(self, key: str, data) -> None:
+    def _write(self, key: str, data, durable: bool = True) -> None:
         # pipe_file swaps in a complete new file object, so readers never see a partial value
         self.fs.pipe_file(self._path(key), bytes(data))
 

@@ -120,7 +120,7 @@ class S3Backend(Backend):
             self.stats.count_read(len(value))
         return values
 
-    def _write(self, key: str, data) -> None:
+    def _write(self, key: str, data, durable: bool = True) -> None:
         # one PUT (or a multipart upload completed in one call) replaces the object atomically
         self.fs.pipe_file(self._path(key), bytes(data))
 

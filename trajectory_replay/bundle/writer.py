@@ -118,7 +118,8 @@ class InflightRecord:
         self._seen.update(new)
         doc = {"format": INFLIGHT_FORMAT, "attempt": self.attempt, "bundle": self.bundle, "created": self.created,
                "updated": time.time(), "ttl_seconds": self.ttl, "digests": self.digests}
-        self.store.backend.write(self.key, compact_json(doc))
+        # visible to gc at once; a writer that crashes needs no protection, so no flush to disk
+        self.store.backend.write(self.key, compact_json(doc), durable=False)
 
     def remove(self) -> None:
         self.store.backend.delete(self.key)
