@@ -117,6 +117,8 @@ class LocalBackend(Backend):
 
     def _list(self, prefix: str) -> list[str]:
         base = self.root / prefix if prefix else self.root
+        if prefix.endswith("/") and not base.is_dir():
+            return []  # a directory prefix that does not exist holds nothing (never walk its parent)
         # a prefix may name a directory ("objects/") or a partial name ("objects/ab")
         start = base if base.is_dir() else base.parent
         if not start.is_dir():

@@ -14,7 +14,7 @@ block would fetch far more than asked.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import fsspec
 from fsspec.asyn import sync
@@ -144,20 +144,29 @@ class S3Backend(Backend):
                 raise
         raise BackendError(f"{self.url}: conditional write of {key!r} kept conflicting")
 
-    def _exists(self, key: str) -> bool:
+    def _head(self, key: str) -> Optional[dict]:
+        """One HEAD request (s3fs's `info` adds a LIST for a missing key, to look for a directory)."""
+        bucket, obj_key, _ = self.fs.split_path(self._path(key))
         try:
-            return self.fs.info(self._path(key), refresh=True).get("type") == "file"
+            return sync(self.fs.loop, self.fs._call_s3, "head_object", Bucket=bucket, Key=obj_key)
         except FileNotFoundError:
-            return False
+            return None
+        except Exception as exc:  # s3fs wraps ClientError; a 404 is "absent"
+            if _error_code(exc) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+
+    def _exists(self, key: str) -> bool:
+        return self._head(key) is not None
 
     def _info(self, key: str) -> dict:
-        try:
-            return self.fs.info(self._path(key), refresh=True)
-        except FileNotFoundError:
-            raise self._not_found(key) from None
+        head = self._head(key)
+        if head is None:
+            raise self._not_found(key)
+        return head
 
     def _size(self, key: str) -> int:
-        return int(self._info(key)["size"])
+        return int(self._info(key)["ContentLength"])
 
     def _mtime(self, key: str) -> float:
         return self._info(key)["LastModified"].timestamp()

@@ -281,7 +281,8 @@ class _Collector:
     def _read_candidate_refs(self, candidates: list[str]) -> None:
         digests = [digest_from_key(k) for k in candidates if k.startswith("blobs/")]
         self.ref_memo = self.walker.refs(d for d in digests if d)
-        records = [r for r in self.ref_memo.values() if r and object_key(r) in set(candidates)]
+        candidate_set = set(candidates)
+        records = [r for r in self.ref_memo.values() if r and object_key(r) in candidate_set]
         for r, rec in self.walker.records(records).items():
             self.record_kind[r] = rec if isinstance(rec, BlobRecord) else None
 

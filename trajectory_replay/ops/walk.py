@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 from trajectory_replay.backends import Backend, open_backend, redact_url
+from trajectory_replay.backends.base import WorkerPool
 from trajectory_replay.bundle.documents import parse_json, validate_document
 from trajectory_replay.bundle.markers import (
     COMPLETE, RANK_MARKER, CompleteMarker, Documents, RankMarker, check_agreement, complete_key, rank_key,
@@ -46,8 +46,17 @@ def concurrently(fn: Callable[[T], R], items: Sequence[T], workers: int = 8) -> 
     items = list(items)
     if len(items) <= 1 or workers <= 1:
         return [fn(x) for x in items]
-    with ThreadPoolExecutor(max_workers=min(workers, len(items))) as pool:
-        return list(pool.map(fn, items))
+    return _pool(workers).map(fn, items)
+
+
+_POOLS: dict[int, WorkerPool] = {}
+
+
+def _pool(workers: int) -> WorkerPool:
+    """One long-lived pool per size: gc and fsck call this thousands of times."""
+    if workers not in _POOLS:
+        _POOLS[workers] = WorkerPool(workers)
+    return _POOLS[workers]
 
 
 def batched(items: Sequence[T], size: int = READ_BATCH) -> list[list[T]]:
