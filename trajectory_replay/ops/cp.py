@@ -33,8 +33,8 @@ from trajectory_replay.ops.walk import (
 )
 from trajectory_replay.store.digest import blob_ref_key, object_key
 
-BATCH_OBJECTS = 64
-BATCH_BYTES = 16 << 20
+LIST_THRESHOLD = 1000
+"""From this many keys to check, one listing of the destination beats a request per key."""
 
 
 @dataclass
@@ -155,21 +155,28 @@ class _Copier:
     def __init__(self, src: Backend, dest: Backend, report: CopyReport, progress: Progress, workers: int) -> None:
         self.src, self.dest, self.report, self.progress, self.workers = src, dest, report, progress, workers
         self._lock = threading.Lock()
+        self._listed: Optional[set[str]] = None
 
     def transfer(self, label: str, keys: dict[str, int]) -> None:
-        present = concurrently(self.dest.exists, list(keys), self.workers)
+        present = self._present(list(keys))
         missing = [k for k, there in zip(keys, present) if not there]
         self.report.objects_skipped += len(keys) - len(missing)
         self.progress.phase(f"copying {label}", objects=len(missing),
                             nbytes=sum(keys[k] for k in missing) or None)
-        for batch in _batches(missing, keys):
-            values = self.src.read_many(batch)  # concurrent at the source
-            for key, data in zip(batch, values):
-                _verify(self.src, key, data)
-            concurrently(self._write, list(zip(batch, values)), self.workers)
+        # one key per task, `workers` in flight all along: no batch waits for its slowest member
+        concurrently(self._copy, missing, self.workers)
 
-    def _write(self, item: tuple[str, bytes]) -> None:
-        key, data = item
+    def _present(self, keys: list[str]) -> list[bool]:
+        """Whether the destination holds each key: one listing for a large copy, else a check per key."""
+        if len(keys) < LIST_THRESHOLD and self._listed is None:
+            return concurrently(self.dest.exists, keys, self.workers)
+        if self._listed is None:
+            self._listed = set(self.dest.list("objects/")) | set(self.dest.list("blobs/"))
+        return [k in self._listed for k in keys]
+
+    def _copy(self, key: str) -> None:
+        data = self.src.read(key)
+        _verify(self.src, key, data)
         if not self.dest.create_if_absent(key, data) and key.startswith("objects/"):
             # bytes under a digest that are not that digest's content: replace them with the right ones
             self.dest.write(key, data)
@@ -177,18 +184,6 @@ class _Copier:
             self.report.objects_copied += 1
             self.report.bytes_copied += len(data)
         self.progress.advance(1, len(data))
-
-
-def _batches(keys: list[str], sizes: dict[str, int]) -> list[list[str]]:
-    out: list[list[str]] = []
-    total = 0
-    for key in keys:
-        if not out or len(out[-1]) >= BATCH_OBJECTS or total + sizes[key] > BATCH_BYTES:
-            out.append([])
-            total = 0
-        out[-1].append(key)
-        total += sizes[key]
-    return out
 
 
 def _verify(src: Backend, key: str, data: bytes) -> None:
