@@ -28,8 +28,8 @@ HOW = """\
 **disabled hooks**: `timeit` of each `trajectory_replay.capture` hook with capture off (no manager), with
 the keyword arguments the example passes, best of 5 runs of 200,000 calls; also the example's own wrapper
 (`_capture_microbatch`, which additionally times itself for `--out-json`). **step time**: the example
-(`examples/tiny_grpo.py`, default sizes: 24 samples per rollout, 4 optimizer steps per rollout, 2
-micro-batches per rank and step) in fresh processes, with one training rank (the goal: this machine has
+(`examples/tiny_grpo.py --d-model 768 --layers 8`, about one second per optimizer step here; 24 samples
+per rollout, 4 optimizer steps per rollout, 2 micro-batches per rank and step) in fresh processes, with one training rank (the goal: this machine has
 2 CPUs, and one rank leaves a core for the capture writer, as training on a GPU host leaves its CPUs
 free) and with two ranks (informational: training then holds both cores and the writer competes with it), capture off / on to a local directory / on
 to the S3 server (`RELAX_REPLAY_CAPTURE=1`, a fresh `RELAX_REPLAY_CAPTURE_DIR` per run, AWS_* variables
@@ -63,12 +63,18 @@ STEP_TIME_WORLD = 1
 writer, as a GPU host's CPUs are left free by training; 2 ranks saturate both cores (reported as well)."""
 
 
-def run_example(ctx: Context, mode: str, steps: int, env: dict[str, str], world: int = 2) -> dict[str, Any]:
+STEP_TIME_MODEL = ("--d-model", "768", "--layers", "8")
+"""The example's model for the step-time runs: about one second per optimizer step on this CPU, the
+scale the example is meant to run at (its small defaults keep the tests fast)."""
+
+
+def run_example(ctx: Context, mode: str, steps: int, env: dict[str, str], world: int = 2,
+                model: tuple[str, ...] = ()) -> dict[str, Any]:
     """One run of the example in a fresh directory; returns its --out-json."""
     cwd = ctx.path(f"example-{mode}")
     out = cwd / "out.json"
     cmd = [sys.executable, str(EXAMPLE), "--steps", str(steps), "--world-size", str(world), "--seed", "0",
-           "--out-json", str(out)]
+           "--out-json", str(out), *model]
     proc = subprocess.run(cmd, cwd=cwd, env=_clean_env({"TRAJECTORY_REPLAY_CACHE_DIR": str(cwd / "cache"), **env}),
                           capture_output=True, text=True, timeout=600, check=False)
     if proc.returncode != 0:
@@ -305,7 +311,7 @@ def _step_time_rows(ctx: Context, world: int, steps: int, reps: int, bucket: str
             elif mode == "s3":
                 env = {**s3_env, "RELAX_REPLAY_CAPTURE": "1",
                        "RELAX_REPLAY_CAPTURE_DIR": f"s3://{bucket}/run-{world}-{rep}"}
-            times[mode].add(run_example(ctx, mode, steps, env, world=world))
+            times[mode].add(run_example(ctx, mode, steps, env, world=world, model=STEP_TIME_MODEL))
             ctx.log(f"W={world} rep {rep} {mode}: median step {_ms(times[mode].run_medians[-1])}")
     off = times["off"]
     rows = []
@@ -339,7 +345,8 @@ def run(ctx: Context) -> list[Row]:
     bucket = ctx.s3_bucket()
     s3_env = ctx.s3().env()
     for world in (STEP_TIME_WORLD, 2):
-        rows += _step_time_rows(ctx, world, steps, reps, bucket, s3_env, goal=world == STEP_TIME_WORLD,
+        rows += _step_time_rows(ctx, world, ctx.size(3, 2), reps if world == STEP_TIME_WORLD else min(reps, 2),
+                                bucket, s3_env, goal=world == STEP_TIME_WORLD,
                                 modes=("off", "local", "s3") if world == STEP_TIME_WORLD else ("off", "local"))
     last_local = str(ctx.path("capture-bytes") / "run")
     run_example(ctx, "bytes", steps, {"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": last_local})

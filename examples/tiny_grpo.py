@@ -298,7 +298,7 @@ def producer_loop(args: argparse.Namespace, board: WeightBoard, out: queue.Queue
     """Generate rollouts with a fixed one-version lag and stream them as consumer batches."""
     try:
         torch.manual_seed(args.seed)
-        model = TinyLM().eval()
+        model = TinyLM(args.d_model, args.layers).eval()
         for k in range(args.steps):
             version = max(k - 1, 0)
             model.load_state_dict(board.wait_for(version))
@@ -335,7 +335,7 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> None:
               "eps_clip": args.eps_clip, "eps_clip_high": args.eps_clip_high, "entropy_coef": args.entropy_coef}
     _maybe_enable_capture(args.capture_dir, rank, list(range(world)), config)
     torch.manual_seed(args.seed)   # same init on every rank and in the producer
-    policy = TinyLM()
+    policy = TinyLM(args.d_model, args.layers)
     ref, behaviour = copy.deepcopy(policy).eval(), copy.deepcopy(policy).eval()
     for p in [*ref.parameters(), *behaviour.parameters()]:
         p.requires_grad_(False)
@@ -485,6 +485,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eps-clip-high", type=float, default=0.28)
     p.add_argument("--entropy-coef", type=float, default=0.01)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--d-model", type=int, default=32, help="model width (larger: slower, more realistic steps)")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
     args = p.parse_args(argv)
     rollout_size = args.prompts_per_rollout * args.n_samples_per_prompt
     if rollout_size % args.consumer_batch or args.consumer_batch % args.world_size:

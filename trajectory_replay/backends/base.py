@@ -21,6 +21,10 @@ from trajectory_replay.errors import BackendError, InvalidKeyError
 log = logging.getLogger(__name__)
 
 
+_PROBES: dict[tuple, "ProbeResult"] = {}
+_PROBE_LOCK = threading.Lock()
+
+
 class WorkerPool:
     """A long-lived thread pool created on first use (one per backend or store, not one per call).
 
@@ -267,8 +271,18 @@ class Backend(ABC):
 
         with self._probe_lock:
             if self._probe is None:
-                self._probe = run_probe(self)
+                scope = self.probe_scope()
+                with _PROBE_LOCK:
+                    cached = _PROBES.get(scope)
+                self._probe = cached or run_probe(self)
+                if self._probe.ok:  # only a pass is remembered: a failure is retried by the next backend
+                    with _PROBE_LOCK:
+                        _PROBES[scope] = self._probe
             return self._probe
+
+    def probe_scope(self) -> tuple:
+        """What a probe result holds for: this root by default (S3: the endpoint and bucket)."""
+        return (type(self).__name__, self.url)
 
     def require_atomic_create(self, *, unsafe: bool = False) -> None:
         """Raise BackendError unless create-once markers can be trusted here; `unsafe=True` downgrades to a logged warning."""

@@ -62,6 +62,12 @@ class S3Backend(Backend):
             fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False, **storage_options)
         self.fs = fs
 
+    def probe_scope(self) -> tuple:
+        """Conditional writes are the server's and the bucket's property, not a prefix's."""
+        endpoint = getattr(getattr(self.fs, "s3", None), "_endpoint", None)
+        host = getattr(endpoint, "host", None) or str(self.fs.client_kwargs.get("endpoint_url", ""))
+        return (type(self.fs).__name__, host, self.path.split("/", 1)[0])
+
     def child(self, prefix: str) -> "S3Backend":
         return S3Backend(f"{self.path}/{prefix}", fs=self.fs, **self.storage_options)
 
@@ -138,8 +144,8 @@ class S3Backend(Backend):
                 code = _error_code(exc)
                 if code in _REFUSED:
                     return False
-                if code in _CONFLICT:
-                    time.sleep(0.05 * (attempt + 1))
+                if code in _CONFLICT:  # another conditional write of this key is in flight: it settles fast
+                    time.sleep(0.01 * (attempt + 1))
                     continue
                 raise
         raise BackendError(f"{self.url}: conditional write of {key!r} kept conflicting")
