@@ -199,6 +199,21 @@ class Backend(ABC):
         self.stats.count_read(len(data))
         return data
 
+    def read_into(self, key: str, target: memoryview) -> int:
+        """Read the value at `key` into `target` (at most len(target) bytes); returns the value's size.
+
+        A value larger than `target` is an error (NotFoundError if absent); backends that can read
+        straight into memory do so without an intermediate copy."""
+        size = self._read_into(validate_key(key), target)
+        self.stats.count_read(min(size, len(target)))
+        return size
+
+    def _read_into(self, key: str, target: memoryview) -> int:
+        data = self._read(key)
+        if len(data) <= len(target):
+            target[:len(data)] = data
+        return len(data)
+
     def read_many(self, keys: Sequence[str]) -> list[bytes]:
         """Values of several keys, fetched concurrently, in the order given. NotFoundError if any is absent."""
         for key in keys:

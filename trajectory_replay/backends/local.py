@@ -49,6 +49,22 @@ class LocalBackend(Backend):
         except IsADirectoryError:
             raise NotFoundError(f"{self.url}: {key!r} is a directory, not a value") from None
 
+    def _read_into(self, key: str, target: memoryview) -> int:
+        try:
+            with open(self._path(key), "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > len(target):
+                    return size
+                view, done = target[:size], 0
+                while done < size:
+                    n = f.readinto(view[done:])
+                    if not n:
+                        break
+                    done += n
+                return done
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise NotFoundError(f"{self.url}: no such key {key!r}") from None
+
     def _read_range(self, key: str, start: int, end: int) -> bytes:
         try:
             with open(self._path(key), "rb") as f:
