@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 import warnings
 from pathlib import Path
@@ -27,9 +26,10 @@ def s3_server(tmp_path_factory) -> S3Server:
     server.stop()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def s3_bucket(s3_server) -> str:
-    """A new, empty bucket; returns its name."""
+    """The session's bucket; tests keep apart by prefix. (A bucket per test would make SeaweedFS grow a
+    volume collection per bucket until it has no free volumes left.)"""
     import s3fs
 
     name = f"tr-{uuid.uuid4().hex[:16]}"
@@ -40,8 +40,8 @@ def s3_bucket(s3_server) -> str:
 
 @pytest.fixture
 def s3_root(s3_server, s3_bucket) -> tuple[str, dict]:
-    """(url, storage_options) of an empty prefix in a fresh bucket."""
-    return f"s3://{s3_bucket}/root", s3_server.storage_options()
+    """(url, storage_options) of a new, empty prefix in the session's bucket."""
+    return f"s3://{s3_bucket}/t-{uuid.uuid4().hex[:12]}/root", s3_server.storage_options()
 
 
 @pytest.fixture

@@ -55,14 +55,11 @@ class Captured:
 
 
 @pytest.fixture(scope="module")
-def s3_capture_env(s3_server, tmp_path_factory) -> tuple[str, dict[str, str]]:
-    """A fresh bucket, and the environment a user would set: AWS_* for the server, a private read cache."""
-    import s3fs
-
-    bucket = f"tr-{uuid.uuid4().hex[:16]}"
-    s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options()).mkdir(bucket)
+def s3_capture_env(s3_server, s3_bucket, tmp_path_factory) -> tuple[str, dict[str, str]]:
+    """A fresh prefix of the session's bucket ("bucket/prefix"), and the environment a user would set:
+    AWS_* for the server, a private read cache."""
     cache = tmp_path_factory.mktemp("replay-cache")
-    return bucket, {**s3_server.env(), "TRAJECTORY_REPLAY_CACHE_DIR": str(cache)}
+    return f"{s3_bucket}/capture-{uuid.uuid4().hex[:12]}", {**s3_server.env(), "TRAJECTORY_REPLAY_CACHE_DIR": str(cache)}
 
 
 def _capture(s3_server, env: dict[str, str], workdir: Path, name: str, root: str, *extra: str,
