@@ -37,6 +37,7 @@ import json
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -506,7 +507,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.world_size == 1:
         train_worker(0, 1, args, port)
     else:
-        mp.spawn(train_worker, args=(args.world_size, args, port), nprocs=args.world_size, join=True)
+        mp.spawn(_spawned_worker, args=(args.world_size, args, port), nprocs=args.world_size, join=True)
+
+
+def _spawned_worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
+    """A data-parallel rank in its own process. Everything is written and flushed when training returns;
+    leaving with os._exit skips the interpreter's teardown of torch.distributed's native threads, which
+    can abort a process that has already finished its work ("terminate called without an active exception")."""
+    train_worker(rank, world, args, port)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
