@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from trajectory_replay.backends.base import (
-    Backend, ByteRange, Capabilities, IOStats, ProbeResult, join_key, validate_key, validate_prefix,
+    Backend, ByteRange, Capabilities, IOStats, ProbeResult, validate_key, validate_prefix,
 )
 from trajectory_replay.errors import BackendError
 
@@ -55,6 +55,6 @@ def redact_url(url: str) -> str:
 
 
 __all__ = [
-    "Backend", "BackendError", "ByteRange", "Capabilities", "IOStats", "ProbeResult", "join_key", "open_backend",
+    "Backend", "BackendError", "ByteRange", "Capabilities", "IOStats", "ProbeResult", "open_backend",
     "redact_url", "split_url", "validate_key", "validate_prefix",
 ]

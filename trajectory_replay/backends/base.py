@@ -14,7 +14,7 @@ import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 from trajectory_replay.errors import BackendError, InvalidKeyError
 
@@ -317,8 +317,3 @@ class Backend(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
-
-
-def join_key(*parts: Iterable[str]) -> str:
-    """Join key segments with '/' (empty segments dropped)."""
-    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))

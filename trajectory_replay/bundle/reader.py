@@ -52,7 +52,7 @@ class BundleReader:
             if value != marker.bundle_id:
                 raise BundleError(f"{self.label}: bundle_id {value!r} in the {what} differs from "
                                   f"{marker.bundle_id!r} in COMPLETE")
-        self._offsets = _token_offsets(self.index)
+        self._offsets = self.index.token_offsets()
         self._headers: dict[str, codec.Header] = {}
         self._records: dict[str, BlobRecord] = {}
 
@@ -203,13 +203,6 @@ class BundleReader:
 
     def __repr__(self) -> str:
         return f"BundleReader({self.label!r})"
-
-
-def _token_offsets(index: BundleIndex) -> list[int]:
-    out = [0]
-    for s in index.samples:
-        out.append(out[-1] + max(s.response_length, 0))
-    return out
 
 
 def _check_spec(dtype: torch.dtype, shape: tuple[int, ...], spec: PayloadSpec, where: str) -> None:

@@ -319,6 +319,14 @@ class BundleIndex(_Model):
     def _bundle_id(cls, v: str) -> str:
         return check_name(v, "bundle_id")
 
+    def token_offsets(self) -> list[int]:
+        """Where each sample's rows start in a flat per-token payload, plus the total (sample i's rows are
+        [offsets[i], offsets[i + 1])). A negative length counts as 0 here; replay reports it."""
+        out = [0]
+        for s in self.samples:
+            out.append(out[-1] + max(s.response_length, 0))
+        return out
+
 
 class RewardRawExpected(_Model):
     raw_rewards: list[float]

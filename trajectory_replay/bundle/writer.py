@@ -28,7 +28,7 @@ from trajectory_replay.backends import redact_url
 from trajectory_replay.bundle import codec
 from trajectory_replay.bundle.documents import compact_json, validate_document
 from trajectory_replay.bundle.markers import (
-    COMPLETE_FORMAT, CompleteMarker, DocRef, Documents, RankMarker, complete_key, rank_key, read_complete,
+    CompleteMarker, DocRef, Documents, RankMarker, complete_key, rank_key, read_complete,
     read_marker, try_finalize,
 )
 from trajectory_replay.bundle.paths import split_bundle_path
@@ -173,7 +173,7 @@ class BundleWriter:
         self._gc_epoch = read_gc_epoch(self.store.backend)
         self.payloads: dict[str, PayloadSpec] = {}
         self._finalized = False
-        self._row_starts = _row_starts(self.index)
+        self._row_starts = self.index.token_offsets()
 
     @property
     def url(self) -> str:
@@ -315,13 +315,5 @@ def check_or_raise(value: str, what: str) -> str:
         raise BundleError(str(exc)) from None
 
 
-def _row_starts(index: BundleIndex) -> list[int]:
-    """Token offsets where each sample's rows start, plus the total."""
-    out, total = [0], 0
-    for s in index.samples:
-        total += max(s.response_length, 0)
-        out.append(total)
-    return out
 
-
-__all__ = ["BundleWriter", "COMPLETE_FORMAT", "InflightRecord", "LOSS_MASK", "anchor_of"]
+__all__ = ["BundleWriter", "InflightRecord", "LOSS_MASK", "anchor_of"]

@@ -78,9 +78,7 @@ def validate_sources(target: str, sources: Sequence[ReplaySource]) -> Validation
 
 def _check_payloads(source: ReplaySource, where: str, report: ValidationReport) -> None:
     ids = [s.sample_id for s in source.index.samples]
-    offsets = [0]
-    for s in source.index.samples:
-        offsets.append(offsets[-1] + max(s.response_length, 0))
+    offsets = source.index.token_offsets()
     for name, spec in source.manifest.payloads.items():
         try:
             tensor = source.load_payload(name)
