@@ -156,10 +156,11 @@ class ObjectStore:
         """Hash `data` (whole, chunks, blocks) and build its record without writing anything."""
         view = memoryview(data).cast("B")
         digest = hash_bytes(view)
-        ref_key = blob_ref_key(digest)
-        if self.backend.exists(ref_key):
+        try:  # one read answers both "is it stored?" and "under which record?"
             record_digest = self._read_ref(digest)
             return PutPlan(BlobRef(digest, len(view), record_digest), b"", [], existing=True)
+        except NotFoundError:
+            pass
         ends = chunk_ends(view, cuts, self.chunking)
         starts = [0, *ends[:-1]]
 
