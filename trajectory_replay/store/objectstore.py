@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from trajectory_replay._allocator import buffer_for_read
 from trajectory_replay.backends import Backend, ByteRange, open_backend
 from trajectory_replay.backends.base import WorkerPool
 from trajectory_replay.errors import IntegrityError, NotFoundError, TrajectoryReplayError
@@ -249,7 +250,7 @@ class ObjectStore:
                 except NotFoundError:
                     raise NotFoundError(f"{self.url}: no blob or object {ref_or_digest}") from None
         record = self.record(ref_or_digest)
-        buffer = bytearray(record.size)
+        buffer = buffer_for_read(record.size)  # every byte is overwritten by a chunk below, or dropped
         view = memoryview(buffer)
         fetched: list[ChunkInfo] = []
 
