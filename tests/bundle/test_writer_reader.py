@@ -244,3 +244,24 @@ def test_structure_checked_semantics_written_as_given(tmp_path):
     reader = BundleReader.open(f"{root}/b-00001")
     assert reader.index.config.advantage_estimator == "my-estimator"
     assert reader.load_payload("kl").isnan().all()
+
+
+@pytest.mark.parametrize("mask, ok", [([1, 0, 1], True), ([True, False, True], True), ([1.0, 0.0, 1.0], True),
+                                      ([1, 2, 1], False), ([1, -1, 0], False), ([0.5, 1, 1], False)])
+def test_loss_mask_values(tmp_path, mask, ok):
+    case = canonical_case(False)
+    samples = list(case.index.samples)
+    # records built with model_copy are not validated: the writer sees the values exactly as given
+    samples[1] = samples[1].model_copy(update={"response_length": 3, "loss_mask": mask})
+    index = case.index.model_copy(update={"samples": samples})
+    w = BundleWriter(str(tmp_path / "store" / "b"), case.manifest.model_copy(update={"bundle_id": "b"}),
+                     index.model_copy(update={"bundle_id": "b"}), case.expected)
+    if not ok:
+        with pytest.raises(BundleError, match=f"sample {samples[1].sample_id}: loss_mask values must be 0 or 1"):
+            w.finalize()
+        return
+    w.finalize()
+    reader = BundleReader.open(str(tmp_path / "store" / "b"))
+    masks = reader.full_index().samples
+    assert masks[1].loss_mask == [int(v) for v in mask]
+    assert [m.loss_mask for m in masks] == [[int(v) for v in s.loss_mask] for s in samples]
