@@ -6,6 +6,7 @@ run at production row sizes for the chunk sharing between step- and rollout-leve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -92,6 +93,7 @@ class ModeTimes:
     step: list[float] = field(default_factory=list)        # pooled per-step wall seconds
     hooks: list[float] = field(default_factory=list)       # pooled per-step seconds inside capture hooks
     run_medians: list[float] = field(default_factory=list)
+    runs: list[list[float]] = field(default_factory=list)     # per-step wall seconds of each run
     steps_json: list[Any] = field(default_factory=list)
 
     def add(self, result: dict[str, Any]) -> None:
@@ -99,6 +101,7 @@ class ModeTimes:
         self.step += [t["step_seconds"] for t in timing]
         self.hooks += [t["capture_seconds"] for t in timing]
         self.run_medians.append(median([t["step_seconds"] for t in timing]))
+        self.runs.append([t["step_seconds"] for t in timing])
         self.steps_json.append(result["steps"])
 
 
@@ -299,9 +302,42 @@ def _ms(x: float) -> str:
     return f"{x * 1000:.1f} ms"
 
 
+@contextlib.contextmanager
+def _server_in_background(ctx: Context, niceness: int = 10):
+    """Lower the priority of every thread of the local S3 server while the block runs (restored after).
+
+    The server stands in for a remote object store, whose request handling a real deployment does on other
+    hosts; on this 2-CPU machine it then takes what training leaves instead of competing with it as an equal."""
+    proc = getattr(ctx.s3(), "process", None)
+    if proc is None or not os.path.isdir(f"/proc/{proc.pid}/task"):
+        yield
+        return
+    old: dict[int, int] = {}
+    for tid in os.listdir(f"/proc/{proc.pid}/task"):
+        try:
+            old[int(tid)] = os.getpriority(os.PRIO_PROCESS, int(tid))
+            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
+        except OSError:
+            pass
+    try:
+        yield
+    finally:
+        for tid, prio in old.items():
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, prio)
+            except OSError:  # lowering back needs privileges some hosts lack; the server is stopped after anyway
+                pass
+
+
 def _step_time_rows(ctx: Context, world: int, steps: int, reps: int, bucket: str, s3_env: dict[str, str], *,
                     goal: bool, modes: tuple[str, ...]) -> list[Row]:
     """Step time with capture on vs off, the modes interleaved, W=`world` ranks."""
+    with _server_in_background(ctx):
+        return _step_time_rows_inner(ctx, world, steps, reps, bucket, s3_env, goal=goal, modes=modes)
+
+
+def _step_time_rows_inner(ctx: Context, world: int, steps: int, reps: int, bucket: str, s3_env: dict[str, str], *,
+                          goal: bool, modes: tuple[str, ...]) -> list[Row]:
     times: dict[str, ModeTimes] = {mode: ModeTimes() for mode in modes}
     for rep in range(reps):
         for mode in modes:   # interleaved, so a change of load hits every mode alike
@@ -322,12 +358,17 @@ def _step_time_rows(ctx: Context, world: int, steps: int, reps: int, bucket: str
             raise RuntimeError(f"capture ({label}) changed the reported losses")
         ratio = median(on.step) / median(off.step)
         spread = [a / b for a, b in zip(on.run_medians, off.run_medians)]
+        # the same step of interleaved on/off runs, compared pairwise: the producer thread's generation overlaps
+        # the same steps in both, so this removes most of the step-to-step variation the pooled median keeps
+        paired = [a / b for ron, roff in zip(on.runs, off.runs) for a, b in zip(ron, roff)]
         rows.append(Row(GROUP, f"example step time, capture on ({label}) vs off", f"{ratio:.3f}x",
                         "<= 1.03x" if goal else "- (2 ranks on 2 CPUs)", (ratio <= 1.03) if goal else None,
                         f"median over {len(on.step)} / {len(off.step)} steps: {_ms(median(on.step))} on, "
                         f"{_ms(median(off.step))} off; per-run medians on {_ms(min(on.run_medians))}-"
                         f"{_ms(max(on.run_medians))}, off {_ms(min(off.run_medians))}-{_ms(max(off.run_medians))}; "
-                        f"per-run ratio {min(spread):.3f}-{max(spread):.3f}x; losses bit-identical"))
+                        f"per-run ratio {min(spread):.3f}-{max(spread):.3f}x; same step of paired runs: median "
+                        f"ratio {median(paired):.3f}x, mean step time ratio "
+                        f"{statistics.fmean(on.step) / statistics.fmean(off.step):.3f}x; losses bit-identical"))
         hook_med, hook_mean = median(on.hooks), statistics.fmean(on.hooks)
         rows.append(Row(GROUP, f"example time inside capture hooks per step ({label})",
                         f"{hook_med * 1e6:.0f} µs", "-", None,

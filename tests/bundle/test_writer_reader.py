@@ -265,3 +265,17 @@ def test_loss_mask_values(tmp_path, mask, ok):
     masks = reader.full_index().samples
     assert masks[1].loss_mask == [int(v) for v in mask]
     assert [m.loss_mask for m in masks] == [[int(v) for v in s.loss_mask] for s in samples]
+
+
+def test_write_payloads_lists_in_flight_once(tmp_path):
+    root = str(tmp_path / "store")
+    case = canonical_case(False)
+    w = BundleWriter(f"{root}/b-00001", case.manifest, case.index, case.expected)
+    writes = []
+    original = w.store.backend.write
+    w.store.backend.write = lambda key, data, **kw: (writes.append(key), original(key, data, **kw))[1]
+    w.write_payloads(case.payloads)
+    assert writes == [f".inflight/{w.attempt}.json"]  # one listing for every payload
+    w.finalize()
+    assert writes.count(f".inflight/{w.attempt}.json") == 2  # and one for the documents and the mask
+    assert replay(open_native(f"{root}/b-00001")).passed

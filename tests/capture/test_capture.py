@@ -244,3 +244,18 @@ def test_unfinished_steps_are_bounded(tmp_path, make_manager):
     stats = manager.stats()
     assert stats["dropped"] == 1 and stats["written"] == 1 and stats["errors"] == 1  # step_end without a step
     assert os.path.exists(tmp_path / "step-1-1" / "COMPLETE") and not os.path.exists(tmp_path / "step-1-0")
+
+
+def test_s3_requests_run_in_a_low_priority_loop(s3_root, make_manager):
+    """s3fs runs requests in an event loop thread; capture's is its own and yields the CPU like the writer."""
+    import threading
+
+    url, options = s3_root
+    manager = make_manager(url, storage_options=options)
+    assert capture_step(manager, 5, 0, [[0, 1], [2, 3]])
+    assert manager.flush(60) and manager.stats()["errors"] == 0
+    [io] = [t for t in threading.enumerate() if t.name == "trajectory-replay-io"]
+    assert manager.store.backend.fs.loop is not None and manager.store.backend.fs.loop.is_running()
+    assert os.getpriority(os.PRIO_PROCESS, io.native_id) >= 10
+    [source], report = _replayed(f"{url}/step-5-0", **options)
+    assert report.passed

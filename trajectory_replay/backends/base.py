@@ -91,6 +91,10 @@ class ByteRange:
             raise InvalidKeyError(f"invalid byte range [{self.start}, {self.end}) of {self.key!r}")
 
 
+CREATED, SAME, DIFFERENT = "created", "same", "different"
+"""Outcomes of `Backend.create_status`."""
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend guarantees. Callers check these instead of guessing from exceptions."""
@@ -237,17 +241,24 @@ class Backend(ABC):
         concurrent writer of identical bytes, also gets True); False when different bytes were there.
         Among concurrent writers of different bytes exactly one gets True, provided the backend's
         `probe()` passed (see `require_atomic_create`)."""
+        return self.create_status(key, data) != DIFFERENT
+
+    def create_status(self, key: str, data: bytes) -> str:
+        """`create_if_absent` with the outcome spelled out: CREATED (this call stored `data`), SAME (`key`
+        already held exactly `data`), or DIFFERENT (it holds other bytes; nothing was changed)."""
         validate_key(key)
-        created = self._create(key, data)
-        if created:
+        if self._create(key, data):
             self.stats.count_write(len(data))
-            return True
+            return CREATED
         try:
             existing = self.read(key)
         except KeyError:
             # deleted between the refusal and our read: a rare race with gc; try once more
-            return self._create(key, data)
-        return existing == bytes(data)
+            if self._create(key, data):
+                self.stats.count_write(len(data))
+                return CREATED
+            return DIFFERENT
+        return SAME if existing == bytes(data) else DIFFERENT
 
     def exists(self, key: str) -> bool:
         """True when `key` holds a value."""

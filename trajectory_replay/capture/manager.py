@@ -18,6 +18,7 @@ Guarantees (DESIGN.md invariants 2 and 3):
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import os
@@ -90,7 +91,15 @@ class CaptureManager:
         self.max_queue_bytes, self.max_queue_records = int(max_queue_bytes), int(max_queue_records)
         self.max_pending_steps = int(max_pending_steps)
         # one store per manager: the backend's create-once probe runs once, on the first commit
-        self.store = store if store is not None else ObjectStore.open(self.capture_dir, **dict(storage_options or {}))
+        if store is None:
+            options = dict(storage_options or {})
+            if self.capture_dir.startswith("s3://") and "loop" not in options:
+                # s3fs runs every request in an event loop thread; by default fsspec's shared one, started at
+                # normal priority by whoever came first. Capture's requests run in a loop of their own that
+                # yields the CPU to training, like the writer thread.
+                options["loop"] = _background_loop()
+            store = ObjectStore.open(self.capture_dir, **options)
+        self.store = store
         prov = Provenance()
         if producer is not None:
             prov.producer = producer
@@ -430,8 +439,7 @@ class CaptureManager:
         writer = BundleWriter(f"{self.capture_dir.rstrip('/')}/{rec.bundle_id}", parts.manifest, parts.index,
                               parts.expected, store=self.store, **rank_args)
         try:
-            for name, tensor in parts.payloads.items():
-                writer.write_payload(name, tensor)
+            writer.write_payloads(parts.payloads)
             writer.finalize()
         except BaseException:
             try:
@@ -497,6 +505,30 @@ def _freeze(value: Any) -> Any:
 
 
 __all__ = ["CaptureManager", "DEFAULT_MAX_QUEUE_BYTES", "DEFAULT_MAX_QUEUE_RECORDS", "log"]
+
+
+_IO_LOOP: Optional[asyncio.AbstractEventLoop] = None
+_IO_LOOP_LOCK = threading.Lock()
+
+
+def _background_loop() -> asyncio.AbstractEventLoop:
+    """The process-wide event loop of capture's remote I/O: one daemon thread at lowered priority."""
+    global _IO_LOOP
+    with _IO_LOOP_LOCK:
+        if _IO_LOOP is None:
+            loop = asyncio.new_event_loop()
+            ready = threading.Event()
+
+            def run() -> None:
+                _lower_thread_priority()
+                asyncio.set_event_loop(loop)
+                loop.call_soon(ready.set)
+                loop.run_forever()
+
+            threading.Thread(target=run, name="trajectory-replay-io", daemon=True).start()
+            ready.wait()
+            _IO_LOOP = loop
+    return _IO_LOOP
 
 
 def _lower_thread_priority(niceness: int = 10) -> None:
