@@ -34,9 +34,10 @@ which goes first), written as one object with fsspec `pipe_file` on the same bac
 server, default settings, i.e. a concurrent multipart upload). Then the blob is read back with
 `ObjectStore.get` (S3: through a new, empty read cache each time, the default for remote stores) and the
 object with `cat_file`. Dirty pages are flushed (`sync`) before every timed step. Local runs 5
-repetitions, S3 3, each pair back to back with the order alternating; the figure is best fsspec time /
-best store time (above 1: the store is faster), the best of several runs being the least disturbed by
-other work on a shared machine. The detail column lists every run and the median of the per-run ratios.
+repetitions, S3 3, each pair back to back with the order alternating; the figure is the median over the
+repetitions of fsspec time / store time (above 1: the store is faster), which one run disturbed by other work
+on a shared machine cannot sway (`pipe_file` only fills the page cache, and now and then a run of it escapes
+writeback entirely). The detail column lists every run and the best of each side.
 The store does more work than the baseline on purpose: it hashes everything (BLAKE3 of the blob, of
 every 4 MiB chunk and of every 16 KiB block), fsyncs each chunk on local disk before linking it into
 place, and verifies every chunk and the whole blob on `get`. As floors, the detail column also gives
@@ -223,12 +224,13 @@ def put_get_rows(side: Side, size: int) -> list[Row]:
     for op, store_t, plain_t, what in (("put", side.store_put, side.plain_put, "pipe_file"),
                                        ("get", side.store_get, side.plain_get, "cat_file")):
         s, p = min(store_t), min(plain_t)
-        ratio = p / s
-        paired = median([b / a for a, b in zip(store_t, plain_t)])  # each repetition's pair ran back to back
-        detail = (f"best store {fmt_rate(size, s)} ({fmt_secs(s)}), best fsspec {what} {fmt_rate(size, p)} "
-                  f"({fmt_secs(p)}); runs store/fsspec: "
+        # each repetition's pair ran back to back: the median of their ratios is not swayed by one run that the
+        # machine disturbed (or, for the page-cache-only pipe_file, one that happened to skip writeback)
+        ratio = median([b / a for a, b in zip(store_t, plain_t)])
+        detail = (f"median of {len(store_t)} per-run ratios; runs store/fsspec: "
                   + ", ".join(f"{fmt_secs(a)}/{fmt_secs(b)}" for a, b in zip(store_t, plain_t))
-                  + (f"; median of the per-run ratios {paired:.2f}x" if len(store_t) > 1 else ""))
+                  + f"; best store {fmt_rate(size, s)} ({fmt_secs(s)}), best fsspec {what} {fmt_rate(size, p)} "
+                  f"({fmt_secs(p)}), best vs best {p / s:.2f}x")
         if op == "put":
             detail += f"; hashing alone (plan) {fmt_secs(side.plan)}"
         else:

@@ -30,14 +30,12 @@ def return_large_buffers_to_os() -> bool:
 
 # --- large read buffers ---------------------------------------------------------------------------
 #
-# `bytearray(n)` zero-fills its memory, touching every 4 KiB page once before a read fills it again;
-# for payload-sized buffers the page faults cost more than the read. A buffer that a read is about
-# to overwrite completely needs neither: it is allocated uninitialised and, where the kernel offers
-# transparent huge pages on request (THP "madvise" mode), advised to use them, so that it faults in
-# 2 MiB at a time. Both are plain CPython and Linux calls; anywhere else this is `bytearray(n)`.
+# `bytearray(n)` zero-fills its memory, touching every page once before a read fills it again; for
+# payload-sized buffers that doubles the page faults and the memory traffic of a read. A buffer a read
+# is about to overwrite completely is allocated uninitialised instead (a plain CPython call). Huge pages
+# are not requested: with the kernel's common "defrag=madvise" setting an madvised fault compacts memory
+# synchronously, which stalls badly on a host whose memory is full of page cache.
 
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
 LARGE_BUFFER = 8 << 20  # smaller buffers gain nothing measurable
 
 
@@ -46,20 +44,12 @@ def _bind():
         new = ctypes.pythonapi.PyByteArray_FromStringAndSize
         new.restype = ctypes.py_object
         new.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+        return new
     except (AttributeError, OSError):  # not CPython
-        return None, None
-    madvise = None
-    if sys.platform.startswith("linux"):
-        try:
-            madvise = ctypes.CDLL(None, use_errno=True).madvise
-            madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-            madvise.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            madvise = None
-    return new, madvise
+        return None
 
 
-_new_bytearray, _madvise = _bind()
+_new_bytearray = _bind()
 
 
 def buffer_for_read(size: int) -> bytearray:
@@ -68,11 +58,4 @@ def buffer_for_read(size: int) -> bytearray:
     Never hand such a buffer out before it is filled (on a failed read, drop it)."""
     if size < LARGE_BUFFER or _new_bytearray is None:
         return bytearray(size)
-    buffer = _new_bytearray(None, size)
-    if _madvise is not None:
-        start = ctypes.addressof((ctypes.c_char * size).from_buffer(buffer))
-        aligned = (start + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
-        length = (start + size - aligned) & ~(_HUGE_PAGE - 1)
-        if length > 0:
-            _madvise(aligned, length, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
-    return buffer
+    return _new_bytearray(None, size)

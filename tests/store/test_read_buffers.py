@@ -1,4 +1,4 @@
-"""Large blobs are read into uninitialised (huge-page advised) buffers; the content must still be exact."""
+"""Large blobs are read into uninitialised buffers; the content must still be exact."""
 
 import os
 
