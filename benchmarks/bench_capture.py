@@ -313,6 +313,15 @@ def _server_in_background(ctx: Context, niceness: int = 10):
         yield
         return
     old: dict[int, int] = {}
+    group = f"/proc/{proc.pid}/autogroup"   # the server runs in a session of its own: with autogroup
+    old_group = None                        # scheduling, its session's nice is what counts against training
+    try:
+        with open(group) as f:
+            old_group = int(f.read().split("nice")[-1])
+        with open(group, "w") as f:
+            f.write(str(niceness))
+    except (OSError, ValueError):
+        pass
     for tid in os.listdir(f"/proc/{proc.pid}/task"):
         try:
             old[int(tid)] = os.getpriority(os.PRIO_PROCESS, int(tid))
@@ -322,6 +331,12 @@ def _server_in_background(ctx: Context, niceness: int = 10):
     try:
         yield
     finally:
+        if old_group is not None:
+            try:
+                with open(group, "w") as f:
+                    f.write(str(old_group))
+            except OSError:
+                pass
         for tid, prio in old.items():
             try:
                 os.setpriority(os.PRIO_PROCESS, tid, prio)

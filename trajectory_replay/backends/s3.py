@@ -17,7 +17,8 @@ import time
 from typing import Any, Optional, Sequence
 
 import fsspec
-from fsspec.asyn import sync
+from s3fs.core import _error_wrapper as _s3_retrying
+from fsspec.asyn import _run_coros_in_chunks, sync
 
 from trajectory_replay.backends.base import Backend, ByteRange, Capabilities, validate_key
 from trajectory_replay.errors import BackendError, NotFoundError
@@ -77,9 +78,24 @@ class S3Backend(Backend):
     def _not_found(self, key: str) -> NotFoundError:
         return NotFoundError(f"{self.url}: no such key {key!r}")
 
+    async def _get(self, path: str) -> bytes:
+        """One GET of a whole object. (s3fs's cat_file asks for the size first: a HEAD, plus a LIST when the
+        key is absent, before the GET; the store's reads are small or already split into chunks.)"""
+        bucket, obj_key, _ = self.fs.split_path(path)
+
+        async def call_and_read() -> bytes:
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=obj_key)
+            try:
+                return await resp["Body"].read()
+            finally:
+                resp["Body"].close()
+
+        # s3fs's own retry policy, as its cat_file applies it: a body cut off mid-read is fetched again
+        return await _s3_retrying(call_and_read, retries=self.fs.retries)
+
     def _read(self, key: str) -> bytes:
         try:
-            return self.fs.cat_file(self._path(key))
+            return sync(self.fs.loop, self._get, self._path(key))
         except FileNotFoundError:
             raise self._not_found(key) from None
 
@@ -94,13 +110,11 @@ class S3Backend(Backend):
         paths = [self._path(validate_key(k)) for k in keys]
         if not paths:
             return []
-        out = self.fs.cat(paths, on_error="return")
-        if not isinstance(out, dict):  # a single path returns bare bytes
-            out = {paths[0]: out}
+        results = sync(self.fs.loop, _run_coros_in_chunks, [self._get(p) for p in paths],
+                       batch_size=self.max_workers * 4, return_exceptions=True)
         values = []
-        for key, path in zip(keys, paths):
-            value = out.get(path)
-            if isinstance(value, FileNotFoundError) or value is None:
+        for key, value in zip(keys, results):
+            if isinstance(value, FileNotFoundError):
                 raise self._not_found(key)
             if isinstance(value, BaseException):
                 raise value
