@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """A tiny, deterministic, asynchronous GRPO run on CPU: the end-to-end example for trajectory_replay.
 
-Task: the prompt is 4 random digits and a separator; the response should be the digits sorted, then EOS.
-Reward = (correct digit positions + 1/4 per prompt digit in a wrong place + 1 if EOS is exactly at
-position 4) / 5: partial credit, so prompt groups have reward variance.
+Task: the prompt is N random digits (--digits, default 4) and a separator; the response should be the digits
+sorted, then EOS. Reward = (correct digit positions + 1/4 per prompt digit in a wrong place + 1 if EOS is exactly
+at position N) / (N + 1): partial credit, so prompt groups have reward variance.
 
 Shape of the run (slime-like, one-version-lag async):
 - Rank 0 runs a rollout producer thread. Rollout k is generated with policy version max(k-1, 0) while the
@@ -51,10 +51,15 @@ from torch import nn
 from trajectory_replay import capture
 
 SEP, EOS, PAD, VOCAB = 10, 11, 12, 16
-N_DIGITS = 4
-PROMPT_LEN = N_DIGITS + 1       # digits + SEP
-MAX_RESPONSE = N_DIGITS + 1     # sorted digits + EOS
-CONTEXT = 16
+N_DIGITS = 4                    # the default task size (--digits)
+MIN_CONTEXT = 16
+
+
+def task_shape(digits: int) -> tuple[int, int, int]:
+    """(prompt length, longest response, model context) for prompts of `digits` digits."""
+    prompt_len = digits + 1          # digits + SEP
+    max_response = digits + 1        # sorted digits + EOS
+    return prompt_len, max_response, max(MIN_CONTEXT, prompt_len + max_response)
 
 # --------------------------------------------------------------------------- capture hooks
 # Capture is configured only by the RELAX_REPLAY_CAPTURE* environment variables (read by
@@ -164,9 +169,9 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """Causal LM. Sequences are right-padded, so causal attention keeps padding out of real positions."""
 
-    def __init__(self, d: int = 32, layers: int = 2, heads: int = 2) -> None:
+    def __init__(self, d: int = 32, layers: int = 2, heads: int = 2, context: int = MIN_CONTEXT) -> None:
         super().__init__()
-        self.tok, self.pos = nn.Embedding(VOCAB, d), nn.Embedding(CONTEXT, d)
+        self.tok, self.pos = nn.Embedding(VOCAB, d), nn.Embedding(context, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, VOCAB)
 
@@ -257,12 +262,17 @@ def generate_rollout(model: nn.Module, rollout_id: int, version: int, args: argp
                      ) -> dict[str, list]:
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + rollout_id)   # seeded per rollout
     n, n_prompts = args.n_samples_per_prompt, args.prompts_per_rollout
-    prompts = torch.randint(0, 10, (n_prompts, N_DIGITS), generator=g)
+    n_digits = args.digits
+    prompt_len, max_response, _ = task_shape(n_digits)
+    prompts = torch.randint(0, 10, (n_prompts, n_digits), generator=g)
     seqs = torch.cat([prompts, torch.full((n_prompts, 1), SEP)], 1).repeat_interleave(n, 0)
     done = torch.zeros(len(seqs), dtype=torch.bool)
     lens, logps = torch.zeros(len(seqs), dtype=torch.long), []
-    for _ in range(MAX_RESPONSE):   # no KV cache: sequences are tiny, so recompute the whole prefix
-        logp = F.log_softmax(model(seqs)[:, -1].float(), dim=-1)
+    for t in range(max_response):   # no KV cache: sequences are tiny, so recompute the whole prefix
+        logits = model(seqs)[:, -1].float()
+        if t < args.min_response:   # like a sampler's min_new_tokens: no EOS yet
+            logits[:, EOS] = float("-inf")
+        logp = F.log_softmax(logits, dim=-1)
         nxt = torch.multinomial(logp.exp(), 1, generator=g).squeeze(1)
         nxt = torch.where(done, torch.full_like(nxt, PAD), nxt)
         logps.append(logp.gather(1, nxt[:, None]).squeeze(1))
@@ -274,18 +284,18 @@ def generate_rollout(model: nn.Module, rollout_id: int, version: int, args: argp
                                              "total_lengths", "loss_masks", "raw_reward", "rollout_log_probs")}
     for i in range(len(seqs)):
         r = int(lens[i])
-        resp, target = seqs[i, PROMPT_LEN:PROMPT_LEN + r], prompts[i // n].sort().values
+        resp, target = seqs[i, prompt_len:prompt_len + r], prompts[i // n].sort().values
         # Partial credit (a prompt digit in the wrong place earns a quarter) keeps reward variance in groups.
         hits = sum(1.0 if resp[j] == target[j] else 0.25 * float(resp[j] in target)
-                   for j in range(min(r, N_DIGITS)))
-        hits += float(r == MAX_RESPONSE and resp[-1] == EOS)
+                   for j in range(min(r, n_digits)))
+        hits += float(r == max_response and resp[-1] == EOS)
         # A response cut at the length limit (no EOS): its last token carries no learning signal, so masks
         # are not all ones and the masked means are exercised.
         mask = [1] * r if resp[-1] == EOS else [1] * (r - 1) + [0]
         for key, val in (("sample_ids", f"s-{rollout_id}-{i}"), ("group_index", i // n),
-                         ("tokens", seqs[i, :PROMPT_LEN + r].clone()), ("response_lengths", r),
-                         ("total_lengths", PROMPT_LEN + r), ("loss_masks", mask),
-                         ("raw_reward", hits / MAX_RESPONSE), ("rollout_log_probs", logps_t[i, :r].clone())):
+                         ("tokens", seqs[i, :prompt_len + r].clone()), ("response_lengths", r),
+                         ("total_lengths", prompt_len + r), ("loss_masks", mask),
+                         ("raw_reward", hits / max_response), ("rollout_log_probs", logps_t[i, :r].clone())):
             data[key].append(val)
     data["rollout_weight_versions"] = [version] * len(seqs)
     # Post-processing needs whole prompt groups (the bug: it uses the physical consumer batch instead).
@@ -299,7 +309,7 @@ def producer_loop(args: argparse.Namespace, board: WeightBoard, out: queue.Queue
     """Generate rollouts with a fixed one-version lag and stream them as consumer batches."""
     try:
         torch.manual_seed(args.seed)
-        model = TinyLM(args.d_model, args.layers).eval()
+        model = TinyLM(args.d_model, args.layers, context=task_shape(args.digits)[2]).eval()
         for k in range(args.steps):
             version = max(k - 1, 0)
             model.load_state_dict(board.wait_for(version))
@@ -336,7 +346,7 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> None:
               "eps_clip": args.eps_clip, "eps_clip_high": args.eps_clip_high, "entropy_coef": args.entropy_coef}
     _maybe_enable_capture(args.capture_dir, rank, list(range(world)), config)
     torch.manual_seed(args.seed)   # same init on every rank and in the producer
-    policy = TinyLM(args.d_model, args.layers)
+    policy = TinyLM(args.d_model, args.layers, context=task_shape(args.digits)[2])
     ref, behaviour = copy.deepcopy(policy).eval(), copy.deepcopy(policy).eval()
     for p in [*ref.parameters(), *behaviour.parameters()]:
         p.requires_grad_(False)
@@ -488,6 +498,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--d-model", type=int, default=32, help="model width (larger: slower, more realistic steps)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--digits", type=int, default=N_DIGITS,
+                   help="digits per prompt; responses are up to digits+1 tokens (larger: longer, more realistic rows)")
+    p.add_argument("--min-response", type=int, default=0,
+                   help="no EOS before this many response tokens (a sampler's min_new_tokens), so that responses "
+                        "are long from the first rollout on")
     args = p.parse_args(argv)
     rollout_size = args.prompts_per_rollout * args.n_samples_per_prompt
     if rollout_size % args.consumer_batch or args.consumer_batch % args.world_size:

@@ -279,3 +279,30 @@ def test_write_payloads_lists_in_flight_once(tmp_path):
     w.finalize()
     assert writes.count(f".inflight/{w.attempt}.json") == 2  # and one for the documents and the mask
     assert replay(open_native(f"{root}/b-00001")).passed
+
+
+def test_micro_batch_rows_are_shared_between_bundles(tmp_path):
+    """A step-level payload holding some micro-batches of a rollout-level one stores only its header chunk."""
+    tokens = 300  # 1,200-byte float32 rows: a micro-batch of two samples is chunked on its own
+    base = canonical_case(False)
+
+    def write(name: str, mbs: list[int], data: torch.Tensor):
+        samples = [SampleRecord(sample_id=f"s-{m}-{j}", group_index=m, response_length=tokens,
+                                total_length=tokens + 4, loss_mask=[1] * tokens, raw_reward=0.0, reward=0.0,
+                                micro_batch_id=f"mb-{m:04d}") for m in mbs for j in range(2)]
+        index = base.index.model_copy(update={"samples": samples, "bundle_id": name})
+        w = BundleWriter(str(tmp_path / "store" / name), base.manifest.model_copy(update={"bundle_id": name}),
+                         index, {})
+        w.write_payload("old_log_probs", data)
+        w.finalize()
+        return w.store
+
+    rows = torch.randn(8, tokens)  # four micro-batches of two samples
+    write("rollout-0", [0, 1, 2, 3], rows.reshape(-1))
+    store = write("step-0-1", [1, 2], rows[2:6].reshape(-1))
+    reader = BundleReader.open(str(tmp_path / "store" / "step-0-1"))
+    assert torch.equal(reader.load_payload("old_log_probs"), rows[2:6].reshape(-1))
+    rollout = BundleReader.open(str(tmp_path / "store" / "rollout-0"))
+    chunks = {name: {c.digest for c in store.record(src.payload_ref("old_log_probs")).chunks}
+              for name, src in (("step", reader), ("rollout", rollout))}
+    assert len(chunks["step"]) == 3 and len(chunks["step"] - chunks["rollout"]) == 1  # only its header

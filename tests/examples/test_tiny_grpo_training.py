@@ -70,3 +70,29 @@ def test_single_process_runs_without_spawning(tmp_path: Path) -> None:
     assert result["capture"]["threads"] == 0 and not result["capture"]["ranks"][0]["enabled"]
     assert not cap_dir.exists()
     assert sorted(p.name for p in run.workdir.iterdir()) == [run.out_json.name]
+
+
+def test_long_responses_share_rollout_chunks(tmp_path) -> None:
+    """--digits/--min-response give 129-token responses; the step-level bundles then store each micro-batch's
+    rows once, in the chunks of the rollout-level payload they consumed."""
+    from trajectory_replay.bundle import open_native
+    from trajectory_replay.replay import replay
+    from trajectory_replay.store import ObjectStore
+
+    run = run_example(tmp_path, "long", "--digits", "128", "--min-response", "128", "--capture-dir",
+                      str(tmp_path / "cap"), world_size=1, steps=1)
+    assert len(run.result["steps"]) == STEPS_PER_ROLLOUT
+    [rollout] = open_native(str(tmp_path / "cap" / "rollout-0"))
+    assert {s.response_length for s in rollout.index.samples} == {129}
+    store = ObjectStore.open(str(tmp_path / "cap"))
+
+    def chunks(source, name):
+        return {c.digest for c in store.record(source.payload_ref(name)).chunks}
+
+    for s in range(STEPS_PER_ROLLOUT):
+        [step] = open_native(str(tmp_path / "cap" / f"step-0-{s}"))
+        assert replay([step]).passed
+        for name in ("old_log_probs", "advantages"):
+            mine = chunks(step, name)
+            assert len(mine - chunks(rollout, name)) == 1, (s, name)   # its own header only
+    assert replay([rollout]).passed

@@ -169,6 +169,40 @@ def test_cdc_boundaries_are_row_aligned_and_bounded():
     assert all(e % 1000 == 0 for e in ends[:-1])
 
 
+def test_boundaries_are_kept_and_change_nothing_without_them():
+    from trajectory_replay.store import chunk_ends
+
+    data = os.urandom(300_000)
+    cuts = list(range(0, len(data), 1000))
+    assert chunk_ends(data, cuts, SMALL, boundaries=None) == chunk_ends(data, cuts, SMALL)
+    assert chunk_ends(data, None, SMALL, boundaries=[]) == chunk_ends(data, None, SMALL)
+    ends = chunk_ends(data, cuts, SMALL, boundaries=[0, 77, 120_000, len(data)])
+    assert {77, 120_000} <= set(ends) and ends[-1] == len(data)
+    # without cut points each segment is cut at fixed sizes from its own start
+    assert chunk_ends(data, None, SMALL, boundaries=[100]) == [100, *range(100 + SMALL.chunk_size, len(data),
+                                                                         SMALL.chunk_size), len(data)]
+
+
+def test_aligned_runs_are_shared_whatever_surrounds_them(store):
+    """The same rows behind different headers and between different neighbours: chunked alike, stored once."""
+    runs = [os.urandom(3000) for _ in range(4)]
+    first = b"H" * 72 + runs[0] + runs[1]
+    second = b"header!" * 9 + runs[0] + runs[1] + runs[2] + runs[3]
+
+    def bounds(prefix: int, blob_runs) -> list[int]:
+        out, at = [prefix], prefix
+        for r in blob_runs:
+            at += len(r)
+            out.append(at)
+        return out
+
+    store.put(first, cuts=bounds(72, runs[:2])[:-1], boundaries=bounds(72, runs[:2]))
+    before = store.stats.bytes_written
+    ref = store.put(second, cuts=bounds(63, runs)[:-1], boundaries=bounds(63, runs))
+    assert store.get(ref) == second
+    assert store.stats.bytes_written - before == 63 + 2 * 3000  # the new header and the two new runs only
+
+
 def test_parse_digest_messages():
     with pytest.raises(InvalidKeyError, match="64 hex characters"):
         parse_digest("blake3:abc")

@@ -175,6 +175,7 @@ class BundleWriter:
         self.payloads: dict[str, PayloadSpec] = {}
         self._finalized = False
         self._row_starts = self.index.token_offsets()
+        self._batch_rows = micro_batch_rows(self.index, self._row_starts)
 
     @property
     def url(self) -> str:
@@ -209,14 +210,19 @@ class BundleWriter:
     def _encode(self, name: str, tensor: torch.Tensor, role: str) -> "_Encoded":
         blob, data_start = codec.encode(tensor)
         per_token = tensor.dim() == 1
-        cuts = None
+        cuts = boundaries = None
         if per_token and tensor.numel() == self._row_starts[-1]:
             itemsize = tensor.element_size()
             cuts = [data_start + s * itemsize for s in self._row_starts[:-1]]
-        return _Encoded(name, role, blob, cuts, codec.dtype_name(tensor.dtype), list(tensor.shape), per_token)
+            # each micro-batch's rows (when not tiny) chunked on their own: a step-level payload and the
+            # rollout-level payload holding the same micro-batches share those chunks at any payload size
+            boundaries = sorted({data_start + t * itemsize for a, b in self._batch_rows
+                                 if (b - a) * itemsize >= ALIGNED_RUN_BYTES for t in (a, b)}) or None
+        return _Encoded(name, role, blob, cuts, boundaries, codec.dtype_name(tensor.dtype), list(tensor.shape),
+                        per_token)
 
     def _put_encoded(self, encoded: Sequence["_Encoded"]) -> dict[str, PayloadSpec]:
-        refs = self._put_many([(e.blob, e.cuts) for e in encoded])
+        refs = self._put_many([(e.blob, e.cuts, e.boundaries) for e in encoded])
         return {e.name: PayloadSpec(name=e.name, role=e.role, codec="safetensors", dtype=e.dtype, shape=e.shape,
                                     size=ref.size, digest=ref.digest, record=ref.record, per_token=e.per_token)
                 for e, ref in zip(encoded, refs)}
@@ -294,7 +300,7 @@ class BundleWriter:
         if all(len(s.loss_mask) == s.response_length for s in index.samples):
             mask = self._encode(LOSS_MASK, self._mask_tensor(index.samples), role="input")
             # the manifest names the mask's digests before anything is written: hash it, write it with the rest
-            plan = self.store.plan(mask.blob, mask.cuts)
+            plan = self.store.plan(mask.blob, mask.cuts, mask.boundaries)
             payloads[LOSS_MASK] = PayloadSpec(name=LOSS_MASK, role="input", codec="safetensors", dtype=mask.dtype,
                                               shape=mask.shape, size=plan.ref.size, digest=plan.ref.digest,
                                               record=plan.ref.record, per_token=True)
@@ -345,9 +351,26 @@ class _Encoded:
     role: str
     blob: bytes
     cuts: Optional[list[int]]
+    boundaries: Optional[list[int]]
     dtype: str
     shape: list[int]
     per_token: bool
+
+
+ALIGNED_RUN_BYTES = 1 << 10
+"""A micro-batch's rows of a per-token payload are chunked on their own from this many bytes; smaller runs
+would only add objects (and requests) to save a few hundred bytes."""
+
+
+def micro_batch_rows(index: BundleIndex, row_starts: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, end) token offsets of each run of consecutive samples sharing a micro_batch_id."""
+    samples, runs, first = index.samples, [], 0
+    for i in range(1, len(samples) + 1):
+        if i == len(samples) or samples[i].micro_batch_id != samples[first].micro_batch_id:
+            if samples[first].micro_batch_id:
+                runs.append((row_starts[first], row_starts[i]))
+            first = i
+    return runs
 
 
 def check_or_raise(value: str, what: str) -> str:

@@ -48,18 +48,39 @@ def _row_fingerprint(row: memoryview) -> int:
     return int.from_bytes(h.digest(length=8), "little")
 
 
-def chunk_ends(data, cuts: Optional[Sequence[int]] = None, params: ChunkingParams = ChunkingParams()) -> list[int]:
-    """End offsets of the chunks of `data` (the last is len(data)); a blob of size 0 has no chunks."""
+def chunk_ends(data, cuts: Optional[Sequence[int]] = None, params: ChunkingParams = ChunkingParams(),
+               boundaries: Optional[Sequence[int]] = None) -> list[int]:
+    """End offsets of the chunks of `data` (the last is len(data)); a blob of size 0 has no chunks.
+
+    `boundaries` are offsets where a chunk must end whatever the content (e.g. where a payload's data
+    starts after its header, and where each micro-batch's rows start): the bytes between two of them
+    are chunked on their own, so the same run of rows is cut the same way in every blob that holds it."""
     view = memoryview(data).cast("B")
     size = len(view)
     if size == 0:
         return []
-    if not cuts:
-        return _fixed(0, size, params.chunk_size)
-    points = sorted({c for c in cuts if 0 < c < size})
-    bounds = [0, *points, size]
+    edges = [0, *sorted({b for b in boundaries or () if 0 < b < size}), size]
+    points = sorted({c for c in cuts or () if 0 < c < size})
     ends: list[int] = []
-    chunk_start = 0
+    at = 0
+    for start, end in zip(edges[:-1], edges[1:]):
+        inner = []
+        while at < len(points) and points[at] < end:
+            if points[at] > start:
+                inner.append(points[at])
+            at += 1
+        ends.extend(_segment_ends(view, start, end, inner, params, cut_points=bool(cuts)))
+    return ends
+
+
+def _segment_ends(view: memoryview, start: int, end: int, points: list[int], params: ChunkingParams,
+                  cut_points: bool) -> list[int]:
+    """Chunk ends within [start, end): fixed-size without cut points, by row content with them."""
+    if not cut_points:
+        return _fixed(start, end, params.chunk_size)
+    bounds = [start, *points, end]
+    ends: list[int] = []
+    chunk_start = start
     for row_start, row_end in zip(bounds[:-1], bounds[1:]):
         if row_end - chunk_start > params.chunk_size and row_start > chunk_start:
             ends.append(row_start)  # this row would overflow the chunk: close it before the row
@@ -75,6 +96,6 @@ def chunk_ends(data, cuts: Optional[Sequence[int]] = None, params: ChunkingParam
             if _row_fingerprint(view[row_start:row_end]) < threshold * (1 << 64):
                 ends.append(row_end)
                 chunk_start = row_end
-    if not ends or ends[-1] != size:
-        ends.append(size)
+    if not ends or ends[-1] != end:
+        ends.append(end)
     return ends

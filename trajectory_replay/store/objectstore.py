@@ -110,7 +110,7 @@ class PutPlan:
     existing: bool
     """The blob's ref already exists: nothing needs writing."""
     source: tuple = field(default=(), repr=False)
-    """(data, cuts) the plan was made from, to plan again."""
+    """(data, cuts, boundaries) the plan was made from, to plan again."""
 
     def object_digests(self) -> list[str]:
         """Every object digest this blob needs: its chunks and its record."""
@@ -157,16 +157,17 @@ class ObjectStore:
         return self.backend.url
 
     # ---- writing -------------------------------------------------------------------------------
-    def plan(self, data, cuts: Optional[Sequence[int]] = None) -> PutPlan:
+    def plan(self, data, cuts: Optional[Sequence[int]] = None, boundaries: Optional[Sequence[int]] = None) -> PutPlan:
         """Hash `data` (whole, chunks, blocks) and build its record without writing anything."""
         view = memoryview(data).cast("B")
         digest = hash_bytes(view)
         try:  # one read answers both "is it stored?" and "under which record?"
             record_digest = self._read_ref(digest)
-            return PutPlan(BlobRef(digest, len(view), record_digest), b"", [], existing=True, source=(data, cuts))
+            return PutPlan(BlobRef(digest, len(view), record_digest), b"", [], existing=True,
+                           source=(data, cuts, boundaries))
         except NotFoundError:
             pass
-        ends = chunk_ends(view, cuts, self.chunking)
+        ends = chunk_ends(view, cuts, self.chunking, boundaries)
         starts = [0, *ends[:-1]]
 
         def describe(span: tuple[int, int]) -> tuple[ChunkInfo, memoryview]:
@@ -179,7 +180,7 @@ class ObjectStore:
         record = BlobRecord(digest, len(view), self.block_size, tuple(c for c, _ in chunks))
         record_bytes = record.to_bytes()
         return PutPlan(BlobRef(digest, len(view), hash_bytes(record_bytes)), record_bytes, chunks, existing=False,
-                       source=(data, cuts))
+                       source=(data, cuts, boundaries))
 
     def commit(self, plan: PutPlan) -> BlobRef:
         """Write a plan's chunks (skipping those stored), then its record, then the create-once ref."""
@@ -206,17 +207,19 @@ class ObjectStore:
         return BlobRef(plan.ref.digest, plan.ref.size, self._read_ref(plan.ref.digest))
 
     def put(self, data, cuts: Optional[Sequence[int]] = None,
-            before_write: Optional[Callable[[PutPlan], None]] = None) -> BlobRef:
-        """Store `data` once; `cuts` are allowed chunk boundaries (e.g. row starts). Returns its BlobRef.
+            before_write: Optional[Callable[[PutPlan], None]] = None, *,
+            boundaries: Optional[Sequence[int]] = None) -> BlobRef:
+        """Store `data` once; `cuts` are allowed chunk boundaries (e.g. row starts), `boundaries` required
+        ones (see `chunk_ends`). Returns its BlobRef.
 
         `before_write(plan)` runs after hashing and before any write, so a caller can record
         every object it is about to write or reuse (the in-flight records gc respects)."""
         listed = None if before_write is None else (lambda plans: before_write(plans[0]))
-        return self.put_many([(data, cuts)], before_write=listed)[0]
+        return self.put_many([(data, cuts, boundaries)], before_write=listed)[0]
 
-    def put_many(self, items: Sequence["tuple[Any, Optional[Sequence[int]]] | PutPlan"],
+    def put_many(self, items: Sequence["tuple | PutPlan"],
                  before_write: Optional[Callable[[list[PutPlan]], None]] = None) -> list[BlobRef]:
-        """`put` of several (data, cuts) at once (or of plans already made): all hashed first,
+        """`put` of several (data, cuts[, boundaries]) at once (or of plans already made): all hashed first,
         `before_write(plans)` called once, then everything uploaded together. Fewer round trips than
         one `put` after another."""
         plans = [item if isinstance(item, PutPlan) else self.plan(*item) for item in items]
