@@ -251,7 +251,7 @@ def test_s3_requests_run_in_a_low_priority_loop(s3_root, make_manager):
     import threading
 
     url, options = s3_root
-    manager = make_manager(url, storage_options=options)
+    manager = make_manager(url, storage_options=options, writer="thread")
     assert capture_step(manager, 5, 0, [[0, 1], [2, 3]])
     assert manager.flush(60) and manager.stats()["errors"] == 0
     [io] = [t for t in threading.enumerate() if t.name == "trajectory-replay-io"]
@@ -259,3 +259,37 @@ def test_s3_requests_run_in_a_low_priority_loop(s3_root, make_manager):
     assert os.getpriority(os.PRIO_PROCESS, io.native_id) >= 10
     [source], report = _replayed(f"{url}/step-5-0", **options)
     assert report.passed
+
+
+def test_writer_process_by_default(s3_root, make_manager):
+    """By default bundles are written by a child process at lowered priority: none of that work holds
+    training's GIL. It writes what the hooks captured, exactly as the thread writer does."""
+    url, options = s3_root
+    manager = make_manager(url, storage_options=options)
+    assert manager.writer_mode == "process"
+    assert capture_step(manager, 6, 0, [[0, 1], [2, 3]])
+    assert manager.capture_rollout(6, **rollout_kwargs())
+    assert manager.flush(60) and manager.stats()["written"] == 2 and manager.stats()["errors"] == 0
+    child = manager._process.proc
+    assert child.poll() is None and os.getpriority(os.PRIO_PROCESS, child.pid) >= 10
+    for name in ("step-6-0", "rollout-6"):
+        _replayed(f"{url}/{name}", **options)
+    assert manager.close(30) and child.poll() is not None   # closing ends the process
+
+
+def test_writer_process_reports_failures(tmp_path, make_manager, caplog):
+    """A record the writer process cannot write is counted and logged in the training process."""
+    root = tmp_path / "cap"
+    root.mkdir()
+    manager = make_manager(root)
+    (root / "objects").write_text("not a directory")   # every object write fails
+    with caplog.at_level(logging.ERROR, logger="trajectory_replay.capture"):
+        assert manager.capture_rollout(1, **rollout_kwargs())
+        assert manager.flush(60)
+    assert manager.stats()["errors"] == 1 and manager.stats()["written"] == 0
+    assert any("rollout-1" in r.getMessage() for r in caplog.records)
+    assert not (root / "rollout-1" / "COMPLETE").exists()
+    (root / "objects").unlink()   # the same process goes on with the next record
+    assert manager.capture_rollout(2, **rollout_kwargs()) and manager.flush(60)
+    assert manager.stats()["written"] == 1
+    _replayed(str(root / "rollout-2"))

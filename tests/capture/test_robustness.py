@@ -44,7 +44,7 @@ def _slow_writes(backend, seconds: float, release: threading.Event) -> None:
 
 
 def test_slow_backend_never_blocks_training(tmp_path, make_manager):
-    manager = make_manager(tmp_path, max_queue_records=2)
+    manager = make_manager(tmp_path, max_queue_records=2, writer="thread")  # the slowed backend is this process's
     release = threading.Event()
     _slow_writes(manager.store.backend, 1.0, release)
     try:
@@ -74,7 +74,7 @@ def test_slow_backend_never_blocks_training(tmp_path, make_manager):
 
 def test_failing_backend_counts_errors(tmp_path, make_manager, caplog):
     caplog.set_level(logging.ERROR, logger="trajectory_replay.capture")
-    manager = make_manager(tmp_path)
+    manager = make_manager(tmp_path, writer="thread")
     backend = manager.store.backend
 
     def fail(*args, **kwargs):
@@ -96,7 +96,7 @@ def test_failing_backend_counts_errors(tmp_path, make_manager, caplog):
 
 def test_failing_finalize_leaves_no_complete(tmp_path, make_manager):
     # payloads land, then the marker write fails: the bundle never looks complete, its in-flight record is gone
-    manager = make_manager(tmp_path)
+    manager = make_manager(tmp_path, writer="thread")
     backend = manager.store.backend
     create = backend._create
 
@@ -118,7 +118,7 @@ CHILD = textwrap.dedent("""
     import sys, threading, time
     from trajectory_replay.capture import CaptureManager
     from tests.capture.helpers import rollout_kwargs
-    manager = CaptureManager(sys.argv[1], atexit_timeout=None)
+    manager = CaptureManager(sys.argv[1], atexit_timeout=None, writer="thread")
     backend = manager.store.backend
     create, write = backend._create, backend._write
     def slow_create(key, data):
@@ -200,3 +200,54 @@ def test_atexit_writes_what_is_queued(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert replay(open_native(str(root / "rollout-0"))).passed
+
+
+PROCESS_CHILD = textwrap.dedent("""
+    import sys, time, torch
+    from trajectory_replay.capture import CaptureManager
+    from tests.capture.helpers import rollout_kwargs
+    manager = CaptureManager(sys.argv[1], atexit_timeout=None)   # the default: a writer process
+    big = torch.randn(4 << 20)   # 16 MiB per payload: each bundle takes a while to write
+    for r in range(4):
+        kwargs = rollout_kwargs()
+        kwargs["response_lengths"] = [1 << 20] * 4
+        kwargs["loss_masks"] = torch.ones(4 << 20)
+        for name in ("old_log_probs", "ref_log_probs", "kl", "advantages"):
+            kwargs[name] = big + r
+        assert manager.capture_rollout(r, **kwargs)
+    print("captured", manager._process.proc.pid, flush=True)
+    time.sleep(120)
+""")
+
+
+def test_killed_training_process_takes_its_writer_process_along(tmp_path):
+    """Killing the training process mid-capture kills its writer process too: the bundle being written
+    never completes (no orphan finishes it later), finished ones stay intact."""
+    root = tmp_path / "cap"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, "-c", PROCESS_CHILD, str(root)], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        writer_pid = int(child.stdout.readline().split()[1])
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not _writing(root, "rollout-1"):
+            time.sleep(0.005)
+        assert _writing(root, "rollout-1"), "the writer never got to rollout-1"
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{writer_pid}") and \
+                "zombie" not in open(f"/proc/{writer_pid}/status").read():
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{writer_pid}") or "zombie" in open(f"/proc/{writer_pid}/status").read()
+        time.sleep(0.5)   # nothing may complete after the kill
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+    complete = _completes(root)
+    assert "rollout-0/COMPLETE" in complete and "rollout-1/COMPLETE" not in complete
+    [done] = open_native(str(root / "rollout-0"))   # finished before the kill: whole and verified
+    assert done.load_payload("old_log_probs").shape == (4 << 20,)
+    with pytest.raises(BundleError, match="incomplete bundle"):
+        open_native(str(root / "rollout-1"))

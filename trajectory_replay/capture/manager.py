@@ -38,6 +38,7 @@ from trajectory_replay.capture.records import (
     step_bundle_id,
 )
 from trajectory_replay.capture.snapshot import Snapshot, estimate_nbytes
+from trajectory_replay.capture.worker import WriterProcess
 from trajectory_replay.store import ObjectStore
 
 log = logging.getLogger("trajectory_replay.capture")
@@ -52,8 +53,13 @@ DEFAULT_ATEXIT_TIMEOUT = 60.0
 class _Record:
     bundle_id: str
     snapshot: Snapshot
-    build: Callable[[], BundleParts]
+    builder: str        # a key of BUILDERS
+    args: tuple         # its arguments (sent to the writer process as they are)
     nbytes: int
+
+
+BUILDERS: dict[str, Callable[..., BundleParts]] = {"rollout": build_rollout, "step": build_step}
+WRITER_MODES = ("auto", "process", "thread")
 
 
 class _PendingStep:
@@ -79,8 +85,17 @@ class CaptureManager:
                  max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES, max_queue_records: int = DEFAULT_MAX_QUEUE_RECORDS,
                  max_pending_steps: int = DEFAULT_MAX_PENDING_STEPS, producer: Optional[ProducerInfo] = None,
                  topology: Optional[RankTopology | Mapping[str, int]] = None,
-                 atexit_timeout: Optional[float] = DEFAULT_ATEXIT_TIMEOUT, start: bool = True) -> None:
+                 atexit_timeout: Optional[float] = DEFAULT_ATEXIT_TIMEOUT, start: bool = True,
+                 writer: str = "auto") -> None:
         self.capture_dir = os.fspath(capture_dir)
+        if writer not in WRITER_MODES:
+            raise ValueError(f"writer must be one of {', '.join(WRITER_MODES)}, got {writer!r}")
+        if writer == "auto":
+            # a process of its own keeps the writer's Python work off training's GIL; a store object given
+            # here (or an in-memory one) lives in this process only
+            writer = "thread" if store is not None or self.capture_dir.startswith("memory://") else "process"
+        self.writer_mode = writer
+        self._process: Optional[WriterProcess] = None
         self.rank = int(rank)
         ranks = sorted({int(r) for r in expected_ranks}) if expected_ranks is not None else [self.rank]
         if self.rank not in ranks:
@@ -91,9 +106,10 @@ class CaptureManager:
         self.max_queue_bytes, self.max_queue_records = int(max_queue_bytes), int(max_queue_records)
         self.max_pending_steps = int(max_pending_steps)
         # one store per manager: the backend's create-once probe runs once, on the first commit
+        self._storage_options = dict(storage_options or {})
         if store is None:
-            options = dict(storage_options or {})
-            if self.capture_dir.startswith("s3://") and "loop" not in options:
+            options = dict(self._storage_options)
+            if writer == "thread" and self.capture_dir.startswith("s3://") and "loop" not in options:
                 # s3fs runs every request in an event loop thread; by default fsspec's shared one, started at
                 # normal priority by whoever came first. Capture's requests run in a loop of their own that
                 # yields the CPU to training, like the writer thread.
@@ -281,8 +297,7 @@ class CaptureManager:
             except BaseException:
                 self._release(nbytes)
                 raise
-            rec = _Record(bundle_id, snap, lambda: build_rollout(rollout_id, columns, payloads, config, lineage, prov),
-                          nbytes)
+            rec = _Record(bundle_id, snap, "rollout", (rollout_id, columns, payloads, config, lineage, prov), nbytes)
             return self._enqueue(rec)
         except Exception as exc:
             self._hook_error(f"capture_rollout({rollout_id})", exc)
@@ -364,8 +379,8 @@ class CaptureManager:
             except BaseException:
                 self._release(step.nbytes)
                 raise
-            rec = _Record(step_bundle_id(*key), snap,
-                          lambda: build_step(key[0], key[1], mbs, scalars, config, lineage, prov), step.nbytes)
+            rec = _Record(step_bundle_id(*key), snap, "step", (key[0], key[1], mbs, scalars, config, lineage, prov),
+                          step.nbytes)
             return self._enqueue(rec)
         except Exception as exc:
             self._hook_error(f"capture_step_end({rollout_id}, {step_id})", exc)
@@ -406,6 +421,27 @@ class CaptureManager:
     # ---- writer thread -------------------------------------------------------------------------
     def _run(self) -> None:
         _lower_thread_priority()
+        if self.writer_mode == "process":
+            self._start_process()
+        try:
+            self._serve()
+        finally:
+            if self._process is not None:
+                self._process.stop()
+
+    def _start_process(self) -> None:
+        """Start the writer process (from this thread: it inherits the lowered priority and dies with it)."""
+        self._process = WriterProcess(dict(capture_dir=self.capture_dir, storage_options=self._storage_options,
+                                           rank=self.rank, expected_ranks=self.expected_ranks))
+        try:
+            self._process.start()
+        except Exception as exc:  # noqa: BLE001 - capture goes on in this thread rather than not at all
+            log.warning("capture: the writer process could not start (%s: %s); writing from a thread instead",
+                        type(exc).__name__, exc)
+            self._process = None
+            self.writer_mode = "thread"
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 while not self._queue and not self._closing:
@@ -432,25 +468,37 @@ class CaptureManager:
 
     def _write(self, rec: _Record) -> None:
         rec.snapshot.wait()
-        parts = rec.build()
-        rank_args: dict[str, Any] = {}
-        if self.multi_producer:
-            rank_args = dict(rank=self.rank, expected_ranks=self.expected_ranks)
-        writer = BundleWriter(f"{self.capture_dir.rstrip('/')}/{rec.bundle_id}", parts.manifest, parts.index,
-                              parts.expected, store=self.store, **rank_args)
-        try:
-            writer.write_payloads(parts.payloads)
-            writer.finalize()
-        except BaseException:
-            try:
-                writer.abort()
-            except Exception as exc:  # the in-flight record stays; gc removes it after its TTL
-                log.warning("capture: could not remove the in-flight record of %s: %s", rec.bundle_id, exc)
-            raise
-        log.info("capture: wrote %s%s", writer.url, f" (rank {self.rank})" if self.multi_producer else "")
+        if self._process is not None:
+            self._process.write(rec.bundle_id, rec.builder, rec.args)
+            log.info("capture: wrote %s/%s%s", self.store.url, rec.bundle_id,
+                     f" (rank {self.rank})" if self.multi_producer else "")
+        else:
+            write_bundle(self.store, self.capture_dir, rec.bundle_id, rec.builder, rec.args, self.rank,
+                         self.expected_ranks)
 
     def __repr__(self) -> str:
         return f"CaptureManager({self.capture_dir!r}, rank={self.rank}, expected_ranks={self.expected_ranks})"
+
+
+def write_bundle(store: ObjectStore, capture_dir: str, bundle_id: str, builder: str, args: tuple, rank: int,
+                 expected_ranks: Sequence[int]) -> None:
+    """Build one captured record's bundle and write it (rank `rank`'s shard when several ranks are expected)."""
+    parts = BUILDERS[builder](*args)
+    rank_args: dict[str, Any] = {}
+    if len(expected_ranks) > 1:
+        rank_args = dict(rank=rank, expected_ranks=list(expected_ranks))
+    writer = BundleWriter(f"{capture_dir.rstrip('/')}/{bundle_id}", parts.manifest, parts.index, parts.expected,
+                          store=store, **rank_args)
+    try:
+        writer.write_payloads(parts.payloads)
+        writer.finalize()
+    except BaseException:
+        try:
+            writer.abort()
+        except Exception as exc:  # the in-flight record stays; gc removes it after its TTL
+            log.warning("capture: could not remove the in-flight record of %s: %s", bundle_id, exc)
+        raise
+    log.info("capture: wrote %s%s", writer.url, f" (rank {rank})" if len(expected_ranks) > 1 else "")
 
 
 _LIVE: "weakref.WeakSet[CaptureManager]" = weakref.WeakSet()
