@@ -34,14 +34,16 @@ per rollout, 4 optimizer steps per rollout, 2 micro-batches per rank and step) i
 2 CPUs, and one rank leaves a core for the capture writer, as training on a GPU host leaves its CPUs
 free) and with two ranks (informational: training then holds both cores and the writer competes with it), capture off / on to a local directory / on
 to the S3 server (`RELAX_REPLAY_CAPTURE=1`, a fresh `RELAX_REPLAY_CAPTURE_DIR` per run, AWS_* variables
-for the server), the three modes interleaved, several runs each. Every step of rank 0's training thread is
-timed by the example (`timing` in `--out-json`: wall time of the step from receiving the batch to the
-reported scalars, including the micro-batch, step-end and, on a rollout's last step, the rollout hook; and
-the time spent inside the capture hooks). The first step of each run (waiting for the first rollout) is
-left out; the figure is the median over all remaining steps of all runs of a mode, against the same for
-capture off; the spread is the range of the per-run medians. Both ranks and the writer threads share 2
-CPUs here, so the writer's hashing and encoding competes with training for the cores; with the GIL, the
-writer thread also competes with the training thread of its own rank. **bytes**: captured runs of the
+for the server), the three modes interleaved, five runs each at W=1 (two at W=2). Every step of rank 0's
+training thread is timed by the example (`timing` in `--out-json`: wall time of the step from receiving the
+batch to the reported scalars, including the micro-batch, step-end and, on a rollout's last step, the
+rollout hook; and the time spent inside the capture hooks). The first step of each run (waiting for the
+first rollout) is left out; the figure is the median over all remaining steps of all runs of a mode, against
+the same for capture off; the spread is the range of the per-run medians, and the detail adds the median of
+the ratios of the same step in paired runs and the ratio of the mean step times. Capture writes from its
+writer process (the default), at lowered priority. The S3 server runs on the same 2 CPUs; it stands in for a
+remote store, whose request handling a real deployment does elsewhere, so during these runs it is lowered in
+priority too (its threads and its session's autogroup), and takes what training leaves. **bytes**: captured runs of the
 example on local disk (W=2, 4 rollouts): for the goal with `--digits 128 --min-response 128` (129-token
 responses, 516-byte float32 rows), and, as information, with the default 4-digit task (20-byte rows, smaller
 than each payload's own header); computed from the store: logical = the sum of the payload sizes in every bundle's
@@ -405,7 +407,7 @@ def run(ctx: Context) -> list[Row]:
     rows = _hook_rows(ctx)
 
     steps = ctx.size(4, 3)     # rollouts per run; 4 optimizer steps each
-    reps = max(ctx.reps(3), 1)
+    reps = max(ctx.reps(5), 1)     # interleaved runs per mode: 55 steps per figure at W=1
     bucket = ctx.s3_bucket()
     s3_env = ctx.s3().env()
     for world in (STEP_TIME_WORLD, 2):

@@ -293,3 +293,15 @@ def test_writer_process_reports_failures(tmp_path, make_manager, caplog):
     assert manager.capture_rollout(2, **rollout_kwargs()) and manager.flush(60)
     assert manager.stats()["written"] == 1
     _replayed(str(root / "rollout-2"))
+
+
+def test_writer_choice_is_checked(tmp_path):
+    from trajectory_replay.capture import CaptureManager
+    from trajectory_replay.store import ObjectStore
+
+    with pytest.raises(ValueError, match="writer must be one of"):
+        CaptureManager(tmp_path, writer="fork", start=False)
+    with pytest.raises(ValueError, match="writer='process' needs a path or URL"):
+        CaptureManager(tmp_path, writer="process", store=ObjectStore.open(str(tmp_path)), start=False)
+    assert CaptureManager("memory://w", start=False).writer_mode == "thread"
+    assert CaptureManager(tmp_path, start=False).writer_mode == "process"

@@ -214,10 +214,14 @@ class BundleWriter:
         if per_token and tensor.numel() == self._row_starts[-1]:
             itemsize = tensor.element_size()
             cuts = [data_start + s * itemsize for s in self._row_starts[:-1]]
-            # each micro-batch's rows (when not tiny) chunked on their own: a step-level payload and the
-            # rollout-level payload holding the same micro-batches share those chunks at any payload size
+            # A micro-batch's rows too few for a content-defined cut of their own (under the minimum chunk
+            # size) are chunked on their own: a step-level payload and the rollout-level payload holding the
+            # same micro-batches then share them even when small. Larger runs are left to content-defined
+            # chunking, which finds the same cuts inside them in both blobs (forcing their edges would only
+            # cut differently from a blob that does not know the micro-batches).
+            small = range(ALIGNED_RUN_BYTES, self.store.chunking.min_size)
             boundaries = sorted({data_start + t * itemsize for a, b in self._batch_rows
-                                 if (b - a) * itemsize >= ALIGNED_RUN_BYTES for t in (a, b)}) or None
+                                 if (b - a) * itemsize in small for t in (a, b)}) or None
         return _Encoded(name, role, blob, cuts, boundaries, codec.dtype_name(tensor.dtype), list(tensor.shape),
                         per_token)
 
@@ -358,8 +362,8 @@ class _Encoded:
 
 
 ALIGNED_RUN_BYTES = 1 << 10
-"""A micro-batch's rows of a per-token payload are chunked on their own from this many bytes; smaller runs
-would only add objects (and requests) to save a few hundred bytes."""
+"""A micro-batch's rows of a per-token payload are chunked on their own from this many bytes (up to the
+minimum chunk size); smaller runs would only add objects (and requests) to save a few hundred bytes."""
 
 
 def micro_batch_rows(index: BundleIndex, row_starts: Sequence[int]) -> list[tuple[int, int]]:

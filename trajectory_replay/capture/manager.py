@@ -90,6 +90,9 @@ class CaptureManager:
         self.capture_dir = os.fspath(capture_dir)
         if writer not in WRITER_MODES:
             raise ValueError(f"writer must be one of {', '.join(WRITER_MODES)}, got {writer!r}")
+        if writer == "process" and (store is not None or self.capture_dir.startswith("memory://")):
+            raise ValueError("writer='process' needs a path or URL the writer process can open itself, "
+                             "not a store object or a memory:// store")
         if writer == "auto":
             # a process of its own keeps the writer's Python work off training's GIL; a store object given
             # here (or an in-memory one) lives in this process only
