@@ -6,9 +6,11 @@ Guarantees (DESIGN.md invariants 2 and 3):
   copies into pinned memory for CUDA, one clone for CPU) and appends the record to a queue bounded in
   bytes and in records. When the queue is full the record is dropped, counted and logged; the copy is
   not even made (the size is known from the tensors' shapes).
-- The daemon writer thread waits on the snapshot's CUDA events, builds the documents, hashes, encodes,
-  uploads and commits (BundleWriter). Every error is counted and logged on the logger
-  `trajectory_replay.capture`, never raised into training.
+- The daemon writer thread waits on the snapshot's CUDA events and hands the record to the writer
+  process (`capture.worker`), which builds the documents, hashes, encodes, uploads and commits
+  (BundleWriter) without holding training's GIL; with `writer="thread"` the thread does that work
+  itself. Every error is counted and logged on the logger `trajectory_replay.capture`, never raised
+  into training.
 - A record that is dropped or fails never yields a bundle that looks complete: a failure calls
   `BundleWriter.abort()`; what it leaves (an in-flight record, objects, a cohort with missing rank
   markers) is garbage for gc. A killed process leaves the same.
@@ -108,7 +110,7 @@ class CaptureManager:
         self.steps, self.rollouts = steps, rollouts
         self.max_queue_bytes, self.max_queue_records = int(max_queue_bytes), int(max_queue_records)
         self.max_pending_steps = int(max_pending_steps)
-        # one store per manager: the backend's create-once probe runs once, on the first commit
+        # one store per manager (and one in its writer process): the create-once probe runs once per process
         self._storage_options = dict(storage_options or {})
         if store is None:
             options = dict(self._storage_options)
