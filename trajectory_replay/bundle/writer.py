@@ -227,9 +227,7 @@ class BundleWriter:
 
     def _put_encoded(self, encoded: Sequence["_Encoded"]) -> dict[str, PayloadSpec]:
         refs = self._put_many([(e.blob, e.cuts, e.boundaries) for e in encoded])
-        return {e.name: PayloadSpec(name=e.name, role=e.role, codec="safetensors", dtype=e.dtype, shape=e.shape,
-                                    size=ref.size, digest=ref.digest, record=ref.record, per_token=e.per_token)
-                for e, ref in zip(encoded, refs)}
+        return {e.name: e.spec(ref) for e, ref in zip(encoded, refs)}
 
     def _put_many(self, items: Sequence[Any]) -> list[BlobRef]:
         def list_first(plans: list[PutPlan]) -> None:
@@ -305,9 +303,7 @@ class BundleWriter:
             mask = self._encode(LOSS_MASK, self._mask_tensor(index.samples), role="input")
             # the manifest names the mask's digests before anything is written: hash it, write it with the rest
             plan = self.store.plan(mask.blob, mask.cuts, mask.boundaries)
-            payloads[LOSS_MASK] = PayloadSpec(name=LOSS_MASK, role="input", codec="safetensors", dtype=mask.dtype,
-                                              shape=mask.shape, size=plan.ref.size, digest=plan.ref.digest,
-                                              record=plan.ref.record, per_token=True)
+            payloads[LOSS_MASK] = mask.spec(plan.ref)
             index = index.model_copy(update={"samples": [s.model_copy(update={"loss_mask": []})
                                                          for s in index.samples]})
         # else: a mask whose length differs from its response is kept in the record as given, for replay to report
@@ -359,6 +355,11 @@ class _Encoded:
     dtype: str
     shape: list[int]
     per_token: bool
+
+    def spec(self, ref: BlobRef) -> PayloadSpec:
+        """The manifest entry of this payload, stored as `ref`."""
+        return PayloadSpec(name=self.name, role=self.role, codec="safetensors", dtype=self.dtype, shape=self.shape,
+                           size=ref.size, digest=ref.digest, record=ref.record, per_token=self.per_token)
 
 
 ALIGNED_RUN_BYTES = 1 << 10
