@@ -367,7 +367,7 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> None:
         behaviour.load_state_dict(snapshots[max(k - 1, 0)])   # the weights that generated rollout k
         shard: dict[str, list] = {}
         for s in range(steps_per_rollout):
-            t0, hook0 = time.perf_counter(), _CAPTURE["seconds"]
+            t0, cpu0, hook0 = time.perf_counter(), time.thread_time(), _CAPTURE["seconds"]
             msg = [stream.get(timeout=300) if rank == 0 else None]
             dist.broadcast_object_list(msg, src=0)
             if isinstance(msg[0], Exception):
@@ -442,6 +442,7 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> None:
                 # Timing of rank 0's training thread (not part of the scalars compared across runs): the
                 # step's wall time and the part of it spent inside capture hooks.
                 timing.append({"rollout_id": k, "step_id": s, "step_seconds": time.perf_counter() - t0,
+                               "step_cpu_seconds": time.thread_time() - cpu0,
                                "capture_seconds": _CAPTURE["seconds"] - hook0})
                 print(f"rollout={k} step={s} reward={rec['mean_raw_reward']:.4f} loss={rec['loss']:.6f} "
                       f"pg_loss={rec['pg_loss']:.6f} clipfrac={rec['pg_clipfrac']:.4f} "

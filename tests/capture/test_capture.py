@@ -272,9 +272,18 @@ def test_writer_process_by_default(s3_root, make_manager):
     assert manager.flush(60) and manager.stats()["written"] == 2 and manager.stats()["errors"] == 0
     child = manager._process.proc
     assert child.poll() is None and os.getpriority(os.PRIO_PROCESS, child.pid) >= 10
+    assert os.sched_getscheduler(child.pid) == os.SCHED_IDLE   # it runs only on a CPU that has nothing else to do
     for name in ("step-6-0", "rollout-6"):
         _replayed(f"{url}/{name}", **options)
     assert manager.close(30) and child.poll() is not None   # closing ends the process
+
+
+def test_writer_priority_low_is_niced_not_idle(tmp_path, make_manager):
+    manager = make_manager(tmp_path / "cap", writer_priority="low")
+    assert manager.capture_rollout(3, **rollout_kwargs()) and manager.flush(60)
+    child = manager._process.proc
+    assert os.sched_getscheduler(child.pid) != os.SCHED_IDLE and os.getpriority(os.PRIO_PROCESS, child.pid) == 10
+    _replayed(str(tmp_path / "cap" / "rollout-3"))
 
 
 def test_writer_process_reports_failures(tmp_path, make_manager, caplog):
@@ -303,5 +312,7 @@ def test_writer_choice_is_checked(tmp_path):
         CaptureManager(tmp_path, writer="fork", start=False)
     with pytest.raises(ValueError, match="writer='process' needs a path or URL"):
         CaptureManager(tmp_path, writer="process", store=ObjectStore.open(str(tmp_path)), start=False)
+    with pytest.raises(ValueError, match="writer_priority must be one of idle, low"):
+        CaptureManager(tmp_path, writer_priority="high", start=False)
     assert CaptureManager("memory://w", start=False).writer_mode == "thread"
     assert CaptureManager(tmp_path, start=False).writer_mode == "process"

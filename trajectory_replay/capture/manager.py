@@ -62,6 +62,10 @@ class _Record:
 
 BUILDERS: dict[str, Callable[..., BundleParts]] = {"rollout": build_rollout, "step": build_step}
 WRITER_MODES = ("auto", "process", "thread")
+WRITER_PRIORITIES = ("idle", "low")
+"""How the writer yields the CPU to training. "idle": the writer process runs in Linux's idle scheduling class
+(SCHED_IDLE: it gets only CPU time nothing else wants); "low": it runs at nice 10. A writer thread, which shares
+training's GIL and must not be starved while it holds it, always runs at nice 10."""
 
 
 class _PendingStep:
@@ -88,10 +92,13 @@ class CaptureManager:
                  max_pending_steps: int = DEFAULT_MAX_PENDING_STEPS, producer: Optional[ProducerInfo] = None,
                  topology: Optional[RankTopology | Mapping[str, int]] = None,
                  atexit_timeout: Optional[float] = DEFAULT_ATEXIT_TIMEOUT, start: bool = True,
-                 writer: str = "auto") -> None:
+                 writer: str = "auto", writer_priority: str = "idle") -> None:
         self.capture_dir = os.fspath(capture_dir)
         if writer not in WRITER_MODES:
             raise ValueError(f"writer must be one of {', '.join(WRITER_MODES)}, got {writer!r}")
+        if writer_priority not in WRITER_PRIORITIES:
+            raise ValueError(f"writer_priority must be one of {', '.join(WRITER_PRIORITIES)}, got {writer_priority!r}")
+        self.writer_priority = writer_priority
         if writer == "process" and (store is not None or self.capture_dir.startswith("memory://")):
             raise ValueError("writer='process' needs a path or URL the writer process can open itself, "
                              "not a store object or a memory:// store")
@@ -437,7 +444,8 @@ class CaptureManager:
     def _start_process(self) -> None:
         """Start the writer process (from this thread: it inherits the lowered priority and dies with it)."""
         self._process = WriterProcess(dict(capture_dir=self.capture_dir, storage_options=self._storage_options,
-                                           rank=self.rank, expected_ranks=self.expected_ranks))
+                                           rank=self.rank, expected_ranks=self.expected_ranks),
+                                      priority=self.writer_priority)
         try:
             self._process.start()
         except Exception as exc:  # noqa: BLE001 - capture goes on in this thread rather than not at all

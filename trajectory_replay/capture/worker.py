@@ -73,8 +73,9 @@ def receive(stream: BinaryIO) -> Any:
 class WriterProcess:
     """The parent's handle on one writer process. Used by one thread only (the manager's writer thread)."""
 
-    def __init__(self, settings: dict[str, Any]) -> None:
+    def __init__(self, settings: dict[str, Any], priority: str = "idle") -> None:
         self.settings = settings
+        self.priority = priority
         self.proc: Optional[subprocess.Popen] = None
         self._seq = 0
 
@@ -84,7 +85,8 @@ class WriterProcess:
         # the child must import this package exactly as the parent did
         paths = [p for p in sys.path if p]
         env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        self.proc = subprocess.Popen([sys.executable, "-c", "from trajectory_replay.capture.worker import main; main()"],
+        self.proc = subprocess.Popen([sys.executable, "-c", "from trajectory_replay.capture.worker import main; main()",
+                                      self.priority],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         send(self.proc.stdin, self.settings)
         answer = receive(self.proc.stdout)
@@ -145,8 +147,23 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def _yield_cpu(priority: str) -> None:
+    """Lower this process's priority before it does any work (its imports included). Best effort."""
+    if priority == "idle":
+        try:   # Linux: scheduled only when a CPU has nothing else to run
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except (AttributeError, OSError):
+            pass
+    try:   # the writer thread that started this process ran at nice 10 already
+        os.setpriority(os.PRIO_PROCESS, 0, max(10, os.getpriority(os.PRIO_PROCESS, 0)))
+    except (AttributeError, OSError):
+        pass
+
+
 def main() -> None:
     _die_with_parent()
+    _yield_cpu(sys.argv[1] if len(sys.argv) > 1 else "low")
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the training program's to handle
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr   # nothing else may write to the protocol stream
