@@ -66,3 +66,27 @@ def test_configuration_from_fsspec_environment(s3_server, s3_bucket):
 def test_bucket_name_required():
     with pytest.raises(BackendError, match="bucket name"):
         S3Backend("s3://ab")
+
+
+def test_listing_pages_and_prefixes(s3_root):
+    """A listing is one LIST request per 1,000 keys: pages are followed, partial names match, directory
+    placeholders (keys ending in '/', which some tools create) are not values, and an empty prefix costs one request."""
+    url, options = s3_root
+    backend = S3Backend(url, **options)
+    keys = [f"objects/{i % 7:02x}/{i:06d}" for i in range(1003)]
+    backend._map(lambda k: backend.write(k, b"v", durable=False), keys)
+    bucket, root, _ = backend.fs.split_path(backend.path)
+    backend.fs.pipe_file(f"{bucket}/{root}/objects/placeholder/", b"")
+    calls: list[str] = []
+    real = backend.fs._call_s3
+
+    async def counting(method, *args, **kwargs):
+        calls.append(method)
+        return await real(method, *args, **kwargs)
+
+    backend.fs._call_s3 = counting
+    assert backend.list("objects/") == sorted(keys)
+    assert calls == ["list_objects_v2", "list_objects_v2"]
+    assert backend.list("objects/01") == sorted(k for k in keys if k.startswith("objects/01/"))
+    calls.clear()
+    assert backend.list(".gc/lease-") == [] and calls == ["list_objects_v2"]

@@ -281,6 +281,57 @@ def test_write_payloads_lists_in_flight_once(tmp_path):
     assert replay(open_native(f"{root}/b-00001")).passed
 
 
+def test_finalize_with_payloads_writes_the_bundle_in_one_batch(tmp_path):
+    """Payloads given to finalize go up with the documents: one in-flight listing, one round of lookups, and
+    the same bundle as write_payloads followed by finalize."""
+    case = canonical_case(False)
+    w = BundleWriter(str(tmp_path / "one" / "b-00001"), case.manifest, case.index, case.expected)
+    writes, lookups = [], []
+    backend = w.store.backend
+    write, read = backend.write, backend.read
+    backend.write = lambda key, data, **kw: (writes.append(key), write(key, data, **kw))[1]
+    backend.read = lambda key: (lookups.append(key), read(key))[1]
+    w.finalize(payloads=case.payloads)
+    assert writes == [f".inflight/{w.attempt}.json"]
+    # every distinct payload blob and the mask looked up once, then the three documents
+    blobs = [k for k in lookups if k.startswith("blobs/")]
+    distinct = len({t.numpy().tobytes() for t in case.payloads.values()})
+    assert len(blobs) == len(set(blobs)) == distinct + 1 + 3
+    two = write_canonical(str(tmp_path / "two"))
+    one = BundleReader.open(str(tmp_path / "one" / "b-00001"))
+    assert one.manifest == BundleReader.open(two).manifest
+    assert replay(open_native(str(tmp_path / "one" / "b-00001"))).passed
+
+
+def test_payload_stored_first_with_other_chunks_is_named_by_its_record(tmp_path):
+    """A concurrent writer stored the same payload first, chunked differently: the manifest names the record
+    that the create-once ref holds, and the bundle reads and replays."""
+    from trajectory_replay.store import ObjectStore
+
+    case = canonical_case(False)
+    root = str(tmp_path / "store")
+    w = BundleWriter(f"{root}/b-00001", case.manifest, case.index, case.expected)
+    name = "old_log_probs"
+    encoded = w._encode(name, case.payloads[name], role="input")
+    other = ObjectStore.open(root)
+    plan_holder = {}
+    real = w.store.plan_many
+
+    def plan_then_race(items):
+        plans = real(items)
+        if not plan_holder:   # after this writer planned, another stores the same bytes cut at other rows
+            plan_holder["ref"] = other.put(encoded.blob, boundaries=[8])
+        return plans
+
+    w.store.plan_many = plan_then_race
+    w.finalize(payloads=case.payloads)
+    reader = BundleReader.open(f"{root}/b-00001")
+    spec = reader.manifest.payloads[name]
+    assert spec.record == plan_holder["ref"].record
+    assert len(other.record(plan_holder["ref"]).chunks) == 2   # not how this writer cut it (one chunk)
+    assert replay(open_native(f"{root}/b-00001")).passed
+
+
 def test_micro_batch_rows_are_shared_between_bundles(tmp_path):
     """A step-level payload holding some micro-batches of a rollout-level one stores only its header chunk."""
     tokens = 300  # 1,200-byte float32 rows: a micro-batch of two samples is chunked on its own

@@ -192,14 +192,28 @@ class S3Backend(Backend):
         return self._info(key)["LastModified"].timestamp()
 
     def _list(self, prefix: str) -> list[str]:
-        cut = len(self.path) + 1
-        base = self._path(prefix) if prefix else self.path
-        start = base if prefix == "" or prefix.endswith("/") else base.rsplit("/", 1)[0]
+        """One LIST request per 1,000 keys (s3fs's `find` adds a HEAD and a second LIST when nothing is found)."""
+        bucket, root, _ = self.fs.split_path(self.path)
+        base = f"{root}/" if root else ""
+
+        async def pages() -> list[str]:
+            keys, token = [], None
+            while True:
+                kwargs = dict(Bucket=bucket, Prefix=base + prefix)
+                if token:
+                    kwargs["ContinuationToken"] = token
+                page = await self.fs._call_s3("list_objects_v2", **kwargs)
+                keys += [item["Key"] for item in page.get("Contents", [])]
+                token = page.get("NextContinuationToken")
+                if not (page.get("IsTruncated") and token):
+                    return keys
+
         try:
-            found = self.fs.find(start, refresh=True) if start else []
-        except FileNotFoundError:
+            found = sync(self.fs.loop, pages)
+        except FileNotFoundError:   # no such bucket
             return []
-        return [p[cut:] for p in found if p.startswith(self.path + "/") and p[cut:].startswith(prefix)]
+        # a key ending in "/" is a directory placeholder some tools create, not a value
+        return [k[len(base):] for k in found if not k.endswith("/")]
 
     def _delete(self, key: str) -> None:
         try:

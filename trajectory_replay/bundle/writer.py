@@ -190,18 +190,21 @@ class BundleWriter:
         """Store several payloads now, together: all are encoded and hashed, listed in the in-flight record
         with one write, then uploaded concurrently (far fewer round trips than one at a time)."""
         self._check_open()
+        specs = self._put_encoded(self._encode_payloads(tensors))
+        self.payloads.update(specs)
+        return specs
+
+    def _encode_payloads(self, tensors: Mapping[str, torch.Tensor]) -> list["_Encoded"]:
         encoded = []
         for name, tensor in tensors.items():
             check_or_raise(name, "payload name")
             if name == LOSS_MASK:
                 raise BundleError(f"{self.url}: payload name 'loss_mask' is reserved: loss masks are written from "
                                   "SampleRecord.loss_mask")
-            if name in self.payloads:
+            if name in self.payloads or any(e.name == name for e in encoded):
                 raise BundleError(f"{self.url}: payload {name!r} was already written")
             encoded.append(self._encode(name, codec.check_storable(name, tensor), role=self._role(name)))
-        specs = self._put_encoded(encoded)
-        self.payloads.update(specs)
-        return specs
+        return encoded
 
     def _role(self, name: str) -> str:
         expected = {o for c in self.manifest.stage_contracts.values() for o in c.expected_outputs}
@@ -236,12 +239,15 @@ class BundleWriter:
         return self.store.put_many(items, before_write=list_first)
 
     # ---- commit --------------------------------------------------------------------------------
-    def finalize(self, ranks: Optional[Sequence[int]] = None) -> Optional[CompleteMarker]:
+    def finalize(self, ranks: Optional[Sequence[int]] = None, *,
+                 payloads: Optional[Mapping[str, torch.Tensor]] = None) -> Optional[CompleteMarker]:
         """Write the documents, then the markers (COMPLETE, or COMPLETE.<r> then try the final COMPLETE).
 
+        `payloads` (name -> tensor) not written yet are written here, in one batch with the documents: one
+        in-flight record write and one round of lookups and uploads for the whole bundle.
         Returns the final COMPLETE marker, or None while other ranks of a multi-producer bundle are missing."""
         self._check_open()
-        documents = self._write_documents()
+        documents = self._write_documents(self._encode_payloads(payloads or {}))
         backend = self.store.backend
         self._check_survived_gc()
         backend.require_atomic_create(unsafe=self.unsafe_markers)
@@ -295,30 +301,33 @@ class BundleWriter:
         # a marker from an earlier attempt means this rank has landed: its retry stops here
         log.info("%s: rank %d already landed (attempt %s)", self.url, rank, getattr(earlier, "attempt", "?"))
 
-    def _write_documents(self) -> Documents:
+    def _write_documents(self, pending: Sequence["_Encoded"] = ()) -> Documents:
+        """Write the payloads still `pending`, the loss mask and the three documents, in one batch."""
         index = self.index.model_copy(update={"samples": redact_samples(self.index.samples, self.manifest.redaction)})
-        payloads = dict(self.payloads)
-        mask = None
+        encoded = list(pending)
         if all(len(s.loss_mask) == s.response_length for s in index.samples):
-            mask = self._encode(LOSS_MASK, self._mask_tensor(index.samples), role="input")
-            # the manifest names the mask's digests before anything is written: hash it, write it with the rest
-            plan = self.store.plan(mask.blob, mask.cuts, mask.boundaries)
-            payloads[LOSS_MASK] = mask.spec(plan.ref)
+            encoded.append(self._encode(LOSS_MASK, self._mask_tensor(index.samples), role="input"))
             index = index.model_copy(update={"samples": [s.model_copy(update={"loss_mask": []})
                                                          for s in index.samples]})
         # else: a mask whose length differs from its response is kept in the record as given, for replay to report
-        manifest = self.manifest.model_copy(update={"payloads": payloads})
+        # the manifest names the payloads' digests before anything is written: hash them, write them with the rest
+        plans = self.store.plan_many([(e.blob, e.cuts, e.boundaries) for e in encoded])
+        payloads = {**self.payloads, **{e.name: e.spec(plan.ref) for e, plan in zip(encoded, plans)}}
         labels = ("manifest", "index", "expected")
-        docs = [compact_json(manifest.model_dump(mode="json")), compact_json(index.model_dump(mode="json")),
-                self._expected_bytes]
-        items = [(d, None) for d in docs] + ([plan] if mask is not None else [])
-        refs = self._put_many(items)
-        if mask is not None and refs[-1].record != payloads[LOSS_MASK].record:
-            # a concurrent writer stored the same mask first, chunked differently: name its record
-            payloads[LOSS_MASK] = payloads[LOSS_MASK].model_copy(update={"record": refs[-1].record})
-            manifest = self.manifest.model_copy(update={"payloads": payloads})
-            refs[0] = self._put_many([(compact_json(manifest.model_dump(mode="json")), None)])[0]
+        docs = [self._manifest_bytes(payloads), compact_json(index.model_dump(mode="json")), self._expected_bytes]
+        refs = self._put_many([*plans, *((d, None) for d in docs)])
+        stored, refs = refs[:len(plans)], refs[len(plans):]
+        moved = {e.name: ref for e, plan, ref in zip(encoded, plans, stored) if ref.record != plan.ref.record}
+        if moved:
+            # a concurrent writer stored the same payload first, chunked differently: name its record
+            payloads.update({name: payloads[name].model_copy(update={"record": ref.record})
+                             for name, ref in moved.items()})
+            refs[0] = self._put_many([(self._manifest_bytes(payloads), None)])[0]
+        self.payloads.update({e.name: payloads[e.name] for e in pending})
         return Documents(**{label: DocRef.of(ref) for label, ref in zip(labels, refs)})
+
+    def _manifest_bytes(self, payloads: Mapping[str, PayloadSpec]) -> bytes:
+        return compact_json(self.manifest.model_copy(update={"payloads": dict(payloads)}).model_dump(mode="json"))
 
     def _mask_tensor(self, samples) -> torch.Tensor:
         """The records' loss masks as one uint8 tensor; BundleError naming the first sample with a value not 0/1."""

@@ -503,8 +503,7 @@ def write_bundle(store: ObjectStore, capture_dir: str, bundle_id: str, builder: 
     writer = BundleWriter(f"{capture_dir.rstrip('/')}/{bundle_id}", parts.manifest, parts.index, parts.expected,
                           store=store, **rank_args)
     try:
-        writer.write_payloads(parts.payloads)
-        writer.finalize()
+        writer.finalize(payloads=parts.payloads)   # payloads and documents in one batch
     except BaseException:
         try:
             writer.abort()

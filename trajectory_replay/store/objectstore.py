@@ -159,14 +159,31 @@ class ObjectStore:
     # ---- writing -------------------------------------------------------------------------------
     def plan(self, data, cuts: Optional[Sequence[int]] = None, boundaries: Optional[Sequence[int]] = None) -> PutPlan:
         """Hash `data` (whole, chunks, blocks) and build its record without writing anything."""
-        view = memoryview(data).cast("B")
-        digest = hash_bytes(view)
-        try:  # one read answers both "is it stored?" and "under which record?"
-            record_digest = self._read_ref(digest)
-            return PutPlan(BlobRef(digest, len(view), record_digest), b"", [], existing=True,
-                           source=(data, cuts, boundaries))
-        except NotFoundError:
-            pass
+        return self.plan_many([(data, cuts, boundaries)])[0]
+
+    def plan_many(self, items: Sequence[tuple]) -> list[PutPlan]:
+        """`plan` of several (data, cuts[, boundaries]): every blob hashed, then all looked up at once
+        (one round trip on a remote store, not one per blob), then the new ones described."""
+        sources = [(item[0], item[1] if len(item) > 1 else None, item[2] if len(item) > 2 else None)
+                   for item in items]
+        views = [memoryview(data).cast("B") for data, _, _ in sources]
+        digests = [hash_bytes(view) for view in views]
+        # one read answers both "is it stored?" and "under which record?" (once per distinct blob)
+        unique = list(dict.fromkeys(digests))
+        found = dict(zip(unique, self._map(self._find_ref, unique)))
+        plans = []
+        for source, view, digest in zip(sources, views, digests):
+            record_digest = found[digest]
+            if record_digest is not None:
+                plans.append(PutPlan(BlobRef(digest, len(view), record_digest), b"", [], existing=True,
+                                     source=source))
+            else:
+                plans.append(self._describe(view, digest, source))
+        return plans
+
+    def _describe(self, view: memoryview, digest: str, source: tuple) -> PutPlan:
+        """The chunks, block hashes and record of a blob that is not stored yet."""
+        _, cuts, boundaries = source
         ends = chunk_ends(view, cuts, self.chunking, boundaries)
         starts = [0, *ends[:-1]]
 
@@ -180,7 +197,13 @@ class ObjectStore:
         record = BlobRecord(digest, len(view), self.block_size, tuple(c for c, _ in chunks))
         record_bytes = record.to_bytes()
         return PutPlan(BlobRef(digest, len(view), hash_bytes(record_bytes)), record_bytes, chunks, existing=False,
-                       source=(data, cuts, boundaries))
+                       source=source)
+
+    def _find_ref(self, digest: str) -> Optional[str]:
+        try:
+            return self._read_ref(digest)
+        except NotFoundError:
+            return None
 
     def commit(self, plan: PutPlan) -> BlobRef:
         """Write a plan's chunks (skipping those stored), then its record, then the create-once ref."""
@@ -195,10 +218,14 @@ class ObjectStore:
                 self.stats.blobs_existing += 1
                 self.stats.bytes_deduplicated += plan.ref.size
         new = [p for p in plans if not p.existing]
-        self._map(lambda item: self._put_object(item[0].digest, item[1]), [c for p in new for c in p.chunks])
-        self._map(lambda p: self._put_object(p.ref.record, memoryview(p.record_bytes), count=False), new)
-        linked = dict(zip((id(p) for p in new), self._map(self._link_ref, new)))
-        return [linked.get(id(p), p.ref) for p in plans]
+        # an object two blobs of this batch share (a chunk, or the record of a blob given twice) is sent once
+        chunks = list({c.digest: (c, piece) for p in new for c, piece in p.chunks}.values())
+        records = list({p.ref.record: p for p in new}.values())
+        self._map(lambda item: self._put_object(item[0].digest, item[1]), chunks)
+        self._map(lambda p: self._put_object(p.ref.record, memoryview(p.record_bytes), count=False), records)
+        refs = list({(p.ref.digest, p.ref.record): p for p in new}.values())
+        linked = dict(zip(((p.ref.digest, p.ref.record) for p in refs), self._map(self._link_ref, refs)))
+        return [linked.get((p.ref.digest, p.ref.record), p.ref) for p in plans]
 
     def _link_ref(self, plan: PutPlan) -> BlobRef:
         if self.backend.create_if_absent(blob_ref_key(plan.ref.digest), plan.ref.record.encode()):
@@ -222,14 +249,18 @@ class ObjectStore:
         """`put` of several (data, cuts[, boundaries]) at once (or of plans already made): all hashed first,
         `before_write(plans)` called once, then everything uploaded together. Fewer round trips than
         one `put` after another."""
-        plans = [item if isinstance(item, PutPlan) else self.plan(*item) for item in items]
+        todo = [i for i, item in enumerate(items) if not isinstance(item, PutPlan)]
+        planned = dict(zip(todo, self.plan_many([items[i] for i in todo])))
+        plans = [planned.get(i, item) for i, item in enumerate(items)]
         if before_write is not None:
             before_write(plans)
-            gone = [i for i, p in enumerate(plans) if p.existing and not self.backend.exists(blob_ref_key(p.ref.digest))]
+            existing = [i for i, p in enumerate(plans) if p.existing]
+            still = self._map(lambda i: self.backend.exists(blob_ref_key(plans[i].ref.digest)), existing)
+            gone = [i for i, present in zip(existing, still) if not present]
             if gone:
                 # gc removed a blob between plan's check and the listing: store it anew (listed first again)
-                for i in gone:
-                    plans[i] = self.plan(*plans[i].source)
+                for i, plan in zip(gone, self.plan_many([plans[i].source for i in gone])):
+                    plans[i] = plan
                 before_write([plans[i] for i in gone])
         return self.commit_many(plans)
 
