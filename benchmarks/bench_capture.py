@@ -34,7 +34,8 @@ per rollout, 4 optimizer steps per rollout, 2 micro-batches per rank and step) i
 2 CPUs, and one rank leaves a core for the capture writer, as training on a GPU host leaves its CPUs
 free) and with two ranks (informational: training then holds both cores and the writer competes with it), capture off / on to a local directory / on
 to the S3 server (`RELAX_REPLAY_CAPTURE=1`, a fresh `RELAX_REPLAY_CAPTURE_DIR` per run, AWS_* variables
-for the server), the three modes interleaved, eight runs each at W=1 (two at W=2; identical runs of one mode differ by several percent here). Every step of rank 0's
+for the server), the modes interleaved (their order rotating from one round to the next), twelve runs each at W=1
+(two at W=2; identical runs of one mode differ by several percent here). Every step of rank 0's
 training thread is timed by the example (`timing` in `--out-json`: wall time of the step from receiving the
 batch to the reported scalars, including the micro-batch, step-end and, on a rollout's last step, the
 rollout hook; and the time spent inside the capture hooks). The first step of each run (waiting for the
@@ -374,7 +375,8 @@ def _step_time_rows_inner(ctx: Context, world: int, steps: int, reps: int, bucke
                           goal: bool, modes: tuple[str, ...]) -> list[Row]:
     times: dict[str, ModeTimes] = {mode: ModeTimes() for mode in modes}
     for rep in range(reps):
-        for mode in modes:   # interleaved, so a change of load hits every mode alike
+        # interleaved, so a change of load hits every mode alike; the order rotates, so no mode always runs first
+        for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
             env: dict[str, str] = {}
             if mode == "local":
                 env = {"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": str(ctx.path("capture-local") / "run")}
@@ -417,7 +419,7 @@ def run(ctx: Context) -> list[Row]:
     rows = _hook_rows(ctx)
 
     steps = ctx.size(4, 3)     # rollouts per run; 4 optimizer steps each
-    reps = max(ctx.reps(8), 1)     # interleaved runs per mode: 88 steps per figure at W=1
+    reps = max(ctx.reps(12), 1)     # interleaved runs per mode: 132 steps per figure at W=1
     bucket = ctx.s3_bucket()
     s3_env = ctx.s3().env()
     for world in (STEP_TIME_WORLD, 2):
