@@ -70,15 +70,16 @@ def replay_cmd(
     as_json: JsonFlag = False,
 ) -> None:
     """Recompute reward -> advantage -> loss and report the first divergence."""
-    from trajectory_replay.bundle import open_sources
+    from trajectory_replay.bundle import open_for_replay
     from trajectory_replay.bundle.resolve import resolve_bundle
     from trajectory_replay.replay import replay
 
     if step is not None and rollout is not None:
         raise UsageError("--step and --rollout are mutually exclusive")
     target = resolve_bundle(path, step=step, rollout=rollout)
-    report = replay(open_sources(target), samples=sample, groups=group, batches=batch, stages=stage or None,
-                    atol=atol, rtol=rtol)
+    sources, rank = open_for_replay(target)
+    report = replay(sources, samples=sample, groups=group, batches=batch, stages=stage or None,
+                    atol=atol, rtol=rtol, rank=rank)
     typer.echo(report.to_json() if as_json else report.render_text())
     raise typer.Exit(report.exit_code)
 

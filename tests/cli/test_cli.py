@@ -224,3 +224,24 @@ def test_errors_are_one_line_without_traceback(tmp_path):
             assert out.returncode == 1
             lines = out.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("trajectory-replay: error:") and "index.json" in lines[0]
+
+
+def test_replay_one_rank_of_a_data_parallel_bundle(tmp_path):
+    """`<bundle>/rank-<r>` of a bundle whose prompt groups straddle ranks: the rank's groups are completed from
+    the other ranks, so a correct bundle passes, and its loss.policy is replayed for that rank."""
+    from tests.replay.cases import split_ranks, twelve_case
+    from trajectory_replay.bundle import BundleWriter
+
+    shards = split_ranks(twelve_case(), [range(0, 6), range(6, 12)])
+    name = shards[0].manifest.bundle_id
+    for r, shard in enumerate(shards):
+        BundleWriter(str(tmp_path / name), shard.manifest, shard.index, shard.expected, rank=r,
+                     expected_ranks=[0, 1]).finalize(payloads=shard.payloads)
+    result = run("replay", str(tmp_path / name / "rank-1"), "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["first_divergent_stage"] is None
+    assert [(s["stage"], s["rank"]) for s in report["stages"]][-1] == ("loss.policy", 1)
+    assert run("replay", str(tmp_path / name)).exit_code == 0
+    result = run("replay", str(tmp_path / name / "rank-1"), "--sample", "q-0")
+    assert result.exit_code == 1 and "no sample 'q-0'" in result.output

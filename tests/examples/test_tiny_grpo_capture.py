@@ -52,6 +52,7 @@ class Captured:
     by_path: dict[str, CliResult]     # bundle -> `replay ROOT/BUNDLE --json`
     by_dir: dict[str, CliResult]      # bundle -> `replay ROOT --step R:S | --rollout R --json`
     storage_options: dict[str, Any]
+    by_rank: dict[tuple[str, int], CliResult]   # (bundle, r) -> `replay ROOT/BUNDLE/rank-r --json`
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +74,13 @@ def _capture(s3_server, env: dict[str, str], workdir: Path, name: str, root: str
     bundles = rollout_bundles + step_bundles
     calls = ([["validate", f"{root}/{b}"] for b in bundles]
              + [["replay", f"{root}/{b}", "--json"] for b in bundles]
-             + [["replay", root, *_selector(b), "--json"] for b in bundles])
+             + [["replay", root, *_selector(b), "--json"] for b in bundles]
+             + [["replay", f"{root}/{b}/rank-{r}", "--json"] for b in bundles for r in (0, 1)])
     results = run_cli_many(calls, env)
     n = len(bundles)
     return Captured(run, root, children, dict(zip(bundles, results[:n])), dict(zip(bundles, results[n:2 * n])),
-                    dict(zip(bundles, results[2 * n:])), s3_server.storage_options())
+                    dict(zip(bundles, results[2 * n:3 * n])), s3_server.storage_options(),
+                    dict(zip([(b, r) for b in bundles for r in (0, 1)], results[3 * n:])))
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +143,12 @@ def test_bundle_validates_and_replays_by_url_and_through_the_capture_dir(capture
                                                         "advantage.kl", "advantage.estimate")]
     else:
         assert stages == [("sample", None, "pass"), ("loss.policy", 0, "pass"), ("loss.policy", 1, "pass")]
+    for r in (0, 1):
+        # one rank by its URL: its prompt groups (split across ranks) are completed from the other rank
+        res = captured.by_rank[(bundle, r)]
+        assert res.returncode == 0 and res.json()["passed"] is True, res
+        ranked = [(s["stage"], s["rank"], s["status"]) for s in res.json()["stages"]]
+        assert ranked == [s for s in stages if s[1] in (None, r)]
 
 
 def test_bundles_are_two_rank_shards_with_weight_lineage(captured) -> None:
@@ -196,6 +205,9 @@ def test_pr65_rollout_replay_names_reward_post_process(captured_pr65, bundle) ->
                           "advantage.kl": "pass", "advantage.estimate": "fail"}
         post = next(s for s in report["stages"] if s["stage"] == "reward.post_process")
         assert post["mismatch_count"] > 0 and post["divergences"][0]["field"]
+    for r in (0, 1):
+        res = captured_pr65.by_rank[(bundle, r)]
+        assert res.returncode == 1 and res.json()["first_divergent_stage"] == "reward.post_process", res
 
 
 def test_pr65_step_bundles_validate_and_replay(captured_pr65) -> None:

@@ -521,6 +521,47 @@ def test_data_parallel_partial_selection_closes_over_a_group_split_across_ranks(
     assert {rows for _, rows in sources[1].loads} == {(2, 5)}
 
 
+def test_one_rank_of_a_data_parallel_bundle_closes_its_groups_over_the_other_ranks():
+    """Replaying rank r alone: its groups' members on other ranks join the group-level stages (a group split
+    across ranks is normalized over all of its members), and loss.policy runs for rank r only."""
+    shards = split_ranks(twelve_case(), [range(0, 6), range(6, 12)])   # every group has members on both ranks
+    sources = [source_of(shard, rank=r) for r, shard in enumerate(shards)]
+    alone = replay([sources[1]])   # the rank's rows by themselves: groups are incomplete
+    assert alone.first_divergent_stage == "reward.post_process"
+    report = replay(sources, rank=1)
+    assert report.passed, report.render_text()
+    assert [(s.stage, s.rank) for s in report.stages][-1:] == [("loss.policy", 1)]
+    assert report.stage("loss.policy", rank=1).status == "pass"
+
+
+def test_one_rank_finds_a_divergence_in_its_group_on_another_rank():
+    shards = split_ranks(twelve_case(), [range(0, 6), range(6, 12)])
+    shards[0].expected["reward.post_process"]["rewards"][0] += 1.0   # q-0, in group 2 with q-8 and q-11 (rank 1)
+    sources = [source_of(shard, rank=r) for r, shard in enumerate(shards)]
+    report = replay(sources, rank=1)
+    assert report.first_divergent_stage == "reward.post_process"
+    assert [d.sample_id for d in report.stage("reward.post_process").divergences] == ["q-0"]
+
+
+def test_one_rank_selection_picks_among_its_own_samples():
+    shards = split_ranks(twelve_case(), [range(0, 6), range(6, 12)])
+    sources = [source_of(shard, rank=r) for r, shard in enumerate(shards)]
+    with pytest.raises(SelectionError, match="no sample 'q-0'"):
+        replay(sources, rank=1, samples=["q-0"])   # q-0 is rank 0's
+    report = replay(sources, rank=1, samples=["q-8"])   # group 2: q-8, q-11 here, q-0, q-4 on rank 0
+    assert report.stage("reward.post_process").status == "pass"
+    assert report.stage("loss.policy").status == "skipped"   # not all of rank 1's samples
+    with pytest.raises(BundleError, match="has no rank 7"):
+        replay(sources, rank=7)
+
+
+def test_one_rank_of_replicas_is_replayed_alone():
+    case = canonical_case(buggy=False)
+    sources = [source_of(case, rank=0), source_of(canonical_case(buggy=False), rank=1)]
+    report = replay(sources, rank=1)
+    assert report.passed and sources[0].loads == []
+
+
 def test_partly_overlapping_ranks_are_an_error():
     shards = split_ranks(twelve_case(), [range(0, 7), range(6, 12)])
     with pytest.raises(BundleError, match="share 1 sample ids but not all"):

@@ -60,6 +60,13 @@ class BundleReader:
     def bundle_id(self) -> str:
         return self.manifest.bundle_id
 
+    def peers(self) -> list["BundleReader"]:
+        """Readers of the other ranks of this reader's multi-rank bundle (none for a single producer)."""
+        if self.rank is None:
+            return []
+        return [BundleReader(self.store, self.name, self.marker, r)
+                for r in sorted(int(k) for k in self.marker.shards) if r != self.rank]
+
     @classmethod
     def open(cls, path_or_url: str | os.PathLike, **storage_options: Any) -> "BundleReader":
         """Open a single-producer bundle, or one rank addressed as `<bundle>/rank-<r>`."""
@@ -276,4 +283,14 @@ def open_sources(path_or_url: str | os.PathLike, **storage_options: Any) -> list
     return open_native(text, **storage_options)
 
 
-__all__ = ["BundleReader", "describe_missing", "open_native", "open_sources"]
+def open_for_replay(path_or_url: str | os.PathLike, **storage_options: Any) -> tuple[list, Optional[int]]:
+    """(sources, rank) to replay `path_or_url`. A rank of a native multi-rank bundle (`<bundle>/rank-<r>`)
+    comes with its peer ranks and `rank = r`: a prompt group split across ranks is normalized over all of
+    its members, so the group-level stages need the peers' rows of the rank's groups."""
+    sources = open_sources(path_or_url, **storage_options)
+    if len(sources) == 1 and isinstance(sources[0], BundleReader) and sources[0].rank is not None:
+        return [sources[0], *sources[0].peers()], sources[0].rank
+    return sources, None
+
+
+__all__ = ["BundleReader", "describe_missing", "open_for_replay", "open_native", "open_sources"]

@@ -8,6 +8,10 @@ against that rank's own expected values. Partly overlapping ids are a BundleErro
 
 With replicas the union stages run once per replica cohort; identical verdicts are reported once,
 differing ones are merged into one entry whose message names the ranks.
+
+`rank=r` replays one rank of such a bundle (all of whose ranks are given): its samples, closed over their
+prompt groups across ranks (a group split across ranks is normalized over all of its members, so replaying
+a rank's rows alone would report a divergence where there is none), and loss.policy of rank r alone.
 """
 
 from __future__ import annotations
@@ -33,9 +37,19 @@ PARTIAL_SELECTION = "cohort-level stage is not replayable under a partial select
 
 def replay(sources: Sequence[ReplaySource], *, samples: Sequence[str] = (), groups: Sequence[str] = (),
            batches: Sequence[str] = (), stages: Optional[Sequence[str | StageId]] = None,
-           atol: Optional[float] = None, rtol: Optional[float] = None) -> ReplayReport:
-    """Replay one bundle (one source per rank) and report every stage and the first divergence."""
+           atol: Optional[float] = None, rtol: Optional[float] = None, rank: Optional[int] = None) -> ReplayReport:
+    """Replay one bundle (one source per rank) and report every stage and the first divergence;
+    with `rank`, only that rank of it (the selection then picks among that rank's samples)."""
     ordered = _check_sources(sources)
+    focus = None
+    if rank is not None:
+        focus = next((s for s in ordered if s.rank == rank), None)
+        if focus is None:
+            raise BundleError(f"bundle {ordered[0].bundle_id} has no rank {rank} "
+                              f"(ranks {[s.rank for s in ordered]})")
+        mine = frozenset(r.sample_id for r in focus.index.samples)
+        if all(frozenset(r.sample_id for r in s.index.samples) == mine for s in ordered):
+            ordered, focus = [focus], None   # replicas: the rank holds every sample of the bundle
     first = ordered[0]
     for source in ordered:
         check_topology(source.index)
@@ -47,10 +61,18 @@ def replay(sources: Sequence[ReplaySource], *, samples: Sequence[str] = (), grou
     shards = _shards(ordered)
     replica_sets = [[shard[min(j, len(shard) - 1)] for shard in shards] for j in range(max(map(len, shards)))]
     union = [r for source in replica_sets[0] for r in source.index.samples]
-    closure = resolve_selection(Selection(tuple(samples), tuple(groups), tuple(batches)), union)
+    selection = Selection(tuple(samples), tuple(groups), tuple(batches))
+    rank_whole = False
+    if focus is not None:
+        # the selection picks among the rank's own samples; their groups then close over the other ranks
+        own = focus.index.samples
+        within = resolve_selection(selection, own)
+        rank_whole = not within.partial
+        selection = Selection(samples=tuple(own[i].sample_id for i in within.positions))
+    closure = resolve_selection(selection, union)
     selected_ids = {union[i].sample_id for i in closure.positions}
     cache = PayloadCache()
-    cohorts = [Cohort([_part(s, selected_ids) for s in sources_j], cache, closure.partial)
+    cohorts = [Cohort(_nonempty([_part(s, selected_ids) for s in sources_j]), cache, closure.partial)
                for sources_j in replica_sets]
 
     replica_findings = _compare_replicas(shards, selected_ids, cache, first.manifest.comparison_policy.exact_fields)
@@ -80,14 +102,14 @@ def replay(sources: Sequence[ReplaySource], *, samples: Sequence[str] = (), grou
 
     results = [_merge(by_stage[s]) for s in STAGE_ORDER if s in by_stage]
     for planned in (p for p in plan if p.stage.cohort_level):
-        if planned.action != "run" or closure.partial:
+        if planned.action != "run" or (closure.partial and not rank_whole):
             results.append(skipped(planned.stage.id.value, planned.reason or PARTIAL_SELECTION))
             continue
         per_rank: list[StageResult] = []
         done: set[int] = set()
         for cohort, outputs in zip(cohorts, cohort_outputs):
             for k, part in enumerate(cohort.parts):
-                if id(part.source) in done:
+                if id(part.source) in done or (focus is not None and part.source is not focus):
                     continue
                 done.add(id(part.source))
                 rank = part.source.rank if len(ordered) > 1 else None
@@ -158,6 +180,11 @@ def _shards(ordered: Sequence[ReplaySource]) -> list[list[ReplaySource]]:
 
 def _part(source: ReplaySource, selected_ids: set[str]) -> CohortPart:
     return CohortPart(source, tuple(i for i, r in enumerate(source.index.samples) if r.sample_id in selected_ids))
+
+
+def _nonempty(parts: list[CohortPart]) -> list[CohortPart]:
+    """The parts with selected samples (a rank none of whose samples is selected is not read at all)."""
+    return [p for p in parts if p.positions] or parts[:1]
 
 
 def _label(cohort: Cohort) -> str:
