@@ -442,7 +442,7 @@ class CaptureManager:
                 self._process.stop()
 
     def _start_process(self) -> None:
-        """Start the writer process (from this thread: it inherits the lowered priority and dies with it)."""
+        """Start the writer process (from this thread, so that it dies with it; it lowers its own priority)."""
         self._process = WriterProcess(dict(capture_dir=self.capture_dir, storage_options=self._storage_options,
                                            rank=self.rank, expected_ranks=self.expected_ranks),
                                       priority=self.writer_priority)

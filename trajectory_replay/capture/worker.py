@@ -3,7 +3,7 @@
 Everything the writer does is Python (pydantic documents, hashing and encoding calls, and for S3 every
 request through botocore). Run as a thread of the training process it holds the GIL in many short bursts,
 and the training thread waits for it between its own operations. In a process of its own it only competes
-for a CPU, at lowered priority.
+for a CPU, and by default only for CPU time nothing else wants (Linux's idle scheduling class).
 
 Protocol, over the child's stdin/stdout: length-prefixed pickles. The parent sends the store settings
 once, then one message per record: (sequence number, bundle id, builder name, builder arguments); the child

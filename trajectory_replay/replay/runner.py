@@ -112,10 +112,10 @@ def replay(sources: Sequence[ReplaySource], *, samples: Sequence[str] = (), grou
                 if id(part.source) in done or (focus is not None and part.source is not focus):
                     continue
                 done.add(id(part.source))
-                rank = part.source.rank if len(ordered) > 1 else None
+                part_rank = part.source.rank if len(ordered) > 1 else None
                 rank_outputs = {stage: {key: value[cohort.token_range(k)] for key, value in produced.items()}
                                 for stage, produced in outputs.items() if stage == StageId.ADVANTAGE_ESTIMATE}
-                ctx = context(planned.stage.id, cohort.part(k), rank_outputs, rank=rank)
+                ctx = context(planned.stage.id, cohort.part(k), rank_outputs, rank=part_rank)
                 per_rank.append(_run_planned(planned, ctx, {}))
         results.extend(sorted(per_rank, key=lambda r: -1 if r.rank is None else r.rank))
     return ReplayReport(bundle_id=first.bundle_id, stages=tuple(results))
