@@ -71,9 +71,11 @@ def weed_binary() -> str:
     return found
 
 
-def start_server(workdir: Path, timeout: float = 60.0) -> S3Server:
-    """Start SeaweedFS (master, volume, filer, S3 gateway in one process) and wait until S3 answers."""
-    if os.environ.get("TRAJECTORY_REPLAY_S3_ENDPOINT"):
+def start_server(workdir: Path, timeout: float = 60.0, s3_port: Optional[int] = None) -> S3Server:
+    """Start SeaweedFS (master, volume, filer, S3 gateway in one process) and wait until S3 answers.
+
+    With `s3_port`, S3 is served on that port, by a server of its own even where an external one is configured."""
+    if os.environ.get("TRAJECTORY_REPLAY_S3_ENDPOINT") and s3_port is None:
         return S3Server(os.environ["TRAJECTORY_REPLAY_S3_ENDPOINT"],
                         os.environ.get("TRAJECTORY_REPLAY_S3_KEY", ""), os.environ.get("TRAJECTORY_REPLAY_S3_SECRET", ""))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -84,6 +86,7 @@ def start_server(workdir: Path, timeout: float = 60.0) -> S3Server:
     last_error = "no attempt"
     for _attempt in range(3):  # a port taken between choosing and binding: choose again
         master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = _free_ports(8)
+        s3 = s3_port or s3
         data = workdir / f"data-{s3}"
         data.mkdir()
         log = open(workdir / f"weed-{s3}.log", "wb")

@@ -90,11 +90,13 @@ def inspect_cmd(
     path: Annotated[str, typer.Argument(help="Bundle path or URL (native or older directory format).")],
     as_json: JsonFlag = False,
 ) -> None:
-    """Show a bundle's identity, capabilities, producer and payloads; also for an incomplete bundle."""
+    """Show a bundle's identity, capabilities, producer and payloads; also for an incomplete bundle (exit 0).
+    Exit 1 when a payload's blob record or blob ref is missing or corrupt."""
     from trajectory_replay.bundle.inspect import inspect_bundle
 
     result = inspect_bundle(path)
     typer.echo(result.to_json() if as_json else result.render_text())
+    raise typer.Exit(result.exit_code)
 
 
 @app.command("validate")
@@ -104,13 +106,9 @@ def validate_cmd(
     as_json: JsonFlag = False,
 ) -> None:
     """Verify format, every chunk's digest, safety and each recompute stage's inputs; exit 1 when invalid."""
-    from trajectory_replay.bundle import open_sources
-    from trajectory_replay.replay.validate import ValidationReport, validate_sources
+    from trajectory_replay.replay.validate import validate_bundle
 
-    try:
-        report = validate_sources(path, open_sources(path))
-    except TrajectoryReplayError as exc:
-        report = ValidationReport(path, problems=[str(exc)])
+    report = validate_bundle(path)
     typer.echo(report.to_json() if as_json else report.render_text())
     raise typer.Exit(0 if report.valid else 1)
 
@@ -183,7 +181,8 @@ def cp_cmd(
     quiet: QuietFlag = False,
     as_json: JsonFlag = False,
 ) -> None:
-    """Copy bundles between stores, transferring only the objects the destination lacks."""
+    """Copy bundles between stores, transferring only the objects the destination lacks; exit 1 when a
+    corrupt bundle of the source root was skipped (the others are copied)."""
     from trajectory_replay.ops.cp import copy_bundles
     from trajectory_replay.ops.progress import terminal_progress
 
@@ -191,6 +190,7 @@ def cp_cmd(
         report = copy_bundles(source, dest_root, step=step, rollout=rollout, all_bundles=all_bundles,
                               progress=progress)
     typer.echo(json.dumps(report.to_dict()) if as_json else report.render_text())
+    raise typer.Exit(1 if report.skipped else 0)  # the rest was copied; a corrupt bundle was not
 
 
 @app.command("gc")

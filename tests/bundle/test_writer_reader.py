@@ -304,8 +304,9 @@ def test_finalize_with_payloads_writes_the_bundle_in_one_batch(tmp_path):
 
 
 def test_payload_stored_first_with_other_chunks_is_named_by_its_record(tmp_path):
-    """A concurrent writer stored the same payload first, chunked differently: the manifest names the record
-    that the create-once ref holds, and the bundle reads and replays."""
+    """A concurrent writer stored the same payload first, chunked differently: the create-once ref keeps that
+    writer's record, and the manifest names this writer's own record (whose chunks it wrote and listed itself,
+    so it knows them whole); the bundle reads and replays."""
     from trajectory_replay.store import ObjectStore
 
     case = canonical_case(False)
@@ -327,8 +328,9 @@ def test_payload_stored_first_with_other_chunks_is_named_by_its_record(tmp_path)
     w.finalize(payloads=case.payloads)
     reader = BundleReader.open(f"{root}/b-00001")
     spec = reader.manifest.payloads[name]
-    assert spec.record == plan_holder["ref"].record
+    assert other._read_ref(spec.digest) == plan_holder["ref"].record != spec.record
     assert len(other.record(plan_holder["ref"]).chunks) == 2   # not how this writer cut it (one chunk)
+    assert len(other.record(reader.payload_ref(name)).chunks) == 1
     assert replay(open_native(f"{root}/b-00001")).passed
 
 

@@ -223,14 +223,13 @@ def test_a_capture_that_starts_reusing_inside_a_batch_window_is_reported(tmp_pat
     assert target in report.conflicts and "WARNING" in report.render_text()
 
 
-def test_writer_refuses_to_commit_when_a_sweep_removed_what_it_listed(tmp_path):
-    """The race re-reading cannot close: an object listed just after a batch's re-read and deleted by it."""
-    from trajectory_replay.backends import open_backend
-    from trajectory_replay.bundle import BundleWriter
-    from trajectory_replay.bundle.writer import GC_EPOCH_KEY
+def test_writer_refuses_to_commit_when_a_sweep_removed_what_it_no_longer_holds(tmp_path):
+    """An object the writer listed and found present, removed by a sweep before the commit: a payload written
+    earlier (whose bytes the writer no longer holds) cannot be stored again, so nothing is committed."""
+    from trajectory_replay.bundle.writer import BundleWriter
     from trajectory_replay.errors import BundleError
     from trajectory_replay.replay import canonical_case
-    from trajectory_replay.store import object_key
+    from trajectory_replay.store.liveness import SweepLease
 
     root = str(tmp_path / "store")
     case = canonical_case(False)
@@ -238,31 +237,35 @@ def test_writer_refuses_to_commit_when_a_sweep_removed_what_it_listed(tmp_path):
     for name, tensor in case.payloads.items():
         writer.write_payload(name, tensor)
     backend = open_backend(root)
-    victim = writer.payloads["kl"].record
-    backend.delete(object_key(victim))        # what the losing batch deleted
-    backend.write(GC_EPOCH_KEY, b"after-a-sweep")  # and the sweep ended
+    with SweepLease(backend):  # a sweep that deletes after the writer found the record present
+        backend.delete(object_key(writer.payloads["kl"].record))
     with pytest.raises(BundleError, match="removed by a concurrent gc"):
         writer.finalize()
     assert not backend.exists("b-00001/COMPLETE")
 
 
-def test_writer_waits_for_a_running_sweep_before_committing(tmp_path):
+def test_writer_waits_for_a_running_sweep_before_committing(tmp_path, caplog):
     import json
+    import logging
     import threading
     import time as _time
 
-    from trajectory_replay.backends import open_backend
-    from trajectory_replay.bundle.writer import GC_LEASE_PREFIX
     from tests.bundle.helpers import write_canonical
+    from trajectory_replay.store.liveness import LEASE_PREFIX
 
     root = str(tmp_path / "store")
     backend = open_backend(root)
-    backend.write(f"{GC_LEASE_PREFIX}x", json.dumps({"expires": _time.time() + 60}).encode())
-    threading.Timer(0.6, lambda: backend.delete(f"{GC_LEASE_PREFIX}x")).start()
+    lease = f"{LEASE_PREFIX}{'a' * 32}"
+    backend.write(lease, json.dumps({"expires": _time.time() + 60}).encode())
+    threading.Timer(0.6, lambda: backend.delete(lease)).start()
     started = _time.monotonic()
-    write_canonical(root)
+    with caplog.at_level(logging.WARNING):
+        write_canonical(root)
     assert _time.monotonic() - started >= 0.5
     assert backend.exists("b-00001/COMPLETE")
-    backend.write(f"{GC_LEASE_PREFIX}dead", json.dumps({"expires": _time.time() - 1}).encode())
+    waits = [r.getMessage() for r in caplog.records if "waiting for gc sweep" in r.getMessage()]
+    assert len(waits) == 1 and lease in waits[0] and "until" in waits[0]
+    backend.write(f"{LEASE_PREFIX}{'d' * 32}", json.dumps({"expires": _time.time() - 1}).encode())
+    started = _time.monotonic()
     write_canonical(root, name="b-2")  # an expired lease (its gc died) is not waited for
-    assert backend.exists("b-2/COMPLETE")
+    assert backend.exists("b-2/COMPLETE") and _time.monotonic() - started < 5

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,6 +24,12 @@ log = logging.getLogger(__name__)
 
 _PROBES: dict[tuple, "ProbeResult"] = {}
 _PROBE_LOCK = threading.Lock()
+
+PROBE_RETRY_FIRST = 0.5
+PROBE_RETRY_MAX = 8.0
+"""Backoff (seconds) before a probe that could not reach its target runs again: doubling from the first to the max."""
+PROBE_PATIENCE = 10.0
+"""How long `require_atomic_create` keeps retrying a probe that could not reach its target before it gives up."""
 
 
 class WorkerPool:
@@ -140,6 +147,9 @@ class ProbeResult:
     ok: bool
     checks: dict[str, bool]
     detail: str = ""
+    transient: bool = False
+    """The probe could not finish (target unreachable, a timeout, a server error): it says nothing about
+    create-once, so it is not remembered and runs again later."""
 
 
 class Backend(ABC):
@@ -154,6 +164,8 @@ class Backend(ABC):
         self.pool = WorkerPool(self.max_workers)
         self._probe: Optional[ProbeResult] = None
         self._probe_lock = threading.Lock()
+        self._probe_delay = 0.0
+        self._probe_retry_at = 0.0
 
     # ---- primitives (subclasses) -------------------------------------------------------------
     @abstractmethod
@@ -286,41 +298,82 @@ class Backend(ABC):
         """Remove `key` if present. Idempotent (S3 does not say whether a key existed)."""
         self._delete(validate_key(key))
 
+    def escapes_root(self, prefix: str) -> bool:
+        """True when `prefix` resolves to storage outside this root (a symbolic link on local disk).
+
+        Object stores have no links: False."""
+        return False
+
     def child(self, prefix: str) -> "Backend":
         """A backend rooted at `prefix` under this one (same storage, same options)."""
         raise NotImplementedError
 
     # ---- create-once safety --------------------------------------------------------------------
     def probe(self) -> ProbeResult:
-        """Self-test on the real target: sequential and concurrent create_if_absent of different bytes."""
+        """Self-test on the real target: sequential and concurrent create_if_absent of different bytes.
+
+        A pass is remembered for every backend of the same scope, a failure the target answered (it does not
+        honor create-once) for this backend. A probe that could not reach the target (`transient`) runs again
+        once a backoff has passed (PROBE_RETRY_FIRST, doubling up to PROBE_RETRY_MAX); until then this returns
+        that result without a request, so an outage is not met with a probe per caller."""
         from trajectory_replay.backends.probe import run_probe
 
         with self._probe_lock:
-            if self._probe is None:
-                scope = self.probe_scope()
+            last = self._probe
+            if last is not None and not (last.transient and time.monotonic() >= self._probe_retry_at):
+                return last
+            scope = self.probe_scope()
+            with _PROBE_LOCK:
+                cached = _PROBES.get(scope)
+            result = cached or run_probe(self)
+            if result.ok:  # a failure is never shared: the next backend probes for itself
                 with _PROBE_LOCK:
-                    cached = _PROBES.get(scope)
-                self._probe = cached or run_probe(self)
-                if self._probe.ok:  # only a pass is remembered: a failure is retried by the next backend
-                    with _PROBE_LOCK:
-                        _PROBES[scope] = self._probe
-            return self._probe
+                    _PROBES[scope] = result
+            if result.transient:
+                self._probe_delay = min(PROBE_RETRY_MAX, 2 * self._probe_delay or PROBE_RETRY_FIRST)
+                self._probe_retry_at = time.monotonic() + self._probe_delay
+                log.warning("%s: create-once self-test could not reach the target (%s); retrying in %.1fs",
+                            self.url, result.detail, self._probe_delay)
+            else:
+                self._probe_delay = 0.0
+            self._probe = result
+            return result
+
+    def transient_error(self, exc: BaseException) -> bool:
+        """True when `exc` says the target could not be reached or could not answer just now (a lost
+        connection, a timeout), not that it refused something: worth retrying later."""
+        return isinstance(exc, (ConnectionError, TimeoutError))
 
     def probe_scope(self) -> tuple:
         """What a probe result holds for: this root by default (S3: the endpoint and bucket)."""
         return (type(self).__name__, self.url)
 
-    def require_atomic_create(self, *, unsafe: bool = False) -> None:
-        """Raise BackendError unless create-once markers can be trusted here; `unsafe=True` downgrades to a logged warning."""
+    def require_atomic_create(self, *, unsafe: bool = False, patience: float = PROBE_PATIENCE) -> None:
+        """Raise BackendError unless create-once markers can be trusted here; `unsafe=True` downgrades to a logged warning.
+
+        A probe that could not reach the target is retried, with its backoff, for up to `patience` seconds:
+        a writer whose data just went through should not lose its bundle to a brief outage."""
+        deadline = time.monotonic() + patience
         result = self.probe() if self.capabilities.atomic_create else ProbeResult(
             False, {"declared": False}, "backend does not declare atomic create")
+        while result.transient and not unsafe:
+            wait = max(0.0, self._probe_retry_at - time.monotonic())
+            if time.monotonic() + wait > deadline:
+                break
+            time.sleep(wait)
+            result = self.probe()
         if result.ok:
             return
-        message = f"{self.url}: create-if-absent is not atomic on this target ({result.detail})"
+        if result.transient:
+            message = f"{self.url}: could not check that create-if-absent is atomic here ({result.detail})"
+            refusal = "; nothing was marked complete (the check is retried once the target answers)"
+        else:
+            message = f"{self.url}: create-if-absent is not atomic on this target ({result.detail})"
+            refusal = "; refusing to write completion markers (pass the unsafe override to force)"
         if unsafe:
             log.warning("%s; continuing because the unsafe override was given", message)
             return
-        raise BackendError(message + "; refusing to write completion markers (pass the unsafe override to force)")
+        raise BackendError(message + refusal)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _map(self, fn, items: Sequence) -> list:

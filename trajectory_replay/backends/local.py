@@ -40,6 +40,13 @@ class LocalBackend(Backend):
     def _path(self, key: str) -> Path:
         return self.root / key
 
+    def escapes_root(self, prefix: str) -> bool:
+        path = self._path(prefix.rstrip("/"))
+        if not os.path.lexists(path):
+            return False
+        real_root = os.path.realpath(self.root)
+        return os.path.commonpath([real_root, os.path.realpath(path)]) != real_root
+
     def _read(self, key: str) -> bytes:
         try:
             with open(self._path(key), "rb") as f:
@@ -137,13 +144,13 @@ class LocalBackend(Backend):
             return []  # a directory prefix that does not exist holds nothing (never walk its parent)
         # a prefix may name a directory ("objects/") or a partial name ("objects/ab")
         start = base if base.is_dir() else base.parent
-        if not start.is_dir():
-            return []
+        if not start.is_dir() or self.escapes_root(os.path.relpath(start, self.root)):
+            return []  # a directory linked out of the root holds no keys of this root
         out = []
-        for dirpath, _dirs, files in os.walk(start):
+        for dirpath, _dirs, files in os.walk(start):  # os.walk does not enter linked subdirectories
             rel_dir = os.path.relpath(dirpath, self.root)
             for name in files:
-                if name.startswith(TMP_PREFIX):
+                if name.startswith(TMP_PREFIX) or os.path.islink(os.path.join(dirpath, name)):
                     continue
                 key = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
                 if key.startswith(prefix):
@@ -151,6 +158,8 @@ class LocalBackend(Backend):
         return out
 
     def _delete(self, key: str) -> None:
+        if self.escapes_root(os.path.dirname(key)):
+            raise BackendError(f"{self.url}: refusing to delete {key!r}: its directory links out of the root")
         try:
             os.unlink(self._path(key))
         except (FileNotFoundError, NotADirectoryError):

@@ -4,6 +4,9 @@ A server that ignores `If-None-Match`, or a filesystem without hard links, would
 ranks both "win" a completion marker. Declared capabilities are not enough, so before a
 backend writes markers it proves, on a scratch key under `.probe/`, that a second create of
 different bytes is refused and that among concurrent creators exactly one wins.
+
+A probe that fails because the target could not be reached (`Backend.transient_error`) says
+nothing about create-once: its result is marked transient, and the backend probes again later.
 """
 
 from __future__ import annotations
@@ -30,8 +33,11 @@ def run_probe(backend: "Backend") -> ProbeResult:
     con_key = f".probe/{token}-con"
     checks: dict[str, bool] = {}
     detail = []
+    transient = False
+    reached = False
     try:
         first = backend.create_if_absent(seq_key, b"probe-a")
+        reached = True
         second = backend.create_if_absent(seq_key, b"probe-b")
         same = backend.create_if_absent(seq_key, b"probe-a")
         checks["sequential"] = first and not second and same and backend.read(seq_key) == b"probe-a"
@@ -47,14 +53,18 @@ def run_probe(backend: "Backend") -> ProbeResult:
         if not checks["concurrent"]:
             detail.append(f"{len(winners)} of {CONCURRENT_WRITERS} concurrent creators won")
     except Exception as exc:  # a backend that cannot even run the probe is not safe
+        # a check the target already failed stands, whatever cut the rest short
+        transient = backend.transient_error(exc) and all(checks.values())
         checks.setdefault("sequential", False)
         checks["error"] = False
         detail.append(f"{type(exc).__name__}: {exc}")
     finally:
-        for key in (seq_key, con_key):
+        # nothing was created on a target that never answered, and each delete would wait out the outage again
+        leftovers = (seq_key, con_key) if reached or not transient else ()
+        for key in leftovers:
             try:
                 backend.delete(key)
             except Exception:  # cleanup is best effort; the probe keys are tiny
                 log.debug("could not remove probe key %s", key)
     ok = all(checks.values())
-    return ProbeResult(ok=ok, checks=checks, detail="; ".join(detail) or "ok")
+    return ProbeResult(ok=ok, checks=checks, detail="; ".join(detail) or "ok", transient=transient and not ok)

@@ -13,10 +13,13 @@ block would fetch far more than asked.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Optional, Sequence
 
+import aiohttp
 import fsspec
+from botocore.exceptions import ConnectionError as BotoConnectionError, HTTPClientError
 from s3fs.core import _error_wrapper as _s3_retrying
 from fsspec.asyn import _run_coros_in_chunks, sync
 
@@ -25,6 +28,8 @@ from trajectory_replay.errors import BackendError, NotFoundError
 
 _REFUSED = {"PreconditionFailed", "412"}
 _CONFLICT = {"ConditionalRequestConflict", "409", "OperationAborted"}
+_UNAVAILABLE = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "500", "502", "503", "504"}
+"""Answers that mean "not now" (and are worth retrying), unlike 501 NotImplemented, which means "never"."""
 
 
 def _error_code(exc: BaseException) -> str | None:
@@ -68,6 +73,21 @@ class S3Backend(Backend):
         endpoint = getattr(getattr(self.fs, "s3", None), "_endpoint", None)
         host = getattr(endpoint, "host", None) or str(self.fs.client_kwargs.get("endpoint_url", ""))
         return (type(self.fs).__name__, host, self.path.split("/", 1)[0])
+
+    def transient_error(self, exc: BaseException) -> bool:
+        """The server did not answer (refused connection, DNS, timeout, a connection cut off) or answered
+        that it cannot serve now (5xx other than 501, throttling). Any other answer is the server's word."""
+        code = _error_code(exc)
+        if code is not None:
+            return code in _UNAVAILABLE
+        seen = 0
+        while exc is not None and seen < 8:
+            if isinstance(exc, (OSError, TimeoutError, asyncio.TimeoutError, BotoConnectionError, HTTPClientError,
+                                aiohttp.ClientError)):
+                return True
+            exc = exc.__cause__ or exc.__context__
+            seen += 1
+        return False
 
     def child(self, prefix: str) -> "S3Backend":
         return S3Backend(f"{self.path}/{prefix}", fs=self.fs, **self.storage_options)

@@ -16,11 +16,19 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save as st_save
 
+from trajectory_replay.bundle.documents import MAX_JSON_DEPTH, nesting_exceeds, one_line
 from trajectory_replay.errors import BundleError
 
 TENSOR_NAME = "data"
 MAX_HEADER_BYTES = 1 << 20
 """A header is one small JSON object; anything larger is refused before it is read."""
+MAX_DIMS = 64
+"""Most dimensions a stored tensor may have (the payloads here have one or two)."""
+MAX_HEADER_INT = (1 << 63) - 1
+"""Dimensions and offsets are int64 values in safetensors."""
+MAX_ELEMENTS = 1 << 62
+"""Bound on the product of a shape's dimensions, zeros counted as ones: past it torch cannot describe the
+tensor even when it is empty (a zero dimension would otherwise let the others be anything)."""
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -85,35 +93,84 @@ def header_length(prefix: bytes, where: str) -> int:
     return n
 
 
+def _shape_text(shape: list) -> str:
+    """A shape for messages, cut short: a hostile header may list thousands of dimensions."""
+    if len(shape) <= 8:
+        return str(list(shape))
+    return f"[{', '.join(map(str, shape[:8]))}, … ({len(shape)} dimensions)]"
+
+
+def _header_int(value: object, where: str, field: str) -> int:
+    """`value` if it is a JSON integer within int64; BundleError naming the header field otherwise.
+
+    Floats (1e400 is infinity, 8.5 is not a size) and booleans are refused rather than converted."""
+    if type(value) is not int:
+        raise BundleError(f"{where}: safetensors header field {field} holds {one_line(repr(value), 40)}, "
+                          "not an integer")
+    if not 0 <= value <= MAX_HEADER_INT:
+        raise BundleError(f"{where}: safetensors header field {field} holds {value}, outside [0, 2^63)")
+    return value
+
+
 def parse_header(head: bytes, blob_size: int, where: str) -> Header:
     """Check the header of a one-tensor safetensors blob of `blob_size` bytes, whose start is `head`."""
     n = header_length(head, where)
     if len(head) < 8 + n or 8 + n > blob_size:
         raise BundleError(f"{where}: safetensors header is truncated")
+    text = bytes(head[8:8 + n])
+    if nesting_exceeds(text):
+        raise BundleError(f"{where}: safetensors header nests more than {MAX_JSON_DEPTH} levels deep")
     try:
-        doc = json.loads(bytes(head[8:8 + n]))
+        doc = json.loads(text)
     except (ValueError, UnicodeDecodeError):
         raise BundleError(f"{where}: safetensors header is not JSON") from None
+    except RecursionError:  # the scan above makes this unreachable for JSON text; kept as a last guard
+        raise BundleError(f"{where}: safetensors header nests too deeply") from None
     if not isinstance(doc, dict):
         raise BundleError(f"{where}: safetensors header is not an object")
     doc.pop("__metadata__", None)
     if list(doc) != [TENSOR_NAME]:
-        raise BundleError(f"{where}: expected exactly one tensor named {TENSOR_NAME!r}, found {sorted(doc)}")
+        names = sorted(doc)
+        shown = one_line(repr(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+        raise BundleError(f"{where}: expected exactly one tensor named {TENSOR_NAME!r}, found {shown}")
     entry = doc[TENSOR_NAME]
-    try:
-        dtype = _DTYPES[entry["dtype"]]
-        shape = tuple(int(d) for d in entry["shape"])
-        start, end = (int(x) for x in entry["data_offsets"])
-    except (KeyError, TypeError, ValueError):
-        raise BundleError(f"{where}: malformed tensor entry in the safetensors header") from None
-    if any(d < 0 for d in shape):
-        raise BundleError(f"{where}: negative dimension in shape {list(shape)}")
+    if not isinstance(entry, dict) or not all(k in entry for k in ("dtype", "shape", "data_offsets")):
+        raise BundleError(f"{where}: malformed tensor entry in the safetensors header "
+                          "(needs dtype, shape and data_offsets)")
+    dtype_text = entry["dtype"]
+    if not isinstance(dtype_text, str) or dtype_text not in _DTYPES:
+        raise BundleError(f"{where}: malformed tensor entry in the safetensors header "
+                          f"(dtype {one_line(repr(dtype_text), 40)} is not one of {sorted(_DTYPES)})")
+    dtype = _DTYPES[dtype_text]
+    raw_shape, offsets = entry["shape"], entry["data_offsets"]
+    if not isinstance(raw_shape, list):
+        raise BundleError(f"{where}: safetensors header field shape is not a list")
+    if len(raw_shape) > MAX_DIMS:
+        raise BundleError(f"{where}: safetensors header shape has {len(raw_shape)} dimensions, more than "
+                          f"{MAX_DIMS}")
+    for i, d in enumerate(raw_shape):
+        if type(d) is int and d < 0:
+            raise BundleError(f"{where}: negative dimension in shape {_shape_text(raw_shape)}")
+        _header_int(d, where, f"shape[{i}]")
+    shape = tuple(raw_shape)
+    if not isinstance(offsets, list) or len(offsets) != 2:
+        raise BundleError(f"{where}: malformed tensor entry in the safetensors header "
+                          "(data_offsets is not a pair [start, end])")
+    if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
+        raise BundleError(f"{where}: safetensors header shape {_shape_text(raw_shape)} is too large "
+                          "(its dimensions multiply past 2^62)")
+    start = _header_int(offsets[0], where, "data_offsets[0]")
+    end = _header_int(offsets[1], where, "data_offsets[1]")
     itemsize = torch.empty((), dtype=dtype).element_size()
+    # Python integers do not wrap, so a product of huge dimensions is compared exactly, never overflowed
     expected_bytes = math.prod(shape) * itemsize
     data_len = blob_size - 8 - n
     if start != 0 or end != data_len or end - start != expected_bytes:
+        why = ("inverted" if end < start else "past the end of the blob" if end > data_len
+               else "not starting at the data" if start != 0 else "not covering the data" if end != data_len
+               else "not the size of the shape")
         raise BundleError(f"{where}: safetensors offsets [{start}, {end}) do not match {data_len} data bytes "
-                          f"for shape {list(shape)} of {entry['dtype']}")
+                          f"for shape {_shape_text(raw_shape)} of {dtype_text} ({why})")
     return Header(dtype, shape, 8 + n, blob_size)
 
 

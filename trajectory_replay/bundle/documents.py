@@ -6,13 +6,25 @@ Shared by the native reader and the older-format reader, so both report bad inpu
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, TypeVar
 
+import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from trajectory_replay.errors import BundleError
+from trajectory_replay.errors import BundleError, UsageError
 
 M = TypeVar("M", bound=BaseModel)
+
+DEFAULT_MAX_DOCUMENT_BYTES = 256 << 20
+"""Largest JSON document (manifest, index, expected; V1 files) read unless the environment says otherwise."""
+MAX_DOCUMENT_BYTES_ENV = "TRAJECTORY_REPLAY_MAX_DOCUMENT_BYTES"
+"""Environment variable that replaces DEFAULT_MAX_DOCUMENT_BYTES (a positive number of bytes)."""
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects accepted in any JSON document, marker or safetensors header.
+
+The formats nest a few levels; the bound keeps every later step that walks a value recursively
+(validation, comparison, serialization) far from Python's recursion limit."""
 
 
 def one_line(text: str, limit: int = 200) -> str:
@@ -39,8 +51,73 @@ def validate_document(model: type[M], raw: Any, label: str) -> M:
         raise BundleError(f"{label}: {validation_message(exc)}") from None
 
 
+def max_document_bytes() -> int:
+    """The document size bound in bytes: $TRAJECTORY_REPLAY_MAX_DOCUMENT_BYTES, else DEFAULT_MAX_DOCUMENT_BYTES."""
+    text = os.environ.get(MAX_DOCUMENT_BYTES_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_DOCUMENT_BYTES
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise UsageError(f"{MAX_DOCUMENT_BYTES_ENV}={one_line(text, 40)!r}: expected a positive number of bytes")
+    return value
+
+
+def document_size_problem(size: int) -> str | None:
+    """Why a document of `size` bytes is not read (it is over the bound), or None."""
+    limit = max_document_bytes()
+    if size <= limit:
+        return None
+    return f"document of {size} bytes is over the {limit}-byte bound (raise {MAX_DOCUMENT_BYTES_ENV} to read it)"
+
+
+def check_document_size(size: int, label: str) -> None:
+    """BundleError when a document of `size` bytes is over the bound; called before a byte of it is read."""
+    problem = document_size_problem(size)
+    if problem:
+        raise BundleError(f"{label}: {problem}")
+
+
+_NOT_STRUCTURE = bytes(range(256)).translate(None, b'[]{}"')
+_SCAN_STEP = 1 << 24
+
+
+def nesting_exceeds(data: bytes | bytearray | memoryview, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True when the JSON text `data` nests arrays/objects more than `limit` deep, found without parsing it.
+
+    Only brackets outside strings count. Escaped backslashes, then escaped quotes, are dropped first, so
+    every quote left opens or closes a string; the rest is a few passes in C and numpy, a small fraction
+    of what parsing costs. On text that is not JSON the answer is only a guess; the parser then decides."""
+    if isinstance(data, memoryview):
+        data = data.tobytes()
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return False
+    if b"\\" in data:
+        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    text = data.translate(None, _NOT_STRUCTURE)
+    depth = quotes = 0
+    for start in range(0, len(text), _SCAN_STEP):
+        part = np.frombuffer(text, np.uint8, min(_SCAN_STEP, len(text) - start), start)
+        is_quote = part == 0x22
+        in_string = (np.cumsum(is_quote, dtype=np.int64) + quotes) & 1
+        quotes = (quotes + int(is_quote.sum())) & 1
+        brackets = part[(in_string == 0) & ~is_quote]
+        if not brackets.size:
+            continue
+        # '[' and '{' have bit 1 set, ']' and '}' do not: +1 for an opening bracket, -1 for a closing one
+        levels = np.cumsum((brackets & 2).astype(np.int64) - 1) + depth
+        if int(levels.max()) > limit:
+            return True
+        depth = int(levels[-1])
+    return False
+
+
 def parse_json(data: bytes, label: str) -> dict[str, Any]:
     """Decode a UTF-8 JSON object, turning decoding errors into a one-line BundleError."""
+    if nesting_exceeds(data):
+        raise BundleError(f"{label}: not valid JSON (nested more than {MAX_JSON_DEPTH} levels deep)")
     try:
         raw = json.loads(bytes(data).decode("utf-8"))
     except UnicodeDecodeError as exc:

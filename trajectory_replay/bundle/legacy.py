@@ -1,6 +1,6 @@
 """The older "V1" directory bundle format: its writer, and a verifying reader that serves it as a ReplaySource.
 
-Layout (REPLAY_SEMANTICS.md, "The V1 directory format"):
+Layout:
 
     <bundle>/manifest.json index.json expected.json COMPLETE payloads/<name>.pt
     <bundle>/rank-<r>/...  <bundle>/COMPLETE.<r>  <bundle>/COMPLETE      (several producers)
@@ -30,9 +30,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from trajectory_replay.bundle.schema import (
     TEXT_FIELDS, ActorStepId, BundleIndex, Expected, Manifest, StageContract, StageId, check_name,
 )
+from trajectory_replay.bundle.documents import DEFAULT_MAX_DOCUMENT_BYTES, check_document_size, max_document_bytes
 from trajectory_replay.bundle.documents import one_line as _one_line
 from trajectory_replay.bundle.documents import parse_json as _parse_json
 from trajectory_replay.bundle.documents import validate_document as _validate
+from trajectory_replay.bundle.markers import MAX_RANK, MAX_RANKS
 from trajectory_replay.errors import BundleError, NotFoundError
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -43,8 +45,8 @@ V1_CODEC = "torch-pt"
 V1_EXPECTED_PAYLOADS = frozenset({"kl", "advantages"})
 """Payloads V1 always treats as expected outputs, whatever the contracts list."""
 LOSS_MASK = "loss_mask"
-MAX_DOCUMENT_BYTES = 256 * 1024 * 1024
-"""Upper bound on a JSON document, checked before it is read (DESIGN.md invariant 1)."""
+MAX_DOCUMENT_BYTES = DEFAULT_MAX_DOCUMENT_BYTES
+"""The default bound on a JSON document; the bound in force is `documents.max_document_bytes()`."""
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _RANK_DIR = re.compile(r"rank-(0|[1-9][0-9]*)")
@@ -70,8 +72,11 @@ def _check_ranks(ranks: list[int]) -> list[int]:
     """`ranks` sorted, if it is a non-empty list of distinct non-negative integers, else ValueError."""
     if not ranks:
         raise ValueError("must list at least one rank")
-    if len(set(ranks)) != len(ranks) or any(r < 0 for r in ranks):
-        raise ValueError(f"ranks {ranks} must be distinct non-negative integers")
+    if len(ranks) > MAX_RANKS:
+        raise ValueError(f"lists {len(ranks)} ranks, more than the bound of {MAX_RANKS}")
+    if len(set(ranks)) != len(ranks) or any(not 0 <= r <= MAX_RANK for r in ranks):
+        raise ValueError(f"ranks {ranks[:16]}{'…' if len(ranks) > 16 else ''} must be distinct integers "
+                         f"in [0, {MAX_RANK}]")
     return sorted(ranks)
 
 
@@ -248,10 +253,20 @@ def _read_bounded(path: Path, label: str, limit: int) -> bytes:
 
 
 
+def _read_document(path: Path, label: str) -> bytes:
+    """A JSON document's bytes, refused before reading when it is over the document bound."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0  # _read_bounded names what is wrong with the path
+    check_document_size(size, label)
+    return _read_bounded(path, label, max_document_bytes())
+
+
 def _load_document(path: Path, label: str, model: type[_M], data: Optional[bytes] = None) -> tuple[Any, _M]:
     """Read (unless `data` is given), parse and validate one JSON document: (raw value, model)."""
     if data is None:
-        data = _read_bounded(path, label, MAX_DOCUMENT_BYTES)
+        data = _read_document(path, label)
     raw = _parse_json(data, label)
     return raw, _validate(model, raw, label)
 
@@ -470,7 +485,7 @@ def _finalize_cohort(root: Path, expected_ranks: list[int]) -> bool:
     data = _json_bytes({"ranks": expected_ranks, "shards": shards})
     if not _write_atomic(root / "COMPLETE", data, create_only=True):
         # another rank finalized first: fine when it wrote the same cohort
-        if _read_bounded(root / "COMPLETE", f"{root.name}/COMPLETE", MAX_DOCUMENT_BYTES) != data:
+        if _read_document(root / "COMPLETE", f"{root.name}/COMPLETE") != data:
             raise BundleError(f"{root.name}/COMPLETE: already exists with a different cohort")
     return True
 
@@ -625,8 +640,7 @@ def _read_complete(directory: Path, label: str) -> dict[str, Any]:
     """COMPLETE's parsed JSON object; a missing one means the bundle is not finished."""
     if not (directory / "COMPLETE").is_file():
         raise BundleError(f"{label}: incomplete bundle (COMPLETE is missing)")
-    return _parse_json(_read_bounded(directory / "COMPLETE", f"{label}/COMPLETE", MAX_DOCUMENT_BYTES),
-                       f"{label}/COMPLETE")
+    return _parse_json(_read_document(directory / "COMPLETE", f"{label}/COMPLETE"), f"{label}/COMPLETE")
 
 
 def _check_parent_cohort(directory: Path, label: str, rank: int, complete: V1Complete) -> V1Shard:
@@ -677,7 +691,7 @@ def open_v1_bundle(path: PathLike) -> LegacyBundle:
 
     documents: dict[str, bytes] = {}
     for filename, sha in complete.metadata.by_document().items():
-        data = _read_bounded(directory / filename, f"{label}/{filename}", MAX_DOCUMENT_BYTES)
+        data = _read_document(directory / filename, f"{label}/{filename}")
         if _sha256(data) != sha:
             raise BundleError(f"{label}/{filename}: sha256 mismatch with COMPLETE metadata "
                               f"(expected {_short(sha)}, got {_short(_sha256(data))})")
@@ -696,7 +710,7 @@ def open_v1_bundle(path: PathLike) -> LegacyBundle:
     if shard is not None:
         _check_shard(directory, label, shard, complete, v1_manifest, index)
 
-    # existence and size are cheap; SHA-256 and the tensor checks wait for the first load (invariant 6)
+    # existence and size are cheap; SHA-256 and the tensor checks wait for the first load of each payload
     for name, entry in v1_manifest.payloads.items():
         _check_payload_file(directory / "payloads" / f"{name}.pt", f"{label}/payloads/{name}.pt", entry)
     return LegacyBundle(directory, label, rank, v1_manifest, manifest, index, expected, complete.metadata)

@@ -12,25 +12,109 @@ bundle id, anchor and expected ranks, it create-once writes COMPLETE. The final 
 content is a pure function of the rank markers, so racing finalizers write the same bytes
 and all succeed. No collective, no waiting, no lock. A reader that finds all rank markers
 but no COMPLETE (the last rank died after landing) finalizes the same way.
+
+COMPLETE cannot be undone, so no finalizer trusts a rank marker it has not checked against
+its own documents (`rank_marker_problems`): the key's rank, the manifest's and index's bundle
+id and the index's anchor must be what the marker says, and every document must be readable.
+A marker that fails is reported by its key and the bundle stays unfinalized, so it can still
+be completed: by restoring the object that was missing, or by removing the bad marker and
+landing that rank again.
 """
 
 from __future__ import annotations
 
+import operator
 import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trajectory_replay.backends import Backend
-from trajectory_replay.bundle.documents import compact_json, parse_json, validate_document
-from trajectory_replay.errors import BundleError, NotFoundError
-from trajectory_replay.store import BlobRef
+from trajectory_replay.bundle.documents import (
+    check_document_size, compact_json, one_line, parse_json, validate_document,
+)
+from trajectory_replay.bundle.schema import BundleIndex, Expected, Manifest
+from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError
+from trajectory_replay.store import BlobRecord, BlobRef, hash_bytes, object_key
+from trajectory_replay.store.objectstore import MAX_RECORD_BYTES
 
 COMPLETE = "COMPLETE"
 RANK_MARKER = re.compile(r"COMPLETE\.(0|[1-9][0-9]*)")
 COMPLETE_FORMAT = "trajectory-replay.complete/1"
 RANK_FORMAT = "trajectory-replay.rank/1"
 MAX_MARKER_BYTES = 4 << 20
+MAX_RANKS = 65_536
+"""Most ranks a marker may list (expected_ranks, shards): a bound on the rank markers a reader checks."""
+MAX_RANK = (1 << 31) - 1
+"""Largest rank number: ranks name keys (`COMPLETE.<r>`), so they stay short."""
+_RANK_TEXT = re.compile(r"0|[1-9][0-9]{0,9}")
+_DIGEST = re.compile(r"blake3:[0-9a-f]{64}")
+_ANCHOR_INT = 1 << 63
+
+
+def _rank(value: Any, what: str) -> int:
+    """`value` as a rank: an integer (numpy ones too) in [0, MAX_RANK]; never a bool, string or float."""
+    if isinstance(value, (bool, str, bytes, float)):
+        raise ValueError(f"{what} {value!r} is not an integer")
+    try:
+        rank = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} of type {type(value).__name__} is not an integer") from None
+    if not 0 <= rank <= MAX_RANK:
+        raise ValueError(f"{what} {rank} is outside [0, {MAX_RANK}]")
+    return rank
+
+
+def _rank_list(value: Any) -> list[int]:
+    """A non-empty list of distinct ranks, at most MAX_RANKS of them (counted before any is looked at)."""
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"expected a list of ranks, got {type(value).__name__}")
+    if len(value) > MAX_RANKS:
+        raise ValueError(f"lists {len(value)} ranks, more than the bound of {MAX_RANKS}")
+    if not value:
+        raise ValueError("lists no rank")
+    ranks = [_rank(v, "rank") for v in value]
+    seen: set[int] = set()
+    twice: set[int] = set()
+    for r in ranks:
+        (twice if r in seen else seen).add(r)
+    if twice:
+        raise ValueError(f"lists a rank twice ({sorted(twice)[:8]})")
+    return ranks
+
+
+def check_rank_list(ranks: Any, where: str) -> list[int]:
+    """`ranks` as markers accept them (see `_rank_list`); BundleError naming `where` otherwise.
+
+    For writers, so that ranks a marker would refuse are refused before anything is written."""
+    try:
+        return _rank_list(ranks)
+    except ValueError as exc:
+        raise BundleError(f"{where}: expected_ranks: {exc}") from None
+
+
+def _anchor_int(value: Any, field: str) -> int:
+    if type(value) is not int or not -_ANCHOR_INT <= value < _ANCHOR_INT:
+        shown = repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
+        raise ValueError(f"{field} must be a 64-bit integer, got {shown}")
+    return value
+
+
+def _check_anchor(anchor: dict[str, Any]) -> dict[str, Any]:
+    """The marker anchor as the writer stores it: {"actor_step_id": {"rollout_id", "step_id"}} or {"rollout_id"}."""
+    step, rollout = anchor.get("actor_step_id"), anchor.get("rollout_id")
+    if (step is None) == (rollout is None):
+        raise ValueError("needs exactly one of actor_step_id or rollout_id")
+    if step is not None:
+        if not isinstance(step, dict):
+            raise ValueError(f"actor_step_id must be an object {{rollout_id, step_id}}, got {type(step).__name__}")
+        _anchor_int(step.get("rollout_id"), "actor_step_id.rollout_id")
+        _anchor_int(step.get("step_id"), "actor_step_id.step_id")
+    else:
+        _anchor_int(rollout, "rollout_id")
+    return anchor
 
 
 class DocRef(BaseModel):
@@ -39,8 +123,15 @@ class DocRef(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     digest: str
-    size: int
+    size: int = Field(ge=0)
     record: str
+
+    @field_validator("digest", "record")
+    @classmethod
+    def _digest(cls, v: str) -> str:
+        if not _DIGEST.fullmatch(v):
+            raise ValueError(f"{v[:80]!r} is not a digest (blake3:<64 lowercase hex>)")
+        return v
 
     @classmethod
     def of(cls, ref: BlobRef) -> "DocRef":
@@ -77,6 +168,21 @@ class RankMarker(BaseModel):
     attempt: str
     created: float = 0.0
 
+    @field_validator("rank", mode="before")
+    @classmethod
+    def _check_rank(cls, v: Any) -> int:
+        return _rank(v, "rank")
+
+    @field_validator("expected_ranks", mode="before")
+    @classmethod
+    def _expected(cls, v: Any) -> list[int]:
+        return _rank_list(v)
+
+    @field_validator("anchor")
+    @classmethod
+    def _anchor(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _check_anchor(v)
+
 
 class CompleteMarker(BaseModel):
     """COMPLETE: the bundle exists. `shards` maps rank -> documents (one entry for a single producer)."""
@@ -90,6 +196,34 @@ class CompleteMarker(BaseModel):
     multi_rank: bool
     shards: dict[str, Documents] = Field(min_length=1)
     attempt: Optional[str] = None
+
+    @field_validator("expected_ranks", mode="before")
+    @classmethod
+    def _expected(cls, v: Any) -> list[int]:
+        return _rank_list(v)
+
+    @field_validator("anchor")
+    @classmethod
+    def _anchor(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _check_anchor(v)
+
+    @field_validator("shards", mode="before")
+    @classmethod
+    def _shard_keys(cls, v: Any) -> Any:
+        # keys are rank numbers that readers turn into ints and into `rank-<r>` paths: checked before any use
+        if isinstance(v, dict):
+            if len(v) > MAX_RANKS:
+                raise ValueError(f"lists {len(v)} shards, more than the bound of {MAX_RANKS}")
+            for key in v:
+                if not isinstance(key, str) or not _RANK_TEXT.fullmatch(key) or int(key) > MAX_RANK:
+                    raise ValueError(f"shard key {str(key)[:80]!r} is not a rank number")
+        return v
+
+    @model_validator(mode="after")
+    def _one_shard_unless_multi_rank(self) -> "CompleteMarker":
+        if not self.multi_rank and len(self.shards) != 1:
+            raise ValueError(f"field 'shards': a single-producer bundle has one shard, this lists {len(self.shards)}")
+        return self
 
     def documents(self, rank: Optional[int] = None) -> Documents:
         """The documents of `rank` (or of the only shard of a single-producer bundle)."""
@@ -160,7 +294,8 @@ def check_agreement(name: str, markers: list[RankMarker]) -> None:
         for field in ("bundle_id", "anchor", "expected_ranks"):
             if getattr(m, field) != getattr(first, field):
                 raise BundleError(f"{name}: rank markers disagree on {field} (rank {first.rank}: "
-                                  f"{getattr(first, field)}, rank {m.rank}: {getattr(m, field)})")
+                                  f"{one_line(str(getattr(first, field)), 120)}, rank {m.rank}: "
+                                  f"{one_line(str(getattr(m, field)), 120)})")
     for m in markers:
         if m.rank not in first.expected_ranks:
             raise BundleError(f"{name}: rank {m.rank} landed but is not among expected ranks {first.expected_ranks}")
@@ -181,7 +316,15 @@ def try_finalize(backend: Backend, name: str, expected_ranks: Optional[list[int]
     landed, missing = cohort_state(backend, name, expected_ranks)
     if missing:
         return None
+    problems = rank_marker_problems(backend, name, dict(zip(expected_ranks, landed)))
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise BundleError(f"{backend.url}/{problems[0]}{more}; the bundle is not finalized")
     check_agreement(name, landed)
+    if sorted(set(landed[0].expected_ranks)) != sorted(set(expected_ranks)):
+        raise BundleError(f"{backend.url}/{name}: the rank markers expect ranks "
+                          f"{one_line(str(landed[0].expected_ranks), 120)}, not "
+                          f"{one_line(str(sorted(expected_ranks)), 120)}; the bundle is not finalized")
     data = final_marker_bytes(landed)
     backend.require_atomic_create(unsafe=unsafe)
     if not backend.create_if_absent(complete_key(name), data):
@@ -204,3 +347,143 @@ def landed_ranks(backend: Backend, name: str) -> list[int]:
         if match:
             ranks.append(int(match.group(1)))
     return sorted(ranks)
+
+
+# ---- checking rank markers against their documents -----------------------------------------------
+
+@dataclass(frozen=True)
+class MarkerProblem:
+    """Why the rank marker at `key` cannot be finalized from. `corrupt`: the marker itself is wrong (it
+    disagrees with its key or with documents that read back whole); otherwise one of its documents could
+    not be read, and the missing or damaged object is what needs repair."""
+
+    key: str
+    why: str
+    corrupt: bool
+
+    def __str__(self) -> str:
+        return f"{self.key}: {'corrupt rank marker' if self.corrupt else 'rank marker cannot be checked'}: {self.why}"
+
+
+def rank_marker_problems(backend: Backend, name: str, markers: Mapping[int, RankMarker]) -> list[MarkerProblem]:
+    """Check each landed rank marker (rank -> the marker found under COMPLETE.<rank>) against its key and its
+    documents; one problem per bad marker, in rank order. All markers' documents are read in two batches."""
+    problems: dict[int, MarkerProblem] = {}
+    for rank, marker in markers.items():
+        if marker.rank != rank:
+            problems[rank] = MarkerProblem(rank_key(name, rank), f"holds rank {marker.rank}, not the {rank} of its key",
+                                           True)
+        elif rank not in marker.expected_ranks:
+            problems[rank] = MarkerProblem(rank_key(name, rank), f"rank {rank} is not among its expected ranks "
+                                                                 f"{one_line(str(marker.expected_ranks), 120)}", True)
+    contents = _read_documents(backend, [getattr(m.documents, label) for r, m in markers.items()
+                                         if r not in problems for label in _DOCUMENTS])
+    for rank, marker in markers.items():
+        if rank not in problems:
+            found = _disagreement(marker, contents)
+            if found is not None:
+                problems[rank] = MarkerProblem(rank_key(name, rank), *found)
+    return [problems[r] for r in sorted(problems)]
+
+
+_DOCUMENTS = {"manifest": Manifest, "index": BundleIndex, "expected": Expected}
+
+
+@dataclass(frozen=True)
+class _Unreadable:
+    why: str
+    marker_at_fault: bool
+    """True when the objects read back whole but are not what the marker's reference says."""
+
+
+def _disagreement(marker: RankMarker, contents: Mapping[DocRef, bytes | _Unreadable]) -> Optional[tuple[str, bool]]:
+    """(why, whether the marker is at fault) when `marker` disagrees with its documents or they cannot be read."""
+    docs: dict[str, Any] = {}
+    for label, model in _DOCUMENTS.items():
+        ref = getattr(marker.documents, label)
+        got = contents[ref]
+        if isinstance(got, _Unreadable):
+            return f"its {label} {ref.digest}: {got.why}", got.marker_at_fault
+        try:
+            docs[label] = validate_document(model, parse_json(got, label), label)
+        except BundleError as exc:  # whole and verified, yet not that document: the marker names the wrong blob
+            return f"its {label} {ref.digest} is not a valid {label} ({exc})", True
+    for label in ("manifest", "index"):
+        if docs[label].bundle_id != marker.bundle_id:
+            return (f"bundle_id {one_line(repr(marker.bundle_id), 80)} differs from {docs[label].bundle_id!r} in its "
+                    f"{label}", True)
+    identity = docs["index"].identity
+    anchor = ({"actor_step_id": identity.actor_step_id.model_dump()} if identity.actor_step_id is not None
+              else {"rollout_id": identity.rollout_id})
+    if marker.anchor != anchor:
+        return f"anchor {one_line(str(marker.anchor), 120)} differs from {anchor} in its index", True
+    return None
+
+
+def _read_documents(backend: Backend, refs: Sequence[DocRef]) -> dict[DocRef, bytes | _Unreadable]:
+    """The verified content of each document, or why it cannot be had: records in one batch, chunks in another."""
+    out: dict[DocRef, bytes | _Unreadable] = {}
+    keys: dict[DocRef, str] = {}
+    for ref in dict.fromkeys(refs):
+        try:
+            object_key(ref.digest)
+            keys[ref] = object_key(ref.record)
+        except TrajectoryReplayError as exc:
+            out[ref] = _Unreadable(str(exc), True)
+    values = _fetch(backend, list(keys.values()))
+    records: dict[DocRef, BlobRecord] = {}
+    for ref, key in keys.items():
+        data = values[key]
+        if data is None:
+            out[ref] = _Unreadable(f"missing record {key}", False)
+            continue
+        if len(data) > MAX_RECORD_BYTES or hash_bytes(data) != ref.record:
+            out[ref] = _Unreadable(f"record {key} does not match its digest", False)
+            continue
+        try:
+            record = BlobRecord.from_bytes(data, key)
+        except TrajectoryReplayError as exc:
+            out[ref] = _Unreadable(str(exc), False)
+            continue
+        if record.digest != ref.digest or record.size != ref.size:
+            out[ref] = _Unreadable(f"record {key} describes {record.size} bytes of {record.digest}, not "
+                                   f"{ref.size} bytes of {ref.digest}", True)
+            continue
+        try:
+            check_document_size(record.size, key)
+        except BundleError as exc:
+            out[ref] = _Unreadable(str(exc), False)
+            continue
+        records[ref] = record
+    chunks = _fetch(backend, [object_key(c.digest) for r in records.values() for c in r.chunks])
+    for ref, record in records.items():
+        parts = []
+        for chunk in record.chunks:
+            data = chunks[object_key(chunk.digest)]
+            if data is None or hash_bytes(data) != chunk.digest:
+                out[ref] = _Unreadable(f"{'missing' if data is None else 'corrupt'} chunk {object_key(chunk.digest)}",
+                                       False)
+                break
+            parts.append(data)
+        else:
+            content = b"".join(parts)
+            out[ref] = content if hash_bytes(content) == ref.digest else \
+                _Unreadable(f"the chunks of record {keys[ref]} do not hash to {ref.digest}", False)
+    return out
+
+
+def _fetch(backend: Backend, keys: Sequence[str]) -> dict[str, Optional[bytes]]:
+    """The values of `keys` (None for an absent one): one concurrent batch, key by key only when one is absent."""
+    keys = list(dict.fromkeys(keys))
+    try:
+        return dict(zip(keys, backend.read_many(keys)))
+    except NotFoundError:
+        pass
+
+    def one(key: str) -> Optional[bytes]:
+        try:
+            return backend.read(key)
+        except NotFoundError:
+            return None
+
+    return {key: one(key) for key in keys}

@@ -22,13 +22,14 @@ import torch
 
 from trajectory_replay.backends import redact_url
 from trajectory_replay.bundle import codec
-from trajectory_replay.bundle.documents import parse_json, validate_document
+from trajectory_replay.bundle.documents import check_document_size, parse_json, validate_document
 from trajectory_replay.bundle.markers import (
     CompleteMarker, Documents, RankMarker, landed_ranks, rank_key, read_complete, read_marker, try_finalize,
 )
 from trajectory_replay.bundle.paths import split_bundle_path
 from trajectory_replay.bundle.schema import BundleIndex, Expected, Manifest, PayloadSpec
-from trajectory_replay.bundle.writer import LOSS_MASK, inflight_records
+from trajectory_replay.bundle.writer import LOSS_MASK
+from trajectory_replay.store.liveness import read_inflight
 from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError
 from trajectory_replay.store import BlobRecord, BlobRef, ObjectStore
 
@@ -79,6 +80,7 @@ class BundleReader:
     # ---- documents -----------------------------------------------------------------------------
     def _json(self, ref, what: str) -> dict[str, Any]:
         label = f"{self.label}: {what}"
+        check_document_size(ref.size, label)  # the record must agree with this size, so nothing larger is read
         try:
             data = self.store.get(ref.blob_ref())
         except TrajectoryReplayError as exc:
@@ -235,7 +237,7 @@ def describe_missing(store: ObjectStore, name: str) -> str:
     backend = store.backend
     landed = landed_ranks(backend, name)
     if not landed:
-        pending = [r for r in inflight_records(backend) if r.get("bundle") == name]
+        pending = [r for r in read_inflight(backend) if r.bundle == name]
         if pending:
             return (f"incomplete bundle: COMPLETE is missing (documents written by {len(pending)} writer "
                     "attempt(s) that did not commit: in progress, or crashed)")

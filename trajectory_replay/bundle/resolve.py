@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from trajectory_replay.backends import open_backend, redact_url
 from trajectory_replay.bundle.markers import COMPLETE, RANK_MARKER, read_complete
@@ -69,13 +70,21 @@ def _is_local(text: str) -> bool:
     return "://" not in text or text.startswith("file://")
 
 
-def _v1_candidates(path: Path) -> list[Candidate]:
+def _v1_candidates(path: Path, unreadable: Optional[list[str]] = None) -> list[Candidate]:
+    """The V1 bundle at `path`, or those under it; with `unreadable`, a bundle that cannot be opened is
+    named there instead of stopping the search."""
     from trajectory_replay.bundle import legacy
 
     bundles = [path] if legacy.is_v1_bundle(path) else legacy.find_v1_bundles(path)
     out = []
     for b in bundles:
-        source = legacy.open_v1(b)[0]
+        try:
+            source = legacy.open_v1(b)[0]
+        except BundleError as exc:
+            if unreadable is None:
+                raise
+            unreadable.append(f"{b.name} ({exc})")
+            continue
         ident = source.index.identity
         anchor = Anchor(ident.actor_step_id.rollout_id, ident.actor_step_id.step_id) if ident.actor_step_id \
             else Anchor(ident.rollout_id, None)
@@ -95,22 +104,31 @@ def is_native_bundle(path_or_url: str, **storage_options: Any) -> bool:
 
 def _has_pending_writer(local: Path) -> bool:
     """True when the store above `local` has an in-flight record for a bundle of that name."""
-    from trajectory_replay.bundle.writer import inflight_records
+    from trajectory_replay.store.liveness import read_inflight
 
     parent = local.parent
     if not parent.is_dir():
         return False
-    return any(r.get("bundle") == local.name for r in inflight_records(open_backend(str(parent))))
+    return any(r.bundle == local.name for r in read_inflight(open_backend(str(parent))))
 
 
-def find_bundles(root_url: str, **storage_options: Any) -> list[Candidate]:
-    """Complete bundles directly under a store root (children that are not reserved names)."""
+def find_bundles(root_url: str, unreadable: Optional[list[str]] = None, **storage_options: Any) -> list[Candidate]:
+    """Complete bundles directly under a store root (children that are not reserved names).
+
+    A bundle whose COMPLETE cannot be read is a BundleError, or, given `unreadable`, is named there and
+    skipped: one corrupt bundle does not hide the others."""
     backend = open_backend(root_url, **storage_options)
     out = []
     for name in backend.list_dir():
         if name in RESERVED or name.startswith("."):
             continue
-        marker = read_complete(backend, name)
+        try:
+            marker = read_complete(backend, name)
+        except BundleError as exc:
+            if unreadable is None:
+                raise
+            unreadable.append(f"{name} ({exc})")
+            continue
         if marker is not None:
             out.append(Candidate(_join(root_url, name), name, Anchor.from_marker(marker.anchor)))
     return out
@@ -144,14 +162,15 @@ def resolve_bundle(path_or_url: str | os.PathLike, *, step: Optional[str] = None
         if marker is None:
             return text  # the reader reports what is missing
         return _choose([Candidate(text, name, Anchor.from_marker(marker.anchor))], shown, want, rollout, direct=True)
-    candidates = find_bundles(text, **storage_options)
+    unreadable: list[str] = []
+    candidates = find_bundles(text, unreadable, **storage_options)
     if local is not None and local.is_dir():
-        candidates += _v1_candidates(local)
-    return _choose(candidates, shown, want, rollout, direct=False)
+        candidates += _v1_candidates(local, unreadable)
+    return _choose(candidates, shown, want, rollout, direct=False, unreadable=unreadable)
 
 
 def _choose(candidates: list[Candidate], shown: str, want: Optional[tuple[int, int]], rollout: Optional[int],
-            *, direct: bool) -> str:
+            *, direct: bool, unreadable: Sequence[str] = ()) -> str:
     if want is not None:
         matches = [c for c in candidates if c.anchor.step_id is not None
                    and (c.anchor.rollout_id, c.anchor.step_id) == want]
@@ -162,14 +181,19 @@ def _choose(candidates: list[Candidate], shown: str, want: Optional[tuple[int, i
     else:
         matches, what = candidates, ""
     listing = ", ".join(f"{c.name} ({c.anchor})" for c in candidates)
+    bad = f"; unreadable: {'; '.join(unreadable)}" if unreadable else ""
     if not matches:
         if not candidates:
-            raise SelectionError(f"{shown}: no complete bundle found")
+            raise SelectionError(f"{shown}: no complete bundle found{bad}")
         if direct:
             raise SelectionError(f"{shown}: bundle is {candidates[0].anchor}, which does not match {what}")
-        raise SelectionError(f"{shown}: no bundle matches {what} (found: {listing})")
-    if len(matches) > 1:
+        raise SelectionError(f"{shown}: no bundle matches {what} (found: {listing}){bad}")
+    # without a filter an unreadable bundle may be the one meant: it counts, so nothing is picked for the user
+    if len(matches) > 1 or (not what and unreadable):
         names = ", ".join(f"{c.name} ({c.anchor})" for c in matches)
         hint = "" if what else "; choose one with --step ROLLOUT:STEP or --rollout ROLLOUT"
-        raise SelectionError(f"{shown}: {len(matches)} bundles match{' ' + what if what else ''}: {names}{hint}")
+        count = len(matches) + (0 if what else len(unreadable))
+        raise SelectionError(f"{shown}: {count} bundles match{' ' + what if what else ''}: {names}{bad}{hint}")
+    for entry in unreadable:
+        warnings.warn(f"{shown}: skipped unreadable bundle {entry}", stacklevel=2)
     return matches[0].url

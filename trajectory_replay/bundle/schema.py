@@ -296,6 +296,8 @@ class Manifest(_Model):
     @field_validator("redaction")
     @classmethod
     def _redaction(cls, v: dict[str, str]) -> dict[str, str]:
+        # Field names are not checked here: this model also reads bundles, and one written before the writer
+        # refused unknown names (redaction.check_policy) must still open. Writing is strict, reading lenient.
         for field, rule in v.items():
             if rule in ("hash", "drop"):
                 continue

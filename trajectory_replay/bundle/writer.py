@@ -14,7 +14,6 @@ wrong-length lists and unsupported algorithms are written as given (DESIGN.md in
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -27,25 +26,24 @@ import torch
 
 from trajectory_replay.backends import redact_url
 from trajectory_replay.bundle import codec
-from trajectory_replay.bundle.documents import compact_json, validate_document
+from trajectory_replay.bundle.documents import MAX_JSON_DEPTH, compact_json, nesting_exceeds, validate_document
 from trajectory_replay.bundle.markers import (
-    CompleteMarker, DocRef, Documents, RankMarker, complete_key, rank_key, read_complete,
+    CompleteMarker, DocRef, Documents, RankMarker, check_rank_list, complete_key, rank_key, read_complete,
     read_marker, try_finalize,
 )
 from trajectory_replay.bundle.paths import split_bundle_path
-from trajectory_replay.bundle.redaction import redact_samples
+from trajectory_replay.bundle.redaction import check_policy, redact_samples
 from trajectory_replay.bundle.schema import (
     BundleIndex, Expected, Manifest, PayloadSpec, SchemaWarning, check_name,
 )
 from trajectory_replay.errors import BundleError, TrajectoryReplayError
 from trajectory_replay.store import BlobRef, ObjectStore, PutPlan
+from trajectory_replay.store.liveness import DEFAULT_INFLIGHT_TTL, GcWatch, InflightRecord
 
 log = logging.getLogger(__name__)
 
 LOSS_MASK = "loss_mask"
 EXPECTED_PAYLOADS = frozenset({"kl", "advantages"})
-INFLIGHT_FORMAT = "trajectory-replay.inflight/1"
-DEFAULT_INFLIGHT_TTL = 24 * 3600.0
 
 
 def anchor_of(index: BundleIndex) -> dict[str, Any]:
@@ -54,76 +52,6 @@ def anchor_of(index: BundleIndex) -> dict[str, Any]:
     if ident.actor_step_id is not None:
         return {"actor_step_id": ident.actor_step_id.model_dump()}
     return {"rollout_id": ident.rollout_id}
-
-
-GC_EPOCH_KEY = ".gc/epoch"
-"""Rewritten by gc after every sweep that deleted something."""
-GC_LEASE_PREFIX = ".gc/lease-"
-"""Held by gc while it sweeps: {"expires": t}. Renewed before each batch."""
-GC_WAIT_LIMIT = 30 * 60.0
-
-
-def read_gc_epoch(backend) -> Optional[bytes]:
-    """The current gc epoch (None before any sweep)."""
-    try:
-        return backend.read(GC_EPOCH_KEY)
-    except TrajectoryReplayError:
-        return None
-
-
-def wait_for_gc_sweeps(backend, limit: float = GC_WAIT_LIMIT) -> None:
-    """Wait while a gc sweep holds an unexpired lease (a lease whose gc died expires on its own)."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        active = False
-        for key in backend.list(GC_LEASE_PREFIX):
-            try:
-                expires = float(json.loads(backend.read(key)).get("expires", 0))
-            except (ValueError, TypeError, AttributeError, TrajectoryReplayError):
-                continue
-            active = active or expires > time.time()
-        if not active:
-            return
-        time.sleep(0.2)
-
-
-def inflight_records(backend) -> list[dict]:
-    """The in-flight records of a store root (unreadable ones are skipped: they are being replaced)."""
-    out = []
-    for key in backend.list(".inflight/"):
-        try:
-            doc = json.loads(backend.read(key))
-        except (ValueError, KeyError, TrajectoryReplayError):
-            continue
-        if isinstance(doc, dict) and doc.get("format") == INFLIGHT_FORMAT:
-            out.append(doc)
-    return out
-
-
-class InflightRecord:
-    """`.inflight/<attempt>.json`: every object digest a writer is about to write or reuse."""
-
-    def __init__(self, store: ObjectStore, attempt: str, bundle: str, ttl: float) -> None:
-        self.store, self.attempt, self.bundle, self.ttl = store, attempt, bundle, ttl
-        self.key = f".inflight/{attempt}.json"
-        self.created = time.time()
-        self.digests: list[str] = []
-        self._seen: set[str] = set()
-
-    def add(self, digests: Sequence[str]) -> None:
-        """List `digests` durably before the objects they name are written or reused."""
-        new = [d for d in digests if d not in self._seen]
-        if not new:
-            return
-        self.digests.extend(new)
-        self._seen.update(new)
-        doc = {"format": INFLIGHT_FORMAT, "attempt": self.attempt, "bundle": self.bundle, "created": self.created,
-               "updated": time.time(), "ttl_seconds": self.ttl, "digests": self.digests}
-        # visible to gc at once; a writer that crashes needs no protection, so no flush to disk
-        self.store.backend.write(self.key, compact_json(doc), durable=False)
-
-    def remove(self) -> None:
-        self.store.backend.delete(self.key)
 
 
 class BundleWriter:
@@ -142,6 +70,7 @@ class BundleWriter:
         self.index = index if isinstance(index, BundleIndex) else validate_document(BundleIndex, index, "index")
         # models built with model_copy skip validation: check the names they carry here
         check_or_raise(self.manifest.bundle_id, "bundle_id")
+        check_policy(self.manifest.redaction, name)
         if self.manifest.bundle_id != self.index.bundle_id:
             raise BundleError(f"{name}: bundle_id differs between manifest ({self.manifest.bundle_id!r}) "
                               f"and index ({self.index.bundle_id!r})")
@@ -157,10 +86,13 @@ class BundleWriter:
             self._expected_bytes = compact_json(self.expected)
         except (TypeError, ValueError) as exc:
             raise BundleError(f"{name}: expected is not JSON-serializable ({exc})") from None
+        if nesting_exceeds(self._expected_bytes):  # readers refuse it: refuse it before anything is written
+            raise BundleError(f"{name}: expected is nested more than {MAX_JSON_DEPTH} levels deep")
         if rank is None and expected_ranks is not None:
             raise BundleError(f"{name}: expected_ranks given without rank")
         self.rank = rank
-        self.expected_ranks = sorted(set(expected_ranks)) if expected_ranks is not None else None
+        self.expected_ranks = sorted(set(check_rank_list(list(expected_ranks), name))) \
+            if expected_ranks is not None else None
         if rank is not None:
             if not self.expected_ranks:
                 raise BundleError(f"{name}: rank={rank} needs expected_ranks")
@@ -169,9 +101,12 @@ class BundleWriter:
         self.store = store or ObjectStore.open(root, **storage_options)
         self.unsafe_markers = unsafe_markers
         self.attempt = uuid.uuid4().hex
-        self.inflight = InflightRecord(self.store, self.attempt, self.name, inflight_ttl)
-        # read before anything is listed: a sweep that ends after this changes the epoch
-        self._gc_epoch = read_gc_epoch(self.store.backend)
+        # taken before anything is found present: a sweep that may delete after that is seen at commit
+        self._gc_watch = GcWatch(self.store.backend)
+        self.inflight = InflightRecord(self.store.backend, self.attempt, self.name, inflight_ttl)
+        self._needs: dict[str, list[str]] = {}
+        """Blob digest -> every key the bundle needs to read it (ref, record, chunks)."""
+        self._planned: dict[str, PutPlan] = {}
         self.payloads: dict[str, PayloadSpec] = {}
         self._finalized = False
         self._row_starts = self.index.token_offsets()
@@ -235,8 +170,17 @@ class BundleWriter:
     def _put_many(self, items: Sequence[Any]) -> list[BlobRef]:
         def list_first(plans: list[PutPlan]) -> None:
             self.inflight.add([d for plan in plans for d in (plan.ref.digest, *plan.object_digests())])
+            self._planned.update((plan.ref.digest, plan) for plan in plans)
 
-        return self.store.put_many(items, before_write=list_first)
+        refs = self.store.put_many(items, before_write=list_first)
+        for i, ref in enumerate(refs):
+            plan = self._planned[ref.digest]
+            # Another writer's ref may name its own record of the same blob (chunked differently). This writer
+            # wrote its record and chunks itself after listing them, so it names those: the ones it knows whole.
+            refs[i] = plan.ref
+            self._needs[ref.digest] = plan.keys()
+        self._planned.clear()
+        return refs
 
     # ---- commit --------------------------------------------------------------------------------
     def finalize(self, ranks: Optional[Sequence[int]] = None, *,
@@ -247,12 +191,17 @@ class BundleWriter:
         in-flight record write and one round of lookups and uploads for the whole bundle.
         Returns the final COMPLETE marker, or None while other ranks of a multi-producer bundle are missing."""
         self._check_open()
-        documents = self._write_documents(self._encode_payloads(payloads or {}))
+        if ranks is not None:
+            ranks = check_rank_list(list(ranks), self.url)
+            if not ranks:
+                raise BundleError(f"{self.url}: finalize(ranks=[]) lands no rank")
+        sources: dict[str, tuple] = {}
+        documents = self._write_documents(self._encode_payloads(payloads or {}), sources)
         backend = self.store.backend
-        self._check_survived_gc()
+        self._check_survived_gc(sources)
         backend.require_atomic_create(unsafe=self.unsafe_markers)
         if self.rank is None:
-            ranks = list(ranks) if ranks is not None else [0]
+            ranks = ranks if ranks is not None else [0]
             marker = CompleteMarker(bundle_id=self.manifest.bundle_id, anchor=anchor_of(self.index),
                                     expected_ranks=sorted(ranks), multi_rank=False, shards={str(ranks[0]): documents},
                                     attempt=self.attempt)
@@ -274,21 +223,33 @@ class BundleWriter:
         self._finalized = True
         return result
 
-    def _check_survived_gc(self) -> None:
-        """Refuse to commit if a gc sweep that ran meanwhile removed an object this bundle lists.
+    def _check_survived_gc(self, sources: Mapping[str, tuple]) -> None:
+        """Commit only a bundle whose every object exists, whatever gc did meanwhile.
 
-        gc spares what in-flight records name when it re-reads them before each batch; an object
-        listed just after such a re-read could still go in that batch. Waiting out any running sweep
-        and re-checking when the epoch moved closes that window: the bundle is committed whole or not
-        at all (the caller may write it again)."""
-        backend = self.store.backend
-        wait_for_gc_sweeps(backend)
-        if read_gc_epoch(backend) == self._gc_epoch:
+        What this writer found present was listed in its in-flight record first, so a sweep that starts
+        later spares it; only a sweep already under way could remove it. If one may have run since the
+        writer started (`GcWatch.settle` waits out any that still runs), every key the bundle needs is
+        looked for on the backend. Blobs of this batch (`sources`: digest -> what `put` takes) are stored
+        again; a missing blob written earlier, whose bytes the writer no longer holds, refuses the commit."""
+        try:
+            swept = self._gc_watch.settle(self.url)
+        except TrajectoryReplayError as exc:
+            raise BundleError(str(exc)) from None
+        if not swept:
             return
-        missing = [d for d in self.inflight.digests if not self.store.has(d)]
-        if missing:
-            raise BundleError(f"{self.url}: {len(missing)} object(s) this bundle reuses were removed by a "
-                              f"concurrent gc (first {missing[0]}); nothing was committed, write the bundle again")
+        for attempt in range(2):
+            absent = set(self.store.missing_keys([k for keys in self._needs.values() for k in keys]))
+            broken = [d for d, keys in self._needs.items() if absent.intersection(keys)]
+            if not broken:
+                return
+            lost = [d for d in broken if d not in sources]
+            if lost or attempt:
+                first = next(k for k in self._needs[(lost or broken)[0]] if k in absent)
+                raise BundleError(f"{self.url}: {len(absent)} object(s) this bundle needs were removed by a "
+                                  f"concurrent gc (first {first}); nothing was committed, write the bundle again")
+            log.warning("%s: a concurrent gc removed %d object(s) of %d blob(s) this bundle reuses; storing them "
+                        "again", self.url, len(absent), len(broken))
+            self._put_many([sources[d] for d in broken])
 
     def _land_rank(self, rank: int, documents: Documents) -> None:
         backend = self.store.backend
@@ -301,8 +262,10 @@ class BundleWriter:
         # a marker from an earlier attempt means this rank has landed: its retry stops here
         log.info("%s: rank %d already landed (attempt %s)", self.url, rank, getattr(earlier, "attempt", "?"))
 
-    def _write_documents(self, pending: Sequence["_Encoded"] = ()) -> Documents:
-        """Write the payloads still `pending`, the loss mask and the three documents, in one batch."""
+    def _write_documents(self, pending: Sequence["_Encoded"] = (), sources: Optional[dict] = None) -> Documents:
+        """Write the payloads still `pending`, the loss mask and the three documents, in one batch.
+
+        `sources` receives digest -> (data, cuts, boundaries) of every blob of the batch."""
         index = self.index.model_copy(update={"samples": redact_samples(self.index.samples, self.manifest.redaction)})
         encoded = list(pending)
         if all(len(s.loss_mask) == s.response_length for s in index.samples):
@@ -316,13 +279,19 @@ class BundleWriter:
         labels = ("manifest", "index", "expected")
         docs = [self._manifest_bytes(payloads), compact_json(index.model_dump(mode="json")), self._expected_bytes]
         refs = self._put_many([*plans, *((d, None) for d in docs)])
+        if sources is not None:
+            sources.update((p.ref.digest, p.source) for p in plans)
+            sources.update((ref.digest, (doc, None, None)) for ref, doc in zip(refs[len(plans):], docs))
         stored, refs = refs[:len(plans)], refs[len(plans):]
         moved = {e.name: ref for e, plan, ref in zip(encoded, plans, stored) if ref.record != plan.ref.record}
         if moved:
             # a concurrent writer stored the same payload first, chunked differently: name its record
             payloads.update({name: payloads[name].model_copy(update={"record": ref.record})
                              for name, ref in moved.items()})
-            refs[0] = self._put_many([(self._manifest_bytes(payloads), None)])[0]
+            manifest = self._manifest_bytes(payloads)
+            refs[0] = self._put_many([(manifest, None)])[0]
+            if sources is not None:
+                sources[refs[0].digest] = (manifest, None, None)
         self.payloads.update({e.name: payloads[e.name] for e in pending})
         return Documents(**{label: DocRef.of(ref) for label, ref in zip(labels, refs)})
 
@@ -396,4 +365,4 @@ def check_or_raise(value: str, what: str) -> str:
 
 
 
-__all__ = ["BundleWriter", "InflightRecord", "LOSS_MASK", "anchor_of"]
+__all__ = ["BundleWriter", "LOSS_MASK", "anchor_of"]

@@ -176,8 +176,11 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which logs it
         send(stdout, f"{type(exc).__name__}: {exc}")
         return
-    try:  # connect and probe now, not during the first record; a failure is reported with each record
-        store.backend.require_atomic_create(unsafe=settings.get("unsafe_markers", False))
+    # connect and probe now, not during the first record. One attempt only: a target that cannot be reached
+    # yet (an outage) is probed again, with backoff, when a bundle is committed; a refusal fails each record.
+    try:
+        if store.backend.capabilities.atomic_create:
+            store.backend.probe()
     except Exception:  # noqa: BLE001
         pass
     send(stdout, READY)

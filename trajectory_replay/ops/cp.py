@@ -10,6 +10,10 @@ copy before anything names it at the destination). Presence at the destination i
 key, concurrently; transfers run in batches (`read_many` at the source) on a thread pool.
 A finalizable source bundle (every rank landed, COMPLETE missing) is copied with the final
 COMPLETE its rank markers determine, without writing to the source.
+
+Copying from a root, a bundle whose markers cannot be read or whose tree is damaged is not copied
+and is named in the report (`skipped`); the other bundles are copied. A bundle named directly is
+copied whole or refused.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from trajectory_replay.bundle.resolve import parse_step
 from trajectory_replay.errors import BundleError, IntegrityError, NotFoundError, SelectionError, UsageError
 from trajectory_replay.ops.progress import Progress
 from trajectory_replay.ops.walk import (
-    COMPLETE_STATUS, FINALIZABLE, BundleState, BundleTree, Walker, concurrently, digest_matches, open_root,
+    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, BundleTree, Walker, concurrently, digest_matches, open_root,
     parse_ref, scan_bundle, scan_bundles,
 )
 from trajectory_replay.store.digest import blob_ref_key, object_key
@@ -50,14 +54,18 @@ class CopyReport:
     bytes_copied: int = 0
     markers_written: int = 0
     markers_skipped: int = 0
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    """Bundles of the source root not copied because they are corrupt: {name, detail}."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def render_text(self) -> str:
-        return (f"copied {len(self.bundles)} bundle(s) {', '.join(self.bundles)} to {self.dest}: "
-                f"{self.objects_copied} objects copied ({self.bytes_copied} bytes), "
-                f"{self.objects_skipped} already there, {self.markers_written} markers written")
+        lines = [f"copied {len(self.bundles)} bundle(s) {', '.join(self.bundles)} to {self.dest}: "
+                 f"{self.objects_copied} objects copied ({self.bytes_copied} bytes), "
+                 f"{self.objects_skipped} already there, {self.markers_written} markers written"]
+        lines += [f"not copied: {s['name']}: corrupt ({s['detail']})" for s in self.skipped]
+        return "\n".join(lines)
 
 
 def copy_bundles(source: str | os.PathLike, dest_root: str | os.PathLike, *, step: Optional[str] = None,
@@ -68,16 +76,24 @@ def copy_bundles(source: str | os.PathLike, dest_root: str | os.PathLike, *, ste
     if sum(x is not None and x is not False for x in (step, rollout, all_bundles or None)) > 1:
         raise UsageError("--step, --rollout and --all are mutually exclusive")
     progress = progress or Progress()
-    src, states = _select(os.fspath(source), step, rollout, all_bundles, source_options or {})
-    dest = open_root(dest_root, must_exist=False, **(dest_options or {}))
-    report = CopyReport(redact_url(os.fspath(source)), redact_url(os.fspath(dest_root)),
-                        bundles=[s.name for s in states])
+    src, states, skipped, direct = _select(os.fspath(source), step, rollout, all_bundles, source_options or {})
     trees = Walker(src).trees(states)
     for tree in trees.values():
         if tree.problems or tree.missing or tree.corrupt:
             detail = "; ".join(tree.problems) or f"{len(tree.missing)} missing, {len(tree.corrupt)} corrupt objects"
-            raise BundleError(f"{redact_url(src.url)}/{tree.name}: cannot copy a damaged bundle ({detail}); "
-                              "run fsck")
+            if direct:
+                raise BundleError(f"{redact_url(src.url)}/{tree.name}: cannot copy a damaged bundle ({detail}); "
+                                  "run fsck")
+            skipped.append({"name": tree.name, "detail": f"damaged tree: {detail}; run fsck"})
+    damaged = {s["name"] for s in skipped}
+    states = [s for s in states if s.name not in damaged]
+    if not states:
+        raise BundleError(f"{redact_url(os.fspath(source))}: nothing copied; "
+                          + "; ".join(f"{s['name']}: {s['detail']}" for s in skipped))
+    trees = {name: tree for name, tree in trees.items() if name not in damaged}
+    dest = open_root(dest_root, must_exist=False, **(dest_options or {}))
+    report = CopyReport(redact_url(os.fspath(source)), redact_url(os.fspath(dest_root)),
+                        bundles=[s.name for s in states], skipped=skipped)
     chunks, records, refs = _layers(trees.values())
     copier = _Copier(src, dest, report, progress, workers or max(src.max_workers, dest.max_workers))
     for label, keys in (("chunks", chunks), ("records", records), ("refs", refs)):
@@ -89,8 +105,9 @@ def copy_bundles(source: str | os.PathLike, dest_root: str | os.PathLike, *, ste
 
 
 def _select(source: str, step: Optional[str], rollout: Optional[int], all_bundles: bool,
-            options: dict) -> tuple[Backend, list[BundleState]]:
-    """The source backend and the bundles to copy."""
+            options: dict) -> tuple[Backend, list[BundleState], list[dict[str, str]], bool]:
+    """The source backend, the bundles to copy, the corrupt bundles the selection may have meant (skipped),
+    and whether the source named one bundle directly."""
     want = parse_step(step) if step is not None else None
     direct = None
     try:
@@ -113,22 +130,31 @@ def _select(source: str, step: Optional[str], rollout: Optional[int], all_bundle
     copyable = [s for s in candidates if s.status in (COMPLETE_STATUS, FINALIZABLE)]
     if direct is not None and not copyable:
         raise BundleError(f"{shown}: {direct.status} bundle ({direct.detail}); only complete bundles are copied")
-    if want is not None:
-        chosen = [s for s in copyable if s.anchor and s.anchor.step_id is not None
-                  and (s.anchor.rollout_id, s.anchor.step_id) == want]
-        what = f"--step {want[0]}:{want[1]}"
-    elif rollout is not None:
-        chosen = [s for s in copyable if s.anchor and s.anchor.step_id is None and s.anchor.rollout_id == rollout]
-        what = f"--rollout {rollout}"
-    else:
-        chosen, what = copyable, ""
+
+    def selected(s: BundleState) -> bool:
+        if want is not None:
+            return s.anchor is not None and s.anchor.step_id is not None \
+                and (s.anchor.rollout_id, s.anchor.step_id) == want
+        if rollout is not None:
+            return s.anchor is not None and s.anchor.step_id is None and s.anchor.rollout_id == rollout
+        return True
+
+    chosen = [s for s in copyable if selected(s)]
+    what = f"--step {want[0]}:{want[1]}" if want is not None else f"--rollout {rollout}" if rollout is not None else ""
+    # a corrupt bundle is skipped, and named, when the request covers it: every one for --all, those whose
+    # anchor matches for --step/--rollout; one whose anchor is unknown is named when nothing else matches
+    corrupt = [s for s in candidates if s.status == CORRUPT and (s.anchor is None or selected(s))]
+    requested = corrupt if all_bundles else [s for s in corrupt if what and s.anchor is not None]
+    skipped = [{"name": s.name, "detail": s.detail} for s in requested]
     listing = ", ".join(f"{s.name} ({s.anchor})" for s in copyable) or "none"
+    unreadable = "".join(f"; corrupt: {s.name} ({s.detail})" for s in corrupt)
     if not chosen:
-        raise SelectionError(f"{shown}: no complete bundle{' matches ' + what if what else ''} (found: {listing})")
-    if direct is None and not what and not all_bundles and len(chosen) > 1:
-        raise SelectionError(f"{shown}: {len(chosen)} bundles ({listing}); choose with --step ROLLOUT:STEP, "
-                             "--rollout ROLLOUT or --all")
-    return backend, chosen
+        raise SelectionError(f"{shown}: no complete bundle{' matches ' + what if what else ''} (found: {listing})"
+                             f"{unreadable}")
+    if direct is None and not what and not all_bundles and len(chosen) + len(corrupt) > 1:
+        raise SelectionError(f"{shown}: {len(chosen) + len(corrupt)} bundles ({listing}){unreadable}; choose with "
+                             "--step ROLLOUT:STEP, --rollout ROLLOUT or --all")
+    return backend, chosen, skipped, direct is not None
 
 
 def _layers(trees: Sequence[BundleTree]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:

@@ -1,15 +1,26 @@
 """`fsck`: verify every object of a store and every bundle's tree; finalize what can be finalized;
 optionally repair bad or missing objects from another store.
 
-Every object is read and hashed (its key names its digest); every blob ref must hold a digest.
-Every bundle's tree (`walk.Walker`) must be present. Orphans (keys no marker and no live
-in-flight record names) and incomplete bundles are reported but are not damage: gc removes
-the first, and the second may be a capture in progress. A finalizable bundle (every rank
-landed and agreeing, COMPLETE missing) is finalized with `markers.try_finalize`.
+Every object is read and hashed (its key names its digest); every blob ref must hold a digest
+of a record of its own blob. Every bundle's tree (`walk.Walker`) must be present. Orphans (keys
+no marker and no live in-flight record names) and incomplete bundles are reported but are not
+damage: gc removes the first, and the second may be a capture in progress. Rank markers of a
+bundle without COMPLETE are checked against their documents (`markers.rank_marker_problems`);
+a finalizable bundle (every rank landed, each marker agreeing with its documents and with the
+others, COMPLETE missing) is finalized with `markers.try_finalize`.
 
-With `repair_from`, each missing or corrupt key is fetched from the other store, verified,
-and written with `backend.write` (which replaces a corrupt value atomically). Restoring a
-record can reveal chunks the walk could not see before, so repair runs until nothing changes.
+Damage is charged to the key that is wrong, never to a healthy one: a ref naming a verified
+record of another blob is a corrupt ref (its record is fine), and a rank marker that
+contradicts readable documents is a corrupt marker (a marker whose documents cannot be read is
+not: the missing or damaged object is).
+
+With `repair_from`, each missing or corrupt key is fetched from the other store, verified (a
+ref only when the record it names there is a record of that blob), and written with
+`backend.write` (which replaces a corrupt value atomically). Restoring a record can reveal
+chunks the walk could not see before, so repair and walk alternate until nothing changes; the
+report is that of the last walk, so a key is reported repaired only when that walk found it
+sound, and every key still bad is named with why it was not repaired. Finalizing comes after
+repair, so a bundle whose documents were restored is finalized by the same run.
 """
 
 from __future__ import annotations
@@ -20,14 +31,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from trajectory_replay.backends import Backend, open_backend, redact_url
-from trajectory_replay.bundle.markers import try_finalize
+from trajectory_replay.bundle.markers import MarkerProblem, rank_marker_problems, try_finalize
 from trajectory_replay.errors import BundleError
 from trajectory_replay.ops.gc import read_inflight
 from trajectory_replay.ops.progress import Progress
 from trajectory_replay.ops.walk import (
-    CORRUPT, FINALIZABLE, INCOMPLETE, Walker, batched, digest_matches, fetch, open_root,
-    parse_ref, scan_bundles,
+    CORRUPT, FINALIZABLE, INCOMPLETE, BundleState, BundleTree, Walker, batched, digest_matches, fetch, open_root,
+    parse_record, parse_ref, scan_bundles,
 )
+from trajectory_replay.store import BlobRecord
 from trajectory_replay.store.digest import blob_ref_key, digest_from_key, object_key
 
 VERIFY_BATCH = 32
@@ -45,15 +57,19 @@ class FsckReport:
     bundles: int = 0
     missing: list[str] = field(default_factory=list)
     corrupt: list[str] = field(default_factory=list)
+    """Objects and refs whose bytes are wrong, and rank markers that contradict their documents."""
     orphaned: list[str] = field(default_factory=list)
     incomplete: list[dict[str, Any]] = field(default_factory=list)
     finalizable: list[str] = field(default_factory=list)
     finalized: list[str] = field(default_factory=list)
     damaged_bundles: list[dict[str, str]] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
+    """Keys rewritten from the other store and found sound by the walk after it."""
     relinked: list[str] = field(default_factory=list)
     """Missing blob refs re-created from the verified record their bundle names."""
     unrepaired: list[str] = field(default_factory=list)
+    """Bad keys left as they are although a store to repair from was given; `unrepaired_reasons` says why."""
+    unrepaired_reasons: dict[str, str] = field(default_factory=dict)
 
     @property
     def healthy(self) -> bool:
@@ -71,9 +87,10 @@ class FsckReport:
         lines = [f"fsck {self.root}: {'healthy' if self.healthy else 'PROBLEMS FOUND'}",
                  f"  {self.objects_checked} objects ({self.bytes_checked} bytes) and {self.refs_checked} blob refs "
                  f"verified, {self.bundles} bundles"]
-        for label, keys in (("missing", self.missing), ("corrupt", self.corrupt), ("repaired", self.repaired), ("relinked", self.relinked),
-                            ("not repaired", self.unrepaired)):
+        for label, keys in (("missing", self.missing), ("corrupt", self.corrupt), ("repaired", self.repaired),
+                            ("relinked", self.relinked)):
             lines += [f"  {label}: {k}" for k in keys]
+        lines += [f"  not repaired: {k} ({self.unrepaired_reasons.get(k, 'no sound copy')})" for k in self.unrepaired]
         if self.orphaned:
             lines.append(f"  orphaned: {len(self.orphaned)} keys no bundle references (gc removes them)")
         lines += [f"  incomplete: {b['name']} (missing ranks {b['missing_ranks']})" for b in self.incomplete]
@@ -82,22 +99,29 @@ class FsckReport:
         lines += [f"  damaged bundle: {b['name']}: {b['detail']}" for b in self.damaged_bundles]
         return "\n".join(lines)
 
+    def not_repaired(self, key: str, why: str) -> None:
+        if key in self.repaired:
+            self.repaired.remove(key)
+        if key not in self.unrepaired:
+            self.unrepaired.append(key)
+        self.unrepaired_reasons[key] = why
+
 
 def check_store(root: str | os.PathLike, *, repair_from: Optional[str] = None,
                 repair_options: Optional[dict] = None, progress: Optional[Progress] = None,
                 **storage_options: Any) -> FsckReport:
-    """Verify `root`; finalize finalizable bundles; with `repair_from`, restore bad objects from that store."""
+    """Verify `root`; with `repair_from`, restore bad objects and refs from that store; finalize finalizable bundles."""
     backend = open_root(root, **storage_options)
     source = open_backend(repair_from, **(repair_options or {})) if repair_from else None
     progress = progress or Progress()
     report = FsckReport(redact_url(os.fspath(root)))
     listed = backend.list("objects/") + backend.list("blobs/")
     inflight = read_inflight(backend)
-    _finalize(backend, report)
     progress.phase("fsck: verifying objects", objects=len(listed))
-    corrupt = _verify_all(backend, listed, report, progress)
+    unsound = _verify_all(backend, listed, report, progress)
     present = set(listed)
-    for _round in range(MAX_REPAIR_ROUNDS):
+    attempted: set[str] = set()
+    for round_ in range(MAX_REPAIR_ROUNDS + 1):
         states = scan_bundles(backend)
         trees = Walker(backend).trees([s for s in states if s.status != CORRUPT or s.rank_markers])
         needed = set().union(*(t.keys for t in trees.values())) if trees else set()
@@ -105,34 +129,60 @@ def check_store(root: str | os.PathLike, *, repair_from: Optional[str] = None,
         relinked = _relink(backend, trees.values(), missing, report)
         present |= relinked
         missing -= relinked
-        corrupt |= {k for t in trees.values() for k in t.corrupt}
-        bad = sorted((missing | corrupt) - set(report.repaired) - set(report.unrepaired))
-        if source is None or not bad:
+        corrupt = unsound | {k for t in trees.values() for k in t.corrupt}
+        bad = sorted((missing | corrupt) - attempted)
+        if source is None or not bad or round_ == MAX_REPAIR_ROUNDS:
             break
         progress.phase("fsck: repairing", objects=len(bad))
         fixed = _repair(backend, source, bad, report, progress)
+        attempted |= set(bad)
         present |= fixed
-        corrupt -= fixed
-        missing -= fixed
+        unsound -= fixed
         if not fixed:
             break
-    report.missing = sorted(missing - set(report.repaired))
-    report.corrupt = sorted(corrupt - set(report.repaired))
+    marker_problems = {s.name: rank_marker_problems(backend, s.name, s.rank_markers)
+                       for s in states if s.complete is None and s.rank_markers}
+    bad_markers = sorted(p.key for problems in marker_problems.values() for p in problems if p.corrupt)
+    report.missing = sorted(missing)
+    report.corrupt = sorted(corrupt | set(bad_markers))
+    if source is not None:
+        for key in sorted((missing | corrupt) & set(report.repaired)):
+            report.not_repaired(key, f"copied from {redact_url(source.url)}, still {_state(key, missing)} after it")
+        for key in sorted((missing | corrupt) - attempted):
+            report.not_repaired(key, f"repair stopped after {MAX_REPAIR_ROUNDS} rounds")
+        for key in bad_markers:
+            report.not_repaired(key, "a rank marker is not restored from another store; the bundle is not finalized")
     report.bundles = len(states)
     live_digests = {d for r in inflight if r.live(time.time()) for d in r.digests}
     in_flight = {object_key(d) for d in live_digests} | {blob_ref_key(d) for d in live_digests}
     report.orphaned = sorted(k for k in listed if k not in needed and k not in in_flight)
     for s in states:
-        tree = trees.get(s.name)
-        if s.status == CORRUPT:
-            report.damaged_bundles.append({"name": s.name, "detail": s.detail})
-        elif tree is not None and tree.problems:
-            detail = "; ".join(p.removeprefix(f"{s.name}: ") for p in tree.problems)
+        finalize_error = _finalize(backend, s, report)
+        detail = _damage(s, trees.get(s.name), marker_problems.get(s.name, []), finalize_error)
+        if detail:
             report.damaged_bundles.append({"name": s.name, "detail": detail})
         elif s.status == INCOMPLETE:
             report.incomplete.append({"name": s.name, "missing_ranks": s.missing_ranks,
                                       "expected_ranks": s.expected_ranks})
     return report
+
+
+def _state(key: str, missing: set[str]) -> str:
+    return "missing" if key in missing else "corrupt"
+
+
+def _damage(state: BundleState, tree: Optional[BundleTree], markers: list[MarkerProblem],
+            finalize_error: Optional[str]) -> str:
+    """What is wrong with a bundle, in one line ('' when nothing is)."""
+    parts = []
+    if state.status == CORRUPT:
+        parts.append(state.detail)
+    parts += [str(p) for p in markers if p.corrupt and str(p) not in state.detail]
+    if state.status != CORRUPT and tree is not None:
+        parts += [p.removeprefix(f"{state.name}: ") for p in tree.problems]
+    if finalize_error:
+        parts.append(finalize_error)
+    return "; ".join(parts)
 
 
 def _relink(backend: Backend, trees, missing: set[str], report: FsckReport) -> set[str]:
@@ -150,16 +200,17 @@ def _relink(backend: Backend, trees, missing: set[str], report: FsckReport) -> s
     return done
 
 
-def _finalize(backend: Backend, report: FsckReport) -> None:
-    for state in scan_bundles(backend):
-        if state.status != FINALIZABLE:
-            continue
-        report.finalizable.append(state.name)
-        try:
-            if try_finalize(backend, state.name, state.expected_ranks) is not None:
-                report.finalized.append(state.name)
-        except BundleError as exc:
-            report.damaged_bundles.append({"name": state.name, "detail": str(exc)})
+def _finalize(backend: Backend, state: BundleState, report: FsckReport) -> Optional[str]:
+    """Finalize a finalizable bundle (try_finalize checks its markers again); why it failed, if it did."""
+    if state.status != FINALIZABLE:
+        return None
+    report.finalizable.append(state.name)
+    try:
+        if try_finalize(backend, state.name, state.expected_ranks) is not None:
+            report.finalized.append(state.name)
+    except BundleError as exc:
+        return str(exc)
+    return None
 
 
 def _verify_all(backend: Backend, keys: list[str], report: FsckReport, progress: Progress) -> set[str]:
@@ -189,18 +240,41 @@ def _repair(backend: Backend, source: Backend, keys: list[str], report: FsckRepo
     """Copy verified values of `keys` from `source`; returns the keys restored."""
     fixed: set[str] = set()
     values = fetch(source, keys)
+    where = redact_url(source.url)
+    refs = {key: parse_ref(values[key]) for key in keys if key.startswith("blobs/") and values[key] is not None}
+    records = fetch(source, [object_key(r) for r in refs.values() if r is not None])
     for key in keys:
         data = values[key]
-        ok = data is not None and (digest_matches(key, data) if key.startswith("objects/")
-                                   else parse_ref(data) is not None)
-        if not ok:
-            report.unrepaired.append(key)
+        if data is None:
+            why = f"absent from {where}"
+        elif key.startswith("objects/"):
+            why = None if digest_matches(key, data) else f"the copy at {where} does not match its digest either"
+        else:
+            why = _ref_problem(key, refs[key], records, where)
+        if why is not None:
+            report.not_repaired(key, why)
             continue
         backend.write(key, data)
         report.repaired.append(key)
         fixed.add(key)
         progress.advance(1, len(data))
     return fixed
+
+
+def _ref_problem(key: str, record_digest: Optional[str], records: dict[str, Optional[bytes]], where: str) -> Optional[str]:
+    """Why the other store's ref `key` (naming `record_digest`) is no repair; None when it names, there, a sound
+    record of the ref's own blob."""
+    if record_digest is None:
+        return f"the copy at {where} does not hold a digest either"
+    data = records.get(object_key(record_digest))
+    if data is None:
+        return f"the copy at {where} names record {record_digest}, which is absent there"
+    record = parse_record(record_digest, data)
+    if not isinstance(record, BlobRecord):
+        return f"the copy at {where} names record {record_digest}, which is damaged there ({record})"
+    if record.digest != digest_from_key(key):
+        return f"the copy at {where} names record {record_digest} of another blob ({record.digest}) too"
+    return None
 
 
 __all__ = ["FsckReport", "check_store"]

@@ -1,59 +1,57 @@
 """`gc`: remove what no bundle and no capture in progress needs.
 
-Order matters, because writers run concurrently and take no lock:
+Writers run concurrently and take no lock; the agreement between them and gc is the in-flight
+records, the sweep lease and the epoch of `store.liveness`. A run goes:
 
-1. List `objects/` and `blobs/`. Only keys listed now can be removed by this run.
-2. Read the in-flight records `.inflight/*.json`. A writer lists every object it will write
-   or reuse there first, and removes its record only after its marker exists, so every listed
-   key is either named by an in-flight record read now or by a marker scanned in step 3 (or is
-   garbage). Records are roots until removed or past their own TTL (`max(created, updated) +
-   ttl_seconds`), whatever the grace period.
-3. Mark from every COMPLETE, from the rank markers of cohorts that are finalizable, younger than
-   the grace period or named by a live in-flight record; an older incomplete cohort is
-   abandoned and its markers go too. Marking follows documents -> manifest payload blobs ->
-   refs -> records -> chunks (`walk.Walker`). A tree that cannot be read whole stops gc before
-   anything is deleted.
-4. Sweep unmarked keys older than the grace period (by mtime) in layers: markers of abandoned
-   cohorts, then refs, then records, then chunks (so at every instant a ref names a record
-   that exists and a record names chunks that exist), each layer in small batches. Before
-   every batch the in-flight records are read again (what they name is spared, down to the
-   chunks of a listed blob or record, even when this run already removed the blob's ref) and
-   new markers are looked for.
+1. List `objects/` and `blobs/`, keeping only keys named the way the store names them (a
+   digest under its two-hex directory). Nothing else is ever deleted. On local disk, a layout
+   directory that is a symbolic link out of the root stops gc before it deletes anything.
+2. Read the in-flight records. Each listed digest is a root, with its ref, record and chunks.
+3. Mark from every COMPLETE, and from the rank markers of cohorts that are finalizable, younger
+   than the grace period or named by a live in-flight record; an older incomplete cohort is
+   abandoned and its markers go too. Marking follows documents -> manifest payload blobs -> refs
+   -> records -> chunks. A bundle whose markers or tree cannot be read whole is never guessed at:
+   what its raw markers name is kept, and if that cannot be known (its manifest or a record is
+   unreadable, a marker names no digest) no object or ref is deleted by this run. The report names
+   each such bundle; the rest of the run (expired in-flight records, abandoned markers) proceeds.
+4. Take the sweep lease (renewed by a heartbeat) and open a new epoch, then sweep unmarked keys
+   older than the grace period in layers: markers of abandoned cohorts, refs, records, chunks (so
+   a ref never names a record gc removed first), in small batches. Before every batch the
+   in-flight records are read again and new markers looked for, and the batch goes only while the
+   lease is fresh.
 
-The window that re-reading cannot close (a writer lists an orphaned object just after the
-re-read of a batch, finds it present, and the batch then deletes it) is closed with the writer:
-gc holds a sweep lease `.gc/lease-<run>` while it deletes and moves the epoch `.gc/epoch` when it
-is done; a writer about to commit waits out any live lease and, when the epoch moved since it
-started, checks that everything it listed still exists, refusing to commit otherwise. So a
-bundle that completes is whole; a capture that loses the race fails cleanly and is written again.
+A writer that found an object present after this run re-read the in-flight records, and before
+the object was deleted, sees the lease or the new epoch when it commits and checks (and re-stores)
+everything its bundle needs, so a bundle that completes is whole.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional
 
 from trajectory_replay.backends import Backend, redact_url
-from trajectory_replay.bundle.writer import DEFAULT_INFLIGHT_TTL, GC_EPOCH_KEY, GC_LEASE_PREFIX, INFLIGHT_FORMAT
-from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError, UsageError
+from trajectory_replay.errors import BackendError, NotFoundError, TrajectoryReplayError, UsageError
 from trajectory_replay.ops.progress import Progress
 from trajectory_replay.ops.walk import (
-    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, Walker, batched, bundle_names, concurrently,
+    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, Walker, batched, bundle_names, concurrently, fetch,
     looks_like_record, open_root, scan_bundle, scan_bundles,
 )
 from trajectory_replay.store import BlobRecord
-from trajectory_replay.store.digest import blob_ref_key, digest_from_key, object_key, parse_digest
+from trajectory_replay.store.digest import blob_ref_key, digest_from_key, object_key
+from trajectory_replay.store.liveness import (
+    GC_PREFIX, INFLIGHT_KEY, INFLIGHT_PREFIX, InflightState, LeaseLost, SweepLease, read_inflight, remove_dead_leases,
+)
 
 DEFAULT_GRACE = "24h"
-INFLIGHT_PREFIX = ".inflight/"
 DELETE_BATCH = 128
-LEASE_SECONDS = 300.0
-"""A sweep lease outlives a batch by far; a gc that dies leaves a lease that expires on its own."""
+LAYOUT_DIRS = ("objects", "blobs", INFLIGHT_PREFIX.rstrip("/"), GC_PREFIX.rstrip("/"))
+SALVAGE_DOCUMENT_BYTES = 64 << 20
+"""A blob named by an unreadable marker is read for the digests it names only up to this size."""
+_DIGEST_TEXT = re.compile(rb"blake3:[0-9a-f]{64}")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 
@@ -90,7 +88,12 @@ class GcReport:
     removed: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
     """Removed keys that a capture turned out to rely on (it began reusing them inside a batch's window);
-    run fsck once that capture has finished."""
+    that capture finds them gone before it commits and stores them again or refuses."""
+    unreadable_bundles: list[str] = field(default_factory=list)
+    """'<bundle>: why' for each bundle whose markers or tree could not be read whole."""
+    kept_everything: bool = False
+    """No object or ref was removed because an unreadable bundle might reference any of them."""
+    dead_leases_removed: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,55 +107,18 @@ class GcReport:
                  f"{self.active_captures} capture(s) in progress, {self.too_young} younger than the grace period"]
         if self.abandoned_bundles:
             lines.append(f"  abandoned cohorts: {', '.join(self.abandoned_bundles)}")
+        for problem in self.unreadable_bundles:
+            lines.append(f"  unreadable bundle {problem}")
+        if self.kept_everything:
+            lines.append("  kept every object and ref: an unreadable bundle might reference any of them "
+                         "(run fsck, repair or remove it)")
         if self.conflicts:
-            lines.append(f"  WARNING: {len(self.conflicts)} removed keys were reused by a capture meanwhile; "
-                         "run fsck when it has finished")
+            lines.append(f"  WARNING: {len(self.conflicts)} removed keys were reused by a capture meanwhile; it "
+                         "stores them again (or refuses to commit) before its marker is written")
+        if self.dry_run and self.removed:
+            lines.append("  would remove:")
+            lines += [f"    {key}" for key in self.removed]
         return "\n".join(lines)
-
-
-@dataclass
-class InflightState:
-    """One `.inflight/<attempt>.json` as gc reads it."""
-
-    key: str
-    digests: list[str]
-    bundle: Optional[str]
-    expires: float
-    mtime: float
-
-    def live(self, now: float) -> bool:
-        return now <= self.expires
-
-
-def read_inflight(backend: Backend) -> list[InflightState]:
-    """Every in-flight record (one that vanishes while being read was removed by its writer)."""
-    keys = [k for k in backend.list(INFLIGHT_PREFIX) if k.endswith(".json")]
-
-    def one(key: str) -> Optional[InflightState]:
-        try:
-            mtime, data = backend.mtime(key), backend.read(key)
-        except NotFoundError:
-            return None
-        try:
-            doc = json.loads(data)
-            if doc.get("format") != INFLIGHT_FORMAT:
-                raise ValueError("unknown format")
-            digests = [d for d in doc.get("digests", []) if _is_digest(d)]
-            stamp = max(float(doc.get("created", 0)), float(doc.get("updated", 0)))
-            return InflightState(key, digests, doc.get("bundle"), stamp + float(doc["ttl_seconds"]), mtime)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            # unreadable: it names nothing we can protect; it expires by age alone
-            return InflightState(key, [], None, mtime + DEFAULT_INFLIGHT_TTL, mtime)
-
-    return [r for r in concurrently(one, keys, backend.max_workers) if r is not None]
-
-
-def _is_digest(value: Any) -> bool:
-    try:
-        parse_digest(value)
-        return True
-    except TrajectoryReplayError:
-        return False
 
 
 def collect_garbage(root: str | os.PathLike, *, grace: str | float = DEFAULT_GRACE, dry_run: bool = False,
@@ -170,13 +136,15 @@ class _Collector:
         self.backend, self.grace, self.dry_run, self.progress = backend, grace, dry_run, progress
         self.start = time.time()
         self.cutoff = self.start - grace
-        self.lease_key = f"{GC_LEASE_PREFIX}{uuid.uuid4().hex}"
+        self.lease: Optional[SweepLease] = None
         self.walker = Walker(backend)
         self.report = GcReport(shown, dry_run, grace)
         self.inflight_digests: set[str] = set()
         self.live: set[str] = set()
         self.root_bundles: set[str] = set()
         """Bundles already marked from (COMPLETE is immutable, so a complete one needs no second look)."""
+        self.unreadable: dict[str, str] = {}
+        """Bundle -> why its tree is not known whole (its raw markers' digests are kept; see `_salvage`)."""
         self.ref_memo: dict[str, Optional[str]] = {}
         """Record digest each candidate ref held, read before any delete (a deleted ref still protects)."""
         self.record_kind: dict[str, Optional[BlobRecord]] = {}
@@ -186,44 +154,66 @@ class _Collector:
 
     # ---- phases -------------------------------------------------------------------------------
     def run(self) -> GcReport:
-        listed = self.backend.list("objects/") + self.backend.list("blobs/")       # 1
-        inflight = self._read_inflight()                                            # 2
-        states = scan_bundles(self.backend)                                         # 3
-        roots, abandoned = self._classify(states)
+        self._refuse_links_out()
+        listed = [k for k in self.backend.list("objects/") + self.backend.list("blobs/")   # 1
+                  if digest_from_key(k) is not None]
+        inflight = self._read_inflight()                                                    # 2
+        roots, abandoned = self._classify(scan_bundles(self.backend))                       # 3
         self._mark(roots)
         self.report.abandoned_bundles = sorted(s.name for s in abandoned)
         self.report.objects_live = sum(1 for k in listed if k in self.live)
-        candidates = self._aged([k for k in listed if k not in self.live])        # 4
+        candidates = self._aged([k for k in listed if k not in self.live])                 # 4
         markers = self._aged([k for s in abandoned for k in s.marker_keys])
         self._read_candidate_refs(candidates)
         self.candidates = set(candidates) | set(markers)
-        self._hold_lease()  # writers that commit from now on wait for this sweep, then re-check
-        protected = self._refresh()
-        self.report.protected_by_inflight = len(protected & set(candidates))
-        expired = self._aged([r.key for r in inflight if not r.live(self.start)])
-        layers = [markers, [k for k in candidates if k.startswith("blobs/")],
-                  [k for k in candidates if k.startswith("objects/") and self._is_record_key(k)],
-                  [k for k in candidates if k.startswith("objects/") and not self._is_record_key(k)]]
-        self.progress.phase("gc: deleting" if not self.dry_run else "gc: dry run",
-                            objects=sum(map(len, layers)) + len(expired),
-                            nbytes=sum(self.sizes.get(k, 0) for layer in layers for k in layer))
-        first = True
+        if not self.dry_run:
+            # writers that found something present before this point see the lease or the new epoch at commit
+            self.lease = SweepLease(self.backend)
+            self.lease.acquire()
         try:
+            if self.lease is not None:
+                self.report.dead_leases_removed = remove_dead_leases(self.backend)
+            protected = self._refresh()
+            self.report.protected_by_inflight = len(protected & set(candidates))
+            expired = self._aged([r.key for r in inflight if not r.live(self.start) and INFLIGHT_KEY.fullmatch(r.key)])
+            layers = [markers, [k for k in candidates if k.startswith("blobs/")],
+                      [k for k in candidates if k.startswith("objects/") and self._is_record_key(k)],
+                      [k for k in candidates if k.startswith("objects/") and not self._is_record_key(k)]]
+            self.progress.phase("gc: deleting" if not self.dry_run else "gc: dry run",
+                                objects=sum(map(len, layers)) + len(expired),
+                                nbytes=sum(self.sizes.get(k, 0) for layer in layers for k in layer))
+            first = True
             for layer in layers:
                 for batch in batched(layer, DELETE_BATCH):
                     if not first:
-                        self._hold_lease()
                         self._refresh()
                     first = False
-                    self._delete([k for k in batch if k in self.candidates])
+                    self._delete([k for k in batch if k in self.candidates and self._deletable(k)])
             if self.report.removed and not self.dry_run:
                 self._refresh(final=True)  # only to detect conflicts with captures that started meanwhile
+        except LeaseLost as exc:
+            raise BackendError(f"gc: {exc}; what was removed before is listed by --json") from None
         finally:
-            self._release_lease()
+            if self.lease is not None:
+                self.lease.release()
         if expired:  # a writer past its TTL may have refreshed its record meanwhile: look again
             still = {r.key: r for r in read_inflight(self.backend)}
             self._delete([k for k in expired if k in still and not still[k].live(time.time())])
+        self.report.unreadable_bundles = [f"{name}: {why}" for name, why in sorted(self.unreadable.items())]
         return self.report
+
+    def _refuse_links_out(self) -> None:
+        """On local disk, a layout directory that links out of the root would make gc delete foreign files."""
+        for name in LAYOUT_DIRS:
+            if self.backend.escapes_root(name):
+                raise BackendError(f"gc: {self.backend.url}/{name} is a symbolic link out of the store root; "
+                                   "gc deletes nothing through it (replace the link by a directory or mount)")
+
+    def _deletable(self, key: str) -> bool:
+        """Only gc's own layout is ever deleted; while a bundle's references are unknown, no object or ref."""
+        if key.startswith(("objects/", "blobs/")):
+            return digest_from_key(key) is not None and not self.report.kept_everything
+        return True  # markers of abandoned cohorts: scan_bundle names only COMPLETE and COMPLETE.<r> keys
 
     def _read_inflight(self) -> list[InflightState]:
         records = read_inflight(self.backend)
@@ -237,10 +227,6 @@ class _Collector:
     def _classify(self, states: list[BundleState]) -> tuple[list[BundleState], list[BundleState]]:
         roots, abandoned = [], []
         for s in states:
-            if s.status == CORRUPT and (s.complete is None and (
-                    f"{s.name}/COMPLETE" in s.marker_keys or len(s.rank_markers) < len(s.marker_keys))):
-                raise BundleError(f"gc: cannot read the markers of {s.name} ({s.detail}); nothing was deleted "
-                                  "(run fsck, or remove the bundle)")
             if s.status in (COMPLETE_STATUS, FINALIZABLE, CORRUPT) or s.name in self.active_bundles \
                     or (s.mtime is not None and s.mtime > self.cutoff):
                 roots.append(s)
@@ -249,15 +235,66 @@ class _Collector:
         return roots, abandoned
 
     def _mark(self, roots: list[BundleState]) -> None:
-        trees = self.walker.trees(roots)
-        problems = [p for t in trees.values() for p in t.problems]
-        if problems:
-            raise BundleError(f"gc: cannot read the whole tree of every bundle ({problems[0]}"
-                              f"{f' and {len(problems) - 1} more' if len(problems) > 1 else ''}); nothing was "
-                              "deleted (run fsck)")
+        readable = [s for s in roots if s.status != CORRUPT]
+        trees = self.walker.trees(readable)
         for tree in trees.values():
             self.live |= tree.keys
-        self.root_bundles |= {s.name for s in roots if s.status == COMPLETE_STATUS}
+            if tree.problems:
+                self._unknowable(tree.name, tree.problems[0])
+        for s in roots:
+            if s.status == CORRUPT and s.name not in self.unreadable:
+                self.unreadable[s.name] = s.detail or "markers cannot be read"
+                self._salvage(s)
+        self.live |= {k for s in roots for k in s.marker_keys}
+        self.root_bundles |= {s.name for s in readable if s.status == COMPLETE_STATUS and not trees[s.name].problems}
+
+    def _unknowable(self, name: str, why: str) -> None:
+        self.unreadable.setdefault(name, why)
+        self.report.kept_everything = True
+
+    def _salvage(self, state: BundleState) -> None:
+        """Keep what the raw bytes of an unreadable bundle's markers name, down to chunks and payloads.
+
+        Every `blake3:` digest in the markers is kept as an object and as a blob (ref, record, chunks);
+        a blob that is a JSON document is read for the digests it names in turn (markers -> documents
+        -> payloads). When that cannot be done completely, nothing of objects/ and blobs/ is deleted."""
+        raw = fetch(self.backend, state.marker_keys)
+        seeds: set[str] = set()
+        for key, data in raw.items():
+            found = set() if data is None else {m.decode() for m in _DIGEST_TEXT.findall(data)}
+            if data is not None and not found:
+                self._unknowable(state.name, f"marker {key} names no digest")
+                return
+            seeds |= found
+        seen: set[str] = set()
+        for _depth in range(3):  # marker -> documents -> payload blobs
+            todo = sorted(seeds - seen)
+            if not todo:
+                return
+            seen |= set(todo)
+            self.live |= {k for d in todo for k in (object_key(d), blob_ref_key(d))}
+            refs = self.walker.refs(todo)
+            records = self.walker.records(set(todo) | {r for r in refs.values() if r})
+            documents = []
+            for digest in todo:
+                for record_digest in dict.fromkeys([refs.get(digest), digest]):
+                    record = records.get(record_digest) if record_digest else None
+                    if isinstance(record, BlobRecord):
+                        self.live |= {object_key(record_digest), *(object_key(c.digest) for c in record.chunks)}
+                        if record.digest == digest and record.size <= SALVAGE_DOCUMENT_BYTES:
+                            documents.append(record)
+            chunk_values = fetch(self.backend, [object_key(c.digest) for r in documents for c in r.chunks[:1]])
+            for record in documents:
+                head = chunk_values.get(object_key(record.chunks[0].digest)) if record.chunks else b""
+                if not head or not head.lstrip().startswith(b"{"):
+                    continue  # a tensor payload, not a document
+                body = fetch(self.backend, [object_key(c.digest) for c in record.chunks])
+                if any(v is None for v in body.values()):
+                    self._unknowable(state.name, f"document {record.digest} has missing chunks")
+                    return
+                seeds |= {m.decode() for m in _DIGEST_TEXT.findall(b"".join(body.values()))}
+        if seeds - seen:
+            self._unknowable(state.name, "its documents nest deeper than a bundle's")
 
     def _aged(self, keys: list[str]) -> list[str]:
         """The keys whose mtime is older than the grace period; records their sizes."""
@@ -290,21 +327,10 @@ class _Collector:
         return self.record_kind.get(digest_from_key(key) or "") is not None
 
     # ---- protection -----------------------------------------------------------------------------
-    def _hold_lease(self) -> None:
-        """Take (or renew) this run's sweep lease; writers committing meanwhile wait for it."""
-        if not self.dry_run:
-            self.backend.write(self.lease_key, json.dumps({"expires": time.time() + LEASE_SECONDS}).encode())
-
-    def _release_lease(self) -> None:
-        """Move the epoch if anything was deleted (writers then re-check what they listed), drop the lease."""
-        if self.dry_run:
-            return
-        if self.report.removed:
-            self.backend.write(GC_EPOCH_KEY, uuid.uuid4().hex.encode())
-        self.backend.delete(self.lease_key)
-
     def _refresh(self, final: bool = False) -> set[str]:
-        """Re-read in-flight records and look for new markers; drop what they need from the candidates."""
+        """Re-read in-flight records and look for new markers; drop what they need from the candidates.
+
+        Called before every delete batch; the batch goes only if the lease is still fresh afterwards."""
         self._read_inflight()
         protected = self._expand(self.inflight_digests)
         self._rescan()
@@ -314,6 +340,8 @@ class _Collector:
             lost = sorted(needed & set(self.report.removed))
             self.report.conflicts = [k for k, there in zip(lost, concurrently(
                 self.backend.exists, lost, self.backend.max_workers)) if not there]
+        elif self.lease is not None:
+            self.lease.check()
         return protected
 
     def _expand(self, digests: Iterable[str]) -> set[str]:
@@ -347,10 +375,9 @@ class _Collector:
         states = [s for s in concurrently(lambda n: scan_bundle(self.backend, n), names, self.backend.max_workers)
                   if s is not None]
         roots, _abandoned = self._classify(states)
-        fresh = [s for s in roots if s.status != CORRUPT]
-        if fresh:
-            self._mark(fresh)
-            for s in fresh:  # markers of a cohort no longer abandoned stay
+        if roots:
+            self._mark(roots)
+            for s in roots:  # markers of a cohort no longer abandoned stay
                 self.candidates -= set(s.marker_keys)
 
     # ---- deleting --------------------------------------------------------------------------------
@@ -375,4 +402,4 @@ class _Collector:
         self.progress.advance(len(keys), freed)
 
 
-__all__ = ["DEFAULT_GRACE", "GcReport", "InflightState", "collect_garbage", "parse_duration", "read_inflight"]
+__all__ = ["DEFAULT_GRACE", "GcReport", "collect_garbage", "parse_duration"]

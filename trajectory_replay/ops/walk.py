@@ -21,15 +21,18 @@ from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 from trajectory_replay.backends import Backend, open_backend, redact_url
 from trajectory_replay.backends.base import WorkerPool
-from trajectory_replay.bundle.documents import parse_json, validate_document
+from trajectory_replay.bundle.documents import (
+    MAX_JSON_DEPTH, document_size_problem, nesting_exceeds, parse_json, validate_document,
+)
 from trajectory_replay.bundle.markers import (
     COMPLETE, RANK_MARKER, CompleteMarker, Documents, RankMarker, check_agreement, complete_key, rank_key,
-    read_marker,
+    rank_marker_problems, read_marker,
 )
 from trajectory_replay.bundle.resolve import RESERVED, Anchor
 from trajectory_replay.bundle.schema import Manifest, PayloadSpec
-from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError
+from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError, UsageError
 from trajectory_replay.store import BlobRecord
+from trajectory_replay.store.objectstore import MAX_RECORD_BYTES
 from trajectory_replay.store.digest import blob_ref_key, digest_from_key, hash_bytes, object_key, parse_digest
 
 T = TypeVar("T")
@@ -169,7 +172,10 @@ def scan_bundle(backend: Backend, name: str, *, retry: bool = True) -> Optional[
                     state.rank_markers[int(match.group(1))] = marker  # type: ignore[assignment]
     except NotFoundError:  # a marker removed while we looked (gc of an abandoned cohort): look again
         return scan_bundle(backend, name, retry=False) if retry else None
-    except BundleError as exc:
+    except UsageError:
+        raise
+    except TrajectoryReplayError as exc:
+        # one unreadable marker makes its bundle corrupt, named; the other bundles of the root are unaffected
         state.status, state.detail = CORRUPT, str(exc)
         return state
     if state.complete is not None:
@@ -181,6 +187,12 @@ def scan_bundle(backend: Backend, name: str, *, retry: bool = True) -> Optional[
     first = next(iter(state.rank_markers.values()))
     state.expected_ranks = sorted(first.expected_ranks)
     state.missing_ranks = [r for r in state.expected_ranks if r not in state.rank_markers]
+    # all landed: finalizers would write COMPLETE from these markers now, so each is checked against its
+    # documents first (which also names the bad marker where the markers merely disagree)
+    problems = [] if state.missing_ranks else rank_marker_problems(backend, name, state.rank_markers)
+    if problems:
+        state.status, state.detail = CORRUPT, "; ".join(map(str, problems))
+        return state
     try:
         check_agreement(name, list(state.rank_markers.values()))
     except BundleError as exc:
@@ -309,10 +321,15 @@ class Walker:
                 if record is None:
                     node.missing.add(key)
                     why = f"missing record {which}"
-                else:
+                elif not isinstance(record, BlobRecord):
                     node.corrupt.add(key)
-                    why = str(record) if not isinstance(record, BlobRecord) else \
-                        f"record {which} describes {record.digest}, not this blob"
+                    why = str(record)
+                else:
+                    # a verified record of another blob is healthy: what is wrong is whatever names it here,
+                    # the ref (repairable) or the bundle's own document (a problem of the bundle)
+                    if which == node.ref_record:
+                        node.corrupt.add(blob_ref_key(digest))
+                    why = f"record {which} describes {record.digest}, not this blob"
                 if which == record_digest:
                     node.problems.append(why)
             out[digest] = node
@@ -356,9 +373,15 @@ class Walker:
         """Fetch, verify and parse manifests (all their chunks in one batch).
 
         Returns digest -> Manifest (or why it failed), and digest -> (missing, corrupt) chunk keys."""
-        values = fetch(self.backend, [object_key(c) for node in nodes.values() for c, _ in node.chunks])
         out: dict[str, Manifest | str] = {}
         bad: dict[str, tuple[set[str], set[str]]] = {}
+        for digest, node in nodes.items():
+            # the record's chunk sizes add up to the manifest's size: an oversized one is never fetched
+            problem = document_size_problem(sum(size for _, size in node.chunks))
+            if problem:
+                out[digest] = problem
+        nodes = {d: node for d, node in nodes.items() if d not in out}
+        values = fetch(self.backend, [object_key(c) for node in nodes.values() for c, _ in node.chunks])
         for digest, node in nodes.items():
             if not node.chunks:
                 out[digest] = "; ".join(node.problems) or "its record lists no chunks"
@@ -404,6 +427,13 @@ def parse_record(digest: str, data: bytes) -> BlobRecord | TrajectoryReplayError
     actual = hash_bytes(data)
     if actual != digest:
         return TrajectoryReplayError(f"record {digest} does not match its digest (hashes to {actual})")
+    # correctly addressed bytes can still be hostile: bound them before the JSON parser sees them
+    if len(data) > MAX_RECORD_BYTES:
+        return TrajectoryReplayError(f"malformed blob record {digest}: {len(data)} bytes, over the "
+                                     f"{MAX_RECORD_BYTES}-byte bound")
+    if nesting_exceeds(data):
+        return TrajectoryReplayError(f"malformed blob record {digest}: nested more than {MAX_JSON_DEPTH} "
+                                     "levels deep")
     try:
         return BlobRecord.from_bytes(data, digest)
     except TrajectoryReplayError as exc:

@@ -6,6 +6,9 @@ shape against the manifest), and the dependency closure: every recompute stage h
 payloads and expected outputs it reads. Non-finite values are warnings, not problems: they
 are data a replay must locate, not a broken bundle. Lives beside the stages because the
 dependency closure is theirs.
+
+`validate_bundle` opens a remote store without trusting the local read cache: a cached copy
+of an object proves nothing about the server's copy, which is what validation is about.
 """
 
 from __future__ import annotations
@@ -64,6 +67,17 @@ class ValidationReport:
         lines += [f"  problem: {p}" for p in self.problems]
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+def validate_bundle(path_or_url: str, **storage_options: Any) -> ValidationReport:
+    """Open the bundle at `path_or_url`, reading every byte from its store (never from the read cache), and
+    validate it. A bundle that cannot even be opened is an invalid report, not an exception."""
+    from trajectory_replay.bundle import open_sources
+
+    try:
+        return validate_sources(path_or_url, open_sources(path_or_url, trust_cache=False, **storage_options))
+    except TrajectoryReplayError as exc:
+        return ValidationReport(path_or_url, problems=[str(exc)])
 
 
 def validate_sources(target: str, sources: Sequence[ReplaySource]) -> ValidationReport:

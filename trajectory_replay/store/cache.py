@@ -5,6 +5,10 @@ so several processes can share one cache directory: each entry is written to a t
 file and renamed into place, and every hit is re-verified before it is returned (a damaged
 entry is dropped and fetched again). The directory is kept under a byte cap by evicting
 the least recently used entries.
+
+A hit proves its bytes are the ones the digest names, not that the store still holds them: a
+reader that checks the store itself (validate) opens it with `trust_cache=False`, which skips
+lookups here and only adds what it fetched and verified.
 """
 
 from __future__ import annotations

@@ -8,6 +8,12 @@ chunks -> record -> ref, so a ref never points at something missing. Reads verif
 byte before returning it: `get` checks each chunk and the whole blob, `read_range` fetches
 only the blocks it covers and checks each against the record, whose own digest the caller
 holds (BlobRef.record) or reads from the ref.
+
+Remote stores read through a local cache of verified objects and blocks. A cached copy is
+exactly the bytes its digest names, so a read served from it is correct even when the server's
+copy was damaged since: replay keeps working where the cache is warm, and fails naming the
+object only where it must fetch it. Checking what is stored is another matter: a store opened
+with `trust_cache=False` (validate) sends every read to the backend and only fills the cache.
 """
 
 from __future__ import annotations
@@ -97,6 +103,8 @@ class BlobRecord:
                 raise ValueError(f"chunk sizes add up to {offset}, record says {size}")
         except (ValueError, KeyError, TypeError) as exc:
             raise IntegrityError(f"malformed blob record {where}: {exc}") from None
+        except RecursionError:
+            raise IntegrityError(f"malformed blob record {where}: nested too deeply") from None
         return cls(doc["digest"], size, block_size, tuple(chunks))
 
 
@@ -108,13 +116,19 @@ class PutPlan:
     record_bytes: bytes
     chunks: list[tuple[ChunkInfo, memoryview]]
     existing: bool
-    """The blob's ref already exists: nothing needs writing."""
+    """The blob's ref already exists: nothing needs writing (once its chunks are found present)."""
     source: tuple = field(default=(), repr=False)
     """(data, cuts, boundaries) the plan was made from, to plan again."""
+    reused_chunks: tuple[str, ...] = ()
+    """The chunk digests of an existing blob's record (empty for a new blob, whose `chunks` say it)."""
 
     def object_digests(self) -> list[str]:
         """Every object digest this blob needs: its chunks and its record."""
-        return [c.digest for c, _ in self.chunks] + [self.ref.record]
+        return [c.digest for c, _ in self.chunks] + list(self.reused_chunks) + [self.ref.record]
+
+    def keys(self) -> list[str]:
+        """Every key this blob needs to be readable: its ref, its record and its chunks."""
+        return [blob_ref_key(self.ref.digest), *(object_key(d) for d in self.object_digests())]
 
 
 @dataclass
@@ -138,6 +152,8 @@ class ObjectStore:
     chunking: ChunkingParams = field(default_factory=ChunkingParams)
     block_size: int = DEFAULT_BLOCK_SIZE
     stats: PutStats = field(default_factory=PutStats)
+    trust_cache: bool = True
+    """False: every read goes to the backend, so it verifies the stored bytes; the cache is only filled."""
 
     def __post_init__(self) -> None:
         # chunk transfers call the backend, whose own pool does the ranged and batched reads
@@ -146,11 +162,12 @@ class ObjectStore:
 
     @classmethod
     def open(cls, path_or_url: str | os.PathLike, *, cache_dir: Optional[str | os.PathLike] = None,
-             cache: Optional[bool] = None, **storage_options: Any) -> "ObjectStore":
-        """Open the store at a path or URL; remote stores read through the local cache (`cache=False` disables it)."""
+             cache: Optional[bool] = None, trust_cache: bool = True, **storage_options: Any) -> "ObjectStore":
+        """Open the store at a path or URL; remote stores read through the local cache (`cache=False` disables it,
+        `trust_cache=False` reads every byte from the store and only fills the cache)."""
         backend = open_backend(path_or_url, **storage_options)
         use_cache = backend.capabilities.remote if cache is None else cache
-        return cls(backend, ReadCache(cache_dir) if use_cache else None)
+        return cls(backend, ReadCache(cache_dir) if use_cache else None, trust_cache=trust_cache)
 
     @property
     def url(self) -> str:
@@ -161,22 +178,26 @@ class ObjectStore:
         """Hash `data` (whole, chunks, blocks) and build its record without writing anything."""
         return self.plan_many([(data, cuts, boundaries)])[0]
 
-    def plan_many(self, items: Sequence[tuple]) -> list[PutPlan]:
+    def plan_many(self, items: Sequence[tuple], *, fresh: bool = False) -> list[PutPlan]:
         """`plan` of several (data, cuts[, boundaries]): every blob hashed, then all looked up at once
-        (one round trip on a remote store, not one per blob), then the new ones described."""
+        (one round trip on a remote store, not one per blob), then the new ones described.
+
+        A stored blob is planned as existing with its record's chunks, so that a writer can list and
+        check them; one whose ref or record cannot be read, and every blob when `fresh`, is planned new."""
         sources = [(item[0], item[1] if len(item) > 1 else None, item[2] if len(item) > 2 else None)
                    for item in items]
         views = [memoryview(data).cast("B") for data, _, _ in sources]
         digests = [hash_bytes(view) for view in views]
         # one read answers both "is it stored?" and "under which record?" (once per distinct blob)
         unique = list(dict.fromkeys(digests))
-        found = dict(zip(unique, self._map(self._find_ref, unique)))
+        found = dict.fromkeys(unique) if fresh else dict(zip(unique, self._map(self._find_existing, unique)))
         plans = []
         for source, view, digest in zip(sources, views, digests):
-            record_digest = found[digest]
-            if record_digest is not None:
+            existing = found[digest]
+            if existing is not None:
+                record_digest, chunks = existing
                 plans.append(PutPlan(BlobRef(digest, len(view), record_digest), b"", [], existing=True,
-                                     source=source))
+                                     source=source, reused_chunks=chunks))
             else:
                 plans.append(self._describe(view, digest, source))
         return plans
@@ -199,11 +220,28 @@ class ObjectStore:
         return PutPlan(BlobRef(digest, len(view), hash_bytes(record_bytes)), record_bytes, chunks, existing=False,
                        source=source)
 
-    def _find_ref(self, digest: str) -> Optional[str]:
+    def _find_existing(self, digest: str) -> Optional[tuple[str, tuple[str, ...]]]:
+        """(record digest, chunk digests) of a stored blob; None when its ref or record is absent or unusable
+        (then the blob is stored anew, which repairs what it can)."""
         try:
-            return self._read_ref(digest)
+            record_digest = self._read_ref(digest)
+            record = self.record(BlobRef(digest, -1, record_digest))
         except NotFoundError:
             return None
+        except IntegrityError as exc:
+            log.warning("%s: blob %s is stored but unreadable (%s); storing it again", self.url, digest, exc)
+            return None
+        return record_digest, tuple(c.digest for c in record.chunks)
+
+    def missing_keys(self, keys: Sequence[str]) -> list[str]:
+        """Those of `keys` the backend does not hold now (asked of the backend itself, never of the cache)."""
+        keys = list(dict.fromkeys(keys))
+        return [k for k, there in zip(keys, self._map(self.backend.exists, keys)) if not there]
+
+    def closure_keys(self, ref: BlobRef) -> list[str]:
+        """The keys a stored blob needs to be readable through `ref`: its ref, its record and its chunks."""
+        record = self.record(ref)
+        return [blob_ref_key(ref.digest), object_key(ref.record), *(object_key(c.digest) for c in record.chunks)]
 
     def commit(self, plan: PutPlan) -> BlobRef:
         """Write a plan's chunks (skipping those stored), then its record, then the create-once ref."""
@@ -254,12 +292,16 @@ class ObjectStore:
         plans = [planned.get(i, item) for i, item in enumerate(items)]
         if before_write is not None:
             before_write(plans)
+            # A reused blob is trusted only once its ref, record and every chunk are seen AFTER the listing:
+            # from then on gc spares them. A ref alone proves nothing (a sweep may have removed the chunks
+            # under it). Whatever is not there is stored anew, listed first again.
             existing = [i for i, p in enumerate(plans) if p.existing]
-            still = self._map(lambda i: self.backend.exists(blob_ref_key(plans[i].ref.digest)), existing)
-            gone = [i for i, present in zip(existing, still) if not present]
+            absent = set(self.missing_keys([k for i in existing for k in plans[i].keys()]))
+            gone = [i for i in existing if absent.intersection(plans[i].keys())]
             if gone:
-                # gc removed a blob between plan's check and the listing: store it anew (listed first again)
-                for i, plan in zip(gone, self.plan_many([plans[i].source for i in gone])):
+                log.info("%s: %d stored blob(s) found incomplete (first %s); storing them again", self.url,
+                         len(gone), plans[gone[0]].ref.digest)
+                for i, plan in zip(gone, self.plan_many([plans[i].source for i in gone], fresh=True)):
                     plans[i] = plan
                 before_write([plans[i] for i in gone])
         return self.commit_many(plans)
@@ -323,7 +365,7 @@ class ObjectStore:
         def fill(chunk: ChunkInfo) -> None:
             # each worker places its own chunk straight into the buffer: no join, no extra copy
             target = view[chunk.offset:chunk.offset + chunk.size]
-            hit = self.cache.get(parse_digest(chunk.digest)) if self.cache is not None else None
+            hit = self.cache.get(parse_digest(chunk.digest)) if self._cache_serves else None
             if hit is not None and len(hit) == chunk.size:
                 target[:] = hit
                 return
@@ -358,7 +400,7 @@ class ObjectStore:
         """Several objects, fetched concurrently (cache first), each verified."""
         hexes = [parse_digest(d) for d in digests]
         found: dict[int, bytes] = {}
-        if self.cache is not None:
+        if self._cache_serves:
             for i, h in enumerate(hexes):
                 hit = self.cache.get(h)
                 if hit is not None:
@@ -447,7 +489,7 @@ class ObjectStore:
         for ci, bi in wanted:
             expected = record.chunks[ci].blocks[32 * bi:32 * bi + 32]
             hit = None
-            if self.cache is not None:
+            if self._cache_serves:
                 if ci not in whole_chunks:  # a chunk cached whole by `get` serves its blocks too
                     whole_chunks[ci] = self.cache.get(parse_digest(record.chunks[ci].digest))
                 chunk_bytes = whole_chunks[ci]
@@ -490,6 +532,10 @@ class ObjectStore:
                     self.cache.put(expected.hex(), block)
                 result[(ci, bi)] = block
         return result
+
+    @property
+    def _cache_serves(self) -> bool:
+        return self.cache is not None and self.trust_cache
 
     def _read_ref(self, digest: str) -> str:
         key = blob_ref_key(digest)

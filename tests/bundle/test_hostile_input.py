@@ -1,0 +1,322 @@
+"""Hostile bytes under their real digests: every refusal is one line naming the object and the field, exit 1.
+
+Content addressing verifies that bytes are what their digest names, not that they are sane. Each case
+here stores crafted content the honest way (`store.put`, or an object written under the BLAKE3 of its
+own bytes) in a real store root on disk, points a bundle at it, and runs the command line in-process:
+exit code 1, a single `trajectory-replay: error:` line naming what is wrong and where, no traceback,
+and no unbounded work (oversized documents are refused before a byte of them is fetched).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.bundle.test_bad_input import NAME, Crafted
+from trajectory_replay.bundle import BundleReader
+from trajectory_replay.bundle.codec import MAX_DIMS
+from trajectory_replay.bundle.documents import (
+    DEFAULT_MAX_DOCUMENT_BYTES, MAX_DOCUMENT_BYTES_ENV, MAX_JSON_DEPTH, compact_json, max_document_bytes,
+    nesting_exceeds,
+)
+from trajectory_replay.bundle.legacy import write_v1_bundle
+from trajectory_replay.bundle.markers import MAX_RANKS
+from trajectory_replay.bundle.schema import SchemaWarning
+from trajectory_replay.cli import app
+from trajectory_replay.errors import BundleError
+from trajectory_replay.replay import canonical_case
+from trajectory_replay.store.digest import hash_bytes, object_key
+
+runner = CliRunner()
+
+
+def cli(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def error_line(result, *needles: str) -> str:
+    """Exit 1, nothing escaped, and exactly one error line on stderr holding every needle."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output, result.output
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()
+             and not line.startswith(("trajectory-replay: warning:", "trajectory-replay: WARNING:"))]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("trajectory-replay: error:"), result.stderr
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+@pytest.fixture
+def crafted(tmp_path) -> Crafted:
+    return Crafted(str(tmp_path / "store"))
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+# ---- safetensors headers ---------------------------------------------------------------------------
+
+def _with_payload(crafted: Crafted, header: dict | bytes, data: bytes = b"\0" * 32) -> str:
+    """Store a safetensors blob with `header` (a dict, or raw JSON text) as payload 'kl' of a new COMPLETE."""
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    ref = crafted.store.put(struct.pack("<Q", len(text)) + text + data)
+    manifest = crafted.doc("manifest")
+    manifest["payloads"]["kl"].update(digest=ref.digest, record=ref.record, size=ref.size)
+    return crafted.commit(manifest=manifest)
+
+
+def _entry(shape, offsets) -> bytes:
+    """A header whose numbers are written as given (json.dumps cannot write 1e400 or keep 8.0 a float)."""
+    return b'{"data":{"dtype":"F32","shape":' + shape + b',"data_offsets":' + offsets + b"}}"
+
+
+HOSTILE_HEADERS = {
+    # dimensions whose product overflows int64 (Python does not wrap; torch would)
+    "product-overflows": (_entry(b"[4611686018427387904,4611686018427387904]", b"[0,32]"), "too large"),
+    "empty-product-overflows": (_entry(b"[4611686018427387904,4611686018427387904,0]", b"[0,0]"), "too large"),
+    "dim-past-int64": (_entry(b"[18446744073709551616,0]", b"[0,0]"), "shape[0]"),
+    "dim-infinite": (_entry(b"[1e400]", b"[0,32]"), "shape[0]"),
+    "dim-fractional": (_entry(b"[8.5]", b"[0,32]"), "shape[0]"),
+    "dim-float": (_entry(b"[8.0]", b"[0,32]"), "shape[0]"),
+    "dim-bool": (_entry(b"[true]", b"[0,4]"), "shape[0]"),
+    "dim-string": (_entry(b'["8"]', b"[0,32]"), "shape[0]"),
+    "too-many-dims": (_entry(b"[" + b",".join([b"1"] * 100_000) + b"]", b"[0,4]"), f"more than {MAX_DIMS}"),
+    "shape-not-list": (_entry(b'{"a":8}', b"[0,32]"), "shape is not a list"),
+    "offset-past-end": (_entry(b"[8]", b"[0,64]"), "past the end"),
+    "offset-past-int64": (_entry(b"[8]", b"[0,18446744073709551616]"), "data_offsets[1]"),
+    "offset-infinite": (_entry(b"[8]", b"[0,1e400]"), "data_offsets[1]"),
+    "offset-negative": (_entry(b"[8]", b"[-32,0]"), "data_offsets[0]"),
+    "offsets-inverted": (_entry(b"[8]", b"[32,0]"), "inverted"),
+    "offsets-not-a-pair": (_entry(b"[8]", b"[0,32,64]"), "data_offsets"),
+    "entry-not-object": (b'{"data":[1,2]}', "malformed tensor entry"),
+    "dtype-not-string": (b'{"data":{"dtype":["F32"],"shape":[8],"data_offsets":[0,32]}}', "dtype"),
+    "metadata-nested-past-the-recursion-limit":
+        (b'{"__metadata__":' + nested(200_000) + b',"data":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}}',
+         f"nests more than {MAX_JSON_DEPTH} levels"),
+    "metadata-nested-under-the-recursion-limit":
+        (b'{"__metadata__":' + nested(900) + b',"data":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}}',
+         f"nests more than {MAX_JSON_DEPTH} levels"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_HEADERS))
+def test_hostile_safetensors_header_through_the_cli(crafted, case):
+    header, needle = HOSTILE_HEADERS[case]
+    data = b"" if case == "empty-product-overflows" or case == "dim-past-int64" else \
+        b"\0" * 4 if case in ("dim-bool", "too-many-dims") else b"\0" * 32
+    url = _with_payload(crafted, header, data)
+    line = error_line(cli("replay", url), NAME, "payload 'kl'", "safetensors", needle)
+    assert len(line) < 600, line  # a 100,000-dimension shape is not echoed back
+
+
+@pytest.mark.parametrize("case", ["dim-infinite", "empty-product-overflows", "metadata-nested-past-the-recursion-limit",
+                                  "offset-infinite"])
+def test_hostile_safetensors_header_on_the_ranged_read_path(crafted, case):
+    """Reading some rows parses the header from a ranged read: the same checks, the same errors."""
+    header, needle = HOSTILE_HEADERS[case]
+    url = _with_payload(crafted, header, b"" if case == "empty-product-overflows" else b"\0" * 32)
+    reader = BundleReader.open(url)
+    with pytest.raises(BundleError) as info:
+        reader.load_payload("kl", samples=[0])
+    assert "\n" not in str(info.value) and "payload 'kl'" in str(info.value) and needle in str(info.value)
+
+
+# ---- documents ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("label", ["manifest", "index", "expected"])
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH, 900, 100_000])
+def test_deeply_nested_document_is_refused(crafted, label, depth):
+    """`depth` levels under the document's own: one past the bound, under Python's recursion limit, far past it."""
+    data = compact_json(crafted.original[label])[:-1] + b',"deep":' + nested(depth) + b"}"
+    url = crafted.commit(raw={label: data})
+    error_line(cli("replay", url), f"{NAME}: {label}:", f"nested more than {MAX_JSON_DEPTH} levels deep")
+    error_line(cli("inspect", url), f"{NAME}: {label}:", "nested")
+
+
+def test_nesting_up_to_the_bound_is_accepted(crafted):
+    expected = crafted.doc("expected")
+    value: object = 1
+    for _ in range(MAX_JSON_DEPTH - 1):  # the document itself is the first level
+        value = [value]
+    expected["deep"] = value
+    url = crafted.commit(expected=expected)
+    assert not nesting_exceeds(compact_json(expected))
+    with pytest.warns(SchemaWarning, match="unknown field 'deep'"):
+        assert BundleReader.open(url).expected["deep"] == value
+
+
+@pytest.mark.parametrize("text, deep", [
+    (b'{"a":"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}', False),
+    (b'{"a":"\\"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[\\\\"}', False),
+    (b'{"a\\\\":' + nested(70) + b"}", True),
+    (b'{"a":"\\\\\\"","b":' + nested(70) + b"}", True),
+    (b"[" + b"[]," * 10_000 + b"[]]", False),
+])
+def test_nesting_scan_skips_strings_and_escapes(text, deep):
+    assert nesting_exceeds(text, 64) is deep
+    json.loads(text)  # every case is valid JSON
+
+
+def test_document_over_the_size_bound_is_refused_before_it_is_read(crafted, monkeypatch):
+    expected = crafted.doc("expected")
+    expected["padding"] = "x" * 5000
+    url = crafted.commit(expected=expected)
+    with pytest.warns(SchemaWarning, match="unknown field 'padding'"):
+        ref = BundleReader.open(url).documents.expected
+    for chunk in crafted.store.record(ref.digest).chunks:  # reading it now would fail with a missing chunk
+        crafted.store.backend.delete(object_key(chunk.digest))
+    monkeypatch.setenv(MAX_DOCUMENT_BYTES_ENV, "4096")
+    assert max_document_bytes() == 4096
+    error_line(cli("replay", url), f"{NAME}: expected:", f"document of {ref.size} bytes",
+               "over the 4096-byte bound", MAX_DOCUMENT_BYTES_ENV)
+    error_line(cli("inspect", url), f"{NAME}: expected:", "over the 4096-byte bound")
+
+
+def test_size_bound_default_and_bad_setting(crafted, monkeypatch):
+    monkeypatch.delenv(MAX_DOCUMENT_BYTES_ENV, raising=False)
+    assert max_document_bytes() == DEFAULT_MAX_DOCUMENT_BYTES == 256 << 20
+    for bad in ("lots", "0", "-5"):
+        monkeypatch.setenv(MAX_DOCUMENT_BYTES_ENV, bad)
+        result = cli("replay", crafted.url)
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert result.stderr.strip().count("\n") == 0 and MAX_DOCUMENT_BYTES_ENV in result.stderr
+
+
+def test_v1_document_over_the_size_bound_is_refused(tmp_path, monkeypatch):
+    case = canonical_case(buggy=False)
+    bundle = tmp_path / "b-1"
+    write_v1_bundle(bundle, case.manifest, case.index, case.expected, case.payloads)
+    bound = (bundle / "COMPLETE").stat().st_size  # COMPLETE is read first and passes
+    first = next(name for name in ("manifest.json", "index.json", "expected.json")
+                 if (bundle / name).stat().st_size > bound)
+    monkeypatch.setenv(MAX_DOCUMENT_BYTES_ENV, str(bound))
+    error_line(cli("replay", str(bundle)), f"b-1/{first}", f"document of {(bundle / first).stat().st_size} bytes",
+               f"{bound}-byte bound")
+
+
+def test_large_document_under_the_bound_costs_little(crafted):
+    """The nesting scan runs on every document: a few MB of ordinary JSON stays fast."""
+    expected = crafted.doc("expected")
+    expected["bulk"] = [{"id": f"s-{i}", "v": [i * 0.5] * 20, "t": 'a "quoted" [text]'} for i in range(40_000)]
+    data = compact_json(expected)
+    start = time.perf_counter()
+    assert not nesting_exceeds(data)
+    assert time.perf_counter() - start < 2.0, len(data)
+
+
+# ---- markers ------------------------------------------------------------------------------------------
+
+def _complete(crafted: Crafted) -> dict:
+    return json.loads(crafted.store.backend.read(f"{NAME}/COMPLETE"))
+
+
+def _write_marker(crafted: Crafted, key: str, marker: dict) -> None:
+    crafted.store.backend.write(key, compact_json(marker))
+
+
+def _multi_rank(crafted: Crafted, shards: dict | None = None) -> dict:
+    marker = _complete(crafted)
+    docs = marker["shards"]["0"]
+    marker.update(multi_rank=True, expected_ranks=[0, 1], shards=shards or {"0": docs, "1": docs})
+    return marker
+
+
+@pytest.mark.parametrize("key", ["../../x", "rank-0", "-1", "01", "1.0", " 1", "99999999999"])
+def test_non_integer_shard_key_makes_the_marker_corrupt(crafted, key):
+    marker = _multi_rank(crafted)
+    marker["shards"] = {"0": marker["shards"]["0"], key: marker["shards"]["0"]}
+    _write_marker(crafted, f"{NAME}/COMPLETE", marker)
+    rank0 = f"{crafted.url}/rank-0"
+    for command in (("replay", rank0), ("inspect", crafted.url), ("validate", rank0)):
+        result = cli(*command)
+        text = error_line(result, f"{NAME}/COMPLETE", "shards", "not a rank number") if result.stderr.strip() \
+            else result.stdout
+        assert "Traceback" not in result.output and result.exit_code == 1, result.output
+        assert "shards" in text and "not a rank number" in text
+
+
+@pytest.mark.parametrize("anchor, needle", [
+    (5, "anchor"),
+    ("step 1:2", "anchor"),
+    ({"actor_step_id": "x"}, "actor_step_id"),
+    ({"actor_step_id": {"rollout_id": "x", "step_id": 0}}, "actor_step_id.rollout_id"),
+    ({"actor_step_id": {"rollout_id": 1}}, "actor_step_id.step_id"),
+    ({"actor_step_id": {"rollout_id": 1, "step_id": 2.5}}, "actor_step_id.step_id"),
+    ({"rollout_id": "7"}, "rollout_id"),
+    ({"rollout_id": [7]}, "rollout_id"),
+    ({"rollout_id": True}, "rollout_id"),
+    ({"rollout_id": 2 ** 70}, "rollout_id"),
+    ({}, "exactly one"),
+    ({"rollout_id": 7, "actor_step_id": {"rollout_id": 7, "step_id": 0}}, "exactly one"),
+], ids=lambda v: json.dumps(v)[:40] if not isinstance(v, str) else v)
+def test_anchor_of_the_wrong_type_makes_the_marker_corrupt(crafted, anchor, needle):
+    marker = _complete(crafted)
+    marker["anchor"] = anchor
+    _write_marker(crafted, f"{NAME}/COMPLETE", marker)
+    root = crafted.url.rsplit("/", 1)[0]
+    error_line(cli("replay", crafted.url), f"{NAME}/COMPLETE", "field 'anchor'", needle)
+    error_line(cli("replay", root, "--rollout", "7"), NAME, "field 'anchor'", needle)
+    listing = cli("ls", root, "--json")
+    assert listing.exit_code == 0 and listing.exception is None, listing.output
+    (row,) = json.loads(listing.stdout)
+    assert row["status"] == "corrupt" and "field 'anchor'" in row["detail"] and needle in row["detail"]
+
+
+def test_marker_listing_too_many_ranks_is_corrupt(crafted):
+    marker = _complete(crafted)
+    marker["expected_ranks"] = list(range(MAX_RANKS + 1))
+    _write_marker(crafted, f"{NAME}/COMPLETE", marker)
+    error_line(cli("replay", crafted.url), f"{NAME}/COMPLETE", "expected_ranks", f"bound of {MAX_RANKS}")
+
+
+def test_rank_marker_listing_too_many_ranks_is_corrupt(crafted):
+    """Without the bound a reader would look for 100,001 rank markers, one request each."""
+    complete = _complete(crafted)
+    crafted.store.backend.delete(f"{NAME}/COMPLETE")
+    rank = {"format": "trajectory-replay.rank/1", "bundle_id": complete["bundle_id"], "rank": 0,
+            "anchor": complete["anchor"], "expected_ranks": list(range(100_001)),
+            "documents": complete["shards"]["0"], "attempt": "a"}
+    _write_marker(crafted, f"{NAME}/COMPLETE.0", rank)
+    start = time.perf_counter()
+    error_line(cli("replay", f"{crafted.url}/rank-0"), f"{NAME}/COMPLETE.0", "expected_ranks", f"bound of {MAX_RANKS}")
+    assert time.perf_counter() - start < 10
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("digest", "blake3:zz", "shards.0.index.digest"),
+    ("record", "../../etc/passwd", "shards.0.index.record"),
+    ("size", -1, "shards.0.index.size"),
+])
+def test_unparsable_document_reference_makes_the_marker_corrupt(crafted, field, value, needle):
+    marker = _complete(crafted)
+    marker["shards"]["0"]["index"][field] = value
+    _write_marker(crafted, f"{NAME}/COMPLETE", marker)
+    error_line(cli("replay", crafted.url), f"{NAME}/COMPLETE", needle)
+
+
+def test_deeply_nested_marker_is_corrupt(crafted):
+    crafted.store.backend.write(f"{NAME}/COMPLETE", b'{"anchor":' + nested(MAX_JSON_DEPTH + 1) + b"}")
+    error_line(cli("replay", crafted.url), f"{NAME}/COMPLETE", "nested more than")
+
+
+# ---- blob records ---------------------------------------------------------------------------------------
+
+def test_deeply_nested_record_under_its_digest_is_corrupt_in_ls(crafted):
+    """A record is JSON too; the walk bounds it before parsing (objects under their real digest)."""
+    record = nested(100_000)
+    digest = hash_bytes(record)
+    crafted.store.backend.write(object_key(digest), record)
+    marker = _complete(crafted)
+    marker["shards"]["0"]["index"]["record"] = digest
+    _write_marker(crafted, f"{NAME}/COMPLETE", marker)
+    listing = cli("ls", crafted.url.rsplit("/", 1)[0], "--json")
+    assert listing.exit_code == 0 and listing.exception is None, listing.output
+    (row,) = json.loads(listing.stdout)
+    assert row["status"] == "corrupt" and digest in row["detail"] and "nested more than" in row["detail"]

@@ -1,0 +1,91 @@
+"""One process of the gc stress test: `python -m tests.ops.gc_stress ROLE ROOT START SECONDS OPTIONS_JSON [ID]`.
+
+Time is cut into rounds of ROUND seconds from START. In round k the `aborter` writes the payloads of
+content k and gives up (they become garbage); the `writer`s write whole bundles of the same content k
+a moment later, reusing what gc is sweeping meanwhile, and write a bundle again when its commit is
+refused (as capture would); `gc` sweeps with grace 0 in a loop. Each process prints one JSON line of
+counts when its time is up. The GC_STRESS_* variables change the shape (round length, payload rows,
+the writers' delay range).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+import uuid
+
+import torch
+
+from trajectory_replay.bundle import BundleWriter
+from trajectory_replay.errors import TrajectoryReplayError
+from trajectory_replay.ops.gc import collect_garbage
+from trajectory_replay.replay import canonical_case
+from trajectory_replay.store import ObjectStore
+from trajectory_replay.store.chunking import ChunkingParams
+
+ROUND = float(os.environ.get("GC_STRESS_ROUND", "1.2"))
+SIZE = int(os.environ.get("GC_STRESS_ROWS", "64"))
+SPREAD = (float(os.environ.get("GC_STRESS_FROM", "0.02")), float(os.environ.get("GC_STRESS_TO", "0.8")))
+CHUNKING = ChunkingParams(chunk_size=16 << 10, min_size=16 << 10, target_size=16 << 10)
+
+
+def content(k: int) -> dict[str, torch.Tensor]:
+    """The payloads of content k: the canonical ones plus one of its own, cut into many chunks."""
+    gen = torch.Generator().manual_seed(k)
+    return {**canonical_case(False).payloads, "extra": torch.rand((SIZE, 4096), generator=gen)}
+
+
+def writer_for(root: str, name: str, store: ObjectStore) -> BundleWriter:
+    case = canonical_case(False)
+    manifest = case.manifest.model_copy(update={"bundle_id": name})
+    index = case.index.model_copy(update={"bundle_id": name})
+    return BundleWriter(f"{root}/{name}", manifest, index, case.expected, store=store)
+
+
+def main(role: str, root: str, start: float, seconds: float, options: dict, ident: str = "0") -> None:
+    store = ObjectStore.open(root, cache=False, **options)
+    store.chunking = CHUNKING
+    rng = random.Random(f"{role}-{ident}")
+    counts = {"role": role, "id": ident, "completed": 0, "refused": 0, "aborted": 0, "removed": 0, "sweeps": 0}
+    deadline = start + seconds
+    while time.time() < deadline:
+        k = int((time.time() - start) // ROUND)
+        round_start = start + k * ROUND
+        if role == "gc":
+            report = collect_garbage(root, grace=0.0, **options)
+            counts["sweeps"] += 1
+            counts["removed"] += len(report.removed)
+            continue
+        if role == "aborter":
+            writer = writer_for(root, f"aborted-{uuid.uuid4().hex[:8]}", store)
+            writer.write_payloads(content(k))
+            writer.abort()
+            counts["aborted"] += 1
+        else:
+            time.sleep(max(0.0, round_start + rng.uniform(*SPREAD) - time.time()))
+            payloads = content(k)
+            for _attempt in range(3):  # a refused commit is written again, as capture would
+                writer = writer_for(root, f"w{ident}-{k}-{uuid.uuid4().hex[:8]}", store)
+                try:
+                    if rng.random() < 0.5:  # everything in one batch: lost objects can be stored again
+                        writer.finalize(payloads=payloads)
+                    else:                   # payloads first: a lost one refuses the commit
+                        writer.write_payloads(payloads)
+                        writer.finalize()
+                    counts["completed"] += 1
+                    break
+                except TrajectoryReplayError as exc:
+                    if "concurrent gc" not in str(exc):
+                        raise
+                    writer.abort()
+                    counts["refused"] += 1
+        time.sleep(max(0.0, start + (k + 1) * ROUND - time.time()))
+    print(json.dumps(counts), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), json.loads(sys.argv[5]),
+         *sys.argv[6:])

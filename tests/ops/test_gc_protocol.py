@@ -1,0 +1,320 @@
+"""The writer/gc protocol: a bundle is marked complete only if every object it references exists, whatever gc
+does meanwhile; a killed gc stalls no writer for long; gc deletes only its own layout, never through a link out
+of the root, and never on a guess about a bundle it cannot read."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.bundle.helpers import write_canonical
+from tests.ops.conftest import reachable, renamed_case, validates
+from trajectory_replay.backends import open_backend
+from trajectory_replay.bundle import BundleWriter, open_sources
+from trajectory_replay.cli import app
+from trajectory_replay.errors import TrajectoryReplayError
+from trajectory_replay.ops.gc import collect_garbage
+from trajectory_replay.ops.walk import scan_bundles
+from trajectory_replay.replay.validate import validate_sources
+from trajectory_replay.store import ObjectStore, object_key
+from trajectory_replay.store.liveness import DEAD_LEASE_AGE, LEASE_PREFIX, SweepLease
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _crashed(root: str, name: str = "crashed") -> BundleWriter:
+    """A writer that stored the canonical payloads plus one of its own, then gave up."""
+    case = renamed_case(name)
+    writer = BundleWriter(f"{root}/{name}", case.manifest, case.index, case.expected)
+    writer.write_payloads({**case.payloads, "only_mine": torch.arange(5000, dtype=torch.float32)})
+    writer.abort()
+    return writer
+
+
+# ---- 1. gc during writes --------------------------------------------------------------------------------
+
+def test_a_reused_blob_whose_chunks_are_gone_is_stored_again(tmp_path):
+    """The probe's deterministic case: the blob's ref and record are there, its chunks are not."""
+    root = str(tmp_path / "store")
+    case = renamed_case("first")
+    writer = BundleWriter(f"{root}/first", case.manifest, case.index, case.expected)
+    writer.write_payloads(case.payloads)
+    writer.abort()
+    backend = open_backend(root)
+    store = ObjectStore(backend)
+    removed = []
+    for spec in writer.payloads.values():  # what a sweep stopped half-way leaves: refs and records, no chunks
+        for chunk in store.record(spec.digest).chunks:
+            backend.delete(object_key(chunk.digest))
+            removed.append(object_key(chunk.digest))
+    assert all(backend.exists(f"blobs/{s.digest[7:9]}/{s.digest[7:]}") for s in writer.payloads.values())
+    url = write_canonical(root, name="second")
+    assert validates(url)
+    assert all(backend.exists(k) for k in removed)
+
+
+def test_commit_re_stores_what_an_overlapping_sweep_removed(tmp_path, caplog):
+    """A sweep under way deletes an object right after the writer found it present; the writer waits for the
+    sweep to end, finds the object gone, stores it again (its bytes are at hand) and commits a whole bundle."""
+    root = str(tmp_path / "store")
+    write_canonical(root, name="old")  # documents and payloads this bundle will reuse
+    backend = open_backend(root)
+    expected_doc = next(iter(scan_bundles(backend))).complete.documents().expected
+    victim = object_key(ObjectStore(backend).record(expected_doc.digest).chunks[0].digest)
+    backend.delete("old/COMPLETE")  # now garbage, as the sweep sees it
+    case = renamed_case("new")
+    writer = BundleWriter(f"{root}/new", case.manifest, case.index, case.expected)
+    lease = SweepLease(backend)
+    real_commit = writer.store.commit_many
+
+    def commit_then_sweep_strikes(plans):
+        refs = real_commit(plans)
+        if lease._thread is None and any(p.ref.digest == expected_doc.digest for p in plans):
+            lease.acquire()
+            backend.delete(victim)
+            import threading
+            threading.Timer(0.5, lease.release).start()
+        return refs
+
+    writer.store.commit_many = commit_then_sweep_strikes
+    with caplog.at_level(logging.WARNING):
+        writer.finalize(payloads=case.payloads)
+    assert backend.exists(victim) and validates(f"{root}/new")
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("waiting for gc sweep" in m for m in messages)
+    assert any("storing them again" in m for m in messages)
+
+
+def _stress(root: str, options: dict, env: dict, seconds: float) -> list[dict]:
+    start = time.time() + 4.0  # every process imported and ready
+    roles = [("gc", "0"), ("aborter", "0"), ("writer", "1"), ("writer", "2")]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.ops.gc_stress", role, root, str(start), str(seconds),
+                               json.dumps(options), ident], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for role, ident in roles]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=seconds + 120)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    print(results)
+    return results
+
+
+def _check_stress(root: str, options: dict, results: list[dict]) -> None:
+    by_role = {(r["role"], r["id"]): r for r in results}
+    completed = sum(r["completed"] for r in results)
+    assert by_role[("gc", "0")]["removed"] > 0 and by_role[("aborter", "0")]["aborted"] >= 5
+    assert completed >= 10, results
+    states = [s for s in scan_bundles(open_backend(root, **options)) if s.complete is not None and s.name != "seed"]
+    assert len(states) == completed, (len(states), results)
+    invalid = []
+    for state in states:
+        url = f"{root}/{state.name}"
+        report = validate_sources(url, open_sources(url, cache=False, **options))
+        if not report.valid:
+            invalid.append((state.name, report.problems[:1]))
+    assert invalid == [], invalid
+
+
+@pytest.mark.timeout(240)
+def test_gc_stress_local(tmp_path):
+    root = str(tmp_path / "store")
+    write_canonical(root, name="seed")
+    results = _stress(root, {}, dict(os.environ), seconds=20.0)
+    _check_stress(root, {}, results)
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(240)
+def test_gc_stress_s3(s3_root, s3_server):
+    url, options = s3_root
+    write_canonical(url, name="seed", storage_options=options)
+    results = _stress(url, options, {**os.environ, **s3_server.env()}, seconds=20.0)
+    _check_stress(url, options, results)
+
+
+# ---- 2. a killed gc does not stall writers -------------------------------------------------------------
+
+_HOLD_LEASE = textwrap.dedent("""
+    import sys, time
+    from trajectory_replay.backends import open_backend
+    from trajectory_replay.store.liveness import SweepLease
+    lease = SweepLease(open_backend(sys.argv[1]), seconds=float(sys.argv[2]), renew_every=0.3)
+    lease.acquire()
+    print(lease.key, flush=True)
+    time.sleep(float(sys.argv[3]))
+    lease.release()
+""")
+
+
+def _lease_holder(root: str, seconds: float, hold: float) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_LEASE, root, str(seconds), str(hold)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    key = proc.stdout.readline().strip()
+    assert key.startswith(LEASE_PREFIX), key
+    return proc, key
+
+
+def test_a_killed_gc_stalls_writers_only_until_its_lease_expires(tmp_path, caplog):
+    root = str(tmp_path / "store")
+    open_backend(root).write("seed", b"")
+    proc, key = _lease_holder(root, seconds=2.0, hold=600)
+    os.kill(proc.pid, signal.SIGKILL)  # a gc killed mid-sweep: its lease stays, nobody renews it
+    proc.wait()
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        url = write_canonical(root)
+    waited = time.monotonic() - started
+    assert 0.5 < waited < 6, waited
+    assert validates(url)
+    lines = [r.getMessage() for r in caplog.records if "waiting for gc sweep" in r.getMessage()]
+    assert len(lines) == 1 and key in lines[0] and "until" in lines[0]
+    # the next gc removes the dead lease once it is well past its expiry
+    time.sleep(max(0.0, 2.0 + DEAD_LEASE_AGE + 0.5 - waited))
+    report = collect_garbage(root, grace="0s")
+    assert report.dead_leases_removed == [key] and not open_backend(root).exists(key)
+
+
+def test_a_live_gc_keeps_its_lease_by_heartbeat(tmp_path):
+    root = str(tmp_path / "store")
+    open_backend(root).write("seed", b"")
+    proc, _key = _lease_holder(root, seconds=1.5, hold=3.5)  # lives past its lease's first expiry
+    started = time.monotonic()
+    write_canonical(root)
+    assert time.monotonic() - started > 2.5  # waited for the renewals, not for the first expiry alone
+    assert proc.wait(timeout=30) == 0
+
+
+def test_a_sweep_that_cannot_renew_its_lease_stops_deleting(tmp_path):
+    from trajectory_replay.store.liveness import LeaseLost
+
+    lease = SweepLease(open_backend(str(tmp_path)), seconds=1.0, renew_every=60)
+    lease.acquire()
+    lease.check()
+    time.sleep(0.6)
+    with pytest.raises(LeaseLost, match="stopped deleting"):
+        lease.check()
+    lease.release()
+
+
+# ---- 3. gc deletes only its own objects ---------------------------------------------------------------
+
+@pytest.mark.parametrize("linked", ["objects", "blobs", ".inflight"])
+def test_gc_never_deletes_through_a_link_out_of_the_root(tmp_path, linked):
+    from typer.testing import CliRunner
+
+    root = tmp_path / "store"
+    write_canonical(str(root))
+    _crashed(str(root))
+    outside = tmp_path / "outside"
+    (root / linked).rename(outside)
+    (root / linked).symlink_to(outside)
+    before = sorted(p for p in outside.rglob("*"))
+    result = CliRunner().invoke(app, ["gc", str(root), "--grace", "0s"])
+    assert result.exit_code == 1 and "symbolic link out of the store root" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+    assert sorted(p for p in outside.rglob("*")) == before
+
+
+def test_gc_ignores_keys_that_are_not_its_layout_and_links_inside_it(tmp_path):
+    root = tmp_path / "store"
+    write_canonical(str(root))
+    _crashed(str(root))
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    strangers = [root / "objects" / "notes.txt", root / "objects" / "ab" / "not-a-digest",
+                 root / "blobs" / "README", root / ".inflight" / "someone-else.json"]
+    for path in strangers:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}")
+    link = root / "objects" / "cd" / ("cd" + "0" * 62)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(victim)
+    old = time.time() - 10 * 86400
+    for path in strangers:
+        os.utime(path, (old, old))
+    report = collect_garbage(str(root), grace="0s")
+    assert report.objects_removed > 0
+    assert all(p.exists() for p in strangers) and link.is_symlink() and victim.read_text() == "keep me"
+    assert not any("notes" in k or "README" in k or "someone-else" in k for k in report.removed)
+
+
+def test_dry_run_lists_what_it_would_delete(tmp_path):
+    from typer.testing import CliRunner
+
+    root = str(tmp_path / "store")
+    write_canonical(root)
+    writer = _crashed(root)
+    backend = open_backend(root)
+    garbage = {k for d in writer.inflight.digests for k in (object_key(d), f"blobs/{d[7:9]}/{d[7:]}")
+               if backend.exists(k)} - reachable(root, "b-00001")
+    result = CliRunner().invoke(app, ["gc", root, "--grace", "0s", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    listed = {line.strip() for line in result.output.splitlines() if line.startswith("    ")}
+    assert listed == garbage and all(backend.exists(k) for k in garbage)
+
+
+def _damage_marker(root: str, name: str, text: bytes) -> None:
+    path = Path(root) / name / "COMPLETE"
+    path.chmod(0o644)
+    path.write_bytes(text)
+
+
+def test_an_unparsable_bundle_keeps_what_it_names_and_the_sweep_goes_on(tmp_path):
+    root = str(tmp_path / "store")
+    write_canonical(root)
+    damaged = write_canonical(root, name="damaged", buggy=True)
+    needed = reachable(root, "damaged") - {"damaged/COMPLETE"}
+    raw = (Path(damaged) / "COMPLETE").read_bytes()
+    _damage_marker(root, "damaged", raw.replace(b'"shards"', b'"shards":"../../x","x"'))
+    writer = _crashed(root)
+    backend = open_backend(root)
+    own = {object_key(d) for d in writer.inflight.digests} - needed - reachable(root, "b-00001")
+    own = {k for k in own if backend.exists(k)}
+    assert own
+    report = collect_garbage(root, grace="0s")
+    assert any(p.startswith("damaged: ") for p in report.unreadable_bundles) and not report.kept_everything
+    assert all(backend.exists(k) for k in needed), "a key the damaged bundle names was removed"
+    assert not any(backend.exists(k) for k in own)
+    assert "unreadable bundle damaged" in report.render_text()
+    assert validates(f"{root}/b-00001")
+
+
+def test_a_bundle_whose_references_cannot_be_known_keeps_every_object(tmp_path):
+    root = str(tmp_path / "store")
+    write_canonical(root)
+    write_canonical(root, name="damaged", buggy=True)
+    _damage_marker(root, "damaged", b"\x00garbage, not a marker")
+    writer = _crashed(root)
+    backend = open_backend(root)
+    keys = set(backend.list("objects/")) | set(backend.list("blobs/"))
+    report = collect_garbage(root, grace="0s")
+    assert report.kept_everything and report.objects_removed == 0 and report.refs_removed == 0
+    assert set(backend.list("objects/")) | set(backend.list("blobs/")) == keys
+    assert any(p.startswith("damaged: ") for p in report.unreadable_bundles)
+    assert writer.inflight.key  # the crashed capture's garbage waits for the damage to be dealt with
+
+
+def test_a_bundle_with_an_unreadable_manifest_keeps_every_object(tmp_path):
+    root = str(tmp_path / "store")
+    write_canonical(root)
+    write_canonical(root, name="damaged", buggy=True)
+    backend = open_backend(root)
+    state = next(s for s in scan_bundles(backend) if s.name == "damaged")
+    manifest = state.complete.documents().manifest
+    for chunk in ObjectStore(backend).record(manifest.digest).chunks:
+        backend.delete(object_key(chunk.digest))
+    _crashed(root)
+    report = collect_garbage(root, grace="0s")
+    assert report.kept_everything and report.objects_removed == 0
+    assert any(p.startswith("damaged: ") for p in report.unreadable_bundles)
