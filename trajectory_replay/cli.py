@@ -1,61 +1,203 @@
 """The `trajectory-replay` command line: thin wrappers over the Python API.
 
 Errors are the package's own exceptions, turned into one line on stderr and an exit code here
-and nowhere else: 0 pass / valid, 1 divergence, invalid or incomplete bundle, selection or
-topology problem, 2 malformed command line.
+and nowhere else (`error_status` is the one mapping): 0 pass / valid, 1 divergence, invalid or
+incomplete bundle, selection or topology problem, storage unreachable, 2 malformed command line.
+
+With `--json` (replay, inspect, validate, ls, stats, cp, gc, fsck) stdout is exactly one JSON
+object whatever happens, usage errors included: a top-level `status` (one of STATUSES) and, on
+an error, `error`, the same one line that goes to stderr.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import os
+import sys
 import warnings
 from functools import wraps
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
-from trajectory_replay.errors import TrajectoryReplayError, UsageError
+from trajectory_replay.errors import (
+    BackendError, IncompleteBundleError, SelectionError, TrajectoryReplayError, UnsupportedError, UsageError,
+)
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+try:  # typer vendors click from 0.20 on; earlier releases use click itself
+    from typer._click.exceptions import UsageError as ClickUsageError
+except ImportError:  # pragma: no cover
+    from click.exceptions import UsageError as ClickUsageError
+
+STATUSES = ("pass", "diverged", "invalid", "incomplete", "unsupported", "selection", "usage", "io")
+"""Values of the top-level `status` of every `--json` object."""
+
+_STORAGE_LIBRARIES = {"botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "urllib3"}
+"""Packages whose own exceptions mean the storage could not be reached or refused us."""
+
+
+class Group(TyperGroup):
+    """The command group: an unknown command or option is one line too (and JSON with `--json`), exit 2."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        return _one_line_usage(lambda: super(Group, self).parse_args(ctx, args), ctx, args, "")
+
+    def resolve_command(self, ctx, args: list[str]):
+        return _one_line_usage(lambda: super(Group, self).resolve_command(ctx, args), ctx, args, "")
+
+
+def _one_line_usage(parse: Callable, ctx, args: list[str], name: str):
+    as_json = "--json" in args  # before parsing: the parser consumes `args`
+    try:
+        return parse()
+    except ClickUsageError as exc:
+        if ctx.resilient_parsing or type(exc).__name__ == "NoArgsIsHelpError":
+            raise
+        command = f"trajectory-replay {name}".rstrip()
+        _fail(f"{error_message(exc)} (see `{command} --help`)", "usage", 2, as_json)
+        raise  # unreachable: _fail exits
+
+
+app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Capture what one async RL training step consumed; replay it offline and name the first "
                        "divergence.")
 
 
-def _fail(message: str, code: int) -> None:
-    typer.echo(f"trajectory-replay: error: {message}", err=True)
+def error_status(exc: BaseException) -> tuple[str, int]:
+    """The `--json` status and the exit code of an error: the one place the two are decided."""
+    if isinstance(exc, (UsageError, ClickUsageError)):
+        return "usage", 2
+    if isinstance(exc, KeyboardInterrupt):
+        return "incomplete", 130
+    if isinstance(exc, SelectionError):  # also a path that is not there, or is not a bundle
+        return "selection", 1
+    if isinstance(exc, UnsupportedError):
+        return "unsupported", 1
+    if isinstance(exc, IncompleteBundleError):
+        return "incomplete", 1
+    if isinstance(exc, BackendError) or (isinstance(exc, OSError) and not isinstance(exc, TrajectoryReplayError)):
+        return "io", 1
+    if isinstance(exc, TrajectoryReplayError):
+        return "invalid", 1
+    if type(exc).__module__.split(".")[0] in _STORAGE_LIBRARIES:
+        return "io", 1
+    return "invalid", 1
+
+
+def one_line(text: str) -> str:
+    """A message as one line: a multi-line one (a validation error, a server's reply) joined with '; '."""
+    return "; ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def error_message(exc: BaseException) -> str:
+    """What the user reads about `exc`, one line."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(exc, ClickUsageError):
+        return one_line(exc.format_message())
+    if isinstance(exc, OSError) and not isinstance(exc, TrajectoryReplayError):
+        # a path that cannot be read or written: the user's to fix
+        return one_line(f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": "))
+    if isinstance(exc, TrajectoryReplayError):
+        return one_line(str(exc))
+    return one_line(f"{type(exc).__name__}: {exc}")
+
+
+def _quiet_stdout() -> None:
+    """The reader of stdout went away (`| head`): drop whatever is still buffered instead of failing on it."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a real file (an in-process runner)
+        pass
+
+
+def emit(text: str) -> None:
+    """Print `text` on stdout; a closed pipe ends the output quietly (the exit code is still the command's)."""
+    try:
+        typer.echo(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_stdout()
+
+
+def emit_json(status: str, payload: dict[str, Any], *, allow_nan: bool = True) -> None:
+    """Print one JSON object: `status` first, then `payload`."""
+    assert status in STATUSES, status
+    emit(json.dumps({"status": status, **payload}, allow_nan=allow_nan))
+
+
+def summary(problems: list[str]) -> dict[str, str]:
+    """`{"error": ...}` for a report that found problems: the first, one line, and how many more."""
+    if not problems:
+        return {}
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return {"error": one_line(problems[0]) + more}
+
+
+def _fail(message: str, status: str, code: int, as_json: bool) -> None:
+    try:
+        typer.echo(f"trajectory-replay: error: {message}", err=True)
+    except BrokenPipeError:
+        pass
+    if as_json:
+        emit_json(status, {"error": message})
     raise typer.Exit(code)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    typer.echo(f"trajectory-replay: warning: {message}", err=True)
+    typer.echo(f"trajectory-replay: warning: {one_line(str(message))}", err=True)
+
+
+class Command(TyperCommand):
+    """A subcommand whose command-line mistakes are one line (and one JSON object with `--json`), exit 2."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        return _one_line_usage(lambda: super(Command, self).parse_args(ctx, args), ctx, args, self.name or "")
 
 
 def command(fn: Callable) -> Callable:
-    """Run a command with the project's errors turned into one-line messages and exit codes."""
+    """Run a command with the project's errors turned into one-line messages, statuses and exit codes."""
 
     @wraps(fn)
     def wrapper(*args, **kwargs):
+        as_json = bool(kwargs.get("as_json"))
         warnings.showwarning = _show_warning
         logging.basicConfig(level=logging.WARNING, format="trajectory-replay: %(levelname)s: %(message)s")
         try:
             return fn(*args, **kwargs)
-        except UsageError as exc:
-            _fail(str(exc), 2)
-        except TrajectoryReplayError as exc:
-            _fail(str(exc), 1)
-        except KeyboardInterrupt:
-            _fail("interrupted", 130)
-        except OSError as exc:  # a path that cannot be read or written: the user's to fix
-            _fail(f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": "), 1)
+        except typer.Exit:
+            raise
+        except (TrajectoryReplayError, OSError, KeyboardInterrupt) as exc:
+            status, code = error_status(exc)
+            _fail(error_message(exc), status, code, as_json)
+        except Exception as exc:
+            status, code = error_status(exc)
+            if status == "io":  # the storage library's own error, not wrapped below us: still one line
+                _fail(error_message(exc), status, code, as_json)
+            if as_json:  # a bug of this tool: the JSON contract holds, and the traceback follows on stderr
+                emit_json(status, {"error": f"internal error: {error_message(exc)}"})
+            raise
 
     return wrapper
 
 
+def check_tolerance(flag: str, value: Optional[float]) -> Optional[float]:
+    """A tolerance from the command line: a finite number >= 0 (NaN would make every comparison pass)."""
+    if value is not None and not (math.isfinite(value) and value >= 0):
+        raise UsageError(f"{flag} {value}: must be a finite number >= 0")
+    return value
+
+
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the human report.")]
+StepFlag = Annotated[Optional[str], typer.Option("--step", help="ROLLOUT:STEP of a step-level bundle.")]
+RolloutFlag = Annotated[Optional[int], typer.Option("--rollout", help="Rollout id of a rollout-level bundle.")]
 
 
-@app.command("replay")
+@app.command("replay", cls=Command)
 @command
 def replay_cmd(
     path: Annotated[str, typer.Argument(help="Bundle, bundle/rank-<r>, capture directory or store root (path or URL).")],
@@ -76,101 +218,124 @@ def replay_cmd(
 
     if step is not None and rollout is not None:
         raise UsageError("--step and --rollout are mutually exclusive")
+    atol, rtol = check_tolerance("--atol", atol), check_tolerance("--rtol", rtol)
     target = resolve_bundle(path, step=step, rollout=rollout)
     sources, rank = open_for_replay(target)
     report = replay(sources, samples=sample, groups=group, batches=batch, stages=stage or None,
                     atol=atol, rtol=rtol, rank=rank)
-    typer.echo(report.to_json() if as_json else report.render_text())
+    if as_json:
+        emit_json("pass" if report.passed else "diverged", report.to_dict(), allow_nan=False)
+    else:
+        emit(report.render_text())
     raise typer.Exit(report.exit_code)
 
 
-@app.command("inspect")
+@app.command("inspect", cls=Command)
 @command
 def inspect_cmd(
-    path: Annotated[str, typer.Argument(help="Bundle path or URL (native or older directory format).")],
+    path: Annotated[str, typer.Argument(help="Bundle path or URL (native or older directory format), or a "
+                                             "store root / capture directory with --step/--rollout.")],
+    step: StepFlag = None,
+    rollout: RolloutFlag = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Show a bundle's identity, capabilities, producer and payloads; also for an incomplete bundle (exit 0).
     Exit 1 when a payload's blob record or blob ref is missing or corrupt."""
     from trajectory_replay.bundle.inspect import inspect_bundle
+    from trajectory_replay.bundle.resolve import resolve_target
 
-    result = inspect_bundle(path)
-    typer.echo(result.to_json() if as_json else result.render_text())
+    result = inspect_bundle(resolve_target(path, step=step, rollout=rollout))
+    if as_json:
+        error = summary(result.problems or [result.detail]) if result.outcome == "invalid" else {}
+        emit_json(result.outcome, {**result.to_dict(), **error})
+    else:
+        emit(result.render_text())
     raise typer.Exit(result.exit_code)
 
 
-@app.command("validate")
+@app.command("validate", cls=Command)
 @command
 def validate_cmd(
-    path: Annotated[str, typer.Argument(help="Bundle path or URL (native or older directory format).")],
+    path: Annotated[str, typer.Argument(help="Bundle path or URL (native or older directory format), or a "
+                                             "store root / capture directory with --step/--rollout.")],
+    step: StepFlag = None,
+    rollout: RolloutFlag = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Verify format, every chunk's digest, safety and each recompute stage's inputs; exit 1 when invalid."""
+    from trajectory_replay.bundle.resolve import resolve_target
     from trajectory_replay.replay.validate import validate_bundle
 
-    report = validate_bundle(path)
-    typer.echo(report.to_json() if as_json else report.render_text())
+    report = validate_bundle(resolve_target(path, step=step, rollout=rollout))
+    if as_json:
+        emit_json(report.outcome, {**report.to_dict(), **summary(report.problems)})
+    else:
+        emit(report.render_text())
     raise typer.Exit(0 if report.valid else 1)
 
 
-@app.command("schema")
+@app.command("schema", cls=Command)
 @command
 def schema_cmd() -> None:
     """Print the JSON Schema of the manifest, index and expected documents."""
     from trajectory_replay.bundle.schema import json_schemas
 
-    typer.echo(json.dumps(json_schemas(), indent=2))
+    emit(json.dumps(json_schemas(), indent=2))
 
 
-@app.command("import")
+@app.command("import", cls=Command)
 @command
 def import_cmd(
     source: Annotated[str, typer.Argument(help="An older-format (V1) bundle directory, or a directory of them.")],
     store_root: Annotated[str, typer.Argument(help="Store root to import into (path or URL).")],
     as_name: Annotated[Optional[str], typer.Option("--as", help="Name of the imported bundle (one bundle only).")] = None,
+    step: StepFlag = None,
+    rollout: RolloutFlag = None,
 ) -> None:
     """Convert V1 directory bundles into native bundles of a store."""
     from trajectory_replay.ops.importer import import_v1
 
-    for url in import_v1(source, store_root, name=as_name):
-        typer.echo(f"imported {url}")
+    emit("\n".join(f"imported {url}" for url in import_v1(source, store_root, name=as_name, step=step,
+                                                            rollout=rollout)))
 
 
-@app.command("demo")
+@app.command("demo", cls=Command)
 @command
 def demo_cmd(
-    directory: Annotated[Optional[str], typer.Argument(help="Store to write into (default: a new "
+    directory: Annotated[Optional[str], typer.Argument(help="Store to write into, a path or URL (default: a new "
                                                             "./trajectory-replay-demo).")] = None,
 ) -> None:
     """Write a clean GRPO step and the same step with the physical-batch bug, replay both, print both reports."""
     from trajectory_replay.demo import run_demo
 
     result = run_demo(directory)
-    typer.echo(f"wrote {result.directory}/b-00001 (normalized per prompt group) and "
-               f"{result.directory}/b-00065 (normalized over the physical batch)\n")
-    typer.echo(result.clean.render_text())
-    typer.echo("")
-    typer.echo(result.buggy.render_text())
+    emit(f"wrote {result.directory}/b-00001 (normalized per prompt group) and "
+         f"{result.directory}/b-00065 (normalized over the physical batch)\n\n"
+         f"{result.clean.render_text()}\n\n{result.buggy.render_text()}")
     raise typer.Exit(0 if result.as_expected else 1)
 
 
 QuietFlag = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar (it is shown only on a terminal).")]
 
 
-@app.command("ls")
+@app.command("ls", cls=Command)
 @command
 def ls_cmd(
     root: Annotated[str, typer.Argument(help="Store root (path or URL).")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of bundle objects.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: status, root, bundles and "
+                                                         "totals.")] = False,
 ) -> None:
     """List the bundles of a store: anchor, status, ranks, logical and stored size, age."""
     from trajectory_replay.ops.ls import list_bundles
 
     report = list_bundles(root)
-    typer.echo(report.to_json() if as_json else report.render_text())
+    if as_json:
+        emit_json("pass", report.to_dict())
+    else:
+        emit(report.render_text())
 
 
-@app.command("cp")
+@app.command("cp", cls=Command)
 @command
 def cp_cmd(
     source: Annotated[str, typer.Argument(help="A bundle, or a store root with --step/--rollout/--all.")],
@@ -189,11 +354,15 @@ def cp_cmd(
     with terminal_progress(quiet) as progress:
         report = copy_bundles(source, dest_root, step=step, rollout=rollout, all_bundles=all_bundles,
                               progress=progress)
-    typer.echo(json.dumps(report.to_dict()) if as_json else report.render_text())
+    if as_json:
+        skipped = [f"{s['name']}: not copied: {s['detail']}" for s in report.skipped]
+        emit_json("invalid" if report.skipped else "pass", {**report.to_dict(), **summary(skipped)})
+    else:
+        emit(report.render_text())
     raise typer.Exit(1 if report.skipped else 0)  # the rest was copied; a corrupt bundle was not
 
 
-@app.command("gc")
+@app.command("gc", cls=Command)
 @command
 def gc_cmd(
     root: Annotated[str, typer.Argument(help="Store root (path or URL).")],
@@ -210,10 +379,13 @@ def gc_cmd(
     grace_s = parse_duration(grace)
     with terminal_progress(quiet) as progress:
         report = collect_garbage(root, grace=grace_s, dry_run=dry_run, progress=progress)
-    typer.echo(json.dumps(report.to_dict()) if as_json else report.render_text())
+    if as_json:
+        emit_json("pass", report.to_dict())
+    else:
+        emit(report.render_text())
 
 
-@app.command("fsck")
+@app.command("fsck", cls=Command)
 @command
 def fsck_cmd(
     root: Annotated[str, typer.Argument(help="Store root (path or URL).")],
@@ -228,11 +400,17 @@ def fsck_cmd(
 
     with terminal_progress(quiet) as progress:
         report = check_store(root, repair_from=repair_from, progress=progress)
-    typer.echo(json.dumps(report.to_dict()) if as_json else report.render_text())
+    if as_json:
+        problems = [f"missing {k}" for k in report.missing] + [f"corrupt {k}" for k in report.corrupt] + [
+            f"damaged bundle {b.get('name')}: {b.get('detail')}" for b in report.damaged_bundles] + [
+            f"not finalized: {n}" for n in report.finalizable if n not in report.finalized]
+        emit_json("pass" if report.exit_code == 0 else "invalid", {**report.to_dict(), **summary(problems)})
+    else:
+        emit(report.render_text())
     raise typer.Exit(report.exit_code)
 
 
-@app.command("stats")
+@app.command("stats", cls=Command)
 @command
 def stats_cmd(
     root: Annotated[str, typer.Argument(help="Store root (path or URL).")],
@@ -242,10 +420,13 @@ def stats_cmd(
     from trajectory_replay.ops.stats import store_stats
 
     report = store_stats(root)
-    typer.echo(report.to_json() if as_json else report.render_text())
+    if as_json:
+        emit_json("pass", report.to_dict())
+    else:
+        emit(report.render_text())
 
 
-@app.command("export")
+@app.command("export", cls=Command)
 @command
 def export_cmd(
     bundle: Annotated[str, typer.Argument(help="Native bundle path or URL.")],
@@ -258,7 +439,7 @@ def export_cmd(
 
     with terminal_progress(quiet) as progress:
         report = export_bundle(bundle, out_dir, progress=progress)
-    typer.echo(report.render_text())
+    emit(report.render_text())
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """`demo`: the canonical physical-batch normalization bug, written as two bundles and replayed.
 
-The same GRPO step is written twice into a local store: once with rewards normalized per
+The same GRPO step is written twice into a store (a new local directory by default, or any path
+or URL given: `s3://bucket/demo` writes there): once with rewards normalized per
 prompt group (correct) and once normalized over the physical batch (the bug). Current
 log-probs differ from the old ones (ratio e^0.5), so the final loss differs too; replay still
 names reward.post_process as the first divergent stage.
@@ -13,13 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from trajectory_replay.backends import redact_url
 from trajectory_replay.bundle import BundleWriter, open_sources
 from trajectory_replay.replay import ReplayReport, canonical_case, replay
 
 
 @dataclass
 class DemoResult:
-    directory: Path
+    directory: str
+    """The store written into, as given (a path or URL)."""
     clean: ReplayReport
     buggy: ReplayReport
 
@@ -38,14 +41,20 @@ def _fresh_directory(base: Path) -> Path:
 
 
 def run_demo(directory: Optional[str | os.PathLike] = None) -> DemoResult:
-    """Write the clean and buggy bundles under `directory` (default: a new ./trajectory-replay-demo) and replay both."""
-    root = Path(directory) if directory else _fresh_directory(Path.cwd() / "trajectory-replay-demo")
+    """Write the clean and buggy bundles into the store `directory` (a path or URL; default: a new
+    ./trajectory-replay-demo) and replay both."""
+    if directory:
+        # a URL stays a URL: as a Path, `s3://bucket/x` would become a local directory named `s3:`
+        root = os.fspath(directory).rstrip("/") or "/"
+    else:
+        root = str(_fresh_directory(Path.cwd() / "trajectory-replay-demo"))
     reports = {}
     for buggy in (False, True):
         case = canonical_case(buggy=buggy, current_logprob=0.5)
-        writer = BundleWriter(root / case.manifest.bundle_id, case.manifest, case.index, case.expected)
+        url = f"{root.rstrip('/')}/{case.manifest.bundle_id}"
+        writer = BundleWriter(url, case.manifest, case.index, case.expected)
         for name, tensor in case.payloads.items():
             writer.write_payload(name, tensor)
         writer.finalize()
-        reports[buggy] = replay(open_sources(root / case.manifest.bundle_id))
-    return DemoResult(root, reports[False], reports[True])
+        reports[buggy] = replay(open_sources(url))
+    return DemoResult(redact_url(root), reports[False], reports[True])

@@ -31,8 +31,16 @@ class BundleError(TrajectoryReplayError):
     """A bundle is invalid, incomplete, or cannot be written as asked."""
 
 
+class IncompleteBundleError(BundleError):
+    """A bundle whose final COMPLETE is missing (ranks or a whole commit not landed yet)."""
+
+
 class SelectionError(TrajectoryReplayError):
-    """A replay selection does not match the bundle (fails closed)."""
+    """A replay selection does not match the bundle (fails closed), or a path resolves to no bundle or to several."""
+
+
+class NoSuchTargetError(NotFoundError, SelectionError):
+    """What the command line points at is not there, or is not a bundle or store root."""
 
 
 class UnsupportedError(TrajectoryReplayError):
@@ -41,3 +49,10 @@ class UnsupportedError(TrajectoryReplayError):
 
 class UsageError(TrajectoryReplayError):
     """A malformed command line (exit code 2)."""
+
+
+class StorageUnavailableError(BackendError):
+    """The store cannot be reached or refuses us: endpoint down or silent, DNS, credentials, permissions, unknown bucket.
+
+    The message is one line naming the URL and what to check; the CLI reports it with status `io`.
+    """

@@ -265,7 +265,7 @@ def test_anchor_of_the_wrong_type_makes_the_marker_corrupt(crafted, anchor, need
     error_line(cli("replay", root, "--rollout", "7"), NAME, "field 'anchor'", needle)
     listing = cli("ls", root, "--json")
     assert listing.exit_code == 0 and listing.exception is None, listing.output
-    (row,) = json.loads(listing.stdout)
+    (row,) = json.loads(listing.stdout)["bundles"]
     assert row["status"] == "corrupt" and "field 'anchor'" in row["detail"] and needle in row["detail"]
 
 
@@ -318,5 +318,5 @@ def test_deeply_nested_record_under_its_digest_is_corrupt_in_ls(crafted):
     _write_marker(crafted, f"{NAME}/COMPLETE", marker)
     listing = cli("ls", crafted.url.rsplit("/", 1)[0], "--json")
     assert listing.exit_code == 0 and listing.exception is None, listing.output
-    (row,) = json.loads(listing.stdout)
+    (row,) = json.loads(listing.stdout)["bundles"]
     assert row["status"] == "corrupt" and digest in row["detail"] and "nested more than" in row["detail"]

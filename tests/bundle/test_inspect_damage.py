@@ -15,6 +15,7 @@ from trajectory_replay.bundle import BundleReader, BundleWriter
 from trajectory_replay.cli import app
 from trajectory_replay.replay import canonical_case
 from trajectory_replay.store import ObjectStore, blob_ref_key, object_key
+from trajectory_replay.units import human_bytes
 
 runner = CliRunner()
 
@@ -77,8 +78,8 @@ def test_deleted_record(bundle):
     assert info["unique_chunk_bytes"] == before["unique_chunk_bytes"] - kl.size  # kl shares no chunk
     assert info["dedup_ratio"] == pytest.approx((info["logical_bytes"] - kl.size) / info["unique_chunk_bytes"])
     total = next(line for line in lines if line.startswith("  total"))
-    assert f"({kl.size} unreadable)" in total
-    assert f"dedup {info['dedup_ratio']:.2f}x of the {info['logical_bytes'] - kl.size} readable" in total
+    assert f"({human_bytes(kl.size)} unreadable)" in total
+    assert f"dedup {info['dedup_ratio']:.2f}x of the {human_bytes(info['logical_bytes'] - kl.size)} readable" in total
 
 
 def test_altered_record_shared_by_two_payloads(bundle):

@@ -197,8 +197,8 @@ def test_non_json_or_truncated_manifest(bundle: Path, content: bytes, match: str
 
 @pytest.mark.parametrize("filename, mutate, match", [
     ("manifest.json", lambda d: d.pop("bundle_id"), r"b-1/manifest.json: missing required field 'bundle_id'"),
-    ("manifest.json", lambda d: d.update(format_version="2.0.0"),
-     r"b-1/manifest.json: field 'format_version': unsupported format_version '2.0.0': major version must be 1"),
+    ("manifest.json", lambda d: d.update(format_version="3.0.0"),
+     r"b-1/manifest.json: field 'format_version': unsupported format_version '3.0.0': major version must be 1"),
     ("manifest.json", lambda d: d["payloads"]["kl"].pop("sha256"),
      r"b-1/manifest.json: missing required field 'payloads.kl.sha256'"),
     ("manifest.json", lambda d: d["payloads"]["kl"].update(name="../../kl"),

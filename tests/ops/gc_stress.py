@@ -61,7 +61,9 @@ def main(role: str, root: str, start: float, seconds: float, options: dict, iden
             continue
         if role == "aborter":
             writer = writer_for(root, f"aborted-{uuid.uuid4().hex[:8]}", store)
-            writer.write_payloads(content(k))
+            # plus garbage of its own that no writer reuses, so every sweep has something to remove
+            writer.write_payloads({**content(k), "noise": torch.rand(2048, generator=torch.Generator().manual_seed(
+                rng.randrange(1 << 62)))})
             writer.abort()
             counts["aborted"] += 1
         else:

@@ -91,4 +91,4 @@ def test_rich_progress_renders_objects_and_bytes():
         bar.phase("copying chunks", objects=4, nbytes=4096)
         bar.advance(4, 4096)
     text = buffer.getvalue()
-    assert "copying chunks" in text and "4/4 objects" in text and "4.1 kB" in text
+    assert "copying chunks" in text and "4/4 objects" in text and "4.0 KiB" in text and "kB" not in text

@@ -121,7 +121,7 @@ def test_ls_lists_the_good_bundle_and_names_the_corrupt_one(root, case):
     needles = _damage(root, case)
     listing = cli("ls", root, "--json")
     assert listing.exit_code == 0, listing.output
-    rows = {row["name"]: row for row in json.loads(listing.stdout)}
+    rows = {row["name"]: row for row in json.loads(listing.stdout)["bundles"]}
     assert rows["good"]["status"] == "complete" and rows["good"]["logical_bytes"] > 0
     assert rows["bad"]["status"] == "corrupt", rows["bad"]
     for needle in needles:

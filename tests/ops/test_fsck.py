@@ -9,6 +9,7 @@ from trajectory_replay.backends import open_backend
 from trajectory_replay.ops.cp import copy_bundles
 from trajectory_replay.ops.fsck import check_store
 from trajectory_replay.ops.ls import list_bundles
+from trajectory_replay.ops.walk import scan_bundles
 from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.digest import blob_ref_key
 
@@ -43,7 +44,7 @@ def test_fsck_finds_damage_finalizes_and_repairs_from_a_copy(tmp_path, s3_root):
     orphan_digest = ObjectStore(backend).put_object(b"nobody references me")
     orphan = f"objects/{orphan_digest[7:9]}/{orphan_digest[7:]}"
     backend.delete("cohort/COMPLETE")
-    assert [b.status for b in list_bundles(root).bundles] == ["complete", "complete", "finalizable"]
+    assert [b.status for b in scan_bundles(backend)] == ["complete", "complete", "finalizable"]
 
     report = check_store(root)
     assert not report.healthy and report.exit_code == 1

@@ -39,19 +39,20 @@ def test_ls_statuses_sizes_and_age(tmp_path):
     assert by_name["b-00001"].status == "complete" and by_name["b-00001"].anchor == "step 120:0"
     assert by_name["partial"].status == "incomplete" and by_name["partial"].missing_ranks == [1]
     assert by_name["partial"].ranks == [0, 2]
-    assert by_name["lastdied"].status == "finalizable" and by_name["lastdied"].ranks == [0, 1]
+    # every rank of lastdied landed: ls finalizes it, as any reader does
+    assert by_name["lastdied"].status == "complete" and by_name["lastdied"].ranks == [0, 1]
+    assert report.finalized == ["lastdied"] and open_backend(root).exists("lastdied/COMPLETE")
     one = by_name["b-00001"]
     assert one.logical_bytes == sum(s.size for s in open_sources(f"{root}/b-00001")[0].manifest.payloads.values())
     assert one.stored_bytes > 0 and 0 <= one.age_seconds < 60
     assert by_name["lastdied"].logical_bytes == 2 * one.logical_bytes
     text = report.render_text()
-    assert "incomplete (missing ranks [1])" in text and "finalizable" in text
+    assert "incomplete (missing ranks [1])" in text and "lastdied: finalized" in text
     cli = runner.invoke(app, ["ls", root, "--json"])
     assert cli.exit_code == 0, cli.output
-    rows = json.loads(cli.stdout)
-    assert isinstance(rows, list) and {r["name"]: r["status"] for r in rows} == {
-        "b-00001": "complete", "lastdied": "finalizable", "partial": "incomplete"}
-    assert not open_backend(root).exists("lastdied/COMPLETE")  # ls only reads
+    doc = json.loads(cli.stdout)
+    assert doc["status"] == "pass" and {r["name"]: r["status"] for r in doc["bundles"]} == {
+        "b-00001": "complete", "lastdied": "complete", "partial": "incomplete"}
 
 
 def _random_capture(root: str, name: str, **options) -> None:
@@ -109,7 +110,7 @@ def test_every_command_on_s3_through_the_cli(tmp_path, s3_root, s3_env, monkeypa
     write_ranks(url, "partial", land=[1], expected_ranks=[0, 1], **options)
     ls = runner.invoke(app, ["ls", url, "--json"])
     assert ls.exit_code == 0, ls.output
-    assert {r["name"]: r["status"] for r in json.loads(ls.stdout)} == {
+    assert {r["name"]: r["status"] for r in json.loads(ls.stdout)["bundles"]} == {
         "first": "complete", "second": "complete", "partial": "incomplete"}
     stats = runner.invoke(app, ["stats", url, "--json"])
     assert stats.exit_code == 0, stats.output

@@ -301,10 +301,35 @@ def test_loss_value_contract_is_unsupported_when_selected_only():
     assert replay([source], stages=["advantage.estimate"]).passed
 
 
-def test_a_contract_declared_unsupported_fails_loudly():
+@pytest.mark.parametrize("capability", [StageCapability.UNSUPPORTED, StageCapability.INSPECT_ONLY,
+                                        StageCapability.RECORDED_ONLY])
+def test_a_stage_the_bundle_declares_not_replayable_is_skipped_with_its_capability(capability):
+    """The older tool's capture declares loss.value unsupported in every bundle: that must not fail a clean one."""
+    case = canonical_case(buggy=False)
+    kl = case.payloads["kl"].clone()
+    kl[0] = 9.0  # would fail advantage.kl if it ran
+    source = _with_contract(case._replace(payloads={**case.payloads, "kl": kl}), StageId.ADVANTAGE_KL, capability)
+    report = replay([source])
+    assert report.passed, report.render_text()
+    result = report.stage("advantage.kl")
+    assert result.status == "skipped" and f"capability={capability.value}" in result.message
+    assert f"[skipped] advantage.kl  capability={capability.value}" in report.render_text()
+
+
+def test_a_loss_value_contract_declared_unsupported_is_skipped():
+    source = _with_contract(canonical_case(buggy=False), StageId.LOSS_VALUE, StageCapability.UNSUPPORTED)
+    report = replay([source])
+    assert report.passed and report.stage("loss.value").status == "skipped"
+    assert report.stage("loss.policy").status == "pass"
+    buggy = _with_contract(canonical_case(buggy=True), StageId.LOSS_VALUE, StageCapability.UNSUPPORTED)
+    assert replay([buggy]).first_divergent_stage == "reward.post_process"
+
+
+def test_asking_for_a_stage_declared_unsupported_fails_loudly():
     source = _with_contract(canonical_case(buggy=False), StageId.ADVANTAGE_KL, StageCapability.UNSUPPORTED)
-    with pytest.raises(UnsupportedError, match="stage advantage.kl is declared unsupported"):
-        replay([source])
+    with pytest.raises(UnsupportedError, match="stage advantage.kl is declared unsupported by bundle b-00001"):
+        replay([source], stages=["advantage.kl"])
+    assert replay([source], stages=["advantage.estimate"]).passed  # not named, not run
 
 
 def test_an_unknown_contract_version_fails_loudly():
@@ -321,18 +346,29 @@ def test_recorded_only_post_process_is_skipped_and_hands_on_recorded_rewards():
     assert report.passed
 
 
-def test_recorded_only_reward_raw_still_compares():
+def test_recorded_only_reward_raw_is_skipped_and_post_process_uses_the_recorded_raw_rewards():
     case = canonical_case(buggy=False)
-    case.expected["reward.raw"]["raw_rewards"][0] = 2.0
+    case.expected["reward.raw"]["raw_rewards"][0] = 2.0  # not compared: the stage is not replayed
     report = replay([_with_contract(case, StageId.REWARD_RAW, StageCapability.RECORDED_ONLY)])
-    assert report.first_divergent_stage == "reward.raw"
+    assert report.stage("reward.raw").status == "skipped" and report.passed
+    buggy = canonical_case(buggy=True)
+    report = replay([_with_contract(buggy, StageId.REWARD_RAW, StageCapability.RECORDED_ONLY)])
+    assert report.first_divergent_stage == "reward.post_process"
 
 
-def test_inspect_only_upstream_fails_its_consumer_loudly():
-    source = _with_contract(canonical_case(buggy=False), StageId.REWARD_POST_PROCESS, StageCapability.INSPECT_ONLY)
+@pytest.mark.parametrize("capability", [StageCapability.INSPECT_ONLY, StageCapability.UNSUPPORTED])
+def test_a_skipped_upstream_hands_its_recorded_values_to_the_stage_after_it(capability):
+    source = _with_contract(canonical_case(buggy=False), StageId.REWARD_POST_PROCESS, capability)
     report = replay([source])
-    assert report.stage("reward.post_process").status == "skipped"
+    assert report.stage("reward.post_process").status == "skipped" and report.passed
+    assert report.stage("advantage.estimate").status == "pass"
+    case = canonical_case(buggy=False)
+    advantages = case.payloads["advantages"].clone()
+    advantages[5] = 3.0  # s-2 token 1: the stage after the skipped one still finds it
+    report = replay([_with_contract(case._replace(payloads={**case.payloads, "advantages": advantages}),
+                                    StageId.REWARD_POST_PROCESS, capability)])
     assert report.first_divergent_stage == "advantage.estimate"
+    assert _divs(report.stage("advantage.estimate"))[0][:3] == ("advantages", "s-2", 1)
 
 
 # --- --stage closure ----------------------------------------------------------------------------
@@ -444,50 +480,90 @@ def test_replica_ranks_are_each_replayed_and_agree():
     assert [(s.stage, s.rank) for s in report.stages][-2:] == [("loss.policy", 0), ("loss.policy", 1)]
 
 
-def test_replica_each_rank_is_checked_against_its_own_data():
+def test_ranks_with_the_same_ids_and_other_data_are_each_replayed_on_their_own():
+    """Rank-local sample ids (every rank from s-0): a rank whose payload differs is its own shard, and a fault in
+    it is reported for that rank alone."""
     case = canonical_case(buggy=False)
     kl = case.payloads["kl"].clone()
     kl[3] = 1.0
     sources = [source_of(case, rank=0), source_of(case, rank=1, kl=kl)]
     report = replay(sources)
-    result = report.stage("advantage.kl")
-    assert result.status == "fail" and result.message.startswith("rank 1: ")
-    assert _divs(result)[0][:3] == ("kl", "s-1", 1)
+    assert report.first_divergent_stage == "advantage.kl"
+    assert report.stage("advantage.kl", rank=0).status == "pass"
+    result = report.stage("advantage.kl", rank=1)
+    assert result.status == "fail" and _divs(result)[0][:3] == ("kl", "s-1", 1)
+    assert {s.rank for s in report.stages} == {0, 1}
+    assert [s.stage for s in report.stages][:2] == ["sample", "sample"]  # stage by stage, each rank
 
 
-def test_replicas_disagreeing_on_group_index_fail_at_sample():
+def test_rank_local_ids_with_other_groups_are_normalized_within_their_rank():
     case = canonical_case(buggy=False)
     other = canonical_case(buggy=False)
     other.index.samples[1].group_index, other.index.samples[2].group_index = 1, 0
     report = replay([source_of(case, rank=0), source_of(other, rank=1)])
-    assert report.first_divergent_stage == "sample"
-    sample = report.stage("sample")
-    assert "replica rank 1 disagrees with rank 0 on group_index of 2 sample(s)" in sample.message
-    assert _divs(sample)[0] == ("group_index", "s-1", None, 0.0, 1.0, 1.0)
+    assert report.stage("reward.post_process", rank=0).status == "pass"
+    result = report.stage("reward.post_process", rank=1)
+    assert result.status == "fail" and report.first_divergent_stage == "reward.post_process"
+    assert report.stage("sample", rank=1).status == "pass"  # group membership is the rank's own
 
 
-def test_replicas_disagreeing_on_loss_mask_fail_at_sample():
-    case = canonical_case(buggy=False)
-    mask = torch.ones(8, dtype=torch.uint8)
-    mask[5] = 0
-    report = replay([source_of(case, rank=0), MemorySource(*canonical_case(buggy=False), rank=1)],
-                    stages=["sample"])
-    assert report.passed
-    other = canonical_case(buggy=False)
-    for record in other.index.samples:
-        record.loss_mask = []  # a native bundle: the mask lives in the payload only
-    report = replay([source_of(case, rank=0), source_of(other, rank=1, loss_mask=mask)], stages=["sample"])
-    sample = report.stage("sample")
-    assert "replica rank 1 disagrees with rank 0 on loss_mask" in sample.message
-    assert _divs(sample)[0][:3] == ("loss_mask", "s-2", 1)
-
-
-def test_replicas_disagreeing_on_sample_order_fail():
+def test_rank_local_ids_in_another_order_are_replayed_as_recorded():
     case = canonical_case(buggy=False)
     other = canonical_case(buggy=False)
-    other.index.samples.reverse()
-    report = replay([source_of(case, rank=0), source_of(other, rank=1)], stages=["sample"])
-    assert "replica rank 1 disagrees with rank 0 on the sample_id order" in report.stage("sample").message
+    other.index.samples.reverse()   # the rank's records no longer line up with its expected lists
+    report = replay([source_of(case, rank=0), source_of(other, rank=1)])
+    assert report.stage("reward.raw", rank=0).status == "pass"
+    assert report.stage("reward.raw", rank=1).status == "fail"
+
+
+def test_a_fault_in_the_third_of_three_rank_local_shards_fails_the_replay():
+    cases = [canonical_case(buggy=False) for _ in range(3)]
+    for r, case in enumerate(cases):  # each rank its own data under the same ids
+        for record in case.index.samples:
+            record.micro_batch_id = f"mb-{r}"
+    advantages = cases[2].payloads["advantages"].clone()
+    advantages[6] = 5.0   # s-3 token 0
+    sources = [source_of(c, rank=r) for r, c in enumerate(cases[:2])] + [source_of(cases[2], rank=2,
+                                                                                   advantages=advantages)]
+    report = replay(sources)
+    assert not report.passed and report.first_divergent_stage == "advantage.estimate"
+    assert [(r.stage, r.rank) for r in report.stages if r.failed] == [("advantage.estimate", 2)]
+    assert _divs(report.stage("advantage.estimate", rank=2))[0][:3] == ("advantages", "s-3", 0)
+    assert [(r.rank, r.status) for r in report.stages if r.stage == "loss.policy"] == [(0, "pass"), (1, "pass"),
+                                                                                      (2, "pass")]
+    fresh = [source_of(c, rank=r) for r, c in enumerate(cases[:2])] + [source_of(cases[2], rank=2,
+                                                                                 advantages=advantages)]
+    alone = replay(fresh, rank=2)   # the rank by itself: its own data, nothing of the others
+    assert alone.first_divergent_stage == "advantage.estimate" and fresh[0].loads == fresh[1].loads == []
+
+
+def test_replicas_among_rank_local_shards_are_reported_for_every_rank():
+    same = canonical_case(buggy=False)
+    other = canonical_case(buggy=False)
+    other.expected["reward.post_process"]["rewards"] = [-5.5, -3.5, 3.5, 5.5]
+    report = replay([source_of(same, rank=0), source_of(canonical_case(buggy=False), rank=1),
+                     source_of(other, rank=2)])
+    post = [(s.rank, s.status) for s in report.stages if s.stage == "reward.post_process"]
+    assert post == [(0, "pass"), (1, "pass"), (2, "fail")]
+    assert report.stage("reward.post_process", rank=1).message.endswith("(data identical to rank 0)")
+    assert {s.rank for s in report.stages if s.stage == "loss.policy"} == {0, 1, 2}
+
+
+def test_selection_over_rank_local_ids_selects_in_each_rank():
+    cases = [canonical_case(buggy=False), canonical_case(buggy=False)]
+    cases[1].expected["reward.post_process"]["rewards"] = [-5.5, -3.5, 3.5, 5.5]  # rank 1's data: the bug
+    cases[1].index.samples[0].micro_batch_id = "mb-0042"
+    sources = [source_of(c, rank=r) for r, c in enumerate(cases)]
+    report = replay(sources, samples=["s-0"])
+    assert report.stage("reward.post_process", rank=0).status == "pass"
+    assert report.stage("reward.post_process", rank=1).status == "fail"
+    assert {(s.stage, s.rank) for s in report.stages if s.stage == "loss.policy"} == {("loss.policy", 0),
+                                                                                      ("loss.policy", 1)}
+    assert all(s.status == "skipped" for s in report.stages if s.stage == "loss.policy")
+    only_rank_1 = replay(sources, batches=["mb-0042"])
+    assert {s.rank for s in only_rank_1.stages} == {1}
+    with pytest.raises(SelectionError, match="no sample 's-9'"):
+        replay(sources, samples=["s-9"])
 
 
 def test_data_parallel_ranks_form_one_cohort_and_loss_runs_per_rank():
@@ -562,10 +638,12 @@ def test_one_rank_of_replicas_is_replayed_alone():
     assert report.passed and sources[0].loads == []
 
 
-def test_partly_overlapping_ranks_are_an_error():
+def test_partly_overlapping_ranks_are_replayed_each_on_their_own():
     shards = split_ranks(twelve_case(), [range(0, 7), range(6, 12)])
-    with pytest.raises(BundleError, match="share 1 sample ids but not all"):
-        replay([source_of(shard, rank=r) for r, shard in enumerate(shards)])
+    report = replay([source_of(shard, rank=r) for r, shard in enumerate(shards)])
+    assert {s.rank for s in report.stages} == {0, 1}
+    # neither rank holds every member of its prompt groups, so each alone diverges at reward.post_process
+    assert report.first_divergent_stage == "reward.post_process"
 
 
 def test_ranks_of_different_bundles_are_an_error():

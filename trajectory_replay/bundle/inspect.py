@@ -1,5 +1,9 @@
 """`inspect`: what a bundle is and holds, including a bundle that is not complete (it says what is missing).
 
+A bundle whose every rank landed but whose COMPLETE is missing is finalized first, as any reader does
+(docs/format.md). A multi-rank bundle is shown as its cohort: the samples of every rank, each rank's count,
+the payloads of one rank (the first) and the damage of all.
+
 Each payload's blob record and blob ref are read from the backend itself, not the read cache, so a
 record deleted or altered in the store shows as damage (per payload, in the human report too)
 rather than as a payload without chunks. Chunks are not read here; `validate` verifies them.
@@ -15,13 +19,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 from trajectory_replay.backends import redact_url
-from trajectory_replay.bundle.markers import RankMarker, landed_ranks, rank_key, read_complete, read_marker
+from trajectory_replay.bundle.markers import (
+    RankMarker, landed_ranks, rank_key, read_complete, read_marker, try_finalize,
+)
 from trajectory_replay.bundle.paths import split_bundle_path
 from trajectory_replay.bundle.redaction import unknown_fields
 from trajectory_replay.bundle.schema import STAGE_ORDER, PayloadSpec
-from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError
+from trajectory_replay.errors import (
+    BackendError, BundleError, IncompleteBundleError, NotFoundError, StorageUnavailableError, TrajectoryReplayError,
+)
 from trajectory_replay.store import BlobRecord, ObjectStore, blob_ref_key, hash_bytes, object_key, parse_digest
 from trajectory_replay.store.objectstore import MAX_RECORD_BYTES
+from trajectory_replay.units import human_bytes
 
 
 @dataclass
@@ -29,8 +38,9 @@ class Inspection:
     """Everything `inspect` shows, as data (`--json` prints `to_dict()`)."""
 
     target: str
-    status: str
-    """complete | incomplete | finalizable"""
+    state: str
+    """complete | incomplete | finalizable (could not be finalized here) | invalid (an older-format bundle that
+    does not open)"""
     bundle_id: Optional[str] = None
     format: str = "native"
     detail: str = ""
@@ -42,7 +52,10 @@ class Inspection:
     stages: dict[str, str] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     samples: int = 0
+    """Samples of the whole cohort (every rank shown)."""
     tokens: int = 0
+    rank_samples: dict[str, int] = field(default_factory=dict)
+    """Samples per rank of a multi-rank bundle."""
     payloads: list[dict[str, Any]] = field(default_factory=list)
     logical_bytes: int = 0
     unique_chunk_bytes: Optional[int] = None
@@ -65,36 +78,52 @@ class Inspection:
 
     @property
     def exit_code(self) -> int:
-        """0 for a healthy bundle, complete or not (inspect explains an incomplete one); 1 when damaged."""
-        return 1 if self.damaged else 0
+        """0 for a healthy bundle, complete or not (inspect explains an incomplete one); 1 when damaged or
+        invalid."""
+        return 1 if self.damaged or self.state == "invalid" else 0
+
+    @property
+    def outcome(self) -> str:
+        """The `--json` status: pass, incomplete or invalid."""
+        if self.damaged or self.state == "invalid":
+            return "invalid"
+        return "incomplete" if self.state in ("incomplete", "finalizable") else "pass"
 
     def to_dict(self) -> dict[str, Any]:
+        """Everything as data (the CLI adds the top-level `status`: see `outcome`)."""
         return {**self.__dict__, "damaged": self.damaged, "dedup_ratio": self.dedup_ratio}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 
     def render_text(self) -> str:
-        lines = [f"bundle {self.bundle_id or self.target} [{self.format}] — {self.status}"
+        lines = [f"bundle {self.bundle_id or self.target} [{self.format}] — {self.state}"
                  + (f": {self.detail}" if self.detail else "")
                  + (f"; DAMAGED ({len(self.problems)} problem{'s' if len(self.problems) > 1 else ''})"
                     if self.damaged else "")]
         if self.anchor:
             lines.append(f"  anchor     {self.anchor}")
         if self.expected_ranks:
-            lines.append(f"  ranks      landed {self.ranks} of {self.expected_ranks}")
+            landed = "all landed" if self.ranks == self.expected_ranks else f"{ranks_text(self.ranks)} landed"
+            lines.append(f"  ranks      {ranks_text(self.expected_ranks)} ({landed})")
+        elif self.ranks:
+            lines.append(f"  ranks      {ranks_text(self.ranks)}")
         if self.producer:
-            lines.append("  producer   " + ", ".join(f"{k}={v}" for k, v in self.producer.items() if v is not None))
+            lines.append("  producer   " + ", ".join(f"{k}={v}" for k, v in self.producer.items()
+                                                      if v not in (None, "")))
         if self.identity:
             lineage = self.identity.get("weight_lineage") or {}
             rank = self.identity.get("rank") or {}
-            lines.append(f"  lineage    rollout_weight={lineage.get('rollout_weight')} "
-                         f"actor_weight={lineage.get('actor_weight')}; topology " +
-                         " ".join(f"{k}={v}" for k, v in rank.items()))
+            lines.append(f"  lineage    rollout_weight={value_text(lineage.get('rollout_weight'))} "
+                         f"actor_weight={value_text(lineage.get('actor_weight'))}; topology " +
+                         " ".join(f"{k}={value_text(v)}" for k, v in rank.items()))
         if self.config:
-            lines.append("  config     " + ", ".join(f"{k}={v}" for k, v in self.config.items()))
-        if self.samples:
-            lines.append(f"  samples    {self.samples} ({self.tokens} response tokens)")
+            lines.append("  config     " + ", ".join(f"{k}={value_text(v)}" for k, v in self.config.items()))
+        if self.samples or self.rank_samples:
+            per_rank = ""
+            if len(self.rank_samples) > 1:
+                per_rank = "; " + ", ".join(f"rank {r}: {n}" for r, n in self.rank_samples.items())
+            lines.append(f"  samples    {self.samples} ({self.tokens} response tokens{per_rank})")
         for stage, cap in self.stages.items():
             lines.append(f"  stage      {stage:<22} {cap}")
         if self.redaction:
@@ -106,15 +135,19 @@ class Inspection:
             chunks = f", {p['chunks']} chunks" if p.get("chunks") is not None else ""
             damage = "".join(f"  {label}: {p[key]}" for key, label in (("error", "UNREADABLE"),
                                                                          ("ref_error", "DAMAGED")) if p.get(key))
-            lines.append(f"  payload    {p['name']:<16} {p['role']:<8} {p['dtype']:<14} {str(p['shape']):<12} "
-                         f"{p['size']} bytes{chunks}{damage}")
+            shape = "[" + ", ".join(map(str, p["shape"])) + "]"
+            lines.append(f"  payload    {p['name']:<16} {p['role']:<8} {p['dtype']:<14} {shape:<12} "
+                         f"{human_bytes(p['size'])}{chunks}{damage}")
         if self.payloads:
-            unreadable = f" ({self.unreadable_bytes} unreadable)" if self.unreadable_bytes else ""
+            unreadable = f" ({human_bytes(self.unreadable_bytes)} unreadable)" if self.unreadable_bytes else ""
             dedup = ""
             if self.dedup_ratio is not None:
-                of = f" of the {self.logical_bytes - self.unreadable_bytes} readable" if self.unreadable_bytes else ""
-                dedup = f", {self.unique_chunk_bytes} in unique chunks (dedup {self.dedup_ratio:.2f}x{of})"
-            lines.append(f"  total      {self.logical_bytes} payload bytes{unreadable}{dedup}")
+                of = (f" of the {human_bytes(self.logical_bytes - self.unreadable_bytes)} readable"
+                      if self.unreadable_bytes else "")
+                dedup = (f", {human_bytes(self.unique_chunk_bytes or 0)} in unique chunks "
+                         f"(dedup {self.dedup_ratio:.2f}x{of})")
+            shown = f" (rank {self.ranks[0]})" if len(self.rank_samples) > 1 and self.ranks else ""
+            lines.append(f"  total      {human_bytes(self.logical_bytes)} of payloads{shown}{unreadable}{dedup}")
         shown = {f"payload {p['name']!r}" for p in self.payloads}
         for problem in self.problems:
             if problem.split(":", 1)[0] not in shown:  # other shards' damage has no payload line above
@@ -260,16 +293,40 @@ def _fill_from_source(out: Inspection, source, store: Optional[ObjectStore]) -> 
         out.problems += _problems(states)
 
 
-def _check_shards(out: Inspection, store: ObjectStore, open_rank, ranks) -> None:
-    """Add the damage of the shards not shown (the other ranks of a multi-rank bundle) to `out.problems`;
-    a shard whose documents cannot be read is one problem, not a failure of the whole report."""
+def _check_shards(out: Inspection, store: Optional[ObjectStore], first, open_rank, ranks) -> None:
+    """Count the samples of every rank of a multi-rank bundle (`first` is the one shown) and add the damage of
+    the other shards to `out.problems`; a shard whose documents cannot be read is one problem, not a failure of
+    the whole report."""
+    if first.rank is None:
+        return
+    out.rank_samples[str(first.rank)] = len(first.index.samples)
     for rank in ranks:
         try:
-            payloads = open_rank(rank).manifest.payloads
+            reader = open_rank(rank)
         except TrajectoryReplayError as exc:
             out.problems.append(f"rank {rank}: {exc}")
             continue
-        out.problems += _problems(_payload_states(store, payloads), f"rank {rank}: ")
+        samples = reader.index.samples
+        out.rank_samples[str(rank)] = len(samples)
+        out.samples += len(samples)
+        out.tokens += sum(max(s.response_length, 0) for s in samples)
+        if store is not None:
+            out.problems += _problems(_payload_states(store, reader.manifest.payloads), f"rank {rank}: ")
+    out.rank_samples = dict(sorted(out.rank_samples.items(), key=lambda kv: int(kv[0])))
+
+
+def ranks_text(ranks) -> str:
+    """`0, 1, 2`: ranks as a person writes them ('none' for no rank)."""
+    return ", ".join(str(r) for r in ranks if r is not None) or "none"
+
+
+def value_text(value: Any) -> str:
+    """A document value for the human report: `unset` for a missing one, lists without brackets of quotes."""
+    if value is None or value == "":
+        return "unset"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(value_text(v) for v in value) + "]"
+    return str(value)
 
 
 def inspect_bundle(path_or_url: str | os.PathLike, **storage_options: Any) -> Inspection:
@@ -284,10 +341,13 @@ def inspect_bundle(path_or_url: str | os.PathLike, **storage_options: Any) -> In
             try:
                 sources = legacy.open_v1(local)
             except BundleError as exc:
-                out.status, out.detail = "incomplete" if "COMPLETE" in str(exc) else "invalid", str(exc)
+                out.state = "incomplete" if isinstance(exc, IncompleteBundleError) else "invalid"
+                out.detail = str(exc)
                 return out
             _fill_from_source(out, sources[0], None)
             out.ranks = [s.rank for s in sources if s.rank is not None]
+            by_rank = {s.rank: s for s in sources[1:]}
+            _check_shards(out, None, sources[0], by_rank.__getitem__, list(by_rank))
             return out
     from trajectory_replay.bundle.reader import BundleReader, describe_missing, open_native
 
@@ -295,19 +355,32 @@ def inspect_bundle(path_or_url: str | os.PathLike, **storage_options: Any) -> In
     store = ObjectStore.open(root, **storage_options)
     out = Inspection(redact_url(text), "complete", bundle_id=name)
     marker = read_complete(store.backend, name)
+    unfinalized = ""
+    if marker is None and landed_ranks(store.backend, name):
+        try:
+            marker = try_finalize(store.backend, name)
+        except StorageUnavailableError:
+            raise
+        except (BackendError, OSError) as exc:  # this store or this user cannot write markers
+            unfinalized = f"every rank landed and COMPLETE is missing; not finalized here: {exc}"
+        except TrajectoryReplayError as exc:
+            out.problems.append(str(exc))
+            unfinalized = "every rank landed and COMPLETE is missing; the rank markers cannot be finalized"
+        if marker is not None:
+            out.detail = "finalized now: every rank had landed and COMPLETE was missing"
     if marker is None:
         landed = landed_ranks(store.backend, name)
         out.detail = describe_missing(store, name)
         if not landed:
-            out.status = "incomplete"
+            out.state = "incomplete"
             return out
         markers = [read_marker(store.backend, rank_key(name, r), RankMarker) for r in landed]
         out.ranks = landed
         out.expected_ranks = markers[0].expected_ranks  # type: ignore[union-attr]
         missing = [r for r in out.expected_ranks if r not in landed]
-        out.status = "incomplete" if missing else "finalizable"
+        out.state = "incomplete" if missing else "finalizable"
         if not missing:
-            out.detail = "every rank landed and COMPLETE is missing; a reader, ls or fsck will finalize it"
+            out.detail = unfinalized
         from trajectory_replay.bundle.markers import CompleteMarker
 
         # describe the landed shard as a reader would (documents are committed before a rank marker)
@@ -315,14 +388,18 @@ def inspect_bundle(path_or_url: str | os.PathLike, **storage_options: Any) -> In
                                expected_ranks=out.expected_ranks, multi_rank=True,
                                shards={str(r): m.documents for r, m in zip(landed, markers)  # type: ignore
                                        if m is not None})
-        _fill_from_source(out, BundleReader(store, name, shard, landed[0]), store)
-        _check_shards(out, store, lambda r: BundleReader(store, name, shard, r),
+        first = BundleReader(store, name, shard, landed[0])
+        _fill_from_source(out, first, store)
+        _check_shards(out, store, first, lambda r: BundleReader(store, name, shard, r),
                       [r for r, m in zip(landed[1:], markers[1:]) if m is not None])
         return out
     readers = open_native(text, store=store)
     _fill_from_source(out, readers[0], store)
-    others = {r.rank: r for r in readers[1:]}
-    _check_shards(out, store, others.__getitem__, list(others))
+    if readers[0].rank is not None and len(readers) == 1:  # one rank addressed: the cohort is every rank
+        others = {r.rank: r for r in readers[0].peers()}
+    else:
+        others = {r.rank: r for r in readers[1:]}
+    _check_shards(out, store, readers[0], others.__getitem__, list(others))
     out.ranks = [int(r) for r in marker.shards] if marker.multi_rank else []
     out.expected_ranks = marker.expected_ranks if marker.multi_rank else []
     return out

@@ -1,14 +1,26 @@
 """The older "V1" directory bundle format: its writer, and a verifying reader that serves it as a ReplaySource.
 
-Layout:
+Layout, as the older tool writes it:
 
-    <bundle>/manifest.json index.json expected.json COMPLETE payloads/<name>.pt
-    <bundle>/rank-<r>/...  <bundle>/COMPLETE.<r>  <bundle>/COMPLETE      (several producers)
+    <bundle>/manifest.json index.json expected.json payloads/<name>.pt
+    <bundle>/COMPLETE.<r>   {actor_step_id, rollout_id, payloads, metadata, expected_ranks}
+    <bundle>/COMPLETE       {ranks, expected_ranks, metadata}              (no bundle id)
+
+    several producers:
+    <bundle>/rank-<r>/...   one bundle as above per rank
+    <bundle>/COMPLETE.<r>   the rank's marker plus its `relpath` (rank-<r>)
+    <bundle>/COMPLETE       {ranks, shards: {"<r>": COMPLETE.<r>}}       (once every rank landed)
+
+Its capture directories name bundles `replay-<R>-<S>` (step level) and `replay-rollout-<R>`
+(rollout level); `capture_dir_name` gives the name, and readers find bundles by their identity,
+whatever the directory is called. Multi-rank captures of that tool number samples per rank (every
+rank starts at `s-0` with its own data): replay decides from the content which ranks are replicas.
 
 JSON is written with indent 2, sorted keys, UTF-8 and a trailing newline; checksums are SHA-256
 of those exact bytes. Payloads are torch.save'd tensors, loaded only with `weights_only=True`.
 The reader checks in the documented order and turns every problem into a one-line BundleError
 naming the file and the field or payload; nothing is trusted before its hash is checked.
+The tool's later format 2 (no reward stages, per-token rewards) is refused in one line.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import os
 import re
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, TypeVar, Union
 
@@ -35,7 +48,9 @@ from trajectory_replay.bundle.documents import one_line as _one_line
 from trajectory_replay.bundle.documents import parse_json as _parse_json
 from trajectory_replay.bundle.documents import validate_document as _validate
 from trajectory_replay.bundle.markers import MAX_RANK, MAX_RANKS
-from trajectory_replay.errors import BundleError, NotFoundError
+from trajectory_replay.errors import (
+    BundleError, IncompleteBundleError, NoSuchTargetError, NotFoundError, TrajectoryReplayError, UnsupportedError,
+)
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -122,14 +137,15 @@ class V1Complete(V1Ranks):
 
 
 class V1Shard(_V1Model):
-    """COMPLETE.<r>: rank r landed; also the entries of the parent COMPLETE's `shards`."""
+    """COMPLETE.<r>: rank r landed; also the entries of the parent COMPLETE's `shards`. The copy inside the
+    bundle directory itself (single producer, or rank-<r>/) has no `relpath`."""
 
     actor_step_id: Optional[ActorStepId] = None
     rollout_id: Optional[int] = None
     payloads: dict[str, str] = Field(default_factory=dict)
     metadata: V1Metadata
     expected_ranks: list[int]
-    relpath: str
+    relpath: Optional[str] = None
 
     @field_validator("expected_ranks")
     @classmethod
@@ -385,10 +401,20 @@ def _v1_index_doc(index: BundleIndex) -> dict[str, Any]:
     return doc
 
 
+def _anchor_fields(index: BundleIndex) -> dict[str, Any]:
+    """The identity anchor as a rank marker records it: `actor_step_id` and `rollout_id`, both keys always."""
+    step = index.identity.actor_step_id
+    return {"actor_step_id": None if step is None else step.model_dump(mode="json"),
+            "rollout_id": index.identity.rollout_id}
+
+
 def _write_bundle(path: Path, manifest: Manifest, index: BundleIndex, expected: Mapping[str, Any],
                   payloads: Mapping[str, torch.Tensor], ranks: Sequence[int],
-                  expected_ranks: Sequence[int]) -> tuple[V1Metadata, dict[str, str]]:
-    """Write one V1 bundle directory, COMPLETE last; return its metadata and {payload: sha256}."""
+                  expected_ranks: Sequence[int], rank_marker: bool = True) -> tuple[V1Metadata, dict[str, str]]:
+    """Write one V1 bundle directory, COMPLETE last; return its metadata and {payload: sha256}.
+
+    With `rank_marker`, `COMPLETE.<r>` of the (one) producing rank comes just before COMPLETE, as the
+    older tool writes it; without, the bundle looks like one from before that tool wrote rank markers."""
     label = _label_of(path)
     if manifest.bundle_id != index.bundle_id:
         raise BundleError(f"{label}: manifest bundle_id {manifest.bundle_id!r} differs from index "
@@ -427,29 +453,48 @@ def _write_bundle(path: Path, manifest: Manifest, index: BundleIndex, expected: 
         hashes[filename] = _sha256(data)
 
     metadata = V1Metadata.model_validate(hashes)
+    payload_shas = {name: entry["sha256"] for name, entry in entries.items()}
+    if rank_marker and len(rank_sets.ranks) == 1:
+        marker = {**_anchor_fields(index), "payloads": payload_shas, "metadata": metadata.by_document(),
+                  "expected_ranks": rank_sets.expected_ranks}
+        _write_atomic(path / f"COMPLETE.{rank_sets.ranks[0]}", _json_bytes(marker))
     complete_doc = {"ranks": rank_sets.ranks, "expected_ranks": rank_sets.expected_ranks,
                     "metadata": metadata.by_document()}
     if not _write_atomic(path / "COMPLETE", _json_bytes(complete_doc), create_only=True):
         raise BundleError(f"{label}/COMPLETE: another writer finished this bundle first")
-    return metadata, {name: entry["sha256"] for name, entry in entries.items()}
+    return metadata, payload_shas
 
 
 def write_v1_bundle(path: PathLike, manifest: Manifest, index: BundleIndex, expected: Mapping[str, Any],
                     payloads: Mapping[str, torch.Tensor], *, ranks: Sequence[int] = (0,),
-                    expected_ranks: Optional[Sequence[int]] = None) -> Path:
-    """Write a V1 bundle directory at `path` (the payload table is built from `payloads`) and return it."""
+                    expected_ranks: Optional[Sequence[int]] = None, rank_marker: bool = True) -> Path:
+    """Write a single-producer V1 bundle directory at `path` (the payload table is built from `payloads`)
+    and return it: COMPLETE.<r> then COMPLETE `{ranks, expected_ranks, metadata}`, as the older tool does
+    (`rank_marker=False` leaves COMPLETE.<r> out)."""
     target = Path(path)
     _write_bundle(target, manifest, index, expected, payloads, ranks,
-                  ranks if expected_ranks is None else expected_ranks)
+                  ranks if expected_ranks is None else expected_ranks, rank_marker)
     return target
+
+
+def capture_dir_name(index: BundleIndex) -> str:
+    """The directory the older tool's capture gives a bundle: `replay-<R>-<S>` for a step-level bundle,
+    `replay-rollout-<R>` for a rollout-level one."""
+    step = index.identity.actor_step_id
+    if step is not None:
+        return f"replay-{step.rollout_id}-{step.step_id}"
+    return f"replay-rollout-{index.identity.rollout_id}"
 
 
 ShardDocs = tuple[Manifest, BundleIndex, Mapping[str, Any], Mapping[str, torch.Tensor]]
 
 
 def write_v1_multirank(path: PathLike, shards: Mapping[int, ShardDocs], expected_ranks: Sequence[int], *,
-                       land: Optional[Sequence[int]] = None) -> Path:
-    """Write ranks `land` (default: all of `shards`) of a multi-rank V1 bundle; the parent COMPLETE once all landed."""
+                       land: Optional[Sequence[int]] = None, rank_markers: bool = True) -> Path:
+    """Write ranks `land` (default: all of `shards`) of a multi-rank V1 bundle as the older tool does: each
+    rank a full bundle in `rank-<r>/` (with its own COMPLETE.<r> unless `rank_markers` is False), then
+    `COMPLETE.<r>` (with `relpath`) beside them, and the parent COMPLETE `{ranks, shards}` once all landed.
+    Shards may number their samples per rank (each from `s-0`), as that tool's captures do."""
     root = Path(path)
     expected = sorted(expected_ranks)
     to_land = sorted(shards) if land is None else sorted(land)
@@ -460,11 +505,10 @@ def write_v1_multirank(path: PathLike, shards: Mapping[int, ShardDocs], expected
     for rank in to_land:
         manifest, index, docs, payloads = shards[rank]
         relpath = f"rank-{rank}"
-        metadata, payload_shas = _write_bundle(root / relpath, manifest, index, docs, payloads, [rank], expected)
-        marker = {"actor_step_id": None if index.identity.actor_step_id is None
-                  else index.identity.actor_step_id.model_dump(mode="json"),
-                  "rollout_id": index.identity.rollout_id, "payloads": payload_shas,
-                  "metadata": metadata.by_document(), "expected_ranks": expected, "relpath": relpath}
+        metadata, payload_shas = _write_bundle(root / relpath, manifest, index, docs, payloads, [rank], expected,
+                                               rank_markers)
+        marker = {**_anchor_fields(index), "payloads": payload_shas, "metadata": metadata.by_document(),
+                  "expected_ranks": expected, "relpath": relpath}
         if not _write_atomic(root / f"COMPLETE.{rank}", _json_bytes(marker), create_only=True):
             raise BundleError(f"{root.name}/COMPLETE.{rank}: already exists")
     _finalize_cohort(root, expected)
@@ -523,6 +567,12 @@ class LegacyBundle:
     def v1_digests(self) -> dict[str, str]:
         """SHA-256 of every payload file by payload name, as the V1 manifest declares them."""
         return {name: entry.sha256 for name, entry in self._v1_manifest.payloads.items()}
+
+    @property
+    def payload_digests(self) -> dict[str, str]:
+        """`sha256:<hex>` of every payload by name: equal digests mean equal payloads (replay compares ranks
+        by them without loading anything)."""
+        return {name: f"sha256:{sha}" for name, sha in self.v1_digests.items()}
 
     def has_payload(self, name: str) -> bool:
         """True when the bundle holds per-token payload `name`; `loss_mask` always exists (from the index)."""
@@ -631,7 +681,7 @@ def _read_payload_file(path: Path, label: str, entry: V1PayloadEntry) -> bytes:
 def _check_directory(path: Path) -> None:
     """NotFoundError when `path` does not exist, BundleError when it is not a directory."""
     if not path.exists():
-        raise NotFoundError(f"{path}: no such bundle directory")
+        raise NoSuchTargetError(f"{path}: no such bundle directory")
     if not path.is_dir():
         raise BundleError(f"{path}: not a directory")
 
@@ -639,7 +689,7 @@ def _check_directory(path: Path) -> None:
 def _read_complete(directory: Path, label: str) -> dict[str, Any]:
     """COMPLETE's parsed JSON object; a missing one means the bundle is not finished."""
     if not (directory / "COMPLETE").is_file():
-        raise BundleError(f"{label}: incomplete bundle (COMPLETE is missing)")
+        raise IncompleteBundleError(f"{label}: incomplete bundle (COMPLETE is missing)")
     return _parse_json(_read_document(directory / "COMPLETE", f"{label}/COMPLETE"), f"{label}/COMPLETE")
 
 
@@ -647,7 +697,8 @@ def _check_parent_cohort(directory: Path, label: str, rank: int, complete: V1Com
     """The parent COMPLETE's entry for `rank`; refused until the parent exists and lists every expected rank."""
     parent_label = f"{directory.parent.name}/COMPLETE"
     if not (directory.parent / "COMPLETE").is_file():
-        raise BundleError(f"{label}: refused until the multi-rank bundle is complete ({parent_label} is missing)")
+        raise IncompleteBundleError(f"{label}: refused until the multi-rank bundle is complete "
+                                    f"({parent_label} is missing)")
     _, cohort = _load_document(directory.parent / "COMPLETE", parent_label, V1CohortComplete)
     if sorted(cohort.ranks) != complete.expected_ranks:
         raise BundleError(f"{parent_label}: ranks {sorted(cohort.ranks)} differ from expected_ranks "
@@ -670,6 +721,38 @@ def _check_shard(directory: Path, label: str, shard: V1Shard, complete: V1Comple
         raise BundleError(f"{where}: anchor differs from {label}/index.json identity ({identity.anchor()})")
 
 
+def _check_own_marker(directory: Path, label: str, complete: V1Complete, manifest: V1Manifest,
+                      index: BundleIndex) -> None:
+    """The bundle's own COMPLETE.<r> (the older tool writes one beside COMPLETE) must describe this bundle;
+    bundles written before that tool wrote them have none, which is fine."""
+    for rank in complete.ranks:
+        path = directory / f"COMPLETE.{rank}"
+        if not path.is_file():
+            continue
+        where = f"{label}/COMPLETE.{rank}"
+        _, marker = _load_document(path, where, V1Shard)
+        if marker.metadata != complete.metadata:
+            raise BundleError(f"{where}: metadata differs from {label}/COMPLETE")
+        if marker.payloads != {name: entry.sha256 for name, entry in manifest.payloads.items()}:
+            raise BundleError(f"{where}: payloads differ from {label}/manifest.json")
+        if sorted(marker.expected_ranks) != complete.expected_ranks:
+            raise BundleError(f"{where}: expected_ranks {sorted(marker.expected_ranks)} differ from "
+                              f"{label}/COMPLETE")
+        identity = index.identity
+        if marker.actor_step_id != identity.actor_step_id or marker.rollout_id != identity.rollout_id:
+            raise BundleError(f"{where}: anchor differs from {label}/index.json identity ({identity.anchor()})")
+
+
+def _check_format_version(raw: Any, label: str) -> None:
+    """Refuse the older tool's format 2 by name: its records and stages differ (reward stages dropped, no
+    raw_reward, a reward may be a per-token list), so reading it as format 1 would replay the wrong thing."""
+    version = raw.get("format_version") if isinstance(raw, dict) else None
+    if isinstance(version, str) and version.split(".", 1)[0] == "2":
+        raise UnsupportedError(f"{label}: format_version {version!r} is the older tool's format 2 (no reward "
+                               "stages, per-token rewards), which this version does not read; only format 1 is "
+                               "read")
+
+
 def open_v1_bundle(path: PathLike) -> LegacyBundle:
     """Open and verify one V1 bundle directory (a single producer, or `<bundle>/rank-<r>`)."""
     directory = Path(path)
@@ -685,7 +768,7 @@ def open_v1_bundle(path: PathLike) -> LegacyBundle:
     if rank is not None and complete.ranks != [rank]:
         raise BundleError(f"{label}/COMPLETE: ranks {complete.ranks} do not match the directory (expected [{rank}])")
     if rank is None and complete.ranks != complete.expected_ranks:
-        raise BundleError(f"{label}/COMPLETE: incomplete bundle (ranks {complete.ranks} of expected "
+        raise IncompleteBundleError(f"{label}/COMPLETE: incomplete bundle (ranks {complete.ranks} of expected "
                           f"{complete.expected_ranks})")
     shard = _check_parent_cohort(directory, label, rank, complete) if rank is not None else None
 
@@ -697,8 +780,9 @@ def open_v1_bundle(path: PathLike) -> LegacyBundle:
                               f"(expected {_short(sha)}, got {_short(_sha256(data))})")
         documents[filename] = data
 
-    _, v1_manifest = _load_document(directory / "manifest.json", f"{label}/manifest.json", V1Manifest,
-                                    documents["manifest.json"])
+    raw_manifest = _parse_json(documents["manifest.json"], f"{label}/manifest.json")
+    _check_format_version(raw_manifest, f"{label}/manifest.json")
+    v1_manifest = _validate(V1Manifest, raw_manifest, f"{label}/manifest.json")
     manifest = _validate(Manifest, v1_manifest.manifest_data(), f"{label}/manifest.json")
     _, index = _load_document(directory / "index.json", f"{label}/index.json", BundleIndex,
                               documents["index.json"])
@@ -709,6 +793,7 @@ def open_v1_bundle(path: PathLike) -> LegacyBundle:
                           f"bundle_id {manifest.bundle_id!r}")
     if shard is not None:
         _check_shard(directory, label, shard, complete, v1_manifest, index)
+    _check_own_marker(directory, label, complete, v1_manifest, index)
 
     # existence and size are cheap; SHA-256 and the tensor checks wait for the first load of each payload
     for name, entry in v1_manifest.payloads.items():
@@ -743,6 +828,75 @@ def is_v1_bundle(path: PathLike) -> bool:
                for child in directory.iterdir() if child.is_dir())
 
 
+@dataclass(frozen=True)
+class V1Status:
+    """What a listing shows of one V1 bundle directory."""
+
+    path: Path
+    status: str
+    """complete | incomplete | finalizable (every rank landed, the parent COMPLETE missing) | corrupt |
+    unsupported (the older tool's format 2)"""
+    rollout_id: Optional[int] = None
+    step_id: Optional[int] = None
+    """The identity anchor (step level when step_id is set), when known."""
+    ranks: tuple[int, ...] = ()
+    expected_ranks: tuple[int, ...] = ()
+    missing_ranks: tuple[int, ...] = ()
+    payload_bytes: int = 0
+    """Sum of the payload file sizes of every rank (the format stores each payload whole, once per rank)."""
+    mtime: Optional[float] = None
+    detail: str = ""
+
+
+def v1_status(path: PathLike) -> V1Status:
+    """The status of the V1 bundle at `path`, opened and verified as a replay would (payload bytes are not
+    hashed); never raises for a bundle that is broken or unfinished, which is what its status says."""
+    directory = Path(path)
+    try:
+        sources = open_v1(directory)
+        complete = _parse_json(_read_document(directory / "COMPLETE", f"{directory.name}/COMPLETE"),
+                               f"{directory.name}/COMPLETE")
+        mtime = (directory / "COMPLETE").stat().st_mtime
+    except IncompleteBundleError as exc:
+        return _unfinished_status(directory, str(exc))
+    except UnsupportedError as exc:
+        return V1Status(directory, "unsupported", detail=_one_line(str(exc)))
+    except (TrajectoryReplayError, OSError) as exc:
+        return V1Status(directory, "corrupt", detail=_one_line(str(exc)))
+    ident = sources[0].index.identity
+    step = ident.actor_step_id
+    ranks = sorted(int(r) for r in complete.get("ranks", [])) or [0]
+    expected = sorted(complete.get("expected_ranks") or ranks)
+    return V1Status(directory, "complete", ident.rollout_id if step is None else step.rollout_id,
+                    None if step is None else step.step_id, tuple(ranks), tuple(expected), (),
+                    sum(spec.size for s in sources for spec in s.manifest.payloads.values()), mtime)
+
+
+def _unfinished_status(directory: Path, reason: str) -> V1Status:
+    """An unfinished bundle: which ranks landed (their COMPLETE.<r> beside the rank directories) and which not."""
+    markers: dict[int, V1Shard] = {}
+    try:
+        for marker_path in directory.glob("COMPLETE.*"):
+            suffix = marker_path.name.removeprefix("COMPLETE.")
+            if suffix.isdigit() and str(int(suffix)) == suffix:
+                _, markers[int(suffix)] = _load_document(marker_path, f"{directory.name}/{marker_path.name}",
+                                                         V1Shard)
+        mtimes = [p.stat().st_mtime for p in directory.glob("COMPLETE.*")]
+    except (TrajectoryReplayError, OSError) as exc:
+        return V1Status(directory, "corrupt", detail=_one_line(str(exc)))
+    if not markers:
+        return V1Status(directory, "incomplete", detail=reason)
+    first = markers[min(markers)]
+    step = first.actor_step_id
+    expected = sorted(first.expected_ranks)
+    missing = tuple(r for r in expected if r not in markers)
+    status, detail = ("incomplete", f"missing ranks {list(missing)} of {expected}") if missing else \
+        ("finalizable", "every rank landed; the parent COMPLETE is missing (older format: readers do not write it)")
+    return V1Status(directory, status, first.rollout_id if step is None else step.rollout_id,
+                    None if step is None else step.step_id, tuple(sorted(markers)), tuple(expected), missing,
+                    mtime=max(mtimes) if mtimes else None, detail=detail)
+
+
 def find_v1_bundles(capture_dir: PathLike) -> list[Path]:
     """The children of `capture_dir` that are V1 bundles, sorted by name."""
     directory = Path(capture_dir)
@@ -751,6 +905,6 @@ def find_v1_bundles(capture_dir: PathLike) -> list[Path]:
 
 
 __all__ = [
-    "LegacyBundle", "V1_CODEC", "V1_FORMAT_VERSION", "find_v1_bundles", "is_v1_bundle", "open_v1",
-    "open_v1_bundle", "write_v1_bundle", "write_v1_multirank",
+    "LegacyBundle", "V1Status", "V1_CODEC", "V1_FORMAT_VERSION", "capture_dir_name", "find_v1_bundles",
+    "is_v1_bundle", "open_v1", "open_v1_bundle", "v1_status", "write_v1_bundle", "write_v1_multirank",
 ]

@@ -30,7 +30,9 @@ from trajectory_replay.bundle.paths import split_bundle_path
 from trajectory_replay.bundle.schema import BundleIndex, Expected, Manifest, PayloadSpec
 from trajectory_replay.bundle.writer import LOSS_MASK
 from trajectory_replay.store.liveness import read_inflight
-from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError
+from trajectory_replay.errors import (
+    BundleError, IncompleteBundleError, NoSuchTargetError, TrajectoryReplayError,
+)
 from trajectory_replay.store import BlobRecord, BlobRef, ObjectStore
 
 _HEAD_PROBE = 4096
@@ -242,8 +244,10 @@ def describe_missing(store: ObjectStore, name: str) -> str:
             return (f"incomplete bundle: COMPLETE is missing (documents written by {len(pending)} writer "
                     "attempt(s) that did not commit: in progress, or crashed)")
         if backend.list(f"{name}/"):
-            return "incomplete bundle: COMPLETE is missing"
-        raise NotFoundError(f"{redact_url(store.url)}/{name}: no such bundle")
+            # a bundle directory holds only its markers, and a writer records its attempt before writing
+            raise NoSuchTargetError(f"{redact_url(store.url)}/{name}: not a bundle (no COMPLETE, no rank marker, "
+                                    "no writer in progress)")
+        raise NoSuchTargetError(f"{redact_url(store.url)}/{name}: no such bundle")
     marker = read_marker(backend, rank_key(name, landed[0]), RankMarker)
     expected = marker.expected_ranks  # type: ignore[union-attr]
     missing = [r for r in expected if r not in landed]
@@ -261,8 +265,9 @@ def open_native(path_or_url: str, *, store: Optional[ObjectStore] = None, **stor
         where = f"{redact_url(store.url)}/{name}"
         reason = describe_missing(store, name)
         if rank is not None:
-            raise BundleError(f"{where}/rank-{rank}: refused until the bundle's final COMPLETE exists ({reason})")
-        raise BundleError(f"{where}: {reason}")
+            raise IncompleteBundleError(f"{where}/rank-{rank}: refused until the bundle's final COMPLETE exists "
+                                        f"({reason})")
+        raise IncompleteBundleError(f"{where}: {reason}")
     if rank is not None:
         if not marker.multi_rank:
             raise BundleError(f"{redact_url(store.url)}/{name}: not a multi-rank bundle; open it without /rank-{rank}")

@@ -1,7 +1,9 @@
 """Resolving what a user points at: a bundle, a rank of one, or a capture directory / store root.
 
 A store root holds bundles as children (and `objects/`, `blobs/`, dot-names, which are never
-bundles); an older-format capture directory holds V1 bundle directories. `--step R:S` matches
+bundles); an older-format capture directory holds V1 bundle directories (`replay-<R>-<S>`,
+`replay-rollout-<R>`, or any other name: what counts is the identity inside). A local directory may
+hold both kinds; an older-format bundle is never read as a native one. `--step R:S` matches
 only a step-level bundle whose actor_step_id is exactly (R, S); `--rollout R` only a
 rollout-level bundle. No match, or several without a filter, is an error that lists what is there.
 """
@@ -16,9 +18,11 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from trajectory_replay.backends import open_backend, redact_url
-from trajectory_replay.bundle.markers import COMPLETE, RANK_MARKER, read_complete
+from trajectory_replay.bundle.markers import COMPLETE, RANK_MARKER, read_complete, try_finalize
 from trajectory_replay.bundle.paths import split_bundle_path
-from trajectory_replay.errors import BundleError, SelectionError, UsageError
+from trajectory_replay.errors import (
+    BackendError, BundleError, SelectionError, StorageUnavailableError, TrajectoryReplayError, UsageError,
+)
 
 RESERVED = ("objects", "blobs")
 
@@ -80,7 +84,7 @@ def _v1_candidates(path: Path, unreadable: Optional[list[str]] = None) -> list[C
     for b in bundles:
         try:
             source = legacy.open_v1(b)[0]
-        except BundleError as exc:
+        except TrajectoryReplayError as exc:  # also the older tool's format 2, named with its reason
             if unreadable is None:
                 raise
             unreadable.append(f"{b.name} ({exc})")
@@ -90,6 +94,18 @@ def _v1_candidates(path: Path, unreadable: Optional[list[str]] = None) -> list[C
             else Anchor(ident.rollout_id, None)
         out.append(Candidate(str(b), b.name, anchor))
     return out
+
+
+def _v1_names(root_url: str) -> list[str]:
+    """Names of the older-format bundles directly under a local root (a remote root holds none)."""
+    if not _is_local(root_url):
+        return []
+    from trajectory_replay.bundle import legacy
+
+    local = Path(root_url.removeprefix("file://")).expanduser()
+    if not local.is_dir():
+        return []
+    return [p.name for p in legacy.find_v1_bundles(local)]
 
 
 def is_native_bundle(path_or_url: str, **storage_options: Any) -> bool:
@@ -118,12 +134,22 @@ def find_bundles(root_url: str, unreadable: Optional[list[str]] = None, **storag
     A bundle whose COMPLETE cannot be read is a BundleError, or, given `unreadable`, is named there and
     skipped: one corrupt bundle does not hide the others."""
     backend = open_backend(root_url, **storage_options)
+    older = set(_v1_names(root_url))
     out = []
     for name in backend.list_dir():
-        if name in RESERVED or name.startswith("."):
+        if name in RESERVED or name.startswith(".") or name in older:
             continue
         try:
             marker = read_complete(backend, name)
+            if marker is None and any(RANK_MARKER.fullmatch(n) for n in backend.list_dir(name)):
+                marker = try_finalize(backend, name)  # every rank landed: finalized as any reader does
+        except StorageUnavailableError:
+            raise
+        except (BackendError, OSError) as exc:  # a store this user cannot write markers to: not finalized
+            if unreadable is None:
+                raise
+            unreadable.append(f"{name} (every rank landed; not finalized here: {exc})")
+            continue
         except BundleError as exc:
             if unreadable is None:
                 raise
@@ -132,6 +158,26 @@ def find_bundles(root_url: str, unreadable: Optional[list[str]] = None, **storag
         if marker is not None:
             out.append(Candidate(_join(root_url, name), name, Anchor.from_marker(marker.anchor)))
     return out
+
+
+def resolve_target(path_or_url: str | os.PathLike, *, step: Optional[str] = None, rollout: Optional[int] = None,
+                   **storage_options: Any) -> str:
+    """What `inspect`, `validate` and `import` look at. With `step`/`rollout`, the bundle `resolve_bundle`
+    designates. Without, the path itself (an incomplete or damaged bundle is theirs to describe), unless it is
+    a local directory that is no bundle but holds older-format bundles (a capture directory): then its one
+    bundle, or a SelectionError listing them."""
+    text = os.fspath(path_or_url)
+    if step is None and rollout is None:
+        if not _is_local(text):
+            return text
+        from trajectory_replay.bundle import legacy
+
+        local = Path(text.removeprefix("file://")).expanduser()
+        if not local.is_dir() or legacy.is_v1_bundle(local) or not legacy.find_v1_bundles(local):
+            return text
+        if is_native_bundle(text, **storage_options):
+            return text
+    return resolve_bundle(text, step=step, rollout=rollout, **storage_options)
 
 
 def resolve_bundle(path_or_url: str | os.PathLike, *, step: Optional[str] = None, rollout: Optional[int] = None,
@@ -180,7 +226,7 @@ def _choose(candidates: list[Candidate], shown: str, want: Optional[tuple[int, i
         what = f"--rollout {rollout}"
     else:
         matches, what = candidates, ""
-    listing = ", ".join(f"{c.name} ({c.anchor})" for c in candidates)
+    listing = _listing(candidates)
     bad = f"; unreadable: {'; '.join(unreadable)}" if unreadable else ""
     if not matches:
         if not candidates:
@@ -190,10 +236,23 @@ def _choose(candidates: list[Candidate], shown: str, want: Optional[tuple[int, i
         raise SelectionError(f"{shown}: no bundle matches {what} (found: {listing}){bad}")
     # without a filter an unreadable bundle may be the one meant: it counts, so nothing is picked for the user
     if len(matches) > 1 or (not what and unreadable):
-        names = ", ".join(f"{c.name} ({c.anchor})" for c in matches)
+        names = _listing(matches)
         hint = "" if what else "; choose one with --step ROLLOUT:STEP or --rollout ROLLOUT"
+        if len({c.anchor for c in matches}) < len(matches):  # no flag tells these apart: only a path does
+            hint = (f"; {'they' if what else 'some'} share an anchor, which --step/--rollout cannot tell apart: "
+                    f"give one bundle's path instead, e.g. {redact_url(matches[0].url)}")
         count = len(matches) + (0 if what else len(unreadable))
         raise SelectionError(f"{shown}: {count} bundles match{' ' + what if what else ''}: {names}{bad}{hint}")
     for entry in unreadable:
         warnings.warn(f"{shown}: skipped unreadable bundle {entry}", stacklevel=2)
     return matches[0].url
+
+
+MAX_LISTED = 10
+"""Bundles an error message names: enough to see what is there, bounded for a store of thousands."""
+
+
+def _listing(candidates: Sequence[Candidate]) -> str:
+    shown = ", ".join(f"{c.name} ({c.anchor})" for c in candidates[:MAX_LISTED])
+    more = len(candidates) - MAX_LISTED
+    return shown + (f", ... ({more} more)" if more > 0 else "")

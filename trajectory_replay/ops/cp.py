@@ -14,12 +14,18 @@ COMPLETE its rank markers determine, without writing to the source.
 Copying from a root, a bundle whose markers cannot be read or whose tree is damaged is not copied
 and is named in the report (`skipped`); the other bundles are copied. A bundle named directly is
 copied whole or refused.
+
+A bundle of the older directory format, or a local directory holding only such bundles (a capture
+directory of the older tool), is converted into native bundles of the destination as `import`
+does, chosen the same way (`--step`, `--rollout`, `--all`, or the one bundle there is). In a
+directory that also holds native bundles, only the native ones are copied.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -36,6 +42,7 @@ from trajectory_replay.ops.walk import (
     parse_ref, scan_bundle, scan_bundles,
 )
 from trajectory_replay.store.digest import blob_ref_key, object_key
+from trajectory_replay.units import human_bytes
 
 LIST_THRESHOLD = 1000
 """From this many keys to check, one listing of the destination beats a request per key."""
@@ -56,14 +63,19 @@ class CopyReport:
     markers_skipped: int = 0
     skipped: list[dict[str, str]] = field(default_factory=list)
     """Bundles of the source root not copied because they are corrupt: {name, detail}."""
+    converted: list[str] = field(default_factory=list)
+    """Native names of the older-format bundles converted into the destination (then nothing else is copied)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def render_text(self) -> str:
         lines = [f"copied {len(self.bundles)} bundle(s) {', '.join(self.bundles)} to {self.dest}: "
-                 f"{self.objects_copied} objects copied ({self.bytes_copied} bytes), "
+                 f"{self.objects_copied} objects copied ({human_bytes(self.bytes_copied)}), "
                  f"{self.objects_skipped} already there, {self.markers_written} markers written"]
+        if self.converted:
+            lines = [f"converted {len(self.converted)} older-format bundle(s) {', '.join(self.converted)} into "
+                     f"native bundles of {self.dest}"]
         lines += [f"not copied: {s['name']}: corrupt ({s['detail']})" for s in self.skipped]
         return "\n".join(lines)
 
@@ -76,6 +88,9 @@ def copy_bundles(source: str | os.PathLike, dest_root: str | os.PathLike, *, ste
     if sum(x is not None and x is not False for x in (step, rollout, all_bundles or None)) > 1:
         raise UsageError("--step, --rollout and --all are mutually exclusive")
     progress = progress or Progress()
+    older = _older_format_selection(os.fspath(source), step, rollout, all_bundles)
+    if older is not None:
+        return _convert(os.fspath(source), older, dest_root, dest_options or {})
     src, states, skipped, direct = _select(os.fspath(source), step, rollout, all_bundles, source_options or {})
     trees = Walker(src).trees(states)
     for tree in trees.values():
@@ -92,6 +107,7 @@ def copy_bundles(source: str | os.PathLike, dest_root: str | os.PathLike, *, ste
                           + "; ".join(f"{s['name']}: {s['detail']}" for s in skipped))
     trees = {name: tree for name, tree in trees.items() if name not in damaged}
     dest = open_root(dest_root, must_exist=False, **(dest_options or {}))
+    _check_destination(src, dest, os.fspath(dest_root), dest_options or {})
     report = CopyReport(redact_url(os.fspath(source)), redact_url(os.fspath(dest_root)),
                         bundles=[s.name for s in states], skipped=skipped)
     chunks, records, refs = _layers(trees.values())
@@ -155,6 +171,104 @@ def _select(source: str, step: Optional[str], rollout: Optional[int], all_bundle
         raise SelectionError(f"{shown}: {len(chosen) + len(corrupt)} bundles ({listing}){unreadable}; choose with "
                              "--step ROLLOUT:STEP, --rollout ROLLOUT or --all")
     return backend, chosen, skipped, direct is not None
+
+
+def _local_dir(source: str) -> Optional[Path]:
+    """The directory a local source names (None for a URL of a remote store, or a path that is no directory)."""
+    if "://" in source and not source.startswith("file://"):
+        return None
+    path = Path(source.removeprefix("file://")).expanduser()
+    return path if path.is_dir() else None
+
+
+@dataclass
+class _OlderSelection:
+    bundles: list[Path]
+    skipped: list[dict[str, str]]
+
+
+def _older_format_selection(source: str, step: Optional[str], rollout: Optional[int],
+                            all_bundles: bool) -> Optional[_OlderSelection]:
+    """The older-format bundles to convert: the source itself when it is one, else those of a local directory
+    that holds no native bundle, chosen by the flags; None when the source is for the native copy."""
+    from trajectory_replay.bundle import legacy
+    from trajectory_replay.bundle.resolve import resolve_bundle
+
+    local = _local_dir(source)
+    if local is None:
+        return None
+    if legacy.is_v1_bundle(local):
+        return _OlderSelection([Path(resolve_bundle(str(local), step=step, rollout=rollout))], [])
+    older = legacy.find_v1_bundles(local)
+    if not older:
+        return None
+    if scan_bundles(open_root(source)):  # native bundles beside them: the native copy (older ones never scanned)
+        return None
+    if not all_bundles:
+        return _OlderSelection([Path(resolve_bundle(str(local), step=step, rollout=rollout))], [])
+    chosen, skipped = [], []
+    for path in older:
+        status = legacy.v1_status(path)
+        if status.status == COMPLETE_STATUS:
+            chosen.append(path)
+        elif status.status == CORRUPT:  # unfinished ones are left out unnamed, as native ones are
+            skipped.append({"name": path.name, "detail": status.detail})
+    if not chosen:
+        raise BundleError(f"{redact_url(source)}: nothing copied; "
+                          + "; ".join(f"{s['name']}: {s['detail']}" for s in skipped))
+    return _OlderSelection(chosen, skipped)
+
+
+def _convert(source: str, older: _OlderSelection, dest_root: str | os.PathLike, options: dict) -> CopyReport:
+    """Convert the chosen older-format bundles into native bundles of the destination (as `import`)."""
+    from trajectory_replay.ops.importer import _import_one
+    from trajectory_replay.store import ObjectStore
+
+    dest = open_root(dest_root, must_exist=False, **options)
+    _check_destination(open_root(source), dest, os.fspath(dest_root), options)
+    store = ObjectStore.open(os.fspath(dest_root), **options)
+    names = [_import_one(path, store, os.fspath(dest_root), None).rstrip("/").rsplit("/", 1)[-1]
+             for path in older.bundles]
+    return CopyReport(redact_url(source), redact_url(os.fspath(dest_root)), bundles=names, skipped=older.skipped,
+                      converted=names)
+
+
+def _check_destination(src: Backend, dest: Backend, dest_root: str, options: dict) -> None:
+    """Refuse the source store itself, and any directory at or below a bundle (native or older format): a
+    store written there would be taken for part of that bundle, or hide it."""
+    if _same_root(src, dest):
+        raise UsageError(f"{redact_url(dest_root)}: the destination is the source store itself; nothing to copy")
+    from trajectory_replay.bundle.resolve import is_native_bundle
+
+    text = dest_root.rstrip("/")
+    scheme, _, path = text.rpartition("://")
+    if not scheme:
+        path = os.path.abspath(os.path.expanduser(text.removeprefix("file://")))
+    parts = path.split("/")
+    # a URL's first component is its bucket, never a bundle; a local path is checked up to its top directory
+    for depth in range(len(parts), 1, -1):
+        candidate = "/".join(parts[:depth])
+        shown = f"{scheme}://{candidate}" if scheme else candidate
+        if not scheme or scheme == "file":
+            from trajectory_replay.bundle import legacy
+
+            if legacy.is_v1_bundle(Path(candidate)):
+                raise UsageError(f"{redact_url(dest_root)}: inside the bundle {shown}; copy into a store root")
+        try:
+            inside = is_native_bundle(shown, **options)
+        except (BundleError, NotFoundError):
+            inside = False
+        if inside:
+            raise UsageError(f"{redact_url(dest_root)}: inside the bundle {redact_url(shown)}; copy into a store root")
+
+
+def _same_root(a: Backend, b: Backend) -> bool:
+    if type(a) is not type(b):
+        return False
+    roots = [getattr(x, "root", None) for x in (a, b)]
+    if all(isinstance(r, Path) for r in roots):
+        return os.path.realpath(roots[0]) == os.path.realpath(roots[1])
+    return a.url.rstrip("/") == b.url.rstrip("/")
 
 
 def _layers(trees: Sequence[BundleTree]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:

@@ -18,6 +18,7 @@ from trajectory_replay.bundle.reader import BundleReader, open_native
 from trajectory_replay.bundle.writer import LOSS_MASK
 from trajectory_replay.errors import BundleError
 from trajectory_replay.ops.progress import Progress
+from trajectory_replay.units import human_bytes
 
 
 @dataclass
@@ -33,9 +34,10 @@ class ExportReport:
         return asdict(self)
 
     def render_text(self) -> str:
-        ranks = "" if self.ranks == [None] else f" (ranks {self.ranks})"
+        ranks = ", ".join(str(r) for r in self.ranks if r is not None)
+        ranks = f" (ranks {ranks})" if ranks else ""
         return (f"exported {self.bundle_id}{ranks} to {self.out_dir}: {self.payloads} payloads, "
-                f"{self.bytes} payload bytes (V1 layout)")
+                f"{human_bytes(self.bytes)} of payloads (V1 layout)")
 
 
 def export_bundle(bundle: str | os.PathLike, out_dir: str | os.PathLike, *, progress: Optional[Progress] = None,

@@ -41,6 +41,7 @@ from trajectory_replay.ops.walk import (
 )
 from trajectory_replay.store import BlobRecord
 from trajectory_replay.store.digest import blob_ref_key, digest_from_key, object_key
+from trajectory_replay.units import human_bytes
 
 VERIFY_BATCH = 32
 MAX_REPAIR_ROUNDS = 8
@@ -85,8 +86,8 @@ class FsckReport:
 
     def render_text(self) -> str:
         lines = [f"fsck {self.root}: {'healthy' if self.healthy else 'PROBLEMS FOUND'}",
-                 f"  {self.objects_checked} objects ({self.bytes_checked} bytes) and {self.refs_checked} blob refs "
-                 f"verified, {self.bundles} bundles"]
+                 f"  {self.objects_checked} objects ({human_bytes(self.bytes_checked)}) and {self.refs_checked} "
+                 f"blob refs verified, {self.bundles} bundles"]
         for label, keys in (("missing", self.missing), ("corrupt", self.corrupt), ("repaired", self.repaired),
                             ("relinked", self.relinked)):
             lines += [f"  {label}: {k}" for k in keys]

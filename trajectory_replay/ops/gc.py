@@ -45,6 +45,7 @@ from trajectory_replay.store.digest import blob_ref_key, digest_from_key, object
 from trajectory_replay.store.liveness import (
     GC_PREFIX, INFLIGHT_KEY, INFLIGHT_PREFIX, InflightState, LeaseLost, SweepLease, read_inflight, remove_dead_leases,
 )
+from trajectory_replay.units import human_bytes
 
 DEFAULT_GRACE = "24h"
 DELETE_BATCH = 128
@@ -102,7 +103,7 @@ class GcReport:
         verb = "would remove" if self.dry_run else "removed"
         lines = [f"gc {self.root}: {verb} {self.objects_removed} objects, {self.refs_removed} blob refs, "
                  f"{self.markers_removed} markers, {self.inflight_removed} expired in-flight records; "
-                 f"{self.bytes_freed} bytes {'would be ' if self.dry_run else ''}freed",
+                 f"{human_bytes(self.bytes_freed)} {'would be ' if self.dry_run else ''}freed",
                  f"  kept {self.objects_live} live keys, {self.protected_by_inflight} named by "
                  f"{self.active_captures} capture(s) in progress, {self.too_young} younger than the grace period"]
         if self.abandoned_bundles:

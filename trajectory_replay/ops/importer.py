@@ -2,17 +2,28 @@
 
 Identity, records (loss masks included), config, stage contracts, comparison and redaction
 policy, and expected values are kept, so a replay of the imported bundle gives the verdicts
-of the original. Importing onto an existing bundle with different content is refused by the
-writer; importing the same bundle again is a no-op.
+of the original. Importing the same bundle again is a no-op. Importing onto an existing bundle
+with different content is refused, with the way out (`--as NAME`), and leaves nothing behind: when
+the name is taken, the import first runs as a dry run over the store (reads see the store, writes
+stay in memory), so a refusal writes no object and no in-flight record.
+
+The source is a bundle, a rank-<r> bundle's multi-rank parent, or a capture directory of them (the
+older tool's `replay-<R>-<S>/`, `replay-rollout-<R>/`); `step`/`rollout` pick one bundle of a capture
+directory by its identity, as `replay --step/--rollout` does.
 """
 
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
+from trajectory_replay.backends import redact_url
+from trajectory_replay.backends.overlay import OverlayBackend
 from trajectory_replay.bundle import legacy
+from trajectory_replay.bundle.markers import CompleteMarker, RankMarker, landed_ranks, rank_key, read_complete, \
+    read_marker
 from trajectory_replay.bundle.schema import check_name
 from trajectory_replay.bundle.writer import BundleWriter
 from trajectory_replay.errors import BundleError
@@ -20,10 +31,18 @@ from trajectory_replay.store import ObjectStore
 
 
 def import_v1(source: str | os.PathLike, store_root: str, *, name: Optional[str] = None,
-              **storage_options: Any) -> list[str]:
-    """Import one V1 bundle, or every V1 bundle of a capture directory; returns the native bundle URLs."""
+              step: Optional[str] = None, rollout: Optional[int] = None, **storage_options: Any) -> list[str]:
+    """Import one V1 bundle, or every V1 bundle of a capture directory (or the one `step`/`rollout` picks);
+    returns the native bundle URLs."""
     path = Path(os.fspath(source)).expanduser()
-    if legacy.is_v1_bundle(path):
+    if step is not None or rollout is not None:
+        from trajectory_replay.bundle.resolve import resolve_bundle
+
+        chosen = Path(resolve_bundle(str(path), step=step, rollout=rollout))
+        if not legacy.is_v1_bundle(chosen):
+            raise BundleError(f"{chosen}: a native bundle, not an older-format one; copy it with cp")
+        bundles = [chosen]
+    elif legacy.is_v1_bundle(path):
         bundles = [path]
     else:
         bundles = legacy.find_v1_bundles(path) if path.is_dir() else []
@@ -43,6 +62,43 @@ def _import_one(path: Path, store: ObjectStore, store_root: str, name: Optional[
     except ValueError as exc:
         raise BundleError(str(exc)) from None
     url = f"{store_root.rstrip('/')}/{target_name}"
+    if store.backend.list_dir(target_name):
+        _check_same_as_existing(sources, store, store_root, target_name, path, name)
+    _write(sources, store, url, path, name)
+    return url
+
+
+def _check_same_as_existing(sources: list, store: ObjectStore, store_root: str, target_name: str, path: Path,
+                            name: Optional[str]) -> None:
+    """Refuse, before writing anything, an import onto a name whose bundle (complete, or some ranks landed)
+    holds other documents. The import runs under a scratch name over the store, writes kept in memory."""
+    scratch = f"{target_name}-import-check-{uuid.uuid4().hex[:12]}"
+    with OverlayBackend(store.backend) as overlay:
+        _write(sources, ObjectStore(overlay), f"{store_root.rstrip('/')}/{scratch}", path, name)
+        ours = read_complete(overlay, scratch)
+    theirs = read_complete(store.backend, target_name)
+    if theirs is not None:
+        same = ours is not None and theirs.multi_rank == ours.multi_rank and _digests(theirs) == _digests(ours)
+    else:
+        landed = {str(r): read_marker(store.backend, rank_key(target_name, r), RankMarker)
+                  for r in landed_ranks(store.backend, target_name)}
+        mine = _digests(ours) if ours is not None and ours.multi_rank else {}
+        same = bool(landed) and all(m is not None and mine.get(r) == m.documents.digests() for r, m in landed.items())
+    if not same:
+        raise BundleError(_refusal(f"{store_root.rstrip('/')}/{target_name}", path, name))
+
+
+def _digests(marker: CompleteMarker) -> dict[str, list[str]]:
+    return {r: d.digests() for r, d in marker.shards.items()}
+
+
+def _refusal(url: str, path: Path, name: Optional[str]) -> str:
+    hint = "choose another name with --as NAME" if name else "import it under another name with --as NAME"
+    return (f"{redact_url(url)}: a different bundle with this name already exists (importing {path}: different "
+            f"content); {hint}")
+
+
+def _write(sources: list, store: ObjectStore, url: str, path: Path, name: Optional[str]) -> None:
     multi = sources[0].rank is not None
     expected_ranks = [s.rank for s in sources] if multi else None
     for source in sources:
@@ -50,7 +106,12 @@ def _import_one(path: Path, store: ObjectStore, store_root: str, name: Optional[
         full_index = source.index  # V1 records carry their loss masks
         writer = BundleWriter(url, manifest, full_index, source.expected, store=store,
                               rank=source.rank if multi else None, expected_ranks=expected_ranks)
-        for payload, spec in source.manifest.payloads.items():
-            writer.write_payload(payload, source.load_payload(payload).reshape(spec.shape))
-        writer.finalize()
-    return url
+        try:
+            for payload, spec in source.manifest.payloads.items():
+                writer.write_payload(payload, source.load_payload(payload).reshape(spec.shape))
+            writer.finalize()
+        except BundleError as exc:
+            writer.abort()  # no in-flight record outlives a refused import
+            if "different content" not in str(exc):
+                raise
+            raise BundleError(_refusal(url, path, name)) from None  # written meanwhile by someone else

@@ -1,6 +1,17 @@
 """`ls`: the bundles of a store root with their anchor, status, ranks, sizes and age.
 
-Read-only: a finalizable bundle is shown as such (fsck, or any reader, finalizes it).
+A finalizable bundle (every rank landed, COMPLETE missing) is finalized on the way, as any reader
+does (docs/format.md), and listed as complete; one that cannot be finalized here (a store without
+create-once writes, no write permission) stays `finalizable`, with the reason.
+
+Sizes are payload bytes, as in `stats`: logical is the sum of payload sizes, stored the bytes of
+the unique chunks they are kept in. The totals (complete bundles only, chunks shared between
+bundles counted once) are exactly `stats`' figures for the same root.
+
+A local directory may also hold bundles of the older directory format (or be one): they are listed
+with `format` "v1", their anchor from their identity, and their payload files' bytes as both sizes
+(that format keeps every payload whole); they are never read as native bundles, and are totalled on
+a line of their own.
 """
 
 from __future__ import annotations
@@ -9,9 +20,16 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
-from trajectory_replay.ops.walk import CORRUPT, BundleState, Walker, open_root, scan_bundles
+from trajectory_replay.backends import Backend
+from trajectory_replay.bundle.markers import try_finalize
+from trajectory_replay.errors import BackendError, StorageUnavailableError, TrajectoryReplayError
+from trajectory_replay.ops.walk import (
+    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, BundleTree, Walker, open_root, scan_bundle, scan_bundles,
+)
+from trajectory_replay.units import human_bytes
 
 
 @dataclass(frozen=True)
@@ -29,9 +47,11 @@ class BundleListing:
     logical_bytes: int
     """Sum of the payload sizes of every rank the markers pin."""
     stored_bytes: int
-    """Bytes of the unique chunks the bundle references (payloads and documents)."""
+    """Bytes of the unique chunks the bundle's payloads are kept in."""
     age_seconds: Optional[float]
     detail: str = ""
+    format: str = "native"
+    """`native`, or `v1` for a bundle directory of the older format."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -41,13 +61,22 @@ class BundleListing:
 class ListReport:
     root: str
     bundles: list[BundleListing] = field(default_factory=list)
+    complete_bundles: int = 0
+    logical_bytes: int = 0
+    """Payload bytes of the complete bundles (as `stats`)."""
+    stored_bytes: int = 0
+    """Bytes of the unique chunks those payloads are kept in, shared chunks once (as `stats`)."""
+    finalized: list[str] = field(default_factory=list)
+    """Bundles this listing finalized."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"root": self.root, "bundles": [b.to_dict() for b in self.bundles]}
+        return {"root": self.root, "bundles": [b.to_dict() for b in self.bundles],
+                "complete_bundles": self.complete_bundles, "logical_bytes": self.logical_bytes,
+                "stored_bytes": self.stored_bytes, "finalized": self.finalized}
 
     def to_json(self) -> str:
-        """The `ls --json` output: a list of bundle objects."""
-        return json.dumps([b.to_dict() for b in self.bundles])
+        """`to_dict()` serialized (the CLI adds the status)."""
+        return json.dumps(self.to_dict())
 
     def render_text(self) -> str:
         if not self.bundles:
@@ -55,25 +84,103 @@ class ListReport:
         rows = [("BUNDLE", "ANCHOR", "STATUS", "RANKS", "LOGICAL", "STORED", "AGE")]
         for b in self.bundles:
             status = b.status + (f" (missing ranks {b.missing_ranks})" if b.missing_ranks else "")
-            rows.append((b.name, b.anchor or "-", status, ",".join(map(str, b.ranks)) or "-",
+            name = b.name + (" [v1]" if b.format == "v1" else "")
+            rows.append((name, b.anchor or "-", status, ",".join(map(str, b.ranks)) or "-",
                          human_bytes(b.logical_bytes), human_bytes(b.stored_bytes), human_age(b.age_seconds)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        lines += [f"{b.name}: {b.detail}" for b in self.bundles if b.status == CORRUPT]
+        lines += [f"{b.name}: {b.detail}" for b in self.bundles if b.status in (CORRUPT, FINALIZABLE, "unsupported")]
+        lines += [f"{name}: finalized (every rank had landed)" for name in self.finalized]
+        older = [b for b in self.bundles if b.format == "v1"]
+        if len(older) < len(self.bundles):
+            lines.append(f"total: {self.complete_bundles} complete bundle(s), {human_bytes(self.logical_bytes)} "
+                         f"logical, {human_bytes(self.stored_bytes)} stored (chunks shared between bundles counted "
+                         "once)")
+        if older:
+            done = [b for b in older if b.status == COMPLETE_STATUS]
+            lines.append(f"older format [v1]: {len(done)} complete bundle(s) of {len(older)}, "
+                         f"{human_bytes(sum(b.logical_bytes for b in done))} of payload files")
         return "\n".join(lines)
 
 
 def list_bundles(root: str | os.PathLike, **storage_options: Any) -> ListReport:
     """Every bundle under `root` (complete, incomplete, finalizable, corrupt) with sizes and age."""
     backend = open_root(root, **storage_options)
-    states = scan_bundles(backend)
-    trees = Walker(backend).trees([s for s in states if s.status != CORRUPT])
-    now = time.time()
     report = ListReport(str(root))
+    now = time.time()
+    report.bundles += _older_format(root, now)
+    states, report.finalized = finalize_landed(backend, scan_bundles(backend))
+    trees = Walker(backend).trees([s for s in states if s.status != CORRUPT])
     for state in states:
         tree = trees.get(state.name)
         report.bundles.append(_listing(state, tree, now))
+    report.bundles.sort(key=lambda b: b.name)
+    complete = [trees[b.name] for b in report.bundles if b.status == COMPLETE_STATUS and b.name in trees]
+    report.complete_bundles = len(complete)
+    report.logical_bytes, report.stored_bytes = payload_totals(complete)
     return report
+
+
+def _older_format(root: str | os.PathLike, now: float) -> list[BundleListing]:
+    """The older-format bundles of a local root, or the root itself when it is one (the native scan skips
+    them: their COMPLETE is not a native marker)."""
+    text = os.fspath(root)
+    if "://" in text and not text.startswith("file://"):
+        return []
+    from trajectory_replay.bundle import legacy
+
+    local = Path(text.removeprefix("file://")).expanduser()
+    if legacy.is_v1_bundle(local):
+        return [_older_listing(legacy.v1_status(local), now)]
+    return [_older_listing(legacy.v1_status(p), now) for p in legacy.find_v1_bundles(local)]
+
+
+def _older_listing(status, now: float) -> BundleListing:
+    anchor = None if status.rollout_id is None else \
+        f"step {status.rollout_id}:{status.step_id}" if status.step_id is not None else f"rollout {status.rollout_id}"
+    return BundleListing(
+        name=status.path.name, anchor=anchor, rollout_id=status.rollout_id, step_id=status.step_id,
+        status=status.status, ranks=list(status.ranks), expected_ranks=list(status.expected_ranks),
+        missing_ranks=list(status.missing_ranks), logical_bytes=status.payload_bytes,
+        stored_bytes=status.payload_bytes,
+        age_seconds=None if status.mtime is None else max(0.0, now - status.mtime), detail=status.detail,
+        format="v1")
+
+
+def payload_totals(trees: list[BundleTree]) -> tuple[int, int]:
+    """(logical, stored) payload bytes of `trees`: sizes summed, unique chunks counted once."""
+    chunks: dict[str, int] = {}
+    for tree in trees:
+        chunks.update(tree.payload_chunks())
+    return sum(t.logical_bytes for t in trees), sum(chunks.values())
+
+
+def finalize_landed(backend: Backend, states: list[BundleState]) -> tuple[list[BundleState], list[str]]:
+    """Write the final COMPLETE of each finalizable bundle, as a reader would: (the states after that, the names
+    finalized)."""
+    out, finalized = [], []
+    for state in states:
+        if state.status != FINALIZABLE:
+            out.append(state)
+            continue
+        try:
+            try_finalize(backend, state.name, state.expected_ranks)
+        except StorageUnavailableError:
+            raise
+        except (BackendError, OSError) as exc:  # this store or this user cannot write markers: say so, list it
+            state.detail = f"every rank landed; not finalized here: {exc}"
+            out.append(state)
+            continue
+        except TrajectoryReplayError as exc:
+            state.status, state.detail = CORRUPT, str(exc)
+            out.append(state)
+            continue
+        again = scan_bundle(backend, state.name)
+        if again is not None and again.status == COMPLETE_STATUS:
+            finalized.append(state.name)
+            state = again
+        out.append(state)
+    return out, finalized
 
 
 def _listing(state: BundleState, tree, now: float) -> BundleListing:
@@ -87,18 +194,9 @@ def _listing(state: BundleState, tree, now: float) -> BundleListing:
         rollout_id=anchor.rollout_id if anchor else None, step_id=anchor.step_id if anchor else None,
         status=status, ranks=list(ranks), expected_ranks=list(state.expected_ranks),
         missing_ranks=list(state.missing_ranks),
-        logical_bytes=tree.logical_bytes if tree else 0, stored_bytes=tree.stored_bytes if tree else 0,
+        logical_bytes=tree.logical_bytes if tree else 0,
+        stored_bytes=sum(tree.payload_chunks().values()) if tree else 0,
         age_seconds=None if state.mtime is None else max(0.0, now - state.mtime), detail=detail)
-
-
-def human_bytes(n: int) -> str:
-    """1536 -> '1.5 KiB'."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
 
 
 def human_age(seconds: Optional[float]) -> str:
@@ -111,4 +209,5 @@ def human_age(seconds: Optional[float]) -> str:
     return f"{int(seconds)}s"
 
 
-__all__ = ["BundleListing", "ListReport", "human_age", "human_bytes", "list_bundles"]
+__all__ = ["BundleListing", "ListReport", "finalize_landed", "human_age", "human_bytes", "list_bundles",
+           "payload_totals"]

@@ -29,13 +29,12 @@ class RichProgress(Progress):
     def __init__(self, console=None) -> None:
         """`console`: a rich Console to draw on (default: stderr)."""
         from rich.console import Console
-        from rich.progress import (
-            BarColumn, DownloadColumn, Progress as Bar, TextColumn, TimeElapsedColumn, TransferSpeedColumn,
-        )
+        from rich.progress import BarColumn, DownloadColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 
+        # sizes in IEC units (KiB, MiB), as everywhere else; rich's own rate column is decimal (kB/s)
         self._bar = Bar(TextColumn("{task.description}"), BarColumn(),
                         TextColumn("{task.fields[done]}/{task.fields[objects]} objects"),
-                        DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
+                        DownloadColumn(binary_units=True), _RateColumn(), TimeElapsedColumn(),
                         console=console or Console(stderr=True), transient=False)
         self._task = None
         self._lock = threading.Lock()
@@ -63,6 +62,21 @@ class RichProgress(Progress):
                 return
             self._done += objects
             self._bar.update(self._task, advance=nbytes, done=self._done)
+
+
+def _RateColumn():
+    """A transfer-rate column in IEC units."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    from trajectory_replay.units import human_rate
+
+    class RateColumn(ProgressColumn):
+        def render(self, task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("?" if speed is None else human_rate(speed), style="progress.data.speed")
+
+    return RateColumn()
 
 
 def progress_wanted(quiet: bool) -> bool:

@@ -3,7 +3,8 @@
 logical_bytes is the sum of payload sizes over every complete bundle and rank (what a naive
 copy per bundle would store); stored_bytes is the bytes of the unique chunks those payload
 blobs reference (what the store holds for them). Documents and records are left out of both,
-so dedup_ratio = logical_bytes / stored_bytes measures payload sharing only.
+so dedup_ratio = logical_bytes / stored_bytes measures payload sharing only. `ls` sizes bundles
+the same way and its totals are these figures. Like `ls`, a finalizable bundle is finalized first.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trajectory_replay.backends import redact_url
-from trajectory_replay.ops.ls import human_bytes
+from trajectory_replay.ops.ls import finalize_landed, payload_totals
+from trajectory_replay.units import human_bytes
 from trajectory_replay.ops.walk import COMPLETE_STATUS, Walker, open_root, scan_bundles
 
 
@@ -65,23 +67,20 @@ def _ratio(logical: int, stored: int) -> float:
 def store_stats(root: str | os.PathLike, **storage_options: Any) -> StoreStats:
     """Counts, logical and stored payload bytes, the dedup ratio, and a breakdown per payload name."""
     backend = open_root(root, **storage_options)
-    states = scan_bundles(backend)
+    states, _ = finalize_landed(backend, scan_bundles(backend))
     complete = [s for s in states if s.status == COMPLETE_STATUS]
     trees = Walker(backend).trees(complete)
     out = StoreStats(redact_url(os.fspath(root)), bundles=len(states), complete_bundles=len(complete))
     out.objects = len(backend.list("objects/"))
     out.blob_refs = len(backend.list("blobs/"))
-    chunks: dict[str, int] = {}
     kind_chunks: dict[str, dict[str, int]] = {}
+    out.logical_bytes, out.stored_bytes = payload_totals(list(trees.values()))
     for tree in trees.values():
-        out.logical_bytes += tree.logical_bytes
-        chunks.update(tree.payload_chunks())
         for _rank, spec, node in tree.payloads:
             kind = out.kinds.setdefault(spec.name, KindStats())
             kind.payloads += 1
             kind.logical_bytes += spec.size
             kind_chunks.setdefault(spec.name, {}).update(node.chunks)
-    out.stored_bytes = sum(chunks.values())
     out.dedup_ratio = _ratio(out.logical_bytes, out.stored_bytes)
     for name, kind in out.kinds.items():
         kind.stored_bytes = sum(kind_chunks[name].values())

@@ -30,7 +30,7 @@ from trajectory_replay.bundle.markers import (
 )
 from trajectory_replay.bundle.resolve import RESERVED, Anchor
 from trajectory_replay.bundle.schema import Manifest, PayloadSpec
-from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError, UsageError
+from trajectory_replay.errors import BundleError, NoSuchTargetError, NotFoundError, TrajectoryReplayError, UsageError
 from trajectory_replay.store import BlobRecord
 from trajectory_replay.store.objectstore import MAX_RECORD_BYTES
 from trajectory_replay.store.digest import blob_ref_key, digest_from_key, hash_bytes, object_key, parse_digest
@@ -95,7 +95,7 @@ def open_root(path_or_url: str | os.PathLike, *, must_exist: bool = True, **stor
     """The backend of a store root; NotFoundError when `must_exist` and nothing is there."""
     backend = open_backend(path_or_url, **storage_options)
     if must_exist and not backend.list_dir():
-        raise NotFoundError(f"{redact_url(str(path_or_url))}: no such store root (nothing stored there)")
+        raise NoSuchTargetError(f"{redact_url(str(path_or_url))}: no such store root (nothing stored there)")
     return backend
 
 
@@ -146,8 +146,15 @@ class BundleState:
 
 
 def bundle_names(backend: Backend) -> list[str]:
-    """Children of the root that may be bundles (reserved and dot names excluded)."""
-    return [n for n in backend.list_dir() if n not in RESERVED and not n.startswith(".")]
+    """Children of the root that may be bundles (reserved and dot names excluded, and on a local disk the
+    directories of the older format, whose COMPLETE is not a native marker: `ls` lists those itself)."""
+    names = [n for n in backend.list_dir() if n not in RESERVED and not n.startswith(".")]
+    root = getattr(backend, "root", None)
+    if not isinstance(root, os.PathLike):
+        return names
+    from trajectory_replay.bundle import legacy
+
+    return [n for n in names if not legacy.is_v1_bundle(os.path.join(root, n))]
 
 
 def scan_bundle(backend: Backend, name: str, *, retry: bool = True) -> Optional[BundleState]:

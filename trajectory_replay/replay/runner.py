@@ -1,24 +1,29 @@
 """The replay runner: checks the sources, plans the stages, resolves the selection, runs, and reports.
 
-Multi-rank bundles come as one source per rank. Ranks whose sample ids coincide are replicas: each is
-replayed and the comparison policy's exact fields must agree between them (zero tolerance). Ranks with
-disjoint ids are data-parallel shards: the per-sample and group-level stages see their union as one
-cohort (a prompt group split across ranks is normal), and the cohort-level loss.policy runs per rank
-against that rank's own expected values. Partly overlapping ids are a BundleError.
+A multi-rank bundle comes as one source per rank, and every rank is replayed and reported. How the
+ranks relate is read from their content, never assumed from their sample ids alone:
 
-With replicas the union stages run once per replica cohort; identical verdicts are reported once,
-differing ones are merged into one entry whose message names the ranks.
+- Ranks whose content is identical (records, expected values, payloads) are replicas: the data is
+  replayed once, and the per-rank `loss.policy` verdict is reported for each of them.
+- Otherwise, when the sample ids of the ranks are disjoint, the ranks are data-parallel shards of one
+  cohort: the per-sample and group-level stages see their union (a prompt group split across ranks is
+  normal) and the cohort-level `loss.policy` runs per rank against that rank's own expected values.
+- Otherwise the ids are rank-local (the older tool numbers every rank's samples from `s-0`, each rank
+  holding its own data): every rank is replayed on its own, all stages reported per rank, and a fault in
+  any rank fails the replay. `--sample`/`--group`/`--batch` then select in each rank that has the ids.
 
-`rank=r` replays one rank of such a bundle (all of whose ranks are given): its samples, closed over their
-prompt groups across ranks (a group split across ranks is normalized over all of its members, so replaying
-a rank's rows alone would report a divergence where there is none), and loss.policy of rank r alone.
+`rank=r` replays one rank of such a bundle (all of whose ranks are given). A rank that shares sample ids
+with another (a replica, or rank-local ids) is replayed alone. A data-parallel shard is replayed with its
+prompt groups closed over the other ranks (a group split across ranks is normalized over all of its
+members, so replaying the rank's rows alone would report a divergence where there is none), and
+loss.policy for rank r alone.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import replace
-from typing import Optional, Sequence
+import json
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -26,13 +31,21 @@ from trajectory_replay.bundle.schema import STAGE_ORDER, SampleRecord, StageId
 from trajectory_replay.errors import BundleError
 from trajectory_replay.replay import kernels
 from trajectory_replay.replay.cohort import Cohort, CohortPart, PayloadCache
-from trajectory_replay.replay.compare import EXACT, FieldComparison, SampleLayout, compare_tensors, resolve_tolerance
-from trajectory_replay.replay.report import MAX_DIVERGENCES, Divergence, ReplayReport, StageResult, skipped
-from trajectory_replay.replay.selection import Selection, resolve_selection
+from trajectory_replay.replay.compare import resolve_tolerance
+from trajectory_replay.replay.report import ReplayReport, StageResult, skipped
+from trajectory_replay.replay.selection import Closure, Selection, group_id, resolve_selection
 from trajectory_replay.replay.source import ReplaySource
 from trajectory_replay.replay.stages import PlannedStage, StageContext, check_topology, plan_stages
 
 PARTIAL_SELECTION = "cohort-level stage is not replayable under a partial selection"
+
+
+@dataclass
+class _Shard:
+    """One distinct content of a bundle: the source replayed and every rank that holds exactly that content."""
+
+    source: ReplaySource
+    ranks: list[Optional[int]] = field(default_factory=list)
 
 
 def replay(sources: Sequence[ReplaySource], *, samples: Sequence[str] = (), groups: Sequence[str] = (),
@@ -47,9 +60,9 @@ def replay(sources: Sequence[ReplaySource], *, samples: Sequence[str] = (), grou
         if focus is None:
             raise BundleError(f"bundle {ordered[0].bundle_id} has no rank {rank} "
                               f"(ranks {[s.rank for s in ordered]})")
-        mine = frozenset(r.sample_id for r in focus.index.samples)
-        if all(frozenset(r.sample_id for r in s.index.samples) == mine for s in ordered):
-            ordered, focus = [focus], None   # replicas: the rank holds every sample of the bundle
+        mine = {r.sample_id for r in focus.index.samples}
+        if any(s is not focus and not mine.isdisjoint(r.sample_id for r in s.index.samples) for s in ordered):
+            ordered, focus = [focus], None   # a replica, or rank-local ids: the rank's data is whole by itself
     first = ordered[0]
     for source in ordered:
         check_topology(source.index)
@@ -58,10 +71,22 @@ def replay(sources: Sequence[ReplaySource], *, samples: Sequence[str] = (), grou
     if config.kl_coef != 0 and any(p.stage.id == StageId.ADVANTAGE_KL and p.action == "run" for p in plan):
         kernels.check_kl_type(config.kl_loss_type)  # fail before loading anything
 
-    shards = _shards(ordered)
-    replica_sets = [[shard[min(j, len(shard) - 1)] for shard in shards] for j in range(max(map(len, shards)))]
-    union = [r for source in replica_sets[0] for r in source.index.samples]
+    run = _Run(plan, first, atol, rtol, PayloadCache(), labelled=len(ordered) > 1)
     selection = Selection(tuple(samples), tuple(groups), tuple(batches))
+    shards = _group_by_content(ordered, run.cache)
+    if len(shards) > 1 and not _disjoint(shards):
+        if focus is not None:  # the other ranks overlap among themselves: this rank's data stands alone too
+            shards = [_Shard(focus, [focus.rank])]
+        results: list[StageResult] = []
+        for shard, closure in _select_per_shard(selection, shards):
+            records = shard.source.index.samples
+            selected = {records[i].sample_id for i in closure.positions}
+            results += _copies(run.cohort([shard], selected, closure.partial, label=shard.ranks[0]), shard)
+        order = {stage.value: i for i, stage in enumerate(STAGE_ORDER)}
+        results.sort(key=lambda r: (order.get(r.stage, len(order)), -1 if r.rank is None else r.rank))
+        return ReplayReport(bundle_id=first.bundle_id, stages=tuple(results))
+
+    union = [r for shard in shards for r in shard.source.index.samples]
     rank_whole = False
     if focus is not None:
         # the selection picks among the rank's own samples; their groups then close over the other ranks
@@ -69,56 +94,82 @@ def replay(sources: Sequence[ReplaySource], *, samples: Sequence[str] = (), grou
         within = resolve_selection(selection, own)
         rank_whole = not within.partial
         selection = Selection(samples=tuple(own[i].sample_id for i in within.positions))
+        shards = [replace(s, ranks=[focus.rank]) if focus.rank in s.ranks else replace(s, ranks=[])
+                  for s in shards]
     closure = resolve_selection(selection, union)
     selected_ids = {union[i].sample_id for i in closure.positions}
-    cache = PayloadCache()
-    cohorts = [Cohort(_nonempty([_part(s, selected_ids) for s in sources_j]), cache, closure.partial)
-               for sources_j in replica_sets]
+    results = run.cohort(shards, selected_ids, closure.partial, label=None, rank_whole=rank_whole)
+    return ReplayReport(bundle_id=first.bundle_id, stages=tuple(results))
 
-    replica_findings = _compare_replicas(shards, selected_ids, cache, first.manifest.comparison_policy.exact_fields)
-    sample_runs = any(p.stage.id == StageId.SAMPLE and p.action == "run" for p in plan)
-    if not sample_runs and any(c.failed for c in replica_findings):
-        raise BundleError("replica ranks disagree: " + "; ".join(c.summary() for c in replica_findings if c.failed))
 
-    contracted = frozenset(first.manifest.stage_contracts)
+class _Run:
+    """What every cohort of one replay shares: the plan, the bundle's config and policy, the payload cache."""
 
-    def context(stage: StageId, cohort: Cohort, outputs: dict, rank: Optional[int] = None,
-                findings: Sequence[FieldComparison] = ()) -> StageContext:
-        return StageContext(cohort=cohort, config=config, tol=resolve_tolerance(first.manifest, stage, atol, rtol),
-                            contracted=contracted, outputs=outputs, rank=rank, replica_findings=findings)
+    def __init__(self, plan: list[PlannedStage], first: ReplaySource, atol: Optional[float], rtol: Optional[float],
+                 cache: PayloadCache, labelled: bool) -> None:
+        self.plan, self.first, self.atol, self.rtol, self.cache = plan, first, atol, rtol, cache
+        self.labelled = labelled
+        """True for a multi-rank bundle: per-rank verdicts name their rank."""
+        self.contracted = frozenset(first.manifest.stage_contracts)
 
-    by_stage: dict[StageId, list[tuple[str, StageResult]]] = defaultdict(list)
-    cohort_outputs: list[dict] = []
-    sample_level = [p for p in plan if not p.stage.cohort_level]
-    for j, cohort in enumerate(cohorts):
+    def context(self, stage: StageId, cohort: Cohort, outputs: dict, rank: Optional[int]) -> StageContext:
+        return StageContext(cohort=cohort, config=self.first.index.config,
+                            tol=resolve_tolerance(self.first.manifest, stage, self.atol, self.rtol),
+                            contracted=self.contracted, outputs=outputs, rank=rank)
+
+    def cohort(self, shards: Sequence[_Shard], selected_ids: set[str], partial: bool, *, label: Optional[int],
+               rank_whole: bool = False) -> list[StageResult]:
+        """Replay the union of the shards' selected samples: the sample-level stages once (reported with rank
+        `label`), then each cohort-level stage per shard, reported for every rank listed in the shard."""
+        cohort = Cohort(_nonempty([_part(s.source, selected_ids) for s in shards]), self.cache, partial)
+        plan = self.plan
         outputs: dict = {}
+        results: list[StageResult] = []
+        sample_level = [p for p in plan if not p.stage.cohort_level]
         for i, planned in enumerate(sample_level):
-            ctx = context(planned.stage.id, cohort, outputs,
-                          findings=replica_findings if j == 0 and planned.stage.id == StageId.SAMPLE else ())
-            by_stage[planned.stage.id].append((_label(cohort), _run_planned(planned, ctx, outputs)))
-            _release(outputs, cache, [p.stage for p in sample_level[i + 1:]]
+            ctx = self.context(planned.stage.id, cohort, outputs, label)
+            results.append(_run_planned(planned, ctx, outputs))
+            _release(outputs, self.cache, [p.stage for p in sample_level[i + 1:]]
                      + [p.stage for p in plan if p.stage.cohort_level])
-        cohort_outputs.append(outputs)
-
-    results = [_merge(by_stage[s]) for s in STAGE_ORDER if s in by_stage]
-    for planned in (p for p in plan if p.stage.cohort_level):
-        if planned.action != "run" or (closure.partial and not rank_whole):
-            results.append(skipped(planned.stage.id.value, planned.reason or PARTIAL_SELECTION))
-            continue
-        per_rank: list[StageResult] = []
-        done: set[int] = set()
-        for cohort, outputs in zip(cohorts, cohort_outputs):
+        by_source = {id(s.source): s for s in shards}
+        for planned in (p for p in plan if p.stage.cohort_level):
+            if planned.action != "run" or (partial and not rank_whole):
+                results.append(skipped(planned.stage.id.value, planned.reason or PARTIAL_SELECTION, label))
+                continue
+            per_rank: list[StageResult] = []
             for k, part in enumerate(cohort.parts):
-                if id(part.source) in done or (focus is not None and part.source is not focus):
+                shard = by_source.get(id(part.source))
+                if shard is None or not shard.ranks:
                     continue
-                done.add(id(part.source))
-                part_rank = part.source.rank if len(ordered) > 1 else None
                 rank_outputs = {stage: {key: value[cohort.token_range(k)] for key, value in produced.items()}
                                 for stage, produced in outputs.items() if stage == StageId.ADVANTAGE_ESTIMATE}
-                ctx = context(planned.stage.id, cohort.part(k), rank_outputs, rank=part_rank)
-                per_rank.append(_run_planned(planned, ctx, {}))
-        results.extend(sorted(per_rank, key=lambda r: -1 if r.rank is None else r.rank))
-    return ReplayReport(bundle_id=first.bundle_id, stages=tuple(results))
+                ctx = self.context(planned.stage.id, cohort.part(k), rank_outputs,
+                                   shard.ranks[0] if self.labelled else label)
+                result = _run_planned(planned, ctx, {})
+                per_rank.append(result)
+                per_rank += [_same_data(result, r, shard.ranks[0]) for r in shard.ranks[1:]]
+            results.extend(sorted(per_rank, key=lambda r: -1 if r.rank is None else r.rank))
+        return results
+
+
+def _same_data(result: StageResult, rank: Optional[int], source_rank: Optional[int]) -> StageResult:
+    """`result` reported for a replica `rank` (its data is identical to `source_rank`'s, which ran)."""
+    return replace(result, rank=rank, message=f"{result.message} (data identical to rank {source_rank})".lstrip())
+
+
+def _copies(results: list[StageResult], shard: _Shard) -> list[StageResult]:
+    """A shard's results, and the same for every replica rank of it (its sample-level verdicts are labelled with
+    the shard's first rank; cohort-level ones already name every rank)."""
+    out = list(results)
+    for result in results:
+        if result.rank == shard.ranks[0] and not _per_rank_done(result, results, shard):
+            out += [_same_data(result, r, shard.ranks[0]) for r in shard.ranks[1:]]
+    return out
+
+
+def _per_rank_done(result: StageResult, results: list[StageResult], shard: _Shard) -> bool:
+    """True when the stage of `result` already has an entry for another rank of the shard."""
+    return any(r.stage == result.stage and r.rank in shard.ranks[1:] for r in results)
 
 
 def _release(outputs: dict, cache: PayloadCache, later: Sequence) -> None:
@@ -161,21 +212,90 @@ def _check_sources(sources: Sequence[ReplaySource]) -> list[ReplaySource]:
     return ordered
 
 
-def _shards(ordered: Sequence[ReplaySource]) -> list[list[ReplaySource]]:
-    """Group ranks into data-parallel shards of replicas (same sample ids); partial overlap is an error."""
-    shards: list[tuple[frozenset[str], list[ReplaySource]]] = []
+# --------------------------------------------------------------------------- how the ranks relate
+
+def _group_by_content(ordered: Sequence[ReplaySource], cache: PayloadCache) -> list[_Shard]:
+    """The ranks grouped by identical content, in rank order of each group's first rank."""
+    shards: list[_Shard] = []
     for source in ordered:
-        ids = frozenset(r.sample_id for r in source.index.samples)
-        for shard_ids, members in shards:
-            if shard_ids == ids:
-                members.append(source)
+        for shard in shards:
+            if _same_content(shard.source, source):
+                shard.ranks.append(source.rank)
                 break
-            if shard_ids & ids:
-                raise BundleError(f"ranks {members[0].rank} and {source.rank} share {len(shard_ids & ids)} sample "
-                                  "ids but not all: neither replicas nor data-parallel shards")
         else:
-            shards.append((ids, [source]))
-    return [members for _, members in shards]
+            shards.append(_Shard(source, [source.rank]))
+    return shards
+
+
+def _disjoint(shards: Sequence[_Shard]) -> bool:
+    """True when no sample id occurs in two shards: globally unique ids, so the shards form one cohort."""
+    seen: set[str] = set()
+    for shard in shards:
+        ids = {r.sample_id for r in shard.source.index.samples}
+        if not seen.isdisjoint(ids):
+            return False
+        seen |= ids
+    return True
+
+
+def _same_content(a: ReplaySource, b: ReplaySource) -> bool:
+    """True when two ranks hold the same records, expected values and payloads (so are replicas)."""
+    if [r.sample_id for r in a.index.samples] != [r.sample_id for r in b.index.samples]:
+        return False  # cheap first: data-parallel shards never get further
+    if a.index.samples != b.index.samples or _canonical(a.expected) != _canonical(b.expected):
+        return False
+    if set(a.manifest.payloads) != set(b.manifest.payloads):
+        return False
+    digests_a, digests_b = _payload_digests(a), _payload_digests(b)
+    if digests_a is not None and digests_b is not None:
+        return digests_a == digests_b
+    for name in a.manifest.payloads:   # a source without digests (built in memory): compare the tensors
+        x, y = a.load_payload(name), b.load_payload(name)
+        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
+            return False
+    return True
+
+
+def _canonical(value: object) -> str:
+    # NaN != NaN, but two identical documents holding NaN are the same content
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _payload_digests(source: ReplaySource) -> Optional[dict[str, str]]:
+    """{payload: content digest} when the source knows them without loading (None otherwise)."""
+    digests = getattr(source, "payload_digests", None)
+    if isinstance(digests, dict):
+        return digests
+    specs = source.manifest.payloads
+    if all(spec.digest for spec in specs.values()):
+        return {name: spec.digest for name, spec in specs.items()}
+    return None
+
+
+# --------------------------------------------------------------------------- selection over rank-local ids
+
+_KEYS: dict[str, Callable[[SampleRecord], Optional[str]]] = {
+    "samples": lambda r: r.sample_id,
+    "groups": lambda r: group_id(r.group_index),
+    "batches": lambda r: r.micro_batch_id,
+}
+
+
+def _select_per_shard(selection: Selection, shards: Sequence[_Shard]) -> list[tuple[_Shard, Closure]]:
+    """Each shard the selection touches, with its closure; an id that is in no shard fails closed."""
+    if selection.everything:
+        return [(s, resolve_selection(selection, s.source.index.samples)) for s in shards]
+    present = [{kind: {key(r) for r in s.source.index.samples} for kind, key in _KEYS.items()} for s in shards]
+    nowhere = Selection(**{kind: tuple(i for i in getattr(selection, kind) if not any(i in p[kind] for p in present))
+                           for kind in _KEYS})
+    if not nowhere.everything:
+        resolve_selection(nowhere, [r for s in shards for r in s.source.index.samples])  # names what is missing
+    out = []
+    for shard, ids in zip(shards, present):
+        mine = Selection(**{kind: tuple(i for i in getattr(selection, kind) if i in ids[kind]) for kind in _KEYS})
+        if not mine.everything:
+            out.append((shard, resolve_selection(mine, shard.source.index.samples)))
+    return out
 
 
 def _part(source: ReplaySource, selected_ids: set[str]) -> CohortPart:
@@ -185,94 +305,6 @@ def _part(source: ReplaySource, selected_ids: set[str]) -> CohortPart:
 def _nonempty(parts: list[CohortPart]) -> list[CohortPart]:
     """The parts with selected samples (a rank none of whose samples is selected is not read at all)."""
     return [p for p in parts if p.positions] or parts[:1]
-
-
-def _label(cohort: Cohort) -> str:
-    ranks = [p.source.rank for p in cohort.parts if p.source.rank is not None]
-    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}" if ranks else ""
-
-
-def _merge(labelled: list[tuple[str, StageResult]]) -> StageResult:
-    """One entry for a stage run once per replica cohort: identical verdicts once, else merged by rank."""
-    results = [r for _, r in labelled]
-    if all(r == results[0] for r in results):
-        return results[0]
-    status = "fail" if any(r.failed for r in results) else results[0].status
-    shown = [(label, r) for label, r in labelled if r.failed] or labelled
-    errors = [r.max_abs_error for r in results if r.max_abs_error is not None]
-    return StageResult(stage=results[0].stage, status=status, rank=results[0].rank,
-                       message="; ".join(f"{label}: {r.message}" for label, r in shown),
-                       max_abs_error=max(errors) if errors else None,
-                       mismatch_count=sum(r.mismatch_count for r in results),
-                       divergences=tuple(d for _, r in shown for d in r.divergences)[:MAX_DIVERGENCES])
-
-
-def _compare_replicas(shards: Sequence[Sequence[ReplaySource]], selected_ids: set[str], cache: PayloadCache,
-                      exact_fields: Sequence[str]) -> list[FieldComparison]:
-    """Each replica against the first rank of its shard on the exact fields, with zero tolerance."""
-    findings: list[FieldComparison] = []
-    for shard in shards:
-        reference = _part(shard[0], selected_ids)
-        for other_source in shard[1:]:
-            other = _part(other_source, selected_ids)
-            findings.extend(_compare_replica(reference, other, cache, exact_fields))
-    return findings
-
-
-def _compare_replica(reference: CohortPart, other: CohortPart, cache: PayloadCache,
-                     exact_fields: Sequence[str]) -> list[FieldComparison]:
-    ref_records = [reference.source.index.samples[i] for i in reference.positions]
-    other_records = [other.source.index.samples[i] for i in other.positions]
-    pair = f"replica rank {other.source.rank} disagrees with rank {reference.source.rank}"
-    ids = [r.sample_id for r in ref_records]
-    same_order = ids == [r.sample_id for r in other_records]
-    findings: list[FieldComparison] = []
-    for name in exact_fields:
-        if name == "sample_id":
-            problems = () if same_order else (f"{pair} on the sample_id order",)
-            findings.append(FieldComparison(field=name, compared=len(ids), problems=problems))
-        elif name == "loss_mask":
-            if not same_order:
-                continue  # the order problem is already reported; rows cannot be aligned
-            layout = SampleLayout.per_token(ids, torch.tensor([max(r.response_length, 0) for r in ref_records]))
-            compared = compare_tensors(name, cache.load(reference, name), cache.load(other, name), layout, EXACT)
-            findings.append(_prefixed(compared, pair))
-        elif name in SampleRecord.model_fields:
-            findings.append(_compare_record_field(name, ref_records, other_records, pair))
-        else:
-            findings.append(FieldComparison(field=name, compared=0,
-                                            problems=(f"exact field {name!r} is not a sample field",)))
-    return findings
-
-
-def _compare_record_field(name: str, ref_records: Sequence[SampleRecord], other_records: Sequence[SampleRecord],
-                          pair: str) -> FieldComparison:
-    """One per-sample record field compared exactly between replicas, samples aligned by id."""
-    others = {r.sample_id: getattr(r, name) for r in other_records}
-    divergences = []
-    for record in ref_records:
-        mine, theirs = getattr(record, name), others.get(record.sample_id)
-        if mine != theirs:
-            divergences.append(Divergence(name, record.sample_id, None, _number(mine), _number(theirs),
-                                          _abs_diff(mine, theirs)))
-    problems = (f"{pair} on {name} of {len(divergences)} sample(s)",) if divergences else ()
-    return FieldComparison(field=name, compared=len(ref_records), mismatch_count=len(divergences),
-                           divergences=tuple(divergences[:MAX_DIVERGENCES]), problems=problems)
-
-
-def _prefixed(comparison: FieldComparison, prefix: str) -> FieldComparison:
-    if not comparison.failed:
-        return comparison
-    return replace(comparison, problems=(f"{prefix} on {comparison.field}",) + comparison.problems)
-
-
-def _number(value: object) -> Optional[float]:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _abs_diff(a: object, b: object) -> Optional[float]:
-    x, y = _number(a), _number(b)
-    return None if x is None or y is None else abs(x - y)
 
 
 __all__ = ["PARTIAL_SELECTION", "replay"]

@@ -69,9 +69,24 @@ def _matching(kind: str, wanted: Sequence[str], records: Sequence[SampleRecord],
             by_key.setdefault(value, []).append(i)
     missing = [w for w in wanted if w not in by_key]
     if missing:
-        raise SelectionError(f"no {kind} {', '.join(map(repr, missing))} in the bundle "
-                             f"({len(records)} samples); selection fails closed")
+        raise SelectionError(f"no {kind} {', '.join(map(repr, missing))}; {valid_ids(kind, by_key)} "
+                             "(selection fails closed)")
     return {i for w in wanted for i in by_key[w]}
 
 
-__all__ = ["Closure", "Selection", "group_id", "resolve_selection"]
+MAX_LISTED_IDS = 10
+"""Valid ids a selection error names: enough to spot a typo or the id scheme, bounded for huge bundles."""
+
+
+def valid_ids(kind: str, ids: Sequence[str]) -> str:
+    """`groups: g-0, g-1` (first MAX_LISTED_IDS, in bundle order, then how many more)."""
+    ids = list(ids)
+    plural = "batches" if kind == "batch" else f"{kind}s"
+    if not ids:
+        return f"the bundle has no {plural}"
+    shown = ", ".join(ids[:MAX_LISTED_IDS])
+    more = f", ... ({len(ids) - MAX_LISTED_IDS} more)" if len(ids) > MAX_LISTED_IDS else ""
+    return f"{plural}: {shown}{more}"
+
+
+__all__ = ["Closure", "MAX_LISTED_IDS", "Selection", "group_id", "resolve_selection", "valid_ids"]

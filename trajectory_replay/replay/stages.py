@@ -5,14 +5,17 @@ recomputed post-processed rewards, loss.policy the recomputed advantages when ad
 contracted), so a bug shows at the stage where it starts, not where it surfaces.
 
 Capability decisions (a stage's contract in the manifest):
-- `recompute`: the stage runs.
-- `recorded-only`: reward.raw runs as usual (V1's reward.raw "recompute" is the recorded raw reward
-  anyway). reward.post_process and advantage.estimate are reported skipped and hand downstream the
-  recorded values (records' `reward`, the `advantages` payload); other stages are skipped.
-- `inspect-only`: skipped; a downstream stage that needs its output then fails, loudly.
-- `unsupported`, or any contract for a stage replay cannot compute (loss.value): UnsupportedError when
-  the stage would run; a stage not selected by `--stage` is never looked at.
-- A contract version other than the stage's version: UnsupportedError (never a best effort).
+- `recompute`: the stage runs. A recompute contract for a stage replay cannot compute (loss.value), or
+  a contract version other than the stage's: UnsupportedError (never a best effort).
+- `recorded-only`, `inspect-only`, `unsupported`: the bundle itself says the stage is not to be
+  replayed (the older tool's capture declares loss.value unsupported in every bundle). It is reported
+  skipped with `capability=<value>` and never fails the replay. A stage with recorded outputs hands them
+  downstream instead (reward.post_process the records' `reward`, advantage.estimate the `advantages`
+  payload; reward.post_process falls back to the records' `raw_reward` by itself), so the stages after
+  it are still checked against what production consumed. Asking for an `unsupported` stage by name
+  (`--stage`) is an UnsupportedError: what was asked for cannot be given.
+- The topology (advantage_estimator, cp) is checked for the whole bundle: anything but GRPO with cp == 1
+  is an UnsupportedError, whatever the contracts say.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from trajectory_replay.errors import SelectionError, UnsupportedError, UsageErro
 from trajectory_replay.replay import kernels
 from trajectory_replay.replay.cohort import Cohort
 from trajectory_replay.replay.compare import (
-    EXACT, FieldComparison, Findings, SampleLayout, Tolerances, compare_scalar, compare_tensors,
+    EXACT, Findings, SampleLayout, Tolerances, compare_scalar, compare_tensors,
 )
 from trajectory_replay.replay.report import Divergence, StageResult
 
@@ -49,8 +52,6 @@ class StageContext:
     outputs: dict[StageId, Outputs]
     """Outputs of upstream stages that produced them (recomputed, or recorded for recorded-only)."""
     rank: Optional[int] = None
-    replica_findings: Sequence[FieldComparison] = ()
-    """Disagreements between replica ranks on the exact fields; reported by the sample stage."""
 
 
 @dataclass(frozen=True)
@@ -135,8 +136,6 @@ def _run_sample(ctx: StageContext) -> StageOutcome:
                   f"the responses have {c.num_tokens} tokens")
     else:
         _check_record_masks(c, mask, f)
-    for replica in ctx.replica_findings:
-        f.add(replica)
     return StageOutcome(f.result(StageId.SAMPLE, ctx.rank, passed_message=f"{len(c.records)} samples, "
                                  f"{c.num_tokens} tokens"))
 
@@ -319,6 +318,7 @@ def plan_stages(manifest: Manifest, requested: Optional[Sequence[str | StageId]]
             raise SelectionError(f"stage {', '.join(absent)} is not contracted by bundle {manifest.bundle_id} "
                                  f"(contracted: {', '.join(s.value for s in STAGE_ORDER if s in contracted)})")
         selected: set[StageId] = set()
+        named = set(wanted)
         pending = list(wanted)
         while pending:  # transitive dependencies, only among contracted stages
             stage_id = pending.pop()
@@ -326,28 +326,27 @@ def plan_stages(manifest: Manifest, requested: Optional[Sequence[str | StageId]]
                 selected.add(stage_id)
                 pending.extend(STAGES[stage_id].depends_on)
     else:
-        selected = contracted
-    return [_plan_one(manifest, STAGES[s]) for s in STAGE_ORDER if s in selected]
+        selected, named = contracted, set()
+    return [_plan_one(manifest, STAGES[s], s in named) for s in STAGE_ORDER if s in selected]
 
 
-def _plan_one(manifest: Manifest, stage: Stage) -> PlannedStage:
+def _plan_one(manifest: Manifest, stage: Stage, named: bool = False) -> PlannedStage:
+    """How one contracted stage is replayed; `named` when the user asked for it with --stage."""
     contract = manifest.stage_contracts[stage.id]
     capability = contract.capability
-    if capability == StageCapability.UNSUPPORTED:
-        raise UnsupportedError(f"stage {stage.id} is declared unsupported by bundle {manifest.bundle_id}")
+    if capability != StageCapability.RECOMPUTE:
+        if capability == StageCapability.UNSUPPORTED and named:
+            raise UnsupportedError(f"stage {stage.id} is declared unsupported by bundle {manifest.bundle_id}: "
+                                   "it cannot be replayed")
+        reason = f"capability={capability.value} (declared by the bundle)"
+        if stage.recorded is not None:
+            return PlannedStage(stage, "recorded", f"{reason}; recorded values passed downstream")
+        return PlannedStage(stage, "skip", reason)
     if contract.version != stage.version:
         raise UnsupportedError(f"stage {stage.id} contract version {contract.version!r} is not replayable "
                                f"(replay implements {stage.version!r})")
-    if capability == StageCapability.INSPECT_ONLY:
-        return PlannedStage(stage, "skip", "inspect-only stage: not replayed")
     if stage.compute is None:
-        if capability == StageCapability.RECORDED_ONLY:
-            return PlannedStage(stage, "skip", "recorded-only stage: not replayed")
         raise UnsupportedError(f"stage {stage.id} is not replayable: replay cannot recompute it")
-    if capability == StageCapability.RECORDED_ONLY and stage.id != StageId.REWARD_RAW:
-        if stage.recorded is not None:
-            return PlannedStage(stage, "recorded", "recorded-only stage: recorded outputs passed downstream")
-        return PlannedStage(stage, "skip", "recorded-only stage: not replayed")
     return PlannedStage(stage, "run")
 
 

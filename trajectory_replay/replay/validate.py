@@ -20,8 +20,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from trajectory_replay.bundle.schema import StageCapability, StageId
-from trajectory_replay.errors import TrajectoryReplayError
+from trajectory_replay.errors import BackendError, IncompleteBundleError, SelectionError, TrajectoryReplayError
 from trajectory_replay.replay.source import ReplaySource
+from trajectory_replay.units import human_bytes
 
 # what each recompute stage reads beyond the index: (payloads, expected entries)
 STAGE_NEEDS: dict[StageId, tuple[tuple[str, ...], tuple[tuple[str, str], ...]]] = {
@@ -47,23 +48,32 @@ class ValidationReport:
     bytes_checked: int = 0
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    incomplete: bool = False
+    """The bundle's final COMPLETE is missing (its ranks have not all landed)."""
 
     @property
     def valid(self) -> bool:
         return not self.problems
 
+    @property
+    def outcome(self) -> str:
+        """The `--json` status: pass, incomplete or invalid."""
+        return "pass" if self.valid else "incomplete" if self.incomplete else "invalid"
+
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target, "bundle_id": self.bundle_id, "valid": self.valid, "ranks": self.ranks,
                 "payloads_checked": self.payloads_checked, "bytes_checked": self.bytes_checked,
-                "problems": self.problems, "warnings": self.warnings}
+                "problems": self.problems, "warnings": self.warnings, "incomplete": self.incomplete}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 
     def render_text(self) -> str:
-        head = f"bundle {self.bundle_id or self.target}: {'valid' if self.valid else 'INVALID'}"
-        lines = [head, f"  {self.payloads_checked} payloads verified ({self.bytes_checked} bytes), "
-                       f"ranks {self.ranks or ['-']}"]
+        verdict = "valid" if self.valid else "INVALID (incomplete bundle)" if self.incomplete else "INVALID"
+        ranks = ", ".join(str(r) for r in self.ranks if r is not None)
+        lines = [f"bundle {self.bundle_id or self.target}: {verdict}",
+                 f"  {self.payloads_checked} payloads verified ({human_bytes(self.bytes_checked)})"
+                 + (f", ranks {ranks}" if ranks else "")]
         lines += [f"  problem: {p}" for p in self.problems]
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
@@ -76,8 +86,10 @@ def validate_bundle(path_or_url: str, **storage_options: Any) -> ValidationRepor
 
     try:
         return validate_sources(path_or_url, open_sources(path_or_url, trust_cache=False, **storage_options))
+    except (BackendError, SelectionError):  # the store is unreachable, or nothing is there: not a verdict
+        raise
     except TrajectoryReplayError as exc:
-        return ValidationReport(path_or_url, problems=[str(exc)])
+        return ValidationReport(path_or_url, problems=[str(exc)], incomplete=isinstance(exc, IncompleteBundleError))
 
 
 def validate_sources(target: str, sources: Sequence[ReplaySource]) -> ValidationReport:
@@ -120,7 +132,11 @@ def _locate(position: int, offsets: list[int], ids: list[str]) -> str:
 def _check_closure(source: ReplaySource, where: str, report: ValidationReport) -> None:
     config = source.index.config
     for stage_id, contract in source.manifest.stage_contracts.items():
-        if contract.capability != StageCapability.RECOMPUTE or stage_id not in STAGE_NEEDS:
+        if contract.capability != StageCapability.RECOMPUTE:
+            report.warnings.append(f"{where}: stage {stage_id} is declared {contract.capability.value} by the "
+                                   "bundle; replay skips it")
+            continue
+        if stage_id not in STAGE_NEEDS:
             continue
         payloads, expected = STAGE_NEEDS[stage_id]
         needed = list(payloads)

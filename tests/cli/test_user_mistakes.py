@@ -1,0 +1,293 @@
+"""Mistakes a new user makes, each answered by one clear line (or done right): demo into a URL, tolerances that
+are not numbers, selections that match nothing, bundles that share an anchor, paths that are not bundles,
+imports onto a taken name, copies into a bundle, bundles whose last rank died before COMPLETE, output piped
+into `head`, sizes in one unit system. Local stores and the real S3 test server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.bundle.helpers import write_canonical
+from tests.replay.cases import split_ranks, twelve_case
+from trajectory_replay.backends import open_backend
+from trajectory_replay.bundle import BundleWriter
+from trajectory_replay.bundle.legacy import write_v1_bundle
+from trajectory_replay.cli import app
+from trajectory_replay.replay import canonical_case
+from trajectory_replay.store import ObjectStore
+from trajectory_replay.units import human_bytes
+
+runner = CliRunner()
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(*args: str, env: dict | None = None):
+    return runner.invoke(app, list(args), env=env)
+
+
+def one_error_line(result, code: int = 1) -> str:
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trajectory-replay: error: "), result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    return lines[0]
+
+
+def write_cohort(root: str, name: str = "b-twelve", options: dict | None = None) -> str:
+    """The twelve-sample case as two data-parallel ranks of one bundle (6 samples each)."""
+    for rank, shard in enumerate(split_ranks(twelve_case(), [range(0, 6), range(6, 12)])):
+        manifest = shard.manifest.model_copy(update={"bundle_id": name})
+        index = shard.index.model_copy(update={"bundle_id": name})
+        BundleWriter(f"{root}/{name}", manifest, index, shard.expected, rank=rank, expected_ranks=[0, 1],
+                     **(options or {})).finalize(payloads=shard.payloads)
+    return f"{root}/{name}"
+
+
+# ---- demo ----------------------------------------------------------------------------------------
+
+def test_demo_writes_into_the_store_a_url_names(s3_root, s3_env, tmp_path, monkeypatch):
+    url, options = s3_root
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRAJECTORY_REPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    result = run("demo", url)
+    assert result.exit_code == 0, result.output
+    assert f"wrote {url}/b-00001" in result.stdout
+    backend = open_backend(url, **options)
+    assert backend.exists("b-00001/COMPLETE") and backend.exists("b-00065/COMPLETE")
+    assert not (tmp_path / "s3:").exists() and sorted(os.listdir(tmp_path)) == ["cache"]
+    replayed = run("replay", f"{url}/b-00065", "--json")
+    assert json.loads(replayed.stdout)["first_divergent_stage"] == "reward.post_process"
+
+
+# ---- tolerances ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag", ["--atol", "--rtol"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1", "-0.001"])
+def test_tolerance_must_be_a_finite_number_not_below_zero(tmp_path, flag, value):
+    bundle = write_canonical(str(tmp_path / "store"), buggy=True)
+    result = run("replay", bundle, f"{flag}={value}")
+    line = one_error_line(result, 2)
+    assert flag in line and "finite number >= 0" in line and result.stdout == ""
+    doc = json.loads(run("replay", bundle, f"{flag}={value}", "--json").stdout)
+    assert doc["status"] == "usage" and flag in doc["error"]
+    assert run("replay", bundle, f"{flag}=0").exit_code == 1  # zero is a tolerance: the bug is still found
+
+
+# ---- selections ----------------------------------------------------------------------------------
+
+def test_selection_errors_name_the_valid_ids(tmp_path):
+    bundle = write_canonical(str(tmp_path / "store"))
+    assert "no group '1'; groups: g-0, g-1 " in one_error_line(run("replay", bundle, "--group", "1"))
+    assert "no batch 'mb-9'; batches: mb-0007, mb-0008 " in one_error_line(run("replay", bundle, "--batch", "mb-9"))
+    cohort = write_cohort(str(tmp_path / "store"))
+    line = one_error_line(run("replay", cohort + "/rank-0", "--sample", "s-0"))
+    assert "no sample 's-0'; samples: q-0, q-1, q-2, q-3, q-4, q-5 " in line  # the rank's own samples
+    twelve = twelve_case()
+    BundleWriter(str(tmp_path / "store" / "b-all"), twelve.manifest.model_copy(update={"bundle_id": "b-all"}),
+                 twelve.index.model_copy(update={"bundle_id": "b-all"}), twelve.expected).finalize(
+        payloads=twelve.payloads)
+    line = one_error_line(run("replay", str(tmp_path / "store" / "b-all"), "--sample", "s-0"))
+    listed = re.search(r"samples: (.*?) \(selection", line).group(1)
+    assert listed == "q-0, q-1, q-2, q-3, q-4, q-5, q-6, q-7, q-8, q-9, ... (2 more)"  # ten, then a count
+
+
+def test_bundles_sharing_an_anchor_are_picked_by_path(tmp_path):
+    root = str(tmp_path / "store")
+    write_canonical(root, buggy=True)  # b-00065, step 120:0
+    write_canonical(root, name="rerun")  # also step 120:0
+    for args in (["replay", root], ["replay", root, "--step", "120:0"]):
+        line = one_error_line(run(*args))
+        assert "share an anchor" in line and "--step/--rollout cannot tell apart" in line
+        suggested = re.search(r"give one bundle's path instead, e.g. (\S+)$", line).group(1)
+        assert suggested == f"{root}/b-00065"
+        assert run("replay", suggested).exit_code == 1  # the path it names works (the buggy bundle diverges)
+
+
+# ---- inspect -------------------------------------------------------------------------------------
+
+def test_inspect_of_a_directory_that_is_not_a_bundle(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("hello")
+    line = one_error_line(run("inspect", str(tmp_path / "notes")))
+    assert "notes: not a bundle" in line
+    doc = json.loads(run("inspect", str(tmp_path / "notes"), "--json").stdout)
+    assert doc["status"] == "selection" and "not a bundle" in doc["error"]
+    store = str(tmp_path / "store")
+    write_canonical(store)
+    assert "store: not a bundle" in one_error_line(run("inspect", store))  # a store root is not a bundle either
+    assert "no such bundle" in one_error_line(run("inspect", str(tmp_path / "absent")))
+
+
+def test_inspect_of_a_multi_rank_bundle_shows_its_cohort(tmp_path):
+    cohort = write_cohort(str(tmp_path / "store"))
+    result = run("inspect", cohort)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert "  ranks      0, 1 (all landed)" in lines
+    assert "  samples    12 (31 response tokens; rank 0: 6, rank 1: 6)" in lines
+    for text in (result.stdout, run("validate", cohort).stdout, run("inspect", f"{cohort}/rank-1").stdout):
+        assert not re.search(r"\[None\]|\['-'\]|\bNone\b|\[\d+(, \d+)*\] of", text), text
+    assert "ranks 0, 1" in run("validate", cohort).stdout
+    single = write_canonical(str(tmp_path / "store"))
+    assert "ranks" not in run("validate", single).stdout  # a single producer has no ranks to show
+    doc = json.loads(run("inspect", cohort, "--json").stdout)
+    assert doc["samples"] == 12 and doc["rank_samples"] == {"0": 6, "1": 6} and doc["ranks"] == [0, 1]
+    one = json.loads(run("inspect", f"{cohort}/rank-1", "--json").stdout)
+    assert one["samples"] == 12 and one["rank_samples"] == {"0": 6, "1": 6}
+
+
+# ---- import --------------------------------------------------------------------------------------
+
+def _v1(path: Path, buggy: bool) -> Path:
+    case = canonical_case(buggy=buggy)
+    return write_v1_bundle(path, case.manifest, case.index, case.expected, case.payloads)
+
+
+def _keys(root: str) -> set[str]:
+    return set(open_backend(root).list(""))
+
+
+def test_import_onto_a_taken_name_suggests_as_and_leaves_nothing(tmp_path):
+    store = str(tmp_path / "store")
+    write_canonical(store, name="b-00065")  # the clean step under the name the buggy V1 bundle has
+    before = _keys(store)
+    line = one_error_line(run("import", str(_v1(tmp_path / "v1" / "b-00065", buggy=True)), store))
+    assert "b-00065: a different bundle with this name already exists" in line and "--as NAME" in line
+    assert "different content" in line
+    assert _keys(store) == before  # no in-flight record, no object: nothing it wrote is left
+    assert not open_backend(store).list(".inflight/")
+    # the way out works, and importing the same bundle again is a no-op that leaves nothing either
+    assert run("import", str(tmp_path / "v1" / "b-00065"), store, "--as", "b-00065-v1").exit_code == 0
+    after = _keys(store)
+    assert run("import", str(tmp_path / "v1" / "b-00065"), store, "--as", "b-00065-v1").exit_code == 0
+    assert _keys(store) == after
+    clash = one_error_line(run("import", str(tmp_path / "v1" / "b-00065"), store, "--as", "b-00065"))
+    assert "choose another name with --as NAME" in clash and _keys(store) == after
+
+
+def test_import_onto_a_taken_name_on_s3_leaves_nothing(s3_root, s3_env, tmp_path, monkeypatch):
+    url, options = s3_root
+    monkeypatch.setenv("TRAJECTORY_REPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    write_canonical(url, name="b-00065", storage_options=options)
+    backend = open_backend(url, **options)
+    before = set(backend.list(""))
+    line = one_error_line(run("import", str(_v1(tmp_path / "v1" / "b-00065", buggy=True)), url))
+    assert "--as NAME" in line and set(backend.list("")) == before
+    assert run("import", str(tmp_path / "v1" / "b-00065"), url, "--as", "other").exit_code == 0
+    assert backend.exists("other/COMPLETE") and not backend.list(".inflight/")
+
+
+def test_import_onto_a_taken_multi_rank_name_is_refused(tmp_path):
+    store = str(tmp_path / "store")
+    write_cohort(store, name="b-00001")  # a two-rank bundle under the name of the V1 single producer
+    before = _keys(store)
+    line = one_error_line(run("import", str(_v1(tmp_path / "v1" / "b-00001", buggy=False)), store))
+    assert "--as NAME" in line and _keys(store) == before
+
+
+# ---- cp ------------------------------------------------------------------------------------------
+
+def test_cp_into_a_bundle_or_onto_itself_is_refused(tmp_path):
+    root = str(tmp_path / "store")
+    bundle = write_canonical(root)
+    before = _keys(root)
+    for dest in (bundle, f"{bundle}/copy", f"{bundle}/rank-0"):
+        line = one_error_line(run("cp", bundle, dest, "--quiet"), 2)
+        assert f"inside the bundle {bundle}" in line
+    assert "the source store itself" in one_error_line(run("cp", bundle, root, "--quiet"), 2)
+    assert "the source store itself" in one_error_line(run("cp", root, root + "/", "--all", "--quiet"), 2)
+    v1 = _v1(tmp_path / "v1" / "b-old", buggy=False)
+    assert f"inside the bundle {v1}" in one_error_line(run("cp", bundle, str(v1 / "x"), "--quiet"), 2)
+    assert _keys(root) == before and not (v1 / "x").exists()
+    assert run("cp", bundle, str(tmp_path / "other"), "--quiet").exit_code == 0  # a real destination works
+
+
+def test_cp_into_an_s3_bundle_is_refused(s3_root, s3_env, tmp_path):
+    url, options = s3_root
+    remote = write_canonical(url, storage_options=options)
+    local = write_canonical(str(tmp_path / "store"), name="local")
+    before = set(open_backend(url, **options).list(""))
+    line = one_error_line(run("cp", local, f"{remote}/nested", "--quiet"), 2)
+    assert f"inside the bundle {remote}" in line
+    assert set(open_backend(url, **options).list("")) == before
+
+
+# ---- finalizable bundles -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("command", ["ls", "replay", "replay-root", "inspect", "validate"])
+def test_finalizable_bundles_are_finalized_by_readers(where, command, request, tmp_path, monkeypatch):
+    if where == "s3":
+        root, options = request.getfixturevalue("s3_root")
+        request.getfixturevalue("s3_env")
+        monkeypatch.setenv("TRAJECTORY_REPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    else:
+        root, options = str(tmp_path / "store"), {}
+    bundle = write_cohort(root, options=options)
+    backend = open_backend(root, **options)
+    backend.delete("b-twelve/COMPLETE")  # the last rank died after landing its marker
+    assert not backend.exists("b-twelve/COMPLETE")
+    args = {"ls": ["ls", root], "replay": ["replay", bundle], "replay-root": ["replay", root, "--rollout", "3"],
+            "inspect": ["inspect", bundle], "validate": ["validate", bundle]}[command]
+    result = run(*args, "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["status"] == "pass"
+    assert backend.exists("b-twelve/COMPLETE")
+    if command == "ls":
+        assert doc["finalized"] == ["b-twelve"] and doc["bundles"][0]["status"] == "complete"
+    if command == "inspect":
+        assert doc["state"] == "complete" and "finalized now" in doc["detail"]
+
+
+# ---- pipes and units ------------------------------------------------------------------------------
+
+def _piped(command: list[str], reader: str, tmp_path: Path) -> tuple[int, str]:
+    """Run the CLI as its own process with stdout piped into `reader` (another process): (exit code, stderr)."""
+    err = tmp_path / "stderr.txt"
+    cli = " ".join([sys.executable, "-m", "trajectory_replay", *command])
+    shell = f"{cli} 2>{err} | {reader}; exit ${{PIPESTATUS[0]}}"
+    out = subprocess.run(["bash", "-c", shell], cwd=REPO, capture_output=True, text=True, timeout=120)
+    return out.returncode, err.read_text()
+
+
+def test_output_piped_into_head_ends_quietly(tmp_path):
+    root = str(tmp_path / "store")
+    bundle = write_canonical(root, buggy=True)
+    store = ObjectStore(open_backend(root))
+    for i in range(1200):  # garbage enough that `gc --dry-run` lists far more than a pipe holds
+        store.put_object(f"orphan {i}".encode())
+    code, err = _piped(["gc", root, "--grace", "0s", "--dry-run", "--quiet"], "head -n 1", tmp_path)
+    assert (code, err) == (0, "")
+    code, err = _piped(["replay", bundle], "head -n 0", tmp_path)  # the reader is gone before the first line
+    assert (code, err) == (1, "")  # the verdict's exit code stays
+
+
+def test_sizes_use_iec_units_and_ls_agrees_with_stats(tmp_path):
+    root = str(tmp_path / "store")
+    write_canonical(root, buggy=True)
+    write_canonical(root, buggy=False, name="clean")  # shares every payload but the advantages
+    write_cohort(root)
+    ls = json.loads(run("ls", root, "--json").stdout)
+    stats = json.loads(run("stats", root, "--json").stdout)
+    assert (ls["logical_bytes"], ls["stored_bytes"]) == (stats["logical_bytes"], stats["stored_bytes"])
+    assert ls["complete_bundles"] == stats["complete_bundles"] == 3
+    assert stats["stored_bytes"] < sum(b["stored_bytes"] for b in ls["bundles"])  # shared chunks counted once
+    alone = str(tmp_path / "alone")
+    write_canonical(alone)
+    (row,) = json.loads(run("ls", alone, "--json").stdout)["bundles"]
+    assert row["stored_bytes"] == json.loads(run("stats", alone, "--json").stdout)["stored_bytes"]
+    text = run("ls", root).stdout + run("stats", root).stdout + run("inspect", f"{root}/clean").stdout
+    text += run("validate", f"{root}/clean").stdout + run("gc", root, "--dry-run", "--quiet").stdout
+    text += run("fsck", root, "--quiet").stdout + run("cp", root, str(tmp_path / "copy"), "--all", "--quiet").stdout
+    assert f"{human_bytes(stats['stored_bytes'])} stored" in text
+    assert not re.search(r"\d ?(kB|KB|MB|GB|bytes)\b", text), text  # one unit system: B, KiB, MiB, ...
+    assert re.search(r"\d KiB|\d B\b", text)
