@@ -192,25 +192,25 @@ def test_inspect_incomplete_bundle(tmp_path):
     assert run("validate", f"{root}/mr").exit_code == 1
 
 
-def test_replay_by_s3_url(s3_server, s3_root, tmp_path):
+def test_replay_by_s3_url(s3_server, s3_root, tmp_path, monkeypatch):
+    """Endpoint and credentials from the AWS_* variables alone, as a user sets them: once through a real
+    `python -m trajectory_replay` process, then in-process for the other commands."""
     url, options = s3_root
     write_canonical(url, buggy=True, storage_options=options)
     write_canonical(url, buggy=False, storage_options=options)
-    env = {**os.environ, **s3_server.env(), "TRAJECTORY_REPLAY_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**s3_server.env(), "TRAJECTORY_REPLAY_CACHE_DIR": str(tmp_path / "cache")}
     bad = subprocess.run([sys.executable, "-m", "trajectory_replay", "replay", f"{url}/b-00065", "--json"],
-                         capture_output=True, text=True, env=env, timeout=120)
+                         capture_output=True, text=True, env={**os.environ, **env}, timeout=120)
     assert bad.returncode == 1, bad.stderr
     assert json.loads(bad.stdout)["first_divergent_stage"] == "reward.post_process"
-    good = subprocess.run([sys.executable, "-m", "trajectory_replay", "replay", url, "--step", "120:0"],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert good.returncode == 1 and "2 bundles match --step 120:0" in good.stderr  # both are step 120:0
-    ok = subprocess.run([sys.executable, "-m", "trajectory_replay", "replay", f"{url}/b-00001"],
-                        capture_output=True, text=True, env=env, timeout=120)
-    assert ok.returncode == 0, ok.stdout + ok.stderr
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    good = run("replay", url, "--step", "120:0")
+    assert good.exit_code == 1 and "2 bundles match --step 120:0" in good.output  # both are step 120:0
+    assert run("replay", f"{url}/b-00001").exit_code == 0
     for cmd in ("inspect", "validate"):
-        out = subprocess.run([sys.executable, "-m", "trajectory_replay", cmd, f"{url}/b-00001"],
-                             capture_output=True, text=True, env=env, timeout=120)
-        assert out.returncode == 0, out.stdout + out.stderr
+        out = run(cmd, f"{url}/b-00001")
+        assert out.exit_code == 0, out.output
 
 
 def test_errors_are_one_line_without_traceback(tmp_path):
