@@ -141,12 +141,18 @@ def _capture_step_end(rollout_id: int, step_id: int, scalars: dict[str, float],
 
 
 def _shutdown_capture(timeout: float) -> dict[str, Any]:
-    """End of training: flush and stop this rank's writer; what happened, for --out-json."""
+    """End of training: flush and stop this rank's writer; what happened, for --out-json.
+
+    "flushed" is true only when every captured record landed: `shutdown` also returns True once records failed
+    or were dropped (a store that cannot be used), since nothing is left to do."""
     manager = _CAPTURE["manager"]
     threads = capture_threads()
-    flushed = capture.shutdown(timeout)
-    return {"enabled": manager is not None, "capture_threads": threads, "flushed": flushed,
-            "stats": manager.stats() if manager is not None else None}
+    done = capture.shutdown(timeout)
+    stats = manager.stats() if manager is not None else None
+    landed = stats is None or (stats["written"] == stats["enqueued"] and not stats["errors"]
+                               and not stats["dropped"])
+    return {"enabled": manager is not None, "capture_threads": threads, "flushed": done and landed,
+            "stats": stats}
 
 
 # --------------------------------------------------------------------------- model

@@ -303,6 +303,8 @@ def _check_shards(out: Inspection, store: Optional[ObjectStore], first, open_ran
     for rank in ranks:
         try:
             reader = open_rank(rank)
+        except StorageUnavailableError:
+            raise
         except TrajectoryReplayError as exc:
             out.problems.append(f"rank {rank}: {exc}")
             continue

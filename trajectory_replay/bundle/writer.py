@@ -36,7 +36,7 @@ from trajectory_replay.bundle.redaction import check_policy, redact_samples
 from trajectory_replay.bundle.schema import (
     BundleIndex, Expected, Manifest, PayloadSpec, SchemaWarning, check_name,
 )
-from trajectory_replay.errors import BundleError, TrajectoryReplayError
+from trajectory_replay.errors import BundleError, StorageUnavailableError, TrajectoryReplayError
 from trajectory_replay.store import BlobRef, ObjectStore, PutPlan
 from trajectory_replay.store.liveness import DEFAULT_INFLIGHT_TTL, GcWatch, InflightRecord
 
@@ -233,6 +233,8 @@ class BundleWriter:
         again; a missing blob written earlier, whose bytes the writer no longer holds, refuses the commit."""
         try:
             swept = self._gc_watch.settle(self.url)
+        except StorageUnavailableError:
+            raise
         except TrajectoryReplayError as exc:
             raise BundleError(str(exc)) from None
         if not swept:

@@ -16,6 +16,12 @@ Guarantees (DESIGN.md invariants 2 and 3):
   markers) is garbage for gc. A killed process leaves the same.
 - With more than one expected rank every bundle is written as rank `rank` of a multi-producer bundle
   (completion markers of the bundle layer); a rank never waits for its peers.
+- A store that cannot be used (no answer within the backend's bounded timeouts, credentials, access, an unknown
+  bucket: `StorageUnavailableError`) costs training those timeouts once, not once per bundle: after such a failure
+  capture backs off (STORE_RETRY_FIRST doubling to STORE_RETRY_MAX seconds). Meanwhile hooks drop what they are
+  given (counted, nothing copied), records already queued wait, and `close` drops them instead of waiting; when
+  the backoff ends the next record tries the store again. Each kind of failure is logged once as a warning line
+  (no traceback); repeats go to the debug level, and the recovery is logged with the number of drops.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from trajectory_replay.capture.records import (
     step_bundle_id,
 )
 from trajectory_replay.capture.snapshot import Snapshot, estimate_nbytes
-from trajectory_replay.capture.worker import WriterProcess
+from trajectory_replay.capture.worker import WriterProcess, storage_failure
 from trajectory_replay.store import ObjectStore
 
 log = logging.getLogger("trajectory_replay.capture")
@@ -49,6 +55,9 @@ DEFAULT_MAX_QUEUE_BYTES = 2 << 30
 DEFAULT_MAX_QUEUE_RECORDS = 64
 DEFAULT_MAX_PENDING_STEPS = 8
 DEFAULT_ATEXIT_TIMEOUT = 60.0
+STORE_RETRY_FIRST = 1.0
+STORE_RETRY_MAX = 8.0
+"""Backoff (seconds) after the store could not be used: doubling from the first to the max while failures go on."""
 
 
 @dataclass
@@ -146,6 +155,11 @@ class CaptureManager:
                             bytes_enqueued=0, hook_calls=0)
         self._max_enqueue = 0.0
         self._total_enqueue = 0.0
+        # the store's health as the writer last saw it: no new captures are taken until _retry_at
+        self._retry_at = 0.0
+        self._retry_delay = 0.0
+        self._down_drops = 0
+        self._warned: set[str] = set()
         self._thread: Optional[threading.Thread] = None
         self._atexit_timeout = atexit_timeout
         if start:
@@ -184,7 +198,10 @@ class CaptureManager:
     def close(self, timeout: Optional[float] = None) -> bool:
         """Stop accepting records, write what is queued (up to `timeout`), stop the thread. True if all done.
 
-        Steps whose micro-batches were captured but that never ended are dropped (counted)."""
+        Steps whose micro-batches were captured but that never ended are dropped (counted). While the store is
+        backed off (it just failed), queued records are dropped too instead of waited for: closing then costs at
+        most the record being written. True means nothing is left to do, not that everything landed: see `stats()`
+        (written, errors, dropped)."""
         with self._cond:
             self._closing = True
             pending = list(self._pending.items())
@@ -240,31 +257,49 @@ class CaptureManager:
         log.error("capture: %s failed on the training thread (nothing written): %s: %s", what,
                   type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
 
+    def _refusal(self, nbytes: int, record: bool) -> Optional[tuple[str, str]]:
+        """(lock held) (kind, reason) why a capture of `nbytes` cannot be taken now, or None."""
+        if self._closing:
+            return "closed", "the capture manager is closed"
+        if time.monotonic() < self._retry_at:
+            return "store", (f"the store failed {self._retry_delay:.0f}s ago or less; capture resumes once "
+                             "it answers again")
+        if record and len(self._queue) >= self.max_queue_records:
+            return "queue", f"the queue holds {len(self._queue)} records (max {self.max_queue_records})"
+        if self._bytes_in_use + nbytes > self.max_queue_bytes:
+            return "queue", (f"{self._bytes_in_use + nbytes} bytes would exceed the queue's "
+                             f"{self.max_queue_bytes} bytes")
+        return None
+
+    def _log_drop(self, kind: str, what: str, reason: str) -> None:
+        # while the store is down every capture is dropped, and a slow store fills the queue step after step:
+        # the first drop of those kinds is a warning, the rest would only repeat it
+        if kind == "store" or (kind == "queue" and kind in self._warned):
+            log.debug("capture: dropped %s: %s", what, reason)
+            return
+        if kind == "queue":
+            self._warned.add(kind)
+            reason += " (further drops for this reason are logged at the debug level; stats() counts them)"
+        log.warning("capture: dropped %s: %s", what, reason)
+
     def _reserve(self, nbytes: int, what: str, record: bool) -> bool:
         """Take `nbytes` (and a queue slot if `record`) from the budget, or count and log a drop."""
         with self._cond:
-            if self._closing:
-                reason = "the capture manager is closed"
-            elif record and len(self._queue) >= self.max_queue_records:
-                reason = f"the queue holds {len(self._queue)} records (max {self.max_queue_records})"
-            elif self._bytes_in_use + nbytes > self.max_queue_bytes:
-                reason = (f"{self._bytes_in_use + nbytes} bytes would exceed the queue's "
-                          f"{self.max_queue_bytes} bytes")
-            else:
+            refusal = self._refusal(nbytes, record)
+            if refusal is None:
                 self._bytes_in_use += nbytes
                 return True
             self._counts["dropped"] += 1
-        log.warning("capture: dropped %s: %s", what, reason)
+            self._down_drops += refusal[0] == "store"
+        self._log_drop(refusal[0], what, refusal[1])
         return False
 
     def _enqueue(self, rec: _Record) -> bool:
-        """Append a record whose bytes are reserved; a closed manager or a full queue drops it (counted)."""
+        """Append a record whose bytes are reserved; a closed manager, a store backing off or a full queue drops it
+        (counted)."""
         with self._cond:
-            if self._closing:
-                reason = "the capture manager is closed"
-            elif len(self._queue) >= self.max_queue_records:
-                reason = f"the queue holds {len(self._queue)} records (max {self.max_queue_records})"
-            else:
+            refusal = self._refusal(0, True)
+            if refusal is None:
                 self._queue.append(rec)
                 self._counts["enqueued"] += 1
                 self._counts["bytes_enqueued"] += rec.nbytes
@@ -272,7 +307,8 @@ class CaptureManager:
                 return True
             self._bytes_in_use -= rec.nbytes
             self._counts["dropped"] += 1
-        log.warning("capture: dropped %s: %s", rec.bundle_id, reason)
+            self._down_drops += refusal[0] == "store"
+        self._log_drop(refusal[0], rec.bundle_id, refusal[1])
         return False
 
     # ---- hooks (training thread) ---------------------------------------------------------------
@@ -447,18 +483,26 @@ class CaptureManager:
                                            rank=self.rank, expected_ranks=self.expected_ranks),
                                       priority=self.writer_priority)
         try:
-            self._process.start()
+            failure = self._process.start()
         except Exception as exc:  # noqa: BLE001 - capture goes on in this thread rather than not at all
             log.warning("capture: the writer process could not start (%s: %s); writing from a thread instead",
                         type(exc).__name__, exc)
             self._process = None
             self.writer_mode = "thread"
+            return
+        if failure is not None:   # said now; the first record still tries (the store may be back by then)
+            self._store_failed(failure, "the writer's first contact with the store", back_off=False)
 
     def _serve(self) -> None:
         while True:
             with self._cond:
                 while not self._queue and not self._closing:
                     self._cond.wait()
+                # the store failed a moment ago: queued records wait for the backoff to end, or are dropped at close
+                while self._queue and not self._closing and time.monotonic() < self._retry_at:
+                    self._cond.wait(self._retry_at - time.monotonic())
+                if self._closing and time.monotonic() < self._retry_at:
+                    self._drop_queued()
                 if not self._queue:
                     return
                 rec = self._queue.popleft()
@@ -468,16 +512,57 @@ class CaptureManager:
             except BaseException as exc:  # noqa: BLE001 - the writer thread must survive anything
                 with self._cond:
                     self._counts["errors"] += 1
-                log.error("capture: writing %s failed; it is not complete (left as garbage for gc): %s: %s",
-                          rec.bundle_id, type(exc).__name__, exc, exc_info=True)
+                failure = storage_failure(exc)
+                if failure is not None:
+                    self._store_failed(failure, f"writing {rec.bundle_id}")
+                else:
+                    log.error("capture: writing %s failed; it is not complete (left as garbage for gc): %s: %s",
+                              rec.bundle_id, type(exc).__name__, exc, exc_info=True)
             else:
                 with self._cond:
                     self._counts["written"] += 1
+                self._store_ok()
             finally:
                 with self._cond:
                     self._bytes_in_use -= rec.nbytes
                     self._active = None
                     self._cond.notify_all()
+
+    def _drop_queued(self) -> None:
+        """(lock held) Drop every queued record: the store is down and the manager is closing."""
+        while self._queue:
+            rec = self._queue.popleft()
+            self._bytes_in_use -= rec.nbytes
+            self._counts["dropped"] += 1
+            self._down_drops += 1
+            log.debug("capture: dropped %s: the store is down and capture is closing", rec.bundle_id)
+        self._cond.notify_all()
+
+    def _store_failed(self, failure: BaseException, doing: str, back_off: bool = True) -> None:
+        """The store could not be used: back off, and say so once per kind of failure."""
+        kind = str(getattr(failure, "kind", "storage"))
+        with self._cond:
+            if back_off:
+                self._retry_delay = min(STORE_RETRY_MAX, 2 * self._retry_delay or STORE_RETRY_FIRST)
+                self._retry_at = time.monotonic() + self._retry_delay
+            first = kind not in self._warned
+            self._warned.add(kind)
+        if not first:
+            log.debug("capture: %s failed: %s", doing, failure)
+        elif back_off:
+            log.warning("capture: %s failed, nothing of it was written: %s; until the store answers again (tried "
+                        "after %.0fs, backing off up to %.0fs) captures are dropped and counted", doing, failure,
+                        self._retry_delay, STORE_RETRY_MAX)
+        else:
+            log.warning("capture: %s failed: %s; capture goes on, and backs off if writing fails too", doing, failure)
+
+    def _store_ok(self) -> None:
+        with self._cond:
+            if not self._retry_delay:
+                return
+            self._retry_delay = self._retry_at = 0.0
+            drops, self._down_drops = self._down_drops, 0
+        log.info("capture: the store answers again; %d capture(s) were dropped while it did not", drops)
 
     def _write(self, rec: _Record) -> None:
         rec.snapshot.wait()
@@ -497,6 +582,9 @@ def write_bundle(store: ObjectStore, capture_dir: str, bundle_id: str, builder: 
                  expected_ranks: Sequence[int]) -> None:
     """Build one captured record's bundle and write it (rank `rank`'s shard when several ranks are expected)."""
     parts = BUILDERS[builder](*args)
+    forget = getattr(store.backend, "forget_outage", None)
+    if forget is not None:   # each record asks the store again; the manager's backoff spaced the attempts out
+        forget()
     rank_args: dict[str, Any] = {}
     if len(expected_ranks) > 1:
         rank_args = dict(rank=rank, expected_ranks=list(expected_ranks))

@@ -6,10 +6,13 @@ and the training thread waits for it between its own operations. In a process of
 for a CPU, and by default only for CPU time nothing else wants (Linux's idle scheduling class).
 
 Protocol, over the child's stdin/stdout: length-prefixed pickles. The parent sends the store settings
-once, then one message per record: (sequence number, bundle id, builder name, builder arguments); the child
-answers each with (sequence number, error or None). Tensors travel as raw bytes (dtype, shape, bytes), not
-through torch's own pickling. The child dies with the thread that started it (Linux: PR_SET_PDEATHSIG), so a
-killed training process never leaves a writer behind that would complete a bundle after it.
+once; the child answers (READY, failure or None) once it has opened and probed the store. Then the parent
+sends one message per record: (sequence number, bundle id, builder name, builder arguments); the child
+answers each with (sequence number, error or None, failure or None). A failure is a storage failure (the
+store cannot be used: `StorageUnavailableError`) as (message, kind, transient), so that the parent can back
+off. Tensors travel as raw bytes (dtype, shape, bytes), not through torch's own pickling. The child dies
+with the thread that started it (Linux: PR_SET_PDEATHSIG), so a killed training process never leaves a
+writer behind that would complete a bundle after it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import sys
 from typing import Any, BinaryIO, Optional
 
 import torch
+
+from trajectory_replay.errors import StorageUnavailableError
 
 log = logging.getLogger("trajectory_replay.capture")
 
@@ -69,6 +74,37 @@ def receive(stream: BinaryIO) -> Any:
     return pickle.loads(data)
 
 
+# ---- storage failures ------------------------------------------------------------------------------
+class WriterStorageError(StorageUnavailableError):
+    """A storage failure the writer process met, with its kind (the class itself stays in the child)."""
+
+    def __init__(self, message: str, kind: str = "storage", transient: bool = False) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.transient = transient
+
+
+def storage_failure(exc: Optional[BaseException]) -> Optional[StorageUnavailableError]:
+    """The StorageUnavailableError behind `exc` (itself, or one it was raised from), if any."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, StorageUnavailableError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
+def _describe(failure: Optional[StorageUnavailableError]) -> Optional[tuple[str, str, bool]]:
+    if failure is None:
+        return None
+    return str(failure), str(getattr(failure, "kind", "storage")), bool(getattr(failure, "transient", False))
+
+
+def _rebuild(described: Optional[tuple[str, str, bool]]) -> Optional[WriterStorageError]:
+    return None if described is None else WriterStorageError(*described)
+
+
 # ---- parent side -----------------------------------------------------------------------------------
 class WriterProcess:
     """The parent's handle on one writer process. Used by one thread only (the manager's writer thread)."""
@@ -79,8 +115,10 @@ class WriterProcess:
         self.proc: Optional[subprocess.Popen] = None
         self._seq = 0
 
-    def start(self) -> None:
-        """Start the process and wait until it has opened the store (and probed it: create-once markers)."""
+    def start(self) -> Optional[WriterStorageError]:
+        """Start the process and wait until it has opened the store (and probed it: create-once markers).
+
+        Returns the storage failure its first contact with the store met, if any (the process still serves)."""
         env = dict(os.environ)
         # the child must import this package exactly as the parent did
         paths = [p for p in sys.path if p]
@@ -90,9 +128,10 @@ class WriterProcess:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         send(self.proc.stdin, self.settings)
         answer = receive(self.proc.stdout)
-        if answer != READY:
+        if not (isinstance(answer, tuple) and answer and answer[0] == READY):
             self.stop()
             raise RuntimeError(f"capture writer process failed to start: {answer}")
+        return _rebuild(answer[1])
 
     @property
     def alive(self) -> bool:
@@ -105,7 +144,7 @@ class WriterProcess:
         self._seq += 1
         try:
             send(self.proc.stdin, (self._seq, bundle_id, builder, args))
-            seq, error = receive(self.proc.stdout)
+            seq, error, failure = receive(self.proc.stdout)
         except (EOFError, OSError, pickle.UnpicklingError) as exc:
             code = self.proc.poll() if self.proc is not None else None
             self.stop()
@@ -114,6 +153,8 @@ class WriterProcess:
         if seq != self._seq:
             self.stop()
             raise RuntimeError(f"capture writer process answered record {seq}, expected {self._seq}")
+        if failure is not None:
+            raise _rebuild(failure)
         if error is not None:
             raise RuntimeError(error)
 
@@ -178,22 +219,32 @@ def main() -> None:
         return
     # connect and probe now, not during the first record. One attempt only: a target that cannot be reached
     # yet (an outage) is probed again, with backoff, when a bundle is committed; a refusal fails each record.
+    failure = None
+    # the parent logs a failure of this first contact (once per kind); the probe's own warning would repeat it here
+    probe_log = logging.getLogger("trajectory_replay.backends.base")
+    level = probe_log.level
+    probe_log.setLevel(logging.ERROR)
     try:
-        if store.backend.capabilities.atomic_create:
-            store.backend.probe()
-    except Exception:  # noqa: BLE001
-        pass
-    send(stdout, READY)
+        if store.backend.capabilities.atomic_create and store.backend.probe().transient:
+            # what kept the probe from the store, for the parent's backoff: the backend remembers an endpoint
+            # that just gave no answer, so this fails at once
+            store.backend.exists(".probe/ready")
+    except Exception as exc:  # noqa: BLE001
+        failure = storage_failure(exc)
+    finally:
+        probe_log.setLevel(level)
+    send(stdout, (READY, _describe(failure)))
     while True:
         try:
             seq, bundle_id, builder, args = receive(stdin)
         except EOFError:
             return
-        error = None
+        error = failure = None
         try:
             write_bundle(store, settings["capture_dir"], bundle_id, builder, args, settings["rank"],
                          settings["expected_ranks"])
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the parent
             error = f"{type(exc).__name__}: {exc}"
-        send(stdout, (seq, error))
+            failure = _describe(storage_failure(exc))
+        send(stdout, (seq, error, failure))
 

@@ -30,7 +30,9 @@ from trajectory_replay.bundle.markers import (
 )
 from trajectory_replay.bundle.resolve import RESERVED, Anchor
 from trajectory_replay.bundle.schema import Manifest, PayloadSpec
-from trajectory_replay.errors import BundleError, NoSuchTargetError, NotFoundError, TrajectoryReplayError, UsageError
+from trajectory_replay.errors import (
+    BundleError, NoSuchTargetError, NotFoundError, StorageUnavailableError, TrajectoryReplayError, UsageError,
+)
 from trajectory_replay.store import BlobRecord
 from trajectory_replay.store.objectstore import MAX_RECORD_BYTES
 from trajectory_replay.store.digest import blob_ref_key, digest_from_key, hash_bytes, object_key, parse_digest
@@ -179,7 +181,7 @@ def scan_bundle(backend: Backend, name: str, *, retry: bool = True) -> Optional[
                     state.rank_markers[int(match.group(1))] = marker  # type: ignore[assignment]
     except NotFoundError:  # a marker removed while we looked (gc of an abandoned cohort): look again
         return scan_bundle(backend, name, retry=False) if retry else None
-    except UsageError:
+    except (UsageError, StorageUnavailableError):  # a store that stopped answering says nothing of this bundle
         raise
     except TrajectoryReplayError as exc:
         # one unreadable marker makes its bundle corrupt, named; the other bundles of the root are unaffected

@@ -20,7 +20,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from trajectory_replay.bundle.schema import StageCapability, StageId
-from trajectory_replay.errors import BackendError, IncompleteBundleError, SelectionError, TrajectoryReplayError
+from trajectory_replay.errors import (
+    BackendError, IncompleteBundleError, SelectionError, StorageUnavailableError, TrajectoryReplayError,
+)
 from trajectory_replay.replay.source import ReplaySource
 from trajectory_replay.units import human_bytes
 
@@ -108,6 +110,8 @@ def _check_payloads(source: ReplaySource, where: str, report: ValidationReport) 
     for name, spec in source.manifest.payloads.items():
         try:
             tensor = source.load_payload(name)
+        except StorageUnavailableError:  # the store stopped answering: no verdict on this payload
+            raise
         except TrajectoryReplayError as exc:
             report.problems.append(str(exc))
             continue

@@ -1,0 +1,416 @@
+"""Storage mistakes are one line, and bounded in time.
+
+Every command that opens a store, pointed at a store it cannot use (no credentials, wrong credentials, an unknown
+bucket on the real SeaweedFS server; a closed local port; a local socket that accepts connections and never
+answers; a host name that does not resolve), exits 1 with one line that names the URL and what to check, and no
+traceback. The silent socket runs with small timeouts set through the documented variables, and the bound they
+promise is measured (uploads included). A store that fails in the middle of a command (a proxy in front of the
+real server that resets connections) ends the command the same way: it is not reported as a corrupt or invalid
+bundle.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.bundle.helpers import write_canonical
+from trajectory_replay.backends import open_backend
+from trajectory_replay.backends import s3 as s3_backend
+from trajectory_replay.backends.s3 import (
+    ENV_CONNECT_TIMEOUT, ENV_MAX_ATTEMPTS, ENV_READ_TIMEOUT, ENV_RETRY_DEADLINE, NoSuchBucketError, RequestPolicy,
+    S3Backend, StoreAccessError, StoreUnreachableError,
+)
+from trajectory_replay.cli import app
+from trajectory_replay.errors import StorageUnavailableError
+from trajectory_replay.ops.export import export_bundle
+
+pytestmark = pytest.mark.s3
+
+REPO = Path(__file__).resolve().parents[2]
+COMMANDS = ("replay", "inspect", "validate", "ls", "stats", "cp", "gc", "fsck", "import", "demo")
+SMALL = {ENV_CONNECT_TIMEOUT: "0.3", ENV_READ_TIMEOUT: "0.3", ENV_MAX_ATTEMPTS: "2"}
+"""Timeouts for the silent socket: two attempts of 0.3 s each."""
+ONE_ATTEMPT = {ENV_MAX_ATTEMPTS: "1"}
+"""For the refused port and the unknown host in the per-command cases (their retries are checked once, below)."""
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def no_remembered_outage():
+    """An endpoint that failed a moment ago is not asked again for a few seconds, process-wide: each case starts
+    from a clean slate."""
+    s3_backend._DOWN.clear()
+    yield
+    s3_backend._DOWN.clear()
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, str]:
+    """A local bundle (for cp) and an older-format copy of it (for import)."""
+    tmp = tmp_path_factory.mktemp("sources")
+    bundle = write_canonical(str(tmp / "store"))
+    export_bundle(bundle, tmp / "v1")
+    return {"bundle": bundle, "v1": str(tmp / "v1")}
+
+
+@pytest.fixture(scope="module")
+def closed_port() -> int:
+    """A loopback port nothing listens on: connections are refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def silent_port():
+    """A loopback socket that listens (the kernel accepts connections into its backlog) and never reads or
+    answers."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(512)
+    yield s.getsockname()[1]
+    s.close()
+
+
+def _env(server, **changes) -> dict:
+    """The variables a user would set for `server`, with `changes` (None removes one); no AWS file or instance
+    metadata is consulted."""
+    env = {k: None for k in os.environ if k.startswith(("AWS_", "FSSPEC_", "TRAJECTORY_REPLAY_S3_"))}
+    env.update(server.env())
+    env.update(AWS_CONFIG_FILE="/nonexistent/aws-config", AWS_SHARED_CREDENTIALS_FILE="/nonexistent/aws-credentials",
+               AWS_EC2_METADATA_DISABLED="true")
+    env.update(changes)
+    return env
+
+
+def _mistake(kind: str, server, bucket: str, closed_port: int, silent_port: int) -> tuple[dict, str, list[str]]:
+    """(environment, store URL, fragments the message must hold) of one kind of storage mistake."""
+    url = f"s3://{bucket}/t-{uuid.uuid4().hex[:8]}"
+    if kind == "no credentials":
+        return _env(server, AWS_ACCESS_KEY_ID=None, AWS_SECRET_ACCESS_KEY=None), url, [
+            "no usable S3 credentials", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", server.endpoint]
+    if kind == "wrong credentials":
+        # a HEAD's 403 carries no error code, so some commands can only say "access denied": both keys are named
+        return _env(server, AWS_SECRET_ACCESS_KEY="not-the-secret"), url, ["AWS_SECRET_ACCESS_KEY", server.endpoint]
+    if kind == "unknown bucket":
+        other = f"nosuch-{uuid.uuid4().hex[:10]}"
+        return _env(server), f"s3://{other}/run", ["the bucket does not exist", f"s3://{other}",
+                                                   "check the bucket name", "AWS_ENDPOINT_URL"]
+    if kind == "refused":
+        endpoint = f"http://127.0.0.1:{closed_port}"
+        return _env(server, AWS_ENDPOINT_URL=endpoint, **ONE_ATTEMPT), url, [
+            "connection refused", endpoint, "AWS_ENDPOINT_URL"]
+    if kind == "never answers":
+        endpoint = f"http://127.0.0.1:{silent_port}"
+        return _env(server, AWS_ENDPOINT_URL=endpoint, **SMALL), url, [
+            "no answer within the 0.3s read timeout", endpoint, "AWS_ENDPOINT_URL", ENV_READ_TIMEOUT]
+    assert kind == "dns"
+    endpoint = "http://nonexistent.invalid:9000"
+    return _env(server, AWS_ENDPOINT_URL=endpoint, **ONE_ATTEMPT), url, [
+        "host name does not resolve", endpoint, "AWS_ENDPOINT_URL"]
+
+
+def _argv(command: str, url: str, sources: dict[str, str]) -> list[str]:
+    return {"replay": ["replay", url], "inspect": ["inspect", f"{url}/b-00001"],
+            "validate": ["validate", f"{url}/b-00001"], "ls": ["ls", url], "stats": ["stats", url],
+            "cp": ["cp", sources["bundle"], url, "--quiet"], "gc": ["gc", url, "--dry-run", "--quiet"],
+            "fsck": ["fsck", url, "--quiet"], "import": ["import", sources["v1"], url], "demo": ["demo", url]}[command]
+
+
+MISTAKES = ("no credentials", "wrong credentials", "unknown bucket", "refused", "never answers", "dns")
+
+
+@pytest.mark.parametrize("kind", MISTAKES)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_command_reports_each_storage_mistake_in_one_line(command, kind, s3_server, s3_bucket, sources,
+                                                              closed_port, silent_port):
+    env, url, fragments = _mistake(kind, s3_server, s3_bucket, closed_port, silent_port)
+    started = time.monotonic()
+    result = runner.invoke(app, _argv(command, url, sources), env=env)
+    elapsed = time.monotonic() - started
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 1, (result.exit_code, result.stdout, result.stderr, result.exception)
+    assert len(lines) == 1 and lines[0].startswith("trajectory-replay: error: s3://"), result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert isinstance(result.exception, SystemExit)   # exited through the CLI's error path, nothing escaped
+    assert url.split("/")[2] in lines[0]               # names the bucket of the URL
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    if kind == "never answers":   # two attempts of 0.3 s (plus a short backoff) bound the wait
+        assert elapsed < 5, (elapsed, lines[0])
+
+
+def test_json_says_io_for_a_dead_endpoint(s3_server, s3_bucket, sources, closed_port):
+    env, url, _ = _mistake("refused", s3_server, s3_bucket, closed_port, 0)
+    for command in ("replay", "inspect", "validate", "ls", "stats", "cp", "gc", "fsck"):
+        result = runner.invoke(app, [*_argv(command, url, sources), "--json"], env=env)
+        assert result.exit_code == 1, (command, result.stdout, result.stderr)
+        assert '"status": "io"' in result.stdout and "connection refused" in result.stdout, (command, result.stdout)
+
+
+def test_the_real_command_line_prints_one_line_and_no_traceback(s3_server, s3_bucket, closed_port):
+    """The installed entry point, in a process of its own, with the user's variables only."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "FSSPEC_", "TRAJECTORY_REPLAY_S3_"))}
+    env.update(s3_server.env(), AWS_ENDPOINT_URL=f"http://127.0.0.1:{closed_port}", AWS_EC2_METADATA_DISABLED="true")
+    url = f"s3://{s3_bucket}/cli"
+    out = subprocess.run([sys.executable, "-m", "trajectory_replay", "ls", url], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stdout == "", out
+    expected = (rf"trajectory-replay: error: {re.escape(url)}: S3 endpoint http://127\.0\.0\.1:{closed_port}: "
+                r"connection refused \(3 attempts in \d+\.\ds\): check AWS_ENDPOINT_URL and that the server is running")
+    assert re.fullmatch(expected, out.stderr.strip()), out.stderr
+
+
+def test_credentials_in_the_endpoint_url_are_not_printed(s3_server, s3_bucket, closed_port, monkeypatch):
+    for key, value in _env(s3_server).items():
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://user:hunter2@127.0.0.1:{closed_port}")
+    backend = open_backend(f"s3://{s3_bucket}/redacted")
+    with pytest.raises(StoreUnreachableError) as caught:
+        backend.list()
+    assert "hunter2" not in str(caught.value) and f"http://127.0.0.1:{closed_port}" in str(caught.value)
+
+
+def test_a_silent_endpoint_is_bounded_by_the_timeouts_and_the_deadline(s3_server, s3_bucket, silent_port,
+                                                                        monkeypatch):
+    """The defaults scaled down a hundredfold (connect 0.1 s, read 0.6 s, deadline 1.2 s, 3 attempts): a second
+    attempt could end past the deadline, so the request gives up after the first. Then the same endpoint fails at
+    once for a while, instead of each request waiting again."""
+    for key, value in _env(s3_server, AWS_ENDPOINT_URL=f"http://127.0.0.1:{silent_port}").items():
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+    monkeypatch.setenv(ENV_CONNECT_TIMEOUT, "0.1")
+    monkeypatch.setenv(ENV_READ_TIMEOUT, "0.6")
+    monkeypatch.setenv(ENV_RETRY_DEADLINE, "1.2")
+    backend = open_backend(f"s3://{s3_bucket}/silent")
+    assert backend.policy == RequestPolicy(connect_timeout=0.1, read_timeout=0.6, max_attempts=3, deadline=1.2)
+    for call in (lambda: backend.read("k"), lambda: backend.write("k", b"v"), lambda: backend.exists("k")):
+        s3_backend._DOWN.clear()
+        started = time.monotonic()
+        with pytest.raises(StoreUnreachableError, match=r"read timeout \(1 attempt in"):
+            call()
+        assert 0.6 <= time.monotonic() - started < 3.0   # slack for a loaded machine; "1 attempt" says the rest
+    started = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match="no answer within the 0.6s read timeout"):
+        backend.list()   # remembered: not asked again
+    assert time.monotonic() - started < 0.5
+
+    # the same with a deadline that leaves room: the attempts are made, and their number is said
+    monkeypatch.setenv(ENV_RETRY_DEADLINE, "10")
+    monkeypatch.setenv(ENV_MAX_ATTEMPTS, "2")
+    s3_backend._DOWN.clear()
+    started = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match=r"\(2 attempts in"):
+        open_backend(f"s3://{s3_bucket}/silent").read("k")
+    assert 1.2 <= time.monotonic() - started < 6.0
+
+
+def _worst_case(policy: RequestPolicy, attempt_seconds: float) -> tuple[int, float]:
+    """(attempts, seconds) of one request whose every attempt fails after `attempt_seconds`, with the longest
+    backoffs, following the backend's own retry rule."""
+    elapsed, attempt = 0.0, 0
+    while True:
+        attempt += 1
+        elapsed += attempt_seconds
+        delay = min(s3_backend.RETRY_MAX, s3_backend.RETRY_FIRST * 2 ** (attempt - 1))
+        if not policy.retry_allowed(attempt, elapsed, delay):
+            return attempt, elapsed
+        elapsed += delay
+
+
+def test_the_default_policy_fails_a_dead_endpoint_within_two_minutes():
+    """Today's defaults kept `ls` waiting 414 s on a silent endpoint. Now: connect 10 s, read 60 s, 3 attempts, and
+    no retry that could end past 120 s."""
+    policy = RequestPolicy.from_env({})
+    assert policy == RequestPolicy(connect_timeout=10.0, read_timeout=60.0, max_attempts=3, deadline=120.0)
+    # accepts and never answers: one attempt of 60 s (a second could not end within the deadline)
+    assert _worst_case(policy, policy.read_timeout) == (1, 60.0)
+    # drops connection attempts (a firewall): three attempts of 10 s
+    attempts, seconds = _worst_case(policy, policy.connect_timeout)
+    assert attempts == 3 and seconds <= 35
+    # answers slowly, just under each timeout: still bounded by the deadline
+    attempts, seconds = _worst_case(policy, policy.connect_timeout + policy.read_timeout - 0.1)
+    assert attempts == 1 and seconds < 120
+    # refused or unresolvable: three fast attempts
+    attempts, seconds = _worst_case(policy, 0.01)
+    assert attempts == 3 and seconds < 2
+
+
+@pytest.mark.parametrize("name,value", [(ENV_READ_TIMEOUT, "soon"), (ENV_CONNECT_TIMEOUT, "-1"),
+                                        (ENV_MAX_ATTEMPTS, "0"), (ENV_RETRY_DEADLINE, "nan")])
+def test_a_bad_setting_is_one_line_naming_the_variable(name, value, s3_server, s3_bucket):
+    result = runner.invoke(app, ["ls", f"s3://{s3_bucket}/x"], env=_env(s3_server, **{name: value}))
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [f"trajectory-replay: error: {name}={value!r}: must be "
+                                                  + ("a whole number >= 1" if name == ENV_MAX_ATTEMPTS
+                                                     else "a number of seconds > 0")], result.stderr
+
+
+def test_storage_options_win_over_the_variables(s3_server, s3_bucket, silent_port, monkeypatch):
+    """A read timeout given as a storage option applies, whatever the variable says."""
+    monkeypatch.setenv(ENV_READ_TIMEOUT, "30")
+    monkeypatch.setenv(ENV_MAX_ATTEMPTS, "1")
+    backend = S3Backend(f"s3://{s3_bucket}/options", key=s3_server.key, secret=s3_server.secret,
+                        client_kwargs={"endpoint_url": f"http://127.0.0.1:{silent_port}"},
+                        config_kwargs={"read_timeout": 0.4})
+    assert backend.fs.config_kwargs["read_timeout"] == 0.4 and backend.policy.read_timeout == 0.4
+    started = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match="0.4s read timeout.*check the endpoint_url storage option"):
+        backend.read("k")
+    assert time.monotonic() - started < 3
+
+
+def test_an_upload_to_a_silent_endpoint_is_bounded(s3_server, s3_bucket, silent_port, monkeypatch):
+    """botocore sends uploads with `Expect: 100-continue`, and aiohttp waits for the go-ahead with no timeout; a
+    body larger than the socket buffers blocks before the read timeout even starts. Both are bounded."""
+    for key, value in _env(s3_server, AWS_ENDPOINT_URL=f"http://127.0.0.1:{silent_port}").items():
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+    monkeypatch.setenv(ENV_CONNECT_TIMEOUT, "0.5")
+    monkeypatch.setenv(ENV_READ_TIMEOUT, "0.5")
+    monkeypatch.setenv(ENV_MAX_ATTEMPTS, "1")
+    monkeypatch.setattr(s3_backend, "SECONDS_PER_UPLOADED_MIB", 0.02)
+    backend = open_backend(f"s3://{s3_bucket}/upload")
+    # without these bounds both uploads wait forever; the slack is for a loaded machine
+    for body, bound in ((b"small", 1.0 + 3.0), (bytes(48 << 20), 1.0 + 0.02 * 48 + 3.0)):
+        s3_backend._DOWN.clear()
+        started = time.monotonic()
+        with pytest.raises(StoreUnreachableError):
+            backend.write("k", body)
+        assert time.monotonic() - started < bound
+        s3_backend._DOWN.clear()
+        started = time.monotonic()
+        with pytest.raises(StoreUnreachableError):
+            backend.create_if_absent("k2", body)
+        assert time.monotonic() - started < bound
+
+
+def test_kinds_of_failure_are_told_apart(s3_server, s3_bucket, closed_port, monkeypatch):
+    """Capture backs off on each of these and logs each kind once: the classes say which kind it met."""
+    options = s3_server.storage_options()
+    with pytest.raises(NoSuchBucketError) as no_bucket:
+        S3Backend(f"s3://nosuch-{uuid.uuid4().hex[:10]}/x", **options).list()
+    wrong = dict(options, secret="not-the-secret")
+    with pytest.raises(StoreAccessError) as denied:
+        S3Backend(f"s3://{s3_bucket}/x", **wrong).read("k")
+    refused = dict(options, client_kwargs={"endpoint_url": f"http://127.0.0.1:{closed_port}"})
+    with pytest.raises(StoreUnreachableError) as unreachable:
+        S3Backend(f"s3://{s3_bucket}/x", **refused).read("k")
+    kinds = [(e.value.kind, e.value.transient) for e in (no_bucket, denied, unreachable)]
+    assert kinds == [("bucket", False), ("access", False), ("unreachable", True)]
+    assert all(isinstance(e.value, StorageUnavailableError) for e in (no_bucket, denied, unreachable))
+    assert "check the secret storage option" in str(denied.value)
+    # a missing key of a bucket that exists is still just absent
+    backend = S3Backend(f"s3://{s3_bucket}/x", **options)
+    assert backend.exists("nothing-here") is False and backend.list("nothing/") == []
+
+
+class CuttingProxy:
+    """A TCP proxy in front of the real S3 server that resets the connection of every request `cut` matches (its
+    request line, such as "GET /bucket/key HTTP/1.1"): a network that fails in the middle of a command. It serves
+    requests without a body only (reads)."""
+
+    def __init__(self, endpoint: str) -> None:
+        host, port = endpoint.rsplit("/", 1)[-1].rsplit(":", 1)
+        self.target = (host, int(port))
+        self.cut = lambda line: False
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        upstream = socket.create_connection(self.target)
+        threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
+        pending = b""
+        try:
+            while data := client.recv(1 << 16):
+                pending += data
+                while b"\r\n\r\n" in pending:
+                    head, pending = pending.split(b"\r\n\r\n", 1)
+                    if self.cut(head.split(b"\r\n", 1)[0].decode("latin-1")):
+                        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # reset
+                        return
+                    upstream.sendall(head + b"\r\n\r\n")
+        except OSError:
+            pass
+        finally:
+            client.close()
+            upstream.close()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
+        except OSError:
+            pass
+
+
+@pytest.fixture
+def proxied(s3_server, s3_root, monkeypatch):
+    """(url, proxy) of a store holding the canonical bundle, reached through a CuttingProxy as a user would (AWS_*
+    variables), one attempt per request."""
+    url, options = s3_root
+    write_canonical(url, storage_options=options)
+    proxy = CuttingProxy(s3_server.endpoint)
+    for key, value in _env(s3_server, AWS_ENDPOINT_URL=proxy.endpoint, **ONE_ATTEMPT).items():
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+    yield url, proxy
+    proxy.close()
+
+
+def test_a_store_failing_in_the_middle_of_ls_is_not_a_corrupt_bundle(proxied):
+    url, proxy = proxied
+    assert "b-00001" in runner.invoke(app, ["ls", url]).stdout   # through the proxy, all is well
+    proxy.cut = lambda line: line.startswith("GET ") and "/b-00001/COMPLETE" in line   # listings pass, markers fail
+    result = runner.invoke(app, ["ls", url])
+    assert result.exit_code == 1, (result.stdout, result.stderr)
+    assert "corrupt" not in (result.stdout + result.stderr).lower()
+    expected = (rf"trajectory-replay: error: {re.escape(url)}: S3 endpoint {re.escape(proxy.endpoint)}: "
+                r"the connection failed \(.+\) \(1 attempt in \d+\.\ds\): check AWS_ENDPOINT_URL")
+    assert re.fullmatch(expected, result.stderr.strip()), result.stderr
+
+
+def test_a_store_failing_in_the_middle_of_validate_gives_no_verdict(proxied):
+    from trajectory_replay.bundle import open_sources
+    from trajectory_replay.replay.validate import validate_sources
+
+    url, proxy = proxied
+    sources = open_sources(f"{url}/b-00001", trust_cache=False)   # documents read; payloads not yet
+    proxy.cut = lambda line: True
+    with pytest.raises(StoreUnreachableError, match="the connection failed"):
+        validate_sources(f"{url}/b-00001", sources)
