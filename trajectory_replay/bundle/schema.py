@@ -3,7 +3,7 @@
 Names follow the system this project replaces so that hand-built bundles keep working.
 Only structure is validated here (types, required fields, name syntax); semantics such as
 an unsupported estimator or a NaN in an expected value are written as given and left to
-validate and replay (DESIGN.md invariant 7). Unknown fields are kept out of the model and
+validate and replay. Unknown fields are kept out of the model and
 reported with a `SchemaWarning`, never silently dropped.
 """
 
@@ -20,7 +20,7 @@ FORMAT_VERSION = "1.1.0"
 """Manifest format written by this package. Major 1 is shared with the older directory format."""
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-"""Bundle ids and payload names (DESIGN.md, on-storage layout)."""
+"""Bundle ids and payload names (see docs/format.md, "On storage")."""
 
 DIGEST_PATTERN = re.compile(r"blake3:[0-9a-f]{64}")
 

@@ -9,7 +9,7 @@ record `.inflight/<attempt>.json`, which gc treats as a root until the writer re
 after commit or it passes its TTL.
 
 Only structure is checked here (names, tensor-ness, sizes against dtype and shape); NaNs,
-wrong-length lists and unsupported algorithms are written as given (DESIGN.md invariant 7).
+wrong-length lists and unsupported algorithms are written as given: a bundle that reproduces a broken step must be writable.
 """
 
 from __future__ import annotations

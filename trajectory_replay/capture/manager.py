@@ -1,6 +1,6 @@
 """CaptureManager: the training thread snapshots and enqueues; a background writer thread commits bundles.
 
-Guarantees (DESIGN.md invariants 2 and 3):
+Guarantees:
 
 - The training thread never waits on storage. A hook call snapshots its tensors (async device-to-host
   copies into pinned memory for CUDA, one clone for CPU) and appends the record to a queue bounded in

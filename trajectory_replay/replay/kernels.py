@@ -1,6 +1,6 @@
 """The algorithm kernels replay recomputes with: pure, vectorised torch functions over flat tensors.
 
-Per-token tensors are flat concatenations of the samples' responses (REPLAY_SEMANTICS.md notation);
+Per-token tensors are flat concatenations of the samples' responses;
 per-sample reductions are segment reductions over the response lengths (per-group ones `index_add_`
 over a sample -> group vector), never a Python loop per token. They run on millions of tokens, so intermediates are updated in place.
 """

@@ -29,7 +29,7 @@ class Divergence:
     abs_error: Optional[float]
 
     def to_dict(self) -> dict[str, Any]:
-        """The DESIGN.md divergence object."""
+        """The divergence object of `replay --json`."""
         return {"field": self.field, "sample_id": self.sample_id, "token_offset": self.token_offset,
                 "expected": json_number(self.expected), "actual": json_number(self.actual),
                 "abs_error": json_number(self.abs_error)}
@@ -68,7 +68,7 @@ class StageResult:
         return self.stage if self.rank is None else f"{self.stage} (rank {self.rank})"
 
     def to_dict(self) -> dict[str, Any]:
-        """The DESIGN.md stage object."""
+        """The stage object of `replay --json`."""
         return {"stage": self.stage, "rank": self.rank, "status": self.status, "message": self.message,
                 "max_abs_error": json_number(self.max_abs_error), "mismatch_count": self.mismatch_count,
                 "divergences": [d.to_dict() for d in self.divergences]}
@@ -98,7 +98,7 @@ class ReplayReport:
 
     @property
     def exit_code(self) -> int:
-        """0 when the replay passed, else 1 (DESIGN.md exit codes)."""
+        """0 when the replay passed, else 1 (the documented exit codes)."""
         return 0 if self.passed else 1
 
     def stage(self, stage: str, rank: Optional[int] = None) -> StageResult:
@@ -109,7 +109,7 @@ class ReplayReport:
         raise KeyError(f"no report entry for stage {stage!r} rank {rank!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        """The DESIGN.md `replay --json` object, JSON-ready (non-finite numbers as strings)."""
+        """The `replay --json` object, JSON-ready (non-finite numbers as strings)."""
         return {"bundle_id": self.bundle_id, "passed": self.passed,
                 "first_divergent_stage": self.first_divergent_stage,
                 "stages": [s.to_dict() for s in self.stages]}

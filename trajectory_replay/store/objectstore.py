@@ -1,4 +1,4 @@
-"""The content-addressed object store (DESIGN.md, `store/`).
+"""The content-addressed object store.
 
 A blob (any byte string) is named by the BLAKE3 of its whole content. It is stored as
 chunks, each an immutable object named by its own digest, and described by a blob record
