@@ -154,10 +154,24 @@ class Documents(BaseModel):
         return [self.manifest.digest, self.index.digest, self.expected.digest]
 
 
-class RankMarker(BaseModel):
-    """COMPLETE.<r>: rank r of a multi-producer bundle has landed."""
+class _MarkerFields(BaseModel):
+    """The checks both markers make of the fields they share: the anchor and the expected ranks."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("expected_ranks", mode="before", check_fields=False)
+    @classmethod
+    def _expected(cls, v: Any) -> list[int]:
+        return _rank_list(v)
+
+    @field_validator("anchor", check_fields=False)
+    @classmethod
+    def _anchor(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _check_anchor(v)
+
+
+class RankMarker(_MarkerFields):
+    """COMPLETE.<r>: rank r of a multi-producer bundle has landed."""
 
     format: str = RANK_FORMAT
     bundle_id: str
@@ -173,21 +187,9 @@ class RankMarker(BaseModel):
     def _check_rank(cls, v: Any) -> int:
         return _rank(v, "rank")
 
-    @field_validator("expected_ranks", mode="before")
-    @classmethod
-    def _expected(cls, v: Any) -> list[int]:
-        return _rank_list(v)
 
-    @field_validator("anchor")
-    @classmethod
-    def _anchor(cls, v: dict[str, Any]) -> dict[str, Any]:
-        return _check_anchor(v)
-
-
-class CompleteMarker(BaseModel):
+class CompleteMarker(_MarkerFields):
     """COMPLETE: the bundle exists. `shards` maps rank -> documents (one entry for a single producer)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     format: str = COMPLETE_FORMAT
     bundle_id: str
@@ -196,16 +198,6 @@ class CompleteMarker(BaseModel):
     multi_rank: bool
     shards: dict[str, Documents] = Field(min_length=1)
     attempt: Optional[str] = None
-
-    @field_validator("expected_ranks", mode="before")
-    @classmethod
-    def _expected(cls, v: Any) -> list[int]:
-        return _rank_list(v)
-
-    @field_validator("anchor")
-    @classmethod
-    def _anchor(cls, v: dict[str, Any]) -> dict[str, Any]:
-        return _check_anchor(v)
 
     @field_validator("shards", mode="before")
     @classmethod

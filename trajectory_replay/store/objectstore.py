@@ -238,11 +238,6 @@ class ObjectStore:
         keys = list(dict.fromkeys(keys))
         return [k for k, there in zip(keys, self._map(self.backend.exists, keys)) if not there]
 
-    def closure_keys(self, ref: BlobRef) -> list[str]:
-        """The keys a stored blob needs to be readable through `ref`: its ref, its record and its chunks."""
-        record = self.record(ref)
-        return [blob_ref_key(ref.digest), object_key(ref.record), *(object_key(c.digest) for c in record.chunks)]
-
     def commit(self, plan: PutPlan) -> BlobRef:
         """Write a plan's chunks (skipping those stored), then its record, then the create-once ref."""
         return self.commit_many([plan])[0]
