@@ -160,11 +160,15 @@ def test_killed_writer_leaves_no_complete_bundle(tmp_path):
         killed_mid_write = False
         while time.monotonic() < deadline and child.poll() is None:
             if _writing(root, "rollout-1"):
+                child.send_signal(signal.SIGSTOP)   # frozen, so that rollout-1 cannot finish before the kill
+                if "rollout-1/COMPLETE" in _completes(root):
+                    break
                 child.send_signal(signal.SIGKILL)  # the writer is in the middle of rollout-1
                 killed_mid_write = True
                 break
             time.sleep(0.005)
-        assert killed_mid_write, child.communicate(timeout=10) if child.poll() is not None else "timed out"
+        assert killed_mid_write, (child.communicate(timeout=10) if child.poll() is not None
+                                  else "rollout-1 finished before the writer could be stopped")
     finally:
         if child.poll() is None:
             child.kill()
@@ -229,12 +233,26 @@ def test_killed_training_process_takes_its_writer_process_along(tmp_path):
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         writer_pid = int(child.stdout.readline().split()[1])
+        # Freeze the writer while it is busy with a bundle after the first, so that this bundle cannot finish
+        # between this look and the kill (on a loaded machine it may otherwise complete in that gap); a stopped
+        # process still dies of the SIGKILL its parent's death sends it.
+        unfinished: list[str] = []
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not _writing(root, "rollout-1"):
-            time.sleep(0.005)
-        assert _writing(root, "rollout-1"), "the writer never got to rollout-1"
+        while time.monotonic() < deadline and not unfinished:
+            if not any(_writing(root, f"rollout-{r}") for r in range(1, 4)):
+                time.sleep(0.005)
+                continue
+            os.kill(writer_pid, signal.SIGSTOP)
+            complete = _completes(root)
+            unfinished = [f"rollout-{r}" for r in range(1, 4)
+                          if _writing(root, f"rollout-{r}") and f"rollout-{r}/COMPLETE" not in complete]
+            if not unfinished:   # stopped between two bundles: let it go on to the next
+                os.kill(writer_pid, signal.SIGCONT)
+                time.sleep(0.005)
+        assert unfinished, "the writer was never caught in the middle of a bundle after the first"
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
+        os.kill(writer_pid, signal.SIGCONT)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and os.path.exists(f"/proc/{writer_pid}") and \
                 "zombie" not in open(f"/proc/{writer_pid}/status").read():
@@ -245,9 +263,15 @@ def test_killed_training_process_takes_its_writer_process_along(tmp_path):
         if child.poll() is None:
             child.kill()
             child.wait(timeout=30)
+        try:
+            os.kill(writer_pid, signal.SIGCONT)
+        except (OSError, NameError):
+            pass
     complete = _completes(root)
-    assert "rollout-0/COMPLETE" in complete and "rollout-1/COMPLETE" not in complete
+    assert "rollout-0/COMPLETE" in complete
+    assert not [name for name in unfinished if f"{name}/COMPLETE" in complete]
     [done] = open_native(str(root / "rollout-0"))   # finished before the kill: whole and verified
     assert done.load_payload("old_log_probs").shape == (4 << 20,)
-    with pytest.raises(BundleError, match="incomplete bundle"):
-        open_native(str(root / "rollout-1"))
+    for name in unfinished:
+        with pytest.raises(BundleError, match="incomplete bundle"):
+            open_native(str(root / name))
