@@ -176,12 +176,12 @@ def store_bytes(root: str, **storage_options: Any) -> Bytes:
     """Logical vs stored payload bytes of every bundle under `root`, and the same for the shared payloads."""
     from trajectory_replay.backends import open_backend
     from trajectory_replay.bundle import open_sources
-    from trajectory_replay.bundle.resolve import RESERVED
+    from trajectory_replay.bundle.status import bundle_names
     from trajectory_replay.store import ObjectStore
 
     backend = open_backend(root, **storage_options)
     store = ObjectStore.open(root, **storage_options)
-    names = [n for n in backend.list_dir("") if n not in RESERVED and not n.startswith(".")]
+    names = bundle_names(backend)
     out = Bytes(bundles=len(names))
     all_chunks: dict[str, int] = {}
     shared_chunks: dict[str, int] = {}

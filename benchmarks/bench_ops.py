@@ -263,7 +263,7 @@ def build_small(root: Path, n: int, workers: int = 2) -> None:
 def bare_read(root: Path) -> tuple[int, int]:
     """The baseline: list every key of the root and read them all in batches of 256; (keys, bytes)."""
     from trajectory_replay.backends.local import LocalBackend
-    from trajectory_replay.ops.walk import READ_BATCH, batched
+    from trajectory_replay.store.inventory import READ_BATCH, batched
 
     backend = LocalBackend(root)
     keys = backend.list("")

@@ -74,7 +74,7 @@ def error_status(exc: BaseException) -> tuple[str, int]:
         return "incomplete", 130
     if isinstance(exc, SelectionError):  # also a path that is not there, or is not a bundle
         return "selection", 1
-    if isinstance(exc, UnsupportedError):
+    if isinstance(exc, UnsupportedError) or _missing_torch(exc):
         return "unsupported", 1
     if isinstance(exc, IncompleteBundleError):
         return "incomplete", 1
@@ -85,6 +85,11 @@ def error_status(exc: BaseException) -> tuple[str, int]:
     if type(exc).__module__.split(".")[0] in _STORAGE_LIBRARIES:
         return "io", 1
     return "invalid", 1
+
+
+def _missing_torch(exc: BaseException) -> bool:
+    """True for the ImportError of a host without PyTorch, which only the commands that do math need."""
+    return isinstance(exc, ImportError) and (getattr(exc, "name", None) or "").split(".")[0] == "torch"
 
 
 def one_line(text: str) -> str:
@@ -103,6 +108,10 @@ def error_message(exc: BaseException) -> str:
         return one_line(f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": "))
     if isinstance(exc, TrajectoryReplayError):
         return one_line(str(exc))
+    if _missing_torch(exc):
+        return ("this command recomputes tensors and needs PyTorch, which cannot be imported here "
+                "(install it: pip install torch); inspect, validate, ls, stats, cp, gc, fsck and export run "
+                "without it")
     return one_line(f"{type(exc).__name__}: {exc}")
 
 
@@ -176,7 +185,7 @@ def command(fn: Callable) -> Callable:
             _fail(error_message(exc), status, code, as_json)
         except Exception as exc:
             status, code = error_status(exc)
-            if status == "io":  # the storage library's own error, not wrapped below us: still one line
+            if status == "io" or _missing_torch(exc):  # the storage library's own error, not wrapped below us: still one line
                 _fail(error_message(exc), status, code, as_json)
             if as_json:  # a bug of this tool: the JSON contract holds, and the traceback follows on stderr
                 emit_json(status, {"error": f"internal error: {error_message(exc)}"})
@@ -213,14 +222,12 @@ def replay_cmd(
 ) -> None:
     """Recompute reward -> advantage -> loss and report the first divergence."""
     from trajectory_replay.bundle import open_for_replay
-    from trajectory_replay.bundle.resolve import resolve_bundle
     from trajectory_replay.replay import replay
 
     if step is not None and rollout is not None:
         raise UsageError("--step and --rollout are mutually exclusive")
     atol, rtol = check_tolerance("--atol", atol), check_tolerance("--rtol", rtol)
-    target = resolve_bundle(path, step=step, rollout=rollout)
-    sources, rank = open_for_replay(target)
+    sources, rank = open_for_replay(path, step=step, rollout=rollout)
     report = replay(sources, samples=sample, groups=group, batches=batch, stages=stage or None,
                     atol=atol, rtol=rtol, rank=rank)
     if as_json:
@@ -242,9 +249,8 @@ def inspect_cmd(
     """Show a bundle's identity, capabilities, producer and payloads; also for an incomplete bundle (exit 0).
     Exit 1 when a payload's blob record or blob ref is missing or corrupt."""
     from trajectory_replay.bundle.inspect import inspect_bundle
-    from trajectory_replay.bundle.resolve import resolve_target
 
-    result = inspect_bundle(resolve_target(path, step=step, rollout=rollout))
+    result = inspect_bundle(path, step=step, rollout=rollout)
     if as_json:
         error = summary(result.problems or [result.detail]) if result.outcome == "invalid" else {}
         emit_json(result.outcome, {**result.to_dict(), **error})
@@ -263,10 +269,10 @@ def validate_cmd(
     as_json: JsonFlag = False,
 ) -> None:
     """Verify format, every chunk's digest, safety and each recompute stage's inputs; exit 1 when invalid."""
-    from trajectory_replay.bundle.resolve import resolve_target
+    from trajectory_replay.bundle import open_bundle
     from trajectory_replay.replay.validate import validate_bundle
 
-    report = validate_bundle(resolve_target(path, step=step, rollout=rollout))
+    report = validate_bundle(open_bundle(path, step=step, rollout=rollout, choose=False).target)
     if as_json:
         emit_json(report.outcome, {**report.to_dict(), **summary(report.problems)})
     else:

@@ -6,26 +6,27 @@ marker pointing at a *stored, correctly addressed* blob whose content is truncat
 object or missing a field. Such bundles are crafted here with `store.put` and a hand-written COMPLETE.
 
 Each test checks the error type and that the message is one line naming what is wrong and where; a
-representative subset also runs the CLI in a subprocess (exit 1, one-line error or the validate report,
-never a traceback). Three scenarios also run against the S3 test server.
+representative subset also runs the CLI (exit 1, one-line error or the validate report, nothing escaping).
+Three scenarios also run against the S3 test server.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import struct
-import subprocess
-import sys
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from trajectory_replay.bundle import BundleReader, BundleWriter, open_native
 from trajectory_replay.bundle.documents import compact_json
 from trajectory_replay.bundle.markers import CompleteMarker, DocRef, Documents
+from trajectory_replay.cli import app
 from trajectory_replay.errors import (
     BundleError,
     IntegrityError,
@@ -38,6 +39,7 @@ from trajectory_replay.store.digest import object_key
 
 NAME = "b-00001"
 DOCS = ("manifest", "index", "expected")
+runner = CliRunner()
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -124,13 +126,24 @@ def load_all(url: str, storage_options: dict | None = None, *, rows: bool = Fals
                 reader.load_payload(payload)
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "trajectory_replay", *args], check=False, capture_output=True, text=True,
-                          env=env, timeout=120)
+@dataclass
+class CliRun:
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def assert_cli_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+def cli(*args: str) -> CliRun:
+    """The command line in this process (a process per call would cost a torch import each; the real process
+    boundary is tested in tests/cli): its exit code and streams, with nothing escaping but the exit."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = runner.invoke(app, list(args))
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    return CliRun(result.exit_code, result.stdout, result.stderr)
+
+
+def assert_cli_error(proc: CliRun, *needles: str) -> None:
     """Exit 1, no traceback, and either a one-line `trajectory-replay: error:` or a validate report naming it."""
     both = proc.stdout + proc.stderr
     assert "Traceback" not in both, both

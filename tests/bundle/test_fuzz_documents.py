@@ -16,9 +16,10 @@ import functools
 import json
 import uuid
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import fsspec
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -150,7 +151,10 @@ def _names_document(message: str, label: str) -> bool:
     return label in message or (label == "manifest" and "payload '" in message)
 
 
-def check(label: str, mutations: list[tuple]) -> None:
+def check(label: str, mutations: list[tuple]) -> tuple[Optional[str], list[tuple[str, str]]]:
+    """Store the mutated document, open the bundle and load everything. Returns the one-line refusal (None
+    when the bundle was accepted) and the (read path, payload) pairs loaded before it; any other outcome
+    fails the test."""
     base = base_documents()
     doc = json.loads(json.dumps(base[label]))
     tree = [m for m in mutations if m[0] in ("delete", "set", "insert")]
@@ -171,21 +175,26 @@ def check(label: str, mutations: list[tuple]) -> None:
                                  shards={"0": Documents(**refs)})
         store.backend.write(f"{NAME}/COMPLETE", compact_json(crafted.model_dump(mode="json")))
         url = f"{root}/{NAME}"
+        loaded: list[tuple[str, str]] = []
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 for reader in open_native(url):
                     for payload in reader.manifest.payloads:
                         reader.load_payload(payload)
+                        loaded.append(("whole", payload))
                     reader.full_index()
                 for reader in open_native(url):  # fresh readers: the ranged-read (header + rows) path
                     positions = list(range(len(reader.index.samples)))
                     for payload in reader.manifest.payloads:
                         reader.load_payload(payload, samples=positions)
+                        loaded.append(("rows", payload))
         except TrajectoryReplayError as exc:
             message = str(exc)
             assert "\n" not in message, f"multi-line message for a bad {label}: {message!r}"
             assert _names_document(message, label), f"message does not name the {label}: {message!r}"
+            return message, loaded
+        return None, loaded
     finally:
         fsspec.filesystem("memory").rm("/" + root.removeprefix("memory://"), recursive=True)
 
@@ -196,7 +205,7 @@ def check(label: str, mutations: list[tuple]) -> None:
 # found while writing these tests; kept so every run covers them
 @example(label="manifest", mutations=[("insert", ("payloads",), "a\nb", {"name": "x"})])
 @example(label="manifest", mutations=[("set", ("payloads", "kl", "dtype"), "torch.complex64")])
-@example(label="index", mutations=[("splice", 1.0, b"")])  # unmutated: must open
+@example(label="index", mutations=[("splice", 1.0, b"")])  # changes no byte (test_unmutated_documents_open: opens)
 @example(label="expected", mutations=[("field", b"9" * 5000)])
 @example(label="index", mutations=[("set", ("samples", 0, "response_length"), 3)])
 @example(label="manifest", mutations=[("set", ("payloads", "kl", "size"), 105)])
@@ -204,6 +213,14 @@ def test_mutated_documents_are_accepted_or_refused_cleanly(label, mutations):
     check(label, mutations)
 
 
-def test_unmutated_documents_open():
-    """The harness itself: the canonical documents, re-stored, open and load."""
-    check("manifest", [])
+@pytest.mark.parametrize("label", DOCS)
+def test_unmutated_documents_open(label):
+    """The harness itself: each canonical document, re-stored through the mutation path, opens and loads
+    every payload (a harness that refused everything would pass every fuzzed case)."""
+    payloads = sorted(base_documents()["manifest"]["payloads"])
+    assert {"kl", "advantages"} <= set(payloads), payloads
+    # every payload read whole and by rows; the second case is a byte mutation that changes no byte
+    for mutations in ([], [("splice", 1.0, b"")]):
+        refusal, loaded = check(label, mutations)
+        assert refusal is None, f"the unmutated {label} was refused: {refusal}"
+        assert sorted(loaded) == sorted((how, p) for how in ("whole", "rows") for p in payloads), loaded

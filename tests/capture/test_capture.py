@@ -270,7 +270,7 @@ def test_writer_process_by_default(s3_root, make_manager):
     assert capture_step(manager, 6, 0, [[0, 1], [2, 3]])
     assert manager.capture_rollout(6, **rollout_kwargs())
     assert manager.flush(60) and manager.stats()["written"] == 2 and manager.stats()["errors"] == 0
-    child = manager._process.proc
+    child = manager._writer.proc
     assert child.poll() is None and os.getpriority(os.PRIO_PROCESS, child.pid) >= 10
     assert os.sched_getscheduler(child.pid) == os.SCHED_IDLE   # it runs only on a CPU that has nothing else to do
     for name in ("step-6-0", "rollout-6"):
@@ -281,7 +281,7 @@ def test_writer_process_by_default(s3_root, make_manager):
 def test_writer_priority_low_is_niced_not_idle(tmp_path, make_manager):
     manager = make_manager(tmp_path / "cap", writer_priority="low")
     assert manager.capture_rollout(3, **rollout_kwargs()) and manager.flush(60)
-    child = manager._process.proc
+    child = manager._writer.proc
     assert os.sched_getscheduler(child.pid) != os.SCHED_IDLE and os.getpriority(os.PRIO_PROCESS, child.pid) == 10
     _replayed(str(tmp_path / "cap" / "rollout-3"))
 

@@ -219,7 +219,9 @@ PROCESS_CHILD = textwrap.dedent("""
         for name in ("old_log_probs", "ref_log_probs", "kl", "advantages"):
             kwargs[name] = big + r
         assert manager.capture_rollout(r, **kwargs)
-    print("captured", manager._process.proc.pid, flush=True)
+    while manager._writer is None:   # set once the writer process has started
+        time.sleep(0.01)
+    print("captured", manager._writer.proc.pid, flush=True)
     time.sleep(120)
 """)
 

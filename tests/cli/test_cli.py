@@ -30,13 +30,11 @@ def test_hand_built_example_runs_unchanged(tmp_path):
         pytest.skip("the conformance scripts of ../shared are not present in this checkout")
     out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    good = subprocess.run([sys.executable, "-m", "trajectory_replay", "replay", str(tmp_path / "b-00001")],
-                          capture_output=True, text=True, timeout=120)
-    assert good.returncode == 0, good.stdout + good.stderr
+    good = run("replay", str(tmp_path / "b-00001"))
+    assert good.exit_code == 0, good.output
     assert good.stdout.startswith("bundle b-00001 — first divergent stage: none")
-    bad = subprocess.run([sys.executable, "-m", "trajectory_replay", "replay", str(tmp_path / "b-00065"), "--json"],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 1
+    bad = run("replay", str(tmp_path / "b-00065"), "--json")
+    assert bad.exit_code == 1 and isinstance(bad.exception, SystemExit), bad.output
     report = json.loads(bad.stdout)
     assert report["first_divergent_stage"] == "reward.post_process"
     post = next(s for s in report["stages"] if s["stage"] == "reward.post_process")
@@ -217,12 +215,12 @@ def test_errors_are_one_line_without_traceback(tmp_path):
     bad_dir = tmp_path / "v1bad"
     _write_v1(bad_dir, buggy=False)
     (bad_dir / "index.json").write_text("{not json")
-    for cmd in ("replay", "inspect"):
-        out = subprocess.run([sys.executable, "-m", "trajectory_replay", cmd, str(bad_dir)],
-                             capture_output=True, text=True, timeout=120)
+    for cmd in ("replay", "inspect"):   # in this process: a real process's output is tests/ops/test_cli_ops.py's
+        out = run(cmd, str(bad_dir))
+        assert out.exception is None or isinstance(out.exception, SystemExit), repr(out.exception)
         assert "Traceback" not in out.stdout + out.stderr
         if cmd == "replay":
-            assert out.returncode == 1
+            assert out.exit_code == 1
             lines = out.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("trajectory-replay: error:") and "index.json" in lines[0]
 

@@ -20,7 +20,8 @@ from trajectory_replay.errors import (
     BackendError, BundleError, IncompleteBundleError, IntegrityError, NoSuchTargetError, NotFoundError,
     SelectionError, StorageUnavailableError, TrajectoryReplayError, UnsupportedError, UsageError,
 )
-from trajectory_replay.ops.walk import Walker, scan_bundle
+from trajectory_replay.bundle.status import bundle_status
+from trajectory_replay.ops.walk import Walker
 from trajectory_replay.replay import canonical_case
 
 runner = CliRunner()
@@ -130,7 +131,7 @@ def test_incomplete_and_invalid_bundles(tmp_path):
 
     bundle = write_canonical(root)
     backend = open_backend(root)
-    tree = Walker(backend).trees([scan_bundle(backend, "b-00001")])["b-00001"]
+    tree = Walker(backend).trees([bundle_status(backend, "b-00001")])["b-00001"]
     chunk = next(n for _, spec, n in tree.payloads if spec.name == "advantages").chunks[0][0]
     key = f"objects/{chunk[7:9]}/{chunk[7:]}"
     data = bytearray(backend.read(key))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.examples.helpers import ExampleRun, run_example
+from tests.examples.helpers import SMALL, ExampleRun, run_example
 
 
 @pytest.fixture(scope="session")
 def baseline(tmp_path_factory) -> ExampleRun:
-    """W=2, 2 rollouts, seed 3, no capture variables at all (capture off)."""
-    return run_example(tmp_path_factory.mktemp("tiny_grpo"), "baseline")
+    """W=2, 2 rollouts of the SMALL size, seed 3, no capture variables at all (capture off)."""
+    return run_example(tmp_path_factory.mktemp("tiny_grpo"), "baseline", *SMALL)

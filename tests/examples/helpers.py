@@ -16,7 +16,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny_grpo.py"
 SCALARS = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss")
-STEPS_PER_ROLLOUT = 6 * 4 // 6   # default rollout size / consumer batch
+SMALL = ("--prompts-per-rollout", "3")
+"""The size every example test runs at unless it needs another: 3 prompt groups x 4 samples per rollout, two
+consumer batches of 6 (groups still straddle batches and ranks), a third of the example's default work."""
+STEPS_PER_ROLLOUT = 3 * 4 // 6   # samples per rollout / consumer batch
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -72,12 +75,41 @@ class CliResult:
                 f"stdout:\n{self.stdout}\nstderr:\n{self.stderr}")
 
 
-def run_cli_many(calls: Sequence[Sequence[str]], env: Mapping[str, str], timeout: float = 120) -> list[CliResult]:
-    """`python -m trajectory_replay ARGS` for each of `calls`, a few at a time (they are independent)."""
-    def one(args: Sequence[str]) -> CliResult:
-        proc = subprocess.run([sys.executable, "-m", "trajectory_replay", *args], cwd=REPO, env=clean_env(env),
-                              capture_output=True, text=True, timeout=timeout, check=False)
-        return CliResult(tuple(args), proc.returncode, proc.stdout, proc.stderr)
+CLI_BATCH = r"""
+import contextlib, io, json, logging, sys, warnings
+from trajectory_replay.cli import main
 
-    with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as pool:
-        return list(pool.map(one, calls))
+results = []
+for args in json.load(sys.stdin):
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    sys.argv = ["trajectory-replay", *args]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+        try:
+            main()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    for handler in logging.root.handlers[:]:   # the next command logs to its own stderr, as a new process would
+        logging.root.removeHandler(handler)
+    results.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def run_cli_many(calls: Sequence[Sequence[str]], env: Mapping[str, str], timeout: float = 300,
+                 processes: int = 2) -> list[CliResult]:
+    """`trajectory-replay ARGS` for each of `calls`, through the console entry point `main()` in `processes`
+    real processes configured by `env` alone: one torch import per process, not per call. Each call gets its
+    own argv, stdout, stderr and exit code; an exception that escapes a command ends its process and fails
+    the test with the traceback."""
+    calls = [list(c) for c in calls]
+    shares = [calls[i::processes] for i in range(processes)]
+
+    def one(share: list[list[str]]) -> list[CliResult]:
+        proc = subprocess.run([sys.executable, "-c", CLI_BATCH], cwd=REPO, env=clean_env(env), input=json.dumps(share),
+                              capture_output=True, text=True, timeout=timeout, check=False)
+        assert proc.returncode == 0, f"a command escaped the CLI:\n{proc.stderr}"
+        return [CliResult(tuple(args), *res) for args, res in zip(share, json.loads(proc.stdout))]
+
+    with ThreadPoolExecutor(max_workers=processes) as pool:
+        done = list(pool.map(one, shares))
+    return [done[i % processes][i // processes] for i in range(len(calls))]

@@ -3,8 +3,8 @@
 One captured run per case (module-scoped), reused by every assertion: W=2 data-parallel ranks, 2 rollouts of
 3 prompt groups x 4 samples streamed as 2 actor steps of 6 samples each (groups straddle steps and ranks), so
 2 rollout-level and 4 step-level bundles, each a 2-rank bundle. The PR #65 case captures 1 rollout. The
-example and the CLI are real subprocesses that reach S3 through the standard AWS_* variables only. Every
-bundle costs three CLI processes (about 2 s each, mostly importing torch), which is why the runs are small.
+example and the CLI run in real subprocesses that reach S3 through the standard AWS_* variables only; the
+CLI's five calls per bundle share two processes (`run_cli_many`), so torch is imported twice, not per call.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import pytest
 
 from tests.examples.helpers import (
     SCALARS,
+    SMALL,
+    STEPS_PER_ROLLOUT,
     CliResult,
     ExampleRun,
     run_cli_many,
     run_example,
 )
 
-SMALL = ("--prompts-per-rollout", "3")     # 12 samples per rollout = 2 consumer batches of 6
-STEPS_PER_ROLLOUT = 2
 ROLLOUTS = 2
 
 
@@ -102,9 +102,10 @@ def captured_pr65(s3_server, s3_capture_env, tmp_path_factory) -> Captured:
 
 
 @pytest.fixture(scope="module")
-def uncaptured(tmp_path_factory) -> ExampleRun:
-    """The same run as `captured`, with no capture variables at all."""
-    return run_example(tmp_path_factory.mktemp("uncaptured"), "off", *SMALL, steps=ROLLOUTS)
+def uncaptured(baseline) -> ExampleRun:
+    """The same run as `captured` (SMALL, W=2, 2 rollouts), with no capture variables at all: the session's
+    capture-off run."""
+    return baseline
 
 
 # ---- the capture run -------------------------------------------------------------------------------------

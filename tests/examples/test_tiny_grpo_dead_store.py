@@ -1,6 +1,6 @@
 """The tiny GRPO example capturing to an S3 endpoint that accepts connections and never answers.
 
-Training completes, slowed by about one bounded timeout (not one per bundle: each rank captures 10 records), every
+Training completes, slowed by about one bounded timeout (not one per bundle: each rank captures 6 records), every
 rank reports `capture_flushed` false since nothing landed, and stderr holds one warning line per rank about the
 store, without a traceback. Compared with the capture-off run of the same configuration (the `baseline` fixture).
 """
@@ -13,10 +13,12 @@ import subprocess
 import sys
 import time
 
-from tests.examples.helpers import EXAMPLE, ExampleRun, clean_env
+from tests.examples.helpers import EXAMPLE, SMALL, STEPS_PER_ROLLOUT, ExampleRun, clean_env
 
 READ_TIMEOUT = 3.0
 CONNECT_TIMEOUT = 1.0
+ROLLOUTS = 2
+RECORDS = ROLLOUTS * (1 + STEPS_PER_ROLLOUT)   # per rank: each rollout, and each of its actor steps
 
 
 def test_capture_to_a_silent_store_costs_one_timeout_and_reports_nothing_flushed(baseline: ExampleRun,
@@ -34,8 +36,8 @@ def test_capture_to_a_silent_store_costs_one_timeout_and_reports_nothing_flushed
                      "TRAJECTORY_REPLAY_S3_MAX_ATTEMPTS": "1"})
     started = time.monotonic()
     try:
-        proc = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "2", "--world-size", "2", "--seed", "3",
-                               "--capture-dir", "s3://capture-bucket/run", "--out-json", str(out)],
+        proc = subprocess.run([sys.executable, str(EXAMPLE), "--steps", str(ROLLOUTS), "--world-size", "2", "--seed",
+                               "3", *SMALL, "--capture-dir", "s3://capture-bucket/run", "--out-json", str(out)],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False)
     finally:
         silent.close()
@@ -51,11 +53,13 @@ def test_capture_to_a_silent_store_costs_one_timeout_and_reports_nothing_flushed
     for rank in ranks:
         stats = rank["stats"]
         assert stats["written"] == 0 and 1 <= stats["errors"] <= 2, stats
-        assert stats["enqueued"] + stats["dropped"] >= 10, stats
+        assert stats["enqueued"] + stats["dropped"] >= RECORDS, stats
     assert sum(t["capture_seconds"] for t in result["timing"]) < 0.5, result["timing"]
 
-    # one timeout, once: a timeout per bundle would add at least 10 x READ_TIMEOUT seconds
-    assert elapsed < baseline.elapsed + 3 * (READ_TIMEOUT + CONNECT_TIMEOUT) + 5, (elapsed, baseline.elapsed)
+    # one timeout, once (ranks wait side by side): a timeout per bundle would add at least RECORDS x READ_TIMEOUT
+    bound = 3 * (READ_TIMEOUT + CONNECT_TIMEOUT) + 5
+    assert bound < RECORDS * READ_TIMEOUT
+    assert elapsed < baseline.elapsed + bound, (elapsed, baseline.elapsed)
 
     lines = proc.stderr.strip().splitlines()
     assert "Traceback" not in proc.stderr, proc.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.examples.helpers import SCALARS, STEPS_PER_ROLLOUT, run_example
+from tests.examples.helpers import SCALARS, SMALL, STEPS_PER_ROLLOUT, run_example
 
 
 def test_two_ranks_two_steps_complete_quickly(baseline) -> None:
@@ -35,7 +35,7 @@ def test_two_ranks_two_steps_complete_quickly(baseline) -> None:
 
 
 def test_identical_runs_are_bit_identical(baseline, tmp_path) -> None:
-    again = run_example(tmp_path, "again").result
+    again = run_example(tmp_path, "again", *SMALL).result
     assert again["steps"] == baseline.result["steps"]
     assert again["param_checksum"] == baseline.result["param_checksum"]
 
@@ -62,10 +62,10 @@ def test_capture_off_starts_nothing_and_writes_nothing(baseline) -> None:
 def test_single_process_runs_without_spawning(tmp_path: Path) -> None:
     # RELAX_REPLAY_CAPTURE=0 switches capture off even with a directory configured: nothing is created there.
     cap_dir = tmp_path / "not-written"
-    run = run_example(tmp_path, "w1", world_size=1, steps=1,
+    run = run_example(tmp_path, "w1", *SMALL, world_size=1, steps=1,
                       env={"RELAX_REPLAY_CAPTURE": "0", "RELAX_REPLAY_CAPTURE_DIR": str(cap_dir)})
     result = run.result
-    assert len(result["steps"]) == 4 and result["world_size"] == 1
+    assert len(result["steps"]) == STEPS_PER_ROLLOUT and result["world_size"] == 1
     assert result["split_across_ranks"] == 0 and result["split_across_batches"] > 0
     assert result["capture"]["threads"] == 0 and not result["capture"]["ranks"][0]["enabled"]
     assert not cap_dir.exists()
@@ -79,7 +79,7 @@ def test_long_responses_share_rollout_chunks(tmp_path) -> None:
     from trajectory_replay.replay import replay
     from trajectory_replay.store import ObjectStore
 
-    run = run_example(tmp_path, "long", "--digits", "128", "--min-response", "128", "--capture-dir",
+    run = run_example(tmp_path, "long", *SMALL, "--digits", "128", "--min-response", "128", "--capture-dir",
                       str(tmp_path / "cap"), world_size=1, steps=1)
     assert len(run.result["steps"]) == STEPS_PER_ROLLOUT
     [rollout] = open_native(str(tmp_path / "cap" / "rollout-0"))

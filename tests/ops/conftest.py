@@ -8,7 +8,8 @@ import torch
 
 from trajectory_replay.backends import open_backend
 from trajectory_replay.bundle import BundleWriter, open_sources
-from trajectory_replay.ops.walk import Walker, scan_bundle
+from trajectory_replay.bundle.status import bundle_status
+from trajectory_replay.ops.walk import Walker
 from trajectory_replay.replay import canonical_case
 from trajectory_replay.replay.validate import validate_sources
 from trajectory_replay.store import ObjectStore
@@ -55,7 +56,7 @@ def write_big(root: str, name: str, seed: int, *, chunks: int = 600, chunk_size:
 def reachable(root: str, name: str, **options) -> set[str]:
     """Every key bundle `name` needs: its markers and its tree."""
     backend = open_backend(root, **options)
-    state = scan_bundle(backend, name)
+    state = bundle_status(backend, name)
     assert state is not None, name
     tree = Walker(backend).trees([state])[name]
     assert tree.resolved, tree.problems

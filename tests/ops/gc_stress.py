@@ -1,5 +1,9 @@
 """One process of the gc stress test: `python -m tests.ops.gc_stress ROLE ROOT START SECONDS OPTIONS_JSON [ID]`.
 
+START is a wall-clock time, or `stdin`: the process then prints `ready` once it has imported everything and
+opened the store, and reads START from stdin, so that the caller starts every process's clock together only
+when all are ready, however long a loaded machine takes to start them.
+
 Time is cut into rounds of ROUND seconds from START. In round k the `aborter` writes the payloads of
 content k and gives up (they become garbage); the `writer`s write whole bundles of the same content k
 a moment later, reusing what gc is sweeping meanwhile, and write a bundle again when its commit is
@@ -26,9 +30,9 @@ from trajectory_replay.replay import canonical_case
 from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.chunking import ChunkingParams
 
-ROUND = float(os.environ.get("GC_STRESS_ROUND", "1.2"))
+ROUND = float(os.environ.get("GC_STRESS_ROUND", "0.6"))
 SIZE = int(os.environ.get("GC_STRESS_ROWS", "64"))
-SPREAD = (float(os.environ.get("GC_STRESS_FROM", "0.02")), float(os.environ.get("GC_STRESS_TO", "0.8")))
+SPREAD = (float(os.environ.get("GC_STRESS_FROM", "0.02")), float(os.environ.get("GC_STRESS_TO", "0.4")))
 CHUNKING = ChunkingParams(chunk_size=16 << 10, min_size=16 << 10, target_size=16 << 10)
 
 
@@ -45,9 +49,13 @@ def writer_for(root: str, name: str, store: ObjectStore) -> BundleWriter:
     return BundleWriter(f"{root}/{name}", manifest, index, case.expected, store=store)
 
 
-def main(role: str, root: str, start: float, seconds: float, options: dict, ident: str = "0") -> None:
+def main(role: str, root: str, start: float | str, seconds: float, options: dict, ident: str = "0") -> None:
     store = ObjectStore.open(root, cache=False, **options)
     store.chunking = CHUNKING
+    content(0)   # the first round is not slowed by what runs once (torch's first operations)
+    if start == "stdin":
+        print("ready", flush=True)
+        start = float(sys.stdin.readline())
     rng = random.Random(f"{role}-{ident}")
     counts = {"role": role, "id": ident, "completed": 0, "refused": 0, "aborted": 0, "removed": 0, "sweeps": 0}
     deadline = start + seconds
@@ -89,5 +97,5 @@ def main(role: str, root: str, start: float, seconds: float, options: dict, iden
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), json.loads(sys.argv[5]),
-         *sys.argv[6:])
+    main(sys.argv[1], sys.argv[2], sys.argv[3] if sys.argv[3] == "stdin" else float(sys.argv[3]), float(sys.argv[4]),
+         json.loads(sys.argv[5]), *sys.argv[6:])

@@ -21,7 +21,7 @@ from trajectory_replay.backends import open_backend
 from trajectory_replay.bundle.documents import compact_json
 from trajectory_replay.bundle.markers import MAX_RANKS
 from trajectory_replay.cli import app
-from trajectory_replay.ops.walk import COMPLETE_STATUS, CORRUPT, scan_bundles
+from trajectory_replay.bundle.status import COMPLETE_STATUS, CORRUPT, scan_bundles
 from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.digest import hash_bytes, object_key
 

@@ -10,11 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from tests.bundle.helpers import write_canonical
 from tests.ops.conftest import reachable, validates, write_big
 from trajectory_replay.backends import open_backend
 from trajectory_replay.bundle import open_sources
+from trajectory_replay.cli import app
 from trajectory_replay.errors import IntegrityError, SelectionError, UsageError
 from trajectory_replay.ops.cp import copy_bundles
 from trajectory_replay.replay import replay
@@ -107,8 +109,8 @@ def test_killed_copy_resumes_and_then_transfers_nothing(tmp_path):
             assert open_backend(src).read(key) == backend.read(key)
         assert validates(f"{dest}/{name}")
 
-    third = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert third.returncode == 0, third.stderr
+    third = CliRunner().invoke(app, cmd[3:])   # the same command line, in this process
+    assert third.exit_code == 0 and third.exception is None, third.output
     import json
 
     report = json.loads(third.stdout)

@@ -9,17 +9,18 @@ from trajectory_replay.backends import open_backend
 from trajectory_replay.ops.cp import copy_bundles
 from trajectory_replay.ops.fsck import check_store
 from trajectory_replay.ops.ls import list_bundles
-from trajectory_replay.ops.walk import scan_bundles
+from trajectory_replay.bundle.status import scan_bundles
 from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.digest import blob_ref_key
 
 
 def _payload_chunk(root: str, name: str, options: dict | None = None) -> str:
     """An object key holding bytes of a payload (not shared with the other bundle)."""
-    from trajectory_replay.ops.walk import Walker, scan_bundle
+    from trajectory_replay.bundle.status import bundle_status
+    from trajectory_replay.ops.walk import Walker
 
     backend = open_backend(root, **(options or {}))
-    tree = Walker(backend).trees([scan_bundle(backend, name)])[name]
+    tree = Walker(backend).trees([bundle_status(backend, name)])[name]
     node = next(n for _, spec, n in tree.payloads if spec.name == "advantages")
     return f"objects/{node.chunks[0][0][7:9]}/{node.chunks[0][0][7:]}"
 
@@ -70,10 +71,11 @@ def test_missing_record_repairs_in_rounds_and_missing_ref_is_relinked(tmp_path):
     root, copy = str(tmp_path / "store"), str(tmp_path / "copy")
     write_canonical(root)
     copy_bundles(f"{root}/b-00001", copy)
-    from trajectory_replay.ops.walk import Walker, scan_bundle
+    from trajectory_replay.bundle.status import bundle_status
+    from trajectory_replay.ops.walk import Walker
 
     backend = open_backend(root)
-    tree = Walker(backend).trees([scan_bundle(backend, "b-00001")])["b-00001"]
+    tree = Walker(backend).trees([bundle_status(backend, "b-00001")])["b-00001"]
     node = next(n for _, spec, n in tree.payloads if spec.name == "log_probs")
     record_key = f"objects/{node.record[7:9]}/{node.record[7:]}"
     chunk_keys = [f"objects/{c[7:9]}/{c[7:]}" for c, _ in node.chunks]

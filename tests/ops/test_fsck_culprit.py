@@ -20,17 +20,19 @@ from trajectory_replay.errors import BundleError
 from trajectory_replay.ops.cp import copy_bundles
 from trajectory_replay.ops.fsck import check_store
 from trajectory_replay.ops.ls import list_bundles
-from trajectory_replay.ops.walk import BlobNode, Walker, scan_bundle
+from trajectory_replay.bundle.status import bundle_status
+from trajectory_replay.ops.walk import Walker
+from trajectory_replay.store.inventory import BlobNode
 from trajectory_replay.store.digest import blob_ref_key, object_key
 
 
 def _payload(backend, bundle: str, payload: str) -> BlobNode:
-    tree = Walker(backend).trees([scan_bundle(backend, bundle)])[bundle]
+    tree = Walker(backend).trees([bundle_status(backend, bundle)])[bundle]
     return next(n for _, spec, n in tree.payloads if spec.name == payload)
 
 
 def _document(backend, bundle: str, rank: int, which: str) -> BlobNode:
-    state = scan_bundle(backend, bundle)
+    state = bundle_status(backend, bundle)
     digest = getattr(state.rank_markers[rank].documents, which).digest
     tree = Walker(backend).trees([state])[bundle]
     return next(n for n in tree.documents if n.digest == digest)

@@ -198,10 +198,11 @@ def test_reused_blob_removed_between_check_and_listing_is_stored_again(tmp_path)
 
 def test_a_capture_that_starts_reusing_inside_a_batch_window_is_reported(tmp_path, monkeypatch):
     """The residual race, forced: a capture lists an orphan after gc's last re-read and before its delete."""
-    import json
-    import time
+    import uuid
 
     from trajectory_replay.ops import gc as gc_mod
+    from trajectory_replay.store.digest import digest_from_key
+    from trajectory_replay.store.liveness import InflightRecord
 
     root = str(tmp_path / "store")
     write_canonical(root)
@@ -213,9 +214,7 @@ def test_a_capture_that_starts_reusing_inside_a_batch_window_is_reported(tmp_pat
 
     def delete_after_a_capture_listed(self, keys):
         if target in keys:
-            doc = {"format": "trajectory-replay.inflight/1", "attempt": "late", "bundle": "late", "created": time.time(),
-                   "updated": time.time(), "ttl_seconds": 3600, "digests": ["blake3:" + target.rsplit("/", 1)[1]]}
-            backend.write(".inflight/late.json", json.dumps(doc).encode())
+            InflightRecord(backend, uuid.uuid4().hex, "late", ttl=3600).add([digest_from_key(target)])
         real_delete(self, keys)
 
     monkeypatch.setattr(gc_mod._Collector, "_delete", delete_after_a_capture_listed)

@@ -4,6 +4,9 @@ Headers are parsed and checked (size bound, one tensor, known dtype, offsets tha
 cover the data, shape consistent with the byte count) before a byte of tensor data is
 allocated or trusted. Row reads use the header to turn sample token offsets into byte
 ranges of the blob.
+
+Headers are parsed without torch (inspect and validate run where torch is not installed); torch is
+imported only by the functions that build or return tensors.
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-
-import torch
-from safetensors.torch import save as st_save
+from typing import TYPE_CHECKING
 
 from trajectory_replay.bundle.documents import MAX_JSON_DEPTH, nesting_exceeds, one_line
 from trajectory_replay.errors import BundleError
+
+if TYPE_CHECKING:
+    import numpy
+    import torch
 
 TENSOR_NAME = "data"
 MAX_HEADER_BYTES = 1 << 20
@@ -30,40 +35,58 @@ MAX_ELEMENTS = 1 << 62
 """Bound on the product of a shape's dimensions, zeros counted as ones: past it torch cannot describe the
 tensor even when it is empty (a zero dimension would otherwise let the others be anything)."""
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+_DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("torch.float64", 8), "F32": ("torch.float32", 4), "F16": ("torch.float16", 2),
+    "BF16": ("torch.bfloat16", 2), "I64": ("torch.int64", 8), "I32": ("torch.int32", 4),
+    "I16": ("torch.int16", 2), "I8": ("torch.int8", 1), "U8": ("torch.uint8", 1), "BOOL": ("torch.bool", 1),
 }
-_TORCH_NAMES = {v: k for k, v in _DTYPES.items()}
+"""safetensors dtype code -> (the manifest's spelling of the dtype, bytes per element)."""
+_MANIFEST_NAMES = {name: code for code, (name, _) in _DTYPES.items()}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: "torch.dtype") -> str:
     """The manifest spelling of a dtype (`torch.float32`), shared with the older format."""
     return str(dtype)
 
 
-def torch_dtype(name: str) -> torch.dtype:
+def manifest_dtype(name: str) -> str:
+    """The canonical manifest spelling of a dtype string (`float32` or `torch.float32`); BundleError
+    for one that cannot be stored."""
+    canonical = name if name.startswith("torch.") else f"torch.{name}"
+    if canonical not in _MANIFEST_NAMES:
+        raise BundleError(f"unsupported dtype {name!r}")
+    return canonical
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of a manifest dtype; BundleError for one that cannot be stored."""
+    return _DTYPES[_MANIFEST_NAMES[manifest_dtype(name)]][1]
+
+
+def torch_dtype(name: str) -> "torch.dtype":
     """The torch dtype for a manifest dtype string; BundleError for an unknown one."""
-    for dt in _TORCH_NAMES:
-        if str(dt) == name or str(dt).removeprefix("torch.") == name:
-            return dt
-    raise BundleError(f"unsupported dtype {name!r}")
+    import torch
+
+    return getattr(torch, manifest_dtype(name).removeprefix("torch."))
 
 
-def check_storable(name: str, tensor: object) -> torch.Tensor:
+def check_storable(name: str, tensor: object) -> "torch.Tensor":
     """The tensor, contiguous on the CPU, if it can be stored; BundleError naming the payload otherwise."""
+    import torch
+
     if not isinstance(tensor, torch.Tensor):
         raise BundleError(f"payload {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in _TORCH_NAMES:
+    if str(tensor.dtype) not in _MANIFEST_NAMES:
         raise BundleError(f"payload {name!r}: dtype {tensor.dtype} cannot be stored")
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise BundleError(f"payload {name!r}: only dense tensors can be stored")
     return tensor.detach().to("cpu").contiguous()
 
 
-def encode(tensor: torch.Tensor) -> tuple[bytes, int]:
+def encode(tensor: "torch.Tensor") -> tuple[bytes, int]:
     """(safetensors bytes, offset where the tensor data starts)."""
+    from safetensors.torch import save as st_save
+
     blob = st_save({TENSOR_NAME: tensor})
     (header_len,) = struct.unpack("<Q", blob[:8])
     return blob, 8 + header_len
@@ -73,14 +96,24 @@ def encode(tensor: torch.Tensor) -> tuple[bytes, int]:
 class Header:
     """A checked safetensors header of a one-tensor blob."""
 
-    dtype: torch.dtype
+    code: str
+    """The safetensors dtype code (`F32`)."""
     shape: tuple[int, ...]
     data_start: int
     data_end: int
 
     @property
+    def dtype_name(self) -> str:
+        """The manifest spelling of the dtype (`torch.float32`)."""
+        return _DTYPES[self.code][0]
+
+    @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return _DTYPES[self.code][1]
+
+    @property
+    def dtype(self) -> "torch.dtype":
+        return torch_dtype(self.dtype_name)
 
 
 def header_length(prefix: bytes, where: str) -> int:
@@ -141,7 +174,6 @@ def parse_header(head: bytes, blob_size: int, where: str) -> Header:
     if not isinstance(dtype_text, str) or dtype_text not in _DTYPES:
         raise BundleError(f"{where}: malformed tensor entry in the safetensors header "
                           f"(dtype {one_line(repr(dtype_text), 40)} is not one of {sorted(_DTYPES)})")
-    dtype = _DTYPES[dtype_text]
     raw_shape, offsets = entry["shape"], entry["data_offsets"]
     if not isinstance(raw_shape, list):
         raise BundleError(f"{where}: safetensors header field shape is not a list")
@@ -161,7 +193,7 @@ def parse_header(head: bytes, blob_size: int, where: str) -> Header:
                           "(its dimensions multiply past 2^62)")
     start = _header_int(offsets[0], where, "data_offsets[0]")
     end = _header_int(offsets[1], where, "data_offsets[1]")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _DTYPES[dtype_text][1]
     # Python integers do not wrap, so a product of huge dimensions is compared exactly, never overflowed
     expected_bytes = math.prod(shape) * itemsize
     data_len = blob_size - 8 - n
@@ -171,14 +203,21 @@ def parse_header(head: bytes, blob_size: int, where: str) -> Header:
                else "not the size of the shape")
         raise BundleError(f"{where}: safetensors offsets [{start}, {end}) do not match {data_len} data bytes "
                           f"for shape {_shape_text(raw_shape)} of {dtype_text} ({why})")
-    return Header(dtype, shape, 8 + n, blob_size)
+    return Header(dtype_text, shape, 8 + n, blob_size)
 
 
-def decode_buffer(buffer: bytearray, where: str) -> torch.Tensor:
+def buffer_header(buffer: bytes | bytearray, where: str) -> Header:
+    """The checked header of a whole one-tensor safetensors blob held in memory."""
+    return parse_header(bytes(buffer[:8 + header_length(bytes(buffer[:8]), where)]), len(buffer), where)
+
+
+def decode_buffer(buffer: bytearray, where: str) -> "torch.Tensor":
     """The tensor of a one-tensor safetensors blob held in a writable buffer, without copying the data.
 
     The header is checked first (the same checks as `decode`); the tensor then shares the buffer's memory."""
-    header = parse_header(bytes(buffer[:8 + header_length(bytes(buffer[:8]), where)]), len(buffer), where)
+    import torch
+
+    header = buffer_header(buffer, where)
     count = math.prod(header.shape)
     if count == 0:
         return torch.empty(header.shape, dtype=header.dtype)
@@ -186,8 +225,31 @@ def decode_buffer(buffer: bytearray, where: str) -> torch.Tensor:
     return flat.reshape(header.shape)
 
 
-def from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+_NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+                 "U8": "u1", "BOOL": "?"}
+"""safetensors dtype code -> numpy dtype (bfloat16 has none: it is widened to float32)."""
+
+
+def decode_array(buffer: bytes | bytearray, where: str) -> tuple[Header, "numpy.ndarray"]:
+    """The header and values of a whole one-tensor safetensors blob held in memory, without torch (validate
+    checks native bundles where torch is not installed). The header is checked as `decode_buffer` checks it;
+    the values share the buffer's memory, except bfloat16, which is widened exactly to float32."""
+    import numpy
+
+    header = buffer_header(buffer, where)
+    count = math.prod(header.shape)
+    if header.code == "BF16":   # the upper half of a float32: shift the bits into place
+        raw = numpy.frombuffer(buffer, dtype="<u2", count=count, offset=header.data_start)
+        values = (raw.astype("<u4") << 16).view("<f4")
+    else:
+        values = numpy.frombuffer(buffer, dtype=_NUMPY_DTYPES[header.code], count=count, offset=header.data_start)
+    return header, values.reshape(header.shape)
+
+
+def from_bytes(data: bytes, dtype: "torch.dtype") -> "torch.Tensor":
     """A 1-D tensor over raw little-endian bytes (a copy, so it owns its memory)."""
+    import torch
+
     if not data:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(bytearray(data), dtype=dtype)

@@ -15,21 +15,20 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 from trajectory_replay.backends import redact_url
-from trajectory_replay.bundle.markers import (
-    RankMarker, landed_ranks, rank_key, read_complete, read_marker, try_finalize,
-)
-from trajectory_replay.bundle.paths import split_bundle_path
+from trajectory_replay.bundle.markers import CompleteMarker
+from trajectory_replay.bundle.reader import BundleReader, native_readers
 from trajectory_replay.bundle.redaction import unknown_fields
+from trajectory_replay.bundle.resolve import V1, Bundle, open_bundle
 from trajectory_replay.bundle.schema import STAGE_ORDER, PayloadSpec
-from trajectory_replay.errors import (
-    BackendError, BundleError, IncompleteBundleError, NotFoundError, StorageUnavailableError, TrajectoryReplayError,
+from trajectory_replay.bundle.status import (
+    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, bundle_status, describe_missing, finalize,
 )
-from trajectory_replay.store import BlobRecord, ObjectStore, blob_ref_key, hash_bytes, object_key, parse_digest
-from trajectory_replay.store.objectstore import MAX_RECORD_BYTES
+from trajectory_replay.errors import BundleError, IncompleteBundleError, StorageUnavailableError, TrajectoryReplayError
+from trajectory_replay.store import BlobRecord, ObjectStore, blob_ref_key, object_key
+from trajectory_replay.store.objectstore import RecordError
 from trajectory_replay.units import human_bytes
 
 
@@ -168,46 +167,24 @@ class _PayloadState:
     ref_error: Optional[str] = None
 
 
-def _read_keys(backend, keys: list[str]) -> dict[str, Optional[bytes]]:
-    """The values of `keys` (None when absent): one concurrent batch, key by key only when one is missing."""
-    keys = list(dict.fromkeys(keys))
-    try:
-        return dict(zip(keys, backend.read_many(keys)))
-    except NotFoundError:
-        pass
-    out: dict[str, Optional[bytes]] = {}
-    for key in keys:
-        try:
-            out[key] = backend.read(key)
-        except NotFoundError:
-            out[key] = None
-    return out
-
-
-def _record_problem(digest: str, record_digest: str, size: int, data: Optional[bytes]) -> BlobRecord | str:
-    """The verified record `objects/<record_digest>` of blob `digest`, or a one-line reason it is not usable."""
+def _record_problem(digest: str, record_digest: str, size: int,
+                    got: BlobRecord | RecordError | None) -> BlobRecord | str:
+    """The record `record_digest` of blob `digest` as the store read it, or a one-line reason it is not usable."""
     key = object_key(record_digest)
-    if data is None:
+    if got is None:
         return f"record {key} is missing"
-    if len(data) > MAX_RECORD_BYTES:
-        return f"record {key} is corrupt ({len(data)} bytes, over the bound)"
-    actual = hash_bytes(data)
-    if actual != record_digest:
-        return f"record {key} is corrupt (content hashes to {actual})"
-    try:
-        record = BlobRecord.from_bytes(data, record_digest)
-    except TrajectoryReplayError as exc:
-        return f"record {key} is corrupt ({exc})"
-    if record.digest != digest:
-        return f"record {key} describes blob {record.digest}, not {digest}"
-    if size >= 0 and record.size != size:
-        return f"record {key} says {record.size} bytes, the manifest {size}"
-    return record
+    if not isinstance(got, BlobRecord):
+        return f"record {key} is corrupt ({got.reason})"
+    if got.digest != digest:
+        return f"record {key} describes blob {got.digest}, not {digest}"
+    if size >= 0 and got.size != size:
+        return f"record {key} says {got.size} bytes, the manifest {size}"
+    return got
 
 
 def _payload_states(store: ObjectStore, payloads: dict[str, PayloadSpec]) -> dict[str, _PayloadState]:
-    """Read every payload's record and blob ref straight from the backend (a read cache would hide a record
-    deleted or altered in the store)."""
+    """Read every payload's record and blob ref through the store's inventory, which reads the backend itself
+    (a read cache would hide a record deleted or altered in the store)."""
     states = {name: _PayloadState() for name in payloads}
     usable = {}
     for name, spec in payloads.items():
@@ -215,35 +192,33 @@ def _payload_states(store: ObjectStore, payloads: dict[str, PayloadSpec]) -> dic
             states[name].error = "no digest in the manifest"
         else:
             usable[name] = spec
-    keys = [k for spec in usable.values() for k in (object_key(spec.record), blob_ref_key(spec.digest))]
-    values = _read_keys(store.backend, keys) if keys else {}
+    inventory = store.inventory
+    records = inventory.records(spec.record for spec in usable.values())
+    refs = inventory.read_refs(spec.digest for spec in usable.values())
     other_records: dict[str, str] = {}
     for name, spec in usable.items():
         state = states[name]
-        got = _record_problem(spec.digest, spec.record, spec.size, values[object_key(spec.record)])
+        got = _record_problem(spec.digest, spec.record, spec.size, records[spec.record])
         if isinstance(got, BlobRecord):
             state.record = got
         else:
             state.error = got
-        ref_key, ref = blob_ref_key(spec.digest), values[blob_ref_key(spec.digest)]
-        if ref is None:
+        ref_key, named = blob_ref_key(spec.digest), refs[spec.digest]
+        if named is None:
             state.ref_error = f"blob ref {ref_key} is missing"
             continue
-        named = ref.decode("ascii", errors="replace").strip()
-        try:
-            parse_digest(named)
-        except TrajectoryReplayError:
-            state.ref_error = f"blob ref {ref_key} is corrupt (does not hold a digest)"
+        if not isinstance(named, str):
+            state.ref_error = f"blob ref {ref_key} is corrupt ({named})"
             continue
         if named != spec.record:
             # a writer that lost a race names the record the winner stored; the ref then names another record
             # of the same blob, which must be sound too
             other_records[name] = named
     if other_records:
-        more = _read_keys(store.backend, [object_key(r) for r in other_records.values()])
+        more = inventory.records(other_records.values())
         for name, record_digest in other_records.items():
             spec = usable[name]
-            got = _record_problem(spec.digest, record_digest, spec.size, more[object_key(record_digest)])
+            got = _record_problem(spec.digest, record_digest, spec.size, more[record_digest])
             if not isinstance(got, BlobRecord):
                 states[name].ref_error = f"blob ref {blob_ref_key(spec.digest)} names a bad record: {got}"
     return states
@@ -331,71 +306,25 @@ def value_text(value: Any) -> str:
     return str(value)
 
 
-def inspect_bundle(path_or_url: str | os.PathLike, **storage_options: Any) -> Inspection:
-    """Inspect a native or older-format bundle; an incomplete native bundle is described, not refused."""
-    text = os.fspath(path_or_url)
-    if "://" not in text or text.startswith("file://"):
-        from trajectory_replay.bundle import legacy
-
-        local = Path(text.removeprefix("file://")).expanduser()
-        if legacy.is_v1_bundle(local):
-            out = Inspection(redact_url(text), "complete", format="v1")
-            try:
-                sources = legacy.open_v1(local)
-            except BundleError as exc:
-                out.state = "incomplete" if isinstance(exc, IncompleteBundleError) else "invalid"
-                out.detail = str(exc)
-                return out
-            _fill_from_source(out, sources[0], None)
-            out.ranks = [s.rank for s in sources if s.rank is not None]
-            by_rank = {s.rank: s for s in sources[1:]}
-            _check_shards(out, None, sources[0], by_rank.__getitem__, list(by_rank))
-            return out
-    from trajectory_replay.bundle.reader import BundleReader, describe_missing, open_native
-
-    root, name, rank = split_bundle_path(text)
-    store = ObjectStore.open(root, **storage_options)
-    out = Inspection(redact_url(text), "complete", bundle_id=name)
-    marker = read_complete(store.backend, name)
-    unfinalized = ""
-    if marker is None and landed_ranks(store.backend, name):
-        try:
-            marker = try_finalize(store.backend, name)
-        except StorageUnavailableError:
-            raise
-        except (BackendError, OSError) as exc:  # this store or this user cannot write markers
-            unfinalized = f"every rank landed and COMPLETE is missing; not finalized here: {exc}"
-        except TrajectoryReplayError as exc:
-            out.problems.append(str(exc))
-            unfinalized = "every rank landed and COMPLETE is missing; the rank markers cannot be finalized"
-        if marker is not None:
+def inspect_bundle(path_or_url: str | os.PathLike, *, step: Optional[str] = None, rollout: Optional[int] = None,
+                   **storage_options: Any) -> Inspection:
+    """Inspect the native or older-format bundle an address designates (`open_bundle` without choosing among a
+    store root's bundles); one that is not complete is described, not refused."""
+    bundle = open_bundle(path_or_url, step=step, rollout=rollout, choose=False, **storage_options)
+    if bundle.format == V1:
+        return _inspect_older(bundle)
+    store, name = bundle.store, bundle.name
+    assert store is not None
+    out = Inspection(redact_url(bundle.target), "complete", bundle_id=name)
+    state = bundle_status(store.backend, name)
+    if state is not None and state.status == FINALIZABLE:
+        state = finalize(store.backend, state)
+        if state.status == COMPLETE_STATUS:
             out.detail = "finalized now: every rank had landed and COMPLETE was missing"
-    if marker is None:
-        landed = landed_ranks(store.backend, name)
-        out.detail = describe_missing(store, name)
-        if not landed:
-            out.state = "incomplete"
-            return out
-        markers = [read_marker(store.backend, rank_key(name, r), RankMarker) for r in landed]
-        out.ranks = landed
-        out.expected_ranks = markers[0].expected_ranks  # type: ignore[union-attr]
-        missing = [r for r in out.expected_ranks if r not in landed]
-        out.state = "incomplete" if missing else "finalizable"
-        if not missing:
-            out.detail = unfinalized
-        from trajectory_replay.bundle.markers import CompleteMarker
-
-        # describe the landed shard as a reader would (documents are committed before a rank marker)
-        shard = CompleteMarker(bundle_id=markers[0].bundle_id, anchor=markers[0].anchor,  # type: ignore[union-attr]
-                               expected_ranks=out.expected_ranks, multi_rank=True,
-                               shards={str(r): m.documents for r, m in zip(landed, markers)  # type: ignore
-                                       if m is not None})
-        first = BundleReader(store, name, shard, landed[0])
-        _fill_from_source(out, first, store)
-        _check_shards(out, store, first, lambda r: BundleReader(store, name, shard, r),
-                      [r for r, m in zip(landed[1:], markers[1:]) if m is not None])
-        return out
-    readers = open_native(text, store=store)
+    if state is None or state.complete is None:
+        return _inspect_unfinished(out, store, name, state)
+    marker = state.complete
+    readers = native_readers(store, name, bundle.rank, marker)
     _fill_from_source(out, readers[0], store)
     if readers[0].rank is not None and len(readers) == 1:  # one rank addressed: the cohort is every rank
         others = {r.rank: r for r in readers[0].peers()}
@@ -404,4 +333,46 @@ def inspect_bundle(path_or_url: str | os.PathLike, **storage_options: Any) -> In
     _check_shards(out, store, readers[0], others.__getitem__, list(others))
     out.ranks = [int(r) for r in marker.shards] if marker.multi_rank else []
     out.expected_ranks = marker.expected_ranks if marker.multi_rank else []
+    return out
+
+
+def _inspect_older(bundle: Bundle) -> Inspection:
+    out = Inspection(redact_url(bundle.target), "complete", format=V1)
+    try:
+        sources = bundle.readers()
+    except BundleError as exc:
+        out.state = "incomplete" if isinstance(exc, IncompleteBundleError) else "invalid"
+        out.detail = str(exc)
+        return out
+    _fill_from_source(out, sources[0], None)
+    out.ranks = [s.rank for s in sources if s.rank is not None]
+    by_rank = {s.rank: s for s in sources[1:]}
+    _check_shards(out, None, sources[0], by_rank.__getitem__, list(by_rank))
+    return out
+
+
+def _inspect_unfinished(out: Inspection, store: ObjectStore, name: str, state: Optional[BundleState]) -> Inspection:
+    """A native bundle without its final COMPLETE: what is missing, and the shards that landed, described as a
+    reader would see them (documents are committed before a rank marker)."""
+    out.detail = describe_missing(store.backend, name, state)  # NoSuchTargetError when it is no bundle at all
+    if state is None or not state.rank_markers:
+        out.state = "incomplete"
+        return out
+    out.ranks, out.expected_ranks = state.landed_ranks, state.expected_ranks
+    if state.missing_ranks:
+        out.state = "incomplete"
+    else:  # every rank landed, yet it is not finalized (here): say why
+        out.state = "finalizable"
+        if state.status == CORRUPT:
+            out.problems.append(state.detail)
+            out.detail = "every rank landed and COMPLETE is missing; the rank markers cannot be finalized"
+        else:
+            out.detail = state.detail
+    markers = [state.rank_markers[r] for r in out.ranks]
+    shard = CompleteMarker(bundle_id=markers[0].bundle_id, anchor=markers[0].anchor,
+                           expected_ranks=out.expected_ranks, multi_rank=True,
+                           shards={str(r): m.documents for r, m in zip(out.ranks, markers)})
+    first = BundleReader(store, name, shard, out.ranks[0])
+    _fill_from_source(out, first, store)
+    _check_shards(out, store, first, lambda r: BundleReader(store, name, shard, r), out.ranks[1:])
     return out

@@ -17,7 +17,8 @@ whatever the directory is called. Multi-rank captures of that tool number sample
 rank starts at `s-0` with its own data): replay decides from the content which ranks are replicas.
 
 JSON is written with indent 2, sorted keys, UTF-8 and a trailing newline; checksums are SHA-256
-of those exact bytes. Payloads are torch.save'd tensors, loaded only with `weights_only=True`.
+of those exact bytes. Payloads are files in torch.save's format (`torchsave` writes them without
+torch), loaded only with `weights_only=True`.
 The reader checks in the documented order and turns every problem into a one-line BundleError
 naming the file and the field or payload; nothing is trusted before its hash is checked.
 The tool's later format 2 (no reward stages, per-token rewards) is refused in one line.
@@ -31,13 +32,13 @@ import json
 import operator
 import os
 import re
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TypeVar, Union
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trajectory_replay.bundle.schema import (
@@ -47,12 +48,19 @@ from trajectory_replay.bundle.documents import DEFAULT_MAX_DOCUMENT_BYTES, check
 from trajectory_replay.bundle.documents import one_line as _one_line
 from trajectory_replay.bundle.documents import parse_json as _parse_json
 from trajectory_replay.bundle.documents import validate_document as _validate
+from trajectory_replay.bundle.codec import manifest_dtype
 from trajectory_replay.bundle.markers import MAX_RANK, MAX_RANKS
+from trajectory_replay.bundle.torchsave import RawTensor, encode_pt, raw_tensor
 from trajectory_replay.errors import (
     BundleError, IncompleteBundleError, NoSuchTargetError, NotFoundError, TrajectoryReplayError, UnsupportedError,
 )
 
+if TYPE_CHECKING:   # torch is imported where payloads are decoded; writing them needs none
+    import torch
+
 PathLike = Union[str, "os.PathLike[str]"]
+Payload = Union["torch.Tensor", RawTensor]
+"""What the writer takes for a payload: a tensor, or its bytes, dtype and shape as they are."""
 
 V1_FORMAT_VERSION = "1.0.0"
 V1_CODEC = "torch-pt"
@@ -317,11 +325,20 @@ def _label_of(directory: Path) -> str:
 
 # --------------------------------------------------------------------------- tensors
 
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """torch.save bytes of a contiguous CPU copy; the clone keeps a view from dragging its whole storage along."""
-    buffer = io.BytesIO()
-    torch.save(tensor.detach().to("cpu").contiguous().clone(), buffer)
-    return buffer.getvalue()
+def _payload_file(where: str, value: object) -> tuple[bytes, RawTensor]:
+    """The `.pt` file of one payload and what it holds. `value` is a tensor or a RawTensor (bytes, dtype,
+    shape): export hands over a native payload's bytes as they are, so it needs no torch."""
+    try:
+        if isinstance(value, tuple) and len(value) == 3:
+            raw = RawTensor(*value)
+        else:
+            torch = sys.modules.get("torch")  # no tensor can exist unless torch is loaded already
+            if torch is None or not isinstance(value, torch.Tensor):
+                raise BundleError(f"expected a torch.Tensor, got {type(value).__name__}")
+            raw = raw_tensor(value)
+        return encode_pt(*raw), raw
+    except BundleError as exc:
+        raise BundleError(f"{where}: {exc}") from None
 
 
 def _safe_loader_reason(exc: BaseException) -> str:
@@ -335,6 +352,8 @@ def _safe_loader_reason(exc: BaseException) -> str:
 
 def _decode_tensor(data: bytes, label: str) -> torch.Tensor:
     """Unpickle `data` with torch's safe loader and insist on a plain strided tensor."""
+    import torch
+
     try:
         with warnings.catch_warnings():
             # torch warns about pickle protocols it does not default to; the result is checked below anyway
@@ -409,7 +428,7 @@ def _anchor_fields(index: BundleIndex) -> dict[str, Any]:
 
 
 def _write_bundle(path: Path, manifest: Manifest, index: BundleIndex, expected: Mapping[str, Any],
-                  payloads: Mapping[str, torch.Tensor], ranks: Sequence[int],
+                  payloads: Mapping[str, Payload], ranks: Sequence[int],
                   expected_ranks: Sequence[int], rank_marker: bool = True) -> tuple[V1Metadata, dict[str, str]]:
     """Write one V1 bundle directory, COMPLETE last; return its metadata and {payload: sha256}.
 
@@ -424,8 +443,8 @@ def _write_bundle(path: Path, manifest: Manifest, index: BundleIndex, expected: 
     if (path / "COMPLETE").exists():
         raise BundleError(f"{label}/COMPLETE: already exists; a finished bundle is never rewritten")
 
-    encoded: dict[str, tuple[bytes, torch.Tensor]] = {}
-    for name, tensor in payloads.items():
+    encoded: dict[str, tuple[bytes, RawTensor]] = {}
+    for name, value in payloads.items():
         if name == LOSS_MASK:
             raise BundleError(f"{label}/payloads/{name}.pt: V1 keeps loss masks in index.json samples, "
                               "not as a payload")
@@ -433,15 +452,13 @@ def _write_bundle(path: Path, manifest: Manifest, index: BundleIndex, expected: 
             check_name(name, "payload name")
         except ValueError as exc:
             raise BundleError(f"{label}/payloads: {exc}") from None
-        if not isinstance(tensor, torch.Tensor):
-            raise BundleError(f"{label}/payloads/{name}.pt: expected a torch.Tensor, got {type(tensor).__name__}")
-        encoded[name] = (_tensor_bytes(tensor), tensor)
+        encoded[name] = _payload_file(f"{label}/payloads/{name}.pt", value)
 
     (path / "payloads").mkdir(parents=True, exist_ok=True)
     entries: dict[str, dict[str, Any]] = {}
-    for name, (data, tensor) in encoded.items():
+    for name, (data, raw) in encoded.items():
         _write_atomic(path / "payloads" / f"{name}.pt", data)
-        entries[name] = {"name": name, "dtype": str(tensor.dtype), "shape": list(tensor.shape),
+        entries[name] = {"name": name, "dtype": manifest_dtype(raw.dtype), "shape": list(raw.shape),
                          "bytes": len(data), "sha256": _sha256(data)}
 
     documents = {"manifest.json": _v1_manifest_doc(manifest, entries), "index.json": _v1_index_doc(index),
@@ -466,10 +483,10 @@ def _write_bundle(path: Path, manifest: Manifest, index: BundleIndex, expected: 
 
 
 def write_v1_bundle(path: PathLike, manifest: Manifest, index: BundleIndex, expected: Mapping[str, Any],
-                    payloads: Mapping[str, torch.Tensor], *, ranks: Sequence[int] = (0,),
+                    payloads: Mapping[str, Payload], *, ranks: Sequence[int] = (0,),
                     expected_ranks: Optional[Sequence[int]] = None, rank_marker: bool = True) -> Path:
-    """Write a single-producer V1 bundle directory at `path` (the payload table is built from `payloads`)
-    and return it: COMPLETE.<r> then COMPLETE `{ranks, expected_ranks, metadata}`, as the older tool does
+    """Write a single-producer V1 bundle directory at `path` (the payload table is built from `payloads`,
+    tensors or RawTensor values) and return it: COMPLETE.<r> then COMPLETE `{ranks, expected_ranks, metadata}`, as the older tool does
     (`rank_marker=False` leaves COMPLETE.<r> out)."""
     target = Path(path)
     _write_bundle(target, manifest, index, expected, payloads, ranks,
@@ -486,7 +503,7 @@ def capture_dir_name(index: BundleIndex) -> str:
     return f"replay-rollout-{index.identity.rollout_id}"
 
 
-ShardDocs = tuple[Manifest, BundleIndex, Mapping[str, Any], Mapping[str, torch.Tensor]]
+ShardDocs = tuple[Manifest, BundleIndex, Mapping[str, Any], Mapping[str, Payload]]
 
 
 def write_v1_multirank(path: PathLike, shards: Mapping[int, ShardDocs], expected_ranks: Sequence[int], *,
@@ -592,6 +609,8 @@ class LegacyBundle:
             raise BundleError(f"{self.label}/payloads/{name}.pt: {tensor.numel()} elements, but the index samples "
                               f"have {offsets[-1]} response tokens")
         positions = self._check_positions(samples)
+        import torch
+
         return torch.cat([tensor[offsets[i]:offsets[i + 1]] for i in positions]) if positions \
             else tensor.new_empty(0)
 
@@ -632,6 +651,8 @@ class LegacyBundle:
                 raise BundleError(f"{self.label}/index.json: sample {records[i].sample_id!r} loss_mask holds "
                                   "values other than 0 and 1")
             values.extend(mask)
+        import torch
+
         return torch.tensor(values, dtype=torch.uint8)
 
     def _token_offsets(self) -> list[int]:

@@ -27,11 +27,12 @@ import operator
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, field_validator, model_validator
 
 from trajectory_replay.backends import Backend
+from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.documents import (
     check_document_size, compact_json, one_line, parse_json, validate_document,
 )
@@ -51,7 +52,6 @@ MAX_RANK = (1 << 31) - 1
 """Largest rank number: ranks name keys (`COMPLETE.<r>`), so they stay short."""
 _RANK_TEXT = re.compile(r"0|[1-9][0-9]{0,9}")
 _DIGEST = re.compile(r"blake3:[0-9a-f]{64}")
-_ANCHOR_INT = 1 << 63
 
 
 def _rank(value: Any, what: str) -> int:
@@ -95,26 +95,8 @@ def check_rank_list(ranks: Any, where: str) -> list[int]:
         raise BundleError(f"{where}: expected_ranks: {exc}") from None
 
 
-def _anchor_int(value: Any, field: str) -> int:
-    if type(value) is not int or not -_ANCHOR_INT <= value < _ANCHOR_INT:
-        shown = repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
-        raise ValueError(f"{field} must be a 64-bit integer, got {shown}")
-    return value
-
-
-def _check_anchor(anchor: dict[str, Any]) -> dict[str, Any]:
-    """The marker anchor as the writer stores it: {"actor_step_id": {"rollout_id", "step_id"}} or {"rollout_id"}."""
-    step, rollout = anchor.get("actor_step_id"), anchor.get("rollout_id")
-    if (step is None) == (rollout is None):
-        raise ValueError("needs exactly one of actor_step_id or rollout_id")
-    if step is not None:
-        if not isinstance(step, dict):
-            raise ValueError(f"actor_step_id must be an object {{rollout_id, step_id}}, got {type(step).__name__}")
-        _anchor_int(step.get("rollout_id"), "actor_step_id.rollout_id")
-        _anchor_int(step.get("step_id"), "actor_step_id.step_id")
-    else:
-        _anchor_int(rollout, "rollout_id")
-    return anchor
+MarkerAnchor = Annotated[Anchor, PlainValidator(Anchor.from_marker), PlainSerializer(Anchor.to_marker)]
+"""An anchor as markers store it (see `Anchor.to_marker`), checked field by field when read."""
 
 
 class DocRef(BaseModel):
@@ -155,7 +137,7 @@ class Documents(BaseModel):
 
 
 class _MarkerFields(BaseModel):
-    """The checks both markers make of the fields they share: the anchor and the expected ranks."""
+    """The check both markers make of the expected ranks they share (their anchor is a `MarkerAnchor`)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -164,11 +146,6 @@ class _MarkerFields(BaseModel):
     def _expected(cls, v: Any) -> list[int]:
         return _rank_list(v)
 
-    @field_validator("anchor", check_fields=False)
-    @classmethod
-    def _anchor(cls, v: dict[str, Any]) -> dict[str, Any]:
-        return _check_anchor(v)
-
 
 class RankMarker(_MarkerFields):
     """COMPLETE.<r>: rank r of a multi-producer bundle has landed."""
@@ -176,7 +153,7 @@ class RankMarker(_MarkerFields):
     format: str = RANK_FORMAT
     bundle_id: str
     rank: int
-    anchor: dict[str, Any]
+    anchor: MarkerAnchor
     expected_ranks: list[int]
     documents: Documents
     attempt: str
@@ -193,7 +170,7 @@ class CompleteMarker(_MarkerFields):
 
     format: str = COMPLETE_FORMAT
     bundle_id: str
-    anchor: dict[str, Any]
+    anchor: MarkerAnchor
     expected_ranks: list[int]
     multi_rank: bool
     shards: dict[str, Documents] = Field(min_length=1)
@@ -404,11 +381,9 @@ def _disagreement(marker: RankMarker, contents: Mapping[DocRef, bytes | _Unreada
         if docs[label].bundle_id != marker.bundle_id:
             return (f"bundle_id {one_line(repr(marker.bundle_id), 80)} differs from {docs[label].bundle_id!r} in its "
                     f"{label}", True)
-    identity = docs["index"].identity
-    anchor = ({"actor_step_id": identity.actor_step_id.model_dump()} if identity.actor_step_id is not None
-              else {"rollout_id": identity.rollout_id})
+    anchor = Anchor.of(docs["index"].identity)
     if marker.anchor != anchor:
-        return f"anchor {one_line(str(marker.anchor), 120)} differs from {anchor} in its index", True
+        return f"anchor {marker.anchor} differs from {anchor} in its index", True
     return None
 
 

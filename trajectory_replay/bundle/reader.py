@@ -15,25 +15,22 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any, Optional, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from trajectory_replay.backends import redact_url
 from trajectory_replay.bundle import codec
 from trajectory_replay.bundle.documents import check_document_size, parse_json, validate_document
-from trajectory_replay.bundle.markers import (
-    CompleteMarker, Documents, RankMarker, landed_ranks, rank_key, read_complete, read_marker, try_finalize,
-)
+from trajectory_replay.bundle.markers import CompleteMarker, Documents, read_complete, try_finalize
 from trajectory_replay.bundle.paths import split_bundle_path
 from trajectory_replay.bundle.schema import BundleIndex, Expected, Manifest, PayloadSpec
+from trajectory_replay.bundle.status import bundle_status, describe_missing
 from trajectory_replay.bundle.writer import LOSS_MASK
-from trajectory_replay.store.liveness import read_inflight
-from trajectory_replay.errors import (
-    BundleError, IncompleteBundleError, NoSuchTargetError, TrajectoryReplayError,
-)
+from trajectory_replay.errors import BundleError, IncompleteBundleError, TrajectoryReplayError
 from trajectory_replay.store import BlobRecord, BlobRef, ObjectStore
+
+if TYPE_CHECKING:   # tensors are built only when a payload is loaded; opening and headers need no torch
+    import numpy
+    import torch
 
 _HEAD_PROBE = 4096
 
@@ -96,7 +93,7 @@ class BundleReader:
         """The index with every record's loss_mask restored from the `loss_mask` payload."""
         if LOSS_MASK not in self.manifest.payloads:
             return self.index
-        mask = self.load_payload(LOSS_MASK).tolist()
+        mask = self.load_array(LOSS_MASK).tolist()  # numpy: export restores masks where torch is absent
         samples = [s.model_copy(update={"loss_mask": mask[a:b]})
                    for s, a, b in zip(self.index.samples, self._offsets[:-1], self._offsets[1:])]
         return self.index.model_copy(update={"samples": samples})
@@ -112,7 +109,7 @@ class BundleReader:
         except KeyError:
             raise BundleError(f"{self.label}: no payload {name!r} (has {sorted(self.manifest.payloads)})") from None
 
-    def load_payload(self, name: str, samples: Optional[Sequence[int]] = None) -> torch.Tensor:
+    def load_payload(self, name: str, samples: Optional[Sequence[int]] = None) -> "torch.Tensor":
         """The flat tensor `name`, or only the rows of the given sample positions (index order), verified.
 
         Nothing is kept: replay's own cache decides what stays loaded, so memory follows what it still needs."""
@@ -144,14 +141,25 @@ class BundleReader:
             raise BundleError(f"{self.label}: payload {name!r}: no digest in the manifest")
         return BlobRef(spec.digest, spec.size, spec.record)
 
-    def _load_whole(self, name: str, spec: PayloadSpec) -> torch.Tensor:
+    def _load_whole(self, name: str, spec: PayloadSpec) -> "torch.Tensor":
         where = f"{self.label}: payload {name!r}"
+        tensor = codec.decode_buffer(self._whole_blob(name), where)
+        _check_spec(codec.dtype_name(tensor.dtype), tuple(tensor.shape), spec, where)
+        return tensor.reshape(-1)
+
+    def load_array(self, name: str) -> "numpy.ndarray":
+        """Payload `name` (one the manifest lists) whole, as a flat numpy array, verified as `load_payload`
+        verifies it but without torch: validate checks native bundles where torch is not installed."""
+        spec, where = self.spec(name), f"{self.label}: payload {name!r}"
+        header, values = codec.decode_array(self._whole_blob(name), where)
+        _check_spec(header.dtype_name, header.shape, spec, where)
+        return values.reshape(-1)
+
+    def _whole_blob(self, name: str) -> bytearray:
+        """The payload's blob, every chunk and the whole verified against its digests."""
         ref = self.payload_ref(name)
         with self._located(name):
-            buffer = self.store.get(ref)
-        tensor = codec.decode_buffer(buffer, where)
-        _check_spec(tensor.dtype, tuple(tensor.shape), spec, where)
-        return tensor.reshape(-1)
+            return self.store.get(ref)
 
     def header(self, name: str) -> codec.Header:
         """The checked safetensors header of payload `name` (fetched with one small verified ranged read)."""
@@ -169,7 +177,7 @@ class BundleReader:
         if need > len(head):
             head = self.store.read_range(ref, 0, min(spec.size, need), record=record)
         header = codec.parse_header(head, spec.size, where)
-        _check_spec(header.dtype, header.shape, spec, where)
+        _check_spec(header.dtype_name, header.shape, spec, where)
         self._headers[name] = header
         return header
 
@@ -178,7 +186,7 @@ class BundleReader:
             self._records[name] = self.store.record(self.payload_ref(name))
         return self._records[name]
 
-    def _load_rows(self, name: str, spec: PayloadSpec, positions: list[int]) -> torch.Tensor:
+    def _load_rows(self, name: str, spec: PayloadSpec, positions: list[int]) -> "torch.Tensor":
         header = self.header(name)
         total = self._offsets[-1]
         numel = 1
@@ -193,7 +201,9 @@ class BundleReader:
         parts = self.store.read_ranges(self.payload_ref(name), spans, record=self._record(name))
         return codec.from_bytes(b"".join(parts), header.dtype)
 
-    def _mask_from_records(self, samples: Optional[Sequence[int]]) -> torch.Tensor:
+    def _mask_from_records(self, samples: Optional[Sequence[int]]) -> "torch.Tensor":
+        import torch
+
         records = self.index.samples
         chosen = range(len(records)) if samples is None else self._check_positions(samples)
         flat = [v for p in chosen for v in records[p].loss_mask]
@@ -216,14 +226,18 @@ class BundleReader:
         return f"BundleReader({self.label!r})"
 
 
-def _check_spec(dtype: torch.dtype, shape: tuple[int, ...], spec: PayloadSpec, where: str) -> None:
-    if codec.dtype_name(dtype) != codec.dtype_name(codec.torch_dtype(spec.dtype)):
-        raise BundleError(f"{where}: dtype {codec.dtype_name(dtype)} does not match the manifest's {spec.dtype}")
+def _check_spec(dtype: str, shape: tuple[int, ...], spec: PayloadSpec, where: str) -> None:
+    """`dtype` is the manifest spelling (`torch.float32`) of what the blob holds."""
+    if dtype != codec.manifest_dtype(spec.dtype):
+        raise BundleError(f"{where}: dtype {dtype} does not match the manifest's {spec.dtype}")
     if list(shape) != list(spec.shape):
         raise BundleError(f"{where}: shape {list(shape)} does not match the manifest's {spec.shape}")
 
 
-def _take_rows(flat: torch.Tensor, offsets: list[int], positions: list[int], label: str, name: str) -> torch.Tensor:
+def _take_rows(flat: "torch.Tensor", offsets: list[int], positions: list[int], label: str,
+               name: str) -> "torch.Tensor":
+    import torch
+
     if flat.numel() != offsets[-1]:
         raise BundleError(f"{label}: payload {name!r} has {flat.numel()} elements, the index has "
                           f"{offsets[-1]} response tokens")
@@ -234,36 +248,23 @@ def _take_rows(flat: torch.Tensor, offsets: list[int], positions: list[int], lab
 
 # ---- opening ---------------------------------------------------------------------------------------
 
-def describe_missing(store: ObjectStore, name: str) -> str:
-    """Why bundle `name` has no final COMPLETE: which ranks landed and which are missing."""
-    backend = store.backend
-    landed = landed_ranks(backend, name)
-    if not landed:
-        pending = [r for r in read_inflight(backend) if r.bundle == name]
-        if pending:
-            return (f"incomplete bundle: COMPLETE is missing (documents written by {len(pending)} writer "
-                    "attempt(s) that did not commit: in progress, or crashed)")
-        if backend.list(f"{name}/"):
-            # a bundle directory holds only its markers, and a writer records its attempt before writing
-            raise NoSuchTargetError(f"{redact_url(store.url)}/{name}: not a bundle (no COMPLETE, no rank marker, "
-                                    "no writer in progress)")
-        raise NoSuchTargetError(f"{redact_url(store.url)}/{name}: no such bundle")
-    marker = read_marker(backend, rank_key(name, landed[0]), RankMarker)
-    expected = marker.expected_ranks  # type: ignore[union-attr]
-    missing = [r for r in expected if r not in landed]
-    return f"incomplete bundle: ranks {landed} landed, missing ranks {missing} of {expected}"
-
-
 def open_native(path_or_url: str, *, store: Optional[ObjectStore] = None, **storage_options: Any) -> list[BundleReader]:
     """One reader per rank of the native bundle at `path_or_url` (`<root>/<bundle>` or `.../rank-<r>`)."""
     root, name, rank = split_bundle_path(path_or_url)
-    store = store or ObjectStore.open(root, **storage_options)
-    marker = read_complete(store.backend, name)
+    return native_readers(store or ObjectStore.open(root, **storage_options), name, rank)
+
+
+def native_readers(store: ObjectStore, name: str, rank: Optional[int] = None,
+                   marker: Optional[CompleteMarker] = None) -> list[BundleReader]:
+    """One reader per rank of bundle `name` of `store` (only rank `rank`'s when given), from its COMPLETE
+    (`marker` when already read); finalized first when every rank landed; IncompleteBundleError otherwise."""
+    if marker is None:
+        marker = read_complete(store.backend, name)
     if marker is None:
         marker = try_finalize(store.backend, name)
     if marker is None:
         where = f"{redact_url(store.url)}/{name}"
-        reason = describe_missing(store, name)
+        reason = describe_missing(store.backend, name, bundle_status(store.backend, name))
         if rank is not None:
             raise IncompleteBundleError(f"{where}/rank-{rank}: refused until the bundle's final COMPLETE exists "
                                         f"({reason})")
@@ -278,26 +279,4 @@ def open_native(path_or_url: str, *, store: Optional[ObjectStore] = None, **stor
     return [BundleReader(store, name, marker)]
 
 
-def open_sources(path_or_url: str | os.PathLike, **storage_options: Any) -> list:
-    """Replay sources (one per rank) for a native bundle, a rank of one, or an older-format directory."""
-    text = os.fspath(path_or_url)
-    if "://" not in text or text.startswith("file://"):
-        from trajectory_replay.bundle import legacy
-
-        local = Path(text.removeprefix("file://")).expanduser()
-        if legacy.is_v1_bundle(local) or (local.name.startswith("rank-") and legacy.is_v1_bundle(local.parent)):
-            return legacy.open_v1(local)
-    return open_native(text, **storage_options)
-
-
-def open_for_replay(path_or_url: str | os.PathLike, **storage_options: Any) -> tuple[list, Optional[int]]:
-    """(sources, rank) to replay `path_or_url`. A rank of a native multi-rank bundle (`<bundle>/rank-<r>`)
-    comes with its peer ranks and `rank = r`: a prompt group split across ranks is normalized over all of
-    its members, so the group-level stages need the peers' rows of the rank's groups."""
-    sources = open_sources(path_or_url, **storage_options)
-    if len(sources) == 1 and isinstance(sources[0], BundleReader) and sources[0].rank is not None:
-        return [sources[0], *sources[0].peers()], sources[0].rank
-    return sources, None
-
-
-__all__ = ["BundleReader", "describe_missing", "open_for_replay", "open_native", "open_sources"]
+__all__ = ["BundleReader", "native_readers", "open_native"]

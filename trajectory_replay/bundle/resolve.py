@@ -1,11 +1,16 @@
-"""Resolving what a user points at: a bundle, a rank of one, or a capture directory / store root.
+"""Addresses: what a user points at, turned into the bundle it designates, of either format.
 
-A store root holds bundles as children (and `objects/`, `blobs/`, dot-names, which are never
-bundles); an older-format capture directory holds V1 bundle directories (`replay-<R>-<S>`,
-`replay-rollout-<R>`, or any other name: what counts is the identity inside). A local directory may
-hold both kinds; an older-format bundle is never read as a native one. `--step R:S` matches
-only a step-level bundle whose actor_step_id is exactly (R, S); `--rollout R` only a
-rollout-level bundle. No match, or several without a filter, is an error that lists what is there.
+An address is a native bundle of a store (`<root>/<bundle>`), one rank of one (`<root>/<bundle>/rank-<r>`), an
+older-format (V1) bundle directory or a rank directory of one, or a place that holds bundles: a store root
+(its children, never the store's own directories or dot-names), an older-format capture directory
+(`replay-<R>-<S>`, `replay-rollout-<R>`, or any other name: what counts is the identity inside), or a local
+directory with both. An older-format bundle is never read as a native one.
+
+`open_bundle` is the one way from an address to a `Bundle`; replay, inspect, validate, import and cp all go
+through it, and `Bundle.readers()` opens it. `Selection` is the one place `--step R:S` / `--rollout R` are
+matched against bundles (an anchor matches exactly: see `bundle.anchor`): a bundle must be chosen (replay,
+inspect, validate, import: `one`) or a set of them copied (cp: `several`). No match, or several where one is
+needed, is a SelectionError that lists what is there.
 """
 
 from __future__ import annotations
@@ -13,246 +18,294 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from trajectory_replay.backends import open_backend, redact_url
-from trajectory_replay.bundle.markers import COMPLETE, RANK_MARKER, read_complete, try_finalize
+from trajectory_replay.bundle import legacy
+from trajectory_replay.bundle.anchor import Anchor
+from trajectory_replay.bundle.markers import COMPLETE, RANK_MARKER
 from trajectory_replay.bundle.paths import split_bundle_path
-from trajectory_replay.errors import (
-    BackendError, BundleError, SelectionError, StorageUnavailableError, TrajectoryReplayError, UsageError,
-)
+from trajectory_replay.bundle.reader import BundleReader, native_readers
+from trajectory_replay.bundle.status import CORRUPT, FINALIZABLE, BundleState, bundle_status, finalize, scan_bundles
+from trajectory_replay.errors import BundleError, SelectionError, TrajectoryReplayError
+from trajectory_replay.store import ObjectStore
+from trajectory_replay.store.liveness import read_inflight
 
-RESERVED = ("objects", "blobs")
+NATIVE, V1 = "native", "v1"
+"""The two formats a bundle may be in."""
+_RANK_SUFFIX = re.compile(r"/rank-\d+/?$")
+MAX_LISTED = 10
+"""Bundles an error message names: enough to see what is there, bounded for a store of thousands."""
 
 
 @dataclass(frozen=True)
-class Anchor:
-    """A bundle's identity anchor: (rollout_id, step_id) for step-level, (rollout_id, None) for rollout-level."""
+class Bundle:
+    """One bundle an address designates, not read yet: a native bundle of `store` (`rank` when the address names
+    one rank of it) or an older-format directory at `path`."""
 
-    rollout_id: Optional[int]
-    step_id: Optional[int]
+    target: str
+    """The bundle's own path or URL (for a store root or capture directory, the bundle chosen in it)."""
+    format: str
+    name: str
+    rank: Optional[int] = None
+    store: Optional[ObjectStore] = None
+    path: Optional[Path] = None
 
-    @classmethod
-    def from_marker(cls, anchor: dict[str, Any]) -> "Anchor":
-        step = anchor.get("actor_step_id")
-        if step:
-            return cls(int(step["rollout_id"]), int(step["step_id"]))
-        return cls(anchor.get("rollout_id"), None)
+    def readers(self) -> list:
+        """One source per rank (BundleReader or LegacyBundle), verified as far as opening goes; a bundle that is
+        not complete is refused (IncompleteBundleError saying what is missing)."""
+        if self.format == V1:
+            return legacy.open_v1(self.path)  # type: ignore[arg-type]
+        return native_readers(self.store, self.name, self.rank)  # type: ignore[arg-type]
 
-    @property
-    def level(self) -> str:
-        return "step" if self.step_id is not None else "rollout"
 
-    def __str__(self) -> str:
-        return f"step {self.rollout_id}:{self.step_id}" if self.step_id is not None else f"rollout {self.rollout_id}"
+def open_bundle(address: str | os.PathLike, *, step: Optional[str] = None, rollout: Optional[int] = None,
+                choose: bool = True, **storage_options: Any) -> Bundle:
+    """The bundle `address` designates under `--step`/`--rollout` (SelectionError when none or several do).
 
+    Without a filter, an address that is a bundle designates itself (whatever state it is in: opening it
+    says what is missing). An address that holds bundles designates its only one when `choose` (replay);
+    otherwise it is taken for a bundle itself, which `inspect` and `validate` describe ("not a bundle"),
+    unless it is a local directory of older-format bundles, whose one bundle it designates.
+    `storage_options` open the store (e.g. `trust_cache=False`)."""
+    text = os.fspath(address)
+    want = Anchor.requested(step, rollout)
+    local = _local_path(text)
+    if want is None and not choose and not _holds_older_bundles(text, local, storage_options):
+        return _bundle_at(text, local, storage_options)
+    return _designated(text, local, want, storage_options)
+
+
+def open_sources(path_or_url: str | os.PathLike, **storage_options: Any) -> list:
+    """Replay sources (one per rank) of the bundle at `path_or_url`: native, a rank of one, or an older-format
+    directory (see `open_bundle` with `choose=False`)."""
+    return open_bundle(path_or_url, choose=False, **storage_options).readers()
+
+
+def open_for_replay(path_or_url: str | os.PathLike, *, step: Optional[str] = None, rollout: Optional[int] = None,
+                    **storage_options: Any) -> tuple[list, Optional[int]]:
+    """(sources, rank) to replay what `path_or_url` designates (see `open_bundle`). A rank of a native
+    multi-rank bundle (`<bundle>/rank-<r>`) comes with its peer ranks and `rank = r`: a prompt group split across
+    ranks is normalized over all of its members, so the group-level stages need the peers' rows of the rank's
+    groups."""
+    sources = open_bundle(path_or_url, step=step, rollout=rollout, **storage_options).readers()
+    if len(sources) == 1 and isinstance(sources[0], BundleReader) and sources[0].rank is not None:
+        return [sources[0], *sources[0].peers()], sources[0].rank
+    return sources, None
+
+
+def older_bundles(address: str | os.PathLike) -> list[Path]:
+    """The older-format bundles a local address is (one) or holds as children; none for a remote address or a
+    path that is no directory (older-format bundles live on a local disk only)."""
+    local = _local_path(os.fspath(address))
+    if local is None or not local.is_dir():
+        return []
+    return [local] if legacy.is_v1_bundle(local) else legacy.find_v1_bundles(local)
+
+
+def is_native_bundle(path_or_url: str | os.PathLike, **storage_options: Any) -> bool:
+    """True when `path_or_url` is a bundle directory of a store (it holds COMPLETE or a rank marker)."""
+    return _native_bundle(os.fspath(path_or_url), storage_options) is not None
+
+
+# ---- the one place --step / --rollout are matched ----------------------------------------------------
 
 @dataclass(frozen=True)
 class Candidate:
-    """A complete bundle found under a root."""
+    """A bundle found at an address: where it is, its anchor (None when its markers cannot be read), and for one
+    that cannot be chosen, why (`detail`)."""
 
-    url: str
     name: str
-    anchor: Anchor
+    url: str
+    anchor: Optional[Anchor]
+    format: str = NATIVE
+    detail: str = ""
+    state: Optional[BundleState] = field(default=None, compare=False)
+    """A native bundle's state, as its markers say."""
+
+    @classmethod
+    def of(cls, state: BundleState, url: str) -> "Candidate":
+        return cls(state.name, url, state.anchor, detail=state.detail, state=state)
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.detail})" if self.detail else f"{self.name} ({self.anchor})"
 
 
-def parse_step(text: str) -> tuple[int, int]:
-    """`R:S` -> (R, S); UsageError (exit 2) when malformed."""
-    match = re.fullmatch(r"\s*(-?\d+)\s*:\s*(-?\d+)\s*", text or "")
-    if not match:
-        raise UsageError(f"--step {text!r}: expected ROLLOUT:STEP, e.g. 120:0")
-    return int(match.group(1)), int(match.group(2))
+@dataclass
+class Selection:
+    """The bundles found at an address (`found`, which may be chosen; `unreadable`, which cannot be, each with
+    why) and the anchor `--step` / `--rollout` ask for (`want`; None without a filter)."""
+
+    shown: str
+    """The address as messages show it (credentials redacted)."""
+    want: Optional[Anchor]
+    found: list[Candidate]
+    unreadable: list[Candidate] = field(default_factory=list)
+    direct: bool = False
+    """The address named one bundle, rather than a place holding bundles."""
+
+    def matches(self, candidate: Candidate) -> bool:
+        """True when the filter designates `candidate`: no filter, or exactly its anchor."""
+        return self.want is None or candidate.anchor == self.want
+
+    @property
+    def chosen(self) -> list[Candidate]:
+        return [c for c in self.found if self.matches(c)]
+
+    @property
+    def what(self) -> str:
+        return self.want.flag if self.want is not None else ""
+
+    def one(self) -> Candidate:
+        """The one bundle designated. Unreadable bundles are named in every error; without a filter one of them
+        may be the bundle meant, so nothing is picked for the user; with one, each is skipped with a warning."""
+        matches, what = self.chosen, self.what
+        bad = f"; unreadable: {'; '.join(map(str, self.unreadable))}" if self.unreadable else ""
+        if not matches:
+            if not self.found:
+                raise SelectionError(f"{self.shown}: no complete bundle found{bad}")
+            if self.direct:
+                raise SelectionError(f"{self.shown}: bundle is {self.found[0].anchor}, which does not match {what}")
+            raise SelectionError(f"{self.shown}: no bundle matches {what} (found: {listing(self.found)}){bad}")
+        if len(matches) > 1 or (not what and self.unreadable):
+            hint = "" if what else "; choose one with --step ROLLOUT:STEP or --rollout ROLLOUT"
+            if len({c.anchor for c in matches}) < len(matches):  # no flag tells these apart: only a path does
+                hint = (f"; {'they' if what else 'some'} share an anchor, which --step/--rollout cannot tell apart: "
+                        f"give one bundle's path instead, e.g. {redact_url(matches[0].url)}")
+            count = len(matches) + (0 if what else len(self.unreadable))
+            raise SelectionError(f"{self.shown}: {count} bundles match{' ' + what if what else ''}: "
+                                 f"{listing(matches)}{bad}{hint}")
+        for entry in self.unreadable:
+            warnings.warn(f"{self.shown}: skipped unreadable bundle {entry}", stacklevel=3)
+        return matches[0]
+
+    def several(self, all_bundles: bool) -> tuple[list[Candidate], list[Candidate]]:
+        """(the bundles designated, the unreadable ones the request covers) for a command that takes several
+        (cp): every match of a filter, every bundle with `all_bundles`, else the one there is. An unreadable bundle
+        is covered by --all, by a filter its anchor matches, and it counts, unnamed, where its anchor is unknown."""
+        chosen, what = self.chosen, self.what
+        covered = [c for c in self.unreadable if c.anchor is None or self.matches(c)]
+        skipped = covered if all_bundles else [c for c in covered if what and c.anchor is not None]
+        found = listing(self.found) or "none"
+        bad = "".join(f"; corrupt: {c}" for c in covered)
+        if not chosen:
+            raise SelectionError(f"{self.shown}: no complete bundle{' matches ' + what if what else ''} "
+                                 f"(found: {found}){bad}")
+        if not self.direct and not what and not all_bundles and len(chosen) + len(covered) > 1:
+            raise SelectionError(f"{self.shown}: {len(chosen) + len(covered)} bundles ({found}){bad}; choose with "
+                                 "--step ROLLOUT:STEP, --rollout ROLLOUT or --all")
+        return chosen, skipped
 
 
-def _join(root: str, name: str) -> str:
-    return f"{root.rstrip('/')}/{name}"
+def listing(candidates: Sequence[Candidate]) -> str:
+    """`name (anchor), ...`, at most MAX_LISTED of them and a count of the rest."""
+    shown = ", ".join(f"{c.name} ({c.anchor})" for c in candidates[:MAX_LISTED])
+    more = len(candidates) - MAX_LISTED
+    return shown + (f", ... ({more} more)" if more > 0 else "")
 
 
-def _is_local(text: str) -> bool:
-    return "://" not in text or text.startswith("file://")
+# ---- from an address to a bundle ------------------------------------------------------------------
+
+def _local_path(text: str) -> Optional[Path]:
+    """The local path an address names (None for a URL of a remote store)."""
+    if "://" in text and not text.startswith("file://"):
+        return None
+    return Path(text.removeprefix("file://")).expanduser()
 
 
-def _v1_candidates(path: Path, unreadable: Optional[list[str]] = None) -> list[Candidate]:
-    """The V1 bundle at `path`, or those under it; with `unreadable`, a bundle that cannot be opened is
-    named there instead of stopping the search."""
-    from trajectory_replay.bundle import legacy
-
-    bundles = [path] if legacy.is_v1_bundle(path) else legacy.find_v1_bundles(path)
-    out = []
-    for b in bundles:
-        try:
-            source = legacy.open_v1(b)[0]
-        except TrajectoryReplayError as exc:  # also the older tool's format 2, named with its reason
-            if unreadable is None:
-                raise
-            unreadable.append(f"{b.name} ({exc})")
-            continue
-        ident = source.index.identity
-        anchor = Anchor(ident.actor_step_id.rollout_id, ident.actor_step_id.step_id) if ident.actor_step_id \
-            else Anchor(ident.rollout_id, None)
-        out.append(Candidate(str(b), b.name, anchor))
-    return out
+def _is_older(local: Path) -> bool:
+    """True for an older-format bundle directory, or a rank directory of one."""
+    return legacy.is_v1_bundle(local) or (local.name.startswith("rank-") and legacy.is_v1_bundle(local.parent))
 
 
-def _v1_names(root_url: str) -> list[str]:
-    """Names of the older-format bundles directly under a local root (a remote root holds none)."""
-    if not _is_local(root_url):
-        return []
-    from trajectory_replay.bundle import legacy
-
-    local = Path(root_url.removeprefix("file://")).expanduser()
-    if not local.is_dir():
-        return []
-    return [p.name for p in legacy.find_v1_bundles(local)]
+def _bundle_at(text: str, local: Optional[Path], options: dict) -> Bundle:
+    """The address itself as a bundle: older-format when it is one, else native (whatever its directory holds)."""
+    if local is not None and _is_older(local):
+        return Bundle(text, V1, local.name, path=local)
+    root, name, rank = split_bundle_path(text)
+    return Bundle(text, NATIVE, name, rank, store=ObjectStore.open(root, **options))
 
 
-def is_native_bundle(path_or_url: str, **storage_options: Any) -> bool:
-    """True when `path_or_url` is a bundle directory of a store (it holds COMPLETE or a rank marker)."""
+def _native_bundle(text: str, options: dict) -> Optional[Bundle]:
+    """The native bundle at `text` when its directory holds a marker, else None."""
     try:
-        root, name, _rank = split_bundle_path(path_or_url)
+        root, name, rank = split_bundle_path(text)
     except BundleError:
+        return None
+    store = ObjectStore.open(root, **options)
+    if not any(n == COMPLETE or RANK_MARKER.fullmatch(n) for n in store.backend.list_dir(name)):
+        return None
+    return Bundle(text, NATIVE, name, rank, store=store)
+
+
+def _holds_older_bundles(text: str, local: Optional[Path], options: dict) -> bool:
+    """True for a local directory that is no bundle but holds older-format bundles (a capture directory)."""
+    if local is None or not local.is_dir() or legacy.is_v1_bundle(local) or not legacy.find_v1_bundles(local):
         return False
-    backend = open_backend(root, **storage_options)
-    return any(n == COMPLETE or RANK_MARKER.fullmatch(n) for n in backend.list_dir(name))
+    return _native_bundle(text, options) is None
 
 
 def _has_pending_writer(local: Path) -> bool:
     """True when the store above `local` has an in-flight record for a bundle of that name."""
-    from trajectory_replay.store.liveness import read_inflight
-
     parent = local.parent
     if not parent.is_dir():
         return False
     return any(r.bundle == local.name for r in read_inflight(open_backend(str(parent))))
 
 
-def find_bundles(root_url: str, unreadable: Optional[list[str]] = None, **storage_options: Any) -> list[Candidate]:
-    """Complete bundles directly under a store root (children that are not reserved names).
+def _designated(text: str, local: Optional[Path], want: Optional[Anchor], options: dict) -> Bundle:
+    """The bundle `text` designates under `want`: itself when it is one (checked against `want`), else the one
+    bundle of the place it is (a root's finalizable bundles finalized first, as every reader does)."""
+    shown = redact_url(text)
+    if local is not None and not local.exists() and not _RANK_SUFFIX.search(text):
+        if not _has_pending_writer(local):
+            raise SelectionError(f"{shown}: no such bundle or directory")
+        return _bundle_at(text, local, options)  # a writer left documents but no marker: opening says so
+    if want is None and _RANK_SUFFIX.search(text.rstrip("/") + "/"):
+        return _bundle_at(text, local, options)  # one rank of a bundle: opening checks its cohort
+    if local is not None and legacy.is_v1_bundle(local):
+        if want is not None:
+            Selection(shown, want, [_older_candidate(local)], direct=True).one()
+        return _bundle_at(text, local, options)
+    native = _native_bundle(text, options)
+    if native is not None:
+        state = bundle_status(native.store.backend, native.name) if want is not None else None  # type: ignore
+        if state is not None and state.complete is not None:
+            Selection(shown, want, [Candidate.of(state, text)], direct=True).one()
+        return native  # without COMPLETE, opening says what is missing
+    store = ObjectStore.open(text, **options)
+    states = [finalize(store.backend, s) for s in scan_bundles(store.backend)]
+    found = [Candidate.of(s, f"{text.rstrip('/')}/{s.name}") for s in states if s.complete is not None]
+    unreadable = [Candidate.of(s, f"{text.rstrip('/')}/{s.name}") for s in states
+                  if s.complete is None and s.status in (CORRUPT, FINALIZABLE)]
+    older = _older_candidates(older_bundles(text))
+    found += [c for c in older if not c.detail]
+    unreadable += [c for c in older if c.detail]
+    chosen = Selection(shown, want, found, unreadable).one()
+    if chosen.format == V1:
+        return Bundle(chosen.url, V1, chosen.name, path=Path(chosen.url))
+    return Bundle(chosen.url, NATIVE, chosen.name, store=store)
 
-    A bundle whose COMPLETE cannot be read is a BundleError, or, given `unreadable`, is named there and
-    skipped: one corrupt bundle does not hide the others."""
-    backend = open_backend(root_url, **storage_options)
-    older = set(_v1_names(root_url))
+
+def _older_candidate(path: Path) -> Candidate:
+    """An older-format bundle as a candidate, opened to read its identity."""
+    return Candidate(path.name, str(path), Anchor.of(legacy.open_v1(path)[0].index.identity), V1)
+
+
+def _older_candidates(paths: Sequence[Path]) -> list[Candidate]:
+    """Older-format bundles as candidates; one that does not open is one with a `detail` saying why."""
     out = []
-    for name in backend.list_dir():
-        if name in RESERVED or name.startswith(".") or name in older:
-            continue
+    for path in paths:
         try:
-            marker = read_complete(backend, name)
-            if marker is None and any(RANK_MARKER.fullmatch(n) for n in backend.list_dir(name)):
-                marker = try_finalize(backend, name)  # every rank landed: finalized as any reader does
-        except StorageUnavailableError:
-            raise
-        except (BackendError, OSError) as exc:  # a store this user cannot write markers to: not finalized
-            if unreadable is None:
-                raise
-            unreadable.append(f"{name} (every rank landed; not finalized here: {exc})")
-            continue
-        except BundleError as exc:
-            if unreadable is None:
-                raise
-            unreadable.append(f"{name} ({exc})")
-            continue
-        if marker is not None:
-            out.append(Candidate(_join(root_url, name), name, Anchor.from_marker(marker.anchor)))
+            out.append(_older_candidate(path))
+        except TrajectoryReplayError as exc:  # also the older tool's format 2, named with its reason
+            out.append(Candidate(path.name, str(path), None, V1, detail=str(exc)))
     return out
 
 
-def resolve_target(path_or_url: str | os.PathLike, *, step: Optional[str] = None, rollout: Optional[int] = None,
-                   **storage_options: Any) -> str:
-    """What `inspect`, `validate` and `import` look at. With `step`/`rollout`, the bundle `resolve_bundle`
-    designates. Without, the path itself (an incomplete or damaged bundle is theirs to describe), unless it is
-    a local directory that is no bundle but holds older-format bundles (a capture directory): then its one
-    bundle, or a SelectionError listing them."""
-    text = os.fspath(path_or_url)
-    if step is None and rollout is None:
-        if not _is_local(text):
-            return text
-        from trajectory_replay.bundle import legacy
-
-        local = Path(text.removeprefix("file://")).expanduser()
-        if not local.is_dir() or legacy.is_v1_bundle(local) or not legacy.find_v1_bundles(local):
-            return text
-        if is_native_bundle(text, **storage_options):
-            return text
-    return resolve_bundle(text, step=step, rollout=rollout, **storage_options)
-
-
-def resolve_bundle(path_or_url: str | os.PathLike, *, step: Optional[str] = None, rollout: Optional[int] = None,
-                   **storage_options: Any) -> str:
-    """The one bundle path/URL that `path_or_url` designates under the filters; SelectionError otherwise."""
-    text = os.fspath(path_or_url)
-    if step is not None and rollout is not None:
-        raise UsageError("--step and --rollout are mutually exclusive")
-    want = parse_step(step) if step is not None else None
-    shown = redact_url(text)
-
-    local = Path(text.removeprefix("file://")).expanduser() if _is_local(text) else None
-    from trajectory_replay.bundle import legacy
-
-    if local is not None and not local.exists() and not re.search(r"/rank-\d+/?$", text):
-        if not _has_pending_writer(local):
-            raise SelectionError(f"{shown}: no such bundle or directory")
-        return text  # a writer left documents but no marker: the reader says it is incomplete
-    if re.search(r"/rank-\d+/?$", text.rstrip("/") + "/") and (want is None and rollout is None):
-        return text  # one rank of a bundle: the reader checks its cohort
-    if local is not None and legacy.is_v1_bundle(local):
-        return _choose(_v1_candidates(local), shown, want, rollout, direct=True)
-    if is_native_bundle(text, **storage_options):
-        if want is None and rollout is None:
-            return text
-        root, name, _ = split_bundle_path(text)
-        marker = read_complete(open_backend(root, **storage_options), name)
-        if marker is None:
-            return text  # the reader reports what is missing
-        return _choose([Candidate(text, name, Anchor.from_marker(marker.anchor))], shown, want, rollout, direct=True)
-    unreadable: list[str] = []
-    candidates = find_bundles(text, unreadable, **storage_options)
-    if local is not None and local.is_dir():
-        candidates += _v1_candidates(local, unreadable)
-    return _choose(candidates, shown, want, rollout, direct=False, unreadable=unreadable)
-
-
-def _choose(candidates: list[Candidate], shown: str, want: Optional[tuple[int, int]], rollout: Optional[int],
-            *, direct: bool, unreadable: Sequence[str] = ()) -> str:
-    if want is not None:
-        matches = [c for c in candidates if c.anchor.step_id is not None
-                   and (c.anchor.rollout_id, c.anchor.step_id) == want]
-        what = f"--step {want[0]}:{want[1]}"
-    elif rollout is not None:
-        matches = [c for c in candidates if c.anchor.step_id is None and c.anchor.rollout_id == rollout]
-        what = f"--rollout {rollout}"
-    else:
-        matches, what = candidates, ""
-    listing = _listing(candidates)
-    bad = f"; unreadable: {'; '.join(unreadable)}" if unreadable else ""
-    if not matches:
-        if not candidates:
-            raise SelectionError(f"{shown}: no complete bundle found{bad}")
-        if direct:
-            raise SelectionError(f"{shown}: bundle is {candidates[0].anchor}, which does not match {what}")
-        raise SelectionError(f"{shown}: no bundle matches {what} (found: {listing}){bad}")
-    # without a filter an unreadable bundle may be the one meant: it counts, so nothing is picked for the user
-    if len(matches) > 1 or (not what and unreadable):
-        names = _listing(matches)
-        hint = "" if what else "; choose one with --step ROLLOUT:STEP or --rollout ROLLOUT"
-        if len({c.anchor for c in matches}) < len(matches):  # no flag tells these apart: only a path does
-            hint = (f"; {'they' if what else 'some'} share an anchor, which --step/--rollout cannot tell apart: "
-                    f"give one bundle's path instead, e.g. {redact_url(matches[0].url)}")
-        count = len(matches) + (0 if what else len(unreadable))
-        raise SelectionError(f"{shown}: {count} bundles match{' ' + what if what else ''}: {names}{bad}{hint}")
-    for entry in unreadable:
-        warnings.warn(f"{shown}: skipped unreadable bundle {entry}", stacklevel=2)
-    return matches[0].url
-
-
-MAX_LISTED = 10
-"""Bundles an error message names: enough to see what is there, bounded for a store of thousands."""
-
-
-def _listing(candidates: Sequence[Candidate]) -> str:
-    shown = ", ".join(f"{c.name} ({c.anchor})" for c in candidates[:MAX_LISTED])
-    more = len(candidates) - MAX_LISTED
-    return shown + (f", ... ({more} more)" if more > 0 else "")
+__all__ = [
+    "Bundle", "Candidate", "MAX_LISTED", "NATIVE", "Selection", "V1", "is_native_bundle", "listing", "older_bundles",
+    "open_bundle", "open_for_replay", "open_sources",
+]

@@ -16,6 +16,9 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from trajectory_replay.bundle.anchor import Anchor
+from trajectory_replay.store.digest import OBJECTS_DIR, REFS_DIR
+
 FORMAT_VERSION = "1.1.0"
 """Manifest format written by this package. Major 1 is shared with the older directory format."""
 
@@ -35,7 +38,7 @@ class SchemaWarning(UserWarning):
 
 def check_name(value: str, what: str) -> str:
     """Return `value` if it is a valid bundle id / payload name, else raise ValueError naming `what`."""
-    if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value) or value in ("objects", "blobs"):
+    if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value) or value in (OBJECTS_DIR, REFS_DIR):
         raise ValueError(f"invalid {what} {value!r}: must match [A-Za-z0-9][A-Za-z0-9._-]* "
                          "and not be a reserved name (objects, blobs)")
     if ".." in value:
@@ -154,9 +157,7 @@ class Identity(_Model):
 
     def anchor(self) -> str:
         """A short human-readable anchor: `step R:S` or `rollout R`."""
-        if self.actor_step_id is not None:
-            return f"step {self.actor_step_id}"
-        return f"rollout {self.rollout_id}"
+        return str(Anchor.of(self))
 
 
 class SampleRecord(_Model):

@@ -1,11 +1,11 @@
 """BundleWriter: build a bundle by hand or from capture, in the content-addressed store.
 
-The store root is the bundle's parent, so sibling bundles share `<root>/objects/`. Payloads
+The store root is the bundle's parent, so sibling bundles share its objects. Payloads
 are safetensors blobs (per-token ones cut at their sample rows, so runs of rows shared with
 another bundle are stored once); loss masks move from the records into a per-token uint8
 payload; manifest, index and expected are compact JSON blobs. The bundle directory holds
 only markers. Before it writes or reuses any object, the writer lists it in its in-flight
-record `.inflight/<attempt>.json`, which gc treats as a root until the writer removes it
+record (`store.liveness.InflightRecord`), which gc treats as a root until the writer removes it
 after commit or it passes its TTL.
 
 Only structure is checked here (names, tensor-ness, sizes against dtype and shape); NaNs,
@@ -20,12 +20,11 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from trajectory_replay.backends import redact_url
 from trajectory_replay.bundle import codec
+from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.documents import MAX_JSON_DEPTH, compact_json, nesting_exceeds, validate_document
 from trajectory_replay.bundle.markers import (
     CompleteMarker, DocRef, Documents, RankMarker, check_rank_list, complete_key, rank_key, read_complete,
@@ -40,18 +39,13 @@ from trajectory_replay.errors import BundleError, StorageUnavailableError, Traje
 from trajectory_replay.store import BlobRef, ObjectStore, PutPlan
 from trajectory_replay.store.liveness import DEFAULT_INFLIGHT_TTL, GcWatch, InflightRecord
 
+if TYPE_CHECKING:   # the reader imports this module; commands that only read must not pay for torch
+    import torch
+
 log = logging.getLogger(__name__)
 
 LOSS_MASK = "loss_mask"
 EXPECTED_PAYLOADS = frozenset({"kl", "advantages"})
-
-
-def anchor_of(index: BundleIndex) -> dict[str, Any]:
-    """The identity anchor as stored in markers: {"actor_step_id": {...}} or {"rollout_id": R}."""
-    ident = index.identity
-    if ident.actor_step_id is not None:
-        return {"actor_step_id": ident.actor_step_id.model_dump()}
-    return {"rollout_id": ident.rollout_id}
 
 
 class BundleWriter:
@@ -202,7 +196,7 @@ class BundleWriter:
         backend.require_atomic_create(unsafe=self.unsafe_markers)
         if self.rank is None:
             ranks = ranks if ranks is not None else [0]
-            marker = CompleteMarker(bundle_id=self.manifest.bundle_id, anchor=anchor_of(self.index),
+            marker = CompleteMarker(bundle_id=self.manifest.bundle_id, anchor=Anchor.of(self.index.identity),
                                     expected_ranks=sorted(ranks), multi_rank=False, shards={str(ranks[0]): documents},
                                     attempt=self.attempt)
             if not backend.create_if_absent(complete_key(self.name), compact_json(marker.model_dump(mode="json"))):
@@ -255,7 +249,7 @@ class BundleWriter:
 
     def _land_rank(self, rank: int, documents: Documents) -> None:
         backend = self.store.backend
-        marker = RankMarker(bundle_id=self.manifest.bundle_id, rank=rank, anchor=anchor_of(self.index),
+        marker = RankMarker(bundle_id=self.manifest.bundle_id, rank=rank, anchor=Anchor.of(self.index.identity),
                             expected_ranks=list(self.expected_ranks or []), documents=documents,
                             attempt=self.attempt, created=time.time())
         if backend.create_if_absent(rank_key(self.name, rank), compact_json(marker.model_dump(mode="json"))):
@@ -302,6 +296,8 @@ class BundleWriter:
 
     def _mask_tensor(self, samples) -> torch.Tensor:
         """The records' loss masks as one uint8 tensor; BundleError naming the first sample with a value not 0/1."""
+        import torch
+
         try:  # bytes() of a list of small ints runs in C: a mask of millions of tokens costs milliseconds
             data = bytearray(b"".join(bytes(s.loss_mask) for s in samples))
         except (TypeError, ValueError):  # not all ints in 0..255 (1.0, True, -1, 256, ...): the exact slow path
@@ -367,4 +363,4 @@ def check_or_raise(value: str, what: str) -> str:
 
 
 
-__all__ = ["BundleWriter", "LOSS_MASK", "anchor_of"]
+__all__ = ["BundleWriter", "LOSS_MASK"]

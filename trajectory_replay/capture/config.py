@@ -8,6 +8,9 @@
 S3 endpoint and credentials come from the usual places (AWS_* variables, AWS config files, FSSPEC_S3_*).
 While capture is off the other variables are not read, so they can never break a run that does not
 capture. A bad value is a `CaptureConfigError` whose one-line message names the variable and the value.
+
+Also here: the checks of the CaptureManager options that choose its writer and its producer ranks
+(`choose_writer`, `producer_ranks`), a ValueError naming the option.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from trajectory_replay.errors import TrajectoryReplayError
 
@@ -28,6 +31,12 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 _DIGITS = re.compile(r"[0-9]+")
 _PROTOCOLS = frozenset({"file", "local", "s3", "s3a", "s3n", "memory"})
+
+WRITER_MODES = ("auto", "process", "thread")
+WRITER_PRIORITIES = ("idle", "low")
+"""How the writer yields the CPU to training. "idle": the writer process runs in Linux's idle scheduling class
+(SCHED_IDLE: it gets only CPU time nothing else wants); "low": it runs at nice 10. A writer thread, which shares
+training's GIL and must not be starved while it holds it, always runs at nice 10."""
 
 
 class CaptureConfigError(TrajectoryReplayError, ValueError):
@@ -127,5 +136,32 @@ def load_config(environ: Optional[Mapping[str, str]] = None) -> CaptureConfig:
                          steps=parse_steps(env.get(ENV_STEPS)), rollouts=parse_rollouts(env.get(ENV_ROLLOUTS)))
 
 
+def choose_writer(writer: str, writer_priority: str, capture_dir: str, store_given: bool) -> str:
+    """The writer mode ("process" or "thread") of CaptureManager's options `writer` and `writer_priority`, for a
+    manager given `capture_dir` and, if `store_given`, a store object."""
+    if writer not in WRITER_MODES:
+        raise ValueError(f"writer must be one of {', '.join(WRITER_MODES)}, got {writer!r}")
+    if writer_priority not in WRITER_PRIORITIES:
+        raise ValueError(f"writer_priority must be one of {', '.join(WRITER_PRIORITIES)}, got {writer_priority!r}")
+    # a store object given here (or an in-memory one) lives in this process only
+    in_process_only = store_given or capture_dir.startswith("memory://")
+    if writer == "process" and in_process_only:
+        raise ValueError("writer='process' needs a path or URL the writer process can open itself, "
+                         "not a store object or a memory:// store")
+    if writer == "auto":
+        # a process of its own keeps the writer's Python work off training's GIL
+        return "thread" if in_process_only else "process"
+    return writer
+
+
+def producer_ranks(rank: int, expected_ranks: Optional[Sequence[int]]) -> list[int]:
+    """The producer ranks of one bundle, sorted (default: `rank` alone); `rank` must be among them."""
+    ranks = sorted({int(r) for r in expected_ranks}) if expected_ranks is not None else [rank]
+    if rank not in ranks:
+        raise ValueError(f"rank {rank} is not among expected ranks {ranks}")
+    return ranks
+
+
 __all__ = ["CaptureConfig", "CaptureConfigError", "ENV_CAPTURE", "ENV_DIR", "ENV_ROLLOUTS", "ENV_STEPS",
-           "load_config", "parse_dir", "parse_rollouts", "parse_steps", "parse_switch"]
+           "WRITER_MODES", "WRITER_PRIORITIES", "choose_writer", "load_config", "parse_dir", "parse_rollouts",
+           "parse_steps", "parse_switch", "producer_ranks"]

@@ -6,11 +6,12 @@ Guarantees:
   copies into pinned memory for CUDA, one clone for CPU) and appends the record to a queue bounded in
   bytes and in records. When the queue is full the record is dropped, counted and logged; the copy is
   not even made (the size is known from the tensors' shapes).
-- The daemon writer thread waits on the snapshot's CUDA events and hands the record to the writer
-  process (`capture.worker`), which builds the documents, hashes, encodes, uploads and commits
-  (BundleWriter) without holding training's GIL; with `writer="thread"` the thread does that work
-  itself. Every error is counted and logged on the logger `trajectory_replay.capture`, never raised
-  into training.
+- Each hook's capture becomes a typed record (`capture.records`) in a `BundleJob` (`capture.commit`).
+  The daemon writer thread waits on the snapshot's CUDA events and hands the job to the writer process
+  (`capture.worker`), which builds the documents, hashes, encodes, uploads and commits (BundleWriter)
+  without holding training's GIL; with `writer="thread"` the thread does that work itself, with the
+  same `commit_bundle`. Every error is counted and logged on the logger `trajectory_replay.capture`,
+  never raised into training.
 - A record that is dropped or fails never yields a bundle that looks complete: a failure calls
   `BundleWriter.abort()`; what it leaves (an in-flight record, objects, a cohort with missing rank
   markers) is garbage for gc. A killed process leaves the same.
@@ -22,31 +23,33 @@ Guarantees:
   given (counted, nothing copied), records already queued wait, and `close` drops them instead of waiting; when
   the backoff ends the next record tries the store again. Each kind of failure is logged once as a warning line
   (no traceback); repeats go to the debug level, and the recovery is logged with the number of drops.
+
+This module owns the queue, its byte and record budget, pending steps and the store's backoff; the option
+checks are in `capture.config`, the writer, threads and exit hook in `capture.runtime`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import atexit
 import logging
 import os
 import threading
 import time
-import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
 from trajectory_replay.bundle.schema import ProducerInfo, RankTopology
-from trajectory_replay.bundle.writer import BundleWriter
+from trajectory_replay.capture.commit import BundleJob, storage_failure
+from trajectory_replay.capture.config import choose_writer, producer_ranks
 from trajectory_replay.capture.records import (
-    BundleParts, Columns, MicroBatch, Provenance, build_rollout, build_step, rollout_bundle_id,
-    step_bundle_id,
+    CaptureRecord, Columns, MicroBatch, Provenance, RolloutRecord, StepRecord, rollout_bundle_id, step_bundle_id,
+)
+from trajectory_replay.capture.runtime import (
+    Writer, close_at_exit, forget_at_exit, lower_thread_priority, open_store, start_writer,
 )
 from trajectory_replay.capture.snapshot import Snapshot, estimate_nbytes
-from trajectory_replay.capture.worker import WriterProcess, storage_failure
 from trajectory_replay.store import ObjectStore
 
 log = logging.getLogger("trajectory_replay.capture")
@@ -61,20 +64,16 @@ STORE_RETRY_MAX = 8.0
 
 
 @dataclass
-class _Record:
-    bundle_id: str
+class _Queued:
+    """A job waiting for the writer thread, the snapshot its tensors are copied into, and the bytes it holds."""
+
+    job: BundleJob
     snapshot: Snapshot
-    builder: str        # a key of BUILDERS
-    args: tuple         # its arguments (sent to the writer process as they are)
     nbytes: int
 
-
-BUILDERS: dict[str, Callable[..., BundleParts]] = {"rollout": build_rollout, "step": build_step}
-WRITER_MODES = ("auto", "process", "thread")
-WRITER_PRIORITIES = ("idle", "low")
-"""How the writer yields the CPU to training. "idle": the writer process runs in Linux's idle scheduling class
-(SCHED_IDLE: it gets only CPU time nothing else wants); "low": it runs at nice 10. A writer thread, which shares
-training's GIL and must not be starved while it holds it, always runs at nice 10."""
+    @property
+    def bundle_id(self) -> str:
+        return self.job.bundle_id
 
 
 class _PendingStep:
@@ -103,52 +102,25 @@ class CaptureManager:
                  atexit_timeout: Optional[float] = DEFAULT_ATEXIT_TIMEOUT, start: bool = True,
                  writer: str = "auto", writer_priority: str = "idle") -> None:
         self.capture_dir = os.fspath(capture_dir)
-        if writer not in WRITER_MODES:
-            raise ValueError(f"writer must be one of {', '.join(WRITER_MODES)}, got {writer!r}")
-        if writer_priority not in WRITER_PRIORITIES:
-            raise ValueError(f"writer_priority must be one of {', '.join(WRITER_PRIORITIES)}, got {writer_priority!r}")
+        self.writer_mode = choose_writer(writer, writer_priority, self.capture_dir, store is not None)
         self.writer_priority = writer_priority
-        if writer == "process" and (store is not None or self.capture_dir.startswith("memory://")):
-            raise ValueError("writer='process' needs a path or URL the writer process can open itself, "
-                             "not a store object or a memory:// store")
-        if writer == "auto":
-            # a process of its own keeps the writer's Python work off training's GIL; a store object given
-            # here (or an in-memory one) lives in this process only
-            writer = "thread" if store is not None or self.capture_dir.startswith("memory://") else "process"
-        self.writer_mode = writer
-        self._process: Optional[WriterProcess] = None
+        self._writer: Optional[Writer] = None
         self.rank = int(rank)
-        ranks = sorted({int(r) for r in expected_ranks}) if expected_ranks is not None else [self.rank]
-        if self.rank not in ranks:
-            raise ValueError(f"rank {self.rank} is not among expected ranks {ranks}")
-        self.expected_ranks = ranks
-        self.multi_producer = len(ranks) > 1
+        self.expected_ranks = producer_ranks(self.rank, expected_ranks)
+        self.multi_producer = len(self.expected_ranks) > 1
         self.steps, self.rollouts = steps, rollouts
         self.max_queue_bytes, self.max_queue_records = int(max_queue_bytes), int(max_queue_records)
         self.max_pending_steps = int(max_pending_steps)
         # one store per manager (and one in its writer process): the create-once probe runs once per process
         self._storage_options = dict(storage_options or {})
-        if store is None:
-            options = dict(self._storage_options)
-            if writer == "thread" and self.capture_dir.startswith("s3://") and "loop" not in options:
-                # s3fs runs every request in an event loop thread; by default fsspec's shared one, started at
-                # normal priority by whoever came first. Capture's requests run in a loop of their own that
-                # yields the CPU to training, like the writer thread.
-                options["loop"] = _background_loop()
-            store = ObjectStore.open(self.capture_dir, **options)
-        self.store = store
-        prov = Provenance()
-        if producer is not None:
-            prov.producer = producer
-        if topology is not None:
-            prov.topology = topology if isinstance(topology, RankTopology) else RankTopology.model_validate(
-                dict(topology))
-        self.provenance = prov
+        self.store = store if store is not None else open_store(self.capture_dir, self._storage_options,
+                                                                self.writer_mode)
+        self.provenance = Provenance.of(producer, topology)
 
         self._cond = threading.Condition(threading.Lock())
-        self._queue: deque[_Record] = deque()
+        self._queue: deque[_Queued] = deque()
         self._bytes_in_use = 0      # queued + being written + pending micro-batches
-        self._active: Optional[_Record] = None
+        self._active: Optional[_Queued] = None
         self._closing = False
         self._pending: "OrderedDict[tuple[int, int], _PendingStep]" = OrderedDict()
         self._counts = dict(enqueued=0, dropped=0, written=0, errors=0, filtered=0, ignored_microbatches=0,
@@ -173,8 +145,7 @@ class CaptureManager:
         self._thread = threading.Thread(target=self._run, name=f"trajectory-replay-capture-{self.rank}", daemon=True)
         self._thread.start()
         if self._atexit_timeout is not None:
-            _register_exit_hook()
-            _LIVE.add(self)
+            close_at_exit(self._close_at_exit)
 
     @property
     def running(self) -> bool:
@@ -212,7 +183,7 @@ class CaptureManager:
                     self._counts["dropped"] += 1
                     log.warning("capture: step %d:%d never ended (no capture_step_end before close); dropped", *key)
             self._cond.notify_all()
-        _LIVE.discard(self)
+        forget_at_exit(self)
         if self._thread is None:
             return not self._queue
         self._thread.join(timeout)
@@ -294,21 +265,24 @@ class CaptureManager:
         self._log_drop(refusal[0], what, refusal[1])
         return False
 
-    def _enqueue(self, rec: _Record) -> bool:
-        """Append a record whose bytes are reserved; a closed manager, a store backing off or a full queue drops it
+    def _job(self, record: CaptureRecord) -> BundleJob:
+        return BundleJob(self.capture_dir, record, self.rank, tuple(self.expected_ranks))
+
+    def _enqueue(self, job: BundleJob, snapshot: Snapshot, nbytes: int) -> bool:
+        """Queue a job whose `nbytes` are reserved; a closed manager, a store backing off or a full queue drops it
         (counted)."""
         with self._cond:
             refusal = self._refusal(0, True)
             if refusal is None:
-                self._queue.append(rec)
+                self._queue.append(_Queued(job, snapshot, nbytes))
                 self._counts["enqueued"] += 1
-                self._counts["bytes_enqueued"] += rec.nbytes
+                self._counts["bytes_enqueued"] += nbytes
                 self._cond.notify_all()
                 return True
-            self._bytes_in_use -= rec.nbytes
+            self._bytes_in_use -= nbytes
             self._counts["dropped"] += 1
             self._down_drops += refusal[0] == "store"
-        self._log_drop(refusal[0], rec.bundle_id, refusal[1])
+        self._log_drop(refusal[0], job.bundle_id, refusal[1])
         return False
 
     # ---- hooks (training thread) ---------------------------------------------------------------
@@ -332,7 +306,7 @@ class CaptureManager:
                         total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards,
                         micro_batch_ids=micro_batch_ids)
             tensors = dict(old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, kl=kl, advantages=advantages)
-            nbytes = Columns.estimate(**cols) + sum(_estimate_flat(v) for v in tensors.values())
+            nbytes = Columns.estimate(**cols) + sum(estimate_nbytes(v) for v in tensors.values())
             bundle_id = rollout_bundle_id(rollout_id)
             if not self._reserve(nbytes, bundle_id, record=True):
                 return False
@@ -341,12 +315,12 @@ class CaptureManager:
                 columns = Columns.take(snap, **cols)
                 payloads = {k: snap.flat(v, k) for k, v in tensors.items()}
                 snap.finish()
-                config, lineage, prov = _freeze(config), _freeze(weight_lineage), self.provenance
+                job = self._job(RolloutRecord(int(rollout_id), columns, payloads, _freeze(config),
+                                              _freeze(weight_lineage), self.provenance))
             except BaseException:
                 self._release(nbytes)
                 raise
-            rec = _Record(bundle_id, snap, "rollout", (rollout_id, columns, payloads, config, lineage, prov), nbytes)
-            return self._enqueue(rec)
+            return self._enqueue(job, snap, nbytes)
         except Exception as exc:
             self._hook_error(f"capture_rollout({rollout_id})", exc)
             return False
@@ -378,7 +352,7 @@ class CaptureManager:
             cols = dict(sample_ids=sample_ids, group_index=group_index, response_lengths=response_lengths,
                         total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards)
             tensors = dict(old_log_probs=old_log_probs, log_probs=log_probs, entropy=entropy, advantages=advantages)
-            nbytes = Columns.estimate(**cols) + sum(_estimate_flat(v) for v in tensors.values())
+            nbytes = Columns.estimate(**cols) + sum(estimate_nbytes(v) for v in tensors.values())
             if not self._reserve(nbytes, f"{step_bundle_id(*key)} (micro-batch {mb_id}; the whole step is dropped)",
                                  record=False):
                 self._drop_pending(key, step)
@@ -420,16 +394,14 @@ class CaptureManager:
                 snap = step.snapshot
                 reported = dict(loss=loss, pg_loss=pg_loss, entropy_loss=entropy_loss, pg_clipfrac=pg_clipfrac,
                                 ppo_kl=ppo_kl)
-                scalars = {name: snap.tensor(v) if _is_tensor(v) else v for name, v in reported.items()}
+                scalars = {name: snap.tensor(v) if isinstance(v, torch.Tensor) else v for name, v in reported.items()}
                 snap.finish()
-                config, lineage, prov = _freeze(config), _freeze(weight_lineage), self.provenance
-                mbs = step.micro_batches
+                job = self._job(StepRecord(key[0], key[1], tuple(step.micro_batches), scalars, _freeze(config),
+                                           _freeze(weight_lineage), self.provenance))
             except BaseException:
                 self._release(step.nbytes)
                 raise
-            rec = _Record(step_bundle_id(*key), snap, "step", (key[0], key[1], mbs, scalars, config, lineage, prov),
-                          step.nbytes)
-            return self._enqueue(rec)
+            return self._enqueue(job, snap, step.nbytes)
         except Exception as exc:
             self._hook_error(f"capture_step_end({rollout_id}, {step_id})", exc)
             return False
@@ -468,30 +440,17 @@ class CaptureManager:
 
     # ---- writer thread -------------------------------------------------------------------------
     def _run(self) -> None:
-        _lower_thread_priority()
-        if self.writer_mode == "process":
-            self._start_process()
+        lower_thread_priority()
+        # started from this thread, so that a writer process dies with it (it lowers its own priority)
+        writer, failure = start_writer(self.writer_mode, self.store, self.capture_dir, self._storage_options,
+                                       self.writer_priority)
+        self._writer, self.writer_mode = writer, writer.mode
+        if failure is not None:   # said now; the first record still tries (the store may be back by then)
+            self._store_failed(failure, "the writer's first contact with the store", back_off=False)
         try:
             self._serve()
         finally:
-            if self._process is not None:
-                self._process.stop()
-
-    def _start_process(self) -> None:
-        """Start the writer process (from this thread, so that it dies with it; it lowers its own priority)."""
-        self._process = WriterProcess(dict(capture_dir=self.capture_dir, storage_options=self._storage_options,
-                                           rank=self.rank, expected_ranks=self.expected_ranks),
-                                      priority=self.writer_priority)
-        try:
-            failure = self._process.start()
-        except Exception as exc:  # noqa: BLE001 - capture goes on in this thread rather than not at all
-            log.warning("capture: the writer process could not start (%s: %s); writing from a thread instead",
-                        type(exc).__name__, exc)
-            self._process = None
-            self.writer_mode = "thread"
-            return
-        if failure is not None:   # said now; the first record still tries (the store may be back by then)
-            self._store_failed(failure, "the writer's first contact with the store", back_off=False)
+            writer.stop()
 
     def _serve(self) -> None:
         while True:
@@ -505,37 +464,37 @@ class CaptureManager:
                     self._drop_queued()
                 if not self._queue:
                     return
-                rec = self._queue.popleft()
-                self._active = rec
+                queued = self._queue.popleft()
+                self._active = queued
             try:
-                self._write(rec)
+                self._write(queued)
             except BaseException as exc:  # noqa: BLE001 - the writer thread must survive anything
                 with self._cond:
                     self._counts["errors"] += 1
                 failure = storage_failure(exc)
                 if failure is not None:
-                    self._store_failed(failure, f"writing {rec.bundle_id}")
+                    self._store_failed(failure, f"writing {queued.bundle_id}")
                 else:
                     log.error("capture: writing %s failed; it is not complete (left as garbage for gc): %s: %s",
-                              rec.bundle_id, type(exc).__name__, exc, exc_info=True)
+                              queued.bundle_id, type(exc).__name__, exc, exc_info=True)
             else:
                 with self._cond:
                     self._counts["written"] += 1
                 self._store_ok()
             finally:
                 with self._cond:
-                    self._bytes_in_use -= rec.nbytes
+                    self._bytes_in_use -= queued.nbytes
                     self._active = None
                     self._cond.notify_all()
 
     def _drop_queued(self) -> None:
         """(lock held) Drop every queued record: the store is down and the manager is closing."""
         while self._queue:
-            rec = self._queue.popleft()
-            self._bytes_in_use -= rec.nbytes
+            queued = self._queue.popleft()
+            self._bytes_in_use -= queued.nbytes
             self._counts["dropped"] += 1
             self._down_drops += 1
-            log.debug("capture: dropped %s: the store is down and capture is closing", rec.bundle_id)
+            log.debug("capture: dropped %s: the store is down and capture is closing", queued.bundle_id)
         self._cond.notify_all()
 
     def _store_failed(self, failure: BaseException, doing: str, back_off: bool = True) -> None:
@@ -564,83 +523,13 @@ class CaptureManager:
             drops, self._down_drops = self._down_drops, 0
         log.info("capture: the store answers again; %d capture(s) were dropped while it did not", drops)
 
-    def _write(self, rec: _Record) -> None:
-        rec.snapshot.wait()
-        if self._process is not None:
-            self._process.write(rec.bundle_id, rec.builder, rec.args)
-            log.info("capture: wrote %s/%s%s", self.store.url, rec.bundle_id,
-                     f" (rank {self.rank})" if self.multi_producer else "")
-        else:
-            write_bundle(self.store, self.capture_dir, rec.bundle_id, rec.builder, rec.args, self.rank,
-                         self.expected_ranks)
+    def _write(self, queued: _Queued) -> None:
+        queued.snapshot.wait()
+        url = self._writer.write(queued.job)
+        log.info("capture: wrote %s%s", url, f" (rank {self.rank})" if self.multi_producer else "")
 
     def __repr__(self) -> str:
         return f"CaptureManager({self.capture_dir!r}, rank={self.rank}, expected_ranks={self.expected_ranks})"
-
-
-def write_bundle(store: ObjectStore, capture_dir: str, bundle_id: str, builder: str, args: tuple, rank: int,
-                 expected_ranks: Sequence[int]) -> None:
-    """Build one captured record's bundle and write it (rank `rank`'s shard when several ranks are expected)."""
-    parts = BUILDERS[builder](*args)
-    forget = getattr(store.backend, "forget_outage", None)
-    if forget is not None:   # each record asks the store again; the manager's backoff spaced the attempts out
-        forget()
-    rank_args: dict[str, Any] = {}
-    if len(expected_ranks) > 1:
-        rank_args = dict(rank=rank, expected_ranks=list(expected_ranks))
-    writer = BundleWriter(f"{capture_dir.rstrip('/')}/{bundle_id}", parts.manifest, parts.index, parts.expected,
-                          store=store, **rank_args)
-    try:
-        writer.finalize(payloads=parts.payloads)   # payloads and documents in one batch
-    except BaseException:
-        try:
-            writer.abort()
-        except Exception as exc:  # the in-flight record stays; gc removes it after its TTL
-            log.warning("capture: could not remove the in-flight record of %s: %s", bundle_id, exc)
-        raise
-    log.info("capture: wrote %s%s", writer.url, f" (rank {rank})" if len(expected_ranks) > 1 else "")
-
-
-_LIVE: "weakref.WeakSet[CaptureManager]" = weakref.WeakSet()
-_exit_hook_registered = False
-_exit_hook_lock = threading.Lock()
-
-
-def _close_all_at_exit() -> None:
-    for manager in list(_LIVE):
-        manager._close_at_exit()
-
-
-def _register_exit_hook() -> None:
-    """Close live managers at interpreter exit, while thread pools still accept work.
-
-    A plain `atexit` handler runs too late: `concurrent.futures` refuses new work once the
-    interpreter's shutdown begins, and the object store hashes and uploads through thread pools.
-    `threading._register_atexit` callbacks run first, in reverse order of registration, so this one
-    (registered after `concurrent.futures.thread` imported, which the store does) runs before the
-    pools shut down. Where that hook is missing, `atexit` is the fallback."""
-    global _exit_hook_registered
-    with _exit_hook_lock:
-        if _exit_hook_registered:
-            return
-        import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
-
-        register = getattr(threading, "_register_atexit", None)
-        try:
-            if register is None:
-                raise AttributeError("threading._register_atexit")
-            register(_close_all_at_exit)
-        except (AttributeError, RuntimeError):
-            atexit.register(_close_all_at_exit)
-        _exit_hook_registered = True
-
-
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor)
-
-
-def _estimate_flat(value: Any) -> int:
-    return estimate_nbytes(value)
 
 
 def _freeze(value: Any) -> Any:
@@ -653,37 +542,3 @@ def _freeze(value: Any) -> Any:
 
 
 __all__ = ["CaptureManager", "DEFAULT_MAX_QUEUE_BYTES", "DEFAULT_MAX_QUEUE_RECORDS", "log"]
-
-
-_IO_LOOP: Optional[asyncio.AbstractEventLoop] = None
-_IO_LOOP_LOCK = threading.Lock()
-
-
-def _background_loop() -> asyncio.AbstractEventLoop:
-    """The process-wide event loop of capture's remote I/O: one daemon thread at lowered priority."""
-    global _IO_LOOP
-    with _IO_LOOP_LOCK:
-        if _IO_LOOP is None:
-            loop = asyncio.new_event_loop()
-            ready = threading.Event()
-
-            def run() -> None:
-                _lower_thread_priority()
-                asyncio.set_event_loop(loop)
-                loop.call_soon(ready.set)
-                loop.run_forever()
-
-            threading.Thread(target=run, name="trajectory-replay-io", daemon=True).start()
-            ready.wait()
-            _IO_LOOP = loop
-    return _IO_LOOP
-
-
-def _lower_thread_priority(niceness: int = 10) -> None:
-    """Make the writer (and the I/O threads it starts, which inherit it) yield the CPU to training.
-
-    Linux schedules threads individually, so this lowers only the capture threads. Best effort."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-    except (AttributeError, OSError):
-        pass

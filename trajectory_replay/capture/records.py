@@ -1,8 +1,10 @@
-"""What one captured bundle holds, and how its documents are built (on the writer thread).
+"""Capture records: what one captured bundle holds, and how its documents are built (on the writer side).
 
 The training thread turns hook arguments into a `Columns` snapshot (per-sample values) plus
-snapshotted per-token tensors; everything that costs more than a copy (pydantic documents, Python
-lists from tensors, concatenations of micro-batches) happens here, after the CUDA copies landed.
+snapshotted per-token tensors, and wraps them in a typed record, `RolloutRecord` or `StepRecord`.
+Everything that costs more than a copy (pydantic documents, Python lists from tensors, concatenations
+of micro-batches) happens in the record's `build()`, after the CUDA copies landed, in the writer thread
+or the writer process (a record is picklable: it travels there inside a `BundleJob`).
 
 Rollout-level bundle `rollout-<R>`: identity rollout_id=R; stages sample, reward.raw,
 reward.post_process, advantage.kl, advantage.estimate (recompute); payloads old_log_probs,
@@ -15,8 +17,9 @@ expected loss.policy {loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl}.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -24,6 +27,7 @@ from trajectory_replay.bundle.schema import (
     ActorStepId, BundleIndex, ComparisonPolicy, Identity, Manifest, ProducerInfo, RankTopology, RecomputeConfig,
     SampleRecord, StageCapability, StageContract, StageId, WeightLineage,
 )
+from trajectory_replay.bundle.stage_io import LOSS_FIELDS, STAGE_IO
 from trajectory_replay.capture.snapshot import (
     Snapshot, estimate_nbytes, materialize_float, materialize_list, materialize_masks,
 )
@@ -33,17 +37,16 @@ ROLLOUT_STAGES = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCES
 STEP_STAGES = (StageId.SAMPLE, StageId.LOSS_POLICY)
 ROLLOUT_PAYLOADS = ("old_log_probs", "ref_log_probs", "kl", "advantages")
 STEP_PAYLOADS = ("old_log_probs", "log_probs", "entropy", "advantages")
-LOSS_FIELDS = ("loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl")
 EXACT_FIELDS = ["sample_id", "loss_mask", "group_index"]
 
-_CONTRACT_IO: dict[StageId, tuple[list[str], list[str]]] = {
-    StageId.SAMPLE: ([], []),
-    StageId.REWARD_RAW: ([], ["raw_rewards"]),
-    StageId.REWARD_POST_PROCESS: (["raw_rewards", "group_index"], ["rewards"]),
-    StageId.ADVANTAGE_KL: (["old_log_probs", "ref_log_probs"], ["kl"]),
-    StageId.ADVANTAGE_ESTIMATE: (["rewards"], ["advantages"]),
-    StageId.LOSS_POLICY: (["old_log_probs", "log_probs", "entropy", "advantages", "loss_mask"], list(LOSS_FIELDS)),
-}
+
+def check_fields(obj: Any, **kinds: type | tuple[type, ...]) -> None:
+    """A one-line TypeError naming the first field of `obj` whose value is not of its kind (a bool is no int)."""
+    for name, kind in kinds.items():
+        value = getattr(obj, name)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise TypeError(f"{type(obj).__name__}.{name}: expected {names}, got {type(value).__name__}")
 
 
 def rollout_bundle_id(rollout_id: int) -> str:
@@ -63,7 +66,7 @@ class BundleParts(NamedTuple):
     payloads: dict[str, torch.Tensor]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Columns:
     """Per-sample values of some samples, as snapshotted on the training thread."""
 
@@ -103,12 +106,25 @@ class Columns:
                 for i in range(n)]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Provenance:
     """Identity provenance and producer settings shared by every bundle of a manager."""
 
     producer: ProducerInfo = field(default_factory=lambda: ProducerInfo(torch_version=torch.__version__))
     topology: RankTopology = field(default_factory=RankTopology)
+
+    @classmethod
+    def of(cls, producer: Optional[ProducerInfo] = None,
+           topology: Optional[RankTopology | Mapping[str, int]] = None) -> "Provenance":
+        """From the manager's options `producer` and `topology` (a RankTopology or a mapping of its fields);
+        None keeps the default."""
+        given: dict[str, Any] = {}
+        if producer is not None:
+            given["producer"] = producer
+        if topology is not None:
+            given["topology"] = topology if isinstance(topology, RankTopology) else RankTopology.model_validate(
+                dict(topology))
+        return cls(**given)
 
 
 def _config(config: Any) -> RecomputeConfig:
@@ -131,7 +147,8 @@ def _lineage(weight_lineage: Any) -> WeightLineage:
 
 def _manifest(bundle_id: str, stages: Sequence[StageId], prov: Provenance) -> Manifest:
     contracts = {s: StageContract(stage=s, capability=StageCapability.RECOMPUTE, implementation="reimplemented",
-                                  inputs=_CONTRACT_IO[s][0], expected_outputs=_CONTRACT_IO[s][1]) for s in stages}
+                                  inputs=list(STAGE_IO[s].declared_inputs),
+                                  expected_outputs=list(STAGE_IO[s].outputs)) for s in stages}
     return Manifest(bundle_id=bundle_id, producer=prov.producer, stage_contracts=contracts,
                     comparison_policy=ComparisonPolicy(exact_fields=list(EXACT_FIELDS)))
 
@@ -140,54 +157,99 @@ def _unique(values: Sequence[Optional[str]]) -> list[str]:
     return list(dict.fromkeys(v for v in values if v is not None))
 
 
-def build_rollout(rollout_id: int, columns: Columns, payloads: Mapping[str, Optional[torch.Tensor]], config: Any,
-                  weight_lineage: Any, prov: Provenance) -> BundleParts:
-    """The rollout-level bundle `rollout-<R>`."""
-    bundle_id = rollout_bundle_id(rollout_id)
-    records = columns.records()
-    identity = Identity(rollout_id=int(rollout_id), weight_lineage=_lineage(weight_lineage), rank=prov.topology,
-                        micro_batch_ids=_unique([r.micro_batch_id for r in records]),
-                        semantic_group_ids=_unique([None if r.group_index is None else f"g-{r.group_index}"
-                                                    for r in records]))
-    index = BundleIndex(bundle_id=bundle_id, identity=identity, samples=records, config=_config(config))
-    expected = {"reward.raw": {"raw_rewards": [r.raw_reward for r in records]},
-                "reward.post_process": {"rewards": [r.reward for r in records]}}
-    tensors = {k: v for k, v in payloads.items() if v is not None}
-    return BundleParts(_manifest(bundle_id, ROLLOUT_STAGES, prov), index, expected, tensors)
+def _group_ids(records: Sequence[SampleRecord]) -> list[str]:
+    return _unique([None if r.group_index is None else f"g-{r.group_index}" for r in records])
 
 
-@dataclass
+@dataclass(frozen=True)
+class RolloutRecord:
+    """What `capture_rollout` took: the rollout-level bundle `rollout-<R>` of this rank's samples."""
+
+    rollout_id: int
+    columns: Columns
+    payloads: Mapping[str, Optional[torch.Tensor]]
+    config: Any            # a RecomputeConfig or a mapping of its fields; checked by build()
+    weight_lineage: Any    # a WeightLineage, a mapping of its fields, or None; checked by build()
+    provenance: Provenance
+
+    def __post_init__(self) -> None:
+        check_fields(self, rollout_id=int, columns=Columns, payloads=Mapping, provenance=Provenance)
+
+    @property
+    def bundle_id(self) -> str:
+        return rollout_bundle_id(self.rollout_id)
+
+    def build(self) -> BundleParts:
+        """The documents and payloads of `rollout-<R>`."""
+        bundle_id, prov = self.bundle_id, self.provenance
+        records = self.columns.records()
+        identity = Identity(rollout_id=self.rollout_id, weight_lineage=_lineage(self.weight_lineage),
+                            rank=prov.topology, micro_batch_ids=_unique([r.micro_batch_id for r in records]),
+                            semantic_group_ids=_group_ids(records))
+        index = BundleIndex(bundle_id=bundle_id, identity=identity, samples=records, config=_config(self.config))
+        expected = {"reward.raw": {"raw_rewards": [r.raw_reward for r in records]},
+                    "reward.post_process": {"rewards": [r.reward for r in records]}}
+        tensors = {k: v for k, v in self.payloads.items() if v is not None}
+        return BundleParts(_manifest(bundle_id, ROLLOUT_STAGES, prov), index, expected, tensors)
+
+
+@dataclass(frozen=True)
 class MicroBatch:
     """One micro-batch of a step, snapshotted."""
 
     micro_batch_id: str
     columns: Columns
-    payloads: dict[str, Optional[torch.Tensor]]
+    payloads: Mapping[str, Optional[torch.Tensor]]
 
 
-def build_step(rollout_id: int, step_id: int, micro_batches: Sequence[MicroBatch], scalars: Mapping[str, Any],
-               config: Any, weight_lineage: Any, prov: Provenance) -> BundleParts:
-    """The step-level bundle `step-<R>-<S>`: micro-batches in the order they were fed."""
-    bundle_id = step_bundle_id(rollout_id, step_id)
-    records: list[SampleRecord] = []
-    for mb in micro_batches:
-        records.extend(mb.columns.records(mb.micro_batch_id))
-    identity = Identity(actor_step_id=ActorStepId(rollout_id=int(rollout_id), step_id=int(step_id)),
-                        weight_lineage=_lineage(weight_lineage), rank=prov.topology,
-                        micro_batch_ids=[mb.micro_batch_id for mb in micro_batches],
-                        semantic_group_ids=_unique([None if r.group_index is None else f"g-{r.group_index}"
-                                                    for r in records]))
-    index = BundleIndex(bundle_id=bundle_id, identity=identity, samples=records, config=_config(config))
-    tensors: dict[str, torch.Tensor] = {}
-    for name in STEP_PAYLOADS:
-        parts = [mb.payloads.get(name) for mb in micro_batches]
-        if any(p is None for p in parts):
-            continue  # written as given: a payload missing in any micro-batch is left out (replay reports it)
-        tensors[name] = torch.cat([p.reshape(-1) for p in parts]) if len(parts) != 1 else parts[0]
-    expected = {"loss.policy": {k: materialize_float(scalars.get(k)) for k in LOSS_FIELDS}}
-    return BundleParts(_manifest(bundle_id, STEP_STAGES, prov), index, expected, tensors)
+@dataclass(frozen=True)
+class StepRecord:
+    """What the micro-batch hooks and `capture_step_end` took: the step-level bundle `step-<R>-<S>`."""
+
+    rollout_id: int
+    step_id: int
+    micro_batches: tuple[MicroBatch, ...]   # in the order they were fed
+    scalars: Mapping[str, Any]              # the reported loss scalars: numbers or one-element tensors
+    config: Any
+    weight_lineage: Any
+    provenance: Provenance
+
+    def __post_init__(self) -> None:
+        check_fields(self, rollout_id=int, step_id=int, micro_batches=tuple, scalars=Mapping,
+                     provenance=Provenance)
+        for i, mb in enumerate(self.micro_batches):
+            if not isinstance(mb, MicroBatch):
+                raise TypeError(f"StepRecord.micro_batches[{i}]: expected MicroBatch, got {type(mb).__name__}")
+
+    @property
+    def bundle_id(self) -> str:
+        return step_bundle_id(self.rollout_id, self.step_id)
+
+    def build(self) -> BundleParts:
+        """The documents and payloads of `step-<R>-<S>`."""
+        bundle_id, prov, micro_batches = self.bundle_id, self.provenance, self.micro_batches
+        records: list[SampleRecord] = []
+        for mb in micro_batches:
+            records.extend(mb.columns.records(mb.micro_batch_id))
+        identity = Identity(actor_step_id=ActorStepId(rollout_id=self.rollout_id, step_id=self.step_id),
+                            weight_lineage=_lineage(self.weight_lineage), rank=prov.topology,
+                            micro_batch_ids=[mb.micro_batch_id for mb in micro_batches],
+                            semantic_group_ids=_group_ids(records))
+        index = BundleIndex(bundle_id=bundle_id, identity=identity, samples=records, config=_config(self.config))
+        tensors: dict[str, torch.Tensor] = {}
+        for name in STEP_PAYLOADS:
+            parts = [mb.payloads.get(name) for mb in micro_batches]
+            if any(p is None for p in parts):
+                continue  # written as given: a payload missing in any micro-batch is left out (replay reports it)
+            tensors[name] = torch.cat([p.reshape(-1) for p in parts]) if len(parts) != 1 else parts[0]
+        expected = {"loss.policy": {k: materialize_float(self.scalars.get(k)) for k in LOSS_FIELDS}}
+        return BundleParts(_manifest(bundle_id, STEP_STAGES, prov), index, expected, tensors)
 
 
-__all__ = ["BundleParts", "Columns", "EXACT_FIELDS", "LOSS_FIELDS", "MicroBatch", "Provenance", "ROLLOUT_PAYLOADS",
-           "ROLLOUT_STAGES", "STEP_PAYLOADS", "STEP_STAGES", "build_rollout", "build_step", "rollout_bundle_id",
-           "step_bundle_id"]
+CaptureRecord = Union[RolloutRecord, StepRecord]
+CAPTURE_RECORDS = (RolloutRecord, StepRecord)
+
+
+__all__ = ["BundleParts", "CAPTURE_RECORDS", "CaptureRecord", "Columns", "EXACT_FIELDS", "LOSS_FIELDS", "MicroBatch",
+           "Provenance", "ROLLOUT_PAYLOADS", "ROLLOUT_STAGES", "RolloutRecord", "STEP_PAYLOADS", "STEP_STAGES",
+           "StepRecord", "check_fields", "rollout_bundle_id", "step_bundle_id"]

@@ -5,14 +5,14 @@ request through botocore). Run as a thread of the training process it holds the 
 and the training thread waits for it between its own operations. In a process of its own it only competes
 for a CPU, and by default only for CPU time nothing else wants (Linux's idle scheduling class).
 
-Protocol, over the child's stdin/stdout: length-prefixed pickles. The parent sends the store settings
-once; the child answers (READY, failure or None) once it has opened and probed the store. Then the parent
-sends one message per record: (sequence number, bundle id, builder name, builder arguments); the child
-answers each with (sequence number, error or None, failure or None). A failure is a storage failure (the
-store cannot be used: `StorageUnavailableError`) as (message, kind, transient), so that the parent can back
-off. Tensors travel as raw bytes (dtype, shape, bytes), not through torch's own pickling. The child dies
-with the thread that started it (Linux: PR_SET_PDEATHSIG), so a killed training process never leaves a
-writer behind that would complete a bundle after it.
+Protocol, over the child's stdin/stdout: length-prefixed pickles. The parent sends `WriterSettings` once;
+the child answers (READY, failure or None) once it has opened and probed the store. Then the parent sends
+one `Request` per bundle (a sequence number and a `BundleJob`), which the child commits with
+`capture.commit.commit_bundle`, exactly as a writer thread would, and answers with a `Reply`. A failure is a
+storage failure (the store cannot be used: `StorageUnavailableError`) as (message, kind, transient), so that
+the parent can back off. Tensors travel as raw bytes (dtype, shape, bytes), not through torch's own pickling.
+The child dies with the thread that started it (Linux: PR_SET_PDEATHSIG), so a killed training process
+never leaves a writer behind that would complete a bundle after it.
 """
 
 from __future__ import annotations
@@ -25,11 +25,16 @@ import signal
 import struct
 import subprocess
 import sys
-from typing import Any, BinaryIO, Optional
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, NamedTuple, Optional
 
 import torch
 
+from trajectory_replay.capture.commit import BundleJob, commit_bundle, storage_failure
+from trajectory_replay.capture.records import check_fields
 from trajectory_replay.errors import StorageUnavailableError
+from trajectory_replay.store import ObjectStore
 
 log = logging.getLogger("trajectory_replay.capture")
 
@@ -74,6 +79,38 @@ def receive(stream: BinaryIO) -> Any:
     return pickle.loads(data)
 
 
+# ---- messages ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WriterSettings:
+    """Sent once: the store the writer process opens (and keeps) for every job."""
+
+    capture_dir: str
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_fields(self, capture_dir=str, storage_options=Mapping)
+
+
+class Request(NamedTuple):
+    """One bundle for the writer process to commit."""
+
+    seq: int
+    job: BundleJob
+
+
+Failure = tuple[str, str, bool]
+"""A storage failure as it crosses the pipe: (message, kind, transient)."""
+
+
+class Reply(NamedTuple):
+    """The writer process's answer to the Request of the same `seq`: the bundle's URL, or what went wrong."""
+
+    seq: int
+    url: Optional[str] = None
+    error: Optional[str] = None
+    failure: Optional[Failure] = None
+
+
 # ---- storage failures ------------------------------------------------------------------------------
 class WriterStorageError(StorageUnavailableError):
     """A storage failure the writer process met, with its kind (the class itself stays in the child)."""
@@ -84,24 +121,13 @@ class WriterStorageError(StorageUnavailableError):
         self.transient = transient
 
 
-def storage_failure(exc: Optional[BaseException]) -> Optional[StorageUnavailableError]:
-    """The StorageUnavailableError behind `exc` (itself, or one it was raised from), if any."""
-    seen = 0
-    while exc is not None and seen < 8:
-        if isinstance(exc, StorageUnavailableError):
-            return exc
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
-    return None
-
-
-def _describe(failure: Optional[StorageUnavailableError]) -> Optional[tuple[str, str, bool]]:
+def _describe(failure: Optional[StorageUnavailableError]) -> Optional[Failure]:
     if failure is None:
         return None
     return str(failure), str(getattr(failure, "kind", "storage")), bool(getattr(failure, "transient", False))
 
 
-def _rebuild(described: Optional[tuple[str, str, bool]]) -> Optional[WriterStorageError]:
+def _rebuild(described: Optional[Failure]) -> Optional[WriterStorageError]:
     return None if described is None else WriterStorageError(*described)
 
 
@@ -109,7 +135,9 @@ def _rebuild(described: Optional[tuple[str, str, bool]]) -> Optional[WriterStora
 class WriterProcess:
     """The parent's handle on one writer process. Used by one thread only (the manager's writer thread)."""
 
-    def __init__(self, settings: dict[str, Any], priority: str = "idle") -> None:
+    mode = "process"
+
+    def __init__(self, settings: WriterSettings, priority: str = "idle") -> None:
         self.settings = settings
         self.priority = priority
         self.proc: Optional[subprocess.Popen] = None
@@ -137,26 +165,27 @@ class WriterProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def write(self, bundle_id: str, builder: str, args: tuple) -> None:
-        """Have the process write one bundle; raises with the process's error if it failed."""
+    def write(self, job: BundleJob) -> str:
+        """Have the process commit one bundle; its URL. Raises with the process's error if it failed."""
         if not self.alive:
             self.start()
         self._seq += 1
         try:
-            send(self.proc.stdin, (self._seq, bundle_id, builder, args))
-            seq, error, failure = receive(self.proc.stdout)
+            send(self.proc.stdin, Request(self._seq, job))
+            reply: Reply = receive(self.proc.stdout)
         except (EOFError, OSError, pickle.UnpicklingError) as exc:
             code = self.proc.poll() if self.proc is not None else None
             self.stop()
-            raise RuntimeError(f"the capture writer process ended (exit {code}) while writing {bundle_id}: "
+            raise RuntimeError(f"the capture writer process ended (exit {code}) while writing {job.bundle_id}: "
                                f"{type(exc).__name__}: {exc}") from None
-        if seq != self._seq:
+        if reply.seq != self._seq:
             self.stop()
-            raise RuntimeError(f"capture writer process answered record {seq}, expected {self._seq}")
-        if failure is not None:
-            raise _rebuild(failure)
-        if error is not None:
-            raise RuntimeError(error)
+            raise RuntimeError(f"capture writer process answered record {reply.seq}, expected {self._seq}")
+        if reply.failure is not None:
+            raise _rebuild(reply.failure)
+        if reply.error is not None:
+            raise RuntimeError(reply.error)
+        return reply.url
 
     def stop(self, timeout: float = 10.0) -> None:
         proc, self.proc = self.proc, None
@@ -208,12 +237,9 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the training program's to handle
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr   # nothing else may write to the protocol stream
-    from trajectory_replay.capture.manager import write_bundle
-    from trajectory_replay.store import ObjectStore
-
-    settings = receive(stdin)
+    settings: WriterSettings = receive(stdin)
     try:
-        store = ObjectStore.open(settings["capture_dir"], **settings["storage_options"])
+        store = ObjectStore.open(settings.capture_dir, **settings.storage_options)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which logs it
         send(stdout, f"{type(exc).__name__}: {exc}")
         return
@@ -236,15 +262,12 @@ def main() -> None:
     send(stdout, (READY, _describe(failure)))
     while True:
         try:
-            seq, bundle_id, builder, args = receive(stdin)
+            seq, job = receive(stdin)
         except EOFError:
             return
-        error = failure = None
         try:
-            write_bundle(store, settings["capture_dir"], bundle_id, builder, args, settings["rank"],
-                         settings["expected_ranks"])
+            reply = Reply(seq, url=commit_bundle(store, job))
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the parent
-            error = f"{type(exc).__name__}: {exc}"
-            failure = _describe(storage_failure(exc))
-        send(stdout, (seq, error, failure))
+            reply = Reply(seq, error=f"{type(exc).__name__}: {exc}", failure=_describe(storage_failure(exc)))
+        send(stdout, reply)
 

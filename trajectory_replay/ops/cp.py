@@ -3,11 +3,11 @@
 Order at the destination is the store's own write order, so a destination bundle is visible
 only when whole and an interrupted copy leaves only garbage that a re-run completes:
 
-    chunks (and documents' chunks) -> blob records -> refs `blobs/<d>` -> COMPLETE.<r> -> COMPLETE
+    chunks (and documents' chunks) -> blob records -> blob refs -> COMPLETE.<r> -> COMPLETE
 
 Every object is verified against its digest on the way (a corrupt source object stops the
-copy before anything names it at the destination). Presence at the destination is checked by
-key, concurrently; transfers run in batches (`read_many` at the source) on a thread pool.
+copy before anything names it at the destination). Presence at the destination is checked
+object by object, concurrently (or by one listing for a large copy); transfers run on a thread pool.
 A finalizable source bundle (every rank landed, COMPLETE missing) is copied with the final
 COMPLETE its rank markers determine, without writing to the source.
 
@@ -27,21 +27,23 @@ import os
 import threading
 from pathlib import Path
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from trajectory_replay.backends import Backend, redact_url
 from trajectory_replay.bundle.markers import (
     COMPLETE, CompleteMarker, complete_key, final_marker_bytes, parse_complete, read_complete,
 )
 from trajectory_replay.bundle.paths import split_bundle_path
-from trajectory_replay.bundle.resolve import parse_step
-from trajectory_replay.errors import BundleError, IntegrityError, NotFoundError, SelectionError, UsageError
+from trajectory_replay.bundle.anchor import Anchor
+from trajectory_replay.bundle.resolve import Candidate, Selection
+from trajectory_replay.errors import BundleError, IntegrityError, NotFoundError, UsageError
 from trajectory_replay.ops.progress import Progress
-from trajectory_replay.ops.walk import (
-    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, BundleTree, Walker, concurrently, digest_matches, open_root,
-    parse_ref, scan_bundle, scan_bundles,
+from trajectory_replay.bundle.status import (
+    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, bundle_status, scan_bundles,
 )
-from trajectory_replay.store.digest import blob_ref_key, object_key
+from trajectory_replay.ops.walk import Walker, open_root
+from trajectory_replay.store.digest import OBJECT, key_kind
+from trajectory_replay.store.inventory import Inventory, concurrently, value_problem, write_layers
 from trajectory_replay.units import human_bytes
 
 LIST_THRESHOLD = 1000
@@ -91,7 +93,10 @@ def copy_bundles(source: str | os.PathLike, dest_root: str | os.PathLike, *, ste
     older = _older_format_selection(os.fspath(source), step, rollout, all_bundles)
     if older is not None:
         return _convert(os.fspath(source), older, dest_root, dest_options or {})
-    src, states, skipped, direct = _select(os.fspath(source), step, rollout, all_bundles, source_options or {})
+    src, selection = _source(os.fspath(source), Anchor.requested(step, rollout), source_options or {})
+    chosen, covered = selection.several(all_bundles)
+    states, direct = [c.state for c in chosen], selection.direct
+    skipped = [{"name": c.name, "detail": c.detail} for c in covered]
     trees = Walker(src).trees(states)
     for tree in trees.values():
         if tree.problems or tree.missing or tree.corrupt:
@@ -110,7 +115,8 @@ def copy_bundles(source: str | os.PathLike, dest_root: str | os.PathLike, *, ste
     _check_destination(src, dest, os.fspath(dest_root), dest_options or {})
     report = CopyReport(redact_url(os.fspath(source)), redact_url(os.fspath(dest_root)),
                         bundles=[s.name for s in states], skipped=skipped)
-    chunks, records, refs = _layers(trees.values())
+    chunks, records, refs = write_layers(node for tree in trees.values()
+                                         for node in [*tree.documents, *(n for _, _, n in tree.payloads)])
     copier = _Copier(src, dest, report, progress, workers or max(src.max_workers, dest.max_workers))
     for label, keys in (("chunks", chunks), ("records", records), ("refs", refs)):
         copier.transfer(label, keys)
@@ -120,57 +126,31 @@ def copy_bundles(source: str | os.PathLike, dest_root: str | os.PathLike, *, ste
     return report
 
 
-def _select(source: str, step: Optional[str], rollout: Optional[int], all_bundles: bool,
-            options: dict) -> tuple[Backend, list[BundleState], list[dict[str, str]], bool]:
-    """The source backend, the bundles to copy, the corrupt bundles the selection may have meant (skipped),
-    and whether the source named one bundle directly."""
-    want = parse_step(step) if step is not None else None
-    direct = None
+def _source(source: str, want: Optional[Anchor], options: dict) -> tuple[Backend, Selection]:
+    """The source's backend and what it holds as a `Selection`: the one bundle it names (refused unless complete
+    or finalizable), or the complete, finalizable and corrupt bundles of the root it is. A finalizable bundle is
+    copied with the COMPLETE its rank markers determine: a copy writes nothing to its source."""
+    shown, direct = redact_url(source), None
     try:
         root, name, rank = split_bundle_path(source)
     except BundleError:
-        rank = None
+        pass
     else:
         if rank is not None:
-            raise UsageError(f"{redact_url(source)}: copy the whole bundle, not one rank of it")
+            raise UsageError(f"{shown}: copy the whole bundle, not one rank of it")
         try:
             backend = open_root(root, **options)
-            direct = scan_bundle(backend, name)
+            direct = bundle_status(backend, name)
         except NotFoundError:
             pass
     if direct is not None:
-        candidates, shown = [direct], f"{redact_url(source)}"
-    else:
-        backend = open_root(source, **options)
-        candidates, shown = scan_bundles(backend), redact_url(source)
-    copyable = [s for s in candidates if s.status in (COMPLETE_STATUS, FINALIZABLE)]
-    if direct is not None and not copyable:
-        raise BundleError(f"{shown}: {direct.status} bundle ({direct.detail}); only complete bundles are copied")
-
-    def selected(s: BundleState) -> bool:
-        if want is not None:
-            return s.anchor is not None and s.anchor.step_id is not None \
-                and (s.anchor.rollout_id, s.anchor.step_id) == want
-        if rollout is not None:
-            return s.anchor is not None and s.anchor.step_id is None and s.anchor.rollout_id == rollout
-        return True
-
-    chosen = [s for s in copyable if selected(s)]
-    what = f"--step {want[0]}:{want[1]}" if want is not None else f"--rollout {rollout}" if rollout is not None else ""
-    # a corrupt bundle is skipped, and named, when the request covers it: every one for --all, those whose
-    # anchor matches for --step/--rollout; one whose anchor is unknown is named when nothing else matches
-    corrupt = [s for s in candidates if s.status == CORRUPT and (s.anchor is None or selected(s))]
-    requested = corrupt if all_bundles else [s for s in corrupt if what and s.anchor is not None]
-    skipped = [{"name": s.name, "detail": s.detail} for s in requested]
-    listing = ", ".join(f"{s.name} ({s.anchor})" for s in copyable) or "none"
-    unreadable = "".join(f"; corrupt: {s.name} ({s.detail})" for s in corrupt)
-    if not chosen:
-        raise SelectionError(f"{shown}: no complete bundle{' matches ' + what if what else ''} (found: {listing})"
-                             f"{unreadable}")
-    if direct is None and not what and not all_bundles and len(chosen) + len(corrupt) > 1:
-        raise SelectionError(f"{shown}: {len(chosen) + len(corrupt)} bundles ({listing}){unreadable}; choose with "
-                             "--step ROLLOUT:STEP, --rollout ROLLOUT or --all")
-    return backend, chosen, skipped, direct is not None
+        if direct.status not in (COMPLETE_STATUS, FINALIZABLE):
+            raise BundleError(f"{shown}: {direct.status} bundle ({direct.detail}); only complete bundles are copied")
+        return backend, Selection(shown, want, [Candidate.of(direct, source)], direct=True)
+    backend = open_root(source, **options)
+    states = [(s, Candidate.of(s, f"{source.rstrip('/')}/{s.name}")) for s in scan_bundles(backend)]
+    return backend, Selection(shown, want, [c for s, c in states if s.status in (COMPLETE_STATUS, FINALIZABLE)],
+                              [c for s, c in states if s.status == CORRUPT])
 
 
 def _local_dir(source: str) -> Optional[Path]:
@@ -192,20 +172,20 @@ def _older_format_selection(source: str, step: Optional[str], rollout: Optional[
     """The older-format bundles to convert: the source itself when it is one, else those of a local directory
     that holds no native bundle, chosen by the flags; None when the source is for the native copy."""
     from trajectory_replay.bundle import legacy
-    from trajectory_replay.bundle.resolve import resolve_bundle
+    from trajectory_replay.bundle.resolve import open_bundle
 
     local = _local_dir(source)
     if local is None:
         return None
     if legacy.is_v1_bundle(local):
-        return _OlderSelection([Path(resolve_bundle(str(local), step=step, rollout=rollout))], [])
+        return _OlderSelection([open_bundle(local, step=step, rollout=rollout).path], [])
     older = legacy.find_v1_bundles(local)
     if not older:
         return None
     if scan_bundles(open_root(source)):  # native bundles beside them: the native copy (older ones never scanned)
         return None
     if not all_bundles:
-        return _OlderSelection([Path(resolve_bundle(str(local), step=step, rollout=rollout))], [])
+        return _OlderSelection([open_bundle(local, step=step, rollout=rollout).path], [])
     chosen, skipped = [], []
     for path in older:
         status = legacy.v1_status(path)
@@ -271,29 +251,12 @@ def _same_root(a: Backend, b: Backend) -> bool:
     return a.url.rstrip("/") == b.url.rstrip("/")
 
 
-def _layers(trees: Sequence[BundleTree]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-    """(chunk keys, record keys, ref keys) of the trees, each key -> expected size (0 when unknown)."""
-    chunks: dict[str, int] = {}
-    records: dict[str, int] = {}
-    refs: dict[str, int] = {}
-    for tree in trees:
-        for node in [*tree.documents, *(n for _, _, n in tree.payloads)]:
-            refs[blob_ref_key(node.digest)] = 0
-            for r in (node.record, node.ref_record):
-                if r:
-                    records[object_key(r)] = 0
-            chunks.update({object_key(c): s for c, s in node.chunks})
-            for key in node.keys:
-                if key not in refs and key not in records:
-                    chunks.setdefault(key, 0)
-    return chunks, records, refs
-
-
 class _Copier:
     """Transfers keys the destination lacks, in verified batches on a thread pool."""
 
     def __init__(self, src: Backend, dest: Backend, report: CopyReport, progress: Progress, workers: int) -> None:
         self.src, self.dest, self.report, self.progress, self.workers = src, dest, report, progress, workers
+        self.dest_inventory = Inventory(dest)
         self._lock = threading.Lock()
         self._listed: Optional[set[str]] = None
 
@@ -311,15 +274,13 @@ class _Copier:
         if len(keys) < LIST_THRESHOLD and self._listed is None:
             return concurrently(self.dest.exists, keys, self.workers)
         if self._listed is None:
-            self._listed = set(self.dest.list("objects/")) | set(self.dest.list("blobs/"))
+            self._listed = set(self.dest_inventory.object_keys()) | set(self.dest_inventory.ref_keys())
         return [k in self._listed for k in keys]
 
     def _copy(self, key: str) -> None:
         data = self.src.read(key)
         _verify(self.src, key, data)
-        if not self.dest.create_if_absent(key, data) and key.startswith("objects/"):
-            # bytes under a digest that are not that digest's content: replace them with the right ones
-            self.dest.write(key, data)
+        self.dest_inventory.install(key, data)
         with self._lock:
             self.report.objects_copied += 1
             self.report.bytes_copied += len(data)
@@ -327,13 +288,13 @@ class _Copier:
 
 
 def _verify(src: Backend, key: str, data: bytes) -> None:
+    why = value_problem(key, data)
+    if why is None:
+        return
     where = f"{redact_url(src.url)}/{key}"
-    if key.startswith("objects/"):
-        if not digest_matches(key, data):
-            raise IntegrityError(f"{where}: content does not match its digest; nothing that names it was copied "
-                                 "(run fsck on the source)")
-    elif parse_ref(data) is None:
-        raise IntegrityError(f"{where}: blob ref does not hold a digest")
+    if key_kind(key) == OBJECT:
+        raise IntegrityError(f"{where}: {why}; nothing that names it was copied (run fsck on the source)")
+    raise IntegrityError(f"{where}: {why}")
 
 
 def _write_markers(src: Backend, dest: Backend, state: BundleState, report: CopyReport) -> None:

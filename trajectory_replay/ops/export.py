@@ -1,9 +1,11 @@
 """`export`: write a native bundle out as a self-contained directory in the older V1 layout.
 
-The inverse of `import`: loss masks go back into the index records (`full_index()`), tensors
-are loaded verified and reshaped to their manifest shape, and `bundle.legacy` writes the
-directory (payloads, documents, then COMPLETE last; per rank and a cohort COMPLETE for a
-multi-rank bundle). Importing the result gives a bundle that replays with the same verdicts.
+The inverse of `import`: loss masks go back into the index records (`full_index()`), and each
+payload's verified bytes go out as they are stored, with the dtype and shape of its checked header:
+`bundle.legacy` wraps them in torch.save's format without torch (export does no math, so it runs
+where torch is not installed) and writes the directory (payloads, documents, then COMPLETE last;
+per rank and a cohort COMPLETE for a multi-rank bundle). Importing the result gives a bundle that
+replays with the same verdicts.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from typing import Any, Optional
 
 from trajectory_replay.bundle import legacy
 from trajectory_replay.bundle.reader import BundleReader, open_native
+from trajectory_replay.bundle.torchsave import RawTensor
 from trajectory_replay.bundle.writer import LOSS_MASK
-from trajectory_replay.errors import BundleError
+from trajectory_replay.errors import BundleError, TrajectoryReplayError
 from trajectory_replay.ops.progress import Progress
 from trajectory_replay.units import human_bytes
 
@@ -53,20 +56,31 @@ def export_bundle(bundle: str | os.PathLike, out_dir: str | os.PathLike, *, prog
                    nbytes=sum(s.spec(n).size for s in sources for n in _payload_names(s)))
     shards = {}
     for source in sources:
-        tensors = {}
+        payloads = {}
         for name in _payload_names(source):
-            spec = source.spec(name)
-            tensors[name] = source.load_payload(name).reshape(spec.shape)
+            payloads[name] = _raw_payload(source, name)
+            size = source.spec(name).size
             report.payloads += 1
-            report.bytes += spec.size
-            progress.advance(1, spec.size)
-        shards[source.rank] = (source.manifest, source.full_index(), source.expected, tensors)
+            report.bytes += size
+            progress.advance(1, size)
+        shards[source.rank] = (source.manifest, source.full_index(), source.expected, payloads)
     if sources[0].rank is None:
-        manifest, index, expected, tensors = shards[None]
-        legacy.write_v1_bundle(target, manifest, index, expected, tensors)
+        manifest, index, expected, payloads = shards[None]
+        legacy.write_v1_bundle(target, manifest, index, expected, payloads)
     else:
         legacy.write_v1_multirank(target, shards, sources[0].marker.expected_ranks)
     return report
+
+
+def _raw_payload(source: BundleReader, name: str) -> RawTensor:
+    """Payload `name`'s data bytes, dtype and shape, never decoded. The header read checks dtype and shape
+    against the manifest; the whole blob is verified against its digests as it is fetched."""
+    header = source.header(name)
+    try:
+        blob = source.store.get(source.payload_ref(name))
+    except TrajectoryReplayError as exc:
+        raise type(exc)(f"{source.label}: payload {name!r}: {exc}") from None
+    return RawTensor(memoryview(blob)[header.data_start:header.data_end], header.dtype_name, header.shape)
 
 
 def _payload_names(source: BundleReader) -> list[str]:

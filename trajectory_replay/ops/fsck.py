@@ -1,8 +1,8 @@
 """`fsck`: verify every object of a store and every bundle's tree; finalize what can be finalized;
 optionally repair bad or missing objects from another store.
 
-Every object is read and hashed (its key names its digest); every blob ref must hold a digest
-of a record of its own blob. Every bundle's tree (`walk.Walker`) must be present. Orphans (keys
+Every object is read and hashed (it must be its digest's content); every blob ref must hold a
+digest of a record of its own blob. Every bundle's tree (`walk.Walker`) must be present. Orphans (keys
 no marker and no live in-flight record names) and incomplete bundles are reported but are not
 damage: gc removes the first, and the second may be a capture in progress. Rank markers of a
 bundle without COMPLETE are checked against their documents (`markers.rank_marker_problems`);
@@ -33,14 +33,13 @@ from typing import Any, Optional
 from trajectory_replay.backends import Backend, open_backend, redact_url
 from trajectory_replay.bundle.markers import MarkerProblem, rank_marker_problems, try_finalize
 from trajectory_replay.errors import BundleError
-from trajectory_replay.ops.gc import read_inflight
 from trajectory_replay.ops.progress import Progress
-from trajectory_replay.ops.walk import (
-    CORRUPT, FINALIZABLE, INCOMPLETE, BundleState, BundleTree, Walker, batched, digest_matches, fetch, open_root,
-    parse_record, parse_ref, scan_bundles,
-)
+from trajectory_replay.bundle.status import CORRUPT, FINALIZABLE, INCOMPLETE, BundleState, scan_bundles
+from trajectory_replay.ops.walk import BundleTree, Walker, open_root
 from trajectory_replay.store import BlobRecord
-from trajectory_replay.store.digest import blob_ref_key, digest_from_key, object_key
+from trajectory_replay.store.digest import REF, blob_ref_key, digest_from_key, key_kind
+from trajectory_replay.store.inventory import Inventory, batched, digest_keys, parse_ref, value_problem
+from trajectory_replay.store.liveness import read_inflight
 from trajectory_replay.units import human_bytes
 
 VERIFY_BATCH = 32
@@ -113,13 +112,14 @@ def check_store(root: str | os.PathLike, *, repair_from: Optional[str] = None,
                 **storage_options: Any) -> FsckReport:
     """Verify `root`; with `repair_from`, restore bad objects and refs from that store; finalize finalizable bundles."""
     backend = open_root(root, **storage_options)
+    inventory = Inventory(backend)
     source = open_backend(repair_from, **(repair_options or {})) if repair_from else None
     progress = progress or Progress()
     report = FsckReport(redact_url(os.fspath(root)))
-    listed = backend.list("objects/") + backend.list("blobs/")
+    listed = inventory.object_keys() + inventory.ref_keys()
     inflight = read_inflight(backend)
     progress.phase("fsck: verifying objects", objects=len(listed))
-    unsound = _verify_all(backend, listed, report, progress)
+    unsound = _verify_all(inventory, listed, report, progress)
     present = set(listed)
     attempted: set[str] = set()
     for round_ in range(MAX_REPAIR_ROUNDS + 1):
@@ -127,7 +127,7 @@ def check_store(root: str | os.PathLike, *, repair_from: Optional[str] = None,
         trees = Walker(backend).trees([s for s in states if s.status != CORRUPT or s.rank_markers])
         needed = set().union(*(t.keys for t in trees.values())) if trees else set()
         missing = (needed - present) | {k for t in trees.values() for k in t.missing}
-        relinked = _relink(backend, trees.values(), missing, report)
+        relinked = _relink(inventory, trees.values(), missing, report)
         present |= relinked
         missing -= relinked
         corrupt = unsound | {k for t in trees.values() for k in t.corrupt}
@@ -135,7 +135,7 @@ def check_store(root: str | os.PathLike, *, repair_from: Optional[str] = None,
         if source is None or not bad or round_ == MAX_REPAIR_ROUNDS:
             break
         progress.phase("fsck: repairing", objects=len(bad))
-        fixed = _repair(backend, source, bad, report, progress)
+        fixed = _repair(inventory, Inventory(source), bad, report, progress)
         attempted |= set(bad)
         present |= fixed
         unsound -= fixed
@@ -155,7 +155,7 @@ def check_store(root: str | os.PathLike, *, repair_from: Optional[str] = None,
             report.not_repaired(key, "a rank marker is not restored from another store; the bundle is not finalized")
     report.bundles = len(states)
     live_digests = {d for r in inflight if r.live(time.time()) for d in r.digests}
-    in_flight = {object_key(d) for d in live_digests} | {blob_ref_key(d) for d in live_digests}
+    in_flight = {k for d in live_digests for k in digest_keys(d)}
     report.orphaned = sorted(k for k in listed if k not in needed and k not in in_flight)
     for s in states:
         finalize_error = _finalize(backend, s, report)
@@ -186,7 +186,7 @@ def _damage(state: BundleState, tree: Optional[BundleTree], markers: list[Marker
     return "; ".join(parts)
 
 
-def _relink(backend: Backend, trees, missing: set[str], report: FsckReport) -> set[str]:
+def _relink(inventory: Inventory, trees, missing: set[str], report: FsckReport) -> set[str]:
     """Re-create missing blob refs whose record the tree names and holds verified (the ref's content is
     exactly that record digest; gc racing a writer that reused the blob can leave such a gap)."""
     done = set()
@@ -195,7 +195,7 @@ def _relink(backend: Backend, trees, missing: set[str], report: FsckReport) -> s
             key = blob_ref_key(node.digest)
             if key in missing and key not in done and node.chunks and not node.problems \
                     and not (node.keys & missing - {key}):
-                backend.create_if_absent(key, node.record.encode())
+                inventory.link(node.digest, node.record)
                 report.relinked.append(key)
                 done.add(key)
     return done
@@ -214,63 +214,60 @@ def _finalize(backend: Backend, state: BundleState, report: FsckReport) -> Optio
     return None
 
 
-def _verify_all(backend: Backend, keys: list[str], report: FsckReport, progress: Progress) -> set[str]:
-    """Read and check every key; returns the corrupt ones."""
+def _verify_all(inventory: Inventory, keys: list[str], report: FsckReport, progress: Progress) -> set[str]:
+    """Read and check every key; returns the corrupt ones (a key removed since the listing, by gc, is left to
+    the tree walk to judge)."""
     corrupt: set[str] = set()
     for batch in batched(keys, VERIFY_BATCH):
-        values = fetch(backend, batch)
-        nbytes = 0
-        for key, data in values.items():
-            if data is None:  # removed since the listing (gc): the tree walk decides whether it matters
-                continue
-            nbytes += len(data)
-            if key.startswith("blobs/"):
+        checked = inventory.verify(batch)
+        for c in checked:
+            if c.kind == REF:
                 report.refs_checked += 1
-                if digest_from_key(key) is None or parse_ref(data) is None:
-                    corrupt.add(key)
             else:
                 report.objects_checked += 1
-                report.bytes_checked += len(data)
-                if digest_from_key(key) is None or not digest_matches(key, data):
-                    corrupt.add(key)
-        progress.advance(len(batch), nbytes)
+                report.bytes_checked += c.size
+            if not c.sound:
+                corrupt.add(c.key)
+        progress.advance(len(batch), sum(c.size for c in checked))
     return corrupt
 
 
-def _repair(backend: Backend, source: Backend, keys: list[str], report: FsckReport, progress: Progress) -> set[str]:
+def _repair(inventory: Inventory, source: Inventory, keys: list[str], report: FsckReport,
+            progress: Progress) -> set[str]:
     """Copy verified values of `keys` from `source`; returns the keys restored."""
     fixed: set[str] = set()
-    values = fetch(source, keys)
-    where = redact_url(source.url)
-    refs = {key: parse_ref(values[key]) for key in keys if key.startswith("blobs/") and values[key] is not None}
-    records = fetch(source, [object_key(r) for r in refs.values() if r is not None])
+    values = source.read(keys)
+    where = redact_url(source.backend.url)
+    refs = {key: parse_ref(values[key]) for key in keys if key_kind(key) == REF and values[key] is not None}
+    records = source.records(r for r in refs.values() if r is not None)
     for key in keys:
         data = values[key]
         if data is None:
             why = f"absent from {where}"
-        elif key.startswith("objects/"):
-            why = None if digest_matches(key, data) else f"the copy at {where} does not match its digest either"
+        elif key_kind(key) != REF:
+            why = None if value_problem(key, data) is None else \
+                f"the copy at {where} does not match its digest either"
         else:
             why = _ref_problem(key, refs[key], records, where)
         if why is not None:
             report.not_repaired(key, why)
             continue
-        backend.write(key, data)
+        inventory.replace(key, data)
         report.repaired.append(key)
         fixed.add(key)
         progress.advance(1, len(data))
     return fixed
 
 
-def _ref_problem(key: str, record_digest: Optional[str], records: dict[str, Optional[bytes]], where: str) -> Optional[str]:
+def _ref_problem(key: str, record_digest: Optional[str], records: dict[str, BlobRecord | Exception | None],
+                 where: str) -> Optional[str]:
     """Why the other store's ref `key` (naming `record_digest`) is no repair; None when it names, there, a sound
     record of the ref's own blob."""
     if record_digest is None:
         return f"the copy at {where} does not hold a digest either"
-    data = records.get(object_key(record_digest))
-    if data is None:
+    record = records.get(record_digest)
+    if record is None:
         return f"the copy at {where} names record {record_digest}, which is absent there"
-    record = parse_record(record_digest, data)
     if not isinstance(record, BlobRecord):
         return f"the copy at {where} names record {record_digest}, which is damaged there ({record})"
     if record.digest != digest_from_key(key):

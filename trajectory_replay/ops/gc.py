@@ -3,9 +3,9 @@
 Writers run concurrently and take no lock; the agreement between them and gc is the in-flight
 records, the sweep lease and the epoch of `store.liveness`. A run goes:
 
-1. List `objects/` and `blobs/`, keeping only keys named the way the store names them (a
-   digest under its two-hex directory). Nothing else is ever deleted. On local disk, a layout
-   directory that is a symbolic link out of the root stops gc before it deletes anything.
+1. List every object and blob ref, keeping only those named the way the store names them.
+   Nothing else is ever deleted. On local disk, a store directory that is a symbolic link out
+   of the root stops gc before it deletes anything.
 2. Read the in-flight records. Each listed digest is a root, with its ref, record and chunks.
 3. Mark from every COMPLETE, and from the rank markers of cohorts that are finalizable, younger
    than the grace period or named by a live in-flight record; an older incomplete cohort is
@@ -34,25 +34,24 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional
 
 from trajectory_replay.backends import Backend, redact_url
-from trajectory_replay.errors import BackendError, NotFoundError, TrajectoryReplayError, UsageError
+from trajectory_replay.errors import BackendError, NotFoundError, UsageError
 from trajectory_replay.ops.progress import Progress
-from trajectory_replay.ops.walk import (
-    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, Walker, batched, bundle_names, concurrently, fetch,
-    looks_like_record, open_root, scan_bundle, scan_bundles,
+from trajectory_replay.bundle.status import (
+    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, bundle_names, bundle_status, scan_bundles,
 )
+from trajectory_replay.ops.walk import Walker, open_root
 from trajectory_replay.store import BlobRecord
-from trajectory_replay.store.digest import blob_ref_key, digest_from_key, object_key
+from trajectory_replay.store.digest import OBJECT, REF, digest_from_key, digests_in, key_kind, object_key
+from trajectory_replay.store.inventory import Inventory, batched, concurrently, digest_keys, record_keys
 from trajectory_replay.store.liveness import (
-    GC_PREFIX, INFLIGHT_KEY, INFLIGHT_PREFIX, InflightState, LeaseLost, SweepLease, read_inflight, remove_dead_leases,
+    InflightState, LeaseLost, SweepLease, is_inflight_key, read_inflight, remove_dead_leases,
 )
 from trajectory_replay.units import human_bytes
 
 DEFAULT_GRACE = "24h"
 DELETE_BATCH = 128
-LAYOUT_DIRS = ("objects", "blobs", INFLIGHT_PREFIX.rstrip("/"), GC_PREFIX.rstrip("/"))
 SALVAGE_DOCUMENT_BYTES = 64 << 20
 """A blob named by an unreadable marker is read for the digests it names only up to this size."""
-_DIGEST_TEXT = re.compile(rb"blake3:[0-9a-f]{64}")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 
@@ -138,7 +137,8 @@ class _Collector:
         self.start = time.time()
         self.cutoff = self.start - grace
         self.lease: Optional[SweepLease] = None
-        self.walker = Walker(backend)
+        self.inventory = Inventory(backend)
+        self.walker = Walker(backend, self.inventory)
         self.report = GcReport(shown, dry_run, grace)
         self.inflight_digests: set[str] = set()
         self.live: set[str] = set()
@@ -156,7 +156,7 @@ class _Collector:
     # ---- phases -------------------------------------------------------------------------------
     def run(self) -> GcReport:
         self._refuse_links_out()
-        listed = [k for k in self.backend.list("objects/") + self.backend.list("blobs/")   # 1
+        listed = [k for k in self.inventory.object_keys() + self.inventory.ref_keys()    # 1
                   if digest_from_key(k) is not None]
         inflight = self._read_inflight()                                                    # 2
         roots, abandoned = self._classify(scan_bundles(self.backend))                       # 3
@@ -176,10 +176,11 @@ class _Collector:
                 self.report.dead_leases_removed = remove_dead_leases(self.backend)
             protected = self._refresh()
             self.report.protected_by_inflight = len(protected & set(candidates))
-            expired = self._aged([r.key for r in inflight if not r.live(self.start) and INFLIGHT_KEY.fullmatch(r.key)])
-            layers = [markers, [k for k in candidates if k.startswith("blobs/")],
-                      [k for k in candidates if k.startswith("objects/") and self._is_record_key(k)],
-                      [k for k in candidates if k.startswith("objects/") and not self._is_record_key(k)]]
+            expired = self._aged([r.key for r in inflight if not r.live(self.start) and r.removable])
+            kinds = {k: key_kind(k) for k in candidates}
+            layers = [markers, [k for k in candidates if kinds[k] == REF],
+                      [k for k in candidates if kinds[k] == OBJECT and self._is_record_key(k)],
+                      [k for k in candidates if kinds[k] == OBJECT and not self._is_record_key(k)]]
             self.progress.phase("gc: deleting" if not self.dry_run else "gc: dry run",
                                 objects=sum(map(len, layers)) + len(expired),
                                 nbytes=sum(self.sizes.get(k, 0) for layer in layers for k in layer))
@@ -204,17 +205,17 @@ class _Collector:
         return self.report
 
     def _refuse_links_out(self) -> None:
-        """On local disk, a layout directory that links out of the root would make gc delete foreign files."""
-        for name in LAYOUT_DIRS:
-            if self.backend.escapes_root(name):
-                raise BackendError(f"gc: {self.backend.url}/{name} is a symbolic link out of the store root; "
-                                   "gc deletes nothing through it (replace the link by a directory or mount)")
+        """On local disk, a store directory that links out of the root would make gc delete foreign files."""
+        links = self.inventory.links_out()
+        if links:
+            raise BackendError(f"gc: {self.backend.url}/{links[0]} is a symbolic link out of the store root; "
+                               "gc deletes nothing through it (replace the link by a directory or mount)")
 
     def _deletable(self, key: str) -> bool:
-        """Only gc's own layout is ever deleted; while a bundle's references are unknown, no object or ref."""
-        if key.startswith(("objects/", "blobs/")):
+        """Only what the store names is ever deleted; while a bundle's references are unknown, no object or ref."""
+        if key_kind(key) is not None:
             return digest_from_key(key) is not None and not self.report.kept_everything
-        return True  # markers of abandoned cohorts: scan_bundle names only COMPLETE and COMPLETE.<r> keys
+        return True  # markers of abandoned cohorts: bundle_status names only COMPLETE and COMPLETE.<r> keys
 
     def _read_inflight(self) -> list[InflightState]:
         records = read_inflight(self.backend)
@@ -258,11 +259,11 @@ class _Collector:
 
         Every `blake3:` digest in the markers is kept as an object and as a blob (ref, record, chunks);
         a blob that is a JSON document is read for the digests it names in turn (markers -> documents
-        -> payloads). When that cannot be done completely, nothing of objects/ and blobs/ is deleted."""
-        raw = fetch(self.backend, state.marker_keys)
+        -> payloads). When that cannot be done completely, no object or ref is deleted."""
+        raw = self.inventory.read(state.marker_keys)
         seeds: set[str] = set()
         for key, data in raw.items():
-            found = set() if data is None else {m.decode() for m in _DIGEST_TEXT.findall(data)}
+            found = set() if data is None else digests_in(data)
             if data is not None and not found:
                 self._unknowable(state.name, f"marker {key} names no digest")
                 return
@@ -273,27 +274,27 @@ class _Collector:
             if not todo:
                 return
             seen |= set(todo)
-            self.live |= {k for d in todo for k in (object_key(d), blob_ref_key(d))}
-            refs = self.walker.refs(todo)
-            records = self.walker.records(set(todo) | {r for r in refs.values() if r})
+            self.live |= {k for d in todo for k in digest_keys(d)}
+            refs = self.inventory.refs(todo)
+            records = self.inventory.records(set(todo) | {r for r in refs.values() if r})
             documents = []
             for digest in todo:
                 for record_digest in dict.fromkeys([refs.get(digest), digest]):
                     record = records.get(record_digest) if record_digest else None
                     if isinstance(record, BlobRecord):
-                        self.live |= {object_key(record_digest), *(object_key(c.digest) for c in record.chunks)}
+                        self.live |= record_keys(record_digest, record)
                         if record.digest == digest and record.size <= SALVAGE_DOCUMENT_BYTES:
                             documents.append(record)
-            chunk_values = fetch(self.backend, [object_key(c.digest) for r in documents for c in r.chunks[:1]])
+            heads = self.inventory.read_objects(r.chunks[0].digest for r in documents if r.chunks)
             for record in documents:
-                head = chunk_values.get(object_key(record.chunks[0].digest)) if record.chunks else b""
+                head = heads.get(record.chunks[0].digest) if record.chunks else b""
                 if not head or not head.lstrip().startswith(b"{"):
                     continue  # a tensor payload, not a document
-                body = fetch(self.backend, [object_key(c.digest) for c in record.chunks])
+                body = self.inventory.read_objects(c.digest for c in record.chunks)
                 if any(v is None for v in body.values()):
                     self._unknowable(state.name, f"document {record.digest} has missing chunks")
                     return
-                seeds |= {m.decode() for m in _DIGEST_TEXT.findall(b"".join(body.values()))}
+                seeds |= digests_in(b"".join(body[c.digest] for c in record.chunks))
         if seeds - seen:
             self._unknowable(state.name, "its documents nest deeper than a bundle's")
 
@@ -317,11 +318,11 @@ class _Collector:
         return out
 
     def _read_candidate_refs(self, candidates: list[str]) -> None:
-        digests = [digest_from_key(k) for k in candidates if k.startswith("blobs/")]
-        self.ref_memo = self.walker.refs(d for d in digests if d)
+        digests = [digest_from_key(k) for k in candidates if key_kind(k) == REF]
+        self.ref_memo = self.inventory.refs(d for d in digests if d)
         candidate_set = set(candidates)
         records = [r for r in self.ref_memo.values() if r and object_key(r) in candidate_set]
-        for r, rec in self.walker.records(records).items():
+        for r, rec in self.inventory.records(records).items():
             self.record_kind[r] = rec if isinstance(rec, BlobRecord) else None
 
     def _is_record_key(self, key: str) -> bool:
@@ -350,30 +351,24 @@ class _Collector:
         that is a candidate, its record and chunks."""
         out: set[str] = set()
         for d in digests:
-            out |= {object_key(d), blob_ref_key(d)}
+            out |= digest_keys(d)
             for record_digest in (self.ref_memo.get(d), d):
                 if record_digest and object_key(record_digest) in self.candidates:
                     record = self._record(record_digest)
                     if record is not None:
-                        out.add(object_key(record_digest))
-                        out |= {object_key(c.digest) for c in record.chunks}
+                        out |= record_keys(record_digest, record)
         return out
 
     def _record(self, digest: str) -> Optional[BlobRecord]:
-        """The record `objects/<digest>` holds, or None when that object is not a record (probed once)."""
+        """The record object `digest` holds, or None when that object is not a record (probed once)."""
         if digest not in self.record_kind:
-            try:
-                head = self.backend.read_range(object_key(digest), 0, 40)
-            except NotFoundError:
-                head = b""
-            record = self.walker.records([digest])[digest] if looks_like_record(head) else None
-            self.record_kind[digest] = record if isinstance(record, BlobRecord) else None
+            self.record_kind[digest] = self.inventory.probe_record(digest)
         return self.record_kind[digest]
 
     def _rescan(self) -> None:
         """Mark from bundles that completed, landed a rank or gained a capture since the mark phase."""
         names = [n for n in bundle_names(self.backend) if n not in self.root_bundles]
-        states = [s for s in concurrently(lambda n: scan_bundle(self.backend, n), names, self.backend.max_workers)
+        states = [s for s in concurrently(lambda n: bundle_status(self.backend, n), names, self.backend.max_workers)
                   if s is not None]
         roots, _abandoned = self._classify(states)
         if roots:
@@ -386,15 +381,16 @@ class _Collector:
         if not keys:
             return
         if not self.dry_run:
-            concurrently(self.backend.delete, keys, self.backend.max_workers)
+            self.inventory.delete(keys)
         freed = 0
         for key in keys:
             freed += self.sizes.get(key, 0)
-            if key.startswith("objects/"):
+            kind = key_kind(key)
+            if kind == OBJECT:
                 self.report.objects_removed += 1
-            elif key.startswith("blobs/"):
+            elif kind == REF:
                 self.report.refs_removed += 1
-            elif key.startswith(INFLIGHT_PREFIX):
+            elif is_inflight_key(key):
                 self.report.inflight_removed += 1
             else:
                 self.report.markers_removed += 1

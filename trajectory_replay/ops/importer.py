@@ -36,12 +36,12 @@ def import_v1(source: str | os.PathLike, store_root: str, *, name: Optional[str]
     returns the native bundle URLs."""
     path = Path(os.fspath(source)).expanduser()
     if step is not None or rollout is not None:
-        from trajectory_replay.bundle.resolve import resolve_bundle
+        from trajectory_replay.bundle.resolve import V1, open_bundle
 
-        chosen = Path(resolve_bundle(str(path), step=step, rollout=rollout))
-        if not legacy.is_v1_bundle(chosen):
-            raise BundleError(f"{chosen}: a native bundle, not an older-format one; copy it with cp")
-        bundles = [chosen]
+        chosen = open_bundle(path, step=step, rollout=rollout)
+        if chosen.format != V1:
+            raise BundleError(f"{chosen.target}: a native bundle, not an older-format one; copy it with cp")
+        bundles = [chosen.path]
     elif legacy.is_v1_bundle(path):
         bundles = [path]
     else:

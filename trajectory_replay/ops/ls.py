@@ -20,15 +20,16 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 from trajectory_replay.backends import Backend
-from trajectory_replay.bundle.markers import try_finalize
-from trajectory_replay.errors import BackendError, StorageUnavailableError, TrajectoryReplayError
-from trajectory_replay.ops.walk import (
-    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, BundleTree, Walker, open_root, scan_bundle, scan_bundles,
+from trajectory_replay.bundle import legacy
+from trajectory_replay.bundle.anchor import Anchor
+from trajectory_replay.bundle.resolve import older_bundles
+from trajectory_replay.bundle.status import (
+    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, finalize, scan_bundles,
 )
+from trajectory_replay.ops.walk import BundleTree, Walker, open_root
 from trajectory_replay.units import human_bytes
 
 
@@ -108,7 +109,8 @@ def list_bundles(root: str | os.PathLike, **storage_options: Any) -> ListReport:
     backend = open_root(root, **storage_options)
     report = ListReport(str(root))
     now = time.time()
-    report.bundles += _older_format(root, now)
+    # older-format bundles are listed from their directories: the native scan skips them
+    report.bundles += [_older_listing(legacy.v1_status(path), now) for path in older_bundles(root)]
     states, report.finalized = finalize_landed(backend, scan_bundles(backend))
     trees = Walker(backend).trees([s for s in states if s.status != CORRUPT])
     for state in states:
@@ -121,25 +123,11 @@ def list_bundles(root: str | os.PathLike, **storage_options: Any) -> ListReport:
     return report
 
 
-def _older_format(root: str | os.PathLike, now: float) -> list[BundleListing]:
-    """The older-format bundles of a local root, or the root itself when it is one (the native scan skips
-    them: their COMPLETE is not a native marker)."""
-    text = os.fspath(root)
-    if "://" in text and not text.startswith("file://"):
-        return []
-    from trajectory_replay.bundle import legacy
-
-    local = Path(text.removeprefix("file://")).expanduser()
-    if legacy.is_v1_bundle(local):
-        return [_older_listing(legacy.v1_status(local), now)]
-    return [_older_listing(legacy.v1_status(p), now) for p in legacy.find_v1_bundles(local)]
-
-
-def _older_listing(status, now: float) -> BundleListing:
-    anchor = None if status.rollout_id is None else \
-        f"step {status.rollout_id}:{status.step_id}" if status.step_id is not None else f"rollout {status.rollout_id}"
+def _older_listing(status: legacy.V1Status, now: float) -> BundleListing:
+    anchor = None if status.rollout_id is None else Anchor(status.rollout_id, status.step_id)
     return BundleListing(
-        name=status.path.name, anchor=anchor, rollout_id=status.rollout_id, step_id=status.step_id,
+        name=status.path.name, anchor=str(anchor) if anchor else None, rollout_id=status.rollout_id,
+        step_id=status.step_id,
         status=status.status, ranks=list(status.ranks), expected_ranks=list(status.expected_ranks),
         missing_ranks=list(status.missing_ranks), logical_bytes=status.payload_bytes,
         stored_bytes=status.payload_bytes,
@@ -156,31 +144,11 @@ def payload_totals(trees: list[BundleTree]) -> tuple[int, int]:
 
 
 def finalize_landed(backend: Backend, states: list[BundleState]) -> tuple[list[BundleState], list[str]]:
-    """Write the final COMPLETE of each finalizable bundle, as a reader would: (the states after that, the names
-    finalized)."""
-    out, finalized = [], []
-    for state in states:
-        if state.status != FINALIZABLE:
-            out.append(state)
-            continue
-        try:
-            try_finalize(backend, state.name, state.expected_ranks)
-        except StorageUnavailableError:
-            raise
-        except (BackendError, OSError) as exc:  # this store or this user cannot write markers: say so, list it
-            state.detail = f"every rank landed; not finalized here: {exc}"
-            out.append(state)
-            continue
-        except TrajectoryReplayError as exc:
-            state.status, state.detail = CORRUPT, str(exc)
-            out.append(state)
-            continue
-        again = scan_bundle(backend, state.name)
-        if again is not None and again.status == COMPLETE_STATUS:
-            finalized.append(state.name)
-            state = again
-        out.append(state)
-    return out, finalized
+    """Write the final COMPLETE of each finalizable bundle, as a reader would (`status.finalize`): (the states after
+    that, the names finalized)."""
+    landed = [s.name for s in states if s.status == FINALIZABLE]
+    after = [finalize(backend, s) for s in states]
+    return after, [s.name for s in after if s.name in landed and s.status == COMPLETE_STATUS]
 
 
 def _listing(state: BundleState, tree, now: float) -> BundleListing:

@@ -17,7 +17,9 @@ from typing import Any
 from trajectory_replay.backends import redact_url
 from trajectory_replay.ops.ls import finalize_landed, payload_totals
 from trajectory_replay.units import human_bytes
-from trajectory_replay.ops.walk import COMPLETE_STATUS, Walker, open_root, scan_bundles
+from trajectory_replay.bundle.status import COMPLETE_STATUS, scan_bundles
+from trajectory_replay.ops.walk import Walker, open_root
+from trajectory_replay.store.inventory import Inventory
 
 
 @dataclass
@@ -69,10 +71,11 @@ def store_stats(root: str | os.PathLike, **storage_options: Any) -> StoreStats:
     backend = open_root(root, **storage_options)
     states, _ = finalize_landed(backend, scan_bundles(backend))
     complete = [s for s in states if s.status == COMPLETE_STATUS]
-    trees = Walker(backend).trees(complete)
+    inventory = Inventory(backend)
+    trees = Walker(backend, inventory).trees(complete)
     out = StoreStats(redact_url(os.fspath(root)), bundles=len(states), complete_bundles=len(complete))
-    out.objects = len(backend.list("objects/"))
-    out.blob_refs = len(backend.list("blobs/"))
+    out.objects = len(inventory.object_keys())
+    out.blob_refs = len(inventory.ref_keys())
     kind_chunks: dict[str, dict[str, int]] = {}
     out.logical_bytes, out.stored_bytes = payload_totals(list(trees.values()))
     for tree in trees.values():

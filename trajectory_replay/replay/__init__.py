@@ -1,18 +1,33 @@
-"""Offline replay: kernels, stages and capability matrix, selection, comparison, the runner and the report.
+"""Offline replay: kernels, stages, the plan, selection, comparison, the runner, the report, and validate.
 
-Pure computation over the tensors a `ReplaySource` hands over; nothing here knows about storage.
+Pure computation over the tensors a `ReplaySource` hands over; nothing here knows about storage. The
+names below are imported on first use, so `replay.validate` (which checks native bundles without torch)
+can be imported without pulling in the torch-based modules.
 """
 
-from trajectory_replay.replay.compare import Tolerances, resolve_tolerance
-from trajectory_replay.replay.fixtures import CanonicalCase, canonical_case
-from trajectory_replay.replay.report import Divergence, ReplayReport, StageResult
-from trajectory_replay.replay.runner import PARTIAL_SELECTION, replay
-from trajectory_replay.replay.selection import Closure, Selection, group_id, resolve_selection
-from trajectory_replay.replay.source import ReplaySource
-from trajectory_replay.replay.stages import STAGES, PlannedStage, Stage, check_topology, plan_stages
+from __future__ import annotations
 
-__all__ = [
-    "CanonicalCase", "Closure", "Divergence", "PARTIAL_SELECTION", "PlannedStage", "ReplayReport", "ReplaySource",
-    "STAGES", "Selection", "Stage", "StageResult", "Tolerances", "canonical_case", "check_topology", "group_id",
-    "plan_stages", "replay", "resolve_selection", "resolve_tolerance",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CanonicalCase": "fixtures", "canonical_case": "fixtures",
+    "Closure": "selection", "Selection": "selection", "group_id": "selection", "resolve_selection": "selection",
+    "Divergence": "report", "ReplayReport": "report", "StageResult": "report",
+    "PARTIAL_SELECTION": "plan", "PlannedStage": "plan", "ReplayPlan": "plan", "check_topology": "plan",
+    "plan_replay": "plan", "plan_stages": "plan",
+    "ReplaySource": "source",
+    "STAGES": "stages", "Stage": "stages",
+    "Tolerances": "compare", "resolve_tolerance": "compare",
+    "execute": "runner", "replay": "runner",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+__all__ = sorted(_EXPORTS)

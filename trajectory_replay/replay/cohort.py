@@ -60,11 +60,9 @@ class PayloadCache:
 class Cohort:
     """The records and lazily loaded payloads of a union of source parts, in part order."""
 
-    def __init__(self, parts: Sequence[CohortPart], cache: PayloadCache, partial: bool) -> None:
+    def __init__(self, parts: Sequence[CohortPart], cache: PayloadCache) -> None:
         self.parts = tuple(parts)
         self.cache = cache
-        self.partial = partial
-        """True when the selection closure is smaller than the bundle."""
         self.records: list[SampleRecord] = [p.source.index.samples[i] for p in self.parts for i in p.positions]
         self.sample_ids = [r.sample_id for r in self.records]
         # a negative length is reported by the sample stage; here it only must not break the layout
@@ -127,7 +125,7 @@ class Cohort:
 
     def part(self, k: int) -> "Cohort":
         """Part `k` alone, sharing the payload cache."""
-        return Cohort([self.parts[k]], self.cache, self.partial)
+        return Cohort([self.parts[k]], self.cache)
 
     def token_range(self, k: int) -> slice:
         """Where part `k`'s tokens lie in the cohort's flat per-token tensors."""

@@ -1,4 +1,6 @@
-"""The canonical case (the PR #65 bug) as pure data: manifest, index, expected values and payload tensors.
+"""The canonical case as pure data: manifest, index, expected values and payload tensors.
+
+The case is the physical-batch bug: prompt groups reward-normalized against the batch instead of their group.
 
 Used by the `demo` command, the bundle tests and the replay tests. Nothing here touches storage; hand the
 parts to `bundle.BundleWriter` (which moves the records' loss_mask into the `loss_mask` payload) or to an

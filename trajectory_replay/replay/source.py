@@ -6,11 +6,12 @@ both satisfy it. A multi-rank bundle is handed to replay as one source per rank.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Sequence, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, runtime_checkable
 
 from trajectory_replay.bundle.schema import BundleIndex, Manifest
+
+if TYPE_CHECKING:   # only named in annotations: validate imports this module where torch is not installed
+    import torch
 
 
 @runtime_checkable
@@ -29,7 +30,7 @@ class ReplaySource(Protocol):
         """True when the bundle holds the per-token payload `name` (`loss_mask` always exists)."""
         ...
 
-    def load_payload(self, name: str, samples: Optional[Sequence[int]] = None) -> torch.Tensor:
+    def load_payload(self, name: str, samples: Optional[Sequence[int]] = None) -> "torch.Tensor":
         """The flat per-token tensor `name`; with `samples` (positions in index order), only their rows,
         concatenated in the order given. `loss_mask` is a uint8 per-token payload. Raises BundleError
         when the payload is missing or does not match its declared dtype/shape."""

@@ -1,35 +1,25 @@
-"""The replay stages, each a separately versioned value, and the capability matrix that admits them.
+"""The replay stages: each a separately versioned computation over a cohort, keyed by stage id.
 
 Downstream stages consume the *recomputed* outputs of upstream stages (advantage.estimate uses the
 recomputed post-processed rewards, loss.policy the recomputed advantages when advantage.estimate is
 contracted), so a bug shows at the stage where it starts, not where it surfaces.
 
-Capability decisions (a stage's contract in the manifest):
-- `recompute`: the stage runs. A recompute contract for a stage replay cannot compute (loss.value), or
-  a contract version other than the stage's: UnsupportedError (never a best effort).
-- `recorded-only`, `inspect-only`, `unsupported`: the bundle itself says the stage is not to be
-  replayed (the older tool's capture declares loss.value unsupported in every bundle). It is reported
-  skipped with `capability=<value>` and never fails the replay. A stage with recorded outputs hands them
-  downstream instead (reward.post_process the records' `reward`, advantage.estimate the `advantages`
-  payload; reward.post_process falls back to the records' `raw_reward` by itself), so the stages after
-  it are still checked against what production consumed. Asking for an `unsupported` stage by name
-  (`--stage`) is an UnsupportedError: what was asked for cannot be given.
-- The topology (advantage_estimator, cp) is checked for the whole bundle: anything but GRPO with cp == 1
-  is an UnsupportedError, whatever the contracts say.
+What a stage reads and produces is not declared here: `bundle.stage_io.STAGE_IO` is the one table of
+stage inputs and outputs (capture and validate read it too); a `Stage` adds how replay computes it, and
+the outputs a stage the bundle declares recorded-only hands downstream instead. Which stages run, and
+why others are skipped, is decided by `replay.plan`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from trajectory_replay.bundle.schema import (
-    STAGE_ORDER, BundleIndex, Manifest, RecomputeConfig, StageCapability, StageId,
-)
-from trajectory_replay.errors import SelectionError, UnsupportedError, UsageError
+from trajectory_replay.bundle.schema import RecomputeConfig, StageId
+from trajectory_replay.bundle.stage_io import LOSS_FIELDS, STAGE_IO, StageIO
 from trajectory_replay.replay import kernels
 from trajectory_replay.replay.cohort import Cohort
 from trajectory_replay.replay.compare import (
@@ -38,7 +28,6 @@ from trajectory_replay.replay.compare import (
 from trajectory_replay.replay.report import Divergence, StageResult
 
 Outputs = Mapping[str, torch.Tensor]
-LOSS_FIELDS = ("loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl")
 
 
 @dataclass
@@ -64,20 +53,37 @@ class StageOutcome:
 
 @dataclass(frozen=True)
 class Stage:
-    """One replay stage: what it reads and produces, what it depends on, and how it computes."""
+    """One replay stage: how it computes (its inputs and outputs are its row of `STAGE_IO`)."""
 
     id: StageId
     version: str
-    inputs: tuple[str, ...]
-    """Payload names and index fields it may read (payloads are loaded only when actually needed)."""
-    outputs: tuple[str, ...]
-    depends_on: tuple[StageId, ...]
     cohort_level: bool = False
     """Reduces over the whole cohort: not replayable under a partial selection, runs per rank."""
     compute: Optional[Callable[[StageContext], StageOutcome]] = None
     """None: replay cannot compute this stage."""
     recorded: Optional[Callable[[StageContext], Outputs]] = None
     """The outputs a recorded-only contract hands downstream instead of recomputing."""
+
+    @property
+    def io(self) -> StageIO:
+        return STAGE_IO[self.id]
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The payloads it may load (loaded only when actually needed; kept loaded while a later stage may)."""
+        return self.io.payloads_read
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return self.io.outputs
+
+    @property
+    def depends_on(self) -> tuple[StageId, ...]:
+        """The stages that must be planned before it: the sample check (every stage lays values out by the
+        records it checks) and the stages whose outputs it consumes."""
+        if self.id == StageId.SAMPLE:
+            return ()
+        return (StageId.SAMPLE,) + self.io.upstream_stages
 
 
 def _load_payloads(ctx: StageContext, findings: Findings, names: Sequence[str]) -> Optional[dict[str, torch.Tensor]]:
@@ -259,96 +265,14 @@ def _run_loss_policy(ctx: StageContext) -> StageOutcome:
 
 
 STAGES: dict[StageId, Stage] = {s.id: s for s in (
-    Stage(StageId.SAMPLE, "v1", inputs=("loss_mask", "response_length", "total_length", "sample_id"),
-          outputs=(), depends_on=(), compute=_run_sample),
-    Stage(StageId.REWARD_RAW, "v1", inputs=("raw_reward",), outputs=("raw_rewards",),
-          depends_on=(StageId.SAMPLE,), compute=_run_reward_raw),
-    Stage(StageId.REWARD_POST_PROCESS, "v1", inputs=("raw_reward", "group_index"), outputs=("rewards",),
-          depends_on=(StageId.SAMPLE, StageId.REWARD_RAW), compute=_run_reward_post_process,
-          recorded=_recorded_rewards),
-    Stage(StageId.ADVANTAGE_KL, "v1", inputs=("old_log_probs", "ref_log_probs", "kl"), outputs=("kl",),
-          depends_on=(StageId.SAMPLE,), compute=_run_advantage_kl),
-    Stage(StageId.ADVANTAGE_ESTIMATE, "v1", inputs=("advantages",), outputs=("advantages",),
-          depends_on=(StageId.SAMPLE, StageId.REWARD_POST_PROCESS), compute=_run_advantage_estimate,
-          recorded=_recorded_advantages),
-    Stage(StageId.LOSS_POLICY, "v1", inputs=("old_log_probs", "log_probs", "entropy", "loss_mask", "advantages"),
-          outputs=LOSS_FIELDS, depends_on=(StageId.SAMPLE, StageId.ADVANTAGE_ESTIMATE), cohort_level=True,
-          compute=_run_loss_policy),
-    Stage(StageId.LOSS_VALUE, "v1", inputs=(), outputs=(), depends_on=(StageId.SAMPLE,), cohort_level=True),
+    Stage(StageId.SAMPLE, "v1", compute=_run_sample),
+    Stage(StageId.REWARD_RAW, "v1", compute=_run_reward_raw),
+    Stage(StageId.REWARD_POST_PROCESS, "v1", compute=_run_reward_post_process, recorded=_recorded_rewards),
+    Stage(StageId.ADVANTAGE_KL, "v1", compute=_run_advantage_kl),
+    Stage(StageId.ADVANTAGE_ESTIMATE, "v1", compute=_run_advantage_estimate, recorded=_recorded_advantages),
+    Stage(StageId.LOSS_POLICY, "v1", cohort_level=True, compute=_run_loss_policy),
+    Stage(StageId.LOSS_VALUE, "v1", cohort_level=True),
 )}
 
 
-def check_topology(index: BundleIndex) -> None:
-    """Capability matrix: only advantage_estimator 'grpo' with cp == 1 is replayable; else UnsupportedError."""
-    estimator, cp = index.config.advantage_estimator, index.identity.rank.cp
-    if estimator != "grpo" or cp != 1:
-        raise UnsupportedError(f"unsupported replay topology: advantage_estimator={estimator!r}, cp={cp} "
-                               "(replay supports advantage_estimator='grpo' with cp=1 only)")
-
-
-Action = Literal["run", "recorded", "skip"]
-
-
-@dataclass(frozen=True)
-class PlannedStage:
-    """A stage replay will run, replace by its recorded outputs, or report skipped (with why)."""
-
-    stage: Stage
-    action: Action
-    reason: str = ""
-
-
-def parse_stage(name: str | StageId) -> StageId:
-    """A stage id from its name; SelectionError for an unknown one."""
-    try:
-        return StageId(name)
-    except ValueError:
-        raise UsageError(f"unknown stage {name!r}: stages are {', '.join(s.value for s in STAGE_ORDER)}") from None
-
-
-def plan_stages(manifest: Manifest, requested: Optional[Sequence[str | StageId]] = None) -> list[PlannedStage]:
-    """The contracted stages to replay, in stage order: all, or `requested` and their contracted dependencies."""
-    contracted = set(manifest.stage_contracts)
-    if isinstance(requested, (str, StageId)):
-        requested = [requested]  # one stage name, not a sequence of characters
-    if requested:
-        wanted = [parse_stage(s) for s in requested]
-        absent = [s.value for s in wanted if s not in contracted]
-        if absent:
-            raise SelectionError(f"stage {', '.join(absent)} is not contracted by bundle {manifest.bundle_id} "
-                                 f"(contracted: {', '.join(s.value for s in STAGE_ORDER if s in contracted)})")
-        selected: set[StageId] = set()
-        named = set(wanted)
-        pending = list(wanted)
-        while pending:  # transitive dependencies, only among contracted stages
-            stage_id = pending.pop()
-            if stage_id in contracted and stage_id not in selected:
-                selected.add(stage_id)
-                pending.extend(STAGES[stage_id].depends_on)
-    else:
-        selected, named = contracted, set()
-    return [_plan_one(manifest, STAGES[s], s in named) for s in STAGE_ORDER if s in selected]
-
-
-def _plan_one(manifest: Manifest, stage: Stage, named: bool = False) -> PlannedStage:
-    """How one contracted stage is replayed; `named` when the user asked for it with --stage."""
-    contract = manifest.stage_contracts[stage.id]
-    capability = contract.capability
-    if capability != StageCapability.RECOMPUTE:
-        if capability == StageCapability.UNSUPPORTED and named:
-            raise UnsupportedError(f"stage {stage.id} is declared unsupported by bundle {manifest.bundle_id}: "
-                                   "it cannot be replayed")
-        reason = f"capability={capability.value} (declared by the bundle)"
-        if stage.recorded is not None:
-            return PlannedStage(stage, "recorded", f"{reason}; recorded values passed downstream")
-        return PlannedStage(stage, "skip", reason)
-    if contract.version != stage.version:
-        raise UnsupportedError(f"stage {stage.id} contract version {contract.version!r} is not replayable "
-                               f"(replay implements {stage.version!r})")
-    if stage.compute is None:
-        raise UnsupportedError(f"stage {stage.id} is not replayable: replay cannot recompute it")
-    return PlannedStage(stage, "run")
-
-
-__all__ = ["LOSS_FIELDS", "PlannedStage", "STAGES", "Stage", "StageContext", "StageOutcome", "check_topology",
-           "parse_stage", "plan_stages"]
+__all__ = ["LOSS_FIELDS", "STAGES", "Stage", "StageContext", "StageOutcome"]

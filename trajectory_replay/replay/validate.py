@@ -3,9 +3,12 @@
 Checks the format (opening already verified COMPLETE, the documents and their schema), every
 payload's bytes (each chunk and the whole-blob digest, the safetensors header, dtype and
 shape against the manifest), and the dependency closure: every recompute stage has the
-payloads and expected outputs it reads. Non-finite values are warnings, not problems: they
-are data a replay must locate, not a broken bundle. Lives beside the stages because the
-dependency closure is theirs.
+payloads and expected outputs `bundle.stage_io.STAGE_IO` says it reads. Non-finite values are
+warnings, not problems: they are data a replay must locate, not a broken bundle.
+
+A native bundle is validated without torch (its payloads are decoded with numpy), so `validate`
+works where torch is not installed; a source that can only hand over tensors (the older format)
+is checked through them.
 
 `validate_bundle` opens a remote store without trusting the local read cache: a cached copy
 of an object proves nothing about the server's copy, which is what validation is about.
@@ -13,30 +16,31 @@ of an object proves nothing about the server's copy, which is what validation is
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
-import torch
+import numpy
 
-from trajectory_replay.bundle.schema import StageCapability, StageId
+from trajectory_replay.bundle.schema import StageCapability
+from trajectory_replay.bundle.stage_io import STAGE_IO
 from trajectory_replay.errors import (
     BackendError, IncompleteBundleError, SelectionError, StorageUnavailableError, TrajectoryReplayError,
 )
 from trajectory_replay.replay.source import ReplaySource
 from trajectory_replay.units import human_bytes
 
-# what each recompute stage reads beyond the index: (payloads, expected entries)
-STAGE_NEEDS: dict[StageId, tuple[tuple[str, ...], tuple[tuple[str, str], ...]]] = {
-    StageId.SAMPLE: (("loss_mask",), ()),
-    StageId.REWARD_RAW: ((), (("reward.raw", "raw_rewards"),)),
-    StageId.REWARD_POST_PROCESS: ((), (("reward.post_process", "rewards"),)),
-    StageId.ADVANTAGE_KL: (("old_log_probs", "kl"), ()),
-    StageId.ADVANTAGE_ESTIMATE: (("advantages",), ()),
-    StageId.LOSS_POLICY: (("old_log_probs", "log_probs", "entropy", "advantages", "loss_mask"),
-                          tuple(("loss.policy", f) for f in ("loss", "pg_loss", "entropy_loss", "pg_clipfrac",
-                                                             "ppo_kl"))),
-}
+if TYPE_CHECKING:
+    import torch
+
+
+@runtime_checkable
+class ArraySource(Protocol):
+    """A source that hands over a whole payload, verified, as a numpy array (a native bundle's reader)."""
+
+    def load_array(self, name: str) -> numpy.ndarray:
+        ...
 
 
 @dataclass
@@ -109,7 +113,7 @@ def _check_payloads(source: ReplaySource, where: str, report: ValidationReport) 
     offsets = source.index.token_offsets()
     for name, spec in source.manifest.payloads.items():
         try:
-            tensor = source.load_payload(name)
+            values = _payload_values(source, name)
         except StorageUnavailableError:  # the store stopped answering: no verdict on this payload
             raise
         except TrajectoryReplayError as exc:
@@ -117,18 +121,29 @@ def _check_payloads(source: ReplaySource, where: str, report: ValidationReport) 
             continue
         report.payloads_checked += 1
         report.bytes_checked += spec.size
-        if tensor.is_floating_point():
-            bad = (~torch.isfinite(tensor)).nonzero().flatten()
-            if bad.numel():
+        if values.dtype.kind == "f":
+            bad = numpy.flatnonzero(~numpy.isfinite(values))
+            if bad.size:
                 first = int(bad[0])
-                at = _locate(first, offsets, ids) if tensor.numel() == offsets[-1] else f"element {first}"
-                report.warnings.append(f"{where}: payload {name!r} has {bad.numel()} non-finite value(s); "
-                                       f"first {float(tensor[first])} at {at}")
+                at = _locate(first, offsets, ids) if values.size == offsets[-1] else f"element {first}"
+                report.warnings.append(f"{where}: payload {name!r} has {bad.size} non-finite value(s); "
+                                       f"first {float(values[first])} at {at}")
+
+
+def _payload_values(source: ReplaySource, name: str) -> numpy.ndarray:
+    """The whole payload, verified by the source; without torch where the source can."""
+    if isinstance(source, ArraySource):
+        return source.load_array(name)
+    return _as_array(source.load_payload(name))
+
+
+def _as_array(tensor: "torch.Tensor") -> numpy.ndarray:
+    # numpy has no bfloat16; float32 holds every bfloat16 value exactly
+    flat = tensor.detach().reshape(-1)
+    return (flat.float() if str(flat.dtype) == "torch.bfloat16" else flat).numpy()
 
 
 def _locate(position: int, offsets: list[int], ids: list[str]) -> str:
-    import bisect
-
     i = bisect.bisect_right(offsets, position) - 1
     return f"{ids[i]} token {position - offsets[i]}"
 
@@ -140,27 +155,23 @@ def _check_closure(source: ReplaySource, where: str, report: ValidationReport) -
             report.warnings.append(f"{where}: stage {stage_id} is declared {contract.capability.value} by the "
                                    "bundle; replay skips it")
             continue
-        if stage_id not in STAGE_NEEDS:
-            continue
-        payloads, expected = STAGE_NEEDS[stage_id]
-        needed = list(payloads)
-        if stage_id == StageId.ADVANTAGE_KL and config.kl_coef != 0:
-            needed.append("ref_log_probs")
-        for name in needed:
+        io = STAGE_IO[stage_id]
+        for name in io.needed_payloads(config):
             if not source.has_payload(name):
                 report.problems.append(f"{where}: stage {stage_id} needs payload {name!r}, which is missing")
+        expected = io.needed_expected(stage_id)
         for stage_key, field_name in expected:
             value = source.expected.get(stage_key)
             if not isinstance(value, dict) or field_name not in value:
                 report.problems.append(f"{where}: stage {stage_id} needs expected {stage_key}.{field_name}, "
                                        "which is missing")
-        for value in _expected_values(source.expected.get(stage_id.value)):
+        for value in _expected_values(source.expected.get(stage_id.value)) if expected else ():
             if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
                 report.warnings.append(f"{where}: expected {stage_id} holds a non-finite value ({value})")
                 break
 
 
-def _expected_values(entry: Any):
+def _expected_values(entry: Any) -> Iterator[Any]:
     if isinstance(entry, dict):
         for v in entry.values():
             if isinstance(v, list):

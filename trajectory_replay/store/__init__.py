@@ -1,12 +1,14 @@
-"""The BLAKE3 content-addressed object store over a backend."""
+"""The BLAKE3 content-addressed object store over a backend: blobs (`objectstore`), the whole root in bulk
+(`inventory`), and the protocol that keeps objects alive between writers and gc (`liveness`)."""
 
 from trajectory_replay.store.cache import ReadCache, default_cache_dir
 from trajectory_replay.store.chunking import ChunkingParams, chunk_ends
 from trajectory_replay.store.digest import blob_ref_key, digest_from_key, hash_bytes, object_key, parse_digest
+from trajectory_replay.store.inventory import Inventory
 from trajectory_replay.store.objectstore import BlobRecord, BlobRef, ChunkInfo, ObjectStore, PutPlan, PutStats
 
 __all__ = [
-    "BlobRecord", "BlobRef", "ChunkInfo", "ChunkingParams", "ObjectStore", "PutPlan", "PutStats", "ReadCache",
-    "blob_ref_key", "chunk_ends", "default_cache_dir", "digest_from_key", "hash_bytes", "object_key",
+    "BlobRecord", "BlobRef", "ChunkInfo", "ChunkingParams", "Inventory", "ObjectStore", "PutPlan", "PutStats",
+    "ReadCache", "blob_ref_key", "chunk_ends", "default_cache_dir", "digest_from_key", "hash_bytes", "object_key",
     "parse_digest",
 ]

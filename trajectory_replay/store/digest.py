@@ -1,4 +1,10 @@
-"""BLAKE3 digests as written everywhere: `blake3:<64 lowercase hex>`, and the keys derived from them."""
+"""BLAKE3 digests as written everywhere: `blake3:<64 lowercase hex>`, and the keys derived from them.
+
+This module and `liveness` are the only code that spells the store's layout: an object (chunk,
+blob record, JSON document) lives under `objects/<2 hex>/<64 hex>`, the create-once ref from a
+blob to its record under `blobs/<2 hex>/<64 hex>`. Everything above the store treats keys as
+opaque names it gets from here (to report them, or to keep sets of them).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,11 @@ from trajectory_replay.errors import InvalidKeyError
 
 PREFIX = "blake3:"
 _HEX = re.compile(r"[0-9a-f]{64}")
+_DIGEST_TEXT = re.compile(rb"blake3:[0-9a-f]{64}")
+OBJECTS_DIR, REFS_DIR = "objects", "blobs"
+"""The top-level directories of a store root that hold objects and blob refs (never bundle names)."""
+OBJECT, REF = "object", "ref"
+"""The kinds of key `key_kind` tells apart."""
 _PARALLEL_THRESHOLD = 8 << 20  # below this, threads cost more than they save
 
 
@@ -41,18 +52,33 @@ def parse_digest(digest: str) -> str:
 def object_key(digest: str) -> str:
     """Key of the immutable object named by `digest`: objects/<2 hex>/<64 hex>."""
     h = parse_digest(digest)
-    return f"objects/{h[:2]}/{h}"
+    return f"{OBJECTS_DIR}/{h[:2]}/{h}"
 
 
 def blob_ref_key(digest: str) -> str:
     """Key of the create-once ref from a blob digest to its record: blobs/<2 hex>/<64 hex>."""
     h = parse_digest(digest)
-    return f"blobs/{h[:2]}/{h}"
+    return f"{REFS_DIR}/{h[:2]}/{h}"
 
 
 def digest_from_key(key: str) -> str | None:
-    """The digest a key under objects/ or blobs/ names, or None for any other key."""
+    """The digest an object or ref key names, or None for any other key (one the store does not name so)."""
     parts = key.split("/")
-    if len(parts) == 3 and parts[0] in ("objects", "blobs") and _HEX.fullmatch(parts[2]) and parts[1] == parts[2][:2]:
+    if len(parts) == 3 and parts[0] in (OBJECTS_DIR, REFS_DIR) and _HEX.fullmatch(parts[2]) \
+            and parts[1] == parts[2][:2]:
         return PREFIX + parts[2]
     return None
+
+
+def key_kind(key: str) -> str | None:
+    """OBJECT or REF for a key in the store's object or ref directory (named as the store names them or not),
+    None for any other key (markers, in-flight records)."""
+    top, slash, _ = key.partition("/")
+    if not slash:
+        return None
+    return OBJECT if top == OBJECTS_DIR else REF if top == REFS_DIR else None
+
+
+def digests_in(data: bytes | bytearray) -> set[str]:
+    """Every digest written out in `data`, found without parsing it."""
+    return {match.decode() for match in _DIGEST_TEXT.findall(data)}

@@ -47,15 +47,17 @@ from trajectory_replay.store.digest import parse_digest
 
 log = logging.getLogger(__name__)
 
-INFLIGHT_PREFIX = ".inflight/"
+INFLIGHT_DIR, GC_DIR = ".inflight", ".gc"
+"""The top-level directories of a store root that carry the protocol (never bundle names)."""
+INFLIGHT_PREFIX = f"{INFLIGHT_DIR}/"
 INFLIGHT_FORMAT = "trajectory-replay.inflight/1"
 INFLIGHT_KEY = re.compile(r"\.inflight/[0-9a-f]{32}\.json")
 """The only in-flight keys gc removes: those a writer of this store names itself."""
 DEFAULT_INFLIGHT_TTL = 24 * 3600.0
 
-GC_PREFIX = ".gc/"
-LEASE_PREFIX = ".gc/lease-"
-EPOCH_PREFIX = ".gc/epoch-"
+GC_PREFIX = f"{GC_DIR}/"
+LEASE_PREFIX = f"{GC_PREFIX}lease-"
+EPOCH_PREFIX = f"{GC_PREFIX}epoch-"
 LEASE_KEY = re.compile(r"\.gc/lease-[0-9a-f]{32}")
 EPOCH_KEY = re.compile(r"\.gc/epoch-[0-9a-f]{32}")
 LEASE_SECONDS = 30.0
@@ -111,6 +113,16 @@ class InflightState:
 
     def live(self, now: float) -> bool:
         return now <= self.expires
+
+    @property
+    def removable(self) -> bool:
+        """Named the way this store's writers name their records: gc removes no other in-flight key."""
+        return bool(INFLIGHT_KEY.fullmatch(self.key))
+
+
+def is_inflight_key(key: str) -> bool:
+    """True for a key under the in-flight directory (a writer's record, or something stored there)."""
+    return key.startswith(INFLIGHT_PREFIX)
 
 
 def read_inflight(backend: Backend) -> list[InflightState]:
@@ -289,7 +301,7 @@ class GcWatch:
 
 
 __all__ = [
-    "DEFAULT_INFLIGHT_TTL", "GcWatch", "INFLIGHT_FORMAT", "INFLIGHT_KEY", "INFLIGHT_PREFIX", "InflightRecord",
-    "InflightState", "LEASE_KEY", "LEASE_PREFIX", "LEASE_SECONDS", "LeaseLost", "SweepLease", "lease_expiries",
-    "read_inflight", "remove_dead_leases",
+    "DEFAULT_INFLIGHT_TTL", "GC_DIR", "GcWatch", "INFLIGHT_DIR", "INFLIGHT_FORMAT", "INFLIGHT_KEY", "INFLIGHT_PREFIX",
+    "InflightRecord", "InflightState", "LEASE_KEY", "LEASE_PREFIX", "LEASE_SECONDS", "LeaseLost", "SweepLease",
+    "is_inflight_key", "lease_expiries", "read_inflight", "remove_dead_leases",
 ]

@@ -23,7 +23,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from trajectory_replay._allocator import buffer_for_read
 from trajectory_replay.backends import Backend, ByteRange, open_backend
@@ -34,6 +34,10 @@ from trajectory_replay.store.chunking import ChunkingParams, chunk_ends
 from trajectory_replay.store.digest import (
     PREFIX, blob_ref_key, hash_bytes, object_key, parse_digest, raw_hash,
 )
+from trajectory_replay.store.jsonbound import MAX_JSON_DEPTH, nesting_exceeds
+
+if TYPE_CHECKING:
+    from trajectory_replay.store.inventory import Inventory
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,17 @@ SMALL_OBJECT = 64 << 10
 """Objects up to this size are written to remote stores without looking for them first."""
 MAX_RECORD_BYTES = 64 << 20
 """Records are parsed only after their digest is checked, and never when larger than this."""
+RECORD_HEAD = b'{"format":"' + RECORD_FORMAT.encode() + b'"'
+"""The first bytes of every record: `BlobRecord.to_bytes` writes the format first, so that an object can
+be recognized as a record from a short ranged read."""
+
+
+class RecordError(IntegrityError):
+    """An object that is not the blob record it was expected to be; `reason` says why in a few words."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,7 @@ class BlobRecord:
     chunks: tuple[ChunkInfo, ...]
 
     def to_bytes(self) -> bytes:
+        # the format goes first: RECORD_HEAD depends on it
         doc = {
             "format": RECORD_FORMAT, "digest": self.digest, "size": self.size, "block_size": self.block_size,
             "chunks": [[c.digest, c.size, base64.b64encode(c.blocks).decode()] for c in self.chunks],
@@ -102,10 +118,42 @@ class BlobRecord:
             if offset != size:
                 raise ValueError(f"chunk sizes add up to {offset}, record says {size}")
         except (ValueError, KeyError, TypeError) as exc:
-            raise IntegrityError(f"malformed blob record {where}: {exc}") from None
+            message = f"malformed blob record {where}: {exc}"
+            raise RecordError(message, message) from None
         except RecursionError:
-            raise IntegrityError(f"malformed blob record {where}: nested too deeply") from None
+            message = f"malformed blob record {where}: nested too deeply"
+            raise RecordError(message, message) from None
         return cls(doc["digest"], size, block_size, tuple(chunks))
+
+
+def looks_like_record(head: bytes) -> bool:
+    """True when an object's first bytes (at least len(RECORD_HEAD) of them) are those of a blob record."""
+    return head.startswith(RECORD_HEAD)
+
+
+def decode_record(data: bytes | bytearray, where: str) -> BlobRecord:
+    """Parse a record whose digest is verified: bounded in size and nesting before the JSON parser sees it
+    (correctly addressed bytes can still be hostile). RecordError saying why it is not a record."""
+    if len(data) > MAX_RECORD_BYTES:
+        reason = f"{len(data)} bytes, over the {MAX_RECORD_BYTES}-byte bound"
+        raise RecordError(f"malformed blob record {where}: {reason}", reason)
+    if nesting_exceeds(data):
+        reason = f"nested more than {MAX_JSON_DEPTH} levels deep"
+        raise RecordError(f"malformed blob record {where}: {reason}", reason)
+    return BlobRecord.from_bytes(data, where)
+
+
+def parse_record(digest: str, data: bytes | bytearray) -> BlobRecord | RecordError:
+    """The record object `digest` holds, its content checked against the digest first; the RecordError
+    (returned, not raised) when the bytes are not that record."""
+    actual = hash_bytes(data)
+    if actual != digest:
+        return RecordError(f"record {digest} does not match its digest (hashes to {actual})",
+                           f"content hashes to {actual}")
+    try:
+        return decode_record(data, digest)
+    except RecordError as exc:
+        return exc
 
 
 @dataclass
@@ -172,6 +220,14 @@ class ObjectStore:
     @property
     def url(self) -> str:
         return self.backend.url
+
+    @property
+    def inventory(self) -> "Inventory":
+        """A new view of the whole root in bulk: listing, verifying and deleting objects and refs, blobs'
+        closures. It reads the backend itself, never the cache, so what it reports is what is stored."""
+        from trajectory_replay.store.inventory import Inventory
+
+        return Inventory(self.backend)
 
     # ---- writing -------------------------------------------------------------------------------
     def plan(self, data, cuts: Optional[Sequence[int]] = None, boundaries: Optional[Sequence[int]] = None) -> PutPlan:
@@ -422,10 +478,7 @@ class ObjectStore:
             digest, record_digest = ref_or_digest.digest, ref_or_digest.record
         else:
             digest, record_digest = ref_or_digest, self._read_ref(ref_or_digest)
-        data = self.get_object(record_digest)
-        if len(data) > MAX_RECORD_BYTES:
-            raise IntegrityError(f"blob record {record_digest} is {len(data)} bytes, over the bound")
-        record = BlobRecord.from_bytes(data, f"{record_digest} (blob {digest})")
+        record = decode_record(self.get_object(record_digest), f"{record_digest} (blob {digest})")
         if record.digest != digest:
             raise IntegrityError(f"blob record {record_digest} describes {record.digest}, not {digest}")
         if isinstance(ref_or_digest, BlobRef) and ref_or_digest.size >= 0 and record.size != ref_or_digest.size:
@@ -548,4 +601,7 @@ class ObjectStore:
         return self._io.map(fn, items)
 
 
-__all__ = ["BlobRecord", "BlobRef", "ChunkInfo", "ObjectStore", "PutPlan", "PutStats", "PREFIX"]
+__all__ = [
+    "BlobRecord", "BlobRef", "ChunkInfo", "ObjectStore", "PREFIX", "PutPlan", "PutStats", "RecordError",
+    "decode_record", "looks_like_record", "parse_record",
+]

@@ -1,0 +1,382 @@
+"""The replay plan: everything decided before a stage runs, as one frozen value that prints itself.
+
+`plan_replay` checks the sources, admits the stages, works out how the ranks relate, resolves the
+selection and lays out the passes; `replay.runner` then executes the plan and changes none of it.
+Planning reads documents, and compares payload digests (the tensors only for a source that knows no
+digests) to tell replicas apart; it never computes a stage.
+
+Stages (a stage's contract in the manifest):
+- `recompute`: the stage runs. A recompute contract for a stage replay cannot compute (loss.value), or
+  a contract version other than the stage's: UnsupportedError (never a best effort).
+- `recorded-only`, `inspect-only`, `unsupported`: the bundle itself says the stage is not to be
+  replayed (the older tool's capture declares loss.value unsupported in every bundle). It is reported
+  skipped with `capability=<value>` and never fails the replay. A stage with recorded outputs hands them
+  downstream instead (reward.post_process the records' `reward`, advantage.estimate the `advantages`
+  payload; reward.post_process falls back to the records' `raw_reward` by itself), so the stages after
+  it are still checked against what production consumed. Asking for an `unsupported` stage by name
+  (`--stage`) is an UnsupportedError: what was asked for cannot be given.
+- The topology (advantage_estimator, cp) is checked for the whole bundle: anything but GRPO with cp == 1
+  is an UnsupportedError, whatever the contracts say.
+
+Ranks (a multi-rank bundle comes as one source per rank; how they relate is read from their content,
+never assumed from their sample ids alone):
+- Ranks whose content is identical (records, expected values, payloads) are replicas: the data is
+  replayed once, and the per-rank `loss.policy` verdict is reported for each of them.
+- Otherwise, when the sample ids of the ranks are disjoint, the ranks are data-parallel shards of one
+  cohort: the per-sample and group-level stages see their union (a prompt group split across ranks is
+  normal) and the cohort-level `loss.policy` runs per rank against that rank's own expected values.
+- Otherwise the ids are rank-local (the older tool numbers every rank's samples from `s-0`, each rank
+  holding its own data): every rank is replayed on its own, all stages reported per rank, and a fault in
+  any rank fails the replay. `--sample`/`--group`/`--batch` then select in each rank that has the ids.
+
+`rank=r` replays one rank of such a bundle (all of whose ranks are given). A rank that shares sample ids
+with another (a replica, or rank-local ids) is replayed alone. A data-parallel shard is replayed with its
+prompt groups closed over the other ranks (a group split across ranks is normalized over all of its
+members, so replaying the rank's rows alone would report a divergence where there is none), and
+loss.policy for rank r alone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Callable, Literal, Optional, Sequence
+
+from trajectory_replay.bundle.schema import STAGE_ORDER, BundleIndex, Manifest, SampleRecord, StageCapability, StageId
+from trajectory_replay.errors import BundleError, SelectionError, UnsupportedError, UsageError
+from trajectory_replay.replay import kernels
+from trajectory_replay.replay.cohort import CohortPart
+from trajectory_replay.replay.selection import Closure, Selection, group_id, resolve_selection
+from trajectory_replay.replay.source import ReplaySource
+from trajectory_replay.replay.stages import STAGES, Stage
+
+PARTIAL_SELECTION = "cohort-level stage is not replayable under a partial selection"
+
+Action = Literal["run", "recorded", "skip"]
+Layout = Literal["single", "replicas", "data-parallel", "rank-local"]
+"""How the given ranks relate: one source; identical ranks; disjoint sample ids (one cohort, possibly with
+replicas among them); overlapping ids with other data (each rank its own cohort)."""
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    """A stage replay will run, replace by its recorded outputs, or report skipped (with why)."""
+
+    stage: Stage
+    action: Action
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One distinct content of a bundle: the source replayed and every rank that holds exactly that content."""
+
+    source: ReplaySource
+    ranks: tuple[Optional[int], ...]
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One run of the stages over a union of selected rows: the sample-level stages once, then each
+    cohort-level stage once per part."""
+
+    parts: tuple[CohortPart, ...]
+    """The selected rows of each source read (a source none of whose rows is selected is not read)."""
+    label: Optional[int]
+    """The rank the pass's verdicts are reported for; None for a union of ranks (or a single source)."""
+    copies: tuple[Optional[int], ...]
+    """Replica ranks of `label`: each verdict reported for `label` is reported for them too."""
+    cohort_ranks: tuple[tuple[Optional[int], ...], ...]
+    """Per part, the ranks its cohort-level verdicts are reported for: the first ran, the others hold the
+    same data. Empty: the part only joins the sample-level stages (the other ranks of a group)."""
+    cohort_skip: str = ""
+    """Why the cohort-level stages are skipped in this pass; empty when they run."""
+
+    def describe(self) -> str:
+        rows = ", ".join(("" if p.source.rank is None else f"rank {p.source.rank}: ")
+                         + f"{len(p.positions)}/{len(p.source.index.samples)}" for p in self.parts)
+        who = "once" if self.label is None else f"for rank {self.label}"
+        if self.copies:
+            who += f" and its replicas {', '.join(map(str, self.copies))}"
+        reported = [r for ranks in self.cohort_ranks for r in ranks]
+        cohort = (f"skipped ({self.cohort_skip})" if self.cohort_skip
+                  else "once" if reported == [None]
+                  else f"for rank{'s' if len(reported) > 1 else ''} {', '.join(map(str, reported))}")
+        return f"samples {rows}; verdicts {who}; cohort-level stages {cohort}"
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """What one replay runs, on which rows, reported for which ranks, and what it skips and why."""
+
+    bundle_id: str
+    reference: ReplaySource
+    """The source whose config, contracts and tolerances the stages use (the ranks agree on the first two)."""
+    ranks: tuple[Optional[int], ...]
+    """The ranks replayed, in order."""
+    layout: Layout
+    shards: tuple[Shard, ...]
+    stages: tuple[PlannedStage, ...]
+    passes: tuple[Pass, ...]
+
+    def describe(self) -> str:
+        """The plan in a few lines of text."""
+        ranks = "" if self.ranks == (None,) else f" ranks {', '.join(map(str, self.ranks))}"
+        lines = [f"bundle {self.bundle_id}{ranks}: {self.layout}",
+                 "stages: " + ", ".join(f"{p.stage.id} {p.action}" + (f" ({p.reason})" if p.reason else "")
+                                        for p in self.stages)]
+        lines += [f"pass {i}: {p.describe()}" for i, p in enumerate(self.passes, 1)]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def plan_replay(sources: Sequence[ReplaySource], selection: Selection = Selection(), *,
+                stages: Optional[Sequence[str | StageId]] = None, rank: Optional[int] = None) -> ReplayPlan:
+    """The plan to replay one bundle (one source per rank); with `rank`, only that rank of it (the selection
+    then picks among that rank's samples). Every error a replay can raise before computing is raised here."""
+    ordered, focus = _focused(_check_sources(sources), rank)
+    first = ordered[0]
+    for source in ordered:
+        check_topology(source.index)
+    planned = tuple(plan_stages(first.manifest, stages))
+    config = first.index.config
+    if config.kl_coef != 0 and any(p.stage.id == StageId.ADVANTAGE_KL and p.action == "run" for p in planned):
+        kernels.check_kl_type(config.kl_loss_type)  # fail before loading anything
+    shards = _group_by_content(ordered)
+    if len(shards) > 1 and not _disjoint(shards):
+        layout: Layout = "rank-local"
+        if focus is not None:  # the other ranks overlap among themselves: this rank's data stands alone too
+            shards = [Shard(focus, (focus.rank,))]
+        passes = tuple(_rank_local_pass(shard, closure) for shard, closure in _select_per_shard(selection, shards))
+    else:
+        layout = "single" if len(ordered) == 1 else "replicas" if len(shards) == 1 else "data-parallel"
+        passes = (_union_pass(selection, shards, focus, labelled=len(ordered) > 1),)
+    return ReplayPlan(bundle_id=first.bundle_id, reference=first, ranks=tuple(s.rank for s in ordered),
+                      layout=layout, shards=tuple(shards), stages=planned, passes=passes)
+
+
+def _focused(ordered: list[ReplaySource], rank: Optional[int]) -> tuple[list[ReplaySource], Optional[ReplaySource]]:
+    """(the sources to replay, the rank's source when only its rows of a data-parallel cohort are replayed)."""
+    if rank is None:
+        return ordered, None
+    focus = next((s for s in ordered if s.rank == rank), None)
+    if focus is None:
+        raise BundleError(f"bundle {ordered[0].bundle_id} has no rank {rank} "
+                          f"(ranks {[s.rank for s in ordered]})")
+    mine = {r.sample_id for r in focus.index.samples}
+    if any(s is not focus and not mine.isdisjoint(r.sample_id for r in s.index.samples) for s in ordered):
+        return [focus], None   # a replica, or rank-local ids: the rank's data is whole by itself
+    return ordered, focus
+
+
+def _union_pass(selection: Selection, shards: Sequence[Shard], focus: Optional[ReplaySource], *,
+                labelled: bool) -> Pass:
+    """The one pass over the union of the shards (one cohort); with `focus`, over that rank's selected rows and
+    the other ranks' members of their groups, cohort-level stages for that rank only."""
+    union = [r for shard in shards for r in shard.source.index.samples]
+    rank_whole = False
+    if focus is not None:
+        # the selection picks among the rank's own samples; their groups then close over the other ranks
+        own = focus.index.samples
+        within = resolve_selection(selection, own)
+        rank_whole = not within.partial
+        selection = Selection(samples=tuple(own[i].sample_id for i in within.positions))
+        shards = [replace(s, ranks=(focus.rank,)) if focus.rank in s.ranks else replace(s, ranks=())
+                  for s in shards]
+    closure = resolve_selection(selection, union)
+    selected = {union[i].sample_id for i in closure.positions}
+    parts = _nonempty([_part(s.source, selected) for s in shards])
+    ranks = {id(s.source): s.ranks if labelled or not s.ranks else (None,) for s in shards}
+    return Pass(parts=tuple(parts), label=None, copies=(), cohort_ranks=tuple(ranks[id(p.source)] for p in parts),
+                cohort_skip=PARTIAL_SELECTION if closure.partial and not rank_whole else "")
+
+
+def _rank_local_pass(shard: Shard, closure: Closure) -> Pass:
+    """A pass over one rank's own selected rows, reported for that rank and its replicas."""
+    records = shard.source.index.samples
+    parts = _nonempty([_part(shard.source, {records[i].sample_id for i in closure.positions})])
+    return Pass(parts=tuple(parts), label=shard.ranks[0], copies=shard.ranks[1:], cohort_ranks=(shard.ranks,),
+                cohort_skip=PARTIAL_SELECTION if closure.partial else "")
+
+
+def _check_sources(sources: Sequence[ReplaySource]) -> list[ReplaySource]:
+    """The sources in rank order, after checking they are ranks of one bundle with one config and plan."""
+    if not sources:
+        raise BundleError("nothing to replay: no source given")
+    ordered = sorted(sources, key=lambda s: -1 if s.rank is None else s.rank)
+    first = ordered[0]
+    for other in ordered[1:]:
+        if other.bundle_id != first.bundle_id:
+            raise BundleError(f"sources belong to different bundles: {first.bundle_id}, {other.bundle_id}")
+        if other.index.config != first.index.config:
+            raise BundleError(f"ranks {first.rank} and {other.rank} of bundle {first.bundle_id} "
+                              "disagree on the recompute config")
+        if other.manifest.stage_contracts != first.manifest.stage_contracts:
+            raise BundleError(f"ranks {first.rank} and {other.rank} of bundle {first.bundle_id} "
+                              "disagree on the stage contracts")
+    return ordered
+
+
+# --------------------------------------------------------------------------- which stages run
+
+def check_topology(index: BundleIndex) -> None:
+    """Capability matrix: only advantage_estimator 'grpo' with cp == 1 is replayable; else UnsupportedError."""
+    estimator, cp = index.config.advantage_estimator, index.identity.rank.cp
+    if estimator != "grpo" or cp != 1:
+        raise UnsupportedError(f"unsupported replay topology: advantage_estimator={estimator!r}, cp={cp} "
+                               "(replay supports advantage_estimator='grpo' with cp=1 only)")
+
+
+def parse_stage(name: str | StageId) -> StageId:
+    """A stage id from its name; SelectionError for an unknown one."""
+    try:
+        return StageId(name)
+    except ValueError:
+        raise UsageError(f"unknown stage {name!r}: stages are {', '.join(s.value for s in STAGE_ORDER)}") from None
+
+
+def plan_stages(manifest: Manifest, requested: Optional[Sequence[str | StageId]] = None) -> list[PlannedStage]:
+    """The contracted stages to replay, in stage order: all, or `requested` and their contracted dependencies."""
+    contracted = set(manifest.stage_contracts)
+    if isinstance(requested, (str, StageId)):
+        requested = [requested]  # one stage name, not a sequence of characters
+    if requested:
+        wanted = [parse_stage(s) for s in requested]
+        absent = [s.value for s in wanted if s not in contracted]
+        if absent:
+            raise SelectionError(f"stage {', '.join(absent)} is not contracted by bundle {manifest.bundle_id} "
+                                 f"(contracted: {', '.join(s.value for s in STAGE_ORDER if s in contracted)})")
+        selected: set[StageId] = set()
+        named = set(wanted)
+        pending = list(wanted)
+        while pending:  # transitive dependencies, only among contracted stages
+            stage_id = pending.pop()
+            if stage_id in contracted and stage_id not in selected:
+                selected.add(stage_id)
+                pending.extend(STAGES[stage_id].depends_on)
+    else:
+        selected, named = contracted, set()
+    return [_plan_one(manifest, STAGES[s], s in named) for s in STAGE_ORDER if s in selected]
+
+
+def _plan_one(manifest: Manifest, stage: Stage, named: bool = False) -> PlannedStage:
+    """How one contracted stage is replayed; `named` when the user asked for it with --stage."""
+    contract = manifest.stage_contracts[stage.id]
+    capability = contract.capability
+    if capability != StageCapability.RECOMPUTE:
+        if capability == StageCapability.UNSUPPORTED and named:
+            raise UnsupportedError(f"stage {stage.id} is declared unsupported by bundle {manifest.bundle_id}: "
+                                   "it cannot be replayed")
+        reason = f"capability={capability.value} (declared by the bundle)"
+        if stage.recorded is not None:
+            return PlannedStage(stage, "recorded", f"{reason}; recorded values passed downstream")
+        return PlannedStage(stage, "skip", reason)
+    if contract.version != stage.version:
+        raise UnsupportedError(f"stage {stage.id} contract version {contract.version!r} is not replayable "
+                               f"(replay implements {stage.version!r})")
+    if stage.compute is None:
+        raise UnsupportedError(f"stage {stage.id} is not replayable: replay cannot recompute it")
+    return PlannedStage(stage, "run")
+
+
+# --------------------------------------------------------------------------- how the ranks relate
+
+def _group_by_content(ordered: Sequence[ReplaySource]) -> list[Shard]:
+    """The ranks grouped by identical content, in rank order of each group's first rank."""
+    shards: list[Shard] = []
+    for source in ordered:
+        for i, shard in enumerate(shards):
+            if _same_content(shard.source, source):
+                shards[i] = replace(shard, ranks=shard.ranks + (source.rank,))
+                break
+        else:
+            shards.append(Shard(source, (source.rank,)))
+    return shards
+
+
+def _disjoint(shards: Sequence[Shard]) -> bool:
+    """True when no sample id occurs in two shards: globally unique ids, so the shards form one cohort."""
+    seen: set[str] = set()
+    for shard in shards:
+        ids = {r.sample_id for r in shard.source.index.samples}
+        if not seen.isdisjoint(ids):
+            return False
+        seen |= ids
+    return True
+
+
+def _same_content(a: ReplaySource, b: ReplaySource) -> bool:
+    """True when two ranks hold the same records, expected values and payloads (so are replicas)."""
+    if [r.sample_id for r in a.index.samples] != [r.sample_id for r in b.index.samples]:
+        return False  # cheap first: data-parallel shards never get further
+    if a.index.samples != b.index.samples or _canonical(a.expected) != _canonical(b.expected):
+        return False
+    if set(a.manifest.payloads) != set(b.manifest.payloads):
+        return False
+    digests_a, digests_b = _payload_digests(a), _payload_digests(b)
+    if digests_a is not None and digests_b is not None:
+        return digests_a == digests_b
+    import torch
+
+    for name in a.manifest.payloads:   # a source without digests (built in memory): compare the tensors
+        x, y = a.load_payload(name), b.load_payload(name)
+        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
+            return False
+    return True
+
+
+def _canonical(value: object) -> str:
+    # NaN != NaN, but two identical documents holding NaN are the same content
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _payload_digests(source: ReplaySource) -> Optional[dict[str, str]]:
+    """{payload: content digest} when the source knows them without loading (None otherwise)."""
+    digests = getattr(source, "payload_digests", None)
+    if isinstance(digests, dict):
+        return digests
+    specs = source.manifest.payloads
+    if all(spec.digest for spec in specs.values()):
+        return {name: spec.digest for name, spec in specs.items()}
+    return None
+
+
+# --------------------------------------------------------------------------- selection over rank-local ids
+
+_KEYS: dict[str, Callable[[SampleRecord], Optional[str]]] = {
+    "samples": lambda r: r.sample_id,
+    "groups": lambda r: group_id(r.group_index),
+    "batches": lambda r: r.micro_batch_id,
+}
+
+
+def _select_per_shard(selection: Selection, shards: Sequence[Shard]) -> list[tuple[Shard, Closure]]:
+    """Each shard the selection touches, with its closure; an id that is in no shard fails closed."""
+    if selection.everything:
+        return [(s, resolve_selection(selection, s.source.index.samples)) for s in shards]
+    present = [{kind: {key(r) for r in s.source.index.samples} for kind, key in _KEYS.items()} for s in shards]
+    nowhere = Selection(**{kind: tuple(i for i in getattr(selection, kind) if not any(i in p[kind] for p in present))
+                           for kind in _KEYS})
+    if not nowhere.everything:
+        resolve_selection(nowhere, [r for s in shards for r in s.source.index.samples])  # names what is missing
+    out = []
+    for shard, ids in zip(shards, present):
+        mine = Selection(**{kind: tuple(i for i in getattr(selection, kind) if i in ids[kind]) for kind in _KEYS})
+        if not mine.everything:
+            out.append((shard, resolve_selection(mine, shard.source.index.samples)))
+    return out
+
+
+def _part(source: ReplaySource, selected_ids: set[str]) -> CohortPart:
+    return CohortPart(source, tuple(i for i, r in enumerate(source.index.samples) if r.sample_id in selected_ids))
+
+
+def _nonempty(parts: list[CohortPart]) -> list[CohortPart]:
+    """The parts with selected samples (a rank none of whose samples is selected is not read at all)."""
+    return [p for p in parts if p.positions] or parts[:1]
+
+
+__all__ = ["Action", "Layout", "PARTIAL_SELECTION", "Pass", "PlannedStage", "ReplayPlan", "Shard", "check_topology",
+           "parse_stage", "plan_replay", "plan_stages"]
