@@ -15,8 +15,9 @@ TITLE = "replay: recompute, memory, lazy remote reads"
 HOW = """\
 The 2,048 x 2,048 bundle of the bundle benchmarks, on local disk. Each command is the CLI in a
 fresh process (`python -m trajectory_replay replay PATH --json`, `... validate PATH`); its net time
-is its wall time minus that of a process doing only the bare `import torch, trajectory_replay`
-(the three interleaved, medians). **replay vs validate**: full replay (all six stages) against
+is its wall time minus that of a process doing only the imports the command cannot avoid: `import
+torch, trajectory_replay.cli` for replay, `import trajectory_replay.cli` for validate, which never imports
+torch (the four interleaved, medians). **replay vs validate**: full replay (all six stages) against
 `validate`, which reads and verifies every payload. **memory**: peak RSS (`VmHWM` of the child process)
 of the replay process minus that of the bare-import process, against the payload bytes. **S3 group**: replay of one group whose members are scattered across
 the bundle, by `s3://` URL with an empty cache; every byte fetched at the backend counts."""
@@ -31,7 +32,9 @@ def _peak():
 code = 0
 try:
     if sys.argv[1] == "--import-only":
-        import torch, trajectory_replay
+        import torch, trajectory_replay.cli
+    elif sys.argv[1] == "--import-cli-only":
+        import trajectory_replay.cli
     else:
         sys.argv = ["trajectory-replay", *sys.argv[1:]]
         from trajectory_replay.cli import main
@@ -69,18 +72,21 @@ def run(ctx: Context) -> list[Row]:
     payload_bytes = sum(t.numel() * t.element_size() for t in case.payloads.values()) + case.loss_masks.numel()
     path = str(local / "big")
 
-    commands = {"import": ["--import-only"], "replay": ["replay", path, "--json"], "validate": ["validate", path]}
+    commands = {"import": ["--import-only"], "import-cli": ["--import-cli-only"], "replay": ["replay", path, "--json"],
+                "validate": ["validate", path]}
     samples: dict[str, list[tuple[float, int]]] = {name: [] for name in commands}
     for _ in range(ctx.reps(5)):
         for name, args in commands.items():  # interleaved, so load changes hit all three alike
             samples[name].append(_measure(args))
     imp = median([w for w, _ in samples["import"]])
     replay_net = median([w for w, _ in samples["replay"]]) - imp
-    validate_net = median([w for w, _ in samples["validate"]]) - imp
+    imp_cli = median([w for w, _ in samples["import-cli"]])
+    validate_net = median([w for w, _ in samples["validate"]]) - imp_cli
     ratio = replay_net / validate_net
     rows = [Row(GROUP, f"full replay vs validate, {n}x2048 local, net of bare import", f"{ratio:.2f}x",
                 "<= 1.5x", ratio <= 1.5,
-                f"replay {fmt_secs(replay_net)}, validate {fmt_secs(validate_net)}, import {fmt_secs(imp)}")]
+                f"replay {fmt_secs(replay_net)}, validate {fmt_secs(validate_net)}; bare imports: torch + CLI "
+                f"{fmt_secs(imp)}, CLI without torch {fmt_secs(imp_cli)}")]
     extra = median([r for _, r in samples["replay"]]) - median([r for _, r in samples["import"]])
     mem_ratio = extra / payload_bytes
     rows.append(Row(GROUP, "replay peak memory above bare import", f"{mem_ratio:.2f}x payload bytes",

@@ -39,6 +39,7 @@ from trajectory_replay.bundle.documents import (
 from trajectory_replay.bundle.schema import BundleIndex, Expected, Manifest
 from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError
 from trajectory_replay.store import BlobRecord, BlobRef, hash_bytes, object_key
+from trajectory_replay.store.inventory import fetch
 from trajectory_replay.store.objectstore import MAX_RECORD_BYTES
 
 COMPLETE = "COMPLETE"
@@ -397,7 +398,7 @@ def _read_documents(backend: Backend, refs: Sequence[DocRef]) -> dict[DocRef, by
             keys[ref] = object_key(ref.record)
         except TrajectoryReplayError as exc:
             out[ref] = _Unreadable(str(exc), True)
-    values = _fetch(backend, list(keys.values()))
+    values = fetch(backend, list(keys.values()))
     records: dict[DocRef, BlobRecord] = {}
     for ref, key in keys.items():
         data = values[key]
@@ -422,7 +423,7 @@ def _read_documents(backend: Backend, refs: Sequence[DocRef]) -> dict[DocRef, by
             out[ref] = _Unreadable(str(exc), False)
             continue
         records[ref] = record
-    chunks = _fetch(backend, [object_key(c.digest) for r in records.values() for c in r.chunks])
+    chunks = fetch(backend, [object_key(c.digest) for r in records.values() for c in r.chunks])
     for ref, record in records.items():
         parts = []
         for chunk in record.chunks:
@@ -437,20 +438,3 @@ def _read_documents(backend: Backend, refs: Sequence[DocRef]) -> dict[DocRef, by
             out[ref] = content if hash_bytes(content) == ref.digest else \
                 _Unreadable(f"the chunks of record {keys[ref]} do not hash to {ref.digest}", False)
     return out
-
-
-def _fetch(backend: Backend, keys: Sequence[str]) -> dict[str, Optional[bytes]]:
-    """The values of `keys` (None for an absent one): one concurrent batch, key by key only when one is absent."""
-    keys = list(dict.fromkeys(keys))
-    try:
-        return dict(zip(keys, backend.read_many(keys)))
-    except NotFoundError:
-        pass
-
-    def one(key: str) -> Optional[bytes]:
-        try:
-            return backend.read(key)
-        except NotFoundError:
-            return None
-
-    return {key: one(key) for key in keys}
