@@ -268,3 +268,40 @@ def test_writer_waits_for_a_running_sweep_before_committing(tmp_path, caplog):
     started = _time.monotonic()
     write_canonical(root, name="b-2")  # an expired lease (its gc died) is not waited for
     assert backend.exists("b-2/COMPLETE") and _time.monotonic() - started < 5
+
+
+def test_leftover_temporary_files_go_once_old_and_never_through_a_link(tmp_path):
+    """A writer killed between writing a temporary file and linking it leaves the file; gc removes it once it is
+    older than TEMPORARY_MIN_AGE (a write in progress is never that old), lists it with --dry-run, and never
+    reaches through a linked directory."""
+    import os
+    import time
+
+    from trajectory_replay.ops.gc import TEMPORARY_MIN_AGE
+
+    root = tmp_path / "store"
+    write_canonical(str(root))
+    old = time.time() - TEMPORARY_MIN_AGE - 60
+    leftover = root / "objects" / "ab" / ".tmp-deadbeef.0123456789ab"
+    young = root / "b-00001" / ".tmp-COMPLETE.fedcba987654"
+    leftover.parent.mkdir(parents=True, exist_ok=True)
+    for path in (leftover, young):
+        path.write_bytes(b"partial")
+    os.utime(leftover, (old, old))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    foreign = outside / ".tmp-theirs.000000000000"
+    foreign.write_bytes(b"not ours")
+    os.utime(foreign, (old, old))
+    (root / "b-00001" / "linked").symlink_to(outside)
+
+    dry = collect_garbage(str(root), grace="0s", dry_run=True)
+    assert dry.temporaries_removed == ["objects/ab/.tmp-deadbeef.0123456789ab"]
+    assert "objects/ab/.tmp-deadbeef.0123456789ab" in dry.render_text()
+    assert leftover.exists()
+
+    report = collect_garbage(str(root), grace="0s")
+    assert report.temporaries_removed == ["objects/ab/.tmp-deadbeef.0123456789ab"]
+    assert "1 partial writes left by killed writers" in report.render_text()
+    assert not leftover.exists() and young.exists() and foreign.exists()
+    assert validates(str(root / "b-00001"))

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import signal
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 
 from trajectory_replay.bundle import open_native
 from trajectory_replay.errors import TrajectoryReplayError
-from trajectory_replay.ops.gc import collect_garbage
+from trajectory_replay.ops.gc import TEMPORARY_MIN_AGE, collect_garbage
 from trajectory_replay.store import ObjectStore, hash_bytes, object_key
 from trajectory_replay.store.digest import blob_ref_key
 
@@ -155,7 +156,12 @@ def test_killed_while_writing_a_chunk_leaves_only_an_unlisted_temporary_file(tmp
     assert object_key(hash_bytes(tmp.read_bytes())) == key
     assert not (tmp_path / key).exists()
     _gc_empties(tmp_path)
-    assert temp_files(tmp_path) == [tmp]                  # gc sees keys only: the temporary file stays, unlisted
+    assert temp_files(tmp_path) == [tmp]     # young: it might be a write in progress, so gc keeps it
+    old = time.time() - TEMPORARY_MIN_AGE - 60
+    os.utime(tmp, (old, old))
+    report = collect_garbage(str(tmp_path), grace="0s")
+    assert report.temporaries_removed == [str(tmp.relative_to(tmp_path))]
+    assert temp_files(tmp_path) == []        # an hour old, it can only be a killed writer's leftover
     store = ObjectStore.open(str(tmp_path))   # the interrupted put completes when run again
     assert store.get(store.put(data, boundaries=PUT_BOUNDARIES)) == data
 

@@ -304,6 +304,17 @@ class Backend(ABC):
         Object stores have no links: False."""
         return False
 
+    def leftover_temporaries(self, older_than: float) -> list[str]:
+        """Partial writes that a killed writer left behind, as paths relative to the root, last changed before
+        `older_than` (a POSIX time). They are never keys: listing and reading never see them.
+
+        Only a backend that writes through temporary files has any; an object store writes whole objects: []."""
+        return []
+
+    def remove_temporary(self, path: str) -> None:
+        """Delete one path `leftover_temporaries` returned (gone already is fine)."""
+        raise NotImplementedError(f"{type(self).__name__} writes no temporary files")
+
     def child(self, prefix: str) -> "Backend":
         """A backend rooted at `prefix` under this one (same storage, same options)."""
         raise NotImplementedError

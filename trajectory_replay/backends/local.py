@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import uuid
 from pathlib import Path
 
@@ -162,6 +163,31 @@ class LocalBackend(Backend):
             raise BackendError(f"{self.url}: refusing to delete {key!r}: its directory links out of the root")
         try:
             os.unlink(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+
+    def leftover_temporaries(self, older_than: float) -> list[str]:
+        out = []
+        for dirpath, _dirs, files in os.walk(self.root):  # os.walk does not enter linked subdirectories
+            for name in files:
+                if not name.startswith(TMP_PREFIX):
+                    continue
+                path = os.path.join(dirpath, name)
+                try:
+                    info = os.lstat(path)
+                except FileNotFoundError:  # linked or removed by its writer meanwhile
+                    continue
+                if stat.S_ISREG(info.st_mode) and info.st_mtime < older_than:
+                    out.append(os.path.relpath(path, self.root).replace(os.sep, "/"))
+        return sorted(out)
+
+    def remove_temporary(self, path: str) -> None:
+        if not os.path.basename(path).startswith(TMP_PREFIX):
+            raise BackendError(f"{self.url}: refusing to remove {path!r}: not a temporary file of this store")
+        if self.escapes_root(os.path.dirname(path)):
+            raise BackendError(f"{self.url}: refusing to remove {path!r}: its directory links out of the root")
+        try:
+            os.unlink(self.root / path)
         except (FileNotFoundError, NotADirectoryError):
             pass
 

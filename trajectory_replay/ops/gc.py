@@ -49,6 +49,8 @@ from trajectory_replay.store.liveness import (
 from trajectory_replay.units import human_bytes
 
 DEFAULT_GRACE = "24h"
+TEMPORARY_MIN_AGE = 3600.0
+"""Seconds: a temporary file younger than this may belong to a write in progress and is never removed."""
 DELETE_BATCH = 128
 SALVAGE_DOCUMENT_BYTES = 64 << 20
 """A blob named by an unreadable marker is read for the digests it names only up to this size."""
@@ -94,6 +96,9 @@ class GcReport:
     kept_everything: bool = False
     """No object or ref was removed because an unreadable bundle might reference any of them."""
     dead_leases_removed: list[str] = field(default_factory=list)
+    temporaries_removed: list[str] = field(default_factory=list)
+    """Partial writes of killed writers (local temporary files), older than the grace period and at least
+    TEMPORARY_MIN_AGE."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,6 +110,8 @@ class GcReport:
                  f"{human_bytes(self.bytes_freed)} {'would be ' if self.dry_run else ''}freed",
                  f"  kept {self.objects_live} live keys, {self.protected_by_inflight} named by "
                  f"{self.active_captures} capture(s) in progress, {self.too_young} younger than the grace period"]
+        if self.temporaries_removed:
+            lines.append(f"  {verb} {len(self.temporaries_removed)} partial writes left by killed writers")
         if self.abandoned_bundles:
             lines.append(f"  abandoned cohorts: {', '.join(self.abandoned_bundles)}")
         for problem in self.unreadable_bundles:
@@ -115,9 +122,9 @@ class GcReport:
         if self.conflicts:
             lines.append(f"  WARNING: {len(self.conflicts)} removed keys were reused by a capture meanwhile; it "
                          "stores them again (or refuses to commit) before its marker is written")
-        if self.dry_run and self.removed:
+        if self.dry_run and (self.removed or self.temporaries_removed):
             lines.append("  would remove:")
-            lines += [f"    {key}" for key in self.removed]
+            lines += [f"    {key}" for key in self.removed + self.temporaries_removed]
         return "\n".join(lines)
 
 
@@ -201,8 +208,20 @@ class _Collector:
         if expired:  # a writer past its TTL may have refreshed its record meanwhile: look again
             still = {r.key: r for r in read_inflight(self.backend)}
             self._delete([k for k in expired if k in still and not still[k].live(time.time())])
+        self._remove_temporaries()
         self.report.unreadable_bundles = [f"{name}: {why}" for name, why in sorted(self.unreadable.items())]
         return self.report
+
+    def _remove_temporaries(self) -> None:
+        """A writer killed between writing a temporary file and linking it leaves the file behind; no key names
+        it, so only its age tells it is dead. A live write links its file within seconds, so one older than
+        TEMPORARY_MIN_AGE (and than the grace period) is a leftover whatever --grace says."""
+        older_than = self.start - max(self.grace, TEMPORARY_MIN_AGE)
+        leftovers = self.backend.leftover_temporaries(older_than)
+        if not self.dry_run:
+            for path in leftovers:
+                self.backend.remove_temporary(path)
+        self.report.temporaries_removed = leftovers
 
     def _refuse_links_out(self) -> None:
         """On local disk, a store directory that links out of the root would make gc delete foreign files."""
