@@ -97,6 +97,15 @@ def _env(server, **changes) -> dict:
     return env
 
 
+def _use_env(monkeypatch, env: dict) -> None:
+    """Set the variables of `env` in this process for the test (None removes one)."""
+    for key, value in env.items():
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+
+
 def _mistake(kind: str, server, bucket: str, closed_port: int, silent_port: int) -> tuple[dict, str, list[str]]:
     """(environment, store URL, fragments the message must hold) of one kind of storage mistake."""
     url = f"s3://{bucket}/t-{uuid.uuid4().hex[:8]}"
@@ -176,11 +185,7 @@ def test_the_real_command_line_prints_one_line_and_no_traceback(s3_server, s3_bu
 
 
 def test_credentials_in_the_endpoint_url_are_not_printed(s3_server, s3_bucket, closed_port, monkeypatch):
-    for key, value in _env(s3_server).items():
-        if value is None:
-            monkeypatch.delenv(key, raising=False)
-        else:
-            monkeypatch.setenv(key, value)
+    _use_env(monkeypatch, _env(s3_server))
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://user:hunter2@127.0.0.1:{closed_port}")
     backend = open_backend(f"s3://{s3_bucket}/redacted")
     with pytest.raises(StoreUnreachableError) as caught:
@@ -193,11 +198,7 @@ def test_a_silent_endpoint_is_bounded_by_the_timeouts_and_the_deadline(s3_server
     """The defaults scaled down a hundredfold (connect 0.1 s, read 0.6 s, deadline 1.2 s, 3 attempts): a second
     attempt could end past the deadline, so the request gives up after the first. Then the same endpoint fails at
     once for a while, instead of each request waiting again."""
-    for key, value in _env(s3_server, AWS_ENDPOINT_URL=f"http://127.0.0.1:{silent_port}").items():
-        if value is None:
-            monkeypatch.delenv(key, raising=False)
-        else:
-            monkeypatch.setenv(key, value)
+    _use_env(monkeypatch, _env(s3_server, AWS_ENDPOINT_URL=f"http://127.0.0.1:{silent_port}"))
     monkeypatch.setenv(ENV_CONNECT_TIMEOUT, "0.1")
     monkeypatch.setenv(ENV_READ_TIMEOUT, "0.6")
     monkeypatch.setenv(ENV_RETRY_DEADLINE, "1.2")
@@ -282,11 +283,7 @@ def test_storage_options_win_over_the_variables(s3_server, s3_bucket, silent_por
 def test_an_upload_to_a_silent_endpoint_is_bounded(s3_server, s3_bucket, silent_port, monkeypatch):
     """botocore sends uploads with `Expect: 100-continue`, and aiohttp waits for the go-ahead with no timeout; a
     body larger than the socket buffers blocks before the read timeout even starts. Both are bounded."""
-    for key, value in _env(s3_server, AWS_ENDPOINT_URL=f"http://127.0.0.1:{silent_port}").items():
-        if value is None:
-            monkeypatch.delenv(key, raising=False)
-        else:
-            monkeypatch.setenv(key, value)
+    _use_env(monkeypatch, _env(s3_server, AWS_ENDPOINT_URL=f"http://127.0.0.1:{silent_port}"))
     monkeypatch.setenv(ENV_CONNECT_TIMEOUT, "0.5")
     monkeypatch.setenv(ENV_READ_TIMEOUT, "0.5")
     monkeypatch.setenv(ENV_MAX_ATTEMPTS, "1")
@@ -386,11 +383,7 @@ def proxied(s3_server, s3_root, monkeypatch):
     url, options = s3_root
     write_canonical(url, storage_options=options)
     proxy = CuttingProxy(s3_server.endpoint)
-    for key, value in _env(s3_server, AWS_ENDPOINT_URL=proxy.endpoint, **ONE_ATTEMPT).items():
-        if value is None:
-            monkeypatch.delenv(key, raising=False)
-        else:
-            monkeypatch.setenv(key, value)
+    _use_env(monkeypatch, _env(s3_server, AWS_ENDPOINT_URL=proxy.endpoint, **ONE_ATTEMPT))
     yield url, proxy
     proxy.close()
 
