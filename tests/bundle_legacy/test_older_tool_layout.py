@@ -145,7 +145,7 @@ def test_an_unsupported_topology_still_fails_loudly(tmp_path: Path) -> None:
     case = tool_case()
     case.index.config.advantage_estimator = "ppo"
     result = run("replay", write_capture(tmp_path / "a", case))
-    assert result.exit_code == 1 and "unsupported replay topology" in one_line_error(result)
+    assert result.exit_code == 1 and "unsupported advantage_estimator 'ppo'" in one_line_error(result)
     case = tool_case()
     case.index.identity.rank.cp = 2
     result = run("replay", write_capture(tmp_path / "b", case))

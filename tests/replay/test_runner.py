@@ -268,7 +268,7 @@ def test_a_loss_only_bundle_uses_the_advantages_payload():
 def test_unsupported_estimator_fails_loudly():
     case = canonical_case(buggy=False)
     case.index.config.advantage_estimator = "ppo"
-    with pytest.raises(UnsupportedError, match="unsupported replay topology: advantage_estimator='ppo'"):
+    with pytest.raises(UnsupportedError, match="unsupported advantage_estimator 'ppo'"):
         replay([source_of(case)])
 
 
@@ -294,9 +294,9 @@ def _with_contract(case, stage, capability=StageCapability.RECOMPUTE, version="v
     return source_of((case.manifest.model_copy(update={"stage_contracts": contracts}), *case[1:]))
 
 
-def test_loss_value_contract_is_unsupported_when_selected_only():
+def test_a_loss_value_contract_without_its_payloads_is_unsupported_and_names_the_payload():
     source = _with_contract(canonical_case(buggy=False), StageId.LOSS_VALUE)
-    with pytest.raises(UnsupportedError, match="stage loss.value is not replayable"):
+    with pytest.raises(UnsupportedError, match="loss.value needs payload 'values', which bundle b-00001 does not"):
         replay([source])
     assert replay([source], stages=["advantage.estimate"]).passed
 

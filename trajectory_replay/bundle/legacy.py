@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TypeVar, Uni
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trajectory_replay.bundle.schema import (
-    TEXT_FIELDS, ActorStepId, BundleIndex, Expected, Manifest, StageContract, StageId, check_name,
+    TEXT_FIELDS, ActorStepId, BundleIndex, Expected, Manifest, RecomputeConfig, StageContract, StageId, check_name,
 )
 from trajectory_replay.bundle.documents import DEFAULT_MAX_DOCUMENT_BYTES, check_document_size, max_document_bytes
 from trajectory_replay.bundle.documents import one_line as _one_line
@@ -391,6 +391,11 @@ def _write_atomic(path: Path, data: bytes, *, create_only: bool = False) -> bool
             os.unlink(tmp)
 
 
+V1_CONFIG_FIELDS = ("advantage_estimator", "n_samples_per_prompt", "grpo_std_normalization", "kl_loss_type",
+                    "kl_coef", "eps_clip", "eps_clip_high", "eps_clip_c", "entropy_coef")
+"""The recompute config fields the older format has."""
+
+
 def _v1_manifest_doc(manifest: Manifest, payload_entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """manifest.json in the V1 field names; tolerances keep only the values that are set."""
     policy = manifest.comparison_policy
@@ -398,7 +403,7 @@ def _v1_manifest_doc(manifest: Manifest, payload_entries: dict[str, dict[str, An
         "format_version": V1_FORMAT_VERSION,
         "bundle_id": manifest.bundle_id,
         "producer": manifest.producer.model_dump(mode="json"),
-        "stage_contracts": {stage.value: contract.model_dump(mode="json")
+        "stage_contracts": {stage.value: contract.model_dump(mode="json", exclude_none=contract.kernel is None)
                             for stage, contract in manifest.stage_contracts.items()},
         "payloads": payload_entries,
         "comparison_policy": {
@@ -413,6 +418,9 @@ def _v1_manifest_doc(manifest: Manifest, payload_entries: dict[str, dict[str, An
 def _v1_index_doc(index: BundleIndex) -> dict[str, Any]:
     """index.json; this project's optional text fields are left out when unset, as V1 never had them."""
     doc = index.model_dump(mode="json")
+    # the fields V1 knew always; the others only where they differ from the default (which reproduces V1)
+    defaults = RecomputeConfig().model_dump(mode="json")
+    doc["config"] = {k: v for k, v in doc["config"].items() if k in V1_CONFIG_FIELDS or v != defaults[k]}
     for sample in doc["samples"]:
         for field in TEXT_FIELDS:
             if sample.get(field) is None:

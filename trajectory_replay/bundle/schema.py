@@ -182,17 +182,66 @@ TEXT_FIELDS = ("prompt", "response", "label", "tool_output")
 
 
 class RecomputeConfig(_Model):
-    """Algorithm settings replay recomputes with. Any estimator string is accepted (replay refuses it)."""
+    """Algorithm settings replay recomputes with; every default reproduces the older tool.
+
+    Any value is accepted here (a bundle that reproduces a broken production step must be writable);
+    replay refuses what it cannot recompute, naming the field. docs/algorithms.md gives the math of each.
+    """
 
     advantage_estimator: str = "grpo"
     n_samples_per_prompt: int = 1
+    group_size_check: str = "exact"
+    """exact: every reward group has n_samples_per_prompt members; any: groups of any size."""
     grpo_std_normalization: bool = False
+    std_unbiased: bool = True
+    std_eps: float = 1e-6
+    singleton_group: str = "nan"
+    """A reward group of one: nan (the formula applied literally) or unit (mean 0, std 1)."""
+    mask_advantages: bool = False
+    gamma: float = 1.0
+    lam: float = 1.0
+    kl_in_reward: bool = False
     kl_loss_type: str = "k1"
     kl_coef: float = 0.0
+    kl_log_ratio_clamp: Optional[float] = None
+    kl_output_clamp: Optional[float] = None
+    policy_loss: str = "ppo_clip"
     eps_clip: float = 0.2
     eps_clip_high: float = 0.2
     eps_clip_c: Optional[float] = None
+    ratio_log_clamp: Optional[float] = None
+    loss_agg_mode: str = "sum_of_sample_means"
+    loss_denominator: Optional[float] = None
+    loss_scale_factor: Optional[float] = None
+    loss_scale: float = 1.0
     entropy_coef: float = 0.0
+    kl_loss_coef: float = 0.0
+    kl_loss_estimator: str = "k3"
+    cliprange_value: float = 0.2
+
+    @classmethod
+    def from_profile(cls, profile: str, **overrides: Any) -> "RecomputeConfig":
+        """The config a framework's defaults amount to (`trajectory_replay.conventions`), with `overrides`
+        given by our field names or the framework's own option names."""
+        from trajectory_replay import conventions
+
+        return conventions.config_from_profile(profile, **overrides)
+
+
+class KernelRef(_Model):
+    """A production implementation a stage contract names: replay uses exactly it (a registered plugin)."""
+
+    name: str
+    package: str
+    version: Optional[str] = None
+
+
+class ConventionsRecord(_Model):
+    """The convention profile a producer built its recompute config from, and the framework version it follows."""
+
+    profile: str
+    framework: Optional[str] = None
+    framework_version: Optional[str] = None
 
 
 class StageContract(_Model):
@@ -204,6 +253,8 @@ class StageContract(_Model):
     implementation: Literal["reuse", "reimplemented"] = "reimplemented"
     inputs: list[str] = Field(default_factory=list)
     expected_outputs: list[str] = Field(default_factory=list)
+    kernel: Optional[KernelRef] = None
+    """The production kernel the stage must be replayed with (absent: replay's own implementation)."""
 
 
 class PayloadSpec(_Model):
@@ -271,6 +322,7 @@ class Manifest(_Model):
     payloads: dict[str, PayloadSpec] = Field(default_factory=dict)
     comparison_policy: ComparisonPolicy = Field(default_factory=ComparisonPolicy)
     redaction: dict[str, str] = Field(default_factory=dict)
+    conventions: Optional[ConventionsRecord] = None
 
     @field_validator("bundle_id")
     @classmethod
@@ -347,6 +399,14 @@ class LossPolicyExpected(_Model):
     entropy_loss: Optional[float] = None
     pg_clipfrac: Optional[float] = None
     ppo_kl: Optional[float] = None
+    kl_loss: Optional[float] = None
+
+
+class LossValueExpected(_Model):
+    """The value-loss scalars production reported."""
+
+    vf_loss: Optional[float] = None
+    vf_clipfrac: Optional[float] = None
 
 
 class Expected(_Model):
@@ -355,6 +415,7 @@ class Expected(_Model):
     reward_raw: Optional[RewardRawExpected] = Field(default=None, alias="reward.raw")
     reward_post_process: Optional[RewardPostProcessExpected] = Field(default=None, alias="reward.post_process")
     loss_policy: Optional[LossPolicyExpected] = Field(default=None, alias="loss.policy")
+    loss_value: Optional[LossValueExpected] = Field(default=None, alias="loss.value")
 
 
 def json_schemas() -> dict[str, Any]:
@@ -367,8 +428,8 @@ def json_schemas() -> dict[str, Any]:
 
 
 __all__ = [
-    "ActorStepId", "BundleIndex", "ComparisonPolicy", "DTYPES", "Expected", "FORMAT_VERSION", "Identity",
-    "LossPolicyExpected", "Manifest", "PayloadSpec", "ProducerInfo", "RankTopology", "RecomputeConfig",
+    "ActorStepId", "BundleIndex", "ComparisonPolicy", "ConventionsRecord", "DTYPES", "Expected", "FORMAT_VERSION", "Identity",
+    "KernelRef", "LossPolicyExpected", "LossValueExpected", "Manifest", "PayloadSpec", "ProducerInfo", "RankTopology", "RecomputeConfig",
     "SampleRecord", "SchemaWarning", "STAGE_ORDER", "StageCapability", "StageContract", "StageId",
     "TEXT_FIELDS", "Tolerance", "WeightLineage", "check_name", "json_schemas",
 ]

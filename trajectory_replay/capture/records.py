@@ -145,10 +145,10 @@ def _lineage(weight_lineage: Any) -> WeightLineage:
     raise TypeError(f"weight_lineage: expected a WeightLineage or a mapping, got {type(weight_lineage).__name__}")
 
 
-def _manifest(bundle_id: str, stages: Sequence[StageId], prov: Provenance) -> Manifest:
+def _manifest(bundle_id: str, stages: Sequence[StageId], prov: Provenance, config: RecomputeConfig) -> Manifest:
     contracts = {s: StageContract(stage=s, capability=StageCapability.RECOMPUTE, implementation="reimplemented",
-                                  inputs=list(STAGE_IO[s].declared_inputs),
-                                  expected_outputs=list(STAGE_IO[s].outputs)) for s in stages}
+                                  inputs=list(STAGE_IO[s].declared_inputs(config)),
+                                  expected_outputs=list(STAGE_IO[s].outputs_for(config))) for s in stages}
     return Manifest(bundle_id=bundle_id, producer=prov.producer, stage_contracts=contracts,
                     comparison_policy=ComparisonPolicy(exact_fields=list(EXACT_FIELDS)))
 
@@ -190,7 +190,7 @@ class RolloutRecord:
         expected = {"reward.raw": {"raw_rewards": [r.raw_reward for r in records]},
                     "reward.post_process": {"rewards": [r.reward for r in records]}}
         tensors = {k: v for k, v in self.payloads.items() if v is not None}
-        return BundleParts(_manifest(bundle_id, ROLLOUT_STAGES, prov), index, expected, tensors)
+        return BundleParts(_manifest(bundle_id, ROLLOUT_STAGES, prov, index.config), index, expected, tensors)
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,7 @@ class StepRecord:
                 continue  # written as given: a payload missing in any micro-batch is left out (replay reports it)
             tensors[name] = torch.cat([p.reshape(-1) for p in parts]) if len(parts) != 1 else parts[0]
         expected = {"loss.policy": {k: materialize_float(self.scalars.get(k)) for k in LOSS_FIELDS}}
-        return BundleParts(_manifest(bundle_id, STEP_STAGES, prov), index, expected, tensors)
+        return BundleParts(_manifest(bundle_id, STEP_STAGES, prov, index.config), index, expected, tensors)
 
 
 CaptureRecord = Union[RolloutRecord, StepRecord]

@@ -40,11 +40,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from typing import Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
-from trajectory_replay.bundle.schema import STAGE_ORDER, BundleIndex, Manifest, SampleRecord, StageCapability, StageId
+from pydantic import ValidationError
+
+from trajectory_replay.bundle.schema import (
+    STAGE_ORDER, BundleIndex, Manifest, RecomputeConfig, SampleRecord, StageCapability, StageId,
+)
 from trajectory_replay.errors import BundleError, SelectionError, UnsupportedError, UsageError
-from trajectory_replay.replay import kernels
+from trajectory_replay.replay import kernels as kernels_mod
+from trajectory_replay.replay.registry import Kernels, resolve_kernels
 from trajectory_replay.replay.cohort import CohortPart
 from trajectory_replay.replay.selection import Closure, Selection, group_id, resolve_selection
 from trajectory_replay.replay.source import ReplaySource
@@ -118,13 +123,22 @@ class ReplayPlan:
     shards: tuple[Shard, ...]
     stages: tuple[PlannedStage, ...]
     passes: tuple[Pass, ...]
+    config: RecomputeConfig
+    """The config the stages recompute with: the recorded one, with `overrides` applied."""
+    kernels: Kernels
+    overrides: tuple[tuple[str, Any], ...] = ()
+    """(field, value) of every config field overridden, in the order given."""
 
     def describe(self) -> str:
         """The plan in a few lines of text."""
         ranks = "" if self.ranks == (None,) else f" ranks {', '.join(map(str, self.ranks))}"
         lines = [f"bundle {self.bundle_id}{ranks}: {self.layout}",
-                 "stages: " + ", ".join(f"{p.stage.id} {p.action}" + (f" ({p.reason})" if p.reason else "")
-                                        for p in self.stages)]
+                 f"kernels: {self.kernels.estimator.name}, {self.kernels.policy_loss.name}, "
+                 f"{self.kernels.aggregation.name}"]
+        if self.overrides:
+            lines.append("config overridden: " + ", ".join(f"{k}={v}" for k, v in self.overrides))
+        lines.append("stages: " + ", ".join(f"{p.stage.id} {p.action}" + (f" ({p.reason})" if p.reason else "")
+                                            for p in self.stages))
         lines += [f"pass {i}: {p.describe()}" for i, p in enumerate(self.passes, 1)]
         return "\n".join(lines)
 
@@ -133,17 +147,20 @@ class ReplayPlan:
 
 
 def plan_replay(sources: Sequence[ReplaySource], selection: Selection = Selection(), *,
-                stages: Optional[Sequence[str | StageId]] = None, rank: Optional[int] = None) -> ReplayPlan:
+                stages: Optional[Sequence[str | StageId]] = None, rank: Optional[int] = None,
+                overrides: Optional[Mapping[str, Any]] = None) -> ReplayPlan:
     """The plan to replay one bundle (one source per rank); with `rank`, only that rank of it (the selection
-    then picks among that rank's samples). Every error a replay can raise before computing is raised here."""
+    then picks among that rank's samples); with `overrides`, under the recorded config with those fields changed.
+    Every error a replay can raise before computing is raised here."""
     ordered, focus = _focused(_check_sources(sources), rank)
     first = ordered[0]
     for source in ordered:
         check_topology(source.index)
-    planned = tuple(plan_stages(first.manifest, stages))
-    config = first.index.config
-    if config.kl_coef != 0 and any(p.stage.id == StageId.ADVANTAGE_KL and p.action == "run" for p in planned):
-        kernels.check_kl_type(config.kl_loss_type)  # fail before loading anything
+    config = effective_config(first.index.config, overrides or {})
+    planned = tuple(plan_stages(first.manifest, stages, config))
+    running = {p.stage.id for p in planned if p.action == "run"}
+    # fail before loading anything
+    chosen = check_algorithm(config, first.manifest, running, lambda name: all(s.has_payload(name) for s in ordered))
     shards = _group_by_content(ordered)
     if len(shards) > 1 and not _disjoint(shards):
         layout: Layout = "rank-local"
@@ -154,7 +171,9 @@ def plan_replay(sources: Sequence[ReplaySource], selection: Selection = Selectio
         layout = "single" if len(ordered) == 1 else "replicas" if len(shards) == 1 else "data-parallel"
         passes = (_union_pass(selection, shards, focus, labelled=len(ordered) > 1),)
     return ReplayPlan(bundle_id=first.bundle_id, reference=first, ranks=tuple(s.rank for s in ordered),
-                      layout=layout, shards=tuple(shards), stages=planned, passes=passes)
+                      layout=layout, shards=tuple(shards), stages=planned, passes=passes, config=config,
+                      kernels=chosen, overrides=tuple((k, config_value(getattr(config, k)))
+                                                      for k in (overrides or {})))
 
 
 def _focused(ordered: list[ReplaySource], rank: Optional[int]) -> tuple[list[ReplaySource], Optional[ReplaySource]]:
@@ -222,11 +241,67 @@ def _check_sources(sources: Sequence[ReplaySource]) -> list[ReplaySource]:
 # --------------------------------------------------------------------------- which stages run
 
 def check_topology(index: BundleIndex) -> None:
-    """Capability matrix: only advantage_estimator 'grpo' with cp == 1 is replayable; else UnsupportedError."""
-    estimator, cp = index.config.advantage_estimator, index.identity.rank.cp
-    if estimator != "grpo" or cp != 1:
-        raise UnsupportedError(f"unsupported replay topology: advantage_estimator={estimator!r}, cp={cp} "
-                               "(replay supports advantage_estimator='grpo' with cp=1 only)")
+    """Replay recomputes with context parallelism cp == 1 only (a cp shard holds part of each sequence)."""
+    cp = index.identity.rank.cp
+    if cp != 1:
+        raise UnsupportedError(f"unsupported replay topology: cp={cp} "
+                               f"(advantage_estimator={index.config.advantage_estimator!r}; replay supports cp=1 only)")
+
+
+_CHOICES = {"group_size_check": ("exact", "any"), "singleton_group": ("nan", "unit")}
+
+
+def check_algorithm(config: RecomputeConfig, manifest: Manifest, running: set[StageId],
+                    has_payload: Callable[[str], bool]) -> Kernels:
+    """The kernels the config names for the stages that run, after checking the config can be recomputed there:
+    UnsupportedError naming the field (and value, or the payload it needs) otherwise."""
+    kernels = resolve_kernels(config, manifest, running)
+    for field, allowed in _CHOICES.items():
+        if getattr(config, field) not in allowed:
+            raise UnsupportedError(f"unsupported {field} {getattr(config, field)!r}: one of {', '.join(allowed)}")
+    if StageId.ADVANTAGE_KL in running and config.kl_coef != 0:
+        kernels_mod.check_kl_type(config.kl_loss_type, "kl_loss_type")
+    losses_run = running & {StageId.LOSS_POLICY, StageId.LOSS_VALUE}
+    if StageId.LOSS_POLICY in running and config.kl_loss_coef != 0:
+        kernels_mod.check_kl_type(config.kl_loss_estimator, "kl_loss_estimator")
+    if losses_run and config.loss_agg_mode == "seq_mean_token_sum_norm" and config.loss_scale_factor is None:
+        raise UnsupportedError("loss_agg_mode 'seq_mean_token_sum_norm' needs loss_scale_factor (the padded width "
+                               "production divided by), which the config does not record")
+    for field in ("loss_denominator", "loss_scale_factor"):
+        value = getattr(config, field)
+        if losses_run and value is not None and not value > 0:
+            raise UnsupportedError(f"unsupported {field} {value!r}: must be a positive count")
+    if StageId.LOSS_POLICY in running and config.policy_loss == "ppo_clip" and config.eps_clip_c is not None \
+            and not config.eps_clip_c > 1.0:
+        raise UnsupportedError(f"unsupported eps_clip_c {config.eps_clip_c!r}: the dual clip must be greater than 1")
+    needs: list[tuple[str, str]] = []
+    if StageId.ADVANTAGE_ESTIMATE in running and kernels.estimator.needs_values:
+        needs += [("values", f"advantage_estimator={kernels.estimator.name}")]
+    if StageId.LOSS_POLICY in running and config.kl_loss_coef != 0:
+        needs += [("ref_log_probs", f"kl_loss_coef={config.kl_loss_coef}")]
+    if StageId.LOSS_VALUE in running:
+        needs += [(p, "loss.value") for p in ("values", "vpreds")]
+        if StageId.ADVANTAGE_ESTIMATE not in manifest.stage_contracts:
+            needs += [("returns", "loss.value without advantage.estimate")]
+    for payload, why in needs:
+        if not has_payload(payload):
+            raise UnsupportedError(f"{why} needs payload {payload!r}, which bundle {manifest.bundle_id} does not hold")
+    return kernels
+
+
+def effective_config(config: RecomputeConfig, overrides: Mapping[str, Any]) -> RecomputeConfig:
+    """`config` with fields overridden (`replay --set`); UsageError naming an unknown field or a bad value."""
+    if not overrides:
+        return config
+    unknown = [k for k in overrides if k not in RecomputeConfig.model_fields]
+    if unknown:
+        raise UsageError(f"unknown config field {unknown[0]!r} (fields: {', '.join(RecomputeConfig.model_fields)})")
+    try:
+        return RecomputeConfig.model_validate({**config.model_dump(), **overrides})
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"])
+        raise UsageError(f"config field {field}: {err['msg']} (got {overrides.get(field)!r})") from None
 
 
 def parse_stage(name: str | StageId) -> StageId:
@@ -237,8 +312,10 @@ def parse_stage(name: str | StageId) -> StageId:
         raise UsageError(f"unknown stage {name!r}: stages are {', '.join(s.value for s in STAGE_ORDER)}") from None
 
 
-def plan_stages(manifest: Manifest, requested: Optional[Sequence[str | StageId]] = None) -> list[PlannedStage]:
-    """The contracted stages to replay, in stage order: all, or `requested` and their contracted dependencies."""
+def plan_stages(manifest: Manifest, requested: Optional[Sequence[str | StageId]] = None,
+                config: Optional[RecomputeConfig] = None) -> list[PlannedStage]:
+    """The contracted stages to replay, in stage order: all, or `requested` and their contracted dependencies
+    under `config` (default: the recorded defaults)."""
     contracted = set(manifest.stage_contracts)
     if isinstance(requested, (str, StageId)):
         requested = [requested]  # one stage name, not a sequence of characters
@@ -255,7 +332,7 @@ def plan_stages(manifest: Manifest, requested: Optional[Sequence[str | StageId]]
             stage_id = pending.pop()
             if stage_id in contracted and stage_id not in selected:
                 selected.add(stage_id)
-                pending.extend(STAGES[stage_id].depends_on)
+                pending.extend(STAGES[stage_id].dependencies(config or RecomputeConfig()))
     else:
         selected, named = contracted, set()
     return [_plan_one(manifest, STAGES[s], s in named) for s in STAGE_ORDER if s in selected]
@@ -378,5 +455,10 @@ def _nonempty(parts: list[CohortPart]) -> list[CohortPart]:
     return [p for p in parts if p.positions] or parts[:1]
 
 
-__all__ = ["Action", "Layout", "PARTIAL_SELECTION", "Pass", "PlannedStage", "ReplayPlan", "Shard", "check_topology",
+def config_value(value: Any) -> Any:
+    """A config value as the report prints it (JSON-ready)."""
+    return value.value if hasattr(value, "value") else value
+
+
+__all__ = ["Action", "Layout", "check_algorithm", "config_value", "effective_config", "PARTIAL_SELECTION", "Pass", "PlannedStage", "ReplayPlan", "Shard", "check_topology",
            "parse_stage", "plan_replay", "plan_stages"]

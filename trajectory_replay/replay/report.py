@@ -85,6 +85,8 @@ class ReplayReport:
 
     bundle_id: str
     stages: tuple[StageResult, ...] = field(default_factory=tuple)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Config fields replayed with a value other than the recorded one (`replay --set`), field -> value."""
 
     @property
     def passed(self) -> bool:
@@ -112,6 +114,7 @@ class ReplayReport:
         """The `replay --json` object, JSON-ready (non-finite numbers as strings)."""
         return {"bundle_id": self.bundle_id, "passed": self.passed,
                 "first_divergent_stage": self.first_divergent_stage,
+                "config_overrides": dict(self.overrides),
                 "stages": [s.to_dict() for s in self.stages]}
 
     def to_json(self, indent: Optional[int] = None) -> str:
@@ -121,6 +124,9 @@ class ReplayReport:
     def render_text(self) -> str:
         """The human-readable report: headline, one line per stage, then each stage's divergences."""
         lines = [f"bundle {self.bundle_id} — first divergent stage: {self.first_divergent_stage or 'none'}"]
+        if self.overrides:
+            lines.append("config overridden (not as recorded): "
+                         + ", ".join(f"{k}={json.dumps(v)}" for k, v in self.overrides.items()))
         for s in self.stages:
             line = f"[{s.status:>7}] {s.label}  {s.message}"
             if s.status != "skipped":

@@ -9,9 +9,9 @@ soon as no later stage reads them.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
-from trajectory_replay.bundle.schema import STAGE_ORDER, StageId
+from trajectory_replay.bundle.schema import STAGE_ORDER, RecomputeConfig, StageId
 from trajectory_replay.replay.cohort import Cohort, PayloadCache
 from trajectory_replay.replay.compare import resolve_tolerance
 from trajectory_replay.replay.plan import Pass, PlannedStage, ReplayPlan, plan_replay
@@ -23,10 +23,13 @@ from trajectory_replay.replay.stages import Stage, StageContext
 
 def replay(sources: Sequence[ReplaySource], *, samples: Sequence[str] = (), groups: Sequence[str] = (),
            batches: Sequence[str] = (), stages: Optional[Sequence[str | StageId]] = None,
-           atol: Optional[float] = None, rtol: Optional[float] = None, rank: Optional[int] = None) -> ReplayReport:
+           atol: Optional[float] = None, rtol: Optional[float] = None, rank: Optional[int] = None,
+           overrides: Optional[Mapping[str, Any]] = None) -> ReplayReport:
     """Replay one bundle (one source per rank) and report every stage and the first divergence;
-    with `rank`, only that rank of it (the selection then picks among that rank's samples)."""
-    plan = plan_replay(sources, Selection(tuple(samples), tuple(groups), tuple(batches)), stages=stages, rank=rank)
+    with `rank`, only that rank of it (the selection then picks among that rank's samples); with `overrides`,
+    under the recorded config with those fields changed (the report lists them)."""
+    plan = plan_replay(sources, Selection(tuple(samples), tuple(groups), tuple(batches)), stages=stages, rank=rank,
+                       overrides=overrides)
     return execute(plan, atol=atol, rtol=rtol)
 
 
@@ -36,7 +39,7 @@ def execute(plan: ReplayPlan, *, atol: Optional[float] = None, rtol: Optional[fl
     results = [result for one in plan.passes for result in run.one_pass(one)]
     order = {stage.value: i for i, stage in enumerate(STAGE_ORDER)}
     results.sort(key=lambda r: (order.get(r.stage, len(order)), -1 if r.rank is None else r.rank))
-    return ReplayReport(bundle_id=plan.bundle_id, stages=tuple(results))
+    return ReplayReport(bundle_id=plan.bundle_id, stages=tuple(results), overrides=dict(plan.overrides))
 
 
 class _Run:
@@ -51,9 +54,9 @@ class _Run:
 
     def context(self, stage: StageId, cohort: Cohort, outputs: dict, rank: Optional[int]) -> StageContext:
         reference = self.plan.reference
-        return StageContext(cohort=cohort, config=reference.index.config,
+        return StageContext(cohort=cohort, config=self.plan.config,
                             tol=resolve_tolerance(reference.manifest, stage, self.atol, self.rtol),
-                            contracted=self.contracted, outputs=outputs, rank=rank)
+                            contracted=self.contracted, outputs=outputs, rank=rank, kernels=self.plan.kernels)
 
     def one_pass(self, plan: Pass) -> list[StageResult]:
         """The verdicts of one pass: sample-level stages over all its rows, then cohort-level ones per part."""
@@ -63,7 +66,8 @@ class _Run:
         for i, planned in enumerate(self.sample_level):
             ctx = self.context(planned.stage.id, cohort, outputs, plan.label)
             results += _with_copies(_run_planned(planned, ctx, outputs), plan.label, plan.copies)
-            _release(outputs, self.cache, [p.stage for p in self.sample_level[i + 1:] + self.cohort_level])
+            _release(outputs, self.cache, [p.stage for p in self.sample_level[i + 1:] + self.cohort_level],
+                     self.plan.config)
         for planned in self.cohort_level:
             if planned.action != "run" or plan.cohort_skip:
                 result = skipped(planned.stage.id.value, planned.reason or plan.cohort_skip, plan.label)
@@ -93,9 +97,9 @@ def _with_copies(result: StageResult, source_rank: Optional[int],
     return [result] + [replace(result, rank=r, message=message) for r in replicas]
 
 
-def _release(outputs: dict, cache: PayloadCache, later: Sequence[Stage]) -> None:
+def _release(outputs: dict, cache: PayloadCache, later: Sequence[Stage], config: RecomputeConfig) -> None:
     """Drop stage outputs and loaded payloads that no later stage reads, so peak memory stays near the inputs."""
-    needed_outputs = {dep for stage in later for dep in stage.depends_on}
+    needed_outputs = {dep for stage in later for dep in stage.dependencies(config)}
     for stage_id in [s for s in outputs if s not in needed_outputs]:
         del outputs[stage_id]
     cache.retain({name for stage in later for name in stage.inputs})

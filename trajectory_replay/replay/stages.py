@@ -19,8 +19,10 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from trajectory_replay.bundle.schema import RecomputeConfig, StageId
-from trajectory_replay.bundle.stage_io import LOSS_FIELDS, STAGE_IO, StageIO
-from trajectory_replay.replay import kernels
+from trajectory_replay.bundle.stage_io import LOSS_FIELDS, STAGE_IO, StageIO, kl_in_reward
+from trajectory_replay.replay import kernels, losses
+from trajectory_replay.replay.estimators import AdvantageInputs, RewardInputs
+from trajectory_replay.replay.registry import Kernels
 from trajectory_replay.replay.cohort import Cohort
 from trajectory_replay.replay.compare import (
     EXACT, Findings, SampleLayout, Tolerances, compare_scalar, compare_tensors,
@@ -41,6 +43,8 @@ class StageContext:
     outputs: dict[StageId, Outputs]
     """Outputs of upstream stages that produced them (recomputed, or recorded for recorded-only)."""
     rank: Optional[int] = None
+    kernels: Kernels = field(default=None)  # type: ignore[assignment]  # set by the runner from the plan
+    """The estimator, policy loss and aggregation the config names."""
 
 
 @dataclass(frozen=True)
@@ -77,13 +81,12 @@ class Stage:
     def outputs(self) -> tuple[str, ...]:
         return self.io.outputs
 
-    @property
-    def depends_on(self) -> tuple[StageId, ...]:
-        """The stages that must be planned before it: the sample check (every stage lays values out by the
-        records it checks) and the stages whose outputs it consumes."""
+    def dependencies(self, config: RecomputeConfig) -> tuple[StageId, ...]:
+        """The stages that must be planned before it under `config`: the sample check (every stage lays values out
+        by the records it checks) and the stages whose outputs it consumes under that config."""
         if self.id == StageId.SAMPLE:
             return ()
-        return (StageId.SAMPLE,) + self.io.upstream_stages
+        return (StageId.SAMPLE,) + tuple(dict.fromkeys(stage for stage, _ in self.io.consumes(config)))
 
 
 def _load_payloads(ctx: StageContext, findings: Findings, names: Sequence[str]) -> Optional[dict[str, torch.Tensor]]:
@@ -184,25 +187,30 @@ def _recorded_raw_rewards(ctx: StageContext) -> torch.Tensor:
 
 
 def _run_reward_post_process(ctx: StageContext) -> StageOutcome:
-    c, f, n = ctx.cohort, Findings(), ctx.config.n_samples_per_prompt
-    for r in c.records:
-        if r.group_index is None:
-            f.problem(f"sample {r.sample_id} has no group_index")
-    if f.failed:
-        return StageOutcome(f.result(StageId.REWARD_POST_PROCESS, ctx.rank))
-    group_ids, keys = kernels.dense_group_ids([r.group_index for r in c.records])
+    c, f, cfg, estimator = ctx.cohort, Findings(), ctx.config, ctx.kernels.estimator
+    if estimator.grouped:
+        for r in c.records:
+            if r.group_index is None:
+                f.problem(f"sample {r.sample_id} has no group_index")
+        if f.failed:
+            return StageOutcome(f.result(StageId.REWARD_POST_PROCESS, ctx.rank))
+        group_ids, keys = kernels.dense_group_ids([r.group_index for r in c.records])
+    else:  # the estimator works on token rewards: groups play no part
+        group_ids, keys = torch.zeros(len(c.records), dtype=torch.int64), [0] if c.records else []
     sizes = torch.bincount(group_ids, minlength=len(keys)).tolist()
-    for key, size in zip(keys, sizes):
-        if size != n:
-            f.problem(f"reward group g-{key} has {size} samples, expected {n}")
-    if f.failed:
-        return StageOutcome(f.result(StageId.REWARD_POST_PROCESS, ctx.rank))
+    if estimator.grouped and cfg.group_size_check == "exact":
+        for key, size in zip(keys, sizes):
+            if size != cfg.n_samples_per_prompt:
+                f.problem(f"reward group g-{key} has {size} samples, expected {cfg.n_samples_per_prompt}")
+        if f.failed:
+            return StageOutcome(f.result(StageId.REWARD_POST_PROCESS, ctx.rank))
     raw = ctx.outputs.get(StageId.REWARD_RAW, {}).get("raw_rewards")
-    rewards = kernels.normalize_group_rewards(raw if raw is not None else _recorded_raw_rewards(ctx), group_ids,
-                                              len(keys), ctx.config.grpo_std_normalization)
+    rewards = estimator.post_process(RewardInputs(raw if raw is not None else _recorded_raw_rewards(ctx), group_ids,
+                                                  len(keys), cfg))
     _compare_per_sample(ctx, f, StageId.REWARD_POST_PROCESS, "rewards", "reward", rewards)
-    return StageOutcome(f.result(StageId.REWARD_POST_PROCESS, ctx.rank,
-                                 passed_message=f"{len(keys)} groups of {n}"), {"rewards": rewards})
+    passed = (f"{len(keys)} groups" + (f" of {cfg.n_samples_per_prompt}" if cfg.group_size_check == "exact" else "")
+              if estimator.grouped else f"{len(c.records)} samples, {estimator.name} keeps raw rewards")
+    return StageOutcome(f.result(StageId.REWARD_POST_PROCESS, ctx.rank, passed_message=passed), {"rewards": rewards})
 
 
 def _recorded_rewards(ctx: StageContext) -> Outputs:
@@ -211,57 +219,103 @@ def _recorded_rewards(ctx: StageContext) -> Outputs:
 
 def _run_advantage_kl(ctx: StageContext) -> StageOutcome:
     c, f, cfg = ctx.cohort, Findings(), ctx.config
-    # kl_coef == 0: the reward-side KL is zeros and the reference log-probs are not needed (not loaded)
-    inputs = () if cfg.kl_coef == 0 else ("old_log_probs", "ref_log_probs")
-    loaded = _load_payloads(ctx, f, ("kl",) + inputs)
+    # kl_coef == 0: the reward-side KL is zeros and the log-probs are not needed (not loaded)
+    loaded = _load_payloads(ctx, f, STAGE_IO[StageId.ADVANTAGE_KL].needed_payloads(cfg))
     if loaded is None:
         return StageOutcome(f.result(StageId.ADVANTAGE_KL, ctx.rank))
     if cfg.kl_coef == 0:
         actual = torch.zeros(c.num_tokens, dtype=torch.float32)
     else:
-        actual = kernels.kl_estimate(loaded["old_log_probs"], loaded["ref_log_probs"], cfg.kl_loss_type)
+        actual = kernels.kl_estimate(loaded["old_log_probs"], loaded["ref_log_probs"], cfg.kl_loss_type,
+                                     cfg.kl_log_ratio_clamp, cfg.kl_output_clamp)
     f.add(compare_tensors("kl", loaded["kl"], actual, c.token_layout, ctx.tol))
     return StageOutcome(f.result(StageId.ADVANTAGE_KL, ctx.rank), {"kl": actual})
 
 
+def _reward_kl(ctx: StageContext, f: Findings) -> Optional[torch.Tensor]:
+    """The reward-side KL the token rewards take: advantage.kl's when it ran, else the recorded `kl` payload."""
+    produced = ctx.outputs.get(StageId.ADVANTAGE_KL, {}).get("kl")
+    if produced is not None:
+        return produced
+    loaded = _load_payloads(ctx, f, ("kl",))
+    return None if loaded is None else loaded["kl"]
+
+
 def _run_advantage_estimate(ctx: StageContext) -> StageOutcome:
-    c, f = ctx.cohort, Findings()
+    c, f, cfg, estimator = ctx.cohort, Findings(), ctx.config, ctx.kernels.estimator
     rewards = _upstream(ctx, f, StageId.REWARD_POST_PROCESS, "rewards")
-    loaded = _load_payloads(ctx, f, ("advantages",))
-    if rewards is None or loaded is None:
+    # a plugin estimator declares whether it reads values (and so produces returns); gae does
+    names = ("loss_mask", "advantages") + (("values", "returns") if estimator.needs_values else ())
+    loaded = _load_payloads(ctx, f, names)
+    kl = _reward_kl(ctx, f) if kl_in_reward(cfg) else None
+    if rewards is None or loaded is None or f.failed:
         return StageOutcome(f.result(StageId.ADVANTAGE_ESTIMATE, ctx.rank))
-    actual = kernels.grpo_advantages(rewards, c.lengths)
-    f.add(compare_tensors("advantages", loaded["advantages"], actual, c.token_layout, ctx.tol))
-    return StageOutcome(f.result(StageId.ADVANTAGE_ESTIMATE, ctx.rank), {"advantages": actual})
+    actual = estimator.advantages(AdvantageInputs(rewards, c.lengths, loaded["loss_mask"], cfg, kl=kl,
+                                                  values=loaded.get("values")))
+    f.add(compare_tensors("advantages", loaded["advantages"], actual.advantages, c.token_layout, ctx.tol))
+    outputs = {"advantages": actual.advantages}
+    if actual.returns is not None:
+        f.add(compare_tensors("returns", loaded["returns"], actual.returns, c.token_layout, ctx.tol))
+        outputs["returns"] = actual.returns
+    return StageOutcome(f.result(StageId.ADVANTAGE_ESTIMATE, ctx.rank), outputs)
 
 
 def _recorded_advantages(ctx: StageContext) -> Outputs:
-    return {"advantages": ctx.cohort.load("advantages")}
+    out = {"advantages": ctx.cohort.load("advantages")}
+    if ctx.cohort.has_payload("returns"):
+        out["returns"] = ctx.cohort.load("returns")
+    return out
+
+
+def _upstream_or_payload(ctx: StageContext, f: Findings, stage: StageId, key: str,
+                         payloads: tuple[str, ...]) -> tuple[Optional[torch.Tensor], Optional[dict[str, torch.Tensor]]]:
+    """(`key` from `stage` when the bundle contracts it, else from the payload of that name; the other payloads)."""
+    if stage in ctx.contracted:
+        return _upstream(ctx, f, stage, key), _load_payloads(ctx, f, payloads)
+    loaded = _load_payloads(ctx, f, payloads + (key,))
+    return (loaded[key] if loaded is not None else None), loaded
+
+
+def _compare_scalars(ctx: StageContext, f: Findings, stage: StageId, actual: dict[str, float]) -> None:
+    """Compare every scalar the stage produces under the config with its expected map (a missing field fails)."""
+    expected = ctx.cohort.expected_map(stage.value)
+    if expected is None:
+        f.problem(f"expected has no {stage} map")
+        return
+    for name in STAGE_IO[stage].outputs_for(ctx.config):
+        if expected.get(name) is None:
+            f.problem(f"expected {stage} has no field {name!r}")
+        else:
+            f.add(compare_scalar(name, float(expected[name]), actual[name], ctx.tol))
 
 
 def _run_loss_policy(ctx: StageContext) -> StageOutcome:
     c, f, cfg = ctx.cohort, Findings(), ctx.config
-    if StageId.ADVANTAGE_ESTIMATE in ctx.contracted:
-        advantages = _upstream(ctx, f, StageId.ADVANTAGE_ESTIMATE, "advantages")
-        loaded = _load_payloads(ctx, f, ("old_log_probs", "log_probs", "entropy", "loss_mask"))
-    else:  # a loss-only bundle: the recorded advantages are the input
-        loaded = _load_payloads(ctx, f, ("old_log_probs", "log_probs", "entropy", "loss_mask", "advantages"))
-        advantages = loaded["advantages"] if loaded is not None else None
-    expected = c.expected_map(StageId.LOSS_POLICY.value)
-    if expected is None:
+    names = ("old_log_probs", "log_probs", "entropy", "loss_mask") + (("ref_log_probs",) if cfg.kl_loss_coef else ())
+    advantages, loaded = _upstream_or_payload(ctx, f, StageId.ADVANTAGE_ESTIMATE, "advantages", names)
+    if ctx.cohort.expected_map(StageId.LOSS_POLICY.value) is None:
         f.problem("expected has no loss.policy map")
-    if advantages is None or loaded is None or expected is None:
+    if advantages is None or loaded is None or f.failed:
         return StageOutcome(f.result(StageId.LOSS_POLICY, ctx.rank))
-    actual = kernels.policy_loss_outputs(
-        loaded["log_probs"], loaded["old_log_probs"], advantages, loaded["entropy"], loaded["loss_mask"],
-        c.lengths, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high, eps_clip_c=cfg.eps_clip_c,
-        entropy_coef=cfg.entropy_coef)
-    for name in LOSS_FIELDS:
-        if expected.get(name) is None:
-            f.problem(f"expected loss.policy has no field {name!r}")
-        else:
-            f.add(compare_scalar(name, float(expected[name]), actual[name], ctx.tol))
+    actual = losses.policy_loss_outputs(losses.PolicyLossData(
+        loaded["log_probs"], loaded["old_log_probs"], advantages, loaded["entropy"], loaded["loss_mask"], c.lengths,
+        loaded.get("ref_log_probs")), cfg, ctx.kernels)
+    _compare_scalars(ctx, f, StageId.LOSS_POLICY, actual)
     return StageOutcome(f.result(StageId.LOSS_POLICY, ctx.rank))
+
+
+def _run_loss_value(ctx: StageContext) -> StageOutcome:
+    c, f, cfg = ctx.cohort, Findings(), ctx.config
+    returns, loaded = _upstream_or_payload(ctx, f, StageId.ADVANTAGE_ESTIMATE, "returns",
+                                           ("values", "vpreds", "loss_mask"))
+    if ctx.cohort.expected_map(StageId.LOSS_VALUE.value) is None:
+        f.problem("expected has no loss.value map")
+    if returns is None or loaded is None or f.failed:
+        return StageOutcome(f.result(StageId.LOSS_VALUE, ctx.rank))
+    actual = losses.value_loss_outputs(losses.ValueLossData(loaded["values"], loaded["vpreds"], returns,
+                                                            loaded["loss_mask"], c.lengths), cfg, ctx.kernels)
+    _compare_scalars(ctx, f, StageId.LOSS_VALUE, actual)
+    return StageOutcome(f.result(StageId.LOSS_VALUE, ctx.rank))
 
 
 STAGES: dict[StageId, Stage] = {s.id: s for s in (
@@ -271,7 +325,7 @@ STAGES: dict[StageId, Stage] = {s.id: s for s in (
     Stage(StageId.ADVANTAGE_KL, "v1", compute=_run_advantage_kl),
     Stage(StageId.ADVANTAGE_ESTIMATE, "v1", compute=_run_advantage_estimate, recorded=_recorded_advantages),
     Stage(StageId.LOSS_POLICY, "v1", cohort_level=True, compute=_run_loss_policy),
-    Stage(StageId.LOSS_VALUE, "v1", cohort_level=True),
+    Stage(StageId.LOSS_VALUE, "v1", cohort_level=True, compute=_run_loss_value),
 )}
 
 

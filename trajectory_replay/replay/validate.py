@@ -159,7 +159,7 @@ def _check_closure(source: ReplaySource, where: str, report: ValidationReport) -
         for name in io.needed_payloads(config):
             if not source.has_payload(name):
                 report.problems.append(f"{where}: stage {stage_id} needs payload {name!r}, which is missing")
-        expected = io.needed_expected(stage_id)
+        expected = io.needed_expected(stage_id, config)
         for stage_key, field_name in expected:
             value = source.expected.get(stage_key)
             if not isinstance(value, dict) or field_name not in value:

@@ -1,0 +1,188 @@
+"""Advantage estimators: reward post-processing (r -> r') and per-token advantages, one kernel per estimator.
+
+Each estimator is an `EstimatorKernel` (see `replay.registry`): `post_process` maps the samples' raw
+rewards to r' (the group estimators normalize within prompt groups), `advantages` maps r' and the
+per-token inputs to A (and, for gae, the returns). Math in float32, as production computes it; sums
+that span a whole cohort are accumulated in float64. docs/algorithms.md states every formula.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from trajectory_replay.bundle.schema import RecomputeConfig
+from trajectory_replay.replay.kernels import masked_whiten, reverse_scan_order, sample_ends, segment_sum
+
+
+@dataclass(frozen=True)
+class RewardInputs:
+    """What reward post-processing reads: one raw reward per sample and its dense prompt-group id."""
+
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    num_groups: int
+    config: RecomputeConfig
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an advantage estimator reads, per sample (rewards r', lengths) and per token (the rest)."""
+
+    rewards: torch.Tensor
+    lengths: torch.Tensor
+    mask: torch.Tensor
+    config: RecomputeConfig
+    kl: Optional[torch.Tensor] = None
+    """The reward-side KL per token; given when the config puts it into the token rewards."""
+    values: Optional[torch.Tensor] = None
+    """The old value estimates per token (gae)."""
+
+
+@dataclass(frozen=True)
+class AdvantageOutputs:
+    """Per-token advantages, and the returns of an estimator that has them."""
+
+    advantages: torch.Tensor
+    returns: Optional[torch.Tensor] = None
+
+
+# --------------------------------------------------------------------------- reward post-processing
+
+def _group_stats(inputs: RewardInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rewards in float32, each group's size, each group's mean)."""
+    r = inputs.rewards.to(torch.float32)
+    counts = segment_sum(torch.ones_like(r), inputs.group_ids, inputs.num_groups)
+    return r, counts, segment_sum(r, inputs.group_ids, inputs.num_groups) / counts
+
+
+def _unit_singletons(inputs: RewardInputs, counts: torch.Tensor, stat: torch.Tensor, value: float) -> torch.Tensor:
+    """`stat` with the groups of one set to `value` under singleton_group=unit (as is, under nan)."""
+    if inputs.config.singleton_group == "unit":
+        stat = torch.where(counts == 1, torch.full_like(stat, value), stat)
+    return stat
+
+
+def grpo_rewards(inputs: RewardInputs) -> torch.Tensor:
+    """r - mean_G, divided by (std_G + std_eps) with std normalization (std unbiased unless std_unbiased is
+    false); a group of one per singleton_group (nan: the formula literally; unit: mean 0, std 1)."""
+    cfg = inputs.config
+    r, counts, mean = _group_stats(inputs)
+    centered = r - mean[inputs.group_ids]   # the spread, around the group's true mean
+    out = r - _unit_singletons(inputs, counts, mean, 0.0)[inputs.group_ids]
+    if cfg.grpo_std_normalization:
+        dof = counts - 1 if cfg.std_unbiased else counts
+        std = (segment_sum(centered.square(), inputs.group_ids, inputs.num_groups) / dof).sqrt_()
+        out /= _unit_singletons(inputs, counts, std, 1.0).add_(cfg.std_eps)[inputs.group_ids]
+    return out
+
+
+def mean_baseline_rewards(inputs: RewardInputs) -> torch.Tensor:
+    """r - mean_G (dr_grpo, reinforce_plus_plus_baseline); a group of one has mean 0 under unit."""
+    r, counts, mean = _group_stats(inputs)
+    return r - _unit_singletons(inputs, counts, mean, 0.0)[inputs.group_ids]
+
+
+def rloo_rewards(inputs: RewardInputs) -> torch.Tensor:
+    """Leave-one-out baseline, r - (sum_G r - r) / (n_G - 1), written n/(n-1) r - n/(n-1) mean_G as production
+    writes it; a group of one keeps r under unit and is NaN under nan."""
+    r, counts, mean = _group_stats(inputs)
+    factor = (counts / (counts - 1))[inputs.group_ids]
+    out = r * factor - mean[inputs.group_ids] * factor
+    single = (counts == 1)[inputs.group_ids]
+    fill = r if inputs.config.singleton_group == "unit" else torch.full_like(r, float("nan"))
+    return torch.where(single, fill, out)
+
+
+def raw_rewards(inputs: RewardInputs) -> torch.Tensor:
+    """r' = r: the estimator works on token rewards, not on prompt groups."""
+    return inputs.rewards.to(torch.float32)
+
+
+# --------------------------------------------------------------------------- advantages
+
+def broadcast_advantages(inputs: AdvantageInputs) -> torch.Tensor:
+    """Each sample's r' on every token of its response (times the loss mask with mask_advantages)."""
+    a = torch.repeat_interleave(inputs.rewards.to(torch.float32), inputs.lengths.to(torch.int64))
+    if inputs.config.mask_advantages:
+        a.mul_(inputs.mask.to(torch.float32))
+    return a
+
+
+def outcome_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
+    """grpo, dr_grpo, rloo: the post-processed reward is every token's advantage."""
+    return AdvantageOutputs(broadcast_advantages(inputs))
+
+
+def token_rewards(inputs: AdvantageInputs) -> torch.Tensor:
+    """rho_t: the sample's reward at its last token, minus kl_coef * kl * mask on every token when the
+    reward-side KL is given."""
+    lengths = inputs.lengths.to(torch.int64)
+    rho = torch.zeros(int(lengths.sum()), dtype=torch.float32)
+    if inputs.kl is not None:
+        rho.sub_(inputs.kl.to(torch.float32) * inputs.mask.to(torch.float32) * inputs.config.kl_coef)
+    nonempty = lengths > 0
+    rho.index_add_(0, sample_ends(lengths)[nonempty] - 1, inputs.rewards.to(torch.float32)[nonempty])
+    return rho
+
+
+def discounted_returns(rho: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = rho_t + gamma * m_{t+1} G_{t+1} within each sample (the running return is masked after each token,
+    so it restarts after a masked-out token), scanning all samples backwards together."""
+    m = mask.to(torch.float32)
+    out = torch.empty_like(rho)
+    last, active = reverse_scan_order(lengths)
+    running = torch.zeros(last.numel(), dtype=torch.float32)
+    for k, n in enumerate(active):
+        at = last[:n] - k
+        g = rho[at] + gamma * running[:n]
+        out[at] = g
+        running[:n] = g * m[at]
+    return out
+
+
+def reinforce_plus_plus_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
+    """Discounted returns of the token rewards, whitened over the cohort's masked tokens, then masked."""
+    mask = inputs.mask.to(torch.float32)
+    returns = discounted_returns(token_rewards(inputs), mask, inputs.lengths, inputs.config.gamma)
+    return AdvantageOutputs(masked_whiten(returns, mask).mul_(mask))
+
+
+def reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
+    """The group-baselined reward on every masked token, whitened over the cohort's masked tokens, then masked."""
+    mask = inputs.mask.to(torch.float32)
+    scores = torch.repeat_interleave(inputs.rewards.to(torch.float32), inputs.lengths.to(torch.int64)).mul_(mask)
+    return AdvantageOutputs(masked_whiten(scores, mask).mul_(mask))
+
+
+def gae_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
+    """Generalized advantage estimation, backwards within each sample; a token with mask 0 (an observation)
+    neither takes a TD step nor moves the next value: both carry over it. returns = A + values before the
+    advantages are whitened (not re-masked)."""
+    if inputs.values is None:
+        raise ValueError("gae needs the values payload")
+    cfg, mask = inputs.config, inputs.mask.to(torch.float32)
+    rho, values = token_rewards(inputs), inputs.values.to(torch.float32)
+    adv = torch.empty_like(rho)
+    last, active = reverse_scan_order(inputs.lengths)
+    next_value = torch.zeros(last.numel(), dtype=torch.float32)
+    running = torch.zeros(last.numel(), dtype=torch.float32)
+    for k, n in enumerate(active):
+        at = last[:n] - k
+        v, m = values[at], mask[at]
+        delta = rho[at] + cfg.gamma * next_value[:n] - v
+        step = delta + cfg.gamma * cfg.lam * running[:n]
+        keep = 1.0 - m
+        next_value[:n] = v * m + keep * next_value[:n]
+        running[:n] = step * m + keep * running[:n]
+        adv[at] = running[:n]
+    returns = adv + values
+    return AdvantageOutputs(masked_whiten(adv, mask), returns)
+
+
+__all__ = ["AdvantageInputs", "AdvantageOutputs", "RewardInputs", "broadcast_advantages", "discounted_returns",
+           "gae_advantages", "grpo_rewards", "mean_baseline_rewards", "outcome_advantages", "raw_rewards",
+           "reinforce_plus_plus_advantages", "reinforce_plus_plus_baseline_advantages", "rloo_rewards",
+           "token_rewards"]

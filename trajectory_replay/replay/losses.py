@@ -1,0 +1,234 @@
+"""Policy losses, loss aggregation and the clipped value loss: the loss.policy and loss.value kernels.
+
+Every aggregation mode is a weighted sum of per-sample masked sums, Agg(x) = sum_i w_i sum_t x_it m_it,
+with weights that depend only on the cohort's token counts (and the config's recorded denominators).
+So a loss is computed over blocks of whole samples (`BLOCK_TOKENS` tokens each: per-token temporaries
+stay a small fraction of the inputs), the per-sample sums kept exact in float64, and weighted once at
+the end; the result does not depend on the blocking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from trajectory_replay.bundle.schema import RecomputeConfig
+from trajectory_replay.replay.kernels import kl_estimate, masked_sample_sums, sample_blocks, token_counts
+
+if TYPE_CHECKING:
+    from trajectory_replay.replay.registry import Kernels
+
+BLOCK_TOKENS = 1 << 19
+SEQ_MEAN_EPS = 1e-8
+GSPO_LOG_RATIO_MAX = 10.0
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """One block of whole samples: per-token log-probs and advantages, the mask, and each sample's length."""
+
+    log_probs: torch.Tensor
+    old_log_probs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    lengths: torch.Tensor
+    config: RecomputeConfig
+
+
+@dataclass(frozen=True)
+class PolicyLossTokens:
+    """Per-token terms of a policy loss: the loss, whether the token was clipped, and old - current log-prob."""
+
+    pg: torch.Tensor
+    clipfrac: torch.Tensor
+    ppo_kl: torch.Tensor
+
+
+def _log_ratio(inputs: PolicyInputs) -> torch.Tensor:
+    """cur - old in float32, clamped to [-c, c] with ratio_log_clamp."""
+    log_ratio = inputs.log_probs.to(torch.float32) - inputs.old_log_probs.to(torch.float32)
+    c = inputs.config.ratio_log_clamp
+    return log_ratio.clamp_(-c, c) if c is not None else log_ratio
+
+
+def ppo_clip_tokens(inputs: PolicyInputs) -> PolicyLossTokens:
+    """PPO clipped surrogate with asymmetric clip, max(-ratio A, -clip(ratio) A), and the optional dual clip
+    (where A < 0: min(-c A, pg)); clipped where the clipped term is strictly larger."""
+    cfg = inputs.config
+    a = inputs.advantages.to(torch.float32)
+    log_ratio = _log_ratio(inputs)
+    ratio = torch.exp(log_ratio)
+    pg = ratio.mul(a).neg_()  # the unclipped term, turned into pg in place below
+    clipped = ratio.clamp_(1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high).mul_(a).neg_()
+    del ratio  # clamped in place above
+    clipfrac = clipped > pg  # bool: a quarter of the memory of a float tensor; reductions promote it
+    torch.maximum(pg, clipped, out=pg)
+    del clipped
+    if cfg.eps_clip_c is not None:
+        pg = torch.where(a < 0, torch.minimum(a.mul(-cfg.eps_clip_c), pg), pg)
+    return PolicyLossTokens(pg=pg, clipfrac=clipfrac, ppo_kl=log_ratio.neg_())
+
+
+def gspo_tokens(inputs: PolicyInputs) -> PolicyLossTokens:
+    """GSPO: one importance ratio per sequence, s_i = exp(mean over its masked tokens of cur - old), the log
+    capped at 10, clipped like PPO on every token of the sequence."""
+    cfg = inputs.config
+    a = inputs.advantages.to(torch.float32)
+    log_ratio = inputs.log_probs.to(torch.float32) - inputs.old_log_probs.to(torch.float32)
+    mask = inputs.mask.to(torch.float32)
+    lengths = inputs.lengths.to(torch.int64)
+    seq = torch.segment_reduce(log_ratio * mask, "sum", lengths=lengths)
+    seq /= torch.segment_reduce(mask, "sum", lengths=lengths).clamp_(min=1.0)
+    ratio = torch.repeat_interleave(torch.exp(seq.clamp_(max=GSPO_LOG_RATIO_MAX)), lengths)
+    pg = ratio.mul(a).neg_()
+    clipped = ratio.clamp_(1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high).mul_(a).neg_()
+    clipfrac = clipped > pg
+    torch.maximum(pg, clipped, out=pg)
+    return PolicyLossTokens(pg=pg, clipfrac=clipfrac, ppo_kl=log_ratio.neg_())
+
+
+def cispo_tokens(inputs: PolicyInputs) -> PolicyLossTokens:
+    """CISPO: the clipped ratio as a constant weight on the log-prob, pg = -clip(ratio) A cur; clipped where
+    the clip changed the ratio."""
+    cfg = inputs.config
+    log_ratio = _log_ratio(inputs)
+    ratio = torch.exp(log_ratio)
+    weight = ratio.clamp(1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high)
+    clipfrac = weight != ratio
+    pg = weight.mul_(inputs.advantages.to(torch.float32)).mul_(inputs.log_probs.to(torch.float32)).neg_()
+    return PolicyLossTokens(pg=pg, clipfrac=clipfrac, ppo_kl=log_ratio.neg_())
+
+
+# --------------------------------------------------------------------------- aggregation weights
+
+def _denominator(config: RecomputeConfig, counted: torch.Tensor) -> torch.Tensor:
+    """The recorded global denominator when there is one, else the local count (0 stays 0: nothing to divide)."""
+    if config.loss_denominator is not None:
+        return torch.tensor(float(config.loss_denominator), dtype=torch.float64)
+    return counted
+
+
+def _safe_reciprocal(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x != 0, 1.0 / x, torch.zeros_like(x))
+
+
+def sum_of_sample_means_weights(tokens: torch.Tensor, config: RecomputeConfig) -> torch.Tensor:
+    """sum_i mean_i: each sample's masked sum over max(T_i, 1)."""
+    return 1.0 / tokens.clamp(min=1.0)
+
+
+def token_mean_weights(tokens: torch.Tensor, config: RecomputeConfig) -> torch.Tensor:
+    """sum x m / (loss_denominator or sum m)."""
+    return _safe_reciprocal(_denominator(config, tokens.sum())).expand_as(tokens).clone()
+
+
+def seq_mean_token_mean_weights(tokens: torch.Tensor, config: RecomputeConfig) -> torch.Tensor:
+    """Mean over the sequences with T_i > 0 (or loss_denominator) of each sequence's masked mean (T_i + 1e-8)."""
+    present = (tokens > 0).to(torch.float64)
+    return present / (tokens + SEQ_MEAN_EPS) * _safe_reciprocal(_denominator(config, present.sum()))
+
+
+def seq_mean_token_sum_weights(tokens: torch.Tensor, config: RecomputeConfig) -> torch.Tensor:
+    """Mean over the sequences with T_i > 0 (or loss_denominator) of each sequence's masked sum."""
+    present = (tokens > 0).to(torch.float64)
+    return present * _safe_reciprocal(_denominator(config, present.sum()))
+
+
+def seq_mean_token_sum_norm_weights(tokens: torch.Tensor, config: RecomputeConfig) -> torch.Tensor:
+    """sum x m / loss_scale_factor (the padded width production divided by; replay refuses it unrecorded)."""
+    if config.loss_scale_factor is None:
+        raise ValueError("seq_mean_token_sum_norm needs loss_scale_factor")
+    return torch.full_like(tokens, 1.0 / float(config.loss_scale_factor))
+
+
+# --------------------------------------------------------------------------- the stage outputs
+
+@dataclass(frozen=True)
+class PolicyLossData:
+    """The per-token inputs of loss.policy over a whole cohort (ref_log_probs only with a KL loss)."""
+
+    log_probs: torch.Tensor
+    old_log_probs: torch.Tensor
+    advantages: torch.Tensor
+    entropy: torch.Tensor
+    mask: torch.Tensor
+    lengths: torch.Tensor
+    ref_log_probs: Optional[torch.Tensor] = None
+
+
+def policy_loss_outputs(data: PolicyLossData, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
+    """The loss.policy scalars: pg_loss, pg_clipfrac, ppo_kl, entropy_loss (and kl_loss with kl_loss_coef),
+    each aggregated by the config's mode; loss_scale on the loss terms; loss = pg - ec ent + klc kl."""
+    lengths = data.lengths.to(torch.int64)
+    with_kl = config.kl_loss_coef != 0
+    sums: dict[str, list[torch.Tensor]] = {f: [] for f in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss")}
+    if with_kl:
+        sums["kl_loss"] = []
+    for first, last, start, end in sample_blocks(lengths, BLOCK_TOKENS):
+        mask, block_lengths = data.mask[start:end], lengths[first:last]
+        terms = kernels.policy_loss.tokens(PolicyInputs(
+            data.log_probs[start:end], data.old_log_probs[start:end], data.advantages[start:end], mask,
+            block_lengths, config))
+        sums["pg_loss"].append(masked_sample_sums(terms.pg, mask, block_lengths))
+        sums["pg_clipfrac"].append(masked_sample_sums(terms.clipfrac, mask, block_lengths))
+        sums["ppo_kl"].append(masked_sample_sums(terms.ppo_kl, mask, block_lengths))
+        del terms
+        sums["entropy_loss"].append(masked_sample_sums(data.entropy[start:end], mask, block_lengths))
+        if with_kl:
+            assert data.ref_log_probs is not None
+            kl = kl_estimate(data.log_probs[start:end], data.ref_log_probs[start:end], config.kl_loss_estimator,
+                             config.kl_log_ratio_clamp, config.kl_output_clamp)
+            sums["kl_loss"].append(masked_sample_sums(kl, mask, block_lengths))
+    out = _aggregate(sums, token_counts(data.mask, lengths), config, kernels)
+    for term in ("pg_loss", "entropy_loss", "kl_loss"):
+        if term in out:
+            out[term] *= config.loss_scale
+    out["loss"] = out["pg_loss"] - config.entropy_coef * out["entropy_loss"]
+    if with_kl:
+        out["loss"] += config.kl_loss_coef * out["kl_loss"]
+    return out
+
+
+@dataclass(frozen=True)
+class ValueLossData:
+    """The per-token inputs of loss.value over a whole cohort."""
+
+    values: torch.Tensor
+    vpreds: torch.Tensor
+    returns: torch.Tensor
+    mask: torch.Tensor
+    lengths: torch.Tensor
+
+
+def value_loss_outputs(data: ValueLossData, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
+    """Clipped value loss: vf = max((v' - R)^2, (clip(v', v - c, v + c) - R)^2), vf_loss = 0.5 Agg(vf) (times
+    loss_scale), vf_clipfrac = Agg(clipped term strictly larger)."""
+    lengths = data.lengths.to(torch.int64)
+    c = config.cliprange_value
+    sums: dict[str, list[torch.Tensor]] = {"vf_loss": [], "vf_clipfrac": []}
+    for first, last, start, end in sample_blocks(lengths, BLOCK_TOKENS):
+        mask, block_lengths = data.mask[start:end], lengths[first:last]
+        values, vpreds = data.values[start:end].to(torch.float32), data.vpreds[start:end].to(torch.float32)
+        returns = data.returns[start:end].to(torch.float32)
+        clipped = torch.maximum(torch.minimum(vpreds, values + c), values - c).sub_(returns).square_()
+        unclipped = vpreds.sub(returns).square_()
+        sums["vf_clipfrac"].append(masked_sample_sums(clipped > unclipped, mask, block_lengths))
+        sums["vf_loss"].append(masked_sample_sums(torch.maximum(unclipped, clipped), mask, block_lengths))
+    out = _aggregate(sums, token_counts(data.mask, lengths), config, kernels)
+    out["vf_loss"] *= 0.5 * config.loss_scale
+    return out
+
+
+def _aggregate(sums: dict[str, list[torch.Tensor]], tokens: torch.Tensor, config: RecomputeConfig,
+               kernels: "Kernels") -> dict[str, float]:
+    """Each field's per-sample masked sums weighted by the aggregation mode, as a Python float."""
+    weights = kernels.aggregation.weights(tokens, config).to(torch.float64)
+    return {name: float(torch.cat(parts).mul_(weights).sum()) if parts else 0.0 for name, parts in sums.items()}
+
+
+__all__ = ["BLOCK_TOKENS", "PolicyInputs", "PolicyLossData", "PolicyLossTokens", "ValueLossData", "cispo_tokens",
+           "gspo_tokens", "policy_loss_outputs", "ppo_clip_tokens", "seq_mean_token_mean_weights",
+           "seq_mean_token_sum_norm_weights", "seq_mean_token_sum_weights", "sum_of_sample_means_weights",
+           "token_mean_weights", "value_loss_outputs"]
