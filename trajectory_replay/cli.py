@@ -201,6 +201,24 @@ def check_tolerance(flag: str, value: Optional[float]) -> Optional[float]:
     return value
 
 
+def parse_overrides(assignments: list[str]) -> dict[str, Any]:
+    """`--set FIELD=VALUE` flags as {field: value}: VALUE parsed as JSON (true, 1e-4, null, "x"), else kept as a
+    string; UsageError for a flag without `=` or a field given twice."""
+    out: dict[str, Any] = {}
+    for item in assignments:
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise UsageError(f"--set {item!r}: expected FIELD=VALUE")
+        if name in out:
+            raise UsageError(f"--set {name}: given twice")
+        try:
+            out[name] = json.loads(raw)
+        except ValueError:
+            out[name] = raw
+    return out
+
+
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the human report.")]
 StepFlag = Annotated[Optional[str], typer.Option("--step", help="ROLLOUT:STEP of a step-level bundle.")]
 RolloutFlag = Annotated[Optional[int], typer.Option("--rollout", help="Rollout id of a rollout-level bundle.")]
@@ -218,6 +236,8 @@ def replay_cmd(
     stage: Annotated[list[str], typer.Option("--stage", help="Run this stage and what it depends on (repeatable).")] = [],
     atol: Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance for every stage.")] = None,
     rtol: Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance for every stage.")] = None,
+    set_: Annotated[list[str], typer.Option("--set", help="FIELD=VALUE: replay with a recompute config field "
+                                            "overridden (repeatable; VALUE as JSON, else a string).")] = [],
     as_json: JsonFlag = False,
 ) -> None:
     """Recompute reward -> advantage -> loss and report the first divergence."""
@@ -227,14 +247,39 @@ def replay_cmd(
     if step is not None and rollout is not None:
         raise UsageError("--step and --rollout are mutually exclusive")
     atol, rtol = check_tolerance("--atol", atol), check_tolerance("--rtol", rtol)
+    overrides = parse_overrides(set_)
     sources, rank = open_for_replay(path, step=step, rollout=rollout)
     report = replay(sources, samples=sample, groups=group, batches=batch, stages=stage or None,
-                    atol=atol, rtol=rtol, rank=rank)
+                    atol=atol, rtol=rtol, rank=rank, overrides=overrides)
     if as_json:
         emit_json("pass" if report.passed else "diverged", report.to_dict(), allow_nan=False)
     else:
         emit(report.render_text())
     raise typer.Exit(report.exit_code)
+
+
+@app.command("conventions", cls=Command)
+@command
+def conventions_cmd(
+    path: Annotated[str, typer.Argument(help="Bundle, bundle/rank-<r>, capture directory or store root (path or URL).")],
+    step: StepFlag = None,
+    rollout: RolloutFlag = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Replay under every convention profile and single-field variant; say which reproduce each stage."""
+    from trajectory_replay.bundle import open_for_replay
+    from trajectory_replay.replay.convention_search import find_conventions
+
+    if step is not None and rollout is not None:
+        raise UsageError("--step and --rollout are mutually exclusive")
+    sources, rank = open_for_replay(path, step=step, rollout=rollout)
+    found = find_conventions(sources, rank=rank)
+    status = "pass" if found.best is not None else "diverged"
+    if as_json:
+        emit_json(status, found.to_dict(), allow_nan=False)
+    else:
+        emit(found.render_text())
+    raise typer.Exit(0 if found.best is not None else 1)
 
 
 @app.command("inspect", cls=Command)

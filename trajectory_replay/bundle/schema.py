@@ -14,7 +14,7 @@ import warnings
 from enum import Enum
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.store.digest import OBJECTS_DIR, REFS_DIR
@@ -218,6 +218,13 @@ class RecomputeConfig(_Model):
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"
     cliprange_value: float = 0.2
+
+    _profile: Optional[str] = PrivateAttr(default=None)
+
+    @property
+    def profile(self) -> Optional[str]:
+        """The convention profile this config was built from (`from_profile`), if any; the writer records it."""
+        return self._profile
 
     @classmethod
     def from_profile(cls, profile: str, **overrides: Any) -> "RecomputeConfig":

@@ -32,6 +32,7 @@ from trajectory_replay.bundle.markers import (
 )
 from trajectory_replay.bundle.paths import split_bundle_path
 from trajectory_replay.bundle.redaction import check_policy, redact_samples
+from trajectory_replay import conventions
 from trajectory_replay.bundle.schema import (
     BundleIndex, Expected, Manifest, PayloadSpec, SchemaWarning, check_name,
 )
@@ -62,6 +63,10 @@ class BundleWriter:
         self.name = check_or_raise(name, "bundle id")
         self.manifest = manifest if isinstance(manifest, Manifest) else validate_document(Manifest, manifest, "manifest")
         self.index = index if isinstance(index, BundleIndex) else validate_document(BundleIndex, index, "index")
+        if self.manifest.conventions is None and self.index.config.profile is not None:
+            # a config built from a convention profile: the manifest says which, and at which framework version
+            self.manifest = self.manifest.model_copy(
+                update={"conventions": conventions.profile(self.index.config.profile).record()})
         # models built with model_copy skip validation: check the names they carry here
         check_or_raise(self.manifest.bundle_id, "bundle_id")
         check_policy(self.manifest.redaction, name)

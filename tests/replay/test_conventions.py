@@ -1,0 +1,110 @@
+"""Convention profiles, and the search that names the convention production followed."""
+
+from __future__ import annotations
+
+import pytest
+
+from trajectory_replay import conventions
+from trajectory_replay.bundle.schema import BundleIndex, RecomputeConfig
+from trajectory_replay.replay.convention_search import find_conventions
+from trajectory_replay.replay.runner import replay
+
+from tests.replay.conftest import MemorySource
+from tests.replay.reference64 import algorithm_case
+
+
+def _recorded_as(case, recorded: dict) -> MemorySource:
+    """The bundle of `case` (expected values from production's config) recording `recorded` as its config."""
+    manifest, index, expected, payloads = case
+    recorded = {"n_samples_per_prompt": index.config.n_samples_per_prompt, **recorded}
+    index = BundleIndex.model_validate({**index.model_dump(), "config": recorded})
+    return MemorySource(manifest, index, expected, payloads)
+
+
+BASE = {"advantage_estimator": "grpo", "grpo_std_normalization": True, "kl_coef": 0.05, "entropy_coef": 0.01}
+
+
+def test_from_profile_maps_the_frameworks_names_and_remembers_the_profile():
+    config = RecomputeConfig.from_profile("verl", norm_adv_by_std_in_grpo=False, loss_agg_mode="seq-mean-token-mean",
+                                          clip_ratio=0.3, kl_loss_type="mse", kl_coef=0.001)
+    assert (config.grpo_std_normalization, config.loss_agg_mode, config.eps_clip, config.eps_clip_high) == \
+        (False, "seq_mean_token_mean", 0.3, 0.3)
+    assert config.kl_loss_estimator == "k2" and config.kl_loss_type == "k1"   # verl's kl_loss_type is the loss's
+    assert (config.singleton_group, config.mask_advantages, config.eps_clip_c, config.kl_coef) == \
+        ("unit", True, 3.0, 0.001)
+    assert config.profile == "verl" and RecomputeConfig().profile is None
+    trl = RecomputeConfig.from_profile("trl", loss_type="grpo", beta=0.04, scale_rewards="none")
+    assert (trl.loss_agg_mode, trl.kl_loss_coef, trl.grpo_std_normalization, trl.std_eps) == \
+        ("seq_mean_token_mean", 0.04, False, 1e-4)
+
+
+def test_from_profile_refuses_unknown_profiles_and_options_by_name():
+    with pytest.raises(ValueError, match="unknown convention profile 'veryl': profiles are relax, verl"):
+        RecomputeConfig.from_profile("veryl")
+    with pytest.raises(ValueError, match="'clip_ratio' is neither a recompute config field nor a TRL option"):
+        RecomputeConfig.from_profile("trl", clip_ratio=0.3)
+
+
+def test_relax_is_the_default_config_and_every_profile_is_replayable():
+    assert RecomputeConfig.from_profile("relax").model_dump() == RecomputeConfig().model_dump()
+    for name in conventions.PROFILES:
+        case = algorithm_case({**BASE, **conventions.PROFILES[name].settings, "n_samples_per_prompt": 4})
+        source = MemorySource(*case)
+        assert replay([source]).passed, name
+
+
+def test_apply_profile_changes_conventions_and_keeps_the_runs_hyperparameters():
+    recorded = RecomputeConfig(kl_coef=0.3, eps_clip=0.1, n_samples_per_prompt=8, loss_agg_mode="token_mean",
+                               loss_denominator=512)
+    applied = conventions.apply_profile(recorded, "trl")
+    assert (applied.kl_coef, applied.eps_clip, applied.n_samples_per_prompt, applied.loss_denominator) == \
+        (0.3, 0.1, 8, 512)
+    assert (applied.std_eps, applied.grpo_std_normalization) == (1e-4, True)
+    assert conventions.apply_profile(applied, "relax").loss_agg_mode == "sum_of_sample_means"
+
+
+@pytest.mark.parametrize("production, named", [
+    ({"std_unbiased": False}, "std_unbiased=False"),
+    ({"std_eps": 1e-4}, "std_eps=0.0001"),
+])
+def test_search_names_the_single_field_production_used(production, named):
+    source = _recorded_as(algorithm_case({**BASE, **production}, seed=3), BASE)
+    found = find_conventions([source])
+    assert found.candidates[0].stages["reward.post_process"] == "fail"
+    assert found.best is not None and found.best.name == named
+    assert found.reproducing("reward.post_process")[0] == named
+
+
+def test_search_solves_a_global_token_denominator():
+    production = {**BASE, "loss_agg_mode": "token_mean", "loss_denominator": 96.0}
+    source = _recorded_as(algorithm_case(production, seed=5), {**BASE, "loss_agg_mode": "token_mean"})
+    found = find_conventions([source])
+    assert found.best is not None and found.best.changes == {"loss_denominator": 96.0}
+    assert "loss_denominator=96.0" in found.render_text()
+
+
+def test_search_names_the_profile_of_a_bundle_built_with_verl_defaults():
+    verl = RecomputeConfig.from_profile("verl", kl_coef=0.05, entropy_coef=0.01, n_samples_per_prompt=4)
+    source = _recorded_as(algorithm_case(verl.model_dump(), seed=7, singleton=True),
+                          {**BASE, "n_samples_per_prompt": 4, "group_size_check": "any"})
+    found = find_conventions([source])
+    assert found.best is not None and found.best.name == "profile verl"
+    everything = [c.name for c in found.candidates if c.reproduces_all]
+    assert everything == ["profile verl"]
+    as_dict = found.to_dict()
+    assert as_dict["best"] == "profile verl" and as_dict["reproduced_by"]["loss.policy"][-1] == "profile verl"
+
+
+def test_a_bug_that_is_no_convention_is_reproduced_by_no_candidate():
+    from trajectory_replay.replay.fixtures import canonical_case
+
+    found = find_conventions([MemorySource(*canonical_case(buggy=True))])
+    assert found.best is None and found.reproducing("reward.post_process") == []
+    assert "every stage reproduced by: no candidate" in found.render_text()
+
+
+def test_the_search_reads_each_payload_once():
+    source = _recorded_as(algorithm_case({**BASE, "std_eps": 1e-4}, seed=3), BASE)
+    find_conventions([source])
+    names = [name for name, _ in source.loads]
+    assert len(names) == len(set(names))

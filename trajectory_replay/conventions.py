@@ -1,0 +1,212 @@
+"""Convention profiles: what each training framework's defaults amount to, in recompute-config fields.
+
+Frameworks compute the same named algorithm with different conventions (biased or unbiased std, the eps
+added to it, what a group of one becomes, whether advantages are masked, how a loss is aggregated, which
+clamps guard the log ratios). A profile fixes those for one framework at one version, and translates the
+framework's own option names and values into ours, so a producer records exactly what production did:
+
+    RecomputeConfig.from_profile("verl", norm_adv_by_std_in_grpo=False, loss_agg_mode="seq-mean-token-mean")
+
+The config remembers the profile, and the bundle's manifest records it (`Manifest.conventions`).
+`trajectory-replay conventions <bundle>` replays a bundle under every profile to tell which one production
+followed. docs/conventions.md lists what each framework does that no field expresses.
+
+Pure data and functions; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+
+if TYPE_CHECKING:
+    from trajectory_replay.bundle.schema import ConventionsRecord, RecomputeConfig
+
+CONVENTION_FIELDS = ("group_size_check", "grpo_std_normalization", "std_unbiased", "std_eps", "singleton_group",
+                     "mask_advantages", "kl_log_ratio_clamp", "kl_output_clamp", "eps_clip_c", "ratio_log_clamp",
+                     "loss_agg_mode", "kl_loss_estimator")
+"""The fields a framework decides by convention (or by a default users rarely change). Applying a profile to a
+recorded config (`apply_profile`) changes these and keeps the run's own hyperparameters (kl_coef, eps_clip,
+n_samples_per_prompt, the recorded denominators, ...)."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """A framework option: the config field it sets, and how its value translates (None: taken as is)."""
+
+    field: str
+    translate: Optional[Callable[[Any], Mapping[str, Any]]] = None
+    """Maps the option's value to one or more fields, e.g. verl's 'token-mean' -> loss_agg_mode token_mean."""
+
+    def fields(self, value: Any) -> Mapping[str, Any]:
+        """The config fields this option's `value` sets."""
+        return self.translate(value) if self.translate is not None else {self.field: value}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One framework's conventions at one version."""
+
+    name: str
+    framework: str
+    framework_version: str
+    settings: Mapping[str, Any]
+    """Config fields that differ from the defaults (the defaults are the `relax` profile)."""
+    options: Mapping[str, Option] = field(default_factory=dict)
+    """The framework's option names, for `from_profile` overrides."""
+
+    def record(self) -> "ConventionsRecord":
+        """What a manifest records of this profile."""
+        from trajectory_replay.bundle.schema import ConventionsRecord
+
+        return ConventionsRecord(profile=self.name, framework=self.framework,
+                                 framework_version=self.framework_version)
+
+
+def _mode(value: Any) -> dict[str, Any]:
+    """A loss aggregation mode spelled with hyphens (verl) or underscores."""
+    return {"loss_agg_mode": str(value).replace("-", "_")}
+
+
+def _named(field_name: str, names: Mapping[str, str]) -> Callable[[Any], Mapping[str, Any]]:
+    """A value translated through a table of the framework's names (unlisted values pass through)."""
+    return lambda value: {field_name: names.get(str(value), value)}
+
+
+def _both(*fields: str) -> Callable[[Any], Mapping[str, Any]]:
+    """One framework option that sets several of our fields to the same value."""
+    return lambda value: dict.fromkeys(fields, value)
+
+
+_VERL_KL = {"kl": "k1", "mse": "k2", "k3+": "k3", "low_var_kl+": "low_var_kl"}
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (
+    Profile("relax", "relax", "1.0", {}),
+    Profile("verl", "verl", "0.8.0.dev (b178a3cd)", {
+        "group_size_check": "any", "grpo_std_normalization": True, "singleton_group": "unit",
+        "mask_advantages": True, "kl_log_ratio_clamp": 20.0, "kl_output_clamp": 10.0, "eps_clip_c": 3.0,
+        "ratio_log_clamp": 20.0, "loss_agg_mode": "token_mean", "kl_loss_estimator": "low_var_kl",
+        "cliprange_value": 0.5,
+    }, {
+        "adv_estimator": Option("advantage_estimator"),
+        "norm_adv_by_std_in_grpo": Option("grpo_std_normalization"),
+        "clip_ratio": Option("eps_clip", _both("eps_clip", "eps_clip_high")),
+        "clip_ratio_low": Option("eps_clip"), "clip_ratio_high": Option("eps_clip_high"),
+        "clip_ratio_c": Option("eps_clip_c"), "loss_agg_mode": Option("loss_agg_mode", _mode),
+        "entropy_coeff": Option("entropy_coef"), "kl_loss_type": Option("kl_loss_estimator",
+                                                                       _named("kl_loss_estimator", _VERL_KL)),
+        "kl_penalty": Option("kl_loss_type", _named("kl_loss_type", _VERL_KL)),
+        "use_kl_in_reward": Option("kl_in_reward"), "loss_mode": Option("policy_loss",
+                                                                       _named("policy_loss", {"vanilla": "ppo_clip"})),
+    }),
+    Profile("slime", "slime", "0.3.1 (624b824a)", {"grpo_std_normalization": True, "kl_loss_estimator": "k1"}, {
+        "disable_grpo_std_normalization": Option("grpo_std_normalization",
+                                                 lambda v: {"grpo_std_normalization": not v}),
+        "kl_loss_type": Option("kl_loss_type", _both("kl_loss_type", "kl_loss_estimator")),
+        "lambd": Option("lam"), "value_clip": Option("cliprange_value"),
+        "advantage_estimator": Option("advantage_estimator", lambda v: {
+            "ppo": {"advantage_estimator": "gae"},
+            "gspo": {"advantage_estimator": "grpo", "policy_loss": "gspo"},
+            "cispo": {"advantage_estimator": "grpo", "policy_loss": "cispo"},
+        }.get(str(v), {"advantage_estimator": v})),
+    }),
+    Profile("openrlhf", "OpenRLHF", "0.11.0 (3c3be623)", {
+        "grpo_std_normalization": True, "std_eps": 1e-9, "mask_advantages": True, "kl_output_clamp": 10.0,
+        "ratio_log_clamp": 20.0, "loss_agg_mode": "token_mean", "kl_loss_estimator": "k1", "cliprange_value": 0.5,
+    }, {
+        "estimator": Option("advantage_estimator", lambda v: {
+            "group_norm": {"advantage_estimator": "grpo", "grpo_std_normalization": True},
+            "reinforce": {"advantage_estimator": "reinforce_plus_plus"},
+            "reinforce_baseline": {"advantage_estimator": "reinforce_plus_plus_baseline"},
+        }.get(str(v), {"advantage_estimator": v})),
+        "init_coef": Option("kl_coef"), "dual_clip": Option("eps_clip_c"), "value_clip": Option("cliprange_value"),
+        "lambd": Option("lam"), "policy_loss_type": Option("policy_loss", _named("policy_loss", {"ppo": "ppo_clip"})),
+    }),
+    Profile("trl", "TRL", "1.10.0.dev0 (f2cd5771)", {
+        "grpo_std_normalization": True, "std_eps": 1e-4, "loss_agg_mode": "token_mean",
+    }, {
+        "beta": Option("kl_loss_coef"), "epsilon": Option("eps_clip"), "epsilon_high": Option("eps_clip_high"),
+        "num_generations": Option("n_samples_per_prompt"),
+        "scale_rewards": Option("grpo_std_normalization",
+                                lambda v: {"grpo_std_normalization": v not in (False, "none", "false")}),
+        "loss_type": Option("loss_agg_mode", lambda v: {
+            "dapo": {"loss_agg_mode": "token_mean"}, "bnpo": {"loss_agg_mode": "token_mean"},
+            "grpo": {"loss_agg_mode": "seq_mean_token_mean"},
+            "dr_grpo": {"loss_agg_mode": "seq_mean_token_sum_norm"},
+            "cispo": {"loss_agg_mode": "token_mean", "policy_loss": "cispo"},
+        }.get(str(v), {"loss_agg_mode": v})),
+    }),
+    Profile("nemo_rl", "NeMo-RL", "0.6.0 (7ea279ab)", {
+        "group_size_check": "any", "grpo_std_normalization": True, "kl_log_ratio_clamp": 20.0,
+        "kl_output_clamp": 10.0, "loss_agg_mode": "token_mean", "kl_loss_coef": 0.01,
+    }, {
+        "normalize_rewards": Option("grpo_std_normalization"),
+        "reference_policy_kl_penalty": Option("kl_loss_coef"),
+        "reference_policy_kl_type": Option("kl_loss_estimator"),
+        "kl_input_clamp_value": Option("kl_log_ratio_clamp"), "kl_output_clamp_value": Option("kl_output_clamp"),
+        "ratio_clip_min": Option("eps_clip"), "ratio_clip_max": Option("eps_clip_high"),
+        "ratio_clip_c": Option("eps_clip_c"), "use_kl_in_reward": Option("kl_in_reward"),
+        "token_level_loss": Option("loss_agg_mode", lambda v: {
+            "loss_agg_mode": "token_mean" if v else "seq_mean_token_mean"}),
+        "gae_gamma": Option("gamma"), "gae_lambda": Option("lam"),
+        "num_generations_per_prompt": Option("n_samples_per_prompt"),
+    }),
+    Profile("areal", "AReaL", "1.0.4 (4aef98d8)", {
+        "grpo_std_normalization": True, "std_eps": 1e-5, "kl_output_clamp": 10.0, "loss_agg_mode": "token_mean",
+        "cliprange_value": 0.5,
+    }, {
+        "eps_clip_higher": Option("eps_clip_high"), "c_clip": Option("eps_clip_c"), "discount": Option("gamma"),
+        "gae_lambda": Option("lam"), "kl_ctl": Option("kl_coef"), "kl_estimator": Option("kl_loss_type"),
+        "group_size": Option("n_samples_per_prompt"),
+    }),
+)}
+"""Every profile, by name; `relax` (this tool's own conventions) is the default config."""
+
+
+def profile(name: str) -> Profile:
+    """The profile `name`; ValueError listing the profiles for an unknown one."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown convention profile {name!r}: profiles are {', '.join(PROFILES)}") from None
+
+
+def profile_fields(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The config fields a profile with `overrides` (the framework's option names, or our field names) sets."""
+    from trajectory_replay.bundle.schema import RecomputeConfig
+
+    prof = profile(name)
+    fields = dict(prof.settings)
+    for key, value in overrides.items():
+        if key in prof.options:  # a name both spell (verl's kl_loss_type) means what the framework means by it
+            fields.update(prof.options[key].fields(value))
+        elif key in RecomputeConfig.model_fields:
+            fields[key] = value
+        else:
+            known = ", ".join(prof.options) or "none"
+            raise ValueError(f"{key!r} is neither a recompute config field nor a {prof.framework} option of profile "
+                             f"{prof.name!r} (its options: {known})")
+    return fields
+
+
+def config_from_profile(name: str, **overrides: Any) -> "RecomputeConfig":
+    """The RecomputeConfig of profile `name` with `overrides`; it remembers the profile (`config.profile`)."""
+    from trajectory_replay.bundle.schema import RecomputeConfig
+
+    config = RecomputeConfig.model_validate(profile_fields(name, overrides))
+    config._profile = name
+    return config
+
+
+def apply_profile(config: "RecomputeConfig", name: str) -> "RecomputeConfig":
+    """`config` with profile `name`'s conventions (the `CONVENTION_FIELDS`, at the profile's values or the defaults)
+    and the run's own hyperparameters kept."""
+    from trajectory_replay.bundle.schema import RecomputeConfig
+
+    defaults, prof = RecomputeConfig(), profile(name)
+    update = {f: prof.settings.get(f, getattr(defaults, f)) for f in CONVENTION_FIELDS}
+    return RecomputeConfig.model_validate({**config.model_dump(), **update})
+
+
+__all__ = ["CONVENTION_FIELDS", "Option", "PROFILES", "Profile", "apply_profile", "config_from_profile", "profile",
+           "profile_fields"]
