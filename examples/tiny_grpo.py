@@ -9,18 +9,27 @@ Shape of the run (slime-like, one-version-lag async):
 - Rank 0 runs a rollout producer thread. Rollout k is generated with policy version max(k-1, 0) while the
   trainer is still training on rollout k-1 (version v = number of rollouts trained on). The producer waits for
   exactly that version, so the lag is fixed and the run is deterministic whatever the thread timing.
-- Rewards are group-normalized by the producer (it needs whole prompt groups), then the rollout is streamed
-  in consumer batches of --consumer-batch samples, which is deliberately not a multiple of n_samples_per_prompt:
-  prompt groups straddle consumer batches, and each consumer batch is split into W disjoint, contiguous rank
-  shards, so groups straddle ranks too. One consumer batch = one optimizer step (actor step (rollout, step)).
+- Rewards are post-processed by the producer (the group estimators need whole prompt groups), then the rollout
+  is streamed in consumer batches of --consumer-batch samples, which is deliberately not a multiple of
+  n_samples_per_prompt: prompt groups straddle consumer batches, and each consumer batch is split into W
+  disjoint, contiguous rank shards, so groups straddle ranks too. One consumer batch = one optimizer step
+  (actor step (rollout, step)).
 - Old log-probs are the rollout policy's log-probs *recomputed by the trainer* with a snapshot of the weights
   that generated the samples (the sampler's own values are kept as rollout_log_probs; they may differ by kernel
   rounding). Current log-probs come from the live model, reference log-probs from the frozen initial model.
-- KL (k1/k2/k3/low_var_kl, gated by kl_coef) is computed and recorded per token as in V1's GRPO; it does not
-  enter GRPO advantages or the loss. Advantages = the sample's post-processed reward on every token.
-- Loss scalars use the V1 reduction R(x) = sum over samples of the per-sample masked mean. Gradients are
-  all-reduced over gloo (summed) and the backward pass uses R(.)/consumer_batch, an average per sample.
+- KL (k1/k2/k3/low_var_kl, gated by kl_coef) is computed and recorded per token as in V1's GRPO; it enters the
+  token rewards of reinforce_plus_plus and gae only with --kl-in-reward, and the loss only with --kl-loss-coef.
+- Advantages (--estimator): grpo, dr_grpo and rloo put the sample's post-processed reward on every token;
+  reinforce_plus_plus(_baseline) and gae work on token rewards and whiten over the whole rollout (every rank's
+  shard of it), so for them the trainer receives a rollout's consumer batches before its first step. gae adds a
+  value head on the model's hidden states: old values from the behaviour snapshot, current ones from the live
+  model, and 0.5 * vf_loss in the training loss.
+- Loss scalars are aggregated by --loss-agg-mode; the default is the V1 reduction R(x) = sum over samples of the
+  per-sample masked mean, whose backward pass uses R(.)/consumer_batch (an average per sample). The other modes
+  divide by the step's global token or sequence count (recorded as loss_denominator) or by the longest response
+  (loss_scale_factor). Gradients are all-reduced over gloo (summed).
 
+The algorithms are this file's own code (it plays the training framework), not trajectory_replay's.
 `--fault pr65` reproduces the canonical bug: rewards are normalized over each physical consumer batch.
 
 Capture (trajectory_replay.capture) is off unless RELAX_REPLAY_CAPTURE=1 and RELAX_REPLAY_CAPTURE_DIR are set
@@ -122,22 +131,27 @@ def _capture_rollout(rollout_id: int, rollout_data: dict[str, list]) -> None:
 
 @_timed_hook
 def _capture_microbatch(rollout_id: int, step_id: int, mb_id: str, data: dict[str, Any]) -> None:
-    """Step-level data of one micro-batch, as the loss saw it."""
+    """Step-level data of one micro-batch, as the loss saw it (reference log-probs with a KL loss, values with
+    a value loss)."""
     capture.capture_microbatch(
         rollout_id, step_id, mb_id, sample_ids=data["sample_ids"], group_index=data["group_index"],
         response_lengths=data["response_lengths"], total_lengths=data["total_lengths"],
         loss_masks=data["loss_mask"], raw_rewards=data["raw_reward"], rewards=data["rewards"],
         old_log_probs=data["old_log_probs"], log_probs=data["log_probs"], entropy=data["entropy"],
-        advantages=data["advantages"])
+        advantages=data["advantages"], ref_log_probs=data.get("ref_log_probs"), values=data.get("values"),
+        vpreds=data.get("vpreds"), returns=data.get("returns"))
 
 
 @_timed_hook
 def _capture_step_end(rollout_id: int, step_id: int, scalars: dict[str, float],
-                      weight_lineage: dict[str, Any] | None = None) -> None:
-    """This rank's reported loss scalars for actor step (rollout_id, step_id)."""
+                      weight_lineage: dict[str, Any] | None = None, step_config: dict[str, Any] | None = None) -> None:
+    """This rank's reported loss scalars for actor step (rollout_id, step_id); `step_config` adds what only this
+    step knows (its global loss denominator)."""
     capture.capture_step_end(rollout_id, step_id, loss=scalars["loss"], pg_loss=scalars["pg_loss"],
                              entropy_loss=scalars["entropy_loss"], pg_clipfrac=scalars["pg_clipfrac"],
-                             ppo_kl=scalars["ppo_kl"], config=_CAPTURE["config"], weight_lineage=weight_lineage)
+                             ppo_kl=scalars["ppo_kl"], kl_loss=scalars.get("kl_loss"),
+                             vf_loss=scalars.get("vf_loss"), vf_clipfrac=scalars.get("vf_clipfrac"),
+                             config={**_CAPTURE["config"], **(step_config or {})}, weight_lineage=weight_lineage)
 
 
 def _shutdown_capture(timeout: float) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from trajectory_replay.bundle.markers import CompleteMarker
 from trajectory_replay.bundle.reader import BundleReader, native_readers
 from trajectory_replay.bundle.redaction import unknown_fields
 from trajectory_replay.bundle.resolve import V1, Bundle, open_bundle
-from trajectory_replay.bundle.schema import STAGE_ORDER, PayloadSpec
+from trajectory_replay.bundle.schema import STAGE_ORDER, PayloadSpec, RecomputeConfig
 from trajectory_replay.bundle.status import (
     COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, bundle_status, describe_missing, finalize,
 )
@@ -50,6 +50,8 @@ class Inspection:
     expected_ranks: list[int] = field(default_factory=list)
     stages: dict[str, str] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
+    conventions: Optional[dict[str, Any]] = None
+    """The convention profile the producer built its config from (manifest `conventions`), if recorded."""
     samples: int = 0
     """Samples of the whole cohort (every rank shown)."""
     tokens: int = 0
@@ -117,7 +119,13 @@ class Inspection:
                          f"actor_weight={value_text(lineage.get('actor_weight'))}; topology " +
                          " ".join(f"{k}={value_text(v)}" for k, v in rank.items()))
         if self.config:
-            lines.append("  config     " + ", ".join(f"{k}={value_text(v)}" for k, v in self.config.items()))
+            # the fields that differ from the defaults (the estimator always): the JSON has them all
+            defaults = RecomputeConfig().model_dump(mode="json")
+            shown = {k: v for k, v in self.config.items() if k == "advantage_estimator" or defaults.get(k, v) != v}
+            lines.append("  config     " + ", ".join(f"{k}={value_text(v)}" for k, v in shown.items()))
+        if self.conventions:
+            c = self.conventions
+            lines.append(f"  conventions profile {c.get('profile')} ({c.get('framework')} {c.get('framework_version')})")
         if self.samples or self.rank_samples:
             per_rank = ""
             if len(self.rank_samples) > 1:
@@ -242,6 +250,8 @@ def _fill_from_source(out: Inspection, source, store: Optional[ObjectStore]) -> 
     contracts = source.manifest.stage_contracts
     out.stages = {str(k): str(contracts[k].capability) for k in STAGE_ORDER if k in contracts}
     out.config = source.index.config.model_dump(mode="json")
+    conventions = getattr(source.manifest, "conventions", None)
+    out.conventions = conventions.model_dump(mode="json") if conventions is not None else None
     out.samples = len(source.index.samples)
     out.tokens = sum(max(s.response_length, 0) for s in source.index.samples)
     out.redaction = dict(source.manifest.redaction)
