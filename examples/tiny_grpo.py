@@ -49,7 +49,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,17 @@ from trajectory_replay import capture
 SEP, EOS, PAD, VOCAB = 10, 11, 12, 16
 N_DIGITS = 4                    # the default task size (--digits)
 MIN_CONTEXT = 16
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+"""Post-process rewards within prompt groups (so the producer needs whole groups; --fault pr65 breaks that)."""
+WHOLE_ROLLOUT_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
+"""Whiten their advantages over the whole rollout, every rank's shard of it."""
+KL_REWARD_ESTIMATORS = ("reinforce_plus_plus", "gae")
+LOSS_AGG_MODES = ("sum_of_sample_means", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                  "seq_mean_token_sum_norm")
+POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
+KL_LOSS_ESTIMATOR = "k3"
+VF_CLIP, VF_COEF = 0.2, 0.5     # value clip range; weight of vf_loss in gae's training loss
 
 
 def task_shape(digits: int) -> tuple[int, int, int]:
@@ -195,35 +206,63 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, VOCAB)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # [B, T] -> logits [B, T, V]
+    def features(self, tokens: torch.Tensor) -> torch.Tensor:  # [B, T] -> final hidden states [B, T, d]
         x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln(x))
+        return self.ln(x)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # [B, T] -> logits [B, T, V]
+        return self.head(self.features(tokens))
 
 
-def response_logprobs(model: nn.Module, tokens: list[torch.Tensor], resp_lens: list[int]
-                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-sample log-probs and entropies of the response tokens (one padded forward pass)."""
+class ResponseOutputs(NamedTuple):
+    """Per-sample tensors over the response tokens: log-probs, entropies, and values when a value head is given."""
+
+    log_probs: list[torch.Tensor]
+    entropy: list[torch.Tensor]
+    values: list[torch.Tensor] | None
+
+
+def response_outputs(model: TinyLM, tokens: list[torch.Tensor], resp_lens: list[int],
+                     critic: nn.Module | None = None) -> ResponseOutputs:
+    """Log-probs and entropies of the response tokens (one padded forward pass); with `critic`, its value of the
+    state each response token is generated from."""
     x = torch.full((len(tokens), max(len(t) for t in tokens)), PAD, dtype=torch.long)
     for i, t in enumerate(tokens):
         x[i, :len(t)] = t
-    logp = F.log_softmax(model(x)[:, :-1].float(), dim=-1)       # position j predicts token j+1
+    hidden = model.features(x)
+    logp = F.log_softmax(model.head(hidden)[:, :-1].float(), dim=-1)       # position j predicts token j+1
     tok_lp = logp.gather(-1, x[:, 1:, None]).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1)
     starts = [len(t) - r - 1 for t, r in zip(tokens, resp_lens)]
-    return ([tok_lp[i, s:s + r] for i, (s, r) in enumerate(zip(starts, resp_lens))],
-            [ent[i, s:s + r] for i, (s, r) in enumerate(zip(starts, resp_lens))])
+
+    def responses(per_position: torch.Tensor) -> list[torch.Tensor]:
+        return [per_position[i, s:s + r] for i, (s, r) in enumerate(zip(starts, resp_lens))]
+
+    values = None if critic is None else responses(critic(hidden[:, :-1]).squeeze(-1).float())
+    return ResponseOutputs(responses(tok_lp), responses(ent), values)
 
 
-# --------------------------------------------------------------------------- GRPO math (independent of the package)
-def normalize_rewards(raw: torch.Tensor, cohorts: list[int], std: bool) -> torch.Tensor:
-    """r' = r - mean over the cohort, optionally / (unbiased std + 1e-6); float32, cohorts by label."""
+# --------------------------------------------------------------------------- RL math (independent of the package)
+def _cohort_rewards(r: torch.Tensor, estimator: str, std: bool) -> torch.Tensor:
+    """One cohort's post-processed rewards: r - mean (grpo optionally / (unbiased std + 1e-6)), or rloo's
+    leave-one-out baseline r - mean of the others."""
+    if estimator == "rloo":
+        return r - (r.sum() - r) / (len(r) - 1)
+    centered = r - r.mean()
+    return centered / (centered.std() + 1e-6) if estimator == "grpo" and std else centered
+
+
+def post_process_rewards(raw: torch.Tensor, cohorts: list[int], estimator: str, std: bool) -> torch.Tensor:
+    """r' per sample, float32: the group estimators normalize within each cohort (by label); the token-reward
+    estimators keep r."""
+    if estimator not in GROUP_ESTIMATORS:
+        return raw.clone()
     out = torch.empty_like(raw)
     for c in dict.fromkeys(cohorts):
         idx = torch.tensor([i for i, x in enumerate(cohorts) if x == c])
-        r = raw[idx] - raw[idx].mean()
-        out[idx] = r / (r.std() + 1e-6) if std else r
+        out[idx] = _cohort_rewards(raw[idx], estimator, std)
     return out
 
 
@@ -241,20 +280,156 @@ def kl_estimate(old: torch.Tensor, ref: torch.Tensor, kind: str, coef: float) ->
     raise ValueError(f"unknown kl type {kind!r}")
 
 
-def policy_loss(old: torch.Tensor, new: torch.Tensor, adv: torch.Tensor, ent: torch.Tensor,
-                mask: torch.Tensor, lens: list[int], eps: float, eps_high: float) -> dict[str, torch.Tensor]:
-    """PPO clipped loss; returns per-sample masked means (V1 reduction = their sum). Flat token inputs."""
+def padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Per-sample rows right-padded with zeros into [B, T] (padding acts as masked-out tokens)."""
+    out = torch.zeros(len(rows), max(len(r) for r in rows))
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+
+def token_rewards(rewards: list[float], mask: torch.Tensor, lens: list[int], kl: torch.Tensor | None,
+                  kl_coef: float) -> torch.Tensor:
+    """[B, T] token rewards: minus kl_coef * kl on every loss token (when the KL is in the reward), plus the
+    sample's reward on its last response token."""
+    rho = -kl_coef * kl * mask if kl is not None else torch.zeros_like(mask)
+    for i, (n, r) in enumerate(zip(lens, rewards)):
+        rho[i, n - 1] += r
+    return rho
+
+
+def discounted_returns(rho: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = rho_t + gamma * G_{t+1}, the running return zeroed after each masked-out token (REINFORCE++)."""
+    out, running = torch.zeros_like(rho), torch.zeros(rho.shape[0])
+    for t in reversed(range(rho.shape[1])):
+        running = rho[:, t] + gamma * running
+        out[:, t] = running
+        running = running * mask[:, t]
+    return out
+
+
+def gae(rho: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) by GAE; a masked-out token (an observation) takes no TD step and the next value and
+    running advantage carry over it."""
+    adv, next_value, last = torch.zeros_like(rho), torch.zeros(rho.shape[0]), torch.zeros(rho.shape[0])
+    for t in reversed(range(rho.shape[1])):
+        m = mask[:, t]
+        delta = rho[:, t] + gamma * next_value - values[:, t]
+        step = delta + gamma * lam * last
+        next_value = values[:, t] * m + (1 - m) * next_value
+        last = step * m + (1 - m) * last
+        adv[:, t] = last
+    return adv, adv + values
+
+
+def whiten_across_ranks(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8), mean and unbiased variance over the masked tokens of every rank's x (sums
+    all-reduced in float64); every token is whitened."""
+    x64, m64 = x.double(), mask.double()
+    sums = torch.stack([(x64 * m64).sum(), m64.sum()])
+    dist.all_reduce(sums)
+    mean, count = sums[0] / sums[1], sums[1]
+    square = ((x64 - mean).square() * m64).sum().reshape(1)
+    dist.all_reduce(square)
+    var = square[0] / count * (count / (count - 1))
+    return ((x64 - mean) * torch.rsqrt(var + 1e-8)).float()
+
+
+def rollout_advantages(shard: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Set `advantages` (and gae's `returns`) of every sample of this rank's consumer batches of one rollout;
+    whitened over the rollout's samples on every rank, the cohort a replay of the rollout-level bundle sees."""
+    rewards = [r for mine in shard for r in mine["rewards"]]
+    lens = [n for mine in shard for n in mine["response_lengths"]]
+    mask = padded([torch.tensor(m, dtype=torch.float32) for mine in shard for m in mine["loss_masks"]])
+    returns = None
+    if args.estimator == "reinforce_plus_plus_baseline":
+        scores = torch.tensor(rewards)[:, None] * mask
+    else:
+        kl = padded([k for mine in shard for k in mine["kl"]]) if args.kl_in_reward else None
+        rho = token_rewards(rewards, mask, lens, kl, args.kl_coef)
+        if args.estimator == "gae":
+            scores, returns = gae(rho, padded([v for mine in shard for v in mine["values"]]), mask, args.gamma,
+                                  args.lam)
+        else:
+            scores = discounted_returns(rho, mask, args.gamma)
+
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([row[:n] for row, n in zip(x, lens)])
+
+    flat_mask = flat(mask)
+    adv = whiten_across_ranks(flat(scores), flat_mask)
+    if args.estimator != "gae":   # gae's whitened advantages are not re-masked
+        adv = adv * flat_mask
+    per_sample = {"advantages": list(adv.split(lens))}
+    if returns is not None:
+        per_sample["returns"] = list(flat(returns).split(lens))
+    at = 0
+    for mine in shard:
+        n = len(mine["response_lengths"])
+        for key, rows in per_sample.items():
+            mine[key] = rows[at:at + n]
+        at += n
+
+
+def policy_terms(old: torch.Tensor, new: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                 seg: torch.Tensor, n: int, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """Per-token pg loss, clipped flag and old - new log-prob of the policy loss (flat token inputs)."""
     ppo_kl = old - new
-    ratio = torch.exp(-ppo_kl)
+    eps, eps_high = args.eps_clip, args.eps_clip_high
+    if args.policy_loss == "cispo":   # the clipped ratio is a constant weight on the log-prob
+        ratio = torch.exp(-ppo_kl)
+        weight = ratio.clamp(1 - eps, 1 + eps_high).detach()
+        return {"pg_loss": -weight * adv * new, "pg_clipfrac": (weight != ratio).float(), "ppo_kl": ppo_kl}
+    if args.policy_loss == "gspo":    # one ratio per sequence: exp of its mean log-ratio, the log capped at 10
+        tokens = torch.zeros(n).index_add_(0, seg, mask).clamp_min(1.0)
+        seq = torch.zeros(n).index_add(0, seg, -ppo_kl * mask) / tokens
+        ratio = torch.exp(seq.clamp(max=10.0))[seg]
+    else:
+        ratio = torch.exp(-ppo_kl)
     l1, l2 = -ratio * adv, -ratio.clamp(1 - eps, 1 + eps_high) * adv
-    seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-    denom = torch.zeros(len(lens)).index_add_(0, seg, mask).clamp_min(1.0)
+    return {"pg_loss": torch.maximum(l1, l2), "pg_clipfrac": (l2 > l1).float(), "ppo_kl": ppo_kl}
 
-    def per_sample(x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(len(lens), dtype=x.dtype).index_add(0, seg, x * mask) / denom
 
-    return {"pg_loss": per_sample(torch.maximum(l1, l2)), "pg_clipfrac": per_sample((l2 > l1).float()),
-            "ppo_kl": per_sample(ppo_kl), "entropy_loss": per_sample(ent)}
+def value_terms(values: torch.Tensor, vpreds: torch.Tensor, returns: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-token clipped value loss 0.5 * max((v' - R)^2, (clip(v', v -+ c) - R)^2), and where the clip won."""
+    vclip = torch.maximum(torch.minimum(vpreds, values + VF_CLIP), values - VF_CLIP)
+    unclipped, clipped = (vpreds - returns).square(), (vclip - returns).square()
+    return {"vf_loss": 0.5 * torch.maximum(unclipped, clipped), "vf_clipfrac": (clipped > unclipped).float()}
+
+
+def sample_divisors(tokens: torch.Tensor, args: argparse.Namespace, step_counts: tuple[int, int]) -> torch.Tensor:
+    """What each sample's masked sum is divided by under --loss-agg-mode (step_counts: the step's global token
+    and sequence counts); the sum of the quotients is the aggregate."""
+    mode, (step_tokens, step_seqs) = args.loss_agg_mode, step_counts
+    if mode == "sum_of_sample_means":
+        return tokens.clamp_min(1.0)
+    if mode == "seq_mean_token_mean":
+        return (tokens + 1e-8) * step_seqs
+    by = {"token_mean": step_tokens, "seq_mean_token_sum": step_seqs,
+          "seq_mean_token_sum_norm": task_shape(args.digits)[1]}[mode]
+    return torch.full_like(tokens, float(by))
+
+
+def step_counts(batch: dict[str, list]) -> tuple[int, int]:
+    """(loss tokens, sequences with a loss token) of a whole consumer batch, all ranks."""
+    sums = [sum(m) for m in batch["loss_masks"]]
+    return sum(sums), sum(s > 0 for s in sums)
+
+
+def microbatch_losses(flat: dict[str, torch.Tensor], lens: list[int], args: argparse.Namespace,
+                      counts: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Per-sample shares of each aggregated loss scalar (their sum over a rank's samples is its scalar)."""
+    mask, n = flat["loss_mask"], len(lens)
+    seg = torch.repeat_interleave(torch.arange(n), torch.tensor(lens))
+    terms = policy_terms(flat["old_log_probs"], flat["log_probs"], flat["advantages"], mask, seg, n, args)
+    terms["entropy_loss"] = flat["entropy"]
+    if "ref_log_probs" in flat:
+        terms["kl_loss"] = kl_estimate(flat["log_probs"], flat["ref_log_probs"], KL_LOSS_ESTIMATOR, args.kl_loss_coef)
+    if "vpreds" in flat:
+        terms.update(value_terms(flat["values"], flat["vpreds"], flat["returns"]))
+    denom = sample_divisors(torch.zeros(n).index_add_(0, seg, mask), args, counts)
+    return {key: torch.zeros(n, dtype=x.dtype).index_add(0, seg, x * mask) / denom for key, x in terms.items()}
 
 
 # --------------------------------------------------------------------------- rollout producer
@@ -321,7 +496,8 @@ def generate_rollout(model: nn.Module, rollout_id: int, version: int, args: argp
     # Post-processing needs whole prompt groups (the bug: it uses the physical consumer batch instead).
     cohorts = ([i // args.consumer_batch for i in range(len(seqs))] if args.fault == "pr65"
                else data["group_index"])
-    data["rewards"] = normalize_rewards(torch.tensor(data["raw_reward"]), cohorts, args.std_norm).tolist()
+    data["rewards"] = post_process_rewards(torch.tensor(data["raw_reward"]), cohorts, args.estimator,
+                                           args.std_norm).tolist()
     return data
 
 
@@ -360,99 +536,194 @@ def train_worker(rank: int, world: int, args: argparse.Namespace, port: int) -> 
         dist.destroy_process_group()
 
 
-def _train(rank: int, world: int, args: argparse.Namespace) -> None:
-    config = {"advantage_estimator": "grpo", "n_samples_per_prompt": args.n_samples_per_prompt,
+def recompute_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The algorithm settings this run trains with, as trajectory_replay's RecomputeConfig names them (a step adds
+    its loss_denominator)."""
+    config = {"advantage_estimator": args.estimator, "n_samples_per_prompt": args.n_samples_per_prompt,
               "grpo_std_normalization": args.std_norm, "kl_loss_type": args.kl_type, "kl_coef": args.kl_coef,
-              "eps_clip": args.eps_clip, "eps_clip_high": args.eps_clip_high, "entropy_coef": args.entropy_coef}
+              "eps_clip": args.eps_clip, "eps_clip_high": args.eps_clip_high, "entropy_coef": args.entropy_coef,
+              "std_unbiased": True, "std_eps": 1e-6, "gamma": args.gamma, "lam": args.lam,
+              "kl_in_reward": args.kl_in_reward, "policy_loss": args.policy_loss,
+              "loss_agg_mode": args.loss_agg_mode, "kl_loss_coef": args.kl_loss_coef,
+              "kl_loss_estimator": KL_LOSS_ESTIMATOR, "cliprange_value": VF_CLIP}
+    if args.loss_agg_mode == "seq_mean_token_sum_norm":
+        config["loss_scale_factor"] = float(task_shape(args.digits)[1])
+    return config
+
+
+def step_config(args: argparse.Namespace, counts: tuple[int, int]) -> dict[str, Any]:
+    """The recorded global denominator of a step's loss aggregation (none for the modes without one)."""
+    if args.loss_agg_mode == "token_mean":
+        return {"loss_denominator": float(counts[0])}
+    if args.loss_agg_mode in ("seq_mean_token_mean", "seq_mean_token_sum"):
+        return {"loss_denominator": float(counts[1])}
+    return {}
+
+
+class Models:
+    """The live policy (and gae's value head), the frozen reference, the behaviour snapshot, the optimizer."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        torch.manual_seed(args.seed)   # same init on every rank and in the producer
+        self.policy = TinyLM(args.d_model, args.layers, context=task_shape(args.digits)[2])
+        self.ref, self.behaviour = copy.deepcopy(self.policy).eval(), copy.deepcopy(self.policy).eval()
+        self.critic: nn.Linear | None = nn.Linear(args.d_model, 1) if args.estimator == "gae" else None
+        self.behaviour_critic = None if self.critic is None else copy.deepcopy(self.critic).eval()
+        for frozen in (self.ref, self.behaviour, self.behaviour_critic):
+            for p in frozen.parameters() if frozen is not None else ():
+                p.requires_grad_(False)
+        self.opt = torch.optim.Adam(self.trained(), lr=args.lr)
+
+    def trained(self) -> list[nn.Parameter]:
+        return [*self.policy.parameters(), *(self.critic.parameters() if self.critic is not None else ())]
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        return (copy.deepcopy(self.policy.state_dict()),
+                None if self.critic is None else copy.deepcopy(self.critic.state_dict()))
+
+    def load_behaviour(self, snap: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]) -> None:
+        self.behaviour.load_state_dict(snap[0])
+        if self.behaviour_critic is not None:
+            self.behaviour_critic.load_state_dict(snap[1])
+
+
+class Trainer:
+    """One data-parallel rank: receives consumer batches, prepares their rank shards, trains on them."""
+
+    def __init__(self, rank: int, world: int, args: argparse.Namespace, models: Models, stream: queue.Queue) -> None:
+        self.rank, self.world, self.args, self.models, self.stream = rank, world, args, models, stream
+        self.per_rank = args.consumer_batch // world
+        self.mbs_per_rank = -(-self.per_rank // args.micro_batch)
+        self.steps_per_rollout = args.prompts_per_rollout * args.n_samples_per_prompt // args.consumer_batch
+        self.placement: dict[tuple[int, int], set[tuple[int, int]]] = {}
+
+    def receive(self, k: int, s: int) -> tuple[dict[str, list], dict[str, list]]:
+        """Consumer batch (k, s) as broadcast from rank 0, and this rank's shard of it with old/ref log-probs, the
+        KL, gae's old values, and (outcome estimators) advantages."""
+        args, rank, per_rank, models = self.args, self.rank, self.per_rank, self.models
+        msg = [self.stream.get(timeout=300) if rank == 0 else None]
+        dist.broadcast_object_list(msg, src=0)
+        if isinstance(msg[0], Exception):
+            raise RuntimeError("rollout producer failed") from msg[0]  # noqa: TRY004 - not a type error
+        k_got, s_got, batch = msg[0]
+        assert (k_got, s_got) == (k, s), "the stream must arrive in order"
+        for i, gi in enumerate(batch["group_index"]):
+            self.placement.setdefault((k, gi), set()).add((s, i // per_rank))
+        mine = {key: vals[rank * per_rank:(rank + 1) * per_rank] for key, vals in batch.items()}
+        tokens, lens = mine["tokens"], mine["response_lengths"]
+        with torch.no_grad():
+            old = response_outputs(models.behaviour, tokens, lens, models.behaviour_critic)
+            ref_lp = response_outputs(models.ref, tokens, lens).log_probs
+        mine["log_probs"], mine["ref_log_probs"] = old.log_probs, ref_lp
+        mine["kl"] = [kl_estimate(o, r, args.kl_type, args.kl_coef) for o, r in zip(old.log_probs, ref_lp)]
+        if old.values is not None:
+            mine["values"] = old.values
+        if args.estimator not in WHOLE_ROLLOUT_ESTIMATORS:
+            mine["advantages"] = [torch.full((n,), rw) for n, rw in zip(lens, mine["rewards"])]
+        return batch, mine
+
+    def receive_rollout(self, k: int) -> list[tuple[dict[str, list], dict[str, list]]]:
+        """Every consumer batch of rollout k, with the advantages of the whole rollout."""
+        received = [self.receive(k, s) for s in range(self.steps_per_rollout)]
+        rollout_advantages([mine for _, mine in received], self.args)
+        return received
+
+    def step(self, k: int, s: int, batch: dict[str, list], mine: dict[str, list]) -> dict[str, torch.Tensor]:
+        """One optimizer step on this rank's shard of consumer batch (k, s); this rank's reported scalars."""
+        args, models = self.args, self.models
+        tokens, lens = mine["tokens"], mine["response_lengths"]
+        mine["actor_weight_versions"] = [k] * len(lens)   # live version; (k, s) pins the exact update
+        mine["step_ids"] = [s] * len(lens)
+        mine["micro_batch_ids"] = []
+        counts = step_counts(batch)
+        # the V1 reduction is a sum over samples: its backward pass averages it per sample
+        backward_scale = args.consumer_batch if args.loss_agg_mode == "sum_of_sample_means" else 1
+        step_means: dict[str, list[torch.Tensor]] = {}
+        for j, lo in enumerate(range(0, len(lens), args.micro_batch)):
+            sl = slice(lo, lo + args.micro_batch)
+            mb_id = f"mb-{((k * self.steps_per_rollout + s) * self.world + self.rank) * self.mbs_per_rank + j:04d}"
+            new = response_outputs(models.policy, tokens[sl], lens[sl], models.critic)
+            mb_lens = lens[sl]
+            flat = {"old_log_probs": torch.cat(mine["log_probs"][sl]), "log_probs": torch.cat(new.log_probs),
+                    "entropy": torch.cat(new.entropy), "advantages": torch.cat(mine["advantages"][sl]),
+                    "loss_mask": torch.tensor([m for ms in mine["loss_masks"][sl] for m in ms],
+                                              dtype=torch.float32)}
+            if args.kl_loss_coef != 0:
+                flat["ref_log_probs"] = torch.cat(mine["ref_log_probs"][sl])
+            if new.values is not None:
+                flat.update(values=torch.cat(mine["values"][sl]), vpreds=torch.cat(new.values),
+                            returns=torch.cat(mine["returns"][sl]))
+            means = microbatch_losses(flat, mb_lens, args, counts)
+            mb_loss = policy_loss_of(means, args)
+            total = mb_loss + VF_COEF * means["vf_loss"].sum() if "vf_loss" in means else mb_loss
+            (total / backward_scale).backward()
+            for key, v in means.items():
+                step_means.setdefault(key, []).append(v.detach())
+            mine["micro_batch_ids"] += [mb_id] * len(mb_lens)
+            scalars = {key: float(v.detach().sum()) for key, v in means.items()}
+            scalars["loss"] = float(mb_loss.detach())
+            _capture_microbatch(k, s, mb_id, {
+                "micro_batch_id": mb_id, "sample_ids": mine["sample_ids"][sl],
+                "group_index": mine["group_index"][sl], "response_lengths": mb_lens,
+                "total_lengths": mine["total_lengths"][sl], "raw_reward": mine["raw_reward"][sl],
+                "rewards": mine["rewards"][sl], "loss_masks": mine["loss_masks"][sl],
+                **{key: v.detach() for key, v in flat.items()}, "scalars": scalars})
+        self.all_reduce_step()
+        # This rank's scalars: the aggregation over all of its samples in this actor step.
+        rank_sc = {key: torch.cat(v).sum() for key, v in step_means.items()}
+        rank_sc["loss"] = policy_loss_of(rank_sc, args)
+        _capture_step_end(k, s, {key: float(v) for key, v in rank_sc.items()},
+                          _lineage(mine["rollout_weight_versions"], mine["actor_weight_versions"]),
+                          step_config(args, counts))
+        return rank_sc
+
+    def all_reduce_step(self) -> None:
+        """Data-parallel step: sum gradients over ranks (one coalesced all-reduce), then Adam."""
+        params = [p for p in self.models.trained() if p.grad is not None]
+        flat_grad = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat_grad)
+        for p, g in zip(params, flat_grad.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
+        self.models.opt.step()
+        self.models.opt.zero_grad(set_to_none=True)
+
+
+def policy_loss_of(parts: dict[str, torch.Tensor], args: argparse.Namespace) -> torch.Tensor:
+    """loss = pg_loss - entropy_coef * entropy_loss (+ kl_loss_coef * kl_loss), from per-sample shares or sums."""
+    loss = parts["pg_loss"].sum() - args.entropy_coef * parts["entropy_loss"].sum()
+    return loss + args.kl_loss_coef * parts["kl_loss"].sum() if "kl_loss" in parts else loss
+
+
+def _train(rank: int, world: int, args: argparse.Namespace) -> None:
+    config = recompute_config(args)
     _maybe_enable_capture(args.capture_dir, rank, list(range(world)), config)
-    torch.manual_seed(args.seed)   # same init on every rank and in the producer
-    policy = TinyLM(args.d_model, args.layers, context=task_shape(args.digits)[2])
-    ref, behaviour = copy.deepcopy(policy).eval(), copy.deepcopy(policy).eval()
-    for p in [*ref.parameters(), *behaviour.parameters()]:
-        p.requires_grad_(False)
-    opt = torch.optim.Adam(policy.parameters(), lr=args.lr)
-    snapshots = {0: copy.deepcopy(policy.state_dict())}
-    per_rank = args.consumer_batch // world
-    mbs_per_rank = -(-per_rank // args.micro_batch)
-    steps_per_rollout = args.prompts_per_rollout * args.n_samples_per_prompt // args.consumer_batch
+    models = Models(args)
+    snapshots = {0: models.snapshot()}
     board, stream, producer = WeightBoard(), queue.Queue(), None
     if rank == 0:
-        board.publish(0, snapshots[0])
+        board.publish(0, snapshots[0][0])
         producer = threading.Thread(target=producer_loop, args=(args, board, stream), daemon=True)
         producer.start()
+    trainer = Trainer(rank, world, args, models, stream)
+    names = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss"] + [
+        n for n, used in (("kl_loss", args.kl_loss_coef != 0), ("vf_loss", models.critic is not None),
+                          ("vf_clipfrac", models.critic is not None)) if used]
     history: list[dict[str, Any]] = []
     timing: list[dict[str, Any]] = []
-    placement: dict[tuple[int, int], set[tuple[int, int]]] = {}
     for k in range(args.steps):
-        behaviour.load_state_dict(snapshots[max(k - 1, 0)])   # the weights that generated rollout k
+        models.load_behaviour(snapshots[max(k - 1, 0)])   # the weights that generated rollout k
+        # whitening estimators need the whole rollout before its first step; the others train as batches arrive
+        received = trainer.receive_rollout(k) if args.estimator in WHOLE_ROLLOUT_ESTIMATORS else None
         shard: dict[str, list] = {}
-        for s in range(steps_per_rollout):
+        for s in range(trainer.steps_per_rollout):
             t0, cpu0, hook0 = time.perf_counter(), time.thread_time(), _CAPTURE["seconds"]
-            msg = [stream.get(timeout=300) if rank == 0 else None]
-            dist.broadcast_object_list(msg, src=0)
-            if isinstance(msg[0], Exception):
-                raise RuntimeError("rollout producer failed") from msg[0]  # noqa: TRY004 - not a type error
-            k_got, s_got, batch = msg[0]
-            assert (k_got, s_got) == (k, s), "the stream must arrive in order"
-            for i, gi in enumerate(batch["group_index"]):
-                placement.setdefault((k, gi), set()).add((s, i // per_rank))
-            mine = {key: vals[rank * per_rank:(rank + 1) * per_rank] for key, vals in batch.items()}
-            tokens, lens = mine["tokens"], mine["response_lengths"]
-            with torch.no_grad():
-                old_lp, _ = response_logprobs(behaviour, tokens, lens)
-                ref_lp, _ = response_logprobs(ref, tokens, lens)
-            mine["log_probs"], mine["ref_log_probs"] = old_lp, ref_lp
-            mine["kl"] = [kl_estimate(o, r, args.kl_type, args.kl_coef) for o, r in zip(old_lp, ref_lp)]
-            mine["advantages"] = [torch.full((n,), rw) for n, rw in zip(lens, mine["rewards"])]
-            mine["actor_weight_versions"] = [k] * len(lens)   # live version; (k, s) pins the exact update
-            mine["step_ids"] = [s] * len(lens)
-            mine["micro_batch_ids"] = []
-            step_means: dict[str, list[torch.Tensor]] = {}
-            for j, lo in enumerate(range(0, len(lens), args.micro_batch)):
-                sl = slice(lo, lo + args.micro_batch)
-                mb_id = f"mb-{((k * steps_per_rollout + s) * world + rank) * mbs_per_rank + j:04d}"
-                new_lp, ent = response_logprobs(policy, tokens[sl], lens[sl])
-                mb_lens = lens[sl]
-                flat = {"old_log_probs": torch.cat(old_lp[sl]), "log_probs": torch.cat(new_lp),
-                        "entropy": torch.cat(ent), "advantages": torch.cat(mine["advantages"][sl]),
-                        "loss_mask": torch.tensor([m for ms in mine["loss_masks"][sl] for m in ms],
-                                                  dtype=torch.float32)}
-                means = policy_loss(flat["old_log_probs"], flat["log_probs"], flat["advantages"],
-                                    flat["entropy"], flat["loss_mask"], mb_lens, args.eps_clip,
-                                    args.eps_clip_high)
-                mb_loss = means["pg_loss"].sum() - args.entropy_coef * means["entropy_loss"].sum()
-                (mb_loss / args.consumer_batch).backward()
-                for key, v in means.items():
-                    step_means.setdefault(key, []).append(v.detach())
-                mine["micro_batch_ids"] += [mb_id] * len(mb_lens)
-                scalars = {key: float(v.detach().sum()) for key, v in means.items()}
-                scalars["loss"] = float(mb_loss.detach())
-                _capture_microbatch(k, s, mb_id, {
-                    "micro_batch_id": mb_id, "sample_ids": mine["sample_ids"][sl],
-                    "group_index": mine["group_index"][sl], "response_lengths": mb_lens,
-                    "total_lengths": mine["total_lengths"][sl], "raw_reward": mine["raw_reward"][sl],
-                    "rewards": mine["rewards"][sl], "loss_masks": mine["loss_masks"][sl],
-                    **{key: v.detach() for key, v in flat.items()},
-                    "ref_log_probs": torch.cat(ref_lp[sl]), "scalars": scalars})
-            # Data-parallel step: sum gradients over ranks (one coalesced all-reduce), then Adam.
-            params = [p for p in policy.parameters() if p.grad is not None]
-            flat_grad = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat_grad)
-            for p, g in zip(params, flat_grad.split([p.numel() for p in params])):
-                p.grad.copy_(g.view_as(p))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            # This rank's scalars: V1 reduction over all of its samples in this actor step.
-            rank_sc = {key: torch.cat(v).sum() for key, v in step_means.items()}
-            rank_sc["loss"] = rank_sc["pg_loss"] - args.entropy_coef * rank_sc["entropy_loss"]
-            _capture_step_end(k, s, {key: float(v) for key, v in rank_sc.items()},
-                              _lineage(mine["rollout_weight_versions"], mine["actor_weight_versions"]))
+            batch, mine = received[s] if received is not None else trainer.receive(k, s)
+            rank_sc = trainer.step(k, s, batch, mine)
             for key, vals in mine.items():
                 shard.setdefault(key, []).extend(vals)
-            if s == steps_per_rollout - 1:   # this rank's shard of rollout k is complete
+            if s == trainer.steps_per_rollout - 1:   # this rank's shard of rollout k is complete
                 _capture_rollout(k, shard)
-            # Reported step scalars: the sum over ranks (the reduction is a sum over samples).
-            names = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss"]
+            # Reported step scalars: the sum over ranks (every aggregation is a sum of per-sample shares).
             glob = torch.tensor([float(rank_sc[n]) for n in names], dtype=torch.float64)
             dist.all_reduce(glob)
             if rank == 0:
@@ -469,9 +740,9 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> None:
                       f"time={time.perf_counter() - t0:.3f}s", flush=True)
         # Version k+1 exists now; the producer needs it for rollout k+2.
         snapshots = {v: st for v, st in snapshots.items() if v >= k}
-        snapshots[k + 1] = copy.deepcopy(policy.state_dict())
+        snapshots[k + 1] = models.snapshot()
         if rank == 0:
-            board.publish(k + 1, snapshots[k + 1])
+            board.publish(k + 1, snapshots[k + 1][0])
     # Every rank flushes its capture writer before exit (a no-op while capture is off).
     cap = {"rank": rank, **_shutdown_capture(args.capture_timeout)}
     caps: list[Any] = [None] * world
@@ -479,8 +750,8 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> None:
     if rank == 0:
         assert producer is not None
         producer.join(timeout=60)
-        stats = split_stats(placement)
-        checksum = float(sum(p.double().sum() for p in policy.state_dict().values()))
+        stats = split_stats(trainer.placement)
+        checksum = float(sum(p.double().sum() for p in models.policy.state_dict().values()))
         threads = sum(c["capture_threads"] for c in caps)
         print(" ".join(f"{key}={v}" for key, v in stats.items()) + f" param_checksum={checksum!r}", flush=True)
         print(f"capture_threads={threads} capture_flushed={all(c['flushed'] for c in caps)}", flush=True)
@@ -511,6 +782,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--consumer-batch", type=int, default=6, help="samples per optimizer step, all ranks")
     p.add_argument("--micro-batch", type=int, default=2, help="samples per micro-batch, per rank")
     p.add_argument("--std-norm", action="store_true", help="grpo_std_normalization")
+    p.add_argument("--estimator", choices=ESTIMATORS, default="grpo", help="advantage estimator")
+    p.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES, default="sum_of_sample_means",
+                   help="how per-token losses are aggregated")
+    p.add_argument("--policy-loss", choices=POLICY_LOSSES, default="ppo_clip")
+    p.add_argument("--gamma", type=float, default=1.0, help="discount (reinforce_plus_plus, gae)")
+    p.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
+    p.add_argument("--kl-in-reward", action="store_true",
+                   help="token rewards minus kl_coef * KL (reinforce_plus_plus, gae)")
+    p.add_argument("--kl-loss-coef", type=float, default=0.0, help="weight of a k3 KL-to-reference loss term")
     p.add_argument("--kl-type", default="k1", choices=["k1", "k2", "k3", "low_var_kl"])
     p.add_argument("--kl-coef", type=float, default=0.05)
     p.add_argument("--eps-clip", type=float, default=0.2)
@@ -528,6 +808,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     rollout_size = args.prompts_per_rollout * args.n_samples_per_prompt
     if rollout_size % args.consumer_batch or args.consumer_batch % args.world_size:
         p.error("consumer batch must divide the rollout size and be divisible by the world size")
+    if args.fault == "pr65" and args.estimator not in GROUP_ESTIMATORS:
+        p.error(f"--fault pr65 normalizes rewards per consumer batch, which needs a group estimator "
+                f"({', '.join(GROUP_ESTIMATORS)}), not {args.estimator}")
+    if args.kl_in_reward and args.estimator not in KL_REWARD_ESTIMATORS:
+        p.error(f"--kl-in-reward needs --estimator {' or '.join(KL_REWARD_ESTIMATORS)}, not {args.estimator}")
+    if args.std_norm and args.estimator != "grpo":
+        p.error(f"--std-norm applies to --estimator grpo only, not {args.estimator}")
     return args
 
 

@@ -233,6 +233,7 @@ def gae(rho: Ragged, values: Ragged, masks: Sequence[Sequence[int]], gamma: floa
 
 
 def _times_mask(x: Ragged, masks: Sequence[Sequence[int]]) -> Ragged:
+    """x * m, token by token."""
     return [[v * m for v, m in zip(row, mask)] for row, mask in zip(x, masks)]
 
 
@@ -268,6 +269,7 @@ class PolicyTerms:
 
 
 def _ppo_token(cur: float, old: float, a: float, s: Settings) -> tuple[float, float, float]:
+    """(pg, clipped, ppo_kl) of one token under the PPO clipped surrogate (and the dual clip)."""
     log_ratio = cur - old
     if s.ratio_log_clamp is not None:
         log_ratio = clamp(log_ratio, -s.ratio_log_clamp, s.ratio_log_clamp)
@@ -281,6 +283,7 @@ def _ppo_token(cur: float, old: float, a: float, s: Settings) -> tuple[float, fl
 
 
 def _cispo_token(cur: float, old: float, a: float, s: Settings) -> tuple[float, float, float]:
+    """(pg, clipped, ppo_kl) of one token under CISPO."""
     log_ratio = cur - old
     if s.ratio_log_clamp is not None:
         log_ratio = clamp(log_ratio, -s.ratio_log_clamp, s.ratio_log_clamp)
@@ -389,6 +392,7 @@ class Draw:
 
 
 def _ragged(flat: torch.Tensor, lengths: Sequence[int]) -> Ragged:
+    """A flat per-token tensor split into one list per sample."""
     out, start = [], 0
     for n in lengths:
         out.append(flat[start:start + n].tolist())
@@ -411,9 +415,11 @@ def draw_inputs(num_samples: int, seed: int, empty_sample: bool = False) -> Draw
             mask[-1] = 1   # one fully masked sample is the case under test; others keep a token
     n = sum(lengths)
     old = -torch.rand(n, generator=g) * 1.5 - 0.1
+    moved = old + torch.randn(n, generator=g) * 0.3
+    moved[::4] += torch.randn(len(moved[::4]), generator=g)   # a few far-off ratios, so every clip engages
     tokens = {"old_log_probs": old,
               "ref_log_probs": old + torch.randn(n, generator=g) * 0.3,
-              "log_probs": old + torch.randn(n, generator=g) * 0.3,
+              "log_probs": moved,
               "entropy": torch.rand(n, generator=g) * 2.0,
               "values": torch.randn(n, generator=g) * 0.5}
     tokens["vpreds"] = tokens["values"] + torch.randn(n, generator=g) * 0.3
@@ -422,6 +428,7 @@ def draw_inputs(num_samples: int, seed: int, empty_sample: bool = False) -> Draw
 
 
 def _flat(x: Ragged) -> torch.Tensor:
+    """Per-sample lists as one flat float32 payload."""
     return torch.tensor([v for row in x for v in row], dtype=torch.float32)
 
 

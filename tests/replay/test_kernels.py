@@ -101,6 +101,7 @@ def test_unknown_kl_type_is_unsupported_naming_the_field():
 
 
 def _advantage_inputs(rewards, lengths, mask, **config):
+    """AdvantageInputs from plain lists."""
     return estimators.AdvantageInputs(torch.tensor(rewards), torch.tensor(lengths),
                                       torch.tensor(mask, dtype=torch.uint8), RecomputeConfig(**config))
 
@@ -139,6 +140,7 @@ def test_sum_of_sample_means_is_a_sum_of_masked_per_sample_means():
 
 
 def _loss(current, advantages, **config):
+    """The canonical loss.policy scalars: two fully masked-in tokens per advantage, old log-prob 0, entropy .5."""
     n = len(advantages)
     cfg = RecomputeConfig(**{"eps_clip": 0.2, "eps_clip_high": 0.2, "entropy_coef": 0.01, **config})
     data = losses.PolicyLossData(torch.full((2 * n,), current), torch.zeros(2 * n),
@@ -189,6 +191,7 @@ def test_the_loss_does_not_depend_on_how_samples_are_blocked(monkeypatch):
 
 
 def _policy_inputs(log_probs, advantages, old=None, lengths=None, mask=None, **config):
+    """PolicyInputs from plain lists: old log-probs 0, one fully masked-in sample unless given."""
     n = len(log_probs)
     return losses.PolicyInputs(torch.tensor(log_probs), torch.tensor(old if old is not None else [0.0] * n),
                                torch.tensor(advantages), torch.tensor(mask if mask is not None else [1] * n),
@@ -230,6 +233,12 @@ def test_gspo_uses_one_ratio_per_sequence_from_its_masked_mean_log_ratio():
 def test_gspo_caps_the_sequence_log_ratio_at_ten():
     terms = losses.gspo_tokens(_policy_inputs([12.0, 14.0], [-1.0, -1.0]))
     assert terms.pg.tolist() == pytest.approx([math.exp(10.0)] * 2, rel=1e-6)
+
+
+def test_gspo_ignores_the_ppo_ratio_clamp_and_dual_clip():
+    terms = losses.gspo_tokens(_policy_inputs([3.0], [-1.0], ratio_log_clamp=1.0, eps_clip_c=2.0))
+    assert terms.pg.item() == pytest.approx(math.exp(3.0), rel=1e-6)
+    assert terms.ppo_kl.item() == -3.0
 
 
 def test_cispo_weights_the_log_prob_by_the_clipped_ratio():

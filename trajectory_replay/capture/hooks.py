@@ -100,23 +100,26 @@ def stats() -> Optional[dict[str, Any]]:
 def capture_rollout(rollout_id: int, *, sample_ids: Sequence[str], group_index: Any, response_lengths: Any,
                     total_lengths: Any, loss_masks: Any, raw_rewards: Any, rewards: Any, old_log_probs: Any,
                     ref_log_probs: Any, kl: Any, advantages: Any, config: Any, weight_lineage: Any = None,
-                    micro_batch_ids: Any = None) -> Optional[bool]:
+                    micro_batch_ids: Any = None, values: Any = None, returns: Any = None) -> Optional[bool]:
     """Rollout-level bundle `rollout-<R>` of this rank's samples. Per-token values: a flat tensor or a list of
-    per-sample 1-D tensors, in sample order. Filtered by RELAX_REPLAY_CAPTURE_ROLLOUTS. True if enqueued."""
+    per-sample 1-D tensors, in sample order; `values` and `returns` are gae's old values and returns.
+    Filtered by RELAX_REPLAY_CAPTURE_ROLLOUTS. True if enqueued."""
     if _MANAGER is None:
         return None
     return _MANAGER.capture_rollout(
         rollout_id, sample_ids=sample_ids, group_index=group_index, response_lengths=response_lengths,
         total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards,
         old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, kl=kl, advantages=advantages, config=config,
-        weight_lineage=weight_lineage, micro_batch_ids=micro_batch_ids)
+        weight_lineage=weight_lineage, micro_batch_ids=micro_batch_ids, values=values, returns=returns)
 
 
 def capture_microbatch(rollout_id: int, step_id: int, micro_batch_id: str, *, sample_ids: Sequence[str],
                        group_index: Any, response_lengths: Any, total_lengths: Any, loss_masks: Any, raw_rewards: Any,
-                       rewards: Any, old_log_probs: Any, log_probs: Any, entropy: Any, advantages: Any
+                       rewards: Any, old_log_probs: Any, log_probs: Any, entropy: Any, advantages: Any,
+                       ref_log_probs: Any = None, values: Any = None, vpreds: Any = None, returns: Any = None
                        ) -> Optional[bool]:
-    """One micro-batch of actor step (R, S), snapshotted now (training may reuse its buffers).
+    """One micro-batch of actor step (R, S), snapshotted now (training may reuse its buffers). `ref_log_probs`
+    feed a KL loss (kl_loss_coef != 0); `values` (old), `vpreds` (current) and `returns` the value loss.
     A repeated micro_batch_id of the same step is ignored. Filtered by RELAX_REPLAY_CAPTURE_STEPS."""
     if _MANAGER is None:
         return None
@@ -124,18 +127,21 @@ def capture_microbatch(rollout_id: int, step_id: int, micro_batch_id: str, *, sa
         rollout_id, step_id, micro_batch_id, sample_ids=sample_ids, group_index=group_index,
         response_lengths=response_lengths, total_lengths=total_lengths, loss_masks=loss_masks,
         raw_rewards=raw_rewards, rewards=rewards, old_log_probs=old_log_probs, log_probs=log_probs, entropy=entropy,
-        advantages=advantages)
+        advantages=advantages, ref_log_probs=ref_log_probs, values=values, vpreds=vpreds, returns=returns)
 
 
 def capture_step_end(rollout_id: int, step_id: int, *, loss: Any, pg_loss: Any, entropy_loss: Any, pg_clipfrac: Any,
-                     ppo_kl: Any, config: Any, weight_lineage: Any = None) -> Optional[bool]:
+                     ppo_kl: Any, config: Any, weight_lineage: Any = None, kl_loss: Any = None, vf_loss: Any = None,
+                     vf_clipfrac: Any = None) -> Optional[bool]:
     """End of actor step (R, S): enqueue step-level bundle `step-<R>-<S>` with this rank's reported loss
-    scalars (numbers or 1-element tensors; CUDA tensors are copied asynchronously). True if enqueued."""
+    scalars (numbers or 1-element tensors; CUDA tensors are copied asynchronously): `kl_loss` with a KL loss,
+    `vf_loss` and `vf_clipfrac` with a value loss. True if enqueued."""
     if _MANAGER is None:
         return None
     return _MANAGER.capture_step_end(rollout_id, step_id, loss=loss, pg_loss=pg_loss, entropy_loss=entropy_loss,
                                      pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, config=config,
-                                     weight_lineage=weight_lineage)
+                                     weight_lineage=weight_lineage, kl_loss=kl_loss, vf_loss=vf_loss,
+                                     vf_clipfrac=vf_clipfrac)
 
 
 def capture_slime_rollout(rollout_id: int, rollout_data: Mapping[str, Any], *, config: Any,
@@ -200,7 +206,8 @@ def slime_rollout_arguments(rollout_id: int, data: Mapping[str, Any], *, sample_
     return dict(sample_ids=sample_ids, group_index=group_index, response_lengths=data["response_lengths"],
                 total_lengths=need("total_lengths"), loss_masks=need("loss_masks"), raw_rewards=need("raw_reward"),
                 rewards=need("rewards"), old_log_probs=old, ref_log_probs=data.get("ref_log_probs"), kl=kl,
-                advantages=need("advantages"), micro_batch_ids=micro_batch_ids)
+                advantages=need("advantages"), micro_batch_ids=micro_batch_ids, values=data.get("values"),
+                returns=data.get("returns"))
 
 
 __all__ = ["capture_microbatch", "capture_rollout", "capture_slime_rollout", "capture_step_end", "disable",

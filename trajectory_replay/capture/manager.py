@@ -295,7 +295,7 @@ class CaptureManager:
     def capture_rollout(self, rollout_id: int, *, sample_ids: Sequence[str], group_index: Any, response_lengths: Any,
                         total_lengths: Any, loss_masks: Any, raw_rewards: Any, rewards: Any, old_log_probs: Any,
                         ref_log_probs: Any, kl: Any, advantages: Any, config: Any, weight_lineage: Any = None,
-                        micro_batch_ids: Any = None) -> bool:
+                        micro_batch_ids: Any = None, values: Any = None, returns: Any = None) -> bool:
         """Enqueue the rollout-level bundle `rollout-<R>` (this rank's shard). True if enqueued."""
         t0 = time.perf_counter()
         try:
@@ -305,7 +305,8 @@ class CaptureManager:
             cols = dict(sample_ids=sample_ids, group_index=group_index, response_lengths=response_lengths,
                         total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards,
                         micro_batch_ids=micro_batch_ids)
-            tensors = dict(old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, kl=kl, advantages=advantages)
+            tensors = dict(old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, kl=kl, advantages=advantages,
+                           values=values, returns=returns)
             nbytes = Columns.estimate(**cols) + sum(estimate_nbytes(v) for v in tensors.values())
             bundle_id = rollout_bundle_id(rollout_id)
             if not self._reserve(nbytes, bundle_id, record=True):
@@ -330,7 +331,8 @@ class CaptureManager:
     def capture_microbatch(self, rollout_id: int, step_id: int, micro_batch_id: str, *, sample_ids: Sequence[str],
                            group_index: Any, response_lengths: Any, total_lengths: Any, loss_masks: Any,
                            raw_rewards: Any, rewards: Any, old_log_probs: Any, log_probs: Any, entropy: Any,
-                           advantages: Any) -> bool:
+                           advantages: Any, ref_log_probs: Any = None, values: Any = None, vpreds: Any = None,
+                           returns: Any = None) -> bool:
         """Snapshot one micro-batch of actor step (R, S). A repeated micro_batch_id of the same step is ignored."""
         t0 = time.perf_counter()
         try:
@@ -351,7 +353,8 @@ class CaptureManager:
                 return False
             cols = dict(sample_ids=sample_ids, group_index=group_index, response_lengths=response_lengths,
                         total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards)
-            tensors = dict(old_log_probs=old_log_probs, log_probs=log_probs, entropy=entropy, advantages=advantages)
+            tensors = dict(old_log_probs=old_log_probs, log_probs=log_probs, entropy=entropy, advantages=advantages,
+                           ref_log_probs=ref_log_probs, values=values, vpreds=vpreds, returns=returns)
             nbytes = Columns.estimate(**cols) + sum(estimate_nbytes(v) for v in tensors.values())
             if not self._reserve(nbytes, f"{step_bundle_id(*key)} (micro-batch {mb_id}; the whole step is dropped)",
                                  record=False):
@@ -374,8 +377,10 @@ class CaptureManager:
             self._hook_done(t0)
 
     def capture_step_end(self, rollout_id: int, step_id: int, *, loss: Any, pg_loss: Any, entropy_loss: Any,
-                         pg_clipfrac: Any, ppo_kl: Any, config: Any, weight_lineage: Any = None) -> bool:
-        """Enqueue the step-level bundle `step-<R>-<S>` from the micro-batches captured for it. True if enqueued."""
+                         pg_clipfrac: Any, ppo_kl: Any, config: Any, weight_lineage: Any = None, kl_loss: Any = None,
+                         vf_loss: Any = None, vf_clipfrac: Any = None) -> bool:
+        """Enqueue the step-level bundle `step-<R>-<S>` from the micro-batches captured for it (the optional scalars
+        are kept when given). True if enqueued."""
         t0 = time.perf_counter()
         try:
             if not self.wants_step(rollout_id, step_id):
@@ -394,6 +399,8 @@ class CaptureManager:
                 snap = step.snapshot
                 reported = dict(loss=loss, pg_loss=pg_loss, entropy_loss=entropy_loss, pg_clipfrac=pg_clipfrac,
                                 ppo_kl=ppo_kl)
+                optional = dict(kl_loss=kl_loss, vf_loss=vf_loss, vf_clipfrac=vf_clipfrac)
+                reported.update((name, v) for name, v in optional.items() if v is not None)
                 scalars = {name: snap.tensor(v) if isinstance(v, torch.Tensor) else v for name, v in reported.items()}
                 snap.finish()
                 job = self._job(StepRecord(key[0], key[1], tuple(step.micro_batches), scalars, _freeze(config),

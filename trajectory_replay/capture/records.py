@@ -8,11 +8,16 @@ or the writer process (a record is picklable: it travels there inside a `BundleJ
 
 Rollout-level bundle `rollout-<R>`: identity rollout_id=R; stages sample, reward.raw,
 reward.post_process, advantage.kl, advantage.estimate (recompute); payloads old_log_probs,
-ref_log_probs, kl, advantages; expected reward.raw.raw_rewards and reward.post_process.rewards.
+ref_log_probs, kl, advantages (+ values and returns when given: gae); expected reward.raw.raw_rewards
+and reward.post_process.rewards.
 
-Step-level bundle `step-<R>-<S>`: identity actor_step_id=(R, S); stages sample and loss.policy;
-payloads old_log_probs, log_probs, entropy, advantages; records carry their micro_batch_id;
-expected loss.policy {loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl}.
+Step-level bundle `step-<R>-<S>`: identity actor_step_id=(R, S); stages sample and loss.policy (+ loss.value
+when any value-loss input is given); payloads old_log_probs, log_probs, entropy, advantages (+ ref_log_probs,
+values, vpreds, returns when given); records carry their micro_batch_id; expected loss.policy {loss, pg_loss,
+entropy_loss, pg_clipfrac, ppo_kl} (+ kl_loss when the config's kl_loss_coef is not 0) and loss.value
+{vf_loss, vf_clipfrac}.
+
+Each stage contract's inputs and expected outputs come from `bundle.stage_io.STAGE_IO` under the record's config.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from trajectory_replay.bundle.schema import (
     ActorStepId, BundleIndex, ComparisonPolicy, Identity, Manifest, ProducerInfo, RankTopology, RecomputeConfig,
     SampleRecord, StageCapability, StageContract, StageId, WeightLineage,
 )
-from trajectory_replay.bundle.stage_io import LOSS_FIELDS, STAGE_IO
+from trajectory_replay.bundle.stage_io import LOSS_FIELDS, STAGE_IO, VALUE_LOSS_FIELDS
 from trajectory_replay.capture.snapshot import (
     Snapshot, estimate_nbytes, materialize_float, materialize_list, materialize_masks,
 )
@@ -36,7 +41,12 @@ ROLLOUT_STAGES = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCES
                   StageId.ADVANTAGE_ESTIMATE)
 STEP_STAGES = (StageId.SAMPLE, StageId.LOSS_POLICY)
 ROLLOUT_PAYLOADS = ("old_log_probs", "ref_log_probs", "kl", "advantages")
+ROLLOUT_OPTIONAL_PAYLOADS = ("values", "returns")
+"""gae's old values and returns, written when given."""
 STEP_PAYLOADS = ("old_log_probs", "log_probs", "entropy", "advantages")
+VALUE_LOSS_PAYLOADS = ("values", "vpreds", "returns")
+STEP_OPTIONAL_PAYLOADS = ("ref_log_probs",) + VALUE_LOSS_PAYLOADS
+"""The reference log-probs of a KL loss and the value-loss inputs, written when every micro-batch gives them."""
 EXACT_FIELDS = ["sample_id", "loss_mask", "group_index"]
 
 
@@ -237,13 +247,23 @@ class StepRecord:
                             semantic_group_ids=_group_ids(records))
         index = BundleIndex(bundle_id=bundle_id, identity=identity, samples=records, config=_config(self.config))
         tensors: dict[str, torch.Tensor] = {}
-        for name in STEP_PAYLOADS:
+        for name in STEP_PAYLOADS + STEP_OPTIONAL_PAYLOADS:
             parts = [mb.payloads.get(name) for mb in micro_batches]
             if any(p is None for p in parts):
                 continue  # written as given: a payload missing in any micro-batch is left out (replay reports it)
             tensors[name] = torch.cat([p.reshape(-1) for p in parts]) if len(parts) != 1 else parts[0]
-        expected = {"loss.policy": {k: materialize_float(self.scalars.get(k)) for k in LOSS_FIELDS}}
-        return BundleParts(_manifest(bundle_id, STEP_STAGES, prov, index.config), index, expected, tensors)
+        stages = STEP_STAGES + ((StageId.LOSS_VALUE,) if self.has_value_loss else ())
+        expected = {stage.value: {k: materialize_float(self.scalars.get(k))
+                                  for k in STAGE_IO[stage].outputs_for(index.config)}
+                    for stage in stages if stage != StageId.SAMPLE}
+        return BundleParts(_manifest(bundle_id, stages, prov, index.config), index, expected, tensors)
+
+    @property
+    def has_value_loss(self) -> bool:
+        """True when any value-loss input or scalar was given: loss.value is then contracted, and whatever of it is
+        missing is reported by validate and replay rather than silently not checked."""
+        return (any(mb.payloads.get(name) is not None for mb in self.micro_batches for name in VALUE_LOSS_PAYLOADS)
+                or any(self.scalars.get(name) is not None for name in VALUE_LOSS_FIELDS))
 
 
 CaptureRecord = Union[RolloutRecord, StepRecord]
@@ -251,5 +271,6 @@ CAPTURE_RECORDS = (RolloutRecord, StepRecord)
 
 
 __all__ = ["BundleParts", "CAPTURE_RECORDS", "CaptureRecord", "Columns", "EXACT_FIELDS", "LOSS_FIELDS", "MicroBatch",
-           "Provenance", "ROLLOUT_PAYLOADS", "ROLLOUT_STAGES", "RolloutRecord", "STEP_PAYLOADS", "STEP_STAGES",
-           "StepRecord", "check_fields", "rollout_bundle_id", "step_bundle_id"]
+           "Provenance", "ROLLOUT_OPTIONAL_PAYLOADS", "ROLLOUT_PAYLOADS", "ROLLOUT_STAGES", "RolloutRecord",
+           "STEP_OPTIONAL_PAYLOADS", "STEP_PAYLOADS", "STEP_STAGES", "StepRecord", "VALUE_LOSS_PAYLOADS",
+           "check_fields", "rollout_bundle_id", "step_bundle_id"]

@@ -6,8 +6,8 @@ Planning reads documents, and compares payload digests (the tensors only for a s
 digests) to tell replicas apart; it never computes a stage.
 
 Stages (a stage's contract in the manifest):
-- `recompute`: the stage runs. A recompute contract for a stage replay cannot compute (loss.value), or
-  a contract version other than the stage's: UnsupportedError (never a best effort).
+- `recompute`: the stage runs. A contract version other than the stage's: UnsupportedError (never a best
+  effort).
 - `recorded-only`, `inspect-only`, `unsupported`: the bundle itself says the stage is not to be
   replayed (the older tool's capture declares loss.value unsupported in every bundle). It is reported
   skipped with `capability=<value>` and never fails the replay. A stage with recorded outputs hands them
@@ -15,8 +15,10 @@ Stages (a stage's contract in the manifest):
   payload; reward.post_process falls back to the records' `raw_reward` by itself), so the stages after
   it are still checked against what production consumed. Asking for an `unsupported` stage by name
   (`--stage`) is an UnsupportedError: what was asked for cannot be given.
-- The topology (advantage_estimator, cp) is checked for the whole bundle: anything but GRPO with cp == 1
-  is an UnsupportedError, whatever the contracts say.
+- The topology (cp == 1) is checked for every rank, and the algorithm for the stages that run: the config's
+  estimator, policy loss and aggregation resolve to kernels (`replay.registry`), every field it reads has a
+  value replay implements and every payload its algorithm needs is there (`check_algorithm`); otherwise an
+  UnsupportedError naming the field, before a payload is read. `overrides` (`replay --set`) apply first.
 
 Ranks (a multi-rank bundle comes as one source per rank; how they relate is read from their content,
 never assumed from their sample ids alone):
