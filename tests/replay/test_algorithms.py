@@ -487,3 +487,15 @@ def test_a_recorded_only_estimate_hands_its_recorded_returns_to_loss_value():
     # now loss.value reads the payload: a fault in it shows there, and nowhere earlier
     faulty = _with_payload(recorded, "returns", 4, token_with_mask(case.index, 4), 3.0)
     assert _only_failure(replay([source_of(faulty)]), "loss.value").status == "fail"
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"])
+def test_whitened_advantages_are_skipped_under_a_partial_selection_and_checked_on_the_whole(estimator):
+    """Whitening spans the whole cohort: recomputing it on the selected samples alone would report a divergence
+    where there is none, so the stage says why it did not run instead."""
+    source = source_of(algorithm_case({"advantage_estimator": estimator, "kl_coef": 0.1}))
+    report = replay([source], samples=[source.index.samples[0].sample_id])
+    estimate = report.stage("advantage.estimate")
+    assert estimate.status == "skipped" and "whitened over the whole cohort" in estimate.message
+    assert report.passed and report.stage("reward.post_process").status == "pass"
+    assert replay([source]).stage("advantage.estimate").status == "pass"

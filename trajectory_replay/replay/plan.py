@@ -98,6 +98,9 @@ class Pass:
     same data. Empty: the part only joins the sample-level stages (the other ranks of a group)."""
     cohort_skip: str = ""
     """Why the cohort-level stages are skipped in this pass; empty when they run."""
+    whole: bool = True
+    """The pass covers every sample of the cohort: advantages whitened over the cohort (reinforce_plus_plus,
+    its baseline variant, gae) can be recomputed only then."""
 
     def describe(self) -> str:
         rows = ", ".join(("" if p.source.rank is None else f"rank {p.source.rank}: ")
@@ -211,6 +214,7 @@ def _union_pass(selection: Selection, shards: Sequence[Shard], focus: Optional[R
     parts = _nonempty([_part(s.source, selected) for s in shards])
     ranks = {id(s.source): s.ranks if labelled or not s.ranks else (None,) for s in shards}
     return Pass(parts=tuple(parts), label=None, copies=(), cohort_ranks=tuple(ranks[id(p.source)] for p in parts),
+                whole=len(parts) == len(shards) and all(p.whole for p in parts),
                 cohort_skip=PARTIAL_SELECTION if closure.partial and not rank_whole else "")
 
 
@@ -219,6 +223,7 @@ def _rank_local_pass(shard: Shard, closure: Closure) -> Pass:
     records = shard.source.index.samples
     parts = _nonempty([_part(shard.source, {records[i].sample_id for i in closure.positions})])
     return Pass(parts=tuple(parts), label=shard.ranks[0], copies=shard.ranks[1:], cohort_ranks=(shard.ranks,),
+                whole=all(p.whole for p in parts),
                 cohort_skip=PARTIAL_SELECTION if closure.partial else "")
 
 

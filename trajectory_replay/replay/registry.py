@@ -36,6 +36,8 @@ class EstimatorKernel:
     """Post-processing reads prompt groups: every sample needs a group_index (and group sizes are checked)."""
     needs_values: bool = False
     """Advantages read the `values` payload (and produce returns)."""
+    whitened: bool = False
+    """Advantages are whitened over the whole cohort: not recomputable on part of it."""
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,11 @@ BUILTIN: dict[str, Kernel] = {k.name: k for k in (
     EstimatorKernel("dr_grpo", estimators.mean_baseline_rewards, estimators.outcome_advantages),
     EstimatorKernel("rloo", estimators.rloo_rewards, estimators.outcome_advantages),
     EstimatorKernel("reinforce_plus_plus", estimators.raw_rewards, estimators.reinforce_plus_plus_advantages,
-                    grouped=False),
+                    grouped=False, whitened=True),
     EstimatorKernel("reinforce_plus_plus_baseline", estimators.mean_baseline_rewards,
-                    estimators.reinforce_plus_plus_baseline_advantages),
-    EstimatorKernel("gae", estimators.raw_rewards, estimators.gae_advantages, grouped=False, needs_values=True),
+                    estimators.reinforce_plus_plus_baseline_advantages, whitened=True),
+    EstimatorKernel("gae", estimators.raw_rewards, estimators.gae_advantages, grouped=False, needs_values=True,
+                    whitened=True),
     PolicyLossKernel("ppo_clip", losses.ppo_clip_tokens),
     PolicyLossKernel("gspo", losses.gspo_tokens),
     PolicyLossKernel("cispo", losses.cispo_tokens),

@@ -65,7 +65,12 @@ class _Run:
         results: list[StageResult] = []
         for i, planned in enumerate(self.sample_level):
             ctx = self.context(planned.stage.id, cohort, outputs, plan.label)
-            results += _with_copies(_run_planned(planned, ctx, outputs), plan.label, plan.copies)
+            if not plan.whole and planned.action == "run" and self._whitened(planned.stage.id):
+                result = skipped(planned.stage.id.value, f"{WHITENED_PART} ({self.plan.kernels.estimator.name})",
+                                 plan.label)
+            else:
+                result = _run_planned(planned, ctx, outputs)
+            results += _with_copies(result, plan.label, plan.copies)
             _release(outputs, self.cache, [p.stage for p in self.sample_level[i + 1:] + self.cohort_level],
                      self.plan.config)
         for planned in self.cohort_level:
@@ -75,6 +80,10 @@ class _Run:
             else:
                 results += self.per_part(planned, cohort, outputs, plan)
         return results
+
+    def _whitened(self, stage: StageId) -> bool:
+        """True for advantage.estimate of an estimator that whitens over the whole cohort."""
+        return stage == StageId.ADVANTAGE_ESTIMATE and self.plan.kernels.estimator.whitened
 
     def per_part(self, planned: PlannedStage, cohort: Cohort, outputs: dict, plan: Pass) -> list[StageResult]:
         """A cohort-level stage run on each part alone, against its own expected values, with the part's slice of
@@ -88,6 +97,9 @@ class _Run:
             result = _run_planned(planned, self.context(planned.stage.id, cohort.part(k), part_outputs, ranks[0]), {})
             results += _with_copies(result, ranks[0], ranks[1:])
         return results
+
+
+WHITENED_PART = "advantages whitened over the whole cohort are not replayable on part of it"
 
 
 def _with_copies(result: StageResult, source_rank: Optional[int],
