@@ -569,8 +569,9 @@ class Models:
         self.ref, self.behaviour = copy.deepcopy(self.policy).eval(), copy.deepcopy(self.policy).eval()
         self.critic: nn.Linear | None = nn.Linear(args.d_model, 1) if args.estimator == "gae" else None
         self.behaviour_critic = None if self.critic is None else copy.deepcopy(self.critic).eval()
-        for frozen in (self.ref, self.behaviour, self.behaviour_critic):
-            for p in frozen.parameters() if frozen is not None else ():
+        frozen = [self.ref, self.behaviour] + ([self.behaviour_critic] if self.behaviour_critic is not None else [])
+        for module in frozen:
+            for p in module.parameters():
                 p.requires_grad_(False)
         self.opt = torch.optim.Adam(self.trained(), lr=args.lr)
 
