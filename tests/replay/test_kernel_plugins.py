@@ -124,11 +124,12 @@ def write_bundle(case: CanonicalCase, path: Path) -> str:
     return str(path)
 
 
-def test_the_installed_distribution_registers_its_kernels_and_skips_the_broken_one(acme_installed):
+def test_the_installed_distribution_registers_its_kernels_and_lists_the_broken_one_with_why(acme_installed):
     found = installed_kernels()
     assert [(i.kernel.name, i.package) for i in found["acme_grpo"]] == [("acme_grpo", PACKAGE)]
     assert [(i.kernel.name, i.package) for i in found["acme_token_sum"]] == [("acme_token_sum", PACKAGE)]
-    assert "acme_broken" not in found  # its module does not import
+    [broken] = found["acme_broken"]  # its module does not import: never used, but the reason is kept
+    assert broken.kernel is None and "ModuleNotFoundError" in broken.broken
 
 
 def test_a_bundle_pinning_plugin_kernels_replays_with_them_and_passes(acme_installed):
@@ -213,3 +214,25 @@ def test_a_broken_entry_point_does_not_stop_other_bundles(acme_installed):
 def test_stages_that_use_no_pinned_kernel_replay_without_the_package(acme_absent):
     report = replay([source_of(acme_case())], stages=["reward.raw"])
     assert report.passed and {s.stage for s in report.stages} == {"sample", "reward.raw"}
+
+
+def test_a_pinned_kernel_that_does_not_load_says_so_rather_than_not_installed(acme_installed):
+    manifest, index, expected, payloads = acme_case()
+    contracts = {s: c.model_copy(update={"kernel": KernelRef(name="acme_broken", package=PACKAGE)})
+                 if s in PINNED_STAGES and PINNED_STAGES[s] == "acme_grpo" else c
+                 for s, c in manifest.stage_contracts.items()}
+    broken = CanonicalCase(manifest.model_copy(update={"stage_contracts": contracts}),
+                           index.model_copy(update={"config": index.config.model_copy(
+                               update={"advantage_estimator": "acme_broken"})}), expected, payloads)
+    with pytest.raises(UnsupportedError, match="^kernel acme_broken from package acme-rl-kernels is installed but "
+                                               "does not load: ModuleNotFoundError"):
+        replay([source_of(broken)])
+
+
+def test_a_pinned_kernel_of_another_version_replays_with_a_warning(acme_installed):
+    manifest, index, expected, payloads = acme_case()
+    contracts = {s: c.model_copy(update={"kernel": c.kernel.model_copy(update={"version": "0.1.0"})})
+                 if c.kernel is not None else c for s, c in manifest.stage_contracts.items()}
+    older = CanonicalCase(manifest.model_copy(update={"stage_contracts": contracts}), index, expected, payloads)
+    with pytest.warns(RuntimeWarning, match=f"produced with {PACKAGE} 0.1.0, replaying with {VERSION}"):
+        assert replay([source_of(older)]).passed

@@ -8,6 +8,7 @@ in place. The estimators live in `replay.estimators`, the losses and aggregation
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -83,13 +84,23 @@ def sample_ends(lengths: torch.Tensor) -> torch.Tensor:
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(x - mean) / sqrt(var + 1e-8) with mean and variance over the tokens where mask is 1, the variance
-    unbiased (times M / (M - 1), M the masked token count); every token is whitened, masked or not."""
-    m = mask.to(torch.float64)
-    count = m.sum()
-    mean = values.to(torch.float64).mul(m).sum() / count
-    centered = values.to(torch.float64) - mean
-    var = centered.square().mul_(m).sum() / count * (count / (count - 1))
-    return centered.mul_(torch.rsqrt(var + WHITEN_EPS)).to(torch.float32)
+    unbiased (times M / (M - 1), M the masked token count); every token is whitened, masked or not.
+
+    Elementwise in float32 as production computes it; the two cohort-wide sums accumulate in float64 block by
+    block, so no float64 copy of a cohort-sized tensor is ever made."""
+    x, m = values.to(torch.float32), mask.to(torch.float32)
+    count = float(m.sum(dtype=torch.float64))
+    if count <= 1:  # no variance to divide by: every value is NaN, which replay reports as non-finite
+        return torch.full_like(x, math.nan)
+    mean = _blocked_sum(lambda a, b: x[a:b] * m[a:b], x.numel()) / count
+    centered = x - mean
+    var = _blocked_sum(lambda a, b: centered[a:b].square().mul_(m[a:b]), x.numel()) / (count - 1)
+    return centered.mul_(1.0 / math.sqrt(var + WHITEN_EPS)) if math.isfinite(var) else centered.mul_(math.nan)
+
+
+def _blocked_sum(terms, n: int, block: int = 1 << 20) -> float:
+    """sum over [0, n) of terms(a, b), a float32 tensor per block, accumulated in float64."""
+    return float(sum(float(terms(a, min(a + block, n)).sum(dtype=torch.float64)) for a in range(0, n, block)))
 
 
 def reverse_scan_order(lengths: torch.Tensor) -> tuple[torch.Tensor, list[int]]:

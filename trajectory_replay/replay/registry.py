@@ -11,6 +11,7 @@ kernel, and fails with "kernel X from package Y is not installed" when it is abs
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Callable, Optional, Union
@@ -38,6 +39,8 @@ class EstimatorKernel:
     """Advantages read the `values` payload (and produce returns)."""
     whitened: bool = False
     """Advantages are whitened over the whole cohort: not recomputable on part of it."""
+    reads_kl: bool = False
+    """With kl_in_reward (and kl_coef != 0) the token rewards take the reward-side KL (`AdvantageInputs.kl`)."""
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,11 @@ BUILTIN: dict[str, Kernel] = {k.name: k for k in (
     EstimatorKernel("dr_grpo", estimators.mean_baseline_rewards, estimators.outcome_advantages),
     EstimatorKernel("rloo", estimators.rloo_rewards, estimators.outcome_advantages),
     EstimatorKernel("reinforce_plus_plus", estimators.raw_rewards, estimators.reinforce_plus_plus_advantages,
-                    grouped=False, whitened=True),
+                    grouped=False, whitened=True, reads_kl=True),
     EstimatorKernel("reinforce_plus_plus_baseline", estimators.mean_baseline_rewards,
                     estimators.reinforce_plus_plus_baseline_advantages, whitened=True),
     EstimatorKernel("gae", estimators.raw_rewards, estimators.gae_advantages, grouped=False, needs_values=True,
-                    whitened=True),
+                    whitened=True, reads_kl=True),
     PolicyLossKernel("ppo_clip", losses.ppo_clip_tokens),
     PolicyLossKernel("gspo", losses.gspo_tokens),
     PolicyLossKernel("cispo", losses.cispo_tokens),
@@ -85,27 +88,35 @@ _FIELDS: dict[type, str] = {EstimatorKernel: "advantage_estimator", PolicyLossKe
 
 @dataclass(frozen=True)
 class Installed:
-    """A kernel another package registered, and that package."""
+    """A kernel another package registered, and that package (with why it does not load, if it does not)."""
 
-    kernel: Kernel
+    kernel: Optional[Kernel]
     package: str
+    version: Optional[str] = None
+    broken: Optional[str] = None
 
 
 def installed_kernels() -> dict[str, list[Installed]]:
     """Every kernel registered under the entry-point group, by name (a name several packages register lists each).
 
-    An entry point that does not load, or loads something that is not a kernel of its own name, is left out:
-    a broken plugin must not stop replay of bundles that do not use it.
+    An entry point that does not load, or loads something that is not a kernel of its own name, is listed with
+    the reason (`broken`) and never used: a broken plugin must not stop replay of bundles that do not use it, and
+    a bundle that pins it is told why it cannot be replayed.
     """
     found: dict[str, list[Installed]] = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
+        package = ep.dist.name if ep.dist is not None else "unknown"
+        version = ep.dist.version if ep.dist is not None else None
         try:
             kernel = ep.load()
-        except Exception:  # noqa: BLE001 - any import error of a third-party plugin
+        except Exception as exc:  # noqa: BLE001 - any import error of a third-party plugin
+            found.setdefault(ep.name, []).append(Installed(None, package, version, f"{type(exc).__name__}: {exc}"))
             continue
-        if isinstance(kernel, (EstimatorKernel, PolicyLossKernel, AggregationKernel)) and kernel.name == ep.name:
-            package = ep.dist.name if ep.dist is not None else "unknown"
-            found.setdefault(ep.name, []).append(Installed(kernel, package))
+        if not (isinstance(kernel, (EstimatorKernel, PolicyLossKernel, AggregationKernel)) and kernel.name == ep.name):
+            found.setdefault(ep.name, []).append(Installed(None, package, version,
+                                                           f"entry point {ep.value} is not a kernel named {ep.name}"))
+            continue
+        found.setdefault(ep.name, []).append(Installed(kernel, package, version))
     return found
 
 
@@ -141,16 +152,13 @@ def resolve_kernels(config: RecomputeConfig, manifest: Optional[Manifest] = None
         ref = pinned.get(name)
         if ref is not None and ref.package != BUILTIN_PACKAGE:
             plugins = installed_kernels() if plugins is None else plugins
-            match = [i for i in plugins.get(name, []) if _same_package(i.package, ref.package)]
-            if not match and used:
-                raise UnsupportedError(f"kernel {name} from package {ref.package} is not installed "
-                                       f"(named by the bundle's stage contract; {field}={name!r})")
-            kernel = match[0].kernel if match else BUILTIN.get(name)
+            kernel = _pinned_kernel(ref, [i for i in plugins.get(name, []) if _same_package(i.package, ref.package)],
+                                    field, used)
         elif name in BUILTIN:
             kernel = BUILTIN[name]
         else:
             plugins = installed_kernels() if plugins is None else plugins
-            kernel = plugins[name][0].kernel if name in plugins else None
+            kernel = next((i.kernel for i in plugins.get(name, []) if i.kernel is not None), None)
         if kernel is not None and not isinstance(kernel, kind):
             kernel = None
         if kernel is None:
@@ -160,6 +168,26 @@ def resolve_kernels(config: RecomputeConfig, manifest: Optional[Manifest] = None
             kernel = BUILTIN[getattr(RecomputeConfig(), field)]   # not used by any stage that runs
         chosen[kind] = kernel
     return Kernels(chosen[EstimatorKernel], chosen[PolicyLossKernel], chosen[AggregationKernel])  # type: ignore[arg-type]
+
+
+def _pinned_kernel(ref: KernelRef, match: list[Installed], field: str, used: bool) -> Optional[Kernel]:
+    """The installed kernel a contract pins; UnsupportedError when it is needed and absent or does not load. A
+    version other than the pinned one is used with a warning: it may compute differently."""
+    if not match:
+        if used:
+            raise UnsupportedError(f"kernel {ref.name} from package {ref.package} is not installed "
+                                   f"(named by the bundle's stage contract; {field}={ref.name!r})")
+        return None
+    found = match[0]
+    if found.kernel is None:
+        if used:
+            raise UnsupportedError(f"kernel {ref.name} from package {ref.package} is installed but does not load: "
+                                   f"{found.broken}")
+        return None
+    if used and ref.version is not None and found.version != ref.version:
+        warnings.warn(f"kernel {ref.name}: the bundle was produced with {ref.package} {ref.version}, "
+                      f"replaying with {found.version}", RuntimeWarning, stacklevel=3)
+    return found.kernel
 
 
 def _pinned(manifest: Optional[Manifest], stages: Optional[set[StageId]]) -> dict[str, KernelRef]:

@@ -19,7 +19,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from trajectory_replay.bundle.schema import RecomputeConfig, StageId
-from trajectory_replay.bundle.stage_io import LOSS_FIELDS, STAGE_IO, StageIO, kl_in_reward
+from trajectory_replay.bundle.stage_io import LOSS_FIELDS, STAGE_IO, StageIO
 from trajectory_replay.replay import kernels, losses
 from trajectory_replay.replay.estimators import AdvantageInputs, RewardInputs
 from trajectory_replay.replay.registry import Kernels
@@ -247,7 +247,7 @@ def _run_advantage_estimate(ctx: StageContext) -> StageOutcome:
     # a plugin estimator declares whether it reads values (and so produces returns); gae does
     names = ("loss_mask", "advantages") + (("values", "returns") if estimator.needs_values else ())
     loaded = _load_payloads(ctx, f, names)
-    kl = _reward_kl(ctx, f) if kl_in_reward(cfg) else None
+    kl = _reward_kl(ctx, f) if cfg.kl_in_reward and cfg.kl_coef != 0 and estimator.reads_kl else None
     if rewards is None or loaded is None or f.failed:
         return StageOutcome(f.result(StageId.ADVANTAGE_ESTIMATE, ctx.rank))
     actual = estimator.advantages(AdvantageInputs(rewards, c.lengths, loaded["loss_mask"], cfg, kl=kl,
