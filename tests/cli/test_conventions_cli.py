@@ -84,3 +84,11 @@ def test_conventions_exits_1_when_no_convention_explains_the_divergence(tmp_path
     report = json.loads(result.stdout)
     assert report["status"] == "diverged" and report["best"] is None
     assert report["reproduced_by"]["reward.post_process"] == []
+
+
+def test_conventions_of_a_bundle_replay_refuses_is_that_refusal(tmp_path):
+    bundle = write(tmp_path, algorithm_case(BASE, seed=4), {**BASE, "policy_loss": "dpo"})
+    result = run("conventions", bundle, "--json")
+    assert result.exit_code == 1
+    report = json.loads(result.stdout)
+    assert report["status"] == "unsupported" and "unsupported policy_loss 'dpo'" in report["error"]

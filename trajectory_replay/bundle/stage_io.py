@@ -112,7 +112,7 @@ STAGE_IO: dict[StageId, StageIO] = {
                                   recorded_as="payload",
                                   only_when={"old_log_probs": _kl_used, "ref_log_probs": _kl_used}),
     # the reward-side KL comes from advantage.kl when it is contracted, else from the recorded `kl` payload
-    StageId.ADVANTAGE_ESTIMATE: StageIO(payloads=("loss_mask", "values"),
+    StageId.ADVANTAGE_ESTIMATE: StageIO(payloads=("loss_mask", "values", "kl"),
                                         upstream=((StageId.REWARD_POST_PROCESS, "rewards"),
                                                   (StageId.ADVANTAGE_KL, "kl")),
                                         outputs=("advantages", "returns"), recorded_as="payload",

@@ -151,9 +151,11 @@ def find_conventions(sources: Sequence[ReplaySource], *, rank: Optional[int] = N
         tried.append(Candidate(name, kind, changes, _stage_verdicts(report)))
         return report
 
-    base = attempt("recorded", "recorded", {})
-    if base is None:   # the recorded config itself cannot be replayed: say why, like replay would
-        raise TrajectoryReplayError(tried[0].error or "the bundle cannot be replayed")
+    # the recorded config first, and its errors as replay raises them (an unsupported bundle is no question
+    # of conventions)
+    seen.add(repr([]))
+    base = execute(plan_replay(cached, rank=rank))
+    tried.append(Candidate("recorded", "recorded", {}, _stage_verdicts(base)))
     for changes in single_field_variants(recorded):
         report = attempt(_label(changes), "variant", changes)
         if "loss_agg_mode" in changes and report is not None:
