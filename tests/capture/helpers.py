@@ -1,4 +1,4 @@
-"""Consistent capture inputs built from the canonical numbers (REPLAY_SEMANTICS.md, the canonical case)."""
+"""Consistent capture inputs built from the canonical numbers (the canonical case of docs/replay.md)."""
 
 from __future__ import annotations
 
