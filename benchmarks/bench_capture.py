@@ -28,7 +28,7 @@ SHARED = ("old_log_probs", "advantages", "loss_mask")
 HOW = """\
 **disabled hooks**: `timeit` of each `trajectory_replay.capture` hook with capture off (no manager), with
 the keyword arguments the example passes, best of 5 runs of 200,000 calls; also the example's own wrapper
-(`_capture_microbatch`, which additionally times itself for `--out-json`). **step time**: the example
+(`_capture_microbatch`, which checks once whether capture is on before it times and calls the hook). **step time**: the example
 (`examples/tiny_grpo.py --d-model 768 --layers 8`, about one second per optimizer step here; 24 samples
 per rollout, 4 optimizer steps per rollout, 2 micro-batches per rank and step) in fresh processes, with one training rank (the goal: this machine has
 2 CPUs, and one rank leaves a core for the capture writer, as training on a GPU host leaves its CPUs
@@ -142,7 +142,7 @@ def _hook_rows(ctx: Context) -> list[Row]:
         "capture_slime_rollout": lambda: capture.capture_slime_rollout(0, slime, config=config),
         "capture_microbatch": lambda: capture.capture_microbatch(0, 0, "mb-0000", **mb),
         "capture_step_end": lambda: capture.capture_step_end(0, 0, config=config, **scalars),
-        "example _capture_microbatch (+ its own timing)":
+        "example _capture_microbatch (its own check)":
             lambda: tiny_grpo._capture_microbatch(0, 0, "mb-0000", example_mb),
     }
     baseline_fn = lambda: None

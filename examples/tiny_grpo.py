@@ -104,8 +104,11 @@ def capture_threads() -> int:
 
 
 def _timed_hook(fn):
-    """Accumulate the time the training thread spends inside a capture hook (for --out-json)."""
+    """Accumulate the time the training thread spends inside a capture hook (for --out-json); with capture off,
+    return after one check (no argument is even passed on)."""
     def wrapper(*args: Any, **kwargs: Any) -> None:
+        if _CAPTURE["manager"] is None:
+            return
         t0 = time.perf_counter()
         try:
             fn(*args, **kwargs)
@@ -140,6 +143,11 @@ def _capture_rollout(rollout_id: int, rollout_data: dict[str, list]) -> None:
         weight_lineage=_lineage(rollout_data["rollout_weight_versions"], rollout_data["actor_weight_versions"]))
 
 
+OPTIONAL_STEP_PAYLOADS = ("ref_log_probs", "values", "vpreds", "returns")
+"""Step payloads only some runs have (a KL loss, a value loss): passed only when present."""
+_NOTHING: dict[str, Any] = {}
+
+
 @_timed_hook
 def _capture_microbatch(rollout_id: int, step_id: int, mb_id: str, data: dict[str, Any]) -> None:
     """Step-level data of one micro-batch, as the loss saw it (reference log-probs with a KL loss, values with
@@ -149,8 +157,7 @@ def _capture_microbatch(rollout_id: int, step_id: int, mb_id: str, data: dict[st
         response_lengths=data["response_lengths"], total_lengths=data["total_lengths"],
         loss_masks=data["loss_mask"], raw_rewards=data["raw_reward"], rewards=data["rewards"],
         old_log_probs=data["old_log_probs"], log_probs=data["log_probs"], entropy=data["entropy"],
-        advantages=data["advantages"], ref_log_probs=data.get("ref_log_probs"), values=data.get("values"),
-        vpreds=data.get("vpreds"), returns=data.get("returns"))
+        advantages=data["advantages"], **data.get("optional", _NOTHING))
 
 
 @_timed_hook
@@ -668,7 +675,9 @@ class Trainer:
                 "group_index": mine["group_index"][sl], "response_lengths": mb_lens,
                 "total_lengths": mine["total_lengths"][sl], "raw_reward": mine["raw_reward"][sl],
                 "rewards": mine["rewards"][sl], "loss_masks": mine["loss_masks"][sl],
-                **{key: v.detach() for key, v in flat.items()}, "scalars": scalars})
+                **{key: v.detach() for key, v in flat.items() if key not in OPTIONAL_STEP_PAYLOADS},
+                "optional": {key: flat[key].detach() for key in OPTIONAL_STEP_PAYLOADS if key in flat},
+                "scalars": scalars})
         self.all_reduce_step()
         # This rank's scalars: the aggregation over all of its samples in this actor step.
         rank_sc = {key: torch.cat(v).sum() for key, v in step_means.items()}

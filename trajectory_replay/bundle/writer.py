@@ -297,7 +297,15 @@ class BundleWriter:
         return Documents(**{label: DocRef.of(ref) for label, ref in zip(labels, refs)})
 
     def _manifest_bytes(self, payloads: Mapping[str, PayloadSpec]) -> bytes:
-        return compact_json(self.manifest.model_copy(update={"payloads": dict(payloads)}).model_dump(mode="json"))
+        doc = self.manifest.model_copy(update={"payloads": dict(payloads)}).model_dump(mode="json")
+        # optional parts a bundle rarely has are left out rather than written as null, so readers that predate
+        # them see the same document as before
+        if doc.get("conventions") is None:
+            doc.pop("conventions", None)
+        for contract in doc["stage_contracts"].values():
+            if contract.get("kernel") is None:
+                contract.pop("kernel", None)
+        return compact_json(doc)
 
     def _mask_tensor(self, samples) -> torch.Tensor:
         """The records' loss masks as one uint8 tensor; BundleError naming the first sample with a value not 0/1."""

@@ -233,10 +233,11 @@ def _local_denominator(config: RecomputeConfig, sources: Sequence[ReplaySource],
     any masked token."""
     import torch
 
+    from trajectory_replay.replay.kernels import token_counts
+
     source = next((s for s in sources if s.rank == rank), sources[0])
-    mask = source.load_payload("loss_mask").to(torch.float64)
     lengths = torch.tensor([max(r.response_length, 0) for r in source.index.samples], dtype=torch.int64)
-    tokens = torch.segment_reduce(mask, "sum", lengths=lengths)
+    tokens = token_counts(source.load_payload("loss_mask"), lengths)
     return float(tokens.sum()) if config.loss_agg_mode == "token_mean" else float((tokens > 0).sum())
 
 

@@ -72,8 +72,8 @@ def token_counts(mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 def masked_sample_sums(values: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Per-sample sums of values * mask, accumulated in float64 so our own rounding stays far below the
-    comparison tolerance."""
-    weighted = values.to(torch.float64).mul_(mask.to(torch.float64))
+    comparison tolerance (callers summing several tensors convert the mask to float64 once)."""
+    weighted = values.to(torch.float64).mul_(mask)  # a float64 mask is used as is
     return torch.segment_reduce(weighted, "sum", lengths=lengths.to(torch.int64))
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from trajectory_replay.bundle.schema import RecomputeConfig
-from trajectory_replay.replay.kernels import kl_estimate, masked_sample_sums, sample_blocks, token_counts
+from trajectory_replay.replay.kernels import kl_estimate, masked_sample_sums, sample_blocks
 
 if TYPE_CHECKING:
     from trajectory_replay.replay.registry import Kernels
@@ -166,11 +166,14 @@ def policy_loss_outputs(data: PolicyLossData, config: RecomputeConfig, kernels: 
     sums: dict[str, list[torch.Tensor]] = {f: [] for f in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss")}
     if with_kl:
         sums["kl_loss"] = []
+    counts: list[torch.Tensor] = []
     for first, last, start, end in sample_blocks(lengths, BLOCK_TOKENS):
-        mask, block_lengths = data.mask[start:end], lengths[first:last]
+        block_lengths = lengths[first:last]
+        mask = data.mask[start:end].to(torch.float64)  # once per block: every sum below weighs by it
+        counts.append(torch.segment_reduce(mask, "sum", lengths=block_lengths))
         terms = kernels.policy_loss.tokens(PolicyInputs(
-            data.log_probs[start:end], data.old_log_probs[start:end], data.advantages[start:end], mask,
-            block_lengths, config))
+            data.log_probs[start:end], data.old_log_probs[start:end], data.advantages[start:end],
+            data.mask[start:end], block_lengths, config))
         sums["pg_loss"].append(masked_sample_sums(terms.pg, mask, block_lengths))
         sums["pg_clipfrac"].append(masked_sample_sums(terms.clipfrac, mask, block_lengths))
         sums["ppo_kl"].append(masked_sample_sums(terms.ppo_kl, mask, block_lengths))
@@ -181,7 +184,7 @@ def policy_loss_outputs(data: PolicyLossData, config: RecomputeConfig, kernels: 
             kl = kl_estimate(data.log_probs[start:end], data.ref_log_probs[start:end], config.kl_loss_estimator,
                              config.kl_log_ratio_clamp, config.kl_output_clamp)
             sums["kl_loss"].append(masked_sample_sums(kl, mask, block_lengths))
-    out = _aggregate(sums, token_counts(data.mask, lengths), config, kernels)
+    out = _aggregate(sums, _cat(counts), config, kernels)
     for term in ("pg_loss", "entropy_loss", "kl_loss"):
         if term in out:
             out[term] *= config.loss_scale
@@ -208,17 +211,24 @@ def value_loss_outputs(data: ValueLossData, config: RecomputeConfig, kernels: "K
     lengths = data.lengths.to(torch.int64)
     c = config.cliprange_value
     sums: dict[str, list[torch.Tensor]] = {"vf_loss": [], "vf_clipfrac": []}
+    counts: list[torch.Tensor] = []
     for first, last, start, end in sample_blocks(lengths, BLOCK_TOKENS):
-        mask, block_lengths = data.mask[start:end], lengths[first:last]
+        block_lengths = lengths[first:last]
+        mask = data.mask[start:end].to(torch.float64)
+        counts.append(torch.segment_reduce(mask, "sum", lengths=block_lengths))
         values, vpreds = data.values[start:end].to(torch.float32), data.vpreds[start:end].to(torch.float32)
         returns = data.returns[start:end].to(torch.float32)
         clipped = torch.maximum(torch.minimum(vpreds, values + c), values - c).sub_(returns).square_()
         unclipped = vpreds.sub(returns).square_()
         sums["vf_clipfrac"].append(masked_sample_sums(clipped > unclipped, mask, block_lengths))
         sums["vf_loss"].append(masked_sample_sums(torch.maximum(unclipped, clipped), mask, block_lengths))
-    out = _aggregate(sums, token_counts(data.mask, lengths), config, kernels)
+    out = _aggregate(sums, _cat(counts), config, kernels)
     out["vf_loss"] *= 0.5 * config.loss_scale
     return out
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
 def _aggregate(sums: dict[str, list[torch.Tensor]], tokens: torch.Tensor, config: RecomputeConfig,
