@@ -11,6 +11,7 @@ an error, `error`, the same one line that goes to stderr.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -194,6 +195,17 @@ def command(fn: Callable) -> Callable:
     return wrapper
 
 
+def _import_torch() -> None:
+    """Import torch for a command that computes, then keep the collector from rescanning what it imported.
+
+    torch leaves some 10^5 long-lived objects behind; every full collection the command triggers afterwards
+    (bundle and pydantic imports, reading thousands of records) would walk all of them again. The process is
+    short-lived and those objects live until it exits, so they move to the permanent generation."""
+    import torch  # noqa: F401
+
+    gc.freeze()
+
+
 def check_tolerance(flag: str, value: Optional[float]) -> Optional[float]:
     """A tolerance from the command line: a finite number >= 0 (NaN would make every comparison pass)."""
     if value is not None and not (math.isfinite(value) and value >= 0):
@@ -241,6 +253,7 @@ def replay_cmd(
     as_json: JsonFlag = False,
 ) -> None:
     """Recompute reward -> advantage -> loss and report the first divergence."""
+    _import_torch()
     from trajectory_replay.bundle import open_for_replay
     from trajectory_replay.replay import replay
 
@@ -267,6 +280,7 @@ def conventions_cmd(
     as_json: JsonFlag = False,
 ) -> None:
     """Replay under every convention profile and single-field variant; say which reproduce each stage."""
+    _import_torch()
     from trajectory_replay.bundle import open_for_replay
     from trajectory_replay.replay.convention_search import find_conventions
 

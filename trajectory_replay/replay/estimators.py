@@ -147,21 +147,24 @@ def reverse_scan(lengths: torch.Tensor, inputs: Sequence[torch.Tensor], step: Sc
     last, active = reverse_scan_order(lengths)
     ends, arrays = last.numpy(), [t.contiguous().numpy() for t in inputs]
     out = np.empty_like(arrays[0])
+    back = np.arange(len(active), dtype=ends.dtype)
     with np.errstate(all="ignore"):  # NaN and inf propagate as they do in torch, without warnings
         for first in range(0, len(active), SCAN_BLOCK):
             counts = active[first:first + SCAN_BLOCK]
             # sample j, column i: the position first + i tokens before its end (clipped where it has none left);
             # sample by sample, so a block reads and writes short contiguous runs of each tensor
-            at = np.maximum(ends[:counts[0], None] - np.arange(first, first + len(counts)), 0)
+            at = ends[:counts[0], None] - back[first:first + len(counts)]
+            if counts[-1] != counts[0]:
+                np.maximum(at, 0, out=at)
             blocks = [np.ascontiguousarray(a[at].T) for a in arrays]
-            produced = np.empty_like(blocks[0])
+            produced = np.empty(at.shape, dtype=out.dtype)  # laid out like `at`: it scatters from contiguous rows
             for i, n in enumerate(counts):
-                produced[i, :n] = step(n, [b[i, :n] for b in blocks])
+                produced[:n, i] = step(n, [b[i, :n] for b in blocks])
             if counts[-1] == counts[0]:
-                out[at] = produced.T
+                out[at] = produced
             else:
                 live = np.arange(counts[0])[:, None] < np.array(counts)
-                out[at[live]] = produced.T[live]
+                out[at[live]] = produced[live]
     return torch.from_numpy(out)
 
 
