@@ -64,6 +64,20 @@ class Settings:
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"
     cliprange_value: float = 0.2
+    actor_version: Optional[int] = None
+    max_staleness: Optional[int] = None
+    rollout_is: str = "none"
+    rollout_is_threshold: float = 2.0
+    rollout_rs: str = "none"
+    rollout_rs_lower: Optional[float] = None
+    rollout_rs_upper: Optional[float] = None
+    mismatch_max_kl_k3: Optional[float] = None
+    mismatch_max_token_log_ratio: Optional[float] = None
+    expect_on_policy: bool = False
+
+    @property
+    def corrected(self) -> bool:
+        return self.rollout_is != "none" or self.rollout_rs != "none"
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> "Settings":
@@ -337,11 +351,52 @@ def aggregate(x: Ragged, masks: Sequence[Sequence[int]], s: Settings) -> float:
     raise ValueError(f"no aggregation {mode!r}")
 
 
+LOG_RATIO_SAFETY = 20.0
+
+
+def rollout_correction(old: Ragged, rollout: Ragged, masks: Sequence[Sequence[int]],
+                       s: Settings) -> tuple[Optional[Ragged], list[list[int]]]:
+    """(importance weights per token or None, the loss masks after rejection) of the mismatch correction."""
+    weights: Ragged = []
+    kept: list[list[int]] = []
+    upper = s.rollout_rs_upper if s.rollout_rs_upper is not None else s.rollout_is_threshold
+    lower = s.rollout_rs_lower if s.rollout_rs_lower is not None else 1.0 / upper
+    for o_row, r_row, mask in zip(old, rollout, masks):
+        d = [o - r for o, r in zip(o_row, r_row)]
+        seq = math.exp(clamp(sum(x * m for x, m in zip(d, mask)), -LOG_RATIO_SAFETY, LOG_RATIO_SAFETY))
+        token = [math.exp(clamp(x, -LOG_RATIO_SAFETY, LOG_RATIO_SAFETY)) for x in d]
+        ratios = {"token": token, "sequence": [seq] * len(d)}
+        row_mask = list(mask)
+        if s.rollout_rs != "none":
+            row_mask = [m if lower <= q <= upper else 0 for m, q in zip(mask, ratios[s.rollout_rs])]
+        kept.append(row_mask)
+        if s.rollout_is != "none":
+            weights.append([min(q, s.rollout_is_threshold) for q in ratios[s.rollout_is]])
+    return (weights if s.rollout_is != "none" else None), kept
+
+
+def mismatch_metrics(old: Ragged, rollout: Ragged, masks: Sequence[Sequence[int]]) -> dict[str, float]:
+    """The rollout.mismatch metrics of d = old - rollout over the masked-in tokens."""
+    ds = [[(o - r, m) for o, r, m in zip(o_row, r_row, mask)] for o_row, r_row, mask in zip(old, rollout, masks)]
+    inside = [x for row in ds for x, m in row if m]
+    return {"kl_k1": sum(-x for x in inside) / len(inside),
+            "kl_k3": sum(math.exp(x) - 1 - x for x in inside) / len(inside),
+            "log_ratio_max_abs": max(abs(x) for x in inside),
+            "seq_log_ratio_max_abs": max(abs(sum(x for x, m in row if m)) for row in ds)}
+
+
 def policy_loss(cur: Ragged, old: Ragged, ref: Ragged, adv: Ragged, entropy: Ragged,
-                masks: Sequence[Sequence[int]], s: Settings) -> dict[str, float]:
-    """The loss.policy scalars: loss_scale on the loss terms only, kl_loss only with a KL loss coefficient."""
+                masks: Sequence[Sequence[int]], s: Settings, rollout: Optional[Ragged] = None) -> dict[str, float]:
+    """The loss.policy scalars: loss_scale on the loss terms only, kl_loss only with a KL loss coefficient; with a
+    rollout correction, pg weighted by the importance weights and every term over the masks after rejection."""
+    weights = None
+    if s.corrected:
+        assert rollout is not None
+        weights, masks = rollout_correction(old, rollout, masks, s)
     terms = policy_terms(cur, old, adv, masks, s)
-    out = {"pg_loss": aggregate(terms.pg, masks, s) * s.loss_scale,
+    pg = terms.pg if weights is None else [[p * w for p, w in zip(p_row, w_row)]
+                                           for p_row, w_row in zip(terms.pg, weights)]
+    out = {"pg_loss": aggregate(pg, masks, s) * s.loss_scale,
            "pg_clipfrac": aggregate(terms.clipped, masks, s),
            "ppo_kl": aggregate(terms.ppo_kl, masks, s),
            "entropy_loss": aggregate(entropy, masks, s) * s.loss_scale}
@@ -378,7 +433,7 @@ FULLY_MASKED = 6
 """The sample whose every token is masked out (T = 0)."""
 SINGLETON_GROUP = 7
 """The group key of the one-sample group `algorithm_case(singleton=True)` appends."""
-ALL_STAGES = tuple(s for s in StageId if s != StageId.LOSS_VALUE)
+ALL_STAGES = tuple(s for s in StageId if s not in (StageId.LOSS_VALUE, StageId.ROLLOUT_MISMATCH))
 
 
 @dataclass(frozen=True)
@@ -424,6 +479,9 @@ def draw_inputs(num_samples: int, seed: int, empty_sample: bool = False) -> Draw
               "values": torch.randn(n, generator=g) * 0.5}
     tokens["vpreds"] = tokens["values"] + torch.randn(n, generator=g) * 0.3
     raw = (torch.randn(num_samples, generator=g) * 1.5).tolist()
+    rollout = old + torch.randn(n, generator=g) * 0.2   # the inference engine's log-probs of the same tokens
+    rollout[1::5] -= torch.rand(len(rollout[1::5]), generator=g) * 1.5   # a few far off, so corrections engage
+    tokens["rollout_log_probs"] = rollout
     return Draw(lengths, masks, raw, {k: _ragged(v.to(torch.float32), lengths) for k, v in tokens.items()})
 
 
@@ -438,8 +496,11 @@ def _rounded(x: Ragged) -> Ragged:
 
 
 def default_stages(s: Settings) -> tuple[StageId, ...]:
-    """Every stage the config can be replayed with: all but loss.value, which only gae (with returns) has."""
-    return ALL_STAGES + ((StageId.LOSS_VALUE,) if s.advantage_estimator == "gae" else ())
+    """Every stage the config can be replayed with: all but loss.value, which only gae (with returns) has, and
+    rollout.mismatch, which a config with a rollout correction or a mismatch ceiling has."""
+    mismatch = s.corrected or s.mismatch_max_kl_k3 is not None or s.mismatch_max_token_log_ratio is not None
+    return tuple(st for st in StageId if st in ALL_STAGES or (st == StageId.LOSS_VALUE and s.advantage_estimator == "gae")
+                 or (st == StageId.ROLLOUT_MISMATCH and mismatch))
 
 
 def algorithm_case(config: dict[str, Any], *, seed: int = 0, groups: Sequence[Optional[int]] = GROUPS,
@@ -466,9 +527,12 @@ def algorithm_case(config: dict[str, Any], *, seed: int = 0, groups: Sequence[Op
         "reward.raw": {"raw_rewards": list(d.raw)},
         "reward.post_process": {"rewards": rewards},
         "loss.policy": policy_loss(t["log_probs"], t["old_log_probs"], t["ref_log_probs"], loss_adv, t["entropy"],
-                                   d.masks, s),
+                                   d.masks, s, t["rollout_log_probs"]),
     }
     payloads = {name: _flat(t[name]) for name in ("old_log_probs", "log_probs", "ref_log_probs", "entropy")}
+    if StageId.ROLLOUT_MISMATCH in chosen or s.corrected:
+        payloads["rollout_log_probs"] = _flat(t["rollout_log_probs"])
+        expected["rollout.mismatch"] = mismatch_metrics(t["old_log_probs"], t["rollout_log_probs"], d.masks)
     payloads["kl"], payloads["advantages"] = _flat(kl), _flat(adv)
     if s.advantage_estimator == "gae":
         assert returns is not None
@@ -497,6 +561,7 @@ def token_with_mask(index: BundleIndex, sample: int, masked_in: bool = True) -> 
 
 __all__ = ["ALL_STAGES", "FULLY_MASKED", "GROUPS", "PolicyTerms", "Ragged", "SINGLETON_GROUP", "Settings",
            "advantages", "aggregate", "algorithm_case", "clamp", "default_stages", "discounted_returns",
-           "draw_inputs", "gae", "group_members", "kl_tokens", "kl_value", "masked_whiten", "policy_loss",
+           "draw_inputs", "gae", "group_members", "kl_tokens", "kl_value", "masked_whiten", "mismatch_metrics", "policy_loss",
+           "rollout_correction",
            "policy_terms", "post_process", "reward_kl", "token_position", "token_rewards", "token_with_mask",
            "value_loss"]

@@ -67,6 +67,7 @@ class StageId(str, Enum):
     """The replay stages, in pipeline order."""
 
     SAMPLE = "sample"
+    ROLLOUT_MISMATCH = "rollout.mismatch"
     REWARD_RAW = "reward.raw"
     REWARD_POST_PROCESS = "reward.post_process"
     ADVANTAGE_KL = "advantage.kl"
@@ -172,6 +173,8 @@ class SampleRecord(_Model):
     reward: float
     label_hash: Optional[str] = None
     micro_batch_id: Optional[str] = None
+    policy_version: Optional[int] = None
+    """The weights version that generated the sample (rollout.mismatch checks its staleness)."""
     prompt: Optional[str] = None
     response: Optional[str] = None
     label: Optional[str] = None
@@ -218,6 +221,22 @@ class RecomputeConfig(_Model):
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"
     cliprange_value: float = 0.2
+    actor_version: Optional[int] = None
+    """The weights version of the trainer consuming the samples (staleness = actor_version - policy_version)."""
+    max_staleness: Optional[int] = None
+    rollout_is: str = "none"
+    """Importance-sampling correction of the training-inference mismatch: none, token or sequence."""
+    rollout_is_threshold: float = 2.0
+    rollout_rs: str = "none"
+    """Rejection sampling on the same ratio: none, token or sequence."""
+    rollout_rs_lower: Optional[float] = None
+    """Lower bound on the ratio rejection keeps (None: 1 / the upper bound)."""
+    rollout_rs_upper: Optional[float] = None
+    """Upper bound on the ratio rejection keeps (None: rollout_is_threshold)."""
+    mismatch_max_kl_k3: Optional[float] = None
+    mismatch_max_token_log_ratio: Optional[float] = None
+    expect_on_policy: bool = False
+    """The step's current log-probs must equal its old ones (the first mini-batch after they were computed)."""
 
     _profile: Optional[str] = PrivateAttr(default=None)
 
@@ -409,6 +428,16 @@ class LossPolicyExpected(_Model):
     kl_loss: Optional[float] = None
 
 
+class RolloutMismatchExpected(_Model):
+    """The training-inference mismatch metrics production reported; each is compared when present."""
+
+    kl_k1: Optional[float] = None
+    kl_k3: Optional[float] = None
+    log_ratio_max_abs: Optional[float] = None
+    seq_log_ratio_max_abs: Optional[float] = None
+    staleness_max: Optional[float] = None
+
+
 class LossValueExpected(_Model):
     """The value-loss scalars production reported."""
 
@@ -419,6 +448,7 @@ class LossValueExpected(_Model):
 class Expected(_Model):
     """expected.json: the scalar outputs production reported (per-token ones are payloads)."""
 
+    rollout_mismatch: Optional[RolloutMismatchExpected] = Field(default=None, alias="rollout.mismatch")
     reward_raw: Optional[RewardRawExpected] = Field(default=None, alias="reward.raw")
     reward_post_process: Optional[RewardPostProcessExpected] = Field(default=None, alias="reward.post_process")
     loss_policy: Optional[LossPolicyExpected] = Field(default=None, alias="loss.policy")
@@ -436,7 +466,7 @@ def json_schemas() -> dict[str, Any]:
 
 __all__ = [
     "ActorStepId", "BundleIndex", "ComparisonPolicy", "ConventionsRecord", "DTYPES", "Expected", "FORMAT_VERSION", "Identity",
-    "KernelRef", "LossPolicyExpected", "LossValueExpected", "Manifest", "PayloadSpec", "ProducerInfo", "RankTopology", "RecomputeConfig",
+    "KernelRef", "LossPolicyExpected", "LossValueExpected", "Manifest", "RolloutMismatchExpected", "PayloadSpec", "ProducerInfo", "RankTopology", "RecomputeConfig",
     "SampleRecord", "SchemaWarning", "STAGE_ORDER", "StageCapability", "StageContract", "StageId",
     "TEXT_FIELDS", "Tolerance", "WeightLineage", "check_name", "json_schemas",
 ]

@@ -34,6 +34,11 @@ def _kl_loss(config: RecomputeConfig) -> bool:
     return config.kl_loss_coef != 0
 
 
+def rollout_correction(config: RecomputeConfig) -> bool:
+    """True when the policy loss corrects for the training-inference mismatch (importance weights or rejection)."""
+    return config.rollout_is != "none" or config.rollout_rs != "none"
+
+
 KL_REWARD_ESTIMATORS = ("reinforce_plus_plus", "gae")
 """The estimators whose token rewards take the reward-side KL penalty when kl_in_reward is set."""
 
@@ -56,6 +61,8 @@ class StageIO:
     the stage's entry in the expected document."""
     only_when: Mapping[str, Needed] = field(default_factory=dict)
     """Conditional payloads, upstream outputs and outputs, with the configs under which they exist."""
+    optional: tuple[str, ...] = ()
+    """Payloads and outputs a bundle may leave out: the stage uses or compares each one that is there."""
 
     def _present(self, names: tuple[str, ...], config: Optional[RecomputeConfig]) -> tuple[str, ...]:
         if config is None:
@@ -88,13 +95,13 @@ class StageIO:
 
     def needed_payloads(self, config: RecomputeConfig) -> tuple[str, ...]:
         """The payloads a bundle must hold for the stage to be replayed under `config`."""
-        return self._present(self.payloads_read, config)
+        return tuple(n for n in self._present(self.payloads_read, config) if n not in self.optional)
 
     def needed_expected(self, stage: StageId, config: Optional[RecomputeConfig] = None) -> tuple[tuple[str, str], ...]:
         """The (stage entry, field) pairs of the expected document the stage compares with."""
         if self.recorded_as != "expected":
             return ()
-        return tuple((stage.value, name) for name in self.outputs_for(config))
+        return tuple((stage.value, name) for name in self.outputs_for(config) if name not in self.optional)
 
 
 LOSS_FIELDS = ("loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl")
@@ -103,8 +110,18 @@ LOSS_FIELDS = ("loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl")
 VALUE_LOSS_FIELDS = ("vf_loss", "vf_clipfrac")
 """The loss.value scalars production reports."""
 
+MISMATCH_FIELDS = ("kl_k1", "kl_k3", "log_ratio_max_abs", "seq_log_ratio_max_abs", "staleness_max")
+"""The rollout.mismatch metrics; production's values of any of them are compared when recorded."""
+
 STAGE_IO: dict[StageId, StageIO] = {
     StageId.SAMPLE: StageIO(payloads=("loss_mask",), fields=("sample_id", "response_length", "total_length")),
+    # the inference engine's log-probs against the trainer's old ones, and each sample's weights version; the
+    # importance weights are compared when the bundle holds production's (`rollout_is_weights`)
+    StageId.ROLLOUT_MISMATCH: StageIO(payloads=("rollout_log_probs", "old_log_probs", "loss_mask",
+                                                "rollout_is_weights"),
+                                      fields=("policy_version",), outputs=MISMATCH_FIELDS,
+                                      optional=("rollout_log_probs", "old_log_probs", "rollout_is_weights")
+                                      + MISMATCH_FIELDS),
     StageId.REWARD_RAW: StageIO(fields=("raw_reward",), outputs=("raw_rewards",)),
     StageId.REWARD_POST_PROCESS: StageIO(fields=("group_index",), upstream=((StageId.REWARD_RAW, "raw_rewards"),),
                                          outputs=("rewards",)),
@@ -119,10 +136,11 @@ STAGE_IO: dict[StageId, StageIO] = {
                                         only_when={"values": _gae, "returns": _gae, "kl": kl_in_reward}),
     # `advantages` is both: the recomputed ones when advantage.estimate is contracted, else the payload
     StageId.LOSS_POLICY: StageIO(payloads=("old_log_probs", "log_probs", "entropy", "advantages", "loss_mask",
-                                           "ref_log_probs"),
+                                           "ref_log_probs", "rollout_log_probs"),
                                  upstream=((StageId.ADVANTAGE_ESTIMATE, "advantages"),),
                                  outputs=LOSS_FIELDS + ("kl_loss",),
-                                 only_when={"ref_log_probs": _kl_loss, "kl_loss": _kl_loss}),
+                                 only_when={"ref_log_probs": _kl_loss, "kl_loss": _kl_loss,
+                                            "rollout_log_probs": rollout_correction}),
     # `returns` likewise: recomputed by a gae advantage.estimate when contracted, else the payload
     StageId.LOSS_VALUE: StageIO(payloads=("values", "vpreds", "returns", "loss_mask"),
                                 upstream=((StageId.ADVANTAGE_ESTIMATE, "returns"),), outputs=VALUE_LOSS_FIELDS),
@@ -130,4 +148,4 @@ STAGE_IO: dict[StageId, StageIO] = {
 """Every stage's inputs and outputs, in stage order."""
 
 
-__all__ = ["KL_REWARD_ESTIMATORS", "kl_in_reward", "LOSS_FIELDS", "STAGE_IO", "StageIO", "VALUE_LOSS_FIELDS"]
+__all__ = ["KL_REWARD_ESTIMATORS", "kl_in_reward", "LOSS_FIELDS", "MISMATCH_FIELDS", "rollout_correction", "STAGE_IO", "StageIO", "VALUE_LOSS_FIELDS"]

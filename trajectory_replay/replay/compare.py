@@ -184,7 +184,8 @@ class Findings:
         """True when anything failed so far."""
         return bool(self.problems) or any(c.failed for c in self.comparisons)
 
-    def result(self, stage: str, rank: Optional[int] = None, passed_message: str = "") -> StageResult:
+    def result(self, stage: str, rank: Optional[int] = None, passed_message: str = "",
+               metrics: Optional[dict] = None) -> StageResult:
         """The stage verdict: failures first in the message, divergences capped at MAX_DIVERGENCES."""
         errors = [e for e in (c.max_abs_error for c in self.comparisons) if e is not None]
         divergences = (self.divergences + [d for c in self.comparisons for d in c.divergences])[:MAX_DIVERGENCES]
@@ -195,7 +196,7 @@ class Findings:
         return StageResult(stage=stage, rank=rank, status="fail" if self.failed else "pass",
                            message=message or "ok", max_abs_error=max(errors) if errors else None,
                            mismatch_count=sum(c.mismatch_count for c in self.comparisons),
-                           divergences=tuple(divergences))
+                           divergences=tuple(divergences), metrics=dict(metrics or {}))
 
 
 __all__ = ["DEFAULT_ATOL", "DEFAULT_RTOL", "EXACT", "FieldComparison", "Findings", "SCALAR", "SampleLayout",

@@ -16,6 +16,7 @@ import torch
 
 from trajectory_replay.bundle.schema import RecomputeConfig
 from trajectory_replay.replay.kernels import kl_estimate, masked_sample_sums, sample_blocks
+from trajectory_replay.replay.mismatch import correction, log_ratio
 
 if TYPE_CHECKING:
     from trajectory_replay.replay.registry import Kernels
@@ -156,6 +157,8 @@ class PolicyLossData:
     mask: torch.Tensor
     lengths: torch.Tensor
     ref_log_probs: Optional[torch.Tensor] = None
+    rollout_log_probs: Optional[torch.Tensor] = None
+    """The inference engine's log-probs: with rollout_is / rollout_rs, the loss corrects for the mismatch."""
 
 
 def policy_loss_outputs(data: PolicyLossData, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
@@ -167,14 +170,23 @@ def policy_loss_outputs(data: PolicyLossData, config: RecomputeConfig, kernels: 
     if with_kl:
         sums["kl_loss"] = []
     counts: list[torch.Tensor] = []
+    corrected = config.rollout_is != "none" or config.rollout_rs != "none"
     for first, last, start, end in sample_blocks(lengths, BLOCK_TOKENS):
         block_lengths = lengths[first:last]
-        mask = data.mask[start:end].to(torch.float64)  # once per block: every sum below weighs by it
+        block_mask, weights = data.mask[start:end], None
+        if corrected:  # rejection changes the mask every term and count is taken over; weights scale pg
+            if data.rollout_log_probs is None:
+                raise ValueError("a rollout correction needs the rollout_log_probs payload")
+            fix = correction(log_ratio(data.old_log_probs[start:end], data.rollout_log_probs[start:end]),
+                             block_mask, block_lengths, config)
+            block_mask, weights = fix.mask, fix.weights
+        mask = block_mask.to(torch.float64)  # once per block: every sum below weighs by it
         counts.append(torch.segment_reduce(mask, "sum", lengths=block_lengths))
         terms = kernels.policy_loss.tokens(PolicyInputs(
             data.log_probs[start:end], data.old_log_probs[start:end], data.advantages[start:end],
-            data.mask[start:end], block_lengths, config))
-        sums["pg_loss"].append(masked_sample_sums(terms.pg, mask, block_lengths))
+            block_mask, block_lengths, config))
+        pg = terms.pg if weights is None else terms.pg.to(torch.float32) * weights
+        sums["pg_loss"].append(masked_sample_sums(pg, mask, block_lengths))
         sums["pg_clipfrac"].append(masked_sample_sums(terms.clipfrac, mask, block_lengths))
         sums["ppo_kl"].append(masked_sample_sums(terms.ppo_kl, mask, block_lengths))
         del terms

@@ -51,6 +51,7 @@ from trajectory_replay.bundle.schema import (
 )
 from trajectory_replay.errors import BundleError, SelectionError, UnsupportedError, UsageError
 from trajectory_replay.replay import kernels as kernels_mod
+from trajectory_replay.replay.mismatch import CORRECTION_MODES, rs_bounds
 from trajectory_replay.replay.registry import Kernels, resolve_kernels
 from trajectory_replay.replay.cohort import CohortPart
 from trajectory_replay.replay.selection import Closure, Selection, group_id, resolve_selection
@@ -255,7 +256,8 @@ def check_topology(index: BundleIndex) -> None:
                                f"(advantage_estimator={index.config.advantage_estimator!r}; replay supports cp=1 only)")
 
 
-_CHOICES = {"group_size_check": ("exact", "any"), "singleton_group": ("nan", "unit")}
+_CHOICES = {"group_size_check": ("exact", "any"), "singleton_group": ("nan", "unit"),
+            "rollout_is": CORRECTION_MODES, "rollout_rs": CORRECTION_MODES}
 
 
 def check_algorithm(config: RecomputeConfig, manifest: Manifest, running: set[StageId],
@@ -281,7 +283,14 @@ def check_algorithm(config: RecomputeConfig, manifest: Manifest, running: set[St
     if StageId.LOSS_POLICY in running and config.policy_loss == "ppo_clip" and config.eps_clip_c is not None \
             and not config.eps_clip_c > 1.0:
         raise UnsupportedError(f"unsupported eps_clip_c {config.eps_clip_c!r}: the dual clip must be greater than 1")
+    if StageId.LOSS_POLICY in running or StageId.ROLLOUT_MISMATCH in running:
+        _check_rollout_correction(config)
+    if StageId.ROLLOUT_MISMATCH in running and config.max_staleness is not None and config.actor_version is None:
+        raise UnsupportedError(f"max_staleness {config.max_staleness} needs actor_version, which the config does "
+                               "not record")
     needs: list[tuple[str, str]] = []
+    if StageId.LOSS_POLICY in running and (config.rollout_is != "none" or config.rollout_rs != "none"):
+        needs += [("rollout_log_probs", f"rollout_is={config.rollout_is!r}, rollout_rs={config.rollout_rs!r}")]
     if StageId.ADVANTAGE_ESTIMATE in running and kernels.estimator.needs_values:
         needs += [("values", f"advantage_estimator={kernels.estimator.name}")]
     if StageId.LOSS_POLICY in running and config.kl_loss_coef != 0:
@@ -294,6 +303,17 @@ def check_algorithm(config: RecomputeConfig, manifest: Manifest, running: set[St
         if not has_payload(payload):
             raise UnsupportedError(f"{why} needs payload {payload!r}, which bundle {manifest.bundle_id} does not hold")
     return kernels
+
+
+def _check_rollout_correction(config: RecomputeConfig) -> None:
+    """A correction's threshold and rejection bounds are positive, the bounds in order."""
+    if not config.rollout_is_threshold > 0:
+        raise UnsupportedError(f"unsupported rollout_is_threshold {config.rollout_is_threshold!r}: must be positive")
+    if config.rollout_rs != "none":
+        lower, upper = rs_bounds(config)
+        if not 0 < lower <= upper:
+            raise UnsupportedError(f"unsupported rejection bounds rollout_rs_lower={lower!r}, rollout_rs_upper="
+                                   f"{upper!r}: need 0 < lower <= upper")
 
 
 def effective_config(config: RecomputeConfig, overrides: Mapping[str, Any]) -> RecomputeConfig:

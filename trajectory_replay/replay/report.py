@@ -56,6 +56,8 @@ class StageResult:
     max_abs_error: Optional[float] = None
     mismatch_count: int = 0
     divergences: tuple[Divergence, ...] = ()
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """What a stage measures whether it passes or not (rollout.mismatch: its metrics and worst tokens)."""
 
     @property
     def failed(self) -> bool:
@@ -69,9 +71,25 @@ class StageResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The stage object of `replay --json`."""
-        return {"stage": self.stage, "rank": self.rank, "status": self.status, "message": self.message,
-                "max_abs_error": json_number(self.max_abs_error), "mismatch_count": self.mismatch_count,
-                "divergences": [d.to_dict() for d in self.divergences]}
+        out = {"stage": self.stage, "rank": self.rank, "status": self.status, "message": self.message,
+               "max_abs_error": json_number(self.max_abs_error), "mismatch_count": self.mismatch_count,
+               "divergences": [d.to_dict() for d in self.divergences]}
+        if self.metrics:
+            out["metrics"] = _json_ready(self.metrics)
+        return out
+
+    def render_metrics(self) -> list[str]:
+        """The metrics as report lines: one of `name=value` pairs, then one per listed token."""
+        if not self.metrics:
+            return []
+        scalars = [f"{k}={format_number(v)}" for k, v in self.metrics.items() if not isinstance(v, list)]
+        lines = ["metrics: " + " ".join(scalars)] if scalars else []
+        for name, rows in self.metrics.items():
+            if isinstance(rows, list) and rows:
+                lines.append(f"{name.replace('_', ' ')}:")
+                lines.extend("  " + " ".join(f"{k}={v if isinstance(v, str) else format_number(v)}"
+                                             for k, v in row.items()) for row in rows)
+        return lines
 
 
 def skipped(stage: str, message: str, rank: Optional[int] = None) -> StageResult:
@@ -132,8 +150,18 @@ class ReplayReport:
             if s.status != "skipped":
                 line += f", max_abs_error={format_number(s.max_abs_error)}, mismatches={s.mismatch_count}"
             lines.append(line)
+            lines.extend(f"          {m}" for m in s.render_metrics())
             lines.extend(f"          {d.render()}" for d in s.divergences)
         return "\n".join(lines)
+
+
+def _json_ready(value: Any) -> Any:
+    """Nested metrics with every non-finite float as json_number renders it."""
+    if isinstance(value, dict):
+        return {k: _json_ready(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_ready(v) for v in value]
+    return json_number(value) if isinstance(value, float) else value
 
 
 def json_number(value: Optional[float]) -> Optional[float | str]:

@@ -19,8 +19,8 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from trajectory_replay.bundle.schema import RecomputeConfig, StageId
-from trajectory_replay.bundle.stage_io import LOSS_FIELDS, STAGE_IO, StageIO
-from trajectory_replay.replay import kernels, losses
+from trajectory_replay.bundle.stage_io import LOSS_FIELDS, MISMATCH_FIELDS, STAGE_IO, StageIO, rollout_correction
+from trajectory_replay.replay import kernels, losses, mismatch
 from trajectory_replay.replay.estimators import AdvantageInputs, RewardInputs
 from trajectory_replay.replay.registry import Kernels
 from trajectory_replay.replay.cohort import Cohort
@@ -175,6 +175,92 @@ def _check_record_masks(c: Cohort, mask: torch.Tensor, f: Findings) -> None:
     f.add(compare_tensors("loss_mask", mask[rows], listed, layout, EXACT))
 
 
+def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
+    c, f, cfg = ctx.cohort, Findings(), ctx.config
+    metrics: dict[str, object] = {}
+    versions = [r.policy_version for r in c.records]
+    has_log_probs = c.has_payload("rollout_log_probs")
+    if not has_log_probs and all(v is None for v in versions):
+        f.problem("bundle has no payload 'rollout_log_probs' and no sample records a policy_version")
+        return StageOutcome(f.result(StageId.ROLLOUT_MISMATCH, ctx.rank))
+    actual: dict[str, Optional[float]] = {}
+    if has_log_probs:
+        loaded = _load_payloads(ctx, f, ("rollout_log_probs", "old_log_probs", "loss_mask"))
+        if loaded is None:
+            return StageOutcome(f.result(StageId.ROLLOUT_MISMATCH, ctx.rank))
+        mask, rollout_lp, old_lp = loaded["loss_mask"], loaded["rollout_log_probs"], loaded["old_log_probs"]
+        d = mismatch.log_ratio(old_lp, rollout_lp)
+        actual.update(mismatch.mismatch_metrics(d, mask, c.lengths).as_dict())
+        worst = mismatch.worst_tokens(d, mask)
+        located = c.token_layout.locate(worst)
+        rows = [{"sample_id": sid, "token_offset": tok, "rollout_log_prob": float(rollout_lp[p]),
+                 "trainer_log_prob": float(old_lp[p]), "log_ratio": float(d[p])} for p, (sid, tok) in zip(worst, located)]
+        _check_thresholds(cfg, f, actual, rows, d, mask)
+        if c.has_payload("rollout_is_weights") and cfg.rollout_is != "none":
+            fix = mismatch.correction(d, mask, c.lengths, cfg)
+            recorded = _load_payloads(ctx, f, ("rollout_is_weights",))
+            if recorded is not None:
+                f.add(compare_tensors("rollout_is_weights", recorded["rollout_is_weights"],
+                                      mismatch.recorded_weights(fix, mask), c.token_layout, ctx.tol))
+    else:
+        rows = []
+    actual["staleness_max"] = _check_staleness(cfg, f, c)
+    expected = ctx.cohort.expected_map(StageId.ROLLOUT_MISMATCH.value) or {}
+    for name in MISMATCH_FIELDS:
+        if expected.get(name) is None:
+            continue
+        value = actual.get(name)
+        if value is None:
+            f.problem(f"expected {StageId.ROLLOUT_MISMATCH} has {name} but the bundle holds nothing to compute it from")
+        else:
+            f.add(compare_scalar(name, float(expected[name]), float(value), ctx.tol))
+    metrics.update(actual)
+    if has_log_probs:
+        metrics["worst_tokens"] = rows
+    tokens = int(c.load("loss_mask").to(torch.bool).sum()) if has_log_probs else 0
+    passed = (f"{tokens} tokens" if has_log_probs else "no rollout log-probs") + \
+        (f", staleness max {actual['staleness_max']}" if actual["staleness_max"] is not None else "")
+    return StageOutcome(f.result(StageId.ROLLOUT_MISMATCH, ctx.rank, passed_message=passed, metrics=metrics))
+
+
+def _check_thresholds(cfg: RecomputeConfig, f: Findings, actual: dict[str, Optional[float]], rows: list[dict],
+                      d: torch.Tensor, mask: torch.Tensor) -> None:
+    """Fail when kl_k3 or a token's |d| exceeds the configured ceilings; the worst tokens are the divergences."""
+    tripped = []
+    kl_k3 = actual["kl_k3"]
+    if cfg.mismatch_max_kl_k3 is not None and kl_k3 is not None and not kl_k3 <= cfg.mismatch_max_kl_k3:
+        tripped.append(f"kl_k3 {kl_k3:.6g} exceeds mismatch_max_kl_k3 {cfg.mismatch_max_kl_k3:g}")
+    limit = cfg.mismatch_max_token_log_ratio
+    if limit is not None:
+        over = (d.abs() > limit) | d.isnan()
+        count = int((over & mask.to(torch.bool)).sum())
+        if count:
+            tripped.append(f"{count} tokens have |log ratio| above mismatch_max_token_log_ratio {limit:g}")
+    for message in tripped:
+        f.problem(message)
+    if tripped:  # the worst tokens, largest |d| first: expected = the rollout log-prob, actual = the trainer's
+        f.divergences.extend(Divergence("log_ratio", row["sample_id"], row["token_offset"], row["rollout_log_prob"],
+                                        row["trainer_log_prob"], abs(row["log_ratio"])) for row in rows)
+
+
+def _check_staleness(cfg: RecomputeConfig, f: Findings, c: Cohort) -> Optional[float]:
+    """The largest actor_version - policy_version; a sample from a newer policy, or older than max_staleness, fails."""
+    lags = mismatch.staleness([r.policy_version for r in c.records], cfg.actor_version)
+    known = [(r, lag) for r, lag in zip(c.records, lags) if lag is not None]
+    for r, lag in known:
+        if lag < 0:
+            f.problem(f"sample {r.sample_id} has policy_version {r.policy_version}, newer than actor_version "
+                      f"{cfg.actor_version}",
+                      Divergence("policy_version", r.sample_id, None, float(cfg.actor_version), float(r.policy_version),
+                                 float(-lag)))
+        elif cfg.max_staleness is not None and lag > cfg.max_staleness:
+            f.problem(f"sample {r.sample_id} has policy_version {r.policy_version}, {lag} versions behind actor_version "
+                      f"{cfg.actor_version} (max_staleness {cfg.max_staleness})",
+                      Divergence("policy_version", r.sample_id, None, float(cfg.actor_version), float(r.policy_version),
+                                 float(lag)))
+    return float(max(lag for _, lag in known)) if known else None
+
+
 def _run_reward_raw(ctx: StageContext) -> StageOutcome:
     f = Findings()
     actual = _recorded_raw_rewards(ctx)  # V1 supports scalar rewards only: the recorded one is the recompute
@@ -291,17 +377,31 @@ def _compare_scalars(ctx: StageContext, f: Findings, stage: StageId, actual: dic
 
 def _run_loss_policy(ctx: StageContext) -> StageOutcome:
     c, f, cfg = ctx.cohort, Findings(), ctx.config
-    names = ("old_log_probs", "log_probs", "entropy", "loss_mask") + (("ref_log_probs",) if cfg.kl_loss_coef else ())
+    names = ("old_log_probs", "log_probs", "entropy", "loss_mask") + (("ref_log_probs",) if cfg.kl_loss_coef else ()) \
+        + (("rollout_log_probs",) if rollout_correction(cfg) else ())
     advantages, loaded = _upstream_or_payload(ctx, f, StageId.ADVANTAGE_ESTIMATE, "advantages", names)
     if ctx.cohort.expected_map(StageId.LOSS_POLICY.value) is None:
         f.problem("expected has no loss.policy map")
     if advantages is None or loaded is None or f.failed:
         return StageOutcome(f.result(StageId.LOSS_POLICY, ctx.rank))
+    if cfg.expect_on_policy:
+        _check_on_policy(ctx, f, loaded)
     actual = losses.policy_loss_outputs(losses.PolicyLossData(
         loaded["log_probs"], loaded["old_log_probs"], advantages, loaded["entropy"], loaded["loss_mask"], c.lengths,
-        loaded.get("ref_log_probs")), cfg, ctx.kernels)
+        loaded.get("ref_log_probs"), loaded.get("rollout_log_probs")), cfg, ctx.kernels)
     _compare_scalars(ctx, f, StageId.LOSS_POLICY, actual)
     return StageOutcome(f.result(StageId.LOSS_POLICY, ctx.rank))
+
+
+def _check_on_policy(ctx: StageContext, f: Findings, loaded: dict[str, torch.Tensor]) -> None:
+    """expect_on_policy: the current log-probs equal the old ones on every masked-in token (compared as field
+    `ratio`, expected = old, actual = current); the first token where they differ is the first divergence, the
+    signature of old log-probs computed by another policy than the one being trained."""
+    inside = loaded["loss_mask"].to(torch.bool)
+    zero = torch.zeros((), dtype=torch.float32)
+    old = torch.where(inside, loaded["old_log_probs"].to(torch.float32), zero)
+    current = torch.where(inside, loaded["log_probs"].to(torch.float32), zero)
+    f.add(compare_tensors("ratio", old, current, ctx.cohort.token_layout, ctx.tol))
 
 
 def _run_loss_value(ctx: StageContext) -> StageOutcome:
@@ -320,6 +420,7 @@ def _run_loss_value(ctx: StageContext) -> StageOutcome:
 
 STAGES: dict[StageId, Stage] = {s.id: s for s in (
     Stage(StageId.SAMPLE, "v1", compute=_run_sample),
+    Stage(StageId.ROLLOUT_MISMATCH, "v1", cohort_level=True, compute=_run_rollout_mismatch),
     Stage(StageId.REWARD_RAW, "v1", compute=_run_reward_raw),
     Stage(StageId.REWARD_POST_PROCESS, "v1", compute=_run_reward_post_process, recorded=_recorded_rewards),
     Stage(StageId.ADVANTAGE_KL, "v1", compute=_run_advantage_kl),

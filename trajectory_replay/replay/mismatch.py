@@ -1,0 +1,137 @@
+"""Training-inference mismatch: the rollout.mismatch metrics and the corrections the policy loss applies.
+
+d = old_log_probs - rollout_log_probs per token, the log of the trainer's probability over the inference
+engine's. Metrics are over the tokens with loss mask 1: kl_k1 = mean(-d), kl_k3 = mean(exp(d) - 1 - d),
+log_ratio_max_abs = max |d|, seq_log_ratio_max_abs = max over samples of |sum_t m d|.
+
+Corrections (`rollout_is`, `rollout_rs`): the log ratio, per token or summed per sample over its masked
+tokens, is clamped to [-20, 20] before exp. Importance weights are min(ratio, rollout_is_threshold), on every
+token of the sample for `sequence`; rejection keeps a token (a sample, for `sequence`) whose ratio lies in
+[rollout_rs_lower, rollout_rs_upper] (both inclusive, on the clamped ratio) and sets the loss mask of the others
+to 0. The weights production records are the weights times the loss mask before rejection. Weights are constants
+of the loss (no gradient flows in them); they scale the per-token policy loss only, not the clip fraction or ppo_kl,
+and every term of loss.policy is aggregated over the mask after rejection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from trajectory_replay.bundle.schema import RecomputeConfig
+
+LOG_RATIO_CLAMP = 20.0
+"""Log ratios are clamped to +-20 before exp (a correction's weight stays finite), as verl does."""
+
+WORST_TOKENS = 10
+"""Tokens the report lists by |d|, pass or fail."""
+
+CORRECTION_MODES = ("none", "token", "sequence")
+
+
+def log_ratio(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor) -> torch.Tensor:
+    """d = old - rollout, in float32."""
+    return old_log_probs.to(torch.float32) - rollout_log_probs.to(torch.float32)
+
+
+def sequence_sums(values: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """sum_t m_t values_t per sample (float32 result of a float64 accumulation)."""
+    weighted = values.to(torch.float64) * mask.to(torch.float64)
+    return torch.segment_reduce(weighted, "sum", lengths=lengths.to(torch.int64)).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class MismatchMetrics:
+    """The rollout.mismatch metrics (None where the cohort has nothing to measure)."""
+
+    kl_k1: Optional[float]
+    kl_k3: Optional[float]
+    log_ratio_max_abs: Optional[float]
+    seq_log_ratio_max_abs: Optional[float]
+
+    def as_dict(self) -> dict[str, Optional[float]]:
+        return {"kl_k1": self.kl_k1, "kl_k3": self.kl_k3, "log_ratio_max_abs": self.log_ratio_max_abs,
+                "seq_log_ratio_max_abs": self.seq_log_ratio_max_abs}
+
+
+def mismatch_metrics(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor) -> MismatchMetrics:
+    """The metrics of the log ratios `d` over the masked-in tokens, accumulated in float64."""
+    m = mask.to(torch.float64)
+    tokens = float(m.sum())
+    if tokens == 0:
+        return MismatchMetrics(None, None, None, None)
+    d64 = d.to(torch.float64)
+    k1 = float((-d64 * m).sum()) / tokens
+    k3 = float((torch.expm1(d64).sub_(d64)).mul_(m).sum()) / tokens
+    inside = mask.to(torch.bool)
+    max_abs = float(d.abs()[inside].max())
+    seq = torch.segment_reduce(d64 * m, "sum", lengths=lengths.to(torch.int64))
+    return MismatchMetrics(k1, k3, max_abs, float(seq.abs().max()))
+
+
+def worst_tokens(d: torch.Tensor, mask: torch.Tensor, k: int = WORST_TOKENS) -> torch.Tensor:
+    """Flat positions of the (up to) k masked-in tokens with the largest |d|, largest first (NaN first)."""
+    score = d.to(torch.float32).abs().nan_to_num_(nan=float("inf"))
+    score.masked_fill_(~mask.to(torch.bool), -1.0)
+    k = min(k, int(mask.to(torch.bool).sum()))
+    if k == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.topk(score, k).indices
+
+
+def rs_bounds(config: RecomputeConfig) -> tuple[float, float]:
+    """(lower, upper) ratio bounds rejection keeps: upper defaults to rollout_is_threshold, lower to 1/upper."""
+    upper = config.rollout_rs_upper if config.rollout_rs_upper is not None else config.rollout_is_threshold
+    lower = config.rollout_rs_lower if config.rollout_rs_lower is not None else 1.0 / upper
+    return lower, upper
+
+
+@dataclass(frozen=True)
+class Correction:
+    """What the correction does to the loss: per-token importance weights (None: none) and the loss mask after
+    rejection (float32)."""
+
+    weights: Optional[torch.Tensor]
+    mask: torch.Tensor
+
+
+def correction(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, config: RecomputeConfig) -> Correction:
+    """The importance weights and rejection mask `config` asks for, from the log ratios `d` of whole samples."""
+    lengths = lengths.to(torch.int64)
+    m = mask.to(torch.float32)
+    seq_ratio: Optional[torch.Tensor] = None
+    if "sequence" in (config.rollout_is, config.rollout_rs):
+        seq_log = sequence_sums(d, m, lengths).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        seq_ratio = torch.repeat_interleave(torch.exp(seq_log), lengths)
+    token_ratio: Optional[torch.Tensor] = None
+    if "token" in (config.rollout_is, config.rollout_rs):
+        token_ratio = torch.exp(d.to(torch.float32).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    if config.rollout_rs != "none":
+        lower, upper = rs_bounds(config)
+        ratio = token_ratio if config.rollout_rs == "token" else seq_ratio
+        assert ratio is not None
+        m = m * ((ratio >= lower) & (ratio <= upper)).to(torch.float32)
+    weights = None
+    if config.rollout_is != "none":
+        ratio = token_ratio if config.rollout_is == "token" else seq_ratio
+        assert ratio is not None
+        weights = torch.clamp(ratio, max=config.rollout_is_threshold)
+    return Correction(weights, m)
+
+
+def recorded_weights(fix: Correction, mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """The weights as production records them: times the loss mask before rejection (as verl does; a rejected
+    token's weight never reaches the loss, whose mask is 0 there)."""
+    return None if fix.weights is None else fix.weights * mask.to(torch.float32)
+
+
+def staleness(policy_versions: list[Optional[int]], actor_version: Optional[int]) -> list[Optional[int]]:
+    """actor_version - policy_version per sample (None where either is unknown)."""
+    return [None if v is None or actor_version is None else actor_version - v for v in policy_versions]
+
+
+__all__ = ["CORRECTION_MODES", "Correction", "LOG_RATIO_CLAMP", "MismatchMetrics", "WORST_TOKENS", "correction",
+           "log_ratio", "mismatch_metrics", "recorded_weights", "rs_bounds", "sequence_sums",
+           "staleness", "worst_tokens"]
