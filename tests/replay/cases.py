@@ -23,7 +23,7 @@ MASKS = [[1, 1, 0], [1], [0, 1, 1, 1], [1, 1], [1, 0, 1, 0, 1], [1, 1], [0], [1,
          [1], [1, 0, 1]]
 CONFIG = dict(advantage_estimator="grpo", n_samples_per_prompt=4, grpo_std_normalization=True, kl_loss_type="k3",
               kl_coef=0.05, eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=3.0, entropy_coef=0.01)
-STAGES = [s for s in StageId if s != StageId.LOSS_VALUE]
+STAGES = [s for s in StageId if s not in (StageId.LOSS_VALUE, StageId.ROLLOUT_MISMATCH)]
 
 
 def reference_rewards(raw: Sequence[float], groups: Sequence[int], std: bool) -> list[float]:

@@ -72,13 +72,17 @@ def mismatch_metrics(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor)
 
 
 def worst_tokens(d: torch.Tensor, mask: torch.Tensor, k: int = WORST_TOKENS) -> torch.Tensor:
-    """Flat positions of the (up to) k masked-in tokens with the largest |d|, largest first (NaN first)."""
+    """Flat positions of the (up to) k masked-in tokens with the largest |d|, largest first (NaN first, ties in
+    flat order)."""
     score = d.to(torch.float32).abs().nan_to_num_(nan=float("inf"))
     score.masked_fill_(~mask.to(torch.bool), -1.0)
     k = min(k, int(mask.to(torch.bool).sum()))
     if k == 0:
         return torch.zeros(0, dtype=torch.int64)
-    return torch.topk(score, k).indices
+    top = torch.topk(score, k)
+    # equal |d| in flat order: the order of ties is not topk's to choose
+    order = sorted(range(k), key=lambda i: (-float(top.values[i]), int(top.indices[i])))
+    return top.indices[order]
 
 
 def rs_bounds(config: RecomputeConfig) -> tuple[float, float]:
