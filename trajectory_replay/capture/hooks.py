@@ -100,34 +100,45 @@ def stats() -> Optional[dict[str, Any]]:
 def capture_rollout(rollout_id: int, *, sample_ids: Sequence[str], group_index: Any, response_lengths: Any,
                     total_lengths: Any, loss_masks: Any, raw_rewards: Any, rewards: Any, old_log_probs: Any,
                     ref_log_probs: Any, kl: Any, advantages: Any, config: Any, weight_lineage: Any = None,
-                    micro_batch_ids: Any = None, values: Any = None, returns: Any = None) -> Optional[bool]:
+                    micro_batch_ids: Any = None, values: Any = None, returns: Any = None,
+                    rollout_log_probs: Any = None, policy_versions: Any = None, rollout_is_weights: Any = None,
+                    mismatch_metrics: Optional[Mapping[str, Any]] = None) -> Optional[bool]:
     """Rollout-level bundle `rollout-<R>` of this rank's samples. Per-token values: a flat tensor or a list of
     per-sample 1-D tensors, in sample order; `values` and `returns` are gae's old values and returns.
-    Filtered by RELAX_REPLAY_CAPTURE_ROLLOUTS. True if enqueued."""
+    `rollout_log_probs` are the inference engine's log-probs of the responses, `policy_versions` the weights
+    version that generated each sample: either contracts rollout.mismatch, whose metrics production reported
+    (`mismatch_metrics`: kl_k1, kl_k3, log_ratio_max_abs, seq_log_ratio_max_abs, staleness_max, any of them) and
+    importance weights (`rollout_is_weights`) are then compared. Filtered by RELAX_REPLAY_CAPTURE_ROLLOUTS.
+    True if enqueued."""
     if _MANAGER is None:
         return None
     return _MANAGER.capture_rollout(
         rollout_id, sample_ids=sample_ids, group_index=group_index, response_lengths=response_lengths,
         total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards,
         old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, kl=kl, advantages=advantages, config=config,
-        weight_lineage=weight_lineage, micro_batch_ids=micro_batch_ids, values=values, returns=returns)
+        weight_lineage=weight_lineage, micro_batch_ids=micro_batch_ids, values=values, returns=returns,
+        rollout_log_probs=rollout_log_probs, policy_versions=policy_versions, rollout_is_weights=rollout_is_weights,
+        mismatch_metrics=mismatch_metrics)
 
 
 def capture_microbatch(rollout_id: int, step_id: int, micro_batch_id: str, *, sample_ids: Sequence[str],
                        group_index: Any, response_lengths: Any, total_lengths: Any, loss_masks: Any, raw_rewards: Any,
                        rewards: Any, old_log_probs: Any, log_probs: Any, entropy: Any, advantages: Any,
-                       ref_log_probs: Any = None, values: Any = None, vpreds: Any = None, returns: Any = None
-                       ) -> Optional[bool]:
+                       ref_log_probs: Any = None, values: Any = None, vpreds: Any = None, returns: Any = None,
+                       rollout_log_probs: Any = None, policy_versions: Any = None) -> Optional[bool]:
     """One micro-batch of actor step (R, S), snapshotted now (training may reuse its buffers). `ref_log_probs`
-    feed a KL loss (kl_loss_coef != 0); `values` (old), `vpreds` (current) and `returns` the value loss.
-    A repeated micro_batch_id of the same step is ignored. Filtered by RELAX_REPLAY_CAPTURE_STEPS."""
+    feed a KL loss (kl_loss_coef != 0); `values` (old), `vpreds` (current) and `returns` the value loss;
+    `rollout_log_probs` (the inference engine's) a rollout correction (rollout_is / rollout_rs) and, with
+    `policy_versions`, the step's rollout.mismatch. A repeated micro_batch_id of the same step is ignored.
+    Filtered by RELAX_REPLAY_CAPTURE_STEPS."""
     if _MANAGER is None:
         return None
     return _MANAGER.capture_microbatch(
         rollout_id, step_id, micro_batch_id, sample_ids=sample_ids, group_index=group_index,
         response_lengths=response_lengths, total_lengths=total_lengths, loss_masks=loss_masks,
         raw_rewards=raw_rewards, rewards=rewards, old_log_probs=old_log_probs, log_probs=log_probs, entropy=entropy,
-        advantages=advantages, ref_log_probs=ref_log_probs, values=values, vpreds=vpreds, returns=returns)
+        advantages=advantages, ref_log_probs=ref_log_probs, values=values, vpreds=vpreds, returns=returns,
+        rollout_log_probs=rollout_log_probs, policy_versions=policy_versions)
 
 
 def capture_step_end(rollout_id: int, step_id: int, *, loss: Any, pg_loss: Any, entropy_loss: Any, pg_clipfrac: Any,
@@ -190,8 +201,10 @@ def slime_rollout_arguments(rollout_id: int, data: Mapping[str, Any], *, sample_
         if group_index is None:
             raise ValueError("group_index is required (pass group_index= or rollout_data['group_index']); "
                              "it is never guessed from positions")
+    rollout_log_probs = None
     if data.get("log_probs") is not None:
         old = data["log_probs"]
+        rollout_log_probs = data.get("rollout_log_probs")   # the engine's, beside the trainer's: rollout.mismatch
     elif data.get("rollout_log_probs") is not None:
         old = data["rollout_log_probs"]
     else:
@@ -207,7 +220,8 @@ def slime_rollout_arguments(rollout_id: int, data: Mapping[str, Any], *, sample_
                 total_lengths=need("total_lengths"), loss_masks=need("loss_masks"), raw_rewards=need("raw_reward"),
                 rewards=need("rewards"), old_log_probs=old, ref_log_probs=data.get("ref_log_probs"), kl=kl,
                 advantages=need("advantages"), micro_batch_ids=micro_batch_ids, values=data.get("values"),
-                returns=data.get("returns"))
+                returns=data.get("returns"), rollout_log_probs=rollout_log_probs,
+                policy_versions=data.get("policy_versions"))
 
 
 __all__ = ["capture_microbatch", "capture_rollout", "capture_slime_rollout", "capture_step_end", "disable",

@@ -41,6 +41,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from trajectory_replay.bundle.schema import ProducerInfo, RankTopology
+from trajectory_replay.bundle.stage_io import MISMATCH_FIELDS
 from trajectory_replay.capture.commit import BundleJob, storage_failure
 from trajectory_replay.capture.config import choose_writer, producer_ranks
 from trajectory_replay.capture.records import (
@@ -295,18 +296,25 @@ class CaptureManager:
     def capture_rollout(self, rollout_id: int, *, sample_ids: Sequence[str], group_index: Any, response_lengths: Any,
                         total_lengths: Any, loss_masks: Any, raw_rewards: Any, rewards: Any, old_log_probs: Any,
                         ref_log_probs: Any, kl: Any, advantages: Any, config: Any, weight_lineage: Any = None,
-                        micro_batch_ids: Any = None, values: Any = None, returns: Any = None) -> bool:
+                        micro_batch_ids: Any = None, values: Any = None, returns: Any = None,
+                        rollout_log_probs: Any = None, policy_versions: Any = None, rollout_is_weights: Any = None,
+                        mismatch_metrics: Optional[Mapping[str, Any]] = None) -> bool:
         """Enqueue the rollout-level bundle `rollout-<R>` (this rank's shard). True if enqueued."""
         t0 = time.perf_counter()
         try:
             if not self.wants_rollout(rollout_id):
                 self._count("filtered")
                 return False
+            unknown = sorted(set(mismatch_metrics or {}) - set(MISMATCH_FIELDS))
+            if unknown:
+                raise ValueError(f"mismatch_metrics: unknown field {unknown[0]!r} "
+                                 f"(fields: {', '.join(MISMATCH_FIELDS)})")
             cols = dict(sample_ids=sample_ids, group_index=group_index, response_lengths=response_lengths,
                         total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards,
-                        micro_batch_ids=micro_batch_ids)
+                        micro_batch_ids=micro_batch_ids, policy_versions=policy_versions)
             tensors = dict(old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, kl=kl, advantages=advantages,
-                           values=values, returns=returns)
+                           values=values, returns=returns, rollout_log_probs=rollout_log_probs,
+                           rollout_is_weights=rollout_is_weights)
             nbytes = Columns.estimate(**cols) + sum(estimate_nbytes(v) for v in tensors.values())
             bundle_id = rollout_bundle_id(rollout_id)
             if not self._reserve(nbytes, bundle_id, record=True):
@@ -315,9 +323,11 @@ class CaptureManager:
                 snap = Snapshot()
                 columns = Columns.take(snap, **cols)
                 payloads = {k: snap.flat(v, k) for k, v in tensors.items()}
+                metrics = {k: snap.tensor(v) if isinstance(v, torch.Tensor) else v
+                           for k, v in (mismatch_metrics or {}).items()}
                 snap.finish()
                 job = self._job(RolloutRecord(int(rollout_id), columns, payloads, _freeze(config),
-                                              _freeze(weight_lineage), self.provenance))
+                                              _freeze(weight_lineage), self.provenance, metrics))
             except BaseException:
                 self._release(nbytes)
                 raise
@@ -332,7 +342,7 @@ class CaptureManager:
                            group_index: Any, response_lengths: Any, total_lengths: Any, loss_masks: Any,
                            raw_rewards: Any, rewards: Any, old_log_probs: Any, log_probs: Any, entropy: Any,
                            advantages: Any, ref_log_probs: Any = None, values: Any = None, vpreds: Any = None,
-                           returns: Any = None) -> bool:
+                           returns: Any = None, rollout_log_probs: Any = None, policy_versions: Any = None) -> bool:
         """Snapshot one micro-batch of actor step (R, S). A repeated micro_batch_id of the same step is ignored."""
         t0 = time.perf_counter()
         try:
@@ -352,9 +362,11 @@ class CaptureManager:
                 log.debug("capture: micro-batch %s of step %d:%d already captured; ignored", mb_id, *key)
                 return False
             cols = dict(sample_ids=sample_ids, group_index=group_index, response_lengths=response_lengths,
-                        total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards)
+                        total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards,
+                        policy_versions=policy_versions)
             tensors = dict(old_log_probs=old_log_probs, log_probs=log_probs, entropy=entropy, advantages=advantages,
-                           ref_log_probs=ref_log_probs, values=values, vpreds=vpreds, returns=returns)
+                           ref_log_probs=ref_log_probs, values=values, vpreds=vpreds, returns=returns,
+                           rollout_log_probs=rollout_log_probs)
             nbytes = Columns.estimate(**cols) + sum(estimate_nbytes(v) for v in tensors.values())
             if not self._reserve(nbytes, f"{step_bundle_id(*key)} (micro-batch {mb_id}; the whole step is dropped)",
                                  record=False):

@@ -7,13 +7,14 @@ of micro-batches) happens in the record's `build()`, after the CUDA copies lande
 or the writer process (a record is picklable: it travels there inside a `BundleJob`).
 
 Rollout-level bundle `rollout-<R>`: identity rollout_id=R; stages sample, reward.raw,
-reward.post_process, advantage.kl, advantage.estimate (recompute); payloads old_log_probs,
-ref_log_probs, kl, advantages (+ values and returns when given: gae); expected reward.raw.raw_rewards
-and reward.post_process.rewards.
+reward.post_process, advantage.kl, advantage.estimate (recompute), and rollout.mismatch when the engine's
+log-probs or the samples' policy versions are given; payloads old_log_probs, ref_log_probs, kl, advantages
+(+ values and returns when given: gae; + rollout_log_probs, rollout_is_weights when given); expected
+reward.raw.raw_rewards, reward.post_process.rewards (+ rollout.mismatch metrics when given).
 
 Step-level bundle `step-<R>-<S>`: identity actor_step_id=(R, S); stages sample and loss.policy (+ loss.value
-when any value-loss input is given); payloads old_log_probs, log_probs, entropy, advantages (+ ref_log_probs,
-values, vpreds, returns when given); records carry their micro_batch_id; expected loss.policy {loss, pg_loss,
+when any value-loss input is given, + rollout.mismatch like the rollout-level bundle); payloads old_log_probs,
+log_probs, entropy, advantages (+ ref_log_probs, values, vpreds, returns, rollout_log_probs when given); records carry their micro_batch_id; expected loss.policy {loss, pg_loss,
 entropy_loss, pg_clipfrac, ppo_kl} (+ kl_loss when the config's kl_loss_coef is not 0) and loss.value
 {vf_loss, vf_clipfrac}.
 
@@ -32,7 +33,7 @@ from trajectory_replay.bundle.schema import (
     ActorStepId, BundleIndex, ComparisonPolicy, Identity, Manifest, ProducerInfo, RankTopology, RecomputeConfig,
     SampleRecord, StageCapability, StageContract, StageId, WeightLineage,
 )
-from trajectory_replay.bundle.stage_io import LOSS_FIELDS, STAGE_IO, VALUE_LOSS_FIELDS
+from trajectory_replay.bundle.stage_io import LOSS_FIELDS, MISMATCH_FIELDS, STAGE_IO, VALUE_LOSS_FIELDS
 from trajectory_replay.capture.snapshot import (
     Snapshot, estimate_nbytes, materialize_float, materialize_list, materialize_masks,
 )
@@ -41,12 +42,21 @@ ROLLOUT_STAGES = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCES
                   StageId.ADVANTAGE_ESTIMATE)
 STEP_STAGES = (StageId.SAMPLE, StageId.LOSS_POLICY)
 ROLLOUT_PAYLOADS = ("old_log_probs", "ref_log_probs", "kl", "advantages")
-ROLLOUT_OPTIONAL_PAYLOADS = ("values", "returns")
-"""gae's old values and returns, written when given."""
+ROLLOUT_OPTIONAL_PAYLOADS = ("values", "returns", "rollout_log_probs", "rollout_is_weights")
+"""gae's old values and returns, the inference engine's log-probs and production's importance weights, written
+when given."""
 STEP_PAYLOADS = ("old_log_probs", "log_probs", "entropy", "advantages")
 VALUE_LOSS_PAYLOADS = ("values", "vpreds", "returns")
-STEP_OPTIONAL_PAYLOADS = ("ref_log_probs",) + VALUE_LOSS_PAYLOADS
-"""The reference log-probs of a KL loss and the value-loss inputs, written when every micro-batch gives them."""
+STEP_OPTIONAL_PAYLOADS = ("ref_log_probs",) + VALUE_LOSS_PAYLOADS + ("rollout_log_probs",)
+"""The reference log-probs of a KL loss, the value-loss inputs and the inference engine's log-probs, written when
+every micro-batch gives them."""
+
+
+def _mismatch_stage(records: Sequence[SampleRecord], tensors: Mapping[str, Any]) -> tuple[StageId, ...]:
+    """rollout.mismatch when the bundle has the engine's log-probs or any sample its policy version."""
+    if "rollout_log_probs" in tensors or any(r.policy_version is not None for r in records):
+        return (StageId.ROLLOUT_MISMATCH,)
+    return ()
 EXACT_FIELDS = ["sample_id", "loss_mask", "group_index"]
 
 
@@ -88,6 +98,7 @@ class Columns:
     raw_rewards: Any
     rewards: Any
     micro_batch_ids: Any = None
+    policy_versions: Any = None
 
     @classmethod
     def estimate(cls, **values: Any) -> int:
@@ -109,10 +120,13 @@ class Columns:
         masks = materialize_masks(self.loss_masks, [int(r) for r in resp])
         mbs = materialize_list(self.micro_batch_ids, "micro_batch_ids", n) if self.micro_batch_ids is not None \
             else [micro_batch_id] * n
+        versions = materialize_list(self.policy_versions, "policy_versions", n) if self.policy_versions is not None \
+            else [None] * n
         return [SampleRecord(sample_id=str(ids[i]), group_index=None if groups[i] is None else int(groups[i]),
                              response_length=int(resp[i]), total_length=int(total[i]), loss_mask=masks[i],
                              raw_reward=float(raw[i]), reward=float(rewards[i]),
-                             micro_batch_id=None if mbs[i] is None else str(mbs[i]))
+                             micro_batch_id=None if mbs[i] is None else str(mbs[i]),
+                             policy_version=None if versions[i] is None else int(versions[i]))
                 for i in range(n)]
 
 
@@ -181,9 +195,12 @@ class RolloutRecord:
     config: Any            # a RecomputeConfig or a mapping of its fields; checked by build()
     weight_lineage: Any    # a WeightLineage, a mapping of its fields, or None; checked by build()
     provenance: Provenance
+    mismatch_metrics: Mapping[str, Any] = field(default_factory=dict)
+    """rollout.mismatch metrics production reported (numbers or one-element tensors), by field name."""
 
     def __post_init__(self) -> None:
-        check_fields(self, rollout_id=int, columns=Columns, payloads=Mapping, provenance=Provenance)
+        check_fields(self, rollout_id=int, columns=Columns, payloads=Mapping, provenance=Provenance,
+                     mismatch_metrics=Mapping)
 
     @property
     def bundle_id(self) -> str:
@@ -200,7 +217,13 @@ class RolloutRecord:
         expected = {"reward.raw": {"raw_rewards": [r.raw_reward for r in records]},
                     "reward.post_process": {"rewards": [r.reward for r in records]}}
         tensors = {k: v for k, v in self.payloads.items() if v is not None}
-        return BundleParts(_manifest(bundle_id, ROLLOUT_STAGES, prov, index.config), index, expected, tensors)
+        unknown = sorted(set(self.mismatch_metrics) - set(MISMATCH_FIELDS))
+        if unknown:
+            raise ValueError(f"mismatch_metrics: unknown field {unknown[0]!r} (fields: {', '.join(MISMATCH_FIELDS)})")
+        if self.mismatch_metrics:
+            expected["rollout.mismatch"] = {k: materialize_float(v) for k, v in self.mismatch_metrics.items()}
+        stages = ROLLOUT_STAGES[:1] + _mismatch_stage(records, tensors) + ROLLOUT_STAGES[1:]
+        return BundleParts(_manifest(bundle_id, stages, prov, index.config), index, expected, tensors)
 
 
 @dataclass(frozen=True)
@@ -252,10 +275,11 @@ class StepRecord:
             if any(p is None for p in parts):
                 continue  # written as given: a payload missing in any micro-batch is left out (replay reports it)
             tensors[name] = torch.cat([p.reshape(-1) for p in parts]) if len(parts) != 1 else parts[0]
-        stages = STEP_STAGES + ((StageId.LOSS_VALUE,) if self.has_value_loss else ())
+        stages = STEP_STAGES[:1] + _mismatch_stage(records, tensors) + STEP_STAGES[1:] \
+            + ((StageId.LOSS_VALUE,) if self.has_value_loss else ())
         expected = {stage.value: {k: materialize_float(self.scalars.get(k))
                                   for k in STAGE_IO[stage].outputs_for(index.config)}
-                    for stage in stages if stage != StageId.SAMPLE}
+                    for stage in stages if stage not in (StageId.SAMPLE, StageId.ROLLOUT_MISMATCH)}
         return BundleParts(_manifest(bundle_id, stages, prov, index.config), index, expected, tensors)
 
     @property
