@@ -131,7 +131,7 @@ def test_a_clean_bundle_passes_and_the_report_shows_the_metrics_and_worst_tokens
     assert worst[0] == {"sample_id": "s-2", "token_offset": 0, "rollout_log_prob": -1.75, "trainer_log_prob": -0.75,
                         "log_ratio": 1.0}
     text = report.render_text()
-    assert "metrics: kl_k1=-0.25" in text and "worst tokens:" in text and "sample_id=s-2 token_offset=0" in text
+    assert "metrics: kl_k1=-0.25" in text and "worst tokens:" in text and "sample_id=s-2 token_offset=0 rollout_log_prob=-1.75 trainer_log_prob=-0.75 log_ratio=1.0" in text
     as_json = json.loads(report.to_json())
     assert as_json["stages"][1]["stage"] == "rollout.mismatch" and as_json["stages"][1]["metrics"]["kl_k1"] == -0.25
 

@@ -82,13 +82,12 @@ class StageResult:
         """The metrics as report lines: one of `name=value` pairs, then one per listed token."""
         if not self.metrics:
             return []
-        scalars = [f"{k}={format_number(v)}" for k, v in self.metrics.items() if not isinstance(v, list)]
+        scalars = [f"{k}={_plain(v)}" for k, v in self.metrics.items() if not isinstance(v, list)]
         lines = ["metrics: " + " ".join(scalars)] if scalars else []
         for name, rows in self.metrics.items():
             if isinstance(rows, list) and rows:
                 lines.append(f"{name.replace('_', ' ')}:")
-                lines.extend("  " + " ".join(f"{k}={v if isinstance(v, str) else format_number(v)}"
-                                             for k, v in row.items()) for row in rows)
+                lines.extend("  " + " ".join(f"{k}={_plain(v)}" for k, v in row.items()) for row in rows)
         return lines
 
 
@@ -153,6 +152,13 @@ class ReplayReport:
             lines.extend(f"          {m}" for m in s.render_metrics())
             lines.extend(f"          {d.render()}" for d in s.divergences)
         return "\n".join(lines)
+
+
+def _plain(value: Any) -> str:
+    """A metric value as text: names and counts as they are, measurements as format_number prints them."""
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        return str(value)
+    return format_number(value)
 
 
 def _json_ready(value: Any) -> Any:

@@ -225,22 +225,22 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
 
 def _check_thresholds(cfg: RecomputeConfig, f: Findings, actual: dict[str, Optional[float]], rows: list[dict],
                       d: torch.Tensor, mask: torch.Tensor) -> None:
-    """Fail when kl_k3 or a token's |d| exceeds the configured ceilings; the worst tokens are the divergences."""
-    tripped = []
-    kl_k3 = actual["kl_k3"]
-    if cfg.mismatch_max_kl_k3 is not None and kl_k3 is not None and not kl_k3 <= cfg.mismatch_max_kl_k3:
-        tripped.append(f"kl_k3 {kl_k3:.6g} exceeds mismatch_max_kl_k3 {cfg.mismatch_max_kl_k3:g}")
-    limit = cfg.mismatch_max_token_log_ratio
+    """Fail when kl_k3 or a token's |d| exceeds its configured ceiling. The divergences are the worst tokens,
+    largest |d| first (expected = the rollout log-prob, actual = the trainer's): those over the token ceiling when
+    it tripped, else all of them (each adds to kl_k3)."""
+    kl_k3, kl_limit, limit = actual["kl_k3"], cfg.mismatch_max_kl_k3, cfg.mismatch_max_token_log_ratio
+    kl_tripped = kl_limit is not None and kl_k3 is not None and not kl_k3 <= kl_limit
+    if kl_tripped:
+        f.problem(f"kl_k3 {kl_k3:.6g} exceeds mismatch_max_kl_k3 {kl_limit:g}")
+    over = 0
     if limit is not None:
-        over = (d.abs() > limit) | d.isnan()
-        count = int((over & mask.to(torch.bool)).sum())
-        if count:
-            tripped.append(f"{count} tokens have |log ratio| above mismatch_max_token_log_ratio {limit:g}")
-    for message in tripped:
-        f.problem(message)
-    if tripped:  # the worst tokens, largest |d| first: expected = the rollout log-prob, actual = the trainer's
-        f.divergences.extend(Divergence("log_ratio", row["sample_id"], row["token_offset"], row["rollout_log_prob"],
-                                        row["trainer_log_prob"], abs(row["log_ratio"])) for row in rows)
+        over = int((((d.abs() > limit) | d.isnan()) & mask.to(torch.bool)).sum())
+        if over:
+            f.problem(f"{over} tokens have |log ratio| above mismatch_max_token_log_ratio {limit:g}")
+    if over or kl_tripped:
+        listed = [r for r in rows if not abs(r["log_ratio"]) <= limit] if over else rows
+        f.divergences.extend(Divergence("log_ratio", r["sample_id"], r["token_offset"], r["rollout_log_prob"],
+                                        r["trainer_log_prob"], abs(r["log_ratio"])) for r in listed)
 
 
 def _check_staleness(cfg: RecomputeConfig, f: Findings, c: Cohort) -> Optional[float]:
