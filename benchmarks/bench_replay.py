@@ -19,7 +19,9 @@ is its wall time minus that of a process doing only the imports the command cann
 torch, trajectory_replay.cli` for replay, `import trajectory_replay.cli` for validate, which never imports
 torch (the four interleaved, medians). **replay vs validate**: full replay (all six stages) against
 `validate`, which reads and verifies every payload. **memory**: peak RSS (`VmHWM` of the child process)
-of the replay process minus that of the bare-import process, against the payload bytes. **S3 group**: replay of one group whose members are scattered across
+of the replay process minus that of the bare-import process, against the payload bytes. **rollout.mismatch**:
+the same bundle with a `rollout_log_probs` payload and the stage contracted, against the bundle without; one
+ratio of net times per round of three processes, the median of seven. **S3 group**: replay of one group whose members are scattered across
 the bundle, by `s3://` URL with an empty cache; every byte fetched at the backend counts."""
 
 # Runs a command in this fresh process and reports its own high-water RSS. VmHWM belongs to the
@@ -58,6 +60,39 @@ def _measure(args: list[str]) -> tuple[float, int]:
     return wall, int(out.stderr.rsplit("PEAK_RSS=", 1)[1])
 
 
+def _mismatch_row(ctx: Context, case, n: int, local) -> Row:
+    """What rollout.mismatch adds to a full replay: the same bundle with the inference engine's log-probs and the
+    stage contracted, against the bundle without; fresh processes, per-round ratios of net time."""
+    import torch
+
+    from trajectory_replay.bundle import BundleWriter
+    from trajectory_replay.bundle.schema import StageContract, StageId
+
+    g = torch.Generator().manual_seed(7)
+    old = case.payloads["old_log_probs"]
+    contracts = {**case.manifest.stage_contracts, StageId.ROLLOUT_MISMATCH: StageContract(stage=StageId.ROLLOUT_MISMATCH)}
+    manifest = case.manifest.model_copy(update={"bundle_id": "mm", "stage_contracts": contracts})
+    index = case.index.model_copy(update={"bundle_id": "mm"})
+    path = local / "mm"
+    writer = BundleWriter(path, manifest, index, case.expected)
+    for name, tensor in {**case.payloads, "rollout_log_probs": old + 0.05 * torch.randn(old.shape, generator=g)}.items():
+        writer.write_payload(name, tensor)
+    writer.finalize()
+    commands = {"import": ["--import-only"], "without": ["replay", str(local / "big"), "--json"],
+                "with": ["replay", str(path), "--json"]}
+    samples: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(ctx.reps(7)):
+        for name, args in commands.items():
+            samples[name].append(_measure(args)[0])
+    rounds = [(w - i) / (wo - i) - 1.0 for i, wo, w in zip(samples["import"], samples["without"], samples["with"])]
+    added = median(rounds)
+    imp = median(samples["import"])
+    return Row(GROUP, f"rollout.mismatch added to a full replay, {n}x2048 local", f"+{added:.1%}", "<= +15%",
+               added <= 0.15, f"median of {len(rounds)} per-round ratios ({min(rounds):+.1%} to {max(rounds):+.1%}); "
+               f"medians net of import: with {fmt_secs(median(samples['with']) - imp)}, without "
+               f"{fmt_secs(median(samples['without']) - imp)}; one more 16 MiB payload read and verified")
+
+
 def run(ctx: Context) -> list[Row]:
     from trajectory_replay.bundle import BundleWriter, open_sources
     from trajectory_replay.replay import replay
@@ -91,6 +126,8 @@ def run(ctx: Context) -> list[Row]:
     mem_ratio = extra / payload_bytes
     rows.append(Row(GROUP, "replay peak memory above bare import", f"{mem_ratio:.2f}x payload bytes",
                     "<= 2x", mem_ratio <= 2.0, f"{fmt_bytes(extra)} above import, payloads {fmt_bytes(payload_bytes)}"))
+
+    rows.append(_mismatch_row(ctx, case, n, local))
 
     bucket = ctx.s3_bucket()
     options = ctx.s3_options()

@@ -260,3 +260,29 @@ def test_unsupported_corrections_fail_naming_the_field():
         replay([MemorySource(case.manifest, case.index, case.expected, without)], overrides={"rollout_is": "token"})
     with pytest.raises(UnsupportedError, match="max_staleness 2 needs actor_version"):
         replay([_bundle({"max_staleness": 2})])
+
+
+def test_a_non_finite_log_prob_fails_the_stage_and_leads_the_worst_tokens():
+    broken = list(ROLLOUT)
+    broken[4] = float("nan")   # sample 1, token 2 (masked in)
+    source = _bundle()
+    source.payloads["rollout_log_probs"] = _t(broken)
+    report = replay([source])
+    entry = report.stage("rollout.mismatch")
+    assert report.first_divergent_stage == "rollout.mismatch"
+    assert "log ratio is nan at s-1 token 2 (1 tokens not finite)" in entry.message
+    worst = entry.metrics["worst_tokens"][0]
+    assert (worst["sample_id"], worst["token_offset"]) == ("s-1", 2) and math.isnan(entry.metrics["log_ratio_max_abs"])
+    assert json.loads(report.to_json())["stages"][1]["metrics"]["kl_k1"] == "nan"
+
+
+def test_worst_tokens_over_many_chunks_match_a_full_sort():
+    g = torch.Generator().manual_seed(5)
+    d = torch.randn(50_000, generator=g)
+    d[[7, 31_000, 49_999]] = torch.tensor([9.0, -9.0, 8.5])   # a tie across chunks, and the last token
+    mask = torch.rand(50_000, generator=g) < 0.8
+    mask[[7, 31_000, 49_999]] = True
+    got = mismatch.worst_tokens(d, mask).tolist()
+    score = torch.where(mask, d.abs(), -1.0)
+    expected = sorted(range(50_000), key=lambda i: (-float(score[i]), i))[:10]
+    assert got == expected and got[:3] == [7, 31_000, 49_999]

@@ -15,12 +15,14 @@ and every term of loss.policy is aggregated over the mask after rejection.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from trajectory_replay.bundle.schema import RecomputeConfig
+from trajectory_replay.replay.kernels import sample_blocks
 
 LOG_RATIO_CLAMP = 20.0
 """Log ratios are clamped to +-20 before exp (a correction's weight stays finite), as verl does."""
@@ -56,33 +58,56 @@ class MismatchMetrics:
                 "seq_log_ratio_max_abs": self.seq_log_ratio_max_abs}
 
 
+METRIC_BLOCK_TOKENS = 1 << 16
+"""Tokens per block of whole samples the metrics are computed over: each block's float64 temporaries stay in
+cache, and none is the size of the cohort."""
+
+
 def mismatch_metrics(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor) -> MismatchMetrics:
-    """The metrics of the log ratios `d` over the masked-in tokens, accumulated in float64."""
-    m = mask.to(torch.float64)
-    tokens = float(m.sum())
+    """The metrics of the log ratios `d` over the masked-in tokens, accumulated in float64 (a masked-out token
+    counts as d = 0 whatever it holds, NaN included)."""
+    inside = mask.to(torch.bool)
+    lengths = lengths.to(torch.int64)
+    tokens = int(inside.sum())
     if tokens == 0:
         return MismatchMetrics(None, None, None, None)
-    d64 = d.to(torch.float64)
-    k1 = float((-d64 * m).sum()) / tokens
-    k3 = float((torch.expm1(d64).sub_(d64)).mul_(m).sum()) / tokens
-    inside = mask.to(torch.bool)
-    max_abs = float(d.abs()[inside].max())
-    seq = torch.segment_reduce(d64 * m, "sum", lengths=lengths.to(torch.int64))
-    return MismatchMetrics(k1, k3, max_abs, float(seq.abs().max()))
+    k1 = k3 = 0.0
+    maxima: list[torch.Tensor] = []
+    seq_maxima: list[torch.Tensor] = []
+    for first, last, start, end in sample_blocks(lengths, METRIC_BLOCK_TOKENS):
+        if end == start:
+            continue
+        block = torch.where(inside[start:end], d[start:end].to(torch.float64), 0.0)
+        k1 -= float(block.sum())
+        k3 += float(torch.expm1(block).sub_(block).sum())   # exp(d) - 1 - d, 0 where masked out
+        seq_maxima.append(torch.segment_reduce(block, "sum", lengths=lengths[first:last]).abs_().max())
+        maxima.append(block.abs_().max())
+    # torch's max keeps a NaN (Python's max would drop it)
+    return MismatchMetrics(k1 / tokens, k3 / tokens, float(torch.stack(maxima).max()),
+                           float(torch.stack(seq_maxima).max()))
 
 
-def worst_tokens(d: torch.Tensor, mask: torch.Tensor, k: int = WORST_TOKENS) -> torch.Tensor:
+def worst_tokens(d: torch.Tensor, mask: torch.Tensor, k: int = WORST_TOKENS, chunk: int = 1024) -> torch.Tensor:
     """Flat positions of the (up to) k masked-in tokens with the largest |d|, largest first (NaN first, ties in
-    flat order)."""
-    score = d.to(torch.float32).abs().nan_to_num_(nan=float("inf"))
-    score.masked_fill_(~mask.to(torch.bool), -1.0)
-    k = min(k, int(mask.to(torch.bool).sum()))
+    flat order). The k largest lie in the k chunks of `chunk` tokens with the largest maxima, so only those are
+    searched: one pass over the tokens instead of a selection over all of them."""
+    inside = mask.to(torch.bool)
+    k = min(k, int(inside.sum()))
     if k == 0:
         return torch.zeros(0, dtype=torch.int64)
-    top = torch.topk(score, k)
+    score = torch.where(inside, d.to(torch.float32).abs(), -1.0)
+    pad = (-score.numel()) % chunk
+    chunks = torch.cat([score, score.new_full((pad,), -1.0)]).view(-1, chunk) if pad else score.view(-1, chunk)
+    best = torch.topk(chunks.amax(dim=1), min(k, chunks.shape[0])).indices.sort().values
+    candidates = (best[:, None] * chunk + torch.arange(chunk)).flatten()
+    candidates = candidates[candidates < score.numel()]
+    top = torch.topk(score[candidates], k)
+    positions = candidates[top.indices]
     # equal |d| in flat order: the order of ties is not topk's to choose
-    order = sorted(range(k), key=lambda i: (-float(top.values[i]), int(top.indices[i])))
-    return top.indices[order]
+    values = top.values.tolist()
+    order = sorted(range(k), key=lambda i: (not math.isnan(values[i]), -values[i] if not math.isnan(values[i]) else 0,
+                                            int(positions[i])))
+    return positions[order]
 
 
 def rs_bounds(config: RecomputeConfig) -> tuple[float, float]:

@@ -190,6 +190,7 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
             return StageOutcome(f.result(StageId.ROLLOUT_MISMATCH, ctx.rank))
         mask, rollout_lp, old_lp = loaded["loss_mask"], loaded["rollout_log_probs"], loaded["old_log_probs"]
         d = mismatch.log_ratio(old_lp, rollout_lp)
+        _check_finite(f, d, mask, c)
         actual.update(mismatch.mismatch_metrics(d, mask, c.lengths).as_dict())
         worst = mismatch.worst_tokens(d, mask)
         located = c.token_layout.locate(worst)
@@ -221,6 +222,14 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
     passed = (f"{tokens} tokens" if has_log_probs else "no rollout log-probs") + \
         (f", staleness max {actual['staleness_max']}" if actual["staleness_max"] is not None else "")
     return StageOutcome(f.result(StageId.ROLLOUT_MISMATCH, ctx.rank, passed_message=passed, metrics=metrics))
+
+
+def _check_finite(f: Findings, d: torch.Tensor, mask: torch.Tensor, c: Cohort) -> None:
+    """A masked-in token whose log ratio is NaN or infinite (a broken log-prob on either side) fails the stage."""
+    bad = (~torch.isfinite(d) & mask.to(torch.bool)).nonzero().flatten()
+    if bad.numel():
+        (sid, tok), = c.token_layout.locate(bad[:1])
+        f.problem(f"log ratio is {float(d[bad[0]])} at {sid} token {tok} ({bad.numel()} tokens not finite)")
 
 
 def _check_thresholds(cfg: RecomputeConfig, f: Findings, actual: dict[str, Optional[float]], rows: list[dict],
