@@ -98,6 +98,10 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         "kl_penalty": Option("kl_loss_type", _named("kl_loss_type", _VERL_KL)),
         "use_kl_in_reward": Option("kl_in_reward"), "loss_mode": Option("policy_loss",
                                                                        _named("policy_loss", {"vanilla": "ppo_clip"})),
+        # algorithm.rollout_correction: null means off
+        "rollout_is": Option("rollout_is", lambda v: {"rollout_is": "none" if v is None else v}),
+        "rollout_rs": Option("rollout_rs", lambda v: {"rollout_rs": "none" if v is None else v}),
+        "rollout_rs_threshold": Option("rollout_rs_upper"), "rollout_rs_threshold_lower": Option("rollout_rs_lower"),
     }),
     Profile("slime", "slime", "0.3.1 (624b824a)", {"grpo_std_normalization": True, "kl_loss_estimator": "k1"}, {
         "disable_grpo_std_normalization": Option("grpo_std_normalization",

@@ -286,3 +286,10 @@ def test_worst_tokens_over_many_chunks_match_a_full_sort():
     score = torch.where(mask, d.abs(), -1.0)
     expected = sorted(range(50_000), key=lambda i: (-float(score[i]), i))[:10]
     assert got == expected and got[:3] == [7, 31_000, 49_999]
+
+
+def test_verl_option_names_map_to_the_correction_fields():
+    config = RecomputeConfig.from_profile("verl", rollout_is=None, rollout_rs="sequence", rollout_rs_threshold=1.5,
+                                          rollout_rs_threshold_lower=0.8, rollout_is_threshold=3.0)
+    assert (config.rollout_is, config.rollout_rs, config.rollout_rs_upper, config.rollout_rs_lower,
+            config.rollout_is_threshold) == ("none", "sequence", 1.5, 0.8, 3.0)
