@@ -293,3 +293,17 @@ def test_verl_option_names_map_to_the_correction_fields():
                                           rollout_rs_threshold_lower=0.8, rollout_is_threshold=3.0)
     assert (config.rollout_is, config.rollout_rs, config.rollout_rs_upper, config.rollout_rs_lower,
             config.rollout_is_threshold) == ("none", "sequence", 1.5, 0.8, 3.0)
+
+
+@pytest.mark.parametrize("estimator", [{"advantage_estimator": "gae", "gamma": 0.9, "lam": 0.8},
+                                       {"advantage_estimator": "reinforce_plus_plus", "gamma": 0.95},
+                                       {"advantage_estimator": "rloo", "group_size_check": "any"},
+                                       {"advantage_estimator": "dr_grpo"}],
+                         ids=lambda e: e["advantage_estimator"])
+def test_corrections_combine_with_every_estimator(estimator):
+    case = algorithm_case({**estimator, "rollout_is": "sequence", "rollout_rs": "token", "rollout_rs_upper": 3.0,
+                           "loss_agg_mode": "seq_mean_token_mean", "actor_version": 4,
+                           "mismatch_max_token_log_ratio": 5.0}, seed=35)
+    report = replay([source_of(case)])
+    assert report.passed, report.render_text()
+    assert {s.stage for s in report.stages} >= {"rollout.mismatch", "advantage.estimate", "loss.policy"}
