@@ -307,3 +307,9 @@ def test_corrections_combine_with_every_estimator(estimator):
     report = replay([source_of(case)])
     assert report.passed, report.render_text()
     assert {s.stage for s in report.stages} >= {"rollout.mismatch", "advantage.estimate", "loss.policy"}
+
+
+def test_recorded_weights_without_a_configured_correction_are_a_problem_not_ignored():
+    report = replay([_bundle(extra={"rollout_is_weights": torch.ones(6)})])
+    assert report.first_divergent_stage == "rollout.mismatch"
+    assert "config's rollout_is is 'none'" in report.stage("rollout.mismatch").message

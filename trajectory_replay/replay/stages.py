@@ -197,7 +197,10 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
         rows = [{"sample_id": sid, "token_offset": tok, "rollout_log_prob": float(rollout_lp[p]),
                  "trainer_log_prob": float(old_lp[p]), "log_ratio": float(d[p])} for p, (sid, tok) in zip(worst, located)]
         _check_thresholds(cfg, f, actual, rows, d, mask)
-        if c.has_payload("rollout_is_weights") and cfg.rollout_is != "none":
+        if c.has_payload("rollout_is_weights") and cfg.rollout_is == "none":
+            f.problem("bundle holds production's rollout_is_weights, but the config's rollout_is is 'none' "
+                      "(replay --set rollout_is=token or sequence)")
+        elif c.has_payload("rollout_is_weights"):
             fix = mismatch.correction(d, mask, c.lengths, cfg)
             recorded = _load_payloads(ctx, f, ("rollout_is_weights",))
             if recorded is not None:
