@@ -14,15 +14,25 @@ Shape of the run (slime-like, one-version-lag async):
   n_samples_per_prompt: prompt groups straddle consumer batches, and each consumer batch is split into W
   disjoint, contiguous rank shards, so groups straddle ranks too. One consumer batch = one optimizer step
   (actor step (rollout, step)).
-- Old log-probs are the rollout policy's log-probs *recomputed by the trainer* with a snapshot of the weights
-  that generated the samples (the sampler's own values are kept as rollout_log_probs; they may differ by kernel
-  rounding). Current log-probs come from the live model, reference log-probs from the frozen initial model.
+- Old log-probs are *recomputed by the trainer* with the actor's weights as they are when it starts on the rollout
+  (version k, a snapshot, as slime's actor does before training), one micro-batch at a time like the loss, so
+  the first optimizer step of each rollout is on-policy: its current log-probs equal the old ones bit for bit
+  (its step bundles say so: expect_on_policy). The generator's own log-probs of its responses, under the weights
+  it sampled with (version max(k-1, 0), one behind), are rollout_log_probs, computed by the same function the
+  trainer uses, so the weights version is their only difference from the old log-probs: a real
+  training-inference mismatch d = old - rollout from rollout 1 on. Each sample's policy_version is the version
+  that generated it; the bundles' config carries actor_version = k. Current log-probs come from the live model,
+  reference log-probs from the frozen initial model.
+- --rollout-is token|sequence corrects the mismatch in the policy loss: each token's pg term is multiplied, before
+  aggregation, by the constant w = min(exp(clamp(d, -20, 20)), --rollout-is-threshold), d per token or summed
+  over the sample's loss tokens (sequence: one weight on every token of the sample); clipfrac and ppo_kl are
+  not weighted.
 - KL (k1/k2/k3/low_var_kl, gated by kl_coef) is computed and recorded per token as in V1's GRPO; it enters the
   token rewards of reinforce_plus_plus and gae only with --kl-in-reward, and the loss only with --kl-loss-coef.
 - Advantages (--estimator): grpo, dr_grpo and rloo put the sample's post-processed reward on every token;
   reinforce_plus_plus(_baseline) and gae work on token rewards and whiten over the whole rollout (every rank's
   shard of it), so for them the trainer receives a rollout's consumer batches before its first step. gae adds a
-  value head on the model's hidden states: old values from the behaviour snapshot, current ones from the live
+  value head on the model's hidden states: old values from the version-k snapshot, current ones from the live
   model, and 0.5 * vf_loss in the training loss.
 - Loss scalars are aggregated by --loss-agg-mode; the default is the V1 reduction R(x) = sum over samples of the
   per-sample masked mean, whose backward pass uses R(.)/consumer_batch (an average per sample). The other modes
@@ -31,6 +41,10 @@ Shape of the run (slime-like, one-version-lag async):
 
 The algorithms are this file's own code (it plays the training framework), not trajectory_replay's.
 `--fault pr65` reproduces the canonical bug: rewards are normalized over each physical consumer batch.
+`--fault stale-old-logprobs` computes the old log-probs with the generator's stale weights (version max(k-1, 0))
+while the bundles still claim actor version k and an on-policy first step (replay: loss.policy, field ratio, from
+rollout 1 on). `--fault future-version` stamps the first sample of each rollout k with policy_version k + 1, ahead
+of the actor consuming it (replay: rollout.mismatch).
 
 Capture (trajectory_replay.capture) is off unless RELAX_REPLAY_CAPTURE=1 and RELAX_REPLAY_CAPTURE_DIR are set
 (`--capture-dir URL` sets both for the run). Every trainer rank then writes its own shard of a rollout-level
@@ -71,6 +85,9 @@ KL_REWARD_ESTIMATORS = ("reinforce_plus_plus", "gae")
 LOSS_AGG_MODES = ("sum_of_sample_means", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
                   "seq_mean_token_sum_norm")
 POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
+ROLLOUT_IS = ("none", "token", "sequence")
+LOG_RATIO_CLAMP = 20.0          # rollout correction: log ratios are clamped to +-20 before exp
+FAULTS = ("pr65", "stale-old-logprobs", "future-version")
 KL_LOSS_ESTIMATOR = "k3"
 VF_CLIP, VF_COEF = 0.2, 0.5     # value clip range; weight of vf_loss in gae's training loss
 
@@ -136,10 +153,12 @@ def _lineage(rollout_versions: list[int], actor_versions: list[int]) -> dict[str
 
 
 @_timed_hook
-def _capture_rollout(rollout_id: int, rollout_data: dict[str, list]) -> None:
-    """Rollout-level data of this rank's shard of one rollout (dict of per-sample lists)."""
+def _capture_rollout(rollout_id: int, rollout_data: dict[str, list], actor_version: int) -> None:
+    """Rollout-level data of this rank's shard of one rollout (dict of per-sample lists). The slime layout maps
+    `rollout_log_probs` (beside `log_probs`) and `policy_versions`, which contract rollout.mismatch; the config
+    adds the version of the trainer consuming the rollout."""
     capture.capture_slime_rollout(
-        rollout_id, rollout_data, config=_CAPTURE["config"],
+        rollout_id, rollout_data, config={**_CAPTURE["config"], "actor_version": actor_version},
         weight_lineage=_lineage(rollout_data["rollout_weight_versions"], rollout_data["actor_weight_versions"]))
 
 
@@ -151,20 +170,22 @@ _NOTHING: dict[str, Any] = {}
 @_timed_hook
 def _capture_microbatch(rollout_id: int, step_id: int, mb_id: str, data: dict[str, Any]) -> None:
     """Step-level data of one micro-batch, as the loss saw it (reference log-probs with a KL loss, values with
-    a value loss)."""
+    a value loss), with the generator's log-probs and policy versions of its samples (rollout.mismatch, and the
+    input of --rollout-is)."""
     capture.capture_microbatch(
         rollout_id, step_id, mb_id, sample_ids=data["sample_ids"], group_index=data["group_index"],
         response_lengths=data["response_lengths"], total_lengths=data["total_lengths"],
         loss_masks=data["loss_mask"], raw_rewards=data["raw_reward"], rewards=data["rewards"],
         old_log_probs=data["old_log_probs"], log_probs=data["log_probs"], entropy=data["entropy"],
-        advantages=data["advantages"], **data.get("optional", _NOTHING))
+        advantages=data["advantages"], rollout_log_probs=data["rollout_log_probs"],
+        policy_versions=data["policy_versions"], **data.get("optional", _NOTHING))
 
 
 @_timed_hook
 def _capture_step_end(rollout_id: int, step_id: int, scalars: dict[str, float],
                       weight_lineage: dict[str, Any] | None = None, step_config: dict[str, Any] | None = None) -> None:
     """This rank's reported loss scalars for actor step (rollout_id, step_id); `step_config` adds what only this
-    step knows (its global loss denominator)."""
+    step knows (its global loss denominator, the actor version, whether it is on-policy)."""
     capture.capture_step_end(rollout_id, step_id, loss=scalars["loss"], pg_loss=scalars["pg_loss"],
                              entropy_loss=scalars["entropy_loss"], pg_clipfrac=scalars["pg_clipfrac"],
                              ppo_kl=scalars["ppo_kl"], kl_loss=scalars.get("kl_loss"),
@@ -398,6 +419,17 @@ def policy_terms(old: torch.Tensor, new: torch.Tensor, adv: torch.Tensor, mask: 
     return {"pg_loss": torch.maximum(l1, l2), "pg_clipfrac": (l2 > l1).float(), "ppo_kl": ppo_kl}
 
 
+def rollout_is_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int,
+                       args: argparse.Namespace) -> torch.Tensor:
+    """--rollout-is per-token importance weights, constants of the loss: min(exp(clamp(d, -20, 20)), threshold)
+    with d = old - rollout log-prob per token (token), or d summed over the sample's loss tokens in float64 and
+    put on every token of the sample (sequence)."""
+    d = old.detach().float() - rollout.detach().float()
+    if args.rollout_is == "sequence":
+        d = torch.zeros(n, dtype=torch.float64).index_add_(0, seg, d.double() * mask.double()).float()[seg]
+    return torch.exp(d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=args.rollout_is_threshold)
+
+
 def value_terms(values: torch.Tensor, vpreds: torch.Tensor, returns: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-token clipped value loss 0.5 * max((v' - R)^2, (clip(v', v -+ c) - R)^2), and where the clip won."""
     vclip = torch.maximum(torch.minimum(vpreds, values + VF_CLIP), values - VF_CLIP)
@@ -430,6 +462,9 @@ def microbatch_losses(flat: dict[str, torch.Tensor], lens: list[int], args: argp
     mask, n = flat["loss_mask"], len(lens)
     seg = torch.repeat_interleave(torch.arange(n), torch.tensor(lens))
     terms = policy_terms(flat["old_log_probs"], flat["log_probs"], flat["advantages"], mask, seg, n, args)
+    if args.rollout_is != "none":   # the pg term only (not clipfrac, not ppo_kl), before aggregation
+        terms["pg_loss"] = terms["pg_loss"] * rollout_is_weights(flat["old_log_probs"], flat["rollout_log_probs"],
+                                                                 mask, seg, n, args)
     terms["entropy_loss"] = flat["entropy"]
     if "ref_log_probs" in flat:
         terms["kl_loss"] = kl_estimate(flat["log_probs"], flat["ref_log_probs"], KL_LOSS_ESTIMATOR, args.kl_loss_coef)
@@ -469,7 +504,7 @@ def generate_rollout(model: nn.Module, rollout_id: int, version: int, args: argp
     prompts = torch.randint(0, 10, (n_prompts, n_digits), generator=g)
     seqs = torch.cat([prompts, torch.full((n_prompts, 1), SEP)], 1).repeat_interleave(n, 0)
     done = torch.zeros(len(seqs), dtype=torch.bool)
-    lens, logps = torch.zeros(len(seqs), dtype=torch.long), []
+    lens = torch.zeros(len(seqs), dtype=torch.long)
     for t in range(max_response):   # no KV cache: sequences are tiny, so recompute the whole prefix
         logits = model(seqs)[:, -1].float()
         if t < args.min_response:   # like a sampler's min_new_tokens: no EOS yet
@@ -477,13 +512,11 @@ def generate_rollout(model: nn.Module, rollout_id: int, version: int, args: argp
         logp = F.log_softmax(logits, dim=-1)
         nxt = torch.multinomial(logp.exp(), 1, generator=g).squeeze(1)
         nxt = torch.where(done, torch.full_like(nxt, PAD), nxt)
-        logps.append(logp.gather(1, nxt[:, None]).squeeze(1))
         lens += (~done).long()
         done |= nxt == EOS
         seqs = torch.cat([seqs, nxt[:, None]], 1)
-    logps_t = torch.stack(logps, 1)
     data: dict[str, list] = {k: [] for k in ("sample_ids", "group_index", "tokens", "response_lengths",
-                                             "total_lengths", "loss_masks", "raw_reward", "rollout_log_probs")}
+                                             "total_lengths", "loss_masks", "raw_reward")}
     for i in range(len(seqs)):
         r = int(lens[i])
         resp, target = seqs[i, prompt_len:prompt_len + r], prompts[i // n].sort().values
@@ -497,9 +530,15 @@ def generate_rollout(model: nn.Module, rollout_id: int, version: int, args: argp
         for key, val in (("sample_ids", f"s-{rollout_id}-{i}"), ("group_index", i // n),
                          ("tokens", seqs[i, :prompt_len + r].clone()), ("response_lengths", r),
                          ("total_lengths", prompt_len + r), ("loss_masks", mask),
-                         ("raw_reward", hits / max_response), ("rollout_log_probs", logps_t[i, :r].clone())):
+                         ("raw_reward", hits / max_response)):
             data[key].append(val)
+    # The engine's log-probs of its responses under the weights it sampled with (version `version`), by the
+    # trainer's own function: they differ from the trainer's old log-probs (version rollout_id) by the weights.
+    data["rollout_log_probs"] = response_outputs(model, data["tokens"], data["response_lengths"]).log_probs
     data["rollout_weight_versions"] = [version] * len(seqs)
+    data["policy_versions"] = [version] * len(seqs)
+    if args.fault == "future-version":   # the trainer consuming rollout k is at version k: one sample claims k + 1
+        data["policy_versions"][0] = rollout_id + 1
     # Post-processing needs whole prompt groups (the bug: it uses the physical consumer batch instead).
     cohorts = ([i // args.consumer_batch for i in range(len(seqs))] if args.fault == "pr65"
                else data["group_index"])
@@ -544,39 +583,46 @@ def train_worker(rank: int, world: int, args: argparse.Namespace, port: int) -> 
 
 
 def recompute_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The algorithm settings this run trains with, as trajectory_replay's RecomputeConfig names them (a step adds
-    its loss_denominator)."""
+    """The algorithm settings this run trains with, as trajectory_replay's RecomputeConfig names them (each bundle
+    adds its actor_version, a step its loss_denominator and expect_on_policy)."""
     config = {"advantage_estimator": args.estimator, "n_samples_per_prompt": args.n_samples_per_prompt,
               "grpo_std_normalization": args.std_norm, "kl_loss_type": args.kl_type, "kl_coef": args.kl_coef,
               "eps_clip": args.eps_clip, "eps_clip_high": args.eps_clip_high, "entropy_coef": args.entropy_coef,
               "std_unbiased": True, "std_eps": 1e-6, "gamma": args.gamma, "lam": args.lam,
               "kl_in_reward": args.kl_in_reward, "policy_loss": args.policy_loss,
               "loss_agg_mode": args.loss_agg_mode, "kl_loss_coef": args.kl_loss_coef,
-              "kl_loss_estimator": KL_LOSS_ESTIMATOR, "cliprange_value": VF_CLIP}
+              "kl_loss_estimator": KL_LOSS_ESTIMATOR, "cliprange_value": VF_CLIP,
+              "rollout_is": args.rollout_is, "rollout_is_threshold": args.rollout_is_threshold}
     if args.loss_agg_mode == "seq_mean_token_sum_norm":
         config["loss_scale_factor"] = float(task_shape(args.digits)[1])
     return config
 
 
-def step_config(args: argparse.Namespace, counts: tuple[int, int]) -> dict[str, Any]:
-    """The recorded global denominator of a step's loss aggregation (none for the modes without one)."""
+def step_config(args: argparse.Namespace, counts: tuple[int, int], actor_version: int, step_id: int
+                ) -> dict[str, Any]:
+    """What a step adds to the config: the global denominator of its loss aggregation (none for the modes without
+    one), the actor version training on the rollout, and expect_on_policy for the first optimizer step after the
+    old log-probs were computed (the rollout's first step: the live weights are still the version-k weights the
+    old log-probs came from)."""
+    config: dict[str, Any] = {"actor_version": actor_version, "expect_on_policy": step_id == 0}
     if args.loss_agg_mode == "token_mean":
-        return {"loss_denominator": float(counts[0])}
-    if args.loss_agg_mode in ("seq_mean_token_mean", "seq_mean_token_sum"):
-        return {"loss_denominator": float(counts[1])}
-    return {}
+        config["loss_denominator"] = float(counts[0])
+    elif args.loss_agg_mode in ("seq_mean_token_mean", "seq_mean_token_sum"):
+        config["loss_denominator"] = float(counts[1])
+    return config
 
 
 class Models:
-    """The live policy (and gae's value head), the frozen reference, the behaviour snapshot, the optimizer."""
+    """The live policy (and gae's value head), the frozen reference, the snapshot old log-probs (and gae's old
+    values) are computed with, the optimizer."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         torch.manual_seed(args.seed)   # same init on every rank and in the producer
         self.policy = TinyLM(args.d_model, args.layers, context=task_shape(args.digits)[2])
-        self.ref, self.behaviour = copy.deepcopy(self.policy).eval(), copy.deepcopy(self.policy).eval()
+        self.ref, self.old = copy.deepcopy(self.policy).eval(), copy.deepcopy(self.policy).eval()
         self.critic: nn.Linear | None = nn.Linear(args.d_model, 1) if args.estimator == "gae" else None
-        self.behaviour_critic = None if self.critic is None else copy.deepcopy(self.critic).eval()
-        frozen = [self.ref, self.behaviour] + ([self.behaviour_critic] if self.behaviour_critic is not None else [])
+        self.old_critic = None if self.critic is None else copy.deepcopy(self.critic).eval()
+        frozen = [self.ref, self.old] + ([self.old_critic] if self.old_critic is not None else [])
         for module in frozen:
             for p in module.parameters():
                 p.requires_grad_(False)
@@ -589,10 +635,12 @@ class Models:
         return (copy.deepcopy(self.policy.state_dict()),
                 None if self.critic is None else copy.deepcopy(self.critic.state_dict()))
 
-    def load_behaviour(self, snap: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]) -> None:
-        self.behaviour.load_state_dict(snap[0])
-        if self.behaviour_critic is not None:
-            self.behaviour_critic.load_state_dict(snap[1])
+    def load_old(self, snap: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None],
+                 policy: dict[str, torch.Tensor] | None = None) -> None:
+        """The weights of the old log-probs and values: `snap`, or the policy's from `policy` (a fault)."""
+        self.old.load_state_dict(snap[0] if policy is None else policy)
+        if self.old_critic is not None:
+            self.old_critic.load_state_dict(snap[1])
 
 
 class Trainer:
@@ -607,7 +655,8 @@ class Trainer:
 
     def receive(self, k: int, s: int) -> tuple[dict[str, list], dict[str, list]]:
         """Consumer batch (k, s) as broadcast from rank 0, and this rank's shard of it with old/ref log-probs, the
-        KL, gae's old values, and (outcome estimators) advantages."""
+        KL, gae's old values, and (outcome estimators) advantages. Old log-probs and values are computed one
+        micro-batch at a time, as the loss computes the current ones (the same shapes: on-policy means equal)."""
         args, rank, per_rank, models = self.args, self.rank, self.per_rank, self.models
         msg = [self.stream.get(timeout=300) if rank == 0 else None]
         dist.broadcast_object_list(msg, src=0)
@@ -619,13 +668,20 @@ class Trainer:
             self.placement.setdefault((k, gi), set()).add((s, i // per_rank))
         mine = {key: vals[rank * per_rank:(rank + 1) * per_rank] for key, vals in batch.items()}
         tokens, lens = mine["tokens"], mine["response_lengths"]
+        old_lp: list[torch.Tensor] = []
+        old_values: list[torch.Tensor] | None = None if models.old_critic is None else []
         with torch.no_grad():
-            old = response_outputs(models.behaviour, tokens, lens, models.behaviour_critic)
+            for lo in range(0, len(lens), args.micro_batch):
+                sl = slice(lo, lo + args.micro_batch)
+                old = response_outputs(models.old, tokens[sl], lens[sl], models.old_critic)
+                old_lp += old.log_probs
+                if old_values is not None:
+                    old_values += old.values
             ref_lp = response_outputs(models.ref, tokens, lens).log_probs
-        mine["log_probs"], mine["ref_log_probs"] = old.log_probs, ref_lp
-        mine["kl"] = [kl_estimate(o, r, args.kl_type, args.kl_coef) for o, r in zip(old.log_probs, ref_lp)]
-        if old.values is not None:
-            mine["values"] = old.values
+        mine["log_probs"], mine["ref_log_probs"] = old_lp, ref_lp
+        mine["kl"] = [kl_estimate(o, r, args.kl_type, args.kl_coef) for o, r in zip(old_lp, ref_lp)]
+        if old_values is not None:
+            mine["values"] = old_values
         if args.estimator not in WHOLE_ROLLOUT_ESTIMATORS:
             mine["advantages"] = [torch.full((n,), rw) for n, rw in zip(lens, mine["rewards"])]
         return batch, mine
@@ -655,7 +711,8 @@ class Trainer:
             flat = {"old_log_probs": torch.cat(mine["log_probs"][sl]), "log_probs": torch.cat(new.log_probs),
                     "entropy": torch.cat(new.entropy), "advantages": torch.cat(mine["advantages"][sl]),
                     "loss_mask": torch.tensor([m for ms in mine["loss_masks"][sl] for m in ms],
-                                              dtype=torch.float32)}
+                                              dtype=torch.float32),
+                    "rollout_log_probs": torch.cat(mine["rollout_log_probs"][sl])}
             if args.kl_loss_coef != 0:
                 flat["ref_log_probs"] = torch.cat(mine["ref_log_probs"][sl])
             if new.values is not None:
@@ -675,6 +732,7 @@ class Trainer:
                 "group_index": mine["group_index"][sl], "response_lengths": mb_lens,
                 "total_lengths": mine["total_lengths"][sl], "raw_reward": mine["raw_reward"][sl],
                 "rewards": mine["rewards"][sl], "loss_masks": mine["loss_masks"][sl],
+                "policy_versions": mine["policy_versions"][sl],
                 **{key: v.detach() for key, v in flat.items() if key not in OPTIONAL_STEP_PAYLOADS},
                 "optional": {key: flat[key].detach() for key in OPTIONAL_STEP_PAYLOADS if key in flat},
                 "scalars": scalars})
@@ -684,7 +742,7 @@ class Trainer:
         rank_sc["loss"] = policy_loss_of(rank_sc, args)
         _capture_step_end(k, s, {key: float(v) for key, v in rank_sc.items()},
                           _lineage(mine["rollout_weight_versions"], mine["actor_weight_versions"]),
-                          step_config(args, counts))
+                          step_config(args, counts, k, s))
         return rank_sc
 
     def all_reduce_step(self) -> None:
@@ -721,7 +779,9 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> None:
     history: list[dict[str, Any]] = []
     timing: list[dict[str, Any]] = []
     for k in range(args.steps):
-        models.load_behaviour(snapshots[max(k - 1, 0)])   # the weights that generated rollout k
+        # Old log-probs come from the actor's weights as it starts on rollout k (version k); rollout k was
+        # generated by version max(k - 1, 0), the weights the stale-old-logprobs fault computes them with instead.
+        models.load_old(snapshots[k], snapshots[max(k - 1, 0)][0] if args.fault == "stale-old-logprobs" else None)
         # whitening estimators need the whole rollout before its first step; the others train as batches arrive
         received = trainer.receive_rollout(k) if args.estimator in WHOLE_ROLLOUT_ESTIMATORS else None
         shard: dict[str, list] = {}
@@ -732,7 +792,7 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> None:
             for key, vals in mine.items():
                 shard.setdefault(key, []).extend(vals)
             if s == trainer.steps_per_rollout - 1:   # this rank's shard of rollout k is complete
-                _capture_rollout(k, shard)
+                _capture_rollout(k, shard, k)
             # Reported step scalars: the sum over ranks (every aggregation is a sum of per-sample shares).
             glob = torch.tensor([float(rank_sc[n]) for n in names], dtype=torch.float64)
             dist.all_reduce(glob)
@@ -784,7 +844,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "this run (capture is otherwise configured by the RELAX_REPLAY_CAPTURE* variables)")
     p.add_argument("--capture-timeout", type=float, default=120.0,
                    help="seconds each rank waits at the end for its capture writer to flush")
-    p.add_argument("--fault", choices=["pr65"], default=None, help="inject the per-batch normalization bug")
+    p.add_argument("--fault", choices=FAULTS, default=None,
+                   help="inject a bug: pr65 (rewards normalized per consumer batch), stale-old-logprobs (old "
+                        "log-probs from the generator's weights, one version behind the actor they claim), "
+                        "future-version (a sample stamped with a policy version ahead of the actor)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-json", default=None, help="rank 0 writes per-step scalars (float.hex) here")
     p.add_argument("--prompts-per-rollout", type=int, default=6)
@@ -803,6 +866,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kl-loss-coef", type=float, default=0.0, help="weight of a k3 KL-to-reference loss term")
     p.add_argument("--kl-type", default="k1", choices=["k1", "k2", "k3", "low_var_kl"])
     p.add_argument("--kl-coef", type=float, default=0.05)
+    p.add_argument("--rollout-is", choices=ROLLOUT_IS, default="none",
+                   help="importance-sampling correction of the training-inference mismatch in the policy loss: "
+                        "per token, or per sequence (sum of the sample's log ratios)")
+    p.add_argument("--rollout-is-threshold", type=float, default=2.0, help="upper bound of the --rollout-is weights")
     p.add_argument("--eps-clip", type=float, default=0.2)
     p.add_argument("--eps-clip-high", type=float, default=0.28)
     p.add_argument("--entropy-coef", type=float, default=0.01)
@@ -825,6 +892,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--kl-in-reward needs --estimator {' or '.join(KL_REWARD_ESTIMATORS)}, not {args.estimator}")
     if args.std_norm and args.estimator != "grpo":
         p.error(f"--std-norm applies to --estimator grpo only, not {args.estimator}")
+    if not args.rollout_is_threshold > 0:
+        p.error(f"--rollout-is-threshold must be positive, not {args.rollout_is_threshold:g}")
     return args
 
 

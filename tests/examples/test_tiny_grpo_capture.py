@@ -138,12 +138,14 @@ def test_bundle_validates_and_replays_by_url_and_through_the_capture_dir(capture
         assert report["first_divergent_stage"] is None
     assert by_path.json() == by_dir.json()
     stages = [(s["stage"], s["rank"], s["status"]) for s in by_path.json()["stages"]]
+    # the generator's log-probs and policy versions contract rollout.mismatch, checked per rank shard
+    mismatch = [("sample", None, "pass"), ("rollout.mismatch", 0, "pass"), ("rollout.mismatch", 1, "pass")]
     if bundle.startswith("rollout-"):
         # rank shards with disjoint samples: the group-level stages see their union
-        assert stages == [(st, None, "pass") for st in ("sample", "reward.raw", "reward.post_process",
-                                                        "advantage.kl", "advantage.estimate")]
+        assert stages == mismatch + [(st, None, "pass") for st in ("reward.raw", "reward.post_process",
+                                                                   "advantage.kl", "advantage.estimate")]
     else:
-        assert stages == [("sample", None, "pass"), ("loss.policy", 0, "pass"), ("loss.policy", 1, "pass")]
+        assert stages == mismatch + [("loss.policy", 0, "pass"), ("loss.policy", 1, "pass")]
     for r in (0, 1):
         # one rank by its URL: its prompt groups (split across ranks) are completed from the other rank
         res = captured.by_rank[(bundle, r)]
@@ -202,8 +204,8 @@ def test_pr65_rollout_replay_names_reward_post_process(captured_pr65, bundle) ->
         assert report["bundle_id"] == bundle and report["passed"] is False
         assert report["first_divergent_stage"] == "reward.post_process"
         status = {s["stage"]: s["status"] for s in report["stages"]}
-        assert status == {"sample": "pass", "reward.raw": "pass", "reward.post_process": "fail",
-                          "advantage.kl": "pass", "advantage.estimate": "fail"}
+        assert status == {"sample": "pass", "rollout.mismatch": "pass", "reward.raw": "pass",
+                          "reward.post_process": "fail", "advantage.kl": "pass", "advantage.estimate": "fail"}
         post = next(s for s in report["stages"] if s["stage"] == "reward.post_process")
         assert post["mismatch_count"] > 0 and post["divergences"][0]["field"]
     for r in (0, 1):
