@@ -132,7 +132,7 @@ def compare_tensors(field: str, expected: torch.Tensor, actual: torch.Tensor, la
             max_err = float(diff.masked_fill_(~torch.isfinite(diff), 0.0).max())
             for side, finite, values in (("expected", finite_e, e), ("actual", finite_a, a)):
                 problems.extend(_nonfinite_problem(field, side, finite, values, layout))
-    count = int(bad.sum())
+    count = int(torch.count_nonzero(bad))  # a bool sum would widen every element to int64 first
     del diff
     positions = bad.nonzero().flatten()[:MAX_DIVERGENCES]
     divergences = tuple(

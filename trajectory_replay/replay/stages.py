@@ -12,6 +12,7 @@ why others are skipped, is decided by `replay.plan`.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
@@ -189,10 +190,15 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
         if loaded is None:
             return StageOutcome(f.result(StageId.ROLLOUT_MISMATCH, ctx.rank))
         mask, rollout_lp, old_lp = loaded["loss_mask"], loaded["rollout_log_probs"], loaded["old_log_probs"]
+        inside = mask.to(torch.bool)
+        tokens = int(torch.count_nonzero(inside))
         d = mismatch.log_ratio(old_lp, rollout_lp)
-        _check_finite(f, d, mask, c)
-        actual.update(mismatch.mismatch_metrics(d, mask, c.lengths).as_dict())
-        worst = mismatch.worst_tokens(d, mask)
+        scores = mismatch.token_scores(d, inside)
+        if not math.isfinite(float(scores.max()) if tokens else 0.0):
+            _check_finite(f, d, mask, c)
+        worst = mismatch.worst_tokens(scores, tokens=tokens)
+        # d is ours: zeroed where masked out from here on (the masked-in tokens, all this stage reads, keep theirs)
+        actual.update(mismatch.mismatch_metrics(d, inside, c.lengths, scores, in_place=True).as_dict())
         located = c.token_layout.locate(worst)
         rows = [{"sample_id": sid, "token_offset": tok, "rollout_log_prob": float(rollout_lp[p]),
                  "trainer_log_prob": float(old_lp[p]), "log_ratio": float(d[p])} for p, (sid, tok) in zip(worst, located)]
@@ -207,7 +213,7 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
                 f.add(compare_tensors("rollout_is_weights", recorded["rollout_is_weights"],
                                       mismatch.recorded_weights(fix, mask), c.token_layout, ctx.tol))
     else:
-        rows = []
+        rows, tokens = [], 0
     actual["staleness_max"] = _check_staleness(cfg, f, c)
     expected = ctx.cohort.expected_map(StageId.ROLLOUT_MISMATCH.value) or {}
     for name in MISMATCH_FIELDS:
@@ -221,7 +227,6 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
     metrics.update(actual)
     if has_log_probs:
         metrics["worst_tokens"] = rows
-    tokens = int(c.load("loss_mask").to(torch.bool).sum()) if has_log_probs else 0
     passed = (f"{tokens} tokens" if has_log_probs else "no rollout log-probs") + \
         (f", staleness max {actual['staleness_max']}" if actual["staleness_max"] is not None else "")
     return StageOutcome(f.result(StageId.ROLLOUT_MISMATCH, ctx.rank, passed_message=passed, metrics=metrics))
@@ -246,7 +251,7 @@ def _check_thresholds(cfg: RecomputeConfig, f: Findings, actual: dict[str, Optio
         f.problem(f"kl_k3 {kl_k3:.6g} exceeds mismatch_max_kl_k3 {kl_limit:g}")
     over = 0
     if limit is not None:
-        over = int((((d.abs() > limit) | d.isnan()) & mask.to(torch.bool)).sum())
+        over = int(torch.count_nonzero(((d.abs() > limit) | d.isnan()) & mask.to(torch.bool)))
         if over:
             f.problem(f"{over} tokens have |log ratio| above mismatch_max_token_log_ratio {limit:g}")
     if over or kl_tripped:
