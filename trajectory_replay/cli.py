@@ -250,9 +250,12 @@ def replay_cmd(
     rtol: Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance for every stage.")] = None,
     set_: Annotated[list[str], typer.Option("--set", help="FIELD=VALUE: replay with a recompute config field "
                                             "overridden (repeatable; VALUE as JSON, else a string).")] = [],
+    no_upstream: Annotated[bool, typer.Option("--no-upstream", help="With --step: replay the step-level bundle "
+                                              "alone, not with the rollout-level bundles it consumed.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
-    """Recompute reward -> advantage -> loss and report the first divergence."""
+    """Recompute reward -> advantage -> loss and report the first divergence (with --step, across the rollout
+    bundles the step consumed and the step itself)."""
     _import_torch()
     from trajectory_replay.bundle import open_for_replay
     from trajectory_replay.replay import replay
@@ -262,8 +265,24 @@ def replay_cmd(
     atol, rtol = check_tolerance("--atol", atol), check_tolerance("--rtol", rtol)
     overrides = parse_overrides(set_)
     sources, rank = open_for_replay(path, step=step, rollout=rollout)
-    report = replay(sources, samples=sample, groups=group, batches=batch, stages=stage or None,
-                    atol=atol, rtol=rtol, rank=rank, overrides=overrides)
+
+    def replay_step(step_sources):
+        return replay(step_sources, samples=sample, groups=group, batches=batch, stages=stage or None,
+                      atol=atol, rtol=rtol, rank=rank, overrides=overrides)
+
+    if step is not None and not no_upstream:
+        from trajectory_replay.errors import NoMatchingBundleError
+        from trajectory_replay.replay.chain import replay_chain
+
+        def open_rollout(rollout_id: int):
+            try:
+                return open_for_replay(path, rollout=rollout_id)[0]
+            except NoMatchingBundleError:
+                return None
+
+        report = replay_chain(sources, open_rollout, replay_step=replay_step, atol=atol, rtol=rtol)
+    else:
+        report = replay_step(sources)
     if as_json:
         emit_json("pass" if report.passed else "diverged", report.to_dict(), allow_nan=False)
     else:

@@ -43,6 +43,10 @@ class NoSuchTargetError(NotFoundError, SelectionError):
     """What the command line points at is not there, or is not a bundle or store root."""
 
 
+class NoMatchingBundleError(SelectionError):
+    """A place holding bundles holds none that the --step/--rollout filter designates."""
+
+
 class UnsupportedError(TrajectoryReplayError):
     """An algorithm or topology replay does not support."""
 

@@ -136,7 +136,13 @@ def test_bundle_validates_and_replays_by_url_and_through_the_capture_dir(capture
         report = res.json()
         assert report["bundle_id"] == bundle and report["passed"] is True, res
         assert report["first_divergent_stage"] is None
-    assert by_path.json() == by_dir.json()
+    if bundle.startswith("rollout-"):
+        assert by_path.json() == by_dir.json()
+    else:   # --step through the capture directory: the step chained to the rollout bundle that produced it
+        chained = by_dir.json()
+        assert {k: chained[k] for k in by_path.json()} == by_path.json()
+        assert [e["bundle"] for e in chained["chain"]] == [f"rollout-{bundle.split('-')[1]}", bundle]
+        assert chained["link"]["status"] == "pass" and chained["first_divergence"] is None
     stages = [(s["stage"], s["rank"], s["status"]) for s in by_path.json()["stages"]]
     # the generator's log-probs and policy versions contract rollout.mismatch, checked per rank shard
     mismatch = [("sample", None, "pass"), ("rollout.mismatch", 0, "pass"), ("rollout.mismatch", 1, "pass")]
@@ -214,11 +220,20 @@ def test_pr65_rollout_replay_names_reward_post_process(captured_pr65, bundle) ->
 
 
 def test_pr65_step_bundles_validate_and_replay(captured_pr65) -> None:
-    """The loss was computed from the (wrong) advantages it was given: the step-level bundles are consistent."""
+    """The loss was computed from the (wrong) advantages it was given: each step-level bundle alone is consistent.
+    Replayed through the capture directory by --step, with the rollout-level bundle that produced its samples,
+    the first divergence is named where it starts: reward.post_process of that rollout bundle, not the loss."""
     assert "capture_threads=2 capture_flushed=True" in captured_pr65.run.stdout
     bundles = [c for c in captured_pr65.children if c not in ("objects", "blobs") and not c.startswith(".")]
     assert sorted(bundles) == sorted(PR65_ROLLOUT_BUNDLES + PR65_STEP_BUNDLES)
     for bundle in PR65_STEP_BUNDLES:
         assert captured_pr65.validate[bundle].returncode == 0, captured_pr65.validate[bundle]
-        for res in (captured_pr65.by_path[bundle], captured_pr65.by_dir[bundle]):
-            assert res.returncode == 0 and res.json()["bundle_id"] == bundle and res.json()["passed"], res
+        alone = captured_pr65.by_path[bundle]
+        assert alone.returncode == 0 and alone.json()["bundle_id"] == bundle and alone.json()["passed"], alone
+        chained = captured_pr65.by_dir[bundle]
+        assert chained.returncode == 1, chained
+        report = chained.json()
+        first = report["first_divergence"]
+        assert (first["bundle"], first["stage"]) == ("rollout-0", "reward.post_process"), report
+        assert [e["bundle"] for e in report["chain"]] == ["rollout-0", bundle]
+        assert report["stages"][-1]["stage"] == "loss.policy" and report["stages"][-1]["status"] == "pass"

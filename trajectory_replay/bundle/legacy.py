@@ -416,14 +416,14 @@ def _v1_manifest_doc(manifest: Manifest, payload_entries: dict[str, dict[str, An
 
 
 def _v1_index_doc(index: BundleIndex) -> dict[str, Any]:
-    """index.json; this project's optional text fields and policy versions are left out when unset, as V1 never
-    had them."""
+    """index.json; this project's optional text fields, policy versions and producing rollouts are left out when
+    unset, as V1 never had them."""
     doc = index.model_dump(mode="json")
     # the fields V1 knew always; the others only where they differ from the default (which reproduces V1)
     defaults = RecomputeConfig().model_dump(mode="json")
     doc["config"] = {k: v for k, v in doc["config"].items() if k in V1_CONFIG_FIELDS or v != defaults[k]}
     for sample in doc["samples"]:
-        for field in TEXT_FIELDS + ("policy_version",):
+        for field in TEXT_FIELDS + ("policy_version", "rollout_id"):
             if sample.get(field) is None:
                 sample.pop(field, None)
     return doc

@@ -29,7 +29,7 @@ from trajectory_replay.bundle.markers import COMPLETE, RANK_MARKER
 from trajectory_replay.bundle.paths import split_bundle_path
 from trajectory_replay.bundle.reader import BundleReader, native_readers
 from trajectory_replay.bundle.status import CORRUPT, FINALIZABLE, BundleState, bundle_status, finalize, scan_bundles
-from trajectory_replay.errors import BundleError, SelectionError, TrajectoryReplayError
+from trajectory_replay.errors import BundleError, NoMatchingBundleError, SelectionError, TrajectoryReplayError
 from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.liveness import read_inflight
 
@@ -165,10 +165,10 @@ class Selection:
         bad = f"; unreadable: {'; '.join(map(str, self.unreadable))}" if self.unreadable else ""
         if not matches:
             if not self.found:
-                raise SelectionError(f"{self.shown}: no complete bundle found{bad}")
+                raise NoMatchingBundleError(f"{self.shown}: no complete bundle found{bad}")
             if self.direct:
                 raise SelectionError(f"{self.shown}: bundle is {self.found[0].anchor}, which does not match {what}")
-            raise SelectionError(f"{self.shown}: no bundle matches {what} (found: {listing(self.found)}){bad}")
+            raise NoMatchingBundleError(f"{self.shown}: no bundle matches {what} (found: {listing(self.found)}){bad}")
         if len(matches) > 1 or (not what and self.unreadable):
             hint = "" if what else "; choose one with --step ROLLOUT:STEP or --rollout ROLLOUT"
             if len({c.anchor for c in matches}) < len(matches):  # no flag tells these apart: only a path does

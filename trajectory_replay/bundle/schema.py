@@ -175,6 +175,9 @@ class SampleRecord(_Model):
     micro_batch_id: Optional[str] = None
     policy_version: Optional[int] = None
     """The weights version that generated the sample (rollout.mismatch checks its staleness)."""
+    rollout_id: Optional[int] = None
+    """In a step-level bundle: the rollout-level bundle (its rollout_id anchor) that produced the sample, which a
+    chained replay checks the step's inputs against."""
     prompt: Optional[str] = None
     response: Optional[str] = None
     label: Optional[str] = None

@@ -14,7 +14,8 @@ reward.raw.raw_rewards, reward.post_process.rewards (+ rollout.mismatch metrics 
 
 Step-level bundle `step-<R>-<S>`: identity actor_step_id=(R, S); stages sample and loss.policy (+ loss.value
 when any value-loss input is given, + rollout.mismatch like the rollout-level bundle); payloads old_log_probs,
-log_probs, entropy, advantages (+ ref_log_probs, values, vpreds, returns, rollout_log_probs when given); records carry their micro_batch_id; expected loss.policy {loss, pg_loss,
+log_probs, entropy, advantages (+ ref_log_probs, values, vpreds, returns, rollout_log_probs when given); every
+record names the rollout-level bundle it came from (`rollout_id` = R), which a chained replay links it to; records carry their micro_batch_id; expected loss.policy {loss, pg_loss,
 entropy_loss, pg_clipfrac, ppo_kl} (+ kl_loss when the config's kl_loss_coef is not 0) and loss.value
 {vf_loss, vf_clipfrac}.
 
@@ -108,7 +109,7 @@ class Columns:
     def take(cls, snap: Snapshot, **values: Any) -> "Columns":
         return cls(**{k: snap.values(v, k) for k, v in values.items()})
 
-    def records(self, micro_batch_id: Optional[str] = None) -> list[SampleRecord]:
+    def records(self, micro_batch_id: Optional[str] = None, rollout_id: Optional[int] = None) -> list[SampleRecord]:
         """Sample records (writer thread). Lists of different lengths are a structural error."""
         ids = materialize_list(self.sample_ids, "sample_ids")
         n = len(ids)
@@ -126,7 +127,8 @@ class Columns:
                              response_length=int(resp[i]), total_length=int(total[i]), loss_mask=masks[i],
                              raw_reward=float(raw[i]), reward=float(rewards[i]),
                              micro_batch_id=None if mbs[i] is None else str(mbs[i]),
-                             policy_version=None if versions[i] is None else int(versions[i]))
+                             policy_version=None if versions[i] is None else int(versions[i]),
+                             rollout_id=rollout_id)
                 for i in range(n)]
 
 
@@ -263,7 +265,7 @@ class StepRecord:
         bundle_id, prov, micro_batches = self.bundle_id, self.provenance, self.micro_batches
         records: list[SampleRecord] = []
         for mb in micro_batches:
-            records.extend(mb.columns.records(mb.micro_batch_id))
+            records.extend(mb.columns.records(mb.micro_batch_id, rollout_id=self.rollout_id))
         identity = Identity(actor_step_id=ActorStepId(rollout_id=self.rollout_id, step_id=self.step_id),
                             weight_lineage=_lineage(self.weight_lineage), rank=prov.topology,
                             micro_batch_ids=[mb.micro_batch_id for mb in micro_batches],

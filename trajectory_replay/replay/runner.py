@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
 
+import torch
+
 from trajectory_replay.bundle.schema import STAGE_ORDER, RecomputeConfig, StageId
 from trajectory_replay.replay.cohort import Cohort, PayloadCache
 from trajectory_replay.replay.compare import resolve_tolerance
@@ -35,18 +37,32 @@ def replay(sources: Sequence[ReplaySource], *, samples: Sequence[str] = (), grou
 
 def execute(plan: ReplayPlan, *, atol: Optional[float] = None, rtol: Optional[float] = None) -> ReplayReport:
     """Run `plan`: every pass, its verdicts in stage order, rank by rank."""
-    run = _Run(plan, atol, rtol)
+    return execute_keeping(plan, (), atol=atol, rtol=rtol)[0]
+
+
+PER_SAMPLE_OUTPUTS = ("raw_rewards", "rewards")
+"""Stage outputs with one value per sample; every other output has one per token."""
+
+
+def execute_keeping(plan: ReplayPlan, keep: Sequence[str], *, atol: Optional[float] = None,
+                    rtol: Optional[float] = None) -> tuple[ReplayReport, dict[str, dict[str, torch.Tensor]]]:
+    """`execute`, also handing back the recomputed outputs named in `keep` (of the sample-level stages that ran),
+    as {output: {sample_id: the sample's values}}: what a chained replay links a step's inputs to."""
+    run = _Run(plan, atol, rtol, keep)
     results = [result for one in plan.passes for result in run.one_pass(one)]
     order = {stage.value: i for i, stage in enumerate(STAGE_ORDER)}
     results.sort(key=lambda r: (order.get(r.stage, len(order)), -1 if r.rank is None else r.rank))
-    return ReplayReport(bundle_id=plan.bundle_id, stages=tuple(results), overrides=dict(plan.overrides))
+    return ReplayReport(bundle_id=plan.bundle_id, stages=tuple(results), overrides=dict(plan.overrides)), run.kept
 
 
 class _Run:
     """What every pass of one replay shares: the plan, the tolerance overrides, the payload cache."""
 
-    def __init__(self, plan: ReplayPlan, atol: Optional[float], rtol: Optional[float]) -> None:
+    def __init__(self, plan: ReplayPlan, atol: Optional[float], rtol: Optional[float],
+                 keep: Sequence[str] = ()) -> None:
         self.plan, self.atol, self.rtol = plan, atol, rtol
+        self.keep = frozenset(keep)
+        self.kept: dict[str, dict[str, torch.Tensor]] = {}
         self.cache = PayloadCache()
         self.contracted = frozenset(plan.reference.manifest.stage_contracts)
         self.sample_level = [p for p in plan.stages if not p.stage.cohort_level]
@@ -70,6 +86,8 @@ class _Run:
                                  plan.label)
             else:
                 result = _run_planned(planned, ctx, outputs)
+                if planned.action == "run" and self.keep:
+                    self._keep(outputs.get(planned.stage.id, {}), cohort)
             results += _with_copies(result, plan.label, plan.copies)
             _release(outputs, self.cache, [p.stage for p in self.sample_level[i + 1:] + self.cohort_level],
                      self.plan.config)
@@ -80,6 +98,16 @@ class _Run:
             else:
                 results += self.per_part(planned, cohort, outputs, plan)
         return results
+
+    def _keep(self, produced: Mapping[str, torch.Tensor], cohort: Cohort) -> None:
+        """Split the kept outputs a stage recomputed into each sample's values."""
+        for name in self.keep & set(produced):
+            values = produced[name].reshape(-1)
+            if name in PER_SAMPLE_OUTPUTS:
+                rows = values.split(1)
+            else:
+                rows = values.split(cohort.lengths.tolist())
+            self.kept.setdefault(name, {}).update(zip(cohort.sample_ids, rows))
 
     def _whitened(self, stage: StageId) -> bool:
         """True for advantage.estimate of an estimator that whitens over the whole cohort."""
@@ -131,4 +159,4 @@ def _run_planned(planned: PlannedStage, ctx: StageContext, outputs: dict) -> Sta
     return outcome.result
 
 
-__all__ = ["execute", "replay"]
+__all__ = ["PER_SAMPLE_OUTPUTS", "execute", "execute_keeping", "replay"]

@@ -1,0 +1,266 @@
+"""One first divergence across a step-level bundle and the rollout-level bundles that produced its samples.
+
+Capture writes the reward and advantage stages into rollout-level bundles (`rollout-<R>`) and the loss into
+step-level ones (`step-<R>-<S>`); each step sample records the rollout it came from (`SampleRecord.rollout_id`).
+A chain replays every rollout-level bundle the step consumed, then checks the **link**: the inputs the step's
+loss took that a rollout bundle recomputes (per-token `advantages` and, with gae, `returns`; the per-sample
+`reward`) must equal that bundle's recomputed outputs for the same sample ids. Then the step itself.
+
+The first divergence is taken in chain order: an upstream rollout stage (rollouts in id order, stages in
+pipeline order), then the link, then the step's own stages. A bug upstream is thus named where it starts, not
+as "loss.policy diverged" in the step. A rollout bundle that is not there is reported as such and the step
+stands alone: the verdict (and exit code) is the step's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from trajectory_replay.bundle.schema import StageId
+from trajectory_replay.replay.compare import Findings, SampleLayout, compare_tensors, resolve_tolerance
+from trajectory_replay.replay.report import Divergence, ReplayReport, StageResult
+from trajectory_replay.replay.source import ReplaySource
+
+LINK = "link"
+"""The report entry of the check between a rollout bundle's recomputed outputs and a step's inputs."""
+
+LINKED_TOKENS = ("advantages", "returns")
+"""Per-token step inputs that advantage.estimate recomputes in the rollout bundle."""
+LINKED_SAMPLE = (("reward", StageId.REWARD_POST_PROCESS, "rewards"),)
+"""Per-sample step record fields that a rollout stage recomputes: (record field, stage, output)."""
+
+Recomputed = dict[str, dict[str, torch.Tensor]]
+"""Recomputed outputs of a rollout replay by output name, then sample id (the sample's rows)."""
+KEPT = LINKED_TOKENS + tuple(output for _, _, output in LINKED_SAMPLE)
+"""The outputs a rollout replay hands the link."""
+
+
+def replay_upstream(sources: Sequence[ReplaySource], atol: Optional[float] = None,
+                    rtol: Optional[float] = None) -> tuple[ReplayReport, Recomputed]:
+    """A whole rollout-level bundle replayed (its groups and whitening need every sample), with what it recomputed
+    for the link."""
+    from trajectory_replay.replay.plan import plan_replay
+    from trajectory_replay.replay.runner import execute_keeping
+
+    return execute_keeping(plan_replay(sources), KEPT, atol=atol, rtol=rtol)
+
+
+@dataclass(frozen=True)
+class ChainEntry:
+    """One bundle of the chain: its replay report, or why there is none."""
+
+    bundle: str
+    role: str
+    """"upstream" (a rollout-level bundle) or "step"."""
+    report: Optional[ReplayReport] = None
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bundle": self.bundle, "role": self.role, "note": self.note or None,
+                "report": None if self.report is None else self.report.to_dict()}
+
+
+@dataclass(frozen=True)
+class ChainReport:
+    """The replay of a step with its upstream rollouts: every report, the link, and one first divergence."""
+
+    step: ChainEntry
+    upstream: tuple[ChainEntry, ...] = ()
+    link: Optional[StageResult] = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def linked(self) -> bool:
+        """True when at least one upstream rollout bundle was replayed (the chain is more than the step)."""
+        return any(e.report is not None for e in self.upstream)
+
+    @property
+    def first_divergence(self) -> Optional[dict[str, Any]]:
+        """{bundle, stage, sample, field, token} of the first failure in chain order, or None."""
+        for entry in self.upstream:
+            found = _first_failure(entry.bundle, entry.report)
+            if found is not None:
+                return found
+        if self.link is not None and self.link.failed:
+            return _where(self.step.bundle, self.link)
+        return _first_failure(self.step.bundle, self.step.report)
+
+    @property
+    def passed(self) -> bool:
+        return self.first_divergence is None
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.passed else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `replay --json` object of a chain: the step's report fields, plus `chain` and `first_divergence`."""
+        step = self.step.report.to_dict() if self.step.report is not None else {}
+        return {**step, "passed": self.passed, "first_divergence": self.first_divergence,
+                "chain": [e.to_dict() for e in self.upstream] + [self.step.to_dict()],
+                "link": None if self.link is None else self.link.to_dict(), "notes": list(self.notes)}
+
+    def render_text(self) -> str:
+        """Each bundle's report in chain order, the link between them, and the first divergence on top."""
+        first = self.first_divergence
+        if not self.upstream:   # nothing to chain: the step's own report, with why
+            return "\n".join([f"note: {n}" for n in self.notes]
+                             + ([self.step.report.render_text()] if self.step.report is not None else []))
+        names = " -> ".join([e.bundle for e in self.upstream] + [self.step.bundle])
+        where = "none" if first is None else ", ".join(f"{k} {v}" for k, v in first.items() if v is not None)
+        lines = [f"chain {names} — first divergence: {where}"]
+        lines += [f"note: {n}" for n in self.notes]
+        for entry in self.upstream:
+            lines.append(f"== {entry.bundle} (upstream)" + (f": {entry.note}" if entry.note else ""))
+            if entry.report is not None:
+                lines.append(entry.report.render_text())
+        if self.link is not None:
+            lines.append(f"== link: rollout outputs -> {self.step.bundle} inputs")
+            lines.append(f"[{self.link.status:>7}] {LINK}  {self.link.message}")
+            lines.extend(f"          {d.render()}" for d in self.link.divergences)
+        lines.append(f"== {self.step.bundle} (step)")
+        if self.step.report is not None:
+            lines.append(self.step.report.render_text())
+        return "\n".join(lines)
+
+
+def _where(bundle: str, result: StageResult) -> dict[str, Any]:
+    d = result.divergences[0] if result.divergences else None
+    return {"bundle": bundle, "stage": result.stage if isinstance(result.stage, str) else str(result.stage),
+            "rank": result.rank, "sample": d.sample_id if d else None, "field": d.field if d else None,
+            "token": d.token_offset if d else None}
+
+
+def _first_failure(bundle: str, report: Optional[ReplayReport]) -> Optional[dict[str, Any]]:
+    if report is None:
+        return None
+    failed = next((s for s in report.stages if s.failed), None)
+    return None if failed is None else _where(bundle, failed)
+
+
+def rollout_ids(step_sources: Sequence[ReplaySource]) -> tuple[list[int], list[str]]:
+    """(the rollout ids the step's samples record, in order; ids of samples that record none)."""
+    ids: dict[int, None] = {}
+    missing: list[str] = []
+    for source in step_sources:
+        for r in source.index.samples:
+            if r.rollout_id is None:
+                missing.append(r.sample_id)
+            else:
+                ids.setdefault(int(r.rollout_id))
+    return sorted(ids), missing
+
+
+def check_link(step_sources: Sequence[ReplaySource], upstream: Mapping[int, Recomputed],
+               atol: Optional[float] = None, rtol: Optional[float] = None) -> StageResult:
+    """Compare each step sample's inputs with its rollout bundle's recomputed outputs for the same sample id.
+    `upstream`: rollout id -> what that bundle's replay recomputed. A step sample of a replayed rollout that the
+    rollout bundle does not hold is a failure; samples whose rollout was not replayed are not compared."""
+    f = Findings()
+    reference = step_sources[0]
+    tol = resolve_tolerance(reference.manifest, StageId.ADVANTAGE_ESTIMATE.value, atol, rtol)
+    linked: list[tuple[ReplaySource, int]] = []
+    for source in step_sources:
+        for i, r in enumerate(source.index.samples):
+            if r.rollout_id is None or int(r.rollout_id) not in upstream:
+                continue
+            outputs = upstream[int(r.rollout_id)]
+            if not any(r.sample_id in values for values in outputs.values()):
+                f.problem(f"sample {r.sample_id} of step bundle {source.bundle_id} is not in rollout-{r.rollout_id}",
+                          Divergence("sample_id", r.sample_id, None, None, None, None))
+                continue
+            linked.append((source, i))
+    for name in LINKED_TOKENS:
+        _link_tokens(f, name, linked, upstream, tol)
+    for record_field, stage, output in LINKED_SAMPLE:
+        _link_samples(f, record_field, f"{stage}.{output}", linked, upstream, output, tol)
+    count = len(linked)
+    return f.result(LINK, None, passed_message=f"{count} samples linked")
+
+
+def _link_tokens(f: Findings, name: str, linked: list[tuple[ReplaySource, int]], upstream: Mapping[int, Recomputed],
+                 tol) -> None:
+    """The step's `name` payload rows against the rollout bundles' recomputed rows, sample by sample."""
+    rows = [(s, i) for s, i in linked
+            if name in upstream[int(s.index.samples[i].rollout_id)]
+            and s.index.samples[i].sample_id in upstream[int(s.index.samples[i].rollout_id)][name]]
+    if not rows:
+        return
+    missing_payload = sorted({s.bundle_id for s, _ in rows if not s.has_payload(name)})
+    if missing_payload:
+        return  # the step did not take this input (e.g. returns without a value loss)
+    expected, actual, ids, lengths = [], [], [], []
+    for source in dict.fromkeys(s for s, _ in rows):
+        positions = [i for s, i in rows if s is source]
+        loaded = source.load_payload(name, samples=positions)
+        start = 0
+        for i in positions:
+            record = source.index.samples[i]
+            n = max(record.response_length, 0)
+            recomputed = upstream[int(record.rollout_id)][name][record.sample_id]
+            if recomputed.numel() != n:
+                f.problem(f"{name} of sample {record.sample_id}: the step has {n} tokens, "
+                          f"rollout-{record.rollout_id} {recomputed.numel()}")
+            else:
+                expected.append(recomputed)
+                actual.append(loaded[start:start + n])
+                ids.append(record.sample_id)
+                lengths.append(n)
+            start += n
+    if ids:
+        f.add(compare_tensors(name, torch.cat(expected), torch.cat(actual),
+                              SampleLayout.per_token(ids, torch.tensor(lengths)), tol))
+
+
+def _link_samples(f: Findings, record_field: str, label: str, linked: list[tuple[ReplaySource, int]],
+                  upstream: Mapping[int, Recomputed], output: str, tol) -> None:
+    """A per-sample record field of the step against the rollout bundles' recomputed per-sample output."""
+    expected, actual, ids = [], [], []
+    for source, i in linked:
+        record = source.index.samples[i]
+        recomputed = upstream[int(record.rollout_id)].get(output, {}).get(record.sample_id)
+        if recomputed is None:
+            continue
+        expected.append(float(recomputed.reshape(-1)[0]))
+        actual.append(float(getattr(record, record_field)))
+        ids.append(record.sample_id)
+    if ids:
+        f.add(compare_tensors(record_field, torch.tensor(expected), torch.tensor(actual),
+                              SampleLayout.per_sample(ids), tol))
+
+
+def replay_chain(step_sources: Sequence[ReplaySource], open_rollout: Callable[[int], Optional[Sequence[ReplaySource]]],
+                 *, replay_step: Callable[[Sequence[ReplaySource]], ReplayReport],
+                 atol: Optional[float] = None, rtol: Optional[float] = None) -> ChainReport:
+    """Replay the step (`replay_step`, which applies the user's selection and options) with every rollout bundle its
+    samples record. `open_rollout(R)` gives the sources of rollout-R, or None when it is not there."""
+    step_id = step_sources[0].bundle_id
+    ids, unlinked = rollout_ids(step_sources)
+    notes: list[str] = []
+    if unlinked and not ids:
+        notes.append(f"step bundle {step_id} records no rollout bundle for its samples (captured before samples "
+                     "recorded their rollout_id): replayed alone")
+    elif unlinked:
+        notes.append(f"{len(unlinked)} samples of {step_id} record no rollout bundle (e.g. {unlinked[0]}): "
+                     "not linked")
+    upstream: list[ChainEntry] = []
+    recomputed: dict[int, Recomputed] = {}
+    for rollout_id in ids:
+        name = f"rollout-{rollout_id}"
+        sources = open_rollout(rollout_id)
+        if sources is None:
+            upstream.append(ChainEntry(name, "upstream", note="not in the store: the step is replayed alone"))
+            continue
+        report, outputs = replay_upstream(sources, atol, rtol)
+        upstream.append(ChainEntry(sources[0].bundle_id, "upstream", report))
+        recomputed[rollout_id] = outputs
+    link = check_link(step_sources, recomputed, atol, rtol) if recomputed else None
+    step = ChainEntry(step_id, "step", replay_step(step_sources))
+    return ChainReport(step=step, upstream=tuple(upstream), link=link, notes=tuple(notes))
+
+
+__all__ = ["ChainEntry", "ChainReport", "KEPT", "LINK", "LINKED_TOKENS", "Recomputed", "check_link", "replay_chain",
+           "replay_upstream", "rollout_ids"]
