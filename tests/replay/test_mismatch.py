@@ -313,3 +313,13 @@ def test_recorded_weights_without_a_configured_correction_are_a_problem_not_igno
     report = replay([_bundle(extra={"rollout_is_weights": torch.ones(6)})])
     assert report.first_divergent_stage == "rollout.mismatch"
     assert "config's rollout_is is 'none'" in report.stage("rollout.mismatch").message
+
+
+def test_without_any_mismatch_no_token_is_listed_and_no_negative_zero_is_shown():
+    source = _bundle()
+    source.payloads["rollout_log_probs"] = _t(OLD)
+    report = replay([source])
+    entry = report.stage("rollout.mismatch")
+    assert report.passed and entry.metrics["worst_tokens"] == []
+    assert "metrics: kl_k1=0.0 kl_k3=0.0 log_ratio_max_abs=0.0" in report.render_text()
+    assert "worst tokens" not in report.render_text()

@@ -79,7 +79,7 @@ def mismatch_metrics(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor,
         scores = token_scores(d, inside)
     z = d.to(torch.float32)
     z = z.masked_fill_(~inside, 0.0) if in_place and z is d else torch.where(inside, z, 0.0)
-    k1 = -float(z.sum()) / tokens
+    k1 = 0.0 - float(z.sum()) / tokens   # 0.0 - x: no -0.0 when nothing differs
     seq = torch.segment_reduce(z, "sum", lengths=lengths.to(torch.int64))
     k3 = float(torch.expm1(z).sub_(z).sum()) / tokens   # exp(d) - 1 - d, 0 where masked out
     # torch's max keeps a NaN
@@ -89,7 +89,7 @@ def mismatch_metrics(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor,
 def worst_tokens(scores: torch.Tensor, k: int = WORST_TOKENS, chunk: int = 1024,
                  tokens: Optional[int] = None) -> torch.Tensor:
     """Flat positions of the (up to) k masked-in tokens with the largest |d| (`scores` of `token_scores`), largest
-    first (NaN first, ties in flat order). The k largest lie in the k chunks of `chunk` tokens with the largest
+    first (NaN first, ties in flat order); tokens whose d is 0 are no one's worst and are left out. The k largest lie in the k chunks of `chunk` tokens with the largest
     maxima, so only those are searched: one pass over the tokens instead of a selection over all of them."""
     if tokens is None:   # the masked-in tokens: score >= 0, or NaN
         tokens = int(torch.count_nonzero(scores >= 0)) + int(torch.count_nonzero(scores.isnan()))
@@ -104,9 +104,11 @@ def worst_tokens(scores: torch.Tensor, k: int = WORST_TOKENS, chunk: int = 1024,
     candidates = (best[:, None] * chunk + torch.arange(chunk)).flatten()
     candidates = candidates[candidates < scores.numel()]
     top = torch.topk(scores[candidates], k)
-    positions = candidates[top.indices]
+    keep = ~(top.values <= 0)   # a NaN is kept
+    top_values, positions = top.values[keep], candidates[top.indices][keep]
+    k = int(positions.numel())
     # equal |d| in flat order: the order of ties is not topk's to choose
-    values = top.values.tolist()
+    values = top_values.tolist()
     order = sorted(range(k), key=lambda i: (not math.isnan(values[i]), -values[i] if not math.isnan(values[i]) else 0,
                                             int(positions[i])))
     return positions[order]
