@@ -174,6 +174,15 @@ def test_pr65_under_rloo_is_caught_at_reward_post_process(runs) -> None:
     assert run.sources["rollout-0"][0].index.config.advantage_estimator == "rloo"
     # the loss was computed from the advantages it was given: the step-level bundles are consistent
     assert all(run.reports[f"step-0-{s}"].passed for s in range(STEPS_PER_ROLLOUT))
+    # through the capture directory, each step is replayed with rollout-0, where the error starts
+    from typer.testing import CliRunner
+
+    from trajectory_replay.cli import app
+
+    for s in range(STEPS_PER_ROLLOUT):
+        result = CliRunner().invoke(app, ["replay", str(run.root), "--step", f"0:{s}", "--json"])
+        first = json.loads(result.stdout)["first_divergence"]
+        assert result.exit_code == 1 and (first["bundle"], first["stage"]) == ("rollout-0", "reward.post_process")
 
 
 @pytest.mark.parametrize("argv, message", [
