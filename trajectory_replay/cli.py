@@ -315,6 +315,36 @@ def conventions_cmd(
     raise typer.Exit(0 if found.best is not None else 1)
 
 
+@app.command("diff", cls=Command)
+@command
+def diff_cmd(
+    a: Annotated[str, typer.Argument(help="First bundle (path or URL, native or older format).")],
+    b: Annotated[str, typer.Argument(help="Second bundle of the same step.")],
+    step: StepFlag = None,
+    rollout: RolloutFlag = None,
+    atol: Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance for every field.")] = None,
+    rtol: Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance for every field.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Compare two captures of one step, sample by sample: the first stage whose inputs or expected outputs
+    differ, and every field compared (exit 0 identical within tolerance, 1 different)."""
+    _import_torch()
+    from trajectory_replay.bundle import open_for_replay
+    from trajectory_replay.replay.diff import diff_bundles
+
+    if step is not None and rollout is not None:
+        raise UsageError("--step and --rollout are mutually exclusive")
+    atol, rtol = check_tolerance("--atol", atol), check_tolerance("--rtol", rtol)
+    left, _ = open_for_replay(a, step=step, rollout=rollout)
+    right, _ = open_for_replay(b, step=step, rollout=rollout)
+    report = diff_bundles(left, right, a_label=a, b_label=b, atol=atol, rtol=rtol)
+    if as_json:
+        emit_json("pass" if report.identical else "diverged", report.to_dict(), allow_nan=False)
+    else:
+        emit(report.render_text())
+    raise typer.Exit(report.exit_code)
+
+
 @app.command("inspect", cls=Command)
 @command
 def inspect_cmd(

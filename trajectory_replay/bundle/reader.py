@@ -13,6 +13,8 @@ the payload, so a partial selection never has to fetch every sample's mask.
 
 from __future__ import annotations
 
+import bisect
+
 import os
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -200,6 +202,29 @@ class BundleReader:
                  for p in positions]
         parts = self.store.read_ranges(self.payload_ref(name), spans, record=self._record(name))
         return codec.from_bytes(b"".join(parts), header.dtype)
+
+    def row_blocks(self, name: str, positions: Sequence[int]) -> list[tuple[int, int, tuple[tuple[int, bytes], ...]]]:
+        """For each sample position: the byte span of its rows in payload `name`'s blob, and the (offset, hash) of
+        every block that span lies in. Reads only the blob's record and header. Two bundles whose spans and
+        blocks agree hold the same bytes there (the hashes are verified content digests), which a diff then need
+        not fetch."""
+        header, record = self.header(name), self._record(name)
+        size, block = header.itemsize, record.block_size
+        starts = [c.offset for c in record.chunks]
+        out = []
+        for p in self._check_positions(list(positions)):
+            lo = header.data_start + self._offsets[p] * size
+            hi = header.data_start + self._offsets[p + 1] * size
+            keys: list[tuple[int, bytes]] = []
+            ci = max(bisect.bisect_right(starts, lo) - 1, 0)
+            while ci < len(record.chunks) and hi > lo and record.chunks[ci].offset < hi:
+                chunk = record.chunks[ci]
+                first = (max(lo, chunk.offset) - chunk.offset) // block
+                last = (min(hi, chunk.offset + chunk.size) - chunk.offset - 1) // block
+                keys += [(chunk.offset + b * block, chunk.blocks[32 * b:32 * (b + 1)]) for b in range(first, last + 1)]
+                ci += 1
+            out.append((lo, hi, tuple(keys)))
+        return out
 
     def _mask_from_records(self, samples: Optional[Sequence[int]]) -> "torch.Tensor":
         import torch
