@@ -21,7 +21,8 @@ torch (the four interleaved, medians). **replay vs validate**: full replay (all 
 `validate`, which reads and verifies every payload. **memory**: peak RSS (`VmHWM` of the child process)
 of the replay process minus that of the bare-import process, against the payload bytes. **rollout.mismatch**:
 the same bundle with a `rollout_log_probs` payload and the stage contracted, against the bundle without, both
-replayed alternately by `replay()` in one fresh process (after one untimed replay of each), best of fifteen. **S3 group**: replay of one group whose members are scattered across
+replayed alternately by `replay()` in one fresh process (after one untimed replay of each), best of fifteen. **diff**: `diff` of that S3 bundle against a copy whose advantages differ in one scattered group, both with
+empty caches; every byte fetched from the two bundles counts. **S3 group**: replay of one group whose members are scattered across
 the bundle, by `s3://` URL with an empty cache; every byte fetched at the backend counts."""
 
 # Runs a command in this fresh process and reports its own high-water RSS. VmHWM belongs to the
@@ -166,4 +167,35 @@ def run(ctx: Context) -> list[Row]:
     rows.append(Row(GROUP, f"replay one scattered group ({GROUP_SIZE} samples) by s3:// URL, cold cache",
                     f"{share:.2%} of payload bytes", "<= 3%", share <= 0.03 and report.passed,
                     f"{fmt_bytes(fetched)} fetched of {fmt_bytes(payload_bytes)}; {statuses}"))
+    rows.append(_diff_row(ctx, case, url, payload_bytes, options))
     return rows
+
+
+def _diff_row(ctx: Context, case, url: str, payload_bytes: int, options: dict) -> Row:
+    """`diff` of the S3 bundle against a copy whose advantages differ in one scattered group: bytes fetched."""
+    from trajectory_replay.bundle import BundleWriter, open_sources
+    from trajectory_replay.replay.diff import diff_bundles
+
+    tokens = case.index.samples[0].response_length
+    changed = dict(case.payloads)
+    changed["advantages"] = case.payloads["advantages"].clone()
+    group = [i for i, r in enumerate(case.index.samples) if r.group_index == 3]
+    for i in group:
+        changed["advantages"][i * tokens:(i + 1) * tokens] += 0.5
+    other = url.rsplit("/", 1)[0] + "/big-other"
+    writer = BundleWriter(other, case.manifest, case.index, case.expected, cache_dir=str(ctx.path("wcache2")),
+                          **options)
+    for name, tensor in changed.items():
+        writer.write_payload(name, tensor)
+    writer.finalize()
+    left = open_sources(url, cache_dir=str(ctx.path("cold-a")), **options)
+    right = open_sources(other, cache_dir=str(ctx.path("cold-b")), **options)
+    report = diff_bundles(left, right)
+    fetched = report.bytes_fetched or 0
+    share = fetched / (2 * payload_bytes)
+    found = [f.name for f in report.differences]
+    return Row(GROUP, f"diff of two captures differing in one scattered group ({len(group)} samples), S3, "
+                      "cold caches", f"{share:.2%} of payload bytes", "<= 3%",
+               share <= 0.03 and found == ["payload.advantages"],
+               f"{fmt_bytes(fetched)} fetched (documents, records and the differing blocks) of "
+               f"{fmt_bytes(2 * payload_bytes)} in the two bundles; differences found: {', '.join(found)}")
