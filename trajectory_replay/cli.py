@@ -232,6 +232,13 @@ def parse_overrides(assignments: list[str]) -> dict[str, Any]:
 
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the human report.")]
+HtmlFlag = Annotated[Optional[str], typer.Option("--html", help="Also write the report as one self-contained HTML "
+                                                "file with plots (needs the report extra: plotly).")]
+
+
+def _wrote(path: str, size: int) -> None:
+    """Say on stderr where the HTML report went (stdout stays the report itself)."""
+    typer.echo(f"trajectory-replay: wrote {path} ({size} bytes)", err=True)
 StepFlag = Annotated[Optional[str], typer.Option("--step", help="ROLLOUT:STEP of a step-level bundle.")]
 RolloutFlag = Annotated[Optional[int], typer.Option("--rollout", help="Rollout id of a rollout-level bundle.")]
 
@@ -252,6 +259,7 @@ def replay_cmd(
                                             "overridden (repeatable; VALUE as JSON, else a string).")] = [],
     no_upstream: Annotated[bool, typer.Option("--no-upstream", help="With --step: replay the step-level bundle "
                                               "alone, not with the rollout-level bundles it consumed.")] = False,
+    html_path: HtmlFlag = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Recompute reward -> advantage -> loss and report the first divergence (with --step, across the rollout
@@ -283,6 +291,10 @@ def replay_cmd(
         report = replay_chain(sources, open_rollout, replay_step=replay_step, atol=atol, rtol=rtol)
     else:
         report = replay_step(sources)
+    if html_path is not None:
+        from trajectory_replay.html_report import write_replay_html
+
+        _wrote(html_path, write_replay_html(report, html_path))
     if as_json:
         emit_json("pass" if report.passed else "diverged", report.to_dict(), allow_nan=False)
     else:
@@ -324,6 +336,7 @@ def diff_cmd(
     rollout: RolloutFlag = None,
     atol: Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance for every field.")] = None,
     rtol: Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance for every field.")] = None,
+    html_path: HtmlFlag = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Compare two captures of one step, sample by sample: the first stage whose inputs or expected outputs
@@ -338,6 +351,10 @@ def diff_cmd(
     left, _ = open_for_replay(a, step=step, rollout=rollout)
     right, _ = open_for_replay(b, step=step, rollout=rollout)
     report = diff_bundles(left, right, a_label=a, b_label=b, atol=atol, rtol=rtol)
+    if html_path is not None:
+        from trajectory_replay.html_report import write_diff_html
+
+        _wrote(html_path, write_diff_html(report, html_path))
     if as_json:
         emit_json("pass" if report.identical else "diverged", report.to_dict(), allow_nan=False)
     else:

@@ -135,3 +135,14 @@ def test_a_step_bundle_from_before_samples_named_their_rollout_replays_alone_wit
         "step bundle step-3-0 records no rollout bundle for its samples")
     text, _ = _replay(old)
     assert text.stdout.startswith("note: step bundle step-3-0 records no rollout bundle")
+
+
+def test_the_html_report_of_a_chain_shows_upstream_link_and_step(tmp_path, make_manager):
+    _capture(make_manager(tmp_path / "cap", writer=WRITER), rewards=[1.0, -1.0, -1.0, 1.0])
+    page = tmp_path / "chain.html"
+    result, _ = _replay(tmp_path / "cap", "--html", str(page))
+    assert result.exit_code == 1
+    text = page.read_text(encoding="utf-8")
+    assert "first divergence: bundle rollout-3, stage reward.post_process" in text
+    assert "rollout-3 (upstream)" in text and "link: rollout outputs → step inputs" in text
+    assert "step-3-0 (step)" in text and "link: advantages, largest error per sample" in text

@@ -91,6 +91,10 @@ class FieldComparison:
     max_abs_error: Optional[float] = None
     divergences: tuple[Divergence, ...] = ()
     problems: tuple[str, ...] = ()
+    evidence: Optional[dict] = None
+    """For a field with mismatches: each sample's largest error (`sample_errors`, sample id -> error, NaN where a
+    value is not finite) and the first divergent sample's values (`first_sample`: sample, expected, actual,
+    divergent token offsets). What the HTML report draws; never part of the JSON report."""
 
     @property
     def failed(self) -> bool:
@@ -139,8 +143,40 @@ def compare_tensors(field: str, expected: torch.Tensor, actual: torch.Tensor, la
         Divergence(field=field, sample_id=sid, token_offset=tok, expected=float(e[p]), actual=float(a[p]),
                    abs_error=abs(float(a[p]) - float(e[p])))
         for p, (sid, tok) in zip(positions, layout.locate(positions)))
+    evidence = _evidence(e, a, bad, layout) if count else None
     return FieldComparison(field=field, compared=e.numel(), mismatch_count=count, max_abs_error=max_err,
-                           divergences=divergences, problems=tuple(problems))
+                           divergences=divergences, problems=tuple(problems), evidence=evidence)
+
+
+MAX_EVIDENCE_TOKENS = 4096
+"""Tokens of the first divergent sample kept for the HTML report's per-token plot."""
+
+
+def _evidence(e: torch.Tensor, a: torch.Tensor, bad: torch.Tensor, layout: SampleLayout) -> Optional[dict]:
+    """Per-sample largest errors and the first divergent sample's values, for a field that mismatched."""
+    if layout.scalar or not layout.sample_ids:
+        return None
+    diff = torch.sub(a, e).abs_()
+    diff[~(torch.isfinite(a) & torch.isfinite(e))] = float("nan")
+    ids = layout.sample_ids
+    if layout.starts is None:   # one value per sample
+        errors = diff
+        first = int(bad.nonzero()[0])
+        rows = (first, first + 1)
+    else:
+        lengths = torch.diff(layout.starts, append=torch.tensor([e.numel()]))
+        # a non-finite value marks its sample NaN: taken as +inf through the max, then turned back
+        errors = torch.segment_reduce(diff.nan_to_num(nan=float("inf")), "max", lengths=lengths, unsafe=True)
+        errors = torch.where(errors == float("inf"), float("nan"), errors)
+        errors[lengths == 0] = 0.0
+        at = int(bad.nonzero()[0])
+        first = int(torch.searchsorted(layout.starts, torch.tensor([at]), right=True)[0]) - 1
+        start = int(layout.starts[first])
+        rows = (start, min(start + int(lengths[first]), start + MAX_EVIDENCE_TOKENS))
+    lo, hi = rows
+    return {"sample_errors": {sid: float(v) for sid, v in zip(ids, errors.tolist())},
+            "first_sample": {"sample_id": ids[first], "expected": e[lo:hi].tolist(), "actual": a[lo:hi].tolist(),
+                             "divergent": bad[lo:hi].nonzero().flatten().tolist()}}
 
 
 def _nonfinite_problem(field: str, side: str, finite: torch.Tensor, values: torch.Tensor,
@@ -193,10 +229,11 @@ class Findings:
             message = "; ".join(self.problems + [c.summary() for c in self.comparisons if c.failed])
         else:
             message = "; ".join([passed_message] * bool(passed_message) + [c.summary() for c in self.comparisons])
+        evidence = {c.field: c.evidence for c in self.comparisons if c.evidence is not None}
         return StageResult(stage=stage, rank=rank, status="fail" if self.failed else "pass",
                            message=message or "ok", max_abs_error=max(errors) if errors else None,
                            mismatch_count=sum(c.mismatch_count for c in self.comparisons),
-                           divergences=tuple(divergences), metrics=dict(metrics or {}))
+                           divergences=tuple(divergences), metrics=dict(metrics or {}), evidence=evidence)
 
 
 __all__ = ["DEFAULT_ATOL", "DEFAULT_RTOL", "EXACT", "FieldComparison", "Findings", "SCALAR", "SampleLayout",

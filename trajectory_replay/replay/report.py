@@ -58,6 +58,8 @@ class StageResult:
     divergences: tuple[Divergence, ...] = ()
     metrics: dict[str, Any] = field(default_factory=dict)
     """What a stage measures whether it passes or not (rollout.mismatch: its metrics and worst tokens)."""
+    evidence: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """Per failed field: per-sample errors and the first divergent sample's values, for the HTML report only."""
 
     @property
     def failed(self) -> bool:
