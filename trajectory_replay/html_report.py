@@ -9,6 +9,7 @@ so the file opens with no network access. plotly is the optional extra `trajecto
 from __future__ import annotations
 
 import html
+import json
 import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -137,7 +138,7 @@ def _bundle_sections(page: _Page, report, heading: str) -> None:
     """A bundle's stage table, mismatch metrics and the plots of its failed stages."""
     page.add(f"<h2>{_esc(heading)}</h2>")
     if report.overrides:
-        page.add("<p class='note'>config overridden: " + _esc(", ".join(f"{k}={v}" for k, v in
+        page.add("<p class='note'>config overridden: " + _esc(", ".join(f"{k}={json.dumps(v)}" for k, v in
                                                                        report.overrides.items())) + "</p>")
     _stage_table(page, report)
     for s in report.stages:
