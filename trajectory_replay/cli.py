@@ -236,9 +236,20 @@ HtmlFlag = Annotated[Optional[str], typer.Option("--html", help="Also write the 
                                                 "file with plots (needs the report extra: plotly).")]
 
 
-def _wrote(path: str, size: int) -> None:
-    """Say on stderr where the HTML report went (stdout stays the report itself)."""
-    typer.echo(f"trajectory-replay: wrote {path} ({size} bytes)", err=True)
+def _finish(report, html_path: Optional[str], as_json: bool) -> None:
+    """Write a replay, chain or diff report's HTML page when asked (saying on stderr where it went: stdout stays
+    the report), print the report, and exit with its code."""
+    if html_path is not None:
+        from trajectory_replay.html_report import write_diff_html, write_replay_html
+        from trajectory_replay.replay.diff import DiffReport
+
+        write = write_diff_html if isinstance(report, DiffReport) else write_replay_html
+        typer.echo(f"trajectory-replay: wrote {html_path} ({write(report, html_path)} bytes)", err=True)
+    if as_json:
+        emit_json("pass" if report.passed else "diverged", report.to_dict(), allow_nan=False)
+    else:
+        emit(report.render_text())
+    raise typer.Exit(report.exit_code)
 StepFlag = Annotated[Optional[str], typer.Option("--step", help="ROLLOUT:STEP of a step-level bundle.")]
 RolloutFlag = Annotated[Optional[int], typer.Option("--rollout", help="Rollout id of a rollout-level bundle.")]
 
@@ -291,15 +302,7 @@ def replay_cmd(
         report = replay_chain(sources, open_rollout, replay_step=replay_step, atol=atol, rtol=rtol)
     else:
         report = replay_step(sources)
-    if html_path is not None:
-        from trajectory_replay.html_report import write_replay_html
-
-        _wrote(html_path, write_replay_html(report, html_path))
-    if as_json:
-        emit_json("pass" if report.passed else "diverged", report.to_dict(), allow_nan=False)
-    else:
-        emit(report.render_text())
-    raise typer.Exit(report.exit_code)
+    _finish(report, html_path, as_json)
 
 
 @app.command("conventions", cls=Command)
@@ -350,16 +353,7 @@ def diff_cmd(
     atol, rtol = check_tolerance("--atol", atol), check_tolerance("--rtol", rtol)
     left, _ = open_for_replay(a, step=step, rollout=rollout)
     right, _ = open_for_replay(b, step=step, rollout=rollout)
-    report = diff_bundles(left, right, a_label=a, b_label=b, atol=atol, rtol=rtol)
-    if html_path is not None:
-        from trajectory_replay.html_report import write_diff_html
-
-        _wrote(html_path, write_diff_html(report, html_path))
-    if as_json:
-        emit_json("pass" if report.identical else "diverged", report.to_dict(), allow_nan=False)
-    else:
-        emit(report.render_text())
-    raise typer.Exit(report.exit_code)
+    _finish(diff_bundles(left, right, a_label=a, b_label=b, atol=atol, rtol=rtol), html_path, as_json)
 
 
 @app.command("inspect", cls=Command)

@@ -113,3 +113,13 @@ def run_cli_many(calls: Sequence[Sequence[str]], env: Mapping[str, str], timeout
     with ThreadPoolExecutor(max_workers=processes) as pool:
         done = list(pool.map(one, shares))
     return [done[i % processes][i // processes] for i in range(len(calls))]
+
+
+RUNNER = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import tiny_grpo
+for argv in json.load(sys.stdin):
+    tiny_grpo.main(argv)
+"""
+"""A fresh process running the example's `main(argv)` for each argv list read from stdin (JSON), one after another."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.examples.helpers import EXAMPLE, SMALL, STEPS_PER_ROLLOUT, clean_env
+from tests.examples.helpers import EXAMPLE, RUNNER, SMALL, STEPS_PER_ROLLOUT, clean_env
 
 ROLLOUTS = 2
 CASES: dict[str, tuple[str, ...]] = {
@@ -38,13 +38,6 @@ WORLD = {"gae": 2}
 PR65 = ("--estimator", "rloo", "--fault", "pr65")
 ROLLOUT_STAGES = ["sample", "reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate"]
 
-RUNNER = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import tiny_grpo
-for argv in json.load(sys.stdin):
-    tiny_grpo.main(argv)
-"""
 
 
 @dataclass

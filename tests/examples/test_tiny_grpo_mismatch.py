@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.examples.helpers import EXAMPLE, SCALARS, SMALL, STEPS_PER_ROLLOUT, clean_env
+from tests.examples.helpers import EXAMPLE, RUNNER, SCALARS, SMALL, STEPS_PER_ROLLOUT, clean_env
 
 CASES: dict[str, tuple[tuple[str, ...], int, int]] = {
     # name: (extra argv, rollouts, world size)
@@ -36,13 +36,6 @@ CASES: dict[str, tuple[tuple[str, ...], int, int]] = {
 SHARES = (("sequence",), ("clean", "token", "stale", "future"))
 """The runs of each of the two processes: the two-rank run spawns its own workers."""
 
-RUNNER = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import tiny_grpo
-for argv in json.load(sys.stdin):
-    tiny_grpo.main(argv)
-"""
 
 
 @dataclass
