@@ -123,3 +123,26 @@ for argv in json.load(sys.stdin):
     tiny_grpo.main(argv)
 """
 """A fresh process running the example's `main(argv)` for each argv list read from stdin (JSON), one after another."""
+
+
+def run_examples(workdir: Path, runs: list[list[str]]) -> str:
+    """The example's `main(argv)` for each of `runs`, one after another in one fresh process; its stdout."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", RUNNER, str(EXAMPLE.parent)], input=json.dumps(runs), cwd=workdir,
+                          env=clean_env({"TRAJECTORY_REPLAY_CACHE_DIR": str(workdir / "cache")}),
+                          capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc.stdout
+
+
+def replay_capture(root: Path) -> tuple[dict[str, list], dict[str, Any]]:
+    """(bundle -> sources, bundle -> ReplayReport) of every bundle a capture directory holds."""
+    from trajectory_replay.bundle import open_native
+    from trajectory_replay.replay import replay
+
+    bundles = sorted(p.name for p in root.iterdir() if p.name.startswith(("rollout-", "step-")))
+    sources = {b: open_native(str(root / b)) for b in bundles}
+    return sources, {b: replay(s) for b, s in sources.items()}

@@ -10,7 +10,6 @@ for the two-rank gae run; the bundles are replayed in this process.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.examples.helpers import EXAMPLE, RUNNER, SMALL, STEPS_PER_ROLLOUT, clean_env
+from tests.examples.helpers import EXAMPLE, SMALL, STEPS_PER_ROLLOUT, replay_capture, run_examples
 
 ROLLOUTS = 2
 CASES: dict[str, tuple[str, ...]] = {
@@ -55,22 +54,14 @@ def _argv(workdir: Path, name: str, extra: tuple[str, ...], steps: int = ROLLOUT
 
 def _run_many(workdir: Path, runs: list[list[str]]) -> str:
     """The example's `main(argv)` for each of `runs`, one after another in one fresh process; its stdout."""
-    proc = subprocess.run([sys.executable, "-c", RUNNER, str(EXAMPLE.parent)], input=json.dumps(runs), cwd=workdir,
-                          env=clean_env({"TRAJECTORY_REPLAY_CACHE_DIR": str(workdir / "cache")}),
-                          capture_output=True, text=True, timeout=240, check=False)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return proc.stdout
+    return run_examples(workdir, runs)
 
 
 def _replayed(workdir: Path, name: str) -> Run:
-    from trajectory_replay.bundle import open_native
-    from trajectory_replay.replay import replay
-
     root = workdir / name / "cap"
-    bundles = sorted(p.name for p in root.iterdir() if p.name.startswith(("rollout-", "step-")))
-    sources = {b: open_native(str(root / b)) for b in bundles}
+    sources, reports = replay_capture(root)
     result = json.loads((workdir / f"{name}.json").read_text(encoding="utf-8"))
-    return Run(root, result, {b: replay(s) for b, s in sources.items()}, sources)
+    return Run(root, result, reports, sources)
 
 
 @pytest.fixture(scope="module")

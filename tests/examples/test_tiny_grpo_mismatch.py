@@ -14,7 +14,6 @@ by side (torch imported once per process); the bundles are replayed in this proc
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.examples.helpers import EXAMPLE, RUNNER, SCALARS, SMALL, STEPS_PER_ROLLOUT, clean_env
+from tests.examples.helpers import EXAMPLE, SCALARS, SMALL, STEPS_PER_ROLLOUT, replay_capture, run_examples
 
 CASES: dict[str, tuple[tuple[str, ...], int, int]] = {
     # name: (extra argv, rollouts, world size)
@@ -53,23 +52,16 @@ def _argv(workdir: Path, name: str) -> list[str]:
 
 def _run_many(workdir: Path, names: tuple[str, ...]) -> str:
     runs = [_argv(workdir, n) for n in names]
-    proc = subprocess.run([sys.executable, "-c", RUNNER, str(EXAMPLE.parent)], input=json.dumps(runs), cwd=workdir,
-                          env=clean_env({"TRAJECTORY_REPLAY_CACHE_DIR": str(workdir / "cache")}),
-                          capture_output=True, text=True, timeout=240, check=False)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert proc.stdout.count("capture_flushed=True") == len(names), proc.stdout
-    return proc.stdout
+    stdout = run_examples(workdir, runs)
+    assert stdout.count("capture_flushed=True") == len(names), stdout
+    return stdout
 
 
 def _replayed(workdir: Path, name: str) -> Run:
-    from trajectory_replay.bundle import open_native
-    from trajectory_replay.replay import replay
-
     root = workdir / name / "cap"
-    bundles = sorted(p.name for p in root.iterdir() if p.name.startswith(("rollout-", "step-")))
-    sources = {b: open_native(str(root / b)) for b in bundles}
+    sources, reports = replay_capture(root)
     result = json.loads((workdir / f"{name}.json").read_text(encoding="utf-8"))
-    return Run(result, {b: replay(s) for b, s in sources.items()}, sources)
+    return Run(result, reports, sources)
 
 
 @pytest.fixture(scope="module")
