@@ -12,7 +12,7 @@ import html
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from trajectory_replay.errors import UsageError
 
