@@ -460,6 +460,59 @@ def ls_cmd(
         emit(report.render_text())
 
 
+@app.command("scan", cls=Command)
+@command
+def scan_cmd(
+    root: Annotated[str, typer.Argument(help="Store root or capture directory (path or URL).")],
+    engine: Annotated[str, typer.Option("--engine", help="local: a process pool on this machine; ray: one task "
+                                                         "per bundle on a Ray cluster (the ray extra).")] = "local",
+    workers: Annotated[Optional[int], typer.Option("--workers", help="Worker processes (local) or CPUs of the "
+                                                   "Ray started for the scan (default: the CPUs here).")] = None,
+    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster to run on (default: "
+                                                       "RAY_ADDRESS, else a local Ray started for the scan).")] = None,
+    atol: Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance for every stage.")] = None,
+    rtol: Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance for every stage.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replay every bundle, also those with a stored "
+                                                        "verdict.")] = False,
+    quiet: QuietFlag = False,
+    html_path: Annotated[Optional[str], typer.Option("--html", help="Also write the summary as one self-contained "
+                                                     "HTML page with the verdict timeline (needs plotly).")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Replay every complete bundle of a store, resumably (verdicts are kept in the store); summarize counts,
+    the earliest divergence and incomplete bundles. Exit 1 when any bundle is not `pass`."""
+    from trajectory_replay.ops.scan import RichScanProgress, ScanProgress, check_workers, scan_store
+    from trajectory_replay.ops.progress import progress_wanted
+
+    if engine not in ("local", "ray"):
+        raise UsageError(f"--engine {engine!r}: expected local or ray")
+    check_workers(workers)
+    atol, rtol = check_tolerance("--atol", atol), check_tolerance("--rtol", rtol)
+    if engine == "ray":
+        from trajectory_replay.ops.scan_ray import require_ray
+
+        require_ray()
+    if html_path is not None:
+        from trajectory_replay.html_report import _plotly
+
+        _plotly()  # no plotly: say so before replaying anything
+    kwargs = dict(engine=engine, workers=workers, ray_address=ray_address, atol=atol, rtol=rtol, force=force)
+    if progress_wanted(quiet):
+        with RichScanProgress() as bar:
+            report = scan_store(root, progress=bar, **kwargs)
+    else:
+        report = scan_store(root, progress=ScanProgress(), **kwargs)
+    if html_path is not None:
+        from trajectory_replay.html_report import write_scan_html
+
+        typer.echo(f"trajectory-replay: wrote {html_path} ({write_scan_html(report, html_path)} bytes)", err=True)
+    if as_json:
+        emit_json(report.status, {**report.to_dict(), **summary(report.problems())}, allow_nan=False)
+    else:
+        emit(report.render_text())
+    raise typer.Exit(report.exit_code)
+
+
 @app.command("cp", cls=Command)
 @command
 def cp_cmd(

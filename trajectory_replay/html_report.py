@@ -230,4 +230,67 @@ def write_diff_html(report, path: str | Path) -> int:
     return page.write(path)
 
 
-__all__ = ["write_diff_html", "write_replay_html"]
+SCAN_COLOURS = {"pass": "#2e9e4f", "diverged": "#d62728", "invalid": "#8c2d9c", "incomplete": "#f0a202",
+                "unsupported": "#7f7f7f", "error": "#1d2330"}
+"""Colour of each scan verdict in the timeline."""
+
+
+def write_scan_html(report, path: str | Path) -> int:
+    """The HTML page of a ScanReport: counts, the earliest divergence, incomplete bundles, the verdict timeline
+    (x: bundles in anchor order, colour: verdict) and the per-bundle table; its size in bytes."""
+    page = _Page(f"scan {report.root}")
+    page.add(f"<h1>trajectory-replay scan</h1><p class='note'><code>{_esc(report.root)}</code>: "
+             f"{len(report.verdicts)} bundles, {report.replayed} replayed, {report.cached} from stored verdicts "
+             f"({_esc(report.engine)} engine, {report.workers} worker(s), replay {_esc(report.replay_version)})</p>")
+    first = report.earliest_divergence
+    where = "" if first is None else ", ".join(x for x in (
+        f"sample {first.sample_id}" if first.sample_id else "", f"field {first.field}" if first.field else "",
+        f"token {first.token_offset}" if first.token_offset is not None else "",
+        f"rank {first.rank}" if first.rank is not None else "") if x)
+    _verdict(page, report.passed, "every bundle passes" if report.passed else (
+        "earliest divergence: none" if first is None else
+        f"earliest divergence: {first.name} ({first.anchor or 'no anchor'}) at {first.first_divergent_stage}"
+        + (f": {where}" if where else "")))
+    counts = report.counts
+    page.add("<h2>counts</h2><table><tr>" + "".join(f"<th>{_esc(k)}</th>" for k in counts) + "</tr><tr>"
+             + "".join(f"<td class='num'>{v}</td>" for v in counts.values()) + "</tr></table>")
+    if report.incomplete:
+        page.add("<h2>incomplete bundles</h2><table><tr><th>bundle</th><th>anchor</th><th>missing ranks</th>"
+                 "<th>expected ranks</th><th>detail</th></tr>" + "".join(
+                     f"<tr><td>{_esc(v.name)}</td><td>{_esc(v.anchor)}</td><td>{_esc(v.missing_ranks)}</td>"
+                     f"<td>{_esc(v.expected_ranks)}</td><td>{_esc(v.detail)}</td></tr>" for v in report.incomplete)
+                 + "</table>")
+    if report.verdicts:
+        go = page.go
+        labels = [f"{v.anchor or '-'} · {v.name}" for v in report.verdicts]
+        traces = []
+        for status, colour in SCAN_COLOURS.items():
+            at = [i for i, v in enumerate(report.verdicts) if v.status == status]
+            if not at:
+                continue
+            traces.append(go.Scatter(
+                x=[labels[i] for i in at], y=[status] * len(at), mode="markers", name=status,
+                marker=dict(color=colour, size=11, symbol="square"),
+                text=[f"{report.verdicts[i].name} ({report.verdicts[i].anchor or 'no anchor'}): {status}"
+                      + (f" at {report.verdicts[i].first_divergent_stage}"
+                         if report.verdicts[i].first_divergent_stage else "") for i in at], hoverinfo="text"))
+        fig = go.Figure(traces)
+        fig.update_layout(title="verdict per bundle, in anchor order (rollout, step)", height=320,
+                          xaxis=dict(title="step (anchor order)", type="category", categoryorder="array",
+                                     categoryarray=labels, showticklabels=len(labels) <= 60),
+                          yaxis=dict(title="verdict", type="category", categoryorder="array",
+                                     categoryarray=list(SCAN_COLOURS)))
+        page.figure(fig)
+    rows = ["<h2>bundles</h2><table><tr><th>bundle</th><th>anchor</th><th>verdict</th><th>first divergent stage</th>"
+            "<th>sample</th><th>field</th><th>from</th><th>detail</th></tr>"]
+    for v in report.verdicts:
+        cls = "pass" if v.status == "pass" else "fail"
+        rows.append(f"<tr><td>{_esc(v.name)}</td><td>{_esc(v.anchor)}</td><td class='{cls}'>{_esc(v.status)}</td>"
+                    f"<td>{_esc(v.first_divergent_stage)}</td><td>{_esc(v.sample_id)}</td><td>{_esc(v.field)}</td>"
+                    f"<td>{'stored verdict' if v.cached else 'replayed'}</td><td>{_esc(v.detail)}</td></tr>")
+    rows.append("</table>")
+    page.add("".join(rows))
+    return page.write(path)
+
+
+__all__ = ["write_diff_html", "write_replay_html", "write_scan_html"]

@@ -1,0 +1,186 @@
+"""`scan` with the local engine: counts, earliest divergence, incomplete and corrupt bundles, locally and on S3;
+`--json` and `--html`; verdicts kept in the store (re-scan, new bundles, `--force`, a scan killed mid-run); a worker
+that dies; bad input; and the other store commands next to the verdicts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.ops.scan_helpers import CLEAN, DIVERGED, INCOMPLETE, check_summary, cli, cli_json, populate, write_step
+from trajectory_replay.backends import open_backend
+from trajectory_replay.ops.scan import TEST_DIE_ENV, TEST_SLEEP_ENV, VERDICTS_DIR, scan_store
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    """A local root of every kind of bundle, scanned by the tests of this module in order (read-only for them)."""
+    root = str(tmp_path_factory.mktemp("scan") / "store")
+    populate(root)
+    return root
+
+
+def verdict_count(root: str) -> int:
+    return len(open_backend(root).list(f"{VERDICTS_DIR}/"))
+
+
+def test_local_scan_summary_json_and_text(store):
+    code, summary = cli_json("scan", store, "--workers", "2")
+    assert code == 1 and summary["status"] == "diverged"
+    check_summary(summary)
+    complete = len(CLEAN) + len(DIVERGED) + 1
+    assert (summary["replayed"], summary["cached"]) == (complete, 0)
+    assert summary["error"].startswith("s-2-1: diverged at reward.post_process")
+    # pass, diverged are kept; the invalid one is not (it may be repaired), the incomplete one was not replayed
+    assert verdict_count(store) == len(CLEAN) + len(DIVERGED)
+
+    text = cli("scan", store)
+    assert text.exit_code == 1
+    out = text.stdout
+    assert "7 bundle(s): 3 pass, 2 diverged, 1 invalid, 1 incomplete" in out
+    assert "1 replayed, 5 from stored verdicts" in out  # only the invalid one is looked at again
+    assert "earliest divergence: s-2-1 (step 2:1) at reward.post_process: sample s-0, field reward" in out
+    assert "incomplete: partial (step 120:0): missing ranks [1] of [0, 1]" in out
+    assert "s-3-0: invalid:" in out and "blake3:" in out  # the digest mismatch, named
+
+
+def test_html_page(store, tmp_path):
+    page = tmp_path / "scan.html"
+    result = cli("scan", store, "--html", str(page))
+    assert result.exit_code == 1
+    assert f"wrote {page}" in result.stderr
+    html = page.read_text(encoding="utf-8")
+    assert "earliest divergence: s-2-1 (step 2:1) at reward.post_process: sample s-0" in html
+    assert "verdict per bundle, in anchor order" in html and "plotly" in html
+    for name in ("s-1-0", "s-2-1", "s-3-0", "a-late", INCOMPLETE):
+        assert name in html
+    assert "<th>missing ranks</th>" in html and "[1]" in html
+
+
+def test_resume_new_bundles_and_force(tmp_path):
+    root = str(tmp_path / "store")
+    populate(root, corrupt=False)
+    first = scan_store(root, workers=2)
+    assert (first.replayed, first.cached) == (5, 0) and first.exit_code == 1
+    again = scan_store(root, workers=2)
+    assert (again.replayed, again.cached) == (0, 5), "a re-scan replays nothing"
+    check_summary(again.to_dict(), corrupt=False)
+    write_step(root, "s-5-0", 5, 0)
+    write_step(root, "s-0-0", 0, 0, buggy=True)
+    more = scan_store(root, workers=2)
+    assert (more.replayed, more.cached) == (2, 5), "only the new bundles are replayed"
+    assert more.earliest_divergence.name == "s-0-0"
+    forced = cli_json("scan", root, "--force", "--workers", "1")[1]
+    assert (forced["replayed"], forced["cached"], forced["forced"]) == (7, 0, True)
+    # other tolerances are other options: their verdicts are kept apart
+    loose = scan_store(root, workers=1, atol=10.0)
+    assert (loose.replayed, loose.counts["diverged"]) == (7, 0)
+
+
+def test_killed_scan_is_resumed(tmp_path):
+    root = str(tmp_path / "store")
+    names = [f"s-{i}-0" for i in range(10)]
+    for i, name in enumerate(names):
+        write_step(root, name, i, 0)
+    env = {**os.environ, TEST_SLEEP_ENV: "0.4", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "trajectory_replay", "scan", root, "--workers", "1"], cwd=REPO,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while verdict_count(root) < 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the scan ended before it could be killed"
+        os.killpg(proc.pid, signal.SIGKILL)  # the scan and its workers, as a lost node would
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    time.sleep(0.2)
+    done = verdict_count(root)
+    assert 3 <= done < len(names)
+    resumed = scan_store(root, workers=2)
+    assert (resumed.cached, resumed.replayed) == (done, len(names) - done)
+    assert resumed.counts["pass"] == len(names) and resumed.exit_code == 0
+
+
+def test_worker_that_dies_is_retried_then_reported(tmp_path, monkeypatch):
+    root = str(tmp_path / "store")
+    populate(root, corrupt=False)
+    monkeypatch.setenv(TEST_DIE_ENV, "s-1-1")
+    report = scan_store(root, workers=2)
+    by_name = {v.name: v for v in report.verdicts}
+    dead = by_name["s-1-1"]
+    assert dead.status == "error" and dead.attempts == 2
+    assert "exit code 17" in dead.detail and "tried 2 times" in dead.detail
+    assert dead.anchor == "step 1:1"
+    assert by_name["s-1-0"].status == "pass" and by_name["s-2-1"].status == "diverged"
+    assert report.counts["error"] == 1 and report.exit_code == 1 and report.status == "diverged"
+    monkeypatch.delenv(TEST_DIE_ENV)
+    after = scan_store(root, workers=2)
+    assert after.replayed == 1 and after.counts["error"] == 0, "an error is not kept: it is replayed again"
+
+
+def test_bad_input_is_one_line(tmp_path, monkeypatch):
+    missing = cli("scan", str(tmp_path / "nothing"))
+    assert missing.exit_code == 1 and "no such store root" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
+    for args, message in ((["--workers", "0"], "--workers 0: must be at least 1"),
+                          (["--engine", "spark"], "--engine 'spark': expected local or ray"),
+                          (["--atol", "nan"], "--atol nan")):
+        bad = cli("scan", str(tmp_path), *args)
+        assert bad.exit_code == 2 and message in bad.stderr, (args, bad.stderr)
+        assert len(bad.stderr.strip().splitlines()) == 1
+    code, out = cli_json("scan", str(tmp_path), "--workers", "-3")
+    assert code == 2 and out["status"] == "usage"
+    monkeypatch.setitem(sys.modules, "ray", None)  # as where ray is not installed
+    noray = cli("scan", str(tmp_path), "--engine", "ray")
+    assert noray.exit_code == 2 and "--engine ray needs ray" in noray.stderr and "trajectory-replay[ray]" in noray.stderr
+    empty = tmp_path / "empty-root"
+    write_step(str(empty), "x", 1, 0)
+    open_backend(str(empty)).delete("x/COMPLETE")  # a directory, but no bundle in it
+    none = cli("scan", str(empty))
+    assert none.exit_code == 1 and "no bundles found" in none.stderr
+
+
+def test_store_commands_ignore_verdicts(store, tmp_path):
+    """ls, stats, fsck, gc and cp see the same bundles with the verdicts there; gc keeps the verdicts."""
+    assert verdict_count(store) > 0
+    code, listed = cli_json("ls", store)
+    assert code == 0 and VERDICTS_DIR not in [b["name"] for b in listed["bundles"]]
+    assert len(listed["bundles"]) == 7
+    code, stats = cli_json("stats", store)
+    assert code == 0
+    code, fsck = cli_json("fsck", store)
+    assert code == 1 and all(VERDICTS_DIR not in json.dumps(b) for b in fsck["damaged_bundles"])
+    assert all(not k.startswith(VERDICTS_DIR) for k in fsck["missing"] + fsck["corrupt"])
+    before = verdict_count(store)
+    code, gc = cli_json("gc", store, "--grace", "0s")
+    assert code == 0 and not [k for k in gc["removed"] if k.startswith(VERDICTS_DIR)]
+    assert verdict_count(store) == before, "gc keeps the verdicts"
+    dest = str(tmp_path / "copy")
+    code, copied = cli_json("cp", store, dest, "--step", "1:0")
+    assert code == 0, copied
+    assert not open_backend(dest).list(f"{VERDICTS_DIR}/"), "cp copies bundles, not verdicts"
+
+
+@pytest.mark.s3
+def test_s3_scan(s3_root, s3_env):
+    url, options = s3_root
+    populate(url, options)
+    code, summary = cli_json("scan", url, "--workers", "2")  # the AWS_* variables reach the workers
+    assert code == 1
+    check_summary(summary)
+    assert (summary["replayed"], summary["cached"]) == (len(CLEAN) + len(DIVERGED) + 1, 0)
+    again = scan_store(url, workers=1, **options)
+    assert (again.replayed, again.cached) == (1, len(CLEAN) + len(DIVERGED))
+    check_summary(again.to_dict())
+    assert again.exit_code == 1

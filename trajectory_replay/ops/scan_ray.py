@@ -1,0 +1,112 @@
+"""`scan --engine ray`: one Ray task per bundle (ray is the optional extra `trajectory-replay[ray]`).
+
+The cluster is the one at `--ray-address` (or `RAY_ADDRESS`), else the one this process is already connected to,
+else a local Ray started for the scan (with `--workers` CPUs) and stopped after it. Each task gets the store's URL,
+its storage options and one bundle name; the worker reads the bundle straight from the store and writes the
+verdict there itself, so no bundle data passes through the driver. A Ray worker process keeps its opened store
+and its imported torch between tasks (`_REPLAYERS`), as the local engine's workers do.
+
+A task that raises, or whose worker process dies, is retried once by Ray (`max_retries`, `retry_exceptions`);
+after that the bundle is reported as `error` with Ray's reason, never dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from trajectory_replay.errors import UsageError
+from trajectory_replay.ops.scan import ATTEMPTS, ERROR, Hooks, Replayer, ScanOptions, Verdict, _one_line
+
+_REPLAYERS: dict[tuple, Replayer] = {}
+"""Per Ray worker process: one Replayer per (url, storage options, options)."""
+
+
+def require_ray() -> None:
+    """UsageError (one line) when ray cannot be imported here."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise UsageError("--engine ray needs ray, which is not installed: pip install 'trajectory-replay[ray]'") \
+            from None
+
+
+def replay_task(url: str, storage_options: dict[str, Any], name: str, options: ScanOptions,
+                hooks: Hooks) -> dict[str, Any]:
+    """The body of one Ray task: the verdict of bundle `name` (see `Replayer.replay_one`)."""
+    key = (url, repr(sorted(storage_options.items())), options)
+    replayer = _REPLAYERS.get(key)
+    if replayer is None:
+        from trajectory_replay.ops.scan import _import_torch
+
+        _import_torch()
+        replayer = _REPLAYERS[key] = Replayer(url, storage_options, options)
+    return replayer.replay_one(name, hooks)
+
+
+def _connect(address: Optional[str], workers: int) -> bool:
+    """Connect to (or start) a cluster; True when this call started one that the scan must stop."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level="WARNING",
+                                  configure_logging=True)
+    try:
+        if address:
+            ray.init(address=address, **kwargs)
+            return False
+        ray.init(num_cpus=workers, **kwargs)
+        return True
+    except Exception as exc:  # noqa: BLE001 - Ray's own errors (ConnectionError, RuntimeError, ...) as one line
+        where = f"Ray cluster at {address}" if address else "a local Ray cluster"
+        raise UsageError(f"cannot connect to {where}: {_one_line(exc)}") from None
+
+
+def run_ray(url: str, storage_options: dict[str, Any], names: Sequence[str], options: ScanOptions, *,
+            workers: int, address: Optional[str], hooks: Hooks,
+            on_verdict: Callable[[dict[str, Any]], None]) -> float:
+    """Replay `names` as Ray tasks; `on_verdict` gets every verdict as it comes. Returns the seconds the cluster
+    took to connect to or start."""
+    require_ray()
+    import ray
+
+    started = time.perf_counter()
+    stop = _connect(address, workers)
+    start_seconds = time.perf_counter() - started
+    try:
+        task = ray.remote(replay_task).options(num_cpus=1, max_retries=ATTEMPTS - 1, retry_exceptions=True,
+                                               name="trajectory-replay-scan")
+        refs = {task.remote(url, storage_options, name, options, hooks): name for name in names}
+        waiting = list(refs)
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=min(len(waiting), 16), timeout=0.5)
+            for ref in ready:
+                name = refs[ref]
+                try:
+                    result = ray.get(ref)
+                    result["attempts"] = result.get("attempts") or 1
+                except Exception as exc:  # noqa: BLE001 - the task failed or its worker died, retries spent
+                    result = Verdict(name, ERROR, detail=f"{_ray_reason(exc)} (tried {ATTEMPTS} times)",
+                                     attempts=ATTEMPTS).to_dict()
+                on_verdict(result)
+    finally:
+        if stop:
+            ray.shutdown()
+    return start_seconds
+
+
+def _ray_reason(exc: BaseException) -> str:
+    """Why a task failed, one line: Ray's worker-died errors say so; a task's own exception is named."""
+    kind = type(exc).__name__
+    if "WorkerCrashed" in kind or "ActorDied" in kind or "NodeDied" in kind or "OutOfMemory" in kind:
+        return f"its Ray worker died while replaying it ({kind})"
+    cause = getattr(exc, "cause", None)
+    if cause is not None:
+        return f"its Ray task failed: {type(cause).__name__}: {_one_line(cause)}"[:500]
+    return f"its Ray task failed: {kind}: {_one_line(exc)}"[:500]
+
+
+__all__ = ["replay_task", "require_ray", "run_ray"]
