@@ -246,15 +246,18 @@ def final_marker_bytes(markers: list[RankMarker]) -> bytes:
 
 
 def cohort_state(backend: Backend, name: str, expected_ranks: list[int]) -> tuple[list[RankMarker], list[int]]:
-    """(landed rank markers, missing ranks) checked key by key."""
-    landed, missing = [], []
+    """(landed rank markers, [the first missing rank]) checked key by key, in rank order.
+
+    Reading stops at the first rank that has not landed: the cohort cannot be finalized then, and every
+    producer calls this after landing its own marker, so reading on would cost each of N producers N marker
+    reads (N^2 requests for one bundle) to learn nothing more."""
+    landed = []
     for rank in expected_ranks:
         marker = read_marker(backend, rank_key(name, rank), RankMarker)
         if marker is None:
-            missing.append(rank)
-        else:
-            landed.append(marker)  # type: ignore[arg-type]
-    return landed, missing
+            return landed, [rank]
+        landed.append(marker)  # type: ignore[arg-type]
+    return landed, []
 
 
 def check_agreement(name: str, markers: list[RankMarker]) -> None:
