@@ -41,11 +41,11 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from trajectory_replay.bundle.schema import ProducerInfo, RankTopology
-from trajectory_replay.bundle.stage_io import MISMATCH_FIELDS
 from trajectory_replay.capture.commit import BundleJob, storage_failure
 from trajectory_replay.capture.config import choose_writer, producer_ranks
 from trajectory_replay.capture.records import (
-    CaptureRecord, Columns, MicroBatch, Provenance, RolloutRecord, StepRecord, rollout_bundle_id, step_bundle_id,
+    CaptureRecord, Columns, MicroBatch, Provenance, RolloutRecord, StepRecord, check_mismatch_metrics,
+    rollout_bundle_id, step_bundle_id,
 )
 from trajectory_replay.capture.runtime import (
     Writer, close_at_exit, forget_at_exit, lower_thread_priority, open_store, start_writer,
@@ -305,10 +305,7 @@ class CaptureManager:
             if not self.wants_rollout(rollout_id):
                 self._count("filtered")
                 return False
-            unknown = sorted(set(mismatch_metrics or {}) - set(MISMATCH_FIELDS))
-            if unknown:
-                raise ValueError(f"mismatch_metrics: unknown field {unknown[0]!r} "
-                                 f"(fields: {', '.join(MISMATCH_FIELDS)})")
+            check_mismatch_metrics(mismatch_metrics or {})   # here, in the hook: a counted error, not a write
             cols = dict(sample_ids=sample_ids, group_index=group_index, response_lengths=response_lengths,
                         total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards,
                         micro_batch_ids=micro_batch_ids, policy_versions=policy_versions)

@@ -53,6 +53,13 @@ STEP_OPTIONAL_PAYLOADS = ("ref_log_probs",) + VALUE_LOSS_PAYLOADS + ("rollout_lo
 every micro-batch gives them."""
 
 
+def check_mismatch_metrics(metrics: Mapping[str, Any]) -> None:
+    """ValueError naming the first key of `metrics` that is not a rollout.mismatch field."""
+    unknown = sorted(set(metrics) - set(MISMATCH_FIELDS))
+    if unknown:
+        raise ValueError(f"mismatch_metrics: unknown field {unknown[0]!r} (fields: {', '.join(MISMATCH_FIELDS)})")
+
+
 def _mismatch_stage(records: Sequence[SampleRecord], tensors: Mapping[str, Any]) -> tuple[StageId, ...]:
     """rollout.mismatch when the bundle has the engine's log-probs or any sample its policy version."""
     if "rollout_log_probs" in tensors or any(r.policy_version is not None for r in records):
@@ -219,9 +226,7 @@ class RolloutRecord:
         expected = {"reward.raw": {"raw_rewards": [r.raw_reward for r in records]},
                     "reward.post_process": {"rewards": [r.reward for r in records]}}
         tensors = {k: v for k, v in self.payloads.items() if v is not None}
-        unknown = sorted(set(self.mismatch_metrics) - set(MISMATCH_FIELDS))
-        if unknown:
-            raise ValueError(f"mismatch_metrics: unknown field {unknown[0]!r} (fields: {', '.join(MISMATCH_FIELDS)})")
+        check_mismatch_metrics(self.mismatch_metrics)
         if self.mismatch_metrics:
             expected["rollout.mismatch"] = {k: materialize_float(v) for k, v in self.mismatch_metrics.items()}
         stages = ROLLOUT_STAGES[:1] + _mismatch_stage(records, tensors) + ROLLOUT_STAGES[1:]
@@ -299,4 +304,4 @@ CAPTURE_RECORDS = (RolloutRecord, StepRecord)
 __all__ = ["BundleParts", "CAPTURE_RECORDS", "CaptureRecord", "Columns", "EXACT_FIELDS", "LOSS_FIELDS", "MicroBatch",
            "Provenance", "ROLLOUT_OPTIONAL_PAYLOADS", "ROLLOUT_PAYLOADS", "ROLLOUT_STAGES", "RolloutRecord",
            "STEP_OPTIONAL_PAYLOADS", "STEP_PAYLOADS", "STEP_STAGES", "StepRecord", "VALUE_LOSS_PAYLOADS",
-           "check_fields", "rollout_bundle_id", "step_bundle_id"]
+           "check_fields", "check_mismatch_metrics", "rollout_bundle_id", "step_bundle_id"]

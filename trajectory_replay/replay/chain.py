@@ -22,19 +22,19 @@ import torch
 from trajectory_replay.bundle.schema import StageId
 from trajectory_replay.replay.compare import Findings, SampleLayout, compare_tensors, resolve_tolerance
 from trajectory_replay.replay.report import Divergence, ReplayReport, StageResult
-from trajectory_replay.replay.source import ReplaySource
+from trajectory_replay.replay.source import ReplaySource, SamplesById
 
 LINK = "link"
 """The report entry of the check between a rollout bundle's recomputed outputs and a step's inputs."""
 
 LINKED_TOKENS = ("advantages", "returns")
 """Per-token step inputs that advantage.estimate recomputes in the rollout bundle."""
-LINKED_SAMPLE = (("reward", StageId.REWARD_POST_PROCESS, "rewards"),)
-"""Per-sample step record fields that a rollout stage recomputes: (record field, stage, output)."""
+LINKED_SAMPLE = (("reward", "rewards"),)
+"""Per-sample step record fields that a rollout stage recomputes (reward.post_process): (record field, output)."""
 
 Recomputed = dict[str, dict[str, torch.Tensor]]
 """Recomputed outputs of a rollout replay by output name, then sample id (the sample's rows)."""
-KEPT = LINKED_TOKENS + tuple(output for _, _, output in LINKED_SAMPLE)
+KEPT = LINKED_TOKENS + tuple(output for _, output in LINKED_SAMPLE)
 """The outputs a rollout replay hands the link."""
 
 
@@ -160,76 +160,56 @@ def check_link(step_sources: Sequence[ReplaySource], upstream: Mapping[int, Reco
     `upstream`: rollout id -> what that bundle's replay recomputed. A step sample of a replayed rollout that the
     rollout bundle does not hold is a failure; samples whose rollout was not replayed are not compared."""
     f = Findings()
-    reference = step_sources[0]
-    tol = resolve_tolerance(reference.manifest, StageId.ADVANTAGE_ESTIMATE.value, atol, rtol)
-    linked: list[tuple[ReplaySource, int]] = []
-    for source in step_sources:
-        for i, r in enumerate(source.index.samples):
-            if r.rollout_id is None or int(r.rollout_id) not in upstream:
-                continue
-            outputs = upstream[int(r.rollout_id)]
-            if not any(r.sample_id in values for values in outputs.values()):
-                f.problem(f"sample {r.sample_id} of step bundle {source.bundle_id} is not in rollout-{r.rollout_id}",
-                          Divergence("sample_id", r.sample_id, None, None, None, None))
-                continue
-            linked.append((source, i))
-    for name in LINKED_TOKENS:
-        _link_tokens(f, name, linked, upstream, tol)
-    for record_field, stage, output in LINKED_SAMPLE:
-        _link_samples(f, record_field, f"{stage}.{output}", linked, upstream, output, tol)
-    count = len(linked)
-    return f.result(LINK, None, passed_message=f"{count} samples linked")
-
-
-def _link_tokens(f: Findings, name: str, linked: list[tuple[ReplaySource, int]], upstream: Mapping[int, Recomputed],
-                 tol) -> None:
-    """The step's `name` payload rows against the rollout bundles' recomputed rows, sample by sample."""
-    rows = [(s, i) for s, i in linked
-            if name in upstream[int(s.index.samples[i].rollout_id)]
-            and s.index.samples[i].sample_id in upstream[int(s.index.samples[i].rollout_id)][name]]
-    if not rows:
-        return
-    missing_payload = sorted({s.bundle_id for s, _ in rows if not s.has_payload(name)})
-    if missing_payload:
-        return  # the step did not take this input (e.g. returns without a value loss)
-    expected, actual, ids, lengths = [], [], [], []
-    for source in dict.fromkeys(s for s, _ in rows):
-        positions = [i for s, i in rows if s is source]
-        loaded = source.load_payload(name, samples=positions)
-        start = 0
-        for i in positions:
-            record = source.index.samples[i]
-            n = max(record.response_length, 0)
-            recomputed = upstream[int(record.rollout_id)][name][record.sample_id]
-            if recomputed.numel() != n:
-                f.problem(f"{name} of sample {record.sample_id}: the step has {n} tokens, "
-                          f"rollout-{record.rollout_id} {recomputed.numel()}")
-            else:
-                expected.append(recomputed)
-                actual.append(loaded[start:start + n])
-                ids.append(record.sample_id)
-                lengths.append(n)
-            start += n
-    if ids:
-        f.add(compare_tensors(name, torch.cat(expected), torch.cat(actual),
-                              SampleLayout.per_token(ids, torch.tensor(lengths)), tol))
-
-
-def _link_samples(f: Findings, record_field: str, label: str, linked: list[tuple[ReplaySource, int]],
-                  upstream: Mapping[int, Recomputed], output: str, tol) -> None:
-    """A per-sample record field of the step against the rollout bundles' recomputed per-sample output."""
-    expected, actual, ids = [], [], []
-    for source, i in linked:
-        record = source.index.samples[i]
-        recomputed = upstream[int(record.rollout_id)].get(output, {}).get(record.sample_id)
-        if recomputed is None:
+    tol = resolve_tolerance(step_sources[0].manifest, StageId.ADVANTAGE_ESTIMATE.value, atol, rtol)
+    step = SamplesById.of(step_sources)
+    linked: dict[str, Recomputed] = {}   # sample id -> what its rollout bundle recomputed
+    for sample_id in step.where:
+        r = step.record(sample_id)
+        if r.rollout_id is None or int(r.rollout_id) not in upstream:
             continue
-        expected.append(float(recomputed.reshape(-1)[0]))
-        actual.append(float(getattr(record, record_field)))
-        ids.append(record.sample_id)
+        outputs = upstream[int(r.rollout_id)]
+        if not any(sample_id in values for values in outputs.values()):
+            source = step.sources[step.where[sample_id][0]]
+            f.problem(f"sample {sample_id} of step bundle {source.bundle_id} is not in rollout-{r.rollout_id}",
+                      Divergence("sample_id", sample_id, None, None, None, None))
+            continue
+        linked[sample_id] = outputs
+    for name in LINKED_TOKENS:
+        _link_tokens(f, name, step, linked, tol)
+    for record_field, output in LINKED_SAMPLE:
+        _link_samples(f, record_field, output, step, linked, tol)
+    return f.result(LINK, None, passed_message=f"{len(linked)} samples linked")
+
+
+def _link_tokens(f: Findings, name: str, step: SamplesById, linked: Mapping[str, Recomputed], tol) -> None:
+    """The step's `name` payload rows against the rollout bundles' recomputed rows, sample by sample."""
+    ids = [sid for sid, outputs in linked.items() if sid in outputs.get(name, {})]
+    if not ids or not step.has_payload(name):
+        return  # not recomputed upstream, or not an input the step took (e.g. returns without a value loss)
+    taken = step.rows(name, ids)
+    expected, actual, kept = [], [], []
+    for sid in ids:
+        recomputed = linked[sid][name][sid]
+        if recomputed.numel() != taken[sid].numel():
+            f.problem(f"{name} of sample {sid}: the step has {taken[sid].numel()} tokens, "
+                      f"rollout-{step.record(sid).rollout_id} {recomputed.numel()}")
+            continue
+        expected.append(recomputed)
+        actual.append(taken[sid])
+        kept.append(sid)
+    if kept:
+        f.add(compare_tensors(name, torch.cat(expected), torch.cat(actual),
+                              SampleLayout.per_token(kept, torch.tensor([t.numel() for t in actual])), tol))
+
+
+def _link_samples(f: Findings, record_field: str, output: str, step: SamplesById, linked: Mapping[str, Recomputed],
+                  tol) -> None:
+    """A per-sample record field of the step against the rollout bundles' recomputed per-sample output."""
+    ids = [sid for sid, outputs in linked.items() if sid in outputs.get(output, {})]
     if ids:
-        f.add(compare_tensors(record_field, torch.tensor(expected), torch.tensor(actual),
-                              SampleLayout.per_sample(ids), tol))
+        expected = torch.tensor([float(linked[sid][output][sid].reshape(-1)[0]) for sid in ids])
+        actual = torch.tensor([float(getattr(step.record(sid), record_field)) for sid in ids])
+        f.add(compare_tensors(record_field, expected, actual, SampleLayout.per_sample(ids), tol))
 
 
 def replay_chain(step_sources: Sequence[ReplaySource], open_rollout: Callable[[int], Optional[Sequence[ReplaySource]]],

@@ -25,7 +25,7 @@ from trajectory_replay.bundle.schema import STAGE_ORDER, RecomputeConfig, StageI
 from trajectory_replay.bundle.stage_io import STAGE_IO
 from trajectory_replay.replay.compare import EXACT, SampleLayout, Tolerances, compare_tensors, resolve_tolerance
 from trajectory_replay.replay.report import format_number, json_number
-from trajectory_replay.replay.source import ReplaySource
+from trajectory_replay.replay.source import ReplaySource, SamplesById
 
 CONFIG = "config"
 """The pseudo-stage of recompute config differences: they change what every stage computes, so they come first."""
@@ -136,43 +136,6 @@ class DiffReport:
 # --------------------------------------------------------------------------- matching
 
 
-@dataclass(frozen=True)
-class _Side:
-    """One bundle's samples by id: (source, position in it) and the record."""
-
-    sources: Sequence[ReplaySource]
-    where: dict[str, tuple[int, int]]
-
-    @classmethod
-    def of(cls, sources: Sequence[ReplaySource]) -> "_Side":
-        where: dict[str, tuple[int, int]] = {}
-        for k, source in enumerate(sources):
-            for i, r in enumerate(source.index.samples):
-                where.setdefault(r.sample_id, (k, i))
-        return cls(sources, where)
-
-    def record(self, sample_id: str):
-        k, i = self.where[sample_id]
-        return self.sources[k].index.samples[i]
-
-    def has_payload(self, name: str) -> bool:
-        return all(s.has_payload(name) for s in self.sources)
-
-    def rows(self, name: str, ids: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Each sample's rows of payload `name` (fetched per source, only the rows asked for)."""
-        out: dict[str, torch.Tensor] = {}
-        for k, source in enumerate(self.sources):
-            mine = [sid for sid in ids if self.where[sid][0] == k]
-            if not mine:
-                continue
-            positions = [self.where[sid][1] for sid in mine]
-            flat = source.load_payload(name, samples=positions).reshape(-1)
-            lengths = [max(source.index.samples[p].response_length, 0) for p in positions]
-            for sid, part in zip(mine, flat.split(lengths)):
-                out[sid] = part
-        return out
-
-
 def _payload_stage(name: str) -> str:
     """The first stage that reads payload `name` or records its output in it."""
     for stage in STAGE_ORDER:
@@ -188,7 +151,7 @@ def _payload_stage(name: str) -> str:
 def diff_bundles(a: Sequence[ReplaySource], b: Sequence[ReplaySource], *, a_label: str = "A", b_label: str = "B",
                  atol: Optional[float] = None, rtol: Optional[float] = None) -> DiffReport:
     """Compare two bundles of one step (one source per rank each)."""
-    left, right = _Side.of(a), _Side.of(b)
+    left, right = SamplesById.of(a), SamplesById.of(b)
     common = [sid for sid in left.where if sid in right.where]
     fields: list[FieldDiff] = []
     only_a = [sid for sid in left.where if sid not in right.where]
@@ -232,7 +195,7 @@ def _config_fields(a: RecomputeConfig, b: RecomputeConfig) -> list[FieldDiff]:
     return out
 
 
-def _record_fields(left: _Side, right: _Side, common: list[str], tol) -> list[FieldDiff]:
+def _record_fields(left: SamplesById, right: SamplesById, common: list[str], tol) -> list[FieldDiff]:
     out = []
     for name, stage in RECORD_STAGES.items():
         exact = name in EXACT_FIELDS
@@ -262,7 +225,7 @@ def _from_comparison(name: str, kind: str, stage: str, c, note: str = "") -> Fie
                      c.max_abs_error, first, "; ".join(x for x in (note, problems) if x))
 
 
-def _payload_field(name: str, left: _Side, right: _Side, ids: list[str], tol: Tolerances) -> FieldDiff:
+def _payload_field(name: str, left: SamplesById, right: SamplesById, ids: list[str], tol: Tolerances) -> FieldDiff:
     stage = _payload_stage(name)
     in_a, in_b = left.has_payload(name), right.has_payload(name)
     if not (in_a and in_b):
@@ -284,7 +247,7 @@ def _payload_field(name: str, left: _Side, right: _Side, ids: list[str], tol: To
                      field_diff.differing, field_diff.max_abs_diff, field_diff.first, field_diff.note)
 
 
-def _provably_equal(name: str, left: _Side, right: _Side, ids: list[str]) -> tuple[set[str], str]:
+def _provably_equal(name: str, left: SamplesById, right: SamplesById, ids: list[str]) -> tuple[set[str], str]:
     """The samples whose rows of `name` are equal in both bundles without reading them, and how that was known."""
     if not all(_chunked(s, name) for s in list(left.sources) + list(right.sources)):
         return set(), ""
@@ -315,7 +278,7 @@ def _chunked(source: ReplaySource, name: str) -> bool:
     return spec is not None and spec.digest is not None and hasattr(source, "row_blocks")
 
 
-def _expected_fields(left: _Side, right: _Side, common: list[str], tol) -> list[FieldDiff]:
+def _expected_fields(left: SamplesById, right: SamplesById, common: list[str], tol) -> list[FieldDiff]:
     out = []
     for stage_name, key in sorted(PER_SAMPLE_EXPECTED):
         va, vb = _per_sample_expected(left, stage_name, key), _per_sample_expected(right, stage_name, key)
@@ -334,7 +297,7 @@ def _expected_fields(left: _Side, right: _Side, common: list[str], tol) -> list[
     return out
 
 
-def _per_sample_expected(side: _Side, stage: str, key: str) -> Optional[dict[str, float]]:
+def _per_sample_expected(side: SamplesById, stage: str, key: str) -> Optional[dict[str, float]]:
     """{sample_id: value} of a per-sample expected list over every source, or None when no source has it."""
     values: dict[str, float] = {}
     found = False
@@ -348,7 +311,7 @@ def _per_sample_expected(side: _Side, stage: str, key: str) -> Optional[dict[str
     return values if found else None
 
 
-def _scalar_expected(left: _Side, right: _Side, tol) -> list[FieldDiff]:
+def _scalar_expected(left: SamplesById, right: SamplesById, tol) -> list[FieldDiff]:
     """Cohort scalars (loss.policy, loss.value, rollout.mismatch) rank by rank, when the ranks hold the same
     samples in both bundles (a scalar of another cohort is another quantity)."""
     stages = sorted({k for s in list(left.sources) + list(right.sources) for k, v in s.expected.items()

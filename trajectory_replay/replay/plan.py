@@ -49,6 +49,7 @@ from pydantic import ValidationError
 from trajectory_replay.bundle.schema import (
     STAGE_ORDER, BundleIndex, Manifest, RecomputeConfig, SampleRecord, StageCapability, StageId,
 )
+from trajectory_replay.bundle.stage_io import rollout_correction
 from trajectory_replay.errors import BundleError, SelectionError, UnsupportedError, UsageError
 from trajectory_replay.replay import kernels as kernels_mod
 from trajectory_replay.replay.mismatch import CORRECTION_MODES, rs_bounds
@@ -289,7 +290,7 @@ def check_algorithm(config: RecomputeConfig, manifest: Manifest, running: set[St
         raise UnsupportedError(f"max_staleness {config.max_staleness} needs actor_version, which the config does "
                                "not record")
     needs: list[tuple[str, str]] = []
-    if StageId.LOSS_POLICY in running and (config.rollout_is != "none" or config.rollout_rs != "none"):
+    if StageId.LOSS_POLICY in running and rollout_correction(config):
         needs += [("rollout_log_probs", f"rollout_is={config.rollout_is!r}, rollout_rs={config.rollout_rs!r}")]
     if StageId.ADVANTAGE_ESTIMATE in running and kernels.estimator.needs_values:
         needs += [("values", f"advantage_estimator={kernels.estimator.name}")]

@@ -6,9 +6,10 @@ both satisfy it. A multi-rank bundle is handed to replay as one source per rank.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, runtime_checkable
 
-from trajectory_replay.bundle.schema import BundleIndex, Manifest
+from trajectory_replay.bundle.schema import BundleIndex, Manifest, SampleRecord
 
 if TYPE_CHECKING:   # only named in annotations: validate imports this module where torch is not installed
     import torch
@@ -35,3 +36,41 @@ class ReplaySource(Protocol):
         concatenated in the order given. `loss_mask` is a uint8 per-token payload. Raises BundleError
         when the payload is missing or does not match its declared dtype/shape."""
         ...
+
+
+@dataclass(frozen=True)
+class SamplesById:
+    """The samples of a bundle's sources (one per rank) by id: where each is, its record, and its payload rows.
+    What compares bundles sample by sample whatever their order and sharding (diff, the chain's link) works on."""
+
+    sources: Sequence[ReplaySource]
+    where: dict[str, tuple[int, int]]
+    """sample id -> (source index, position in that source); the first occurrence of an id."""
+
+    @classmethod
+    def of(cls, sources: Sequence[ReplaySource]) -> "SamplesById":
+        where: dict[str, tuple[int, int]] = {}
+        for k, source in enumerate(sources):
+            for i, r in enumerate(source.index.samples):
+                where.setdefault(r.sample_id, (k, i))
+        return cls(sources, where)
+
+    def record(self, sample_id: str) -> SampleRecord:
+        k, i = self.where[sample_id]
+        return self.sources[k].index.samples[i]
+
+    def has_payload(self, name: str) -> bool:
+        return all(s.has_payload(name) for s in self.sources)
+
+    def rows(self, name: str, ids: Sequence[str]) -> dict[str, "torch.Tensor"]:
+        """Each sample's rows of payload `name` (fetched per source, only the rows asked for)."""
+        out: dict[str, "torch.Tensor"] = {}
+        for k, source in enumerate(self.sources):
+            mine = [sid for sid in ids if self.where[sid][0] == k]
+            if not mine:
+                continue
+            positions = [self.where[sid][1] for sid in mine]
+            flat = source.load_payload(name, samples=positions).reshape(-1)
+            lengths = [max(source.index.samples[p].response_length, 0) for p in positions]
+            out.update(zip(mine, flat.split(lengths)))
+        return out
