@@ -95,6 +95,15 @@ class FieldComparison:
     """For a field with mismatches: each sample's largest error (`sample_errors`, sample id -> error, NaN where a
     value is not finite) and the first divergent sample's values (`first_sample`: sample, expected, actual,
     divergent token offsets). What the HTML report draws; never part of the JSON report."""
+    per_token: bool = False
+    """The values compared are per token (else per sample, or one scalar)."""
+    positions: tuple[int, ...] = ()
+    """Flat positions of `divergences` (where they lie in the compared tensors)."""
+    nonfinite: tuple[tuple[str, int, float, int], ...] = ()
+    """Per side with a non-finite value: (side, flat position of the first, its value, how many)."""
+    sample_errors: Optional[torch.Tensor] = None
+    """Each sample's largest error (NaN where a value is not finite), when asked for (a streamed replay merges
+    its blocks' evidence from them)."""
 
     @property
     def failed(self) -> bool:
@@ -115,8 +124,9 @@ class FieldComparison:
 
 
 def compare_tensors(field: str, expected: torch.Tensor, actual: torch.Tensor, layout: SampleLayout,
-                    tol: Tolerances) -> FieldComparison:
-    """Compare two flat tensors as float32 under `tol`; vectorised, mismatches located through `layout`."""
+                    tol: Tolerances, *, sample_errors: bool = False) -> FieldComparison:
+    """Compare two flat tensors as float32 under `tol`; vectorised, mismatches located through `layout`
+    (`sample_errors`: also keep each sample's largest error, mismatched or not)."""
     e = expected.reshape(-1).to(torch.float32)
     a = actual.reshape(-1).to(torch.float32)
     if e.numel() != a.numel():
@@ -125,6 +135,7 @@ def compare_tensors(field: str, expected: torch.Tensor, actual: torch.Tensor, la
     diff = torch.sub(a, e).abs_()
     max_err = float(diff.max()) if e.numel() else None  # NaN anywhere makes the max NaN
     problems: list[str] = []
+    nonfinite: list[tuple[str, int, float, int]] = []
     if max_err is None or max_err <= tol.atol:
         bad = torch.zeros(e.numel(), dtype=torch.bool)  # every error within atol <= the bound: all match
     else:
@@ -135,7 +146,12 @@ def compare_tensors(field: str, expected: torch.Tensor, actual: torch.Tensor, la
             bad |= ~(finite_e & finite_a)
             max_err = float(diff.masked_fill_(~torch.isfinite(diff), 0.0).max())
             for side, finite, values in (("expected", finite_e, e), ("actual", finite_a, a)):
-                problems.extend(_nonfinite_problem(field, side, finite, values, layout))
+                bad_side = (~finite).nonzero().flatten()
+                if bad_side.numel():
+                    at = int(bad_side[0])
+                    nonfinite.append((side, at, float(values[at]), bad_side.numel()))
+            problems.extend(nonfinite_problem(field, side, value, layout.locate(torch.tensor([at]))[0], n)
+                            for side, at, value, n in nonfinite)
     count = int(torch.count_nonzero(bad))  # a bool sum would widen every element to int64 first
     del diff
     positions = bad.nonzero().flatten()[:MAX_DIVERGENCES]
@@ -143,51 +159,58 @@ def compare_tensors(field: str, expected: torch.Tensor, actual: torch.Tensor, la
         Divergence(field=field, sample_id=sid, token_offset=tok, expected=float(e[p]), actual=float(a[p]),
                    abs_error=abs(float(a[p]) - float(e[p])))
         for p, (sid, tok) in zip(positions, layout.locate(positions)))
-    evidence = _evidence(e, a, bad, layout) if count else None
+    errors = _sample_errors(e, a, layout) if (count or sample_errors) and layout.sample_ids and not layout.scalar \
+        else None
+    evidence = _evidence(e, a, bad, layout, errors) if count and errors is not None else None
     return FieldComparison(field=field, compared=e.numel(), mismatch_count=count, max_abs_error=max_err,
-                           divergences=divergences, problems=tuple(problems), evidence=evidence)
+                           divergences=divergences, problems=tuple(problems), evidence=evidence,
+                           per_token=layout.starts is not None and not layout.scalar,
+                           positions=tuple(positions.tolist()), nonfinite=tuple(nonfinite),
+                           sample_errors=errors if sample_errors else None)
 
 
 MAX_EVIDENCE_TOKENS = 4096
 """Tokens of the first divergent sample kept for the HTML report's per-token plot."""
 
 
-def _evidence(e: torch.Tensor, a: torch.Tensor, bad: torch.Tensor, layout: SampleLayout) -> Optional[dict]:
-    """Per-sample largest errors and the first divergent sample's values, for a field that mismatched."""
-    if layout.scalar or not layout.sample_ids:
-        return None
+def _sample_errors(e: torch.Tensor, a: torch.Tensor, layout: SampleLayout) -> torch.Tensor:
+    """Each sample's largest |actual - expected| (NaN where a value is not finite; 0 for an empty response)."""
     diff = torch.sub(a, e).abs_()
     diff[~(torch.isfinite(a) & torch.isfinite(e))] = float("nan")
-    ids = layout.sample_ids
     if layout.starts is None:   # one value per sample
-        errors = diff
-        first = int(bad.nonzero()[0])
-        rows = (first, first + 1)
+        return diff
+    lengths = torch.diff(layout.starts, append=torch.tensor([e.numel()]))
+    # a non-finite value marks its sample NaN: taken as +inf through the max, then turned back
+    errors = torch.segment_reduce(diff.nan_to_num(nan=float("inf")), "max", lengths=lengths, unsafe=True)
+    errors = torch.where(errors == float("inf"), float("nan"), errors)
+    errors[lengths == 0] = 0.0
+    return errors
+
+
+def _evidence(e: torch.Tensor, a: torch.Tensor, bad: torch.Tensor, layout: SampleLayout,
+              errors: torch.Tensor) -> dict:
+    """Per-sample largest errors and the first divergent sample's values, for a field that mismatched."""
+    ids = layout.sample_ids
+    at = int(bad.nonzero()[0])
+    if layout.starts is None:
+        first, rows = at, (at, at + 1)
     else:
-        lengths = torch.diff(layout.starts, append=torch.tensor([e.numel()]))
-        # a non-finite value marks its sample NaN: taken as +inf through the max, then turned back
-        errors = torch.segment_reduce(diff.nan_to_num(nan=float("inf")), "max", lengths=lengths, unsafe=True)
-        errors = torch.where(errors == float("inf"), float("nan"), errors)
-        errors[lengths == 0] = 0.0
-        at = int(bad.nonzero()[0])
         first = int(torch.searchsorted(layout.starts, torch.tensor([at]), right=True)[0]) - 1
         start = int(layout.starts[first])
-        rows = (start, min(start + int(lengths[first]), start + MAX_EVIDENCE_TOKENS))
+        end = int(layout.starts[first + 1]) if first + 1 < len(ids) else e.numel()
+        rows = (start, min(end, start + MAX_EVIDENCE_TOKENS))
     lo, hi = rows
     return {"sample_errors": {sid: float(v) for sid, v in zip(ids, errors.tolist())},
             "first_sample": {"sample_id": ids[first], "expected": e[lo:hi].tolist(), "actual": a[lo:hi].tolist(),
                              "divergent": bad[lo:hi].nonzero().flatten().tolist()}}
 
 
-def _nonfinite_problem(field: str, side: str, finite: torch.Tensor, values: torch.Tensor,
-                       layout: SampleLayout) -> list[str]:
-    bad = (~finite).nonzero().flatten()
-    if not bad.numel():
-        return []
-    first = bad[:1]
-    sid, tok = layout.locate(first)[0]
-    where = "" if sid is None else f" at {sid}" + ("" if tok is None else f" token {tok}")
-    return [f"{field}: {side} value is {float(values[first])}{where} ({bad.numel()} non-finite)"]
+def nonfinite_problem(field: str, side: str, value: float, where: tuple[Optional[str], Optional[int]],
+                      count: int) -> str:
+    """The problem a non-finite value makes: which side, its value, where the first is, how many."""
+    sid, tok = where
+    at = "" if sid is None else f" at {sid}" + ("" if tok is None else f" token {tok}")
+    return f"{field}: {side} value is {value}{at} ({count} non-finite)"
 
 
 def compare_scalar(field: str, expected: float, actual: float, tol: Tolerances) -> FieldComparison:
@@ -237,4 +260,4 @@ class Findings:
 
 
 __all__ = ["DEFAULT_ATOL", "DEFAULT_RTOL", "EXACT", "FieldComparison", "Findings", "SCALAR", "SampleLayout",
-           "Tolerances", "compare_scalar", "compare_tensors", "resolve_tolerance"]
+           "Tolerances", "compare_scalar", "compare_tensors", "nonfinite_problem", "resolve_tolerance"]

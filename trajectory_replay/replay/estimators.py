@@ -40,6 +40,20 @@ class AdvantageInputs:
     """The reward-side KL per token; given when the config puts it into the token rewards."""
     values: Optional[torch.Tensor] = None
     """The old value estimates per token (gae)."""
+    whitening: Optional["Whitening"] = None
+    """How a whitened estimator whitens: None, over these inputs' own masked tokens; a streamed replay passes the
+    statistics of the whole cohort (and, in its first pass, collects them)."""
+
+
+Whitening = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(values, mask, lengths) -> the values whitened."""
+
+
+def whiten_advantages(inputs: AdvantageInputs, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`values` whitened over the cohort's masked tokens, the way `inputs.whitening` says."""
+    if inputs.whitening is not None:
+        return inputs.whitening(values, mask, inputs.lengths)
+    return masked_whiten(values, mask, inputs.lengths)
 
 
 @dataclass(frozen=True)
@@ -186,14 +200,14 @@ def reinforce_plus_plus_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
     """Discounted returns of the token rewards, whitened over the cohort's masked tokens, then masked."""
     mask = inputs.mask.to(torch.float32)
     returns = discounted_returns(token_rewards(inputs), mask, inputs.lengths, inputs.config.gamma)
-    return AdvantageOutputs(masked_whiten(returns, mask).mul_(mask))
+    return AdvantageOutputs(whiten_advantages(inputs, returns, mask).mul_(mask))
 
 
 def reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
     """The group-baselined reward on every masked token, whitened over the cohort's masked tokens, then masked."""
     mask = inputs.mask.to(torch.float32)
     scores = torch.repeat_interleave(inputs.rewards.to(torch.float32), inputs.lengths.to(torch.int64)).mul_(mask)
-    return AdvantageOutputs(masked_whiten(scores, mask).mul_(mask))
+    return AdvantageOutputs(whiten_advantages(inputs, scores, mask).mul_(mask))
 
 
 def gae_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
@@ -222,10 +236,10 @@ def gae_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
 
     adv = reverse_scan(inputs.lengths, [rho, values, mask], step)
     returns = adv + values
-    return AdvantageOutputs(masked_whiten(adv, mask), returns)
+    return AdvantageOutputs(whiten_advantages(inputs, adv, mask), returns)
 
 
 __all__ = ["AdvantageInputs", "AdvantageOutputs", "RewardInputs", "SCAN_BLOCK", "broadcast_advantages",
            "discounted_returns", "gae_advantages", "grpo_rewards", "mean_baseline_rewards", "outcome_advantages",
            "raw_rewards", "reinforce_plus_plus_advantages", "reinforce_plus_plus_baseline_advantages",
-           "reverse_scan", "rloo_rewards", "token_rewards"]
+           "reverse_scan", "rloo_rewards", "token_rewards", "whiten_advantages", "Whitening"]

@@ -9,6 +9,7 @@ in place. The estimators live in `replay.estimators`, the losses and aggregation
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -82,25 +83,74 @@ def sample_ends(lengths: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(lengths.to(torch.int64), 0)
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class Moments:
+    """Per-sample masked moments of a per-token tensor, in float64: the count of masked-in tokens, their sum and
+    their sum of squared deviations from the sample's own mean. Whitening statistics over any set of samples
+    combine from these exactly (the same numbers whatever blocks the samples were computed in)."""
+
+    count: torch.Tensor
+    total: torch.Tensor
+    m2: torch.Tensor
+
+    @staticmethod
+    def cat(parts: Sequence["Moments"]) -> "Moments":
+        return Moments(*(torch.cat([getattr(p, f) for p in parts]) for f in ("count", "total", "m2")))
+
+
+def sample_moments(values: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor,
+                   block_tokens: int = 1 << 20) -> Moments:
+    """The `Moments` of each sample of `values` over its masked-in tokens, block by block of whole samples (no
+    float64 copy of a cohort-sized tensor)."""
+    lengths = lengths.to(torch.int64)
+    parts = []
+    for first, last, start, end in sample_blocks(lengths, block_tokens):
+        block_lengths = lengths[first:last]
+        m = mask[start:end].to(torch.float64)
+        x = values[start:end].to(torch.float64)
+        count = torch.segment_reduce(m, "sum", lengths=block_lengths)
+        total = torch.segment_reduce(x * m, "sum", lengths=block_lengths)
+        mean = torch.where(count > 0, total / count.clamp(min=1.0), torch.zeros((), dtype=torch.float64))
+        deviation = x.sub_(torch.repeat_interleave(mean, block_lengths)).square_().mul_(m)
+        parts.append(Moments(count, total, torch.segment_reduce(deviation, "sum", lengths=block_lengths)))
+    if not parts:
+        empty = torch.zeros(0, dtype=torch.float64)
+        return Moments(empty, empty, empty)
+    return Moments.cat(parts)
+
+
+def whitening_stats(moments: Moments) -> tuple[float, float]:
+    """(mean, unbiased variance) of every masked-in token of the samples, from their per-sample moments (the
+    parallel-variance combination: within-sample deviations plus each sample's mean's deviation). NaN both when
+    at most one token is masked in (no variance to divide by)."""
+    count = float(moments.count.sum())
+    if count <= 1:
+        return math.nan, math.nan
+    mean = float(moments.total.sum()) / count
+    own = torch.where(moments.count > 0, moments.total / moments.count.clamp(min=1.0),
+                      torch.zeros((), dtype=torch.float64))
+    m2 = float(moments.m2.sum()) + float((own - mean).square_().mul_(moments.count).sum())
+    return mean, m2 / (count - 1)
+
+
+def whiten(values: torch.Tensor, mean: float, var: float) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) on every token, elementwise in float32 as production computes it (NaN
+    everywhere when the statistics are NaN)."""
+    x = values.to(torch.float32)
+    if not (math.isfinite(mean) and math.isfinite(var)):
+        return torch.full_like(x, math.nan)
+    return (x - mean).mul_(1.0 / math.sqrt(var + WHITEN_EPS))
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(x - mean) / sqrt(var + 1e-8) with mean and variance over the tokens where mask is 1, the variance
     unbiased (times M / (M - 1), M the masked token count); every token is whitened, masked or not.
 
-    Elementwise in float32 as production computes it; the two cohort-wide sums accumulate in float64 block by
-    block, so no float64 copy of a cohort-sized tensor is ever made."""
-    x, m = values.to(torch.float32), mask.to(torch.float32)
-    count = float(m.sum(dtype=torch.float64))
-    if count <= 1:  # no variance to divide by: every value is NaN, which replay reports as non-finite
-        return torch.full_like(x, math.nan)
-    mean = _blocked_sum(lambda a, b: x[a:b] * m[a:b], x.numel()) / count
-    centered = x - mean
-    var = _blocked_sum(lambda a, b: centered[a:b].square().mul_(m[a:b]), x.numel()) / (count - 1)
-    return centered.mul_(1.0 / math.sqrt(var + WHITEN_EPS)) if math.isfinite(var) else centered.mul_(math.nan)
-
-
-def _blocked_sum(terms, n: int, block: int = 1 << 20) -> float:
-    """sum over [0, n) of terms(a, b), a float32 tensor per block, accumulated in float64."""
-    return float(sum(float(terms(a, min(a + block, n)).sum(dtype=torch.float64)) for a in range(0, n, block)))
+    The statistics are combined from per-sample moments (`lengths`: the samples; one sample when omitted), so
+    whitening a cohort in one piece or block by block gives the same bits."""
+    if lengths is None:
+        lengths = torch.tensor([values.numel()])
+    return whiten(values, *whitening_stats(sample_moments(values, mask, lengths)))
 
 
 def reverse_scan_order(lengths: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -130,6 +180,6 @@ def sample_blocks(lengths: torch.Tensor, block_tokens: int) -> Iterator[tuple[in
             first, start = i + 1, end
 
 
-__all__ = ["KL_TYPES", "LOW_VAR_KL_CLAMP", "WHITEN_EPS", "check_kl_type", "dense_group_ids", "kl_estimate",
-           "masked_sample_sums", "masked_whiten", "reverse_scan_order", "sample_blocks", "sample_ends",
+__all__ = ["KL_TYPES", "LOW_VAR_KL_CLAMP", "Moments", "WHITEN_EPS", "check_kl_type", "dense_group_ids",
+           "kl_estimate", "masked_sample_sums", "masked_whiten", "sample_moments", "whiten", "whitening_stats", "reverse_scan_order", "sample_blocks", "sample_ends",
            "segment_sum", "token_counts"]

@@ -10,11 +10,12 @@ the end; the result does not depend on the blocking.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from trajectory_replay.bundle.schema import RecomputeConfig
+from trajectory_replay.bundle.stage_io import rollout_correction
 from trajectory_replay.replay.kernels import kl_estimate, masked_sample_sums, sample_blocks
 from trajectory_replay.replay.mismatch import correction, log_ratio
 
@@ -161,16 +162,35 @@ class PolicyLossData:
     """The inference engine's log-probs: with rollout_is / rollout_rs, the loss corrects for the mismatch."""
 
 
-def policy_loss_outputs(data: PolicyLossData, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
-    """The loss.policy scalars: pg_loss, pg_clipfrac, ppo_kl, entropy_loss (and kl_loss with kl_loss_coef),
-    each aggregated by the config's mode; loss_scale on the loss terms; loss = pg - ec ent + klc kl."""
+@dataclass(frozen=True)
+class LossSums:
+    """A loss stage's per-sample masked sums (float64, one entry per sample, each field) and token counts T_i:
+    everything its scalars are made of. Sums of samples computed apart are put together by position."""
+
+    sums: dict[str, torch.Tensor]
+    counts: torch.Tensor
+
+    @staticmethod
+    def empty(fields: Sequence[str], n: int) -> "LossSums":
+        return LossSums({f: torch.zeros(n, dtype=torch.float64) for f in fields}, torch.zeros(n, dtype=torch.float64))
+
+    def put(self, at: torch.Tensor, part: "LossSums") -> None:
+        """Write `part`'s samples at positions `at`."""
+        for name, values in part.sums.items():
+            self.sums[name][at] = values
+        self.counts[at] = part.counts
+
+
+def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: "Kernels") -> LossSums:
+    """The per-sample masked sums of every loss.policy term (kl_loss only with kl_loss_coef), over blocks of
+    whole samples; rejection (rollout_rs) changes the mask every term and count is taken over."""
     lengths = data.lengths.to(torch.int64)
     with_kl = config.kl_loss_coef != 0
     sums: dict[str, list[torch.Tensor]] = {f: [] for f in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss")}
     if with_kl:
         sums["kl_loss"] = []
     counts: list[torch.Tensor] = []
-    corrected = config.rollout_is != "none" or config.rollout_rs != "none"
+    corrected = rollout_correction(config)
     for first, last, start, end in sample_blocks(lengths, BLOCK_TOKENS):
         block_lengths = lengths[first:last]
         block_mask, weights = data.mask[start:end], None
@@ -196,14 +216,26 @@ def policy_loss_outputs(data: PolicyLossData, config: RecomputeConfig, kernels: 
             kl = kl_estimate(data.log_probs[start:end], data.ref_log_probs[start:end], config.kl_loss_estimator,
                              config.kl_log_ratio_clamp, config.kl_output_clamp)
             sums["kl_loss"].append(masked_sample_sums(kl, mask, block_lengths))
-    out = _aggregate(sums, _cat(counts), config, kernels)
+    return LossSums({name: _cat(parts) for name, parts in sums.items()}, _cat(counts))
+
+
+def policy_loss_scalars(sums: LossSums, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
+    """The loss.policy scalars from the per-sample sums of the whole cohort: each term aggregated by the config's
+    mode, loss_scale on the loss terms, loss = pg - ec ent + klc kl."""
+    out = _aggregate(sums, config, kernels)
     for term in ("pg_loss", "entropy_loss", "kl_loss"):
         if term in out:
             out[term] *= config.loss_scale
     out["loss"] = out["pg_loss"] - config.entropy_coef * out["entropy_loss"]
-    if with_kl:
+    if "kl_loss" in out:
         out["loss"] += config.kl_loss_coef * out["kl_loss"]
     return out
+
+
+def policy_loss_outputs(data: PolicyLossData, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
+    """The loss.policy scalars: pg_loss, pg_clipfrac, ppo_kl, entropy_loss (and kl_loss with kl_loss_coef),
+    each aggregated by the config's mode; loss_scale on the loss terms; loss = pg - ec ent + klc kl."""
+    return policy_loss_scalars(policy_loss_sums(data, config, kernels), config, kernels)
 
 
 @dataclass(frozen=True)
@@ -217,9 +249,9 @@ class ValueLossData:
     lengths: torch.Tensor
 
 
-def value_loss_outputs(data: ValueLossData, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
-    """Clipped value loss: vf = max((v' - R)^2, (clip(v', v - c, v + c) - R)^2), vf_loss = 0.5 Agg(vf) (times
-    loss_scale), vf_clipfrac = Agg(clipped term strictly larger)."""
+def value_loss_sums(data: ValueLossData, config: RecomputeConfig) -> LossSums:
+    """Per-sample masked sums of the clipped value loss vf = max((v' - R)^2, (clip(v', v - c, v + c) - R)^2)
+    and of its clip indicator (clipped term strictly larger)."""
     lengths = data.lengths.to(torch.int64)
     c = config.cliprange_value
     sums: dict[str, list[torch.Tensor]] = {"vf_loss": [], "vf_clipfrac": []}
@@ -234,23 +266,34 @@ def value_loss_outputs(data: ValueLossData, config: RecomputeConfig, kernels: "K
         unclipped = vpreds.sub(returns).square_()
         sums["vf_clipfrac"].append(masked_sample_sums(clipped > unclipped, mask, block_lengths))
         sums["vf_loss"].append(masked_sample_sums(torch.maximum(unclipped, clipped), mask, block_lengths))
-    out = _aggregate(sums, _cat(counts), config, kernels)
+    return LossSums({name: _cat(parts) for name, parts in sums.items()}, _cat(counts))
+
+
+def value_loss_scalars(sums: LossSums, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
+    """vf_loss = 0.5 Agg(vf) (times loss_scale), vf_clipfrac = Agg(clipped), from the whole cohort's sums."""
+    out = _aggregate(sums, config, kernels)
     out["vf_loss"] *= 0.5 * config.loss_scale
     return out
+
+
+def value_loss_outputs(data: ValueLossData, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
+    """Clipped value loss: vf = max((v' - R)^2, (clip(v', v - c, v + c) - R)^2), vf_loss = 0.5 Agg(vf) (times
+    loss_scale), vf_clipfrac = Agg(clipped term strictly larger)."""
+    return value_loss_scalars(value_loss_sums(data, config), config, kernels)
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
-def _aggregate(sums: dict[str, list[torch.Tensor]], tokens: torch.Tensor, config: RecomputeConfig,
-               kernels: "Kernels") -> dict[str, float]:
+def _aggregate(sums: LossSums, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
     """Each field's per-sample masked sums weighted by the aggregation mode, as a Python float."""
-    weights = kernels.aggregation.weights(tokens, config).to(torch.float64)
-    return {name: float(torch.cat(parts).mul_(weights).sum()) if parts else 0.0 for name, parts in sums.items()}
+    weights = kernels.aggregation.weights(sums.counts, config).to(torch.float64)
+    return {name: float(values.mul(weights).sum()) for name, values in sums.sums.items()}
 
 
-__all__ = ["BLOCK_TOKENS", "PolicyInputs", "PolicyLossData", "PolicyLossTokens", "ValueLossData", "cispo_tokens",
+__all__ = ["BLOCK_TOKENS", "LossSums", "PolicyInputs", "PolicyLossData", "PolicyLossTokens", "ValueLossData", "cispo_tokens",
            "gspo_tokens", "policy_loss_outputs", "ppo_clip_tokens", "seq_mean_token_mean_weights",
            "seq_mean_token_sum_norm_weights", "seq_mean_token_sum_weights", "sum_of_sample_means_weights",
-           "token_mean_weights", "value_loss_outputs"]
+           "token_mean_weights", "policy_loss_scalars", "policy_loss_sums", "value_loss_outputs",
+           "value_loss_scalars", "value_loss_sums"]

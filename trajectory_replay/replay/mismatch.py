@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from trajectory_replay.bundle.schema import RecomputeConfig
+from trajectory_replay.replay.kernels import masked_sample_sums
 
 LOG_RATIO_CLAMP = 20.0
 """Log ratios are clamped to +-20 before exp (a correction's weight stays finite), as verl does."""
@@ -35,12 +36,6 @@ CORRECTION_MODES = ("none", "token", "sequence")
 def log_ratio(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor) -> torch.Tensor:
     """d = old - rollout, in float32."""
     return old_log_probs.to(torch.float32) - rollout_log_probs.to(torch.float32)
-
-
-def sequence_sums(values: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """sum_t m_t values_t per sample (float32 result of a float64 accumulation)."""
-    weighted = values.to(torch.float64) * mask.to(torch.float64)
-    return torch.segment_reduce(weighted, "sum", lengths=lengths.to(torch.int64)).to(torch.float32)
 
 
 @dataclass(frozen=True)
@@ -65,25 +60,58 @@ def token_scores(d: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill_(~inside, -1.0)
 
 
-def mismatch_metrics(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor,
-                     scores: Optional[torch.Tensor] = None, *, in_place: bool = False) -> MismatchMetrics:
-    """The metrics of the log ratios `d` over the masked-in tokens (a masked-out token counts as d = 0 whatever it
-    holds, NaN included). Per-token terms are float32, summed by torch's cascade summation (relative error about
-    1e-7; a float64 accumulation costs ninety times as much here). `in_place`: `d` (float32) may be overwritten
-    with 0 on the masked-out tokens, sparing a copy of the cohort's size."""
+@dataclass(frozen=True)
+class MismatchSums:
+    """What the metrics are made of, per sample: the sum of d over its masked-in tokens (`seq`) and of
+    exp(d) - 1 - d (`k3`), float32; with the count of masked-in tokens and the largest token score. Samples summed
+    apart are put together by position, so the metrics do not depend on how the cohort was split."""
+
+    seq: torch.Tensor
+    k3: torch.Tensor
+    tokens: int
+    max_score: float
+
+    @staticmethod
+    def combine(parts: "list[tuple[torch.Tensor, MismatchSums]]", n: int) -> "MismatchSums":
+        """The sums of `n` samples from parts, each (the samples' positions, its sums)."""
+        seq, k3 = torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.float32)
+        for at, part in parts:
+            seq[at], k3[at] = part.seq, part.k3
+        scores = [p.max_score for _, p in parts]
+        top = math.nan if any(math.isnan(v) for v in scores) else max(scores, default=-1.0)
+        return MismatchSums(seq, k3, sum(p.tokens for _, p in parts), top)
+
+
+def mismatch_sums(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, scores: Optional[torch.Tensor] = None,
+                  *, in_place: bool = False) -> MismatchSums:
+    """The per-sample sums of the log ratios `d` over the masked-in tokens (a masked-out token counts as d = 0
+    whatever it holds, NaN included). `in_place`: `d` (float32) may be overwritten with 0 on the masked-out tokens,
+    sparing a copy of the cohort's size."""
     inside = mask if mask.dtype == torch.bool else mask.to(torch.bool)
-    tokens = int(torch.count_nonzero(inside))
-    if tokens == 0:
-        return MismatchMetrics(None, None, None, None)
+    lengths = lengths.to(torch.int64)
     if scores is None:
         scores = token_scores(d, inside)
     z = d.to(torch.float32)
     z = z.masked_fill_(~inside, 0.0) if in_place and z is d else torch.where(inside, z, 0.0)
-    k1 = 0.0 - float(z.sum()) / tokens   # 0.0 - x: no -0.0 when nothing differs
-    seq = torch.segment_reduce(z, "sum", lengths=lengths.to(torch.int64))
-    k3 = float(torch.expm1(z).sub_(z).sum()) / tokens   # exp(d) - 1 - d, 0 where masked out
+    seq = torch.segment_reduce(z, "sum", lengths=lengths)
+    k3 = torch.segment_reduce(torch.expm1(z).sub_(z), "sum", lengths=lengths)   # exp(d) - 1 - d, 0 where masked out
     # torch's max keeps a NaN
-    return MismatchMetrics(k1, k3, float(scores.max()), float(seq.abs_().max()))
+    return MismatchSums(seq, k3, int(torch.count_nonzero(inside)), float(scores.max()) if scores.numel() else -1.0)
+
+
+def metrics_of(sums: MismatchSums) -> MismatchMetrics:
+    """The metrics of a whole cohort from its per-sample sums (the sample sums added in float64)."""
+    if sums.tokens == 0:
+        return MismatchMetrics(None, None, None, None)
+    k1 = 0.0 - float(sums.seq.sum(dtype=torch.float64)) / sums.tokens   # 0.0 - x: no -0.0 when nothing differs
+    k3 = float(sums.k3.sum(dtype=torch.float64)) / sums.tokens
+    return MismatchMetrics(k1, k3, sums.max_score, float(sums.seq.abs().max()))
+
+
+def mismatch_metrics(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor,
+                     scores: Optional[torch.Tensor] = None, *, in_place: bool = False) -> MismatchMetrics:
+    """The metrics of the log ratios `d` over the masked-in tokens of one whole cohort (see `mismatch_sums`)."""
+    return metrics_of(mismatch_sums(d, mask, lengths, scores, in_place=in_place))
 
 
 def worst_tokens(scores: torch.Tensor, k: int = WORST_TOKENS, chunk: int = 1024,
@@ -136,7 +164,7 @@ def correction(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, confi
     m = mask.to(torch.float32)
     seq_ratio: Optional[torch.Tensor] = None
     if "sequence" in (config.rollout_is, config.rollout_rs):
-        seq_log = sequence_sums(d, m, lengths).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        seq_log = masked_sample_sums(d, m, lengths).to(torch.float32).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         seq_ratio = torch.repeat_interleave(torch.exp(seq_log), lengths)
     token_ratio: Optional[torch.Tensor] = None
     if "token" in (config.rollout_is, config.rollout_rs):
@@ -165,6 +193,6 @@ def staleness(policy_versions: list[Optional[int]], actor_version: Optional[int]
     return [None if v is None or actor_version is None else actor_version - v for v in policy_versions]
 
 
-__all__ = ["CORRECTION_MODES", "Correction", "LOG_RATIO_CLAMP", "MismatchMetrics", "WORST_TOKENS", "correction",
-           "log_ratio", "mismatch_metrics", "recorded_weights", "rs_bounds", "sequence_sums", "token_scores",
+__all__ = ["CORRECTION_MODES", "Correction", "LOG_RATIO_CLAMP", "MismatchMetrics", "MismatchSums", "WORST_TOKENS", "correction",
+           "log_ratio", "metrics_of", "mismatch_metrics", "mismatch_sums", "recorded_weights", "rs_bounds", "token_scores",
            "staleness", "worst_tokens"]

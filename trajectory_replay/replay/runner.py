@@ -8,36 +8,44 @@ soon as no later stage reads them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
 from trajectory_replay.bundle.schema import STAGE_ORDER, RecomputeConfig, StageId
+from trajectory_replay.replay.blocks import BLOCK_TOKENS, STREAM_TOKENS, Block, Merged, plan_blocks, whole_block
 from trajectory_replay.replay.cohort import Cohort, PayloadCache
-from trajectory_replay.replay.compare import resolve_tolerance
+from trajectory_replay.replay.compare import Findings, resolve_tolerance
+from trajectory_replay.replay.estimators import Whitening
+from trajectory_replay.replay.kernels import Moments, sample_moments, whiten, whitening_stats
 from trajectory_replay.replay.plan import Pass, PlannedStage, ReplayPlan, plan_replay
+from trajectory_replay.replay.registry import BUILTIN
 from trajectory_replay.replay.report import ReplayReport, StageResult, skipped
 from trajectory_replay.replay.selection import Selection
 from trajectory_replay.replay.source import ReplaySource
-from trajectory_replay.replay.stages import Stage, StageContext
+from trajectory_replay.replay.stages import Stage, StageContext, StageOutcome
 
 
 def replay(sources: Sequence[ReplaySource], *, samples: Sequence[str] = (), groups: Sequence[str] = (),
            batches: Sequence[str] = (), stages: Optional[Sequence[str | StageId]] = None,
            atol: Optional[float] = None, rtol: Optional[float] = None, rank: Optional[int] = None,
-           overrides: Optional[Mapping[str, Any]] = None) -> ReplayReport:
+           overrides: Optional[Mapping[str, Any]] = None, block_tokens: Optional[int] = None) -> ReplayReport:
     """Replay one bundle (one source per rank) and report every stage and the first divergence;
     with `rank`, only that rank of it (the selection then picks among that rank's samples); with `overrides`,
-    under the recorded config with those fields changed (the report lists them)."""
+    under the recorded config with those fields changed (the report lists them). `block_tokens`: stream the
+    replay in blocks of whole groups of about that many tokens (default: only a cohort of more than
+    `blocks.STREAM_TOKENS` tokens streams, in blocks of `blocks.BLOCK_TOKENS`); the report is the same."""
     plan = plan_replay(sources, Selection(tuple(samples), tuple(groups), tuple(batches)), stages=stages, rank=rank,
                        overrides=overrides)
-    return execute(plan, atol=atol, rtol=rtol)
+    return execute(plan, atol=atol, rtol=rtol, block_tokens=block_tokens)
 
 
-def execute(plan: ReplayPlan, *, atol: Optional[float] = None, rtol: Optional[float] = None) -> ReplayReport:
+def execute(plan: ReplayPlan, *, atol: Optional[float] = None, rtol: Optional[float] = None,
+            block_tokens: Optional[int] = None) -> ReplayReport:
     """Run `plan`: every pass, its verdicts in stage order, rank by rank."""
-    return execute_keeping(plan, (), atol=atol, rtol=rtol)[0]
+    return execute_keeping(plan, (), atol=atol, rtol=rtol, block_tokens=block_tokens)[0]
 
 
 PER_SAMPLE_OUTPUTS = ("raw_rewards", "rewards")
@@ -45,59 +53,184 @@ PER_SAMPLE_OUTPUTS = ("raw_rewards", "rewards")
 
 
 def execute_keeping(plan: ReplayPlan, keep: Sequence[str], *, atol: Optional[float] = None,
-                    rtol: Optional[float] = None) -> tuple[ReplayReport, dict[str, dict[str, torch.Tensor]]]:
+                    rtol: Optional[float] = None, block_tokens: Optional[int] = None,
+                    ) -> tuple[ReplayReport, dict[str, dict[str, torch.Tensor]]]:
     """`execute`, also handing back the recomputed outputs named in `keep` (of the sample-level stages that ran),
     as {output: {sample_id: the sample's values}}: what a chained replay links a step's inputs to."""
-    run = _Run(plan, atol, rtol, keep)
+    run = _Run(plan, atol, rtol, keep, block_tokens)
     results = [result for one in plan.passes for result in run.one_pass(one)]
     order = {stage.value: i for i, stage in enumerate(STAGE_ORDER)}
     results.sort(key=lambda r: (order.get(r.stage, len(order)), -1 if r.rank is None else r.rank))
     return ReplayReport(bundle_id=plan.bundle_id, stages=tuple(results), overrides=dict(plan.overrides)), run.kept
 
 
+Runs = list[tuple[StageOutcome, Block]]
+
+
 class _Run:
     """What every pass of one replay shares: the plan, the tolerance overrides, the payload cache."""
 
     def __init__(self, plan: ReplayPlan, atol: Optional[float], rtol: Optional[float],
-                 keep: Sequence[str] = ()) -> None:
+                 keep: Sequence[str] = (), block_tokens: Optional[int] = None) -> None:
         self.plan, self.atol, self.rtol = plan, atol, rtol
         self.keep = frozenset(keep)
         self.kept: dict[str, dict[str, torch.Tensor]] = {}
         self.cache = PayloadCache()
+        self.block_tokens = block_tokens
         self.contracted = frozenset(plan.reference.manifest.stage_contracts)
         self.sample_level = [p for p in plan.stages if not p.stage.cohort_level]
         self.cohort_level = [p for p in plan.stages if p.stage.cohort_level]
 
-    def context(self, stage: StageId, cohort: Cohort, outputs: dict, rank: Optional[int]) -> StageContext:
+    def context(self, stage: StageId, cohort: Cohort, outputs: dict, rank: Optional[int],
+                block: Optional[Block] = None, whitening: Optional[Whitening] = None) -> StageContext:
         reference = self.plan.reference
         return StageContext(cohort=cohort, config=self.plan.config,
                             tol=resolve_tolerance(reference.manifest, stage, self.atol, self.rtol),
-                            contracted=self.contracted, outputs=outputs, rank=rank, kernels=self.plan.kernels)
+                            contracted=self.contracted, outputs=outputs, rank=rank, kernels=self.plan.kernels,
+                            block=block, whitening=whitening)
+
+    def blocks(self, whole: Cohort) -> list[Block]:
+        """The blocks a pass over `whole` runs in: one, unless the cohort is large (or `block_tokens` was given) and
+        can be streamed exactly."""
+        limit = self.block_tokens
+        if limit is None:
+            if whole.num_tokens <= STREAM_TOKENS:
+                return [whole_block(whole)]
+            limit = BLOCK_TOKENS
+        if not self._streamable(whole):
+            return [whole_block(whole)]
+        return plan_blocks(whole, limit)
+
+    def _streamable(self, whole: Cohort) -> bool:
+        """A cohort streams when every per-token payload holds exactly its tokens (a malformed bundle is replayed
+        in one piece, where every size problem is reported as it is) and its estimator, if it whitens over the
+        cohort, is a built-in one (which takes the cohort's statistics from the first pass)."""
+        for part in whole.parts:
+            tokens = sum(r.response_length for r in part.source.index.samples)
+            if any(r.response_length < 0 for r in part.source.index.samples):
+                return False
+            for spec in part.source.manifest.payloads.values():
+                if spec.per_token and math.prod(spec.shape) != tokens:
+                    return False
+        estimator = self.plan.kernels.estimator
+        return not estimator.whitened or BUILTIN.get(estimator.name) is estimator
 
     def one_pass(self, plan: Pass) -> list[StageResult]:
-        """The verdicts of one pass: sample-level stages over all its rows, then cohort-level ones per part."""
-        cohort = Cohort(plan.parts, self.cache)
-        outputs: dict = {}
+        """The verdicts of one pass: sample-level stages over all its rows, then cohort-level ones per part; in
+        blocks of whole groups when the pass streams (every stage over one block, then the next)."""
+        whole = Cohort(plan.parts, self.cache)
+        blocks = self.blocks(whole)
+        streamed = len(blocks) > 1
         results: list[StageResult] = []
-        for i, planned in enumerate(self.sample_level):
-            ctx = self.context(planned.stage.id, cohort, outputs, plan.label)
-            if not plan.whole and planned.action == "run" and self._whitened(planned.stage.id):
+        runs: dict[StageId, Runs] = {}
+        part_runs: dict[tuple[StageId, int], Runs] = {}
+        shared: dict = {}   # outputs of the stages that run once over the whole cohort (per-sample values)
+        for planned in self.sample_level:
+            if not planned.stage.per_block and self._runs(planned, plan):
+                ctx = self.context(planned.stage.id, whole, shared, plan.label)
+                self._compute(planned, ctx, shared, runs, whole_block(whole))
+        whitening = self._whitening(plan, blocks, shared) if streamed else None
+        for block in blocks:
+            outputs = {stage: {key: value[block.index] if streamed else value for key, value in produced.items()}
+                       for stage, produced in shared.items()}
+            for i, planned in enumerate(self.sample_level):
+                if planned.stage.per_block and self._runs(planned, plan):
+                    ctx = self.context(planned.stage.id, block.cohort, outputs, plan.label,
+                                       block if streamed else None, whitening)
+                    self._compute(planned, ctx, outputs, runs, block)
+                _release(outputs, block.cohort.cache, [p.stage for p in self.sample_level[i + 1:] + self.cohort_level],
+                         self.plan.config)
+            for planned in self.cohort_level:
+                if planned.action == "run" and not plan.cohort_skip:
+                    self._per_part(planned, plan, whole, block, outputs, part_runs, streamed)
+            if streamed:
+                block.cohort.cache.retain(set())
+        for planned in self.sample_level:
+            if planned.action == "run" and planned.stage.id in runs:
+                stage_runs = runs[planned.stage.id]
+                result = planned.stage.verdict(self.context(planned.stage.id, whole, {}, plan.label),
+                                               _merged(stage_runs, whole), stage_runs)
+            elif planned.action == "run":   # whitened advantages on part of the cohort
                 result = skipped(planned.stage.id.value, f"{WHITENED_PART} ({self.plan.kernels.estimator.name})",
                                  plan.label)
             else:
-                result = _run_planned(planned, ctx, outputs)
-                if planned.action == "run" and self.keep:
-                    self._keep(outputs.get(planned.stage.id, {}), cohort)
+                result = skipped(planned.stage.id.value, planned.reason, plan.label)
             results += _with_copies(result, plan.label, plan.copies)
-            _release(outputs, self.cache, [p.stage for p in self.sample_level[i + 1:] + self.cohort_level],
-                     self.plan.config)
         for planned in self.cohort_level:
             if planned.action != "run" or plan.cohort_skip:
                 result = skipped(planned.stage.id.value, planned.reason or plan.cohort_skip, plan.label)
                 results += _with_copies(result, plan.label, plan.copies)
-            else:
-                results += self.per_part(planned, cohort, outputs, plan)
+                continue
+            for k, ranks in enumerate(plan.cohort_ranks):
+                if ranks:
+                    part = whole.part(k)
+                    stage_runs = part_runs.get((planned.stage.id, k), [])
+                    result = planned.stage.verdict(self.context(planned.stage.id, part, {}, ranks[0]),
+                                                   _merged(stage_runs, part), stage_runs)
+                    results += _with_copies(result, ranks[0], ranks[1:])
         return results
+
+    def _runs(self, planned: PlannedStage, plan: Pass) -> bool:
+        """True when the stage computes (or hands recorded outputs downstream) in this pass."""
+        if planned.action == "skip":
+            return False
+        return not (planned.action == "run" and not plan.whole and self._whitened(planned.stage.id))
+
+    def _compute(self, planned: PlannedStage, ctx: StageContext, outputs: dict, runs: dict, block: Block) -> None:
+        """Run one planned stage over the context's rows (or hand its recorded outputs on); keep its outcome."""
+        stage = planned.stage
+        if planned.action == "recorded":
+            outputs[stage.id] = stage.recorded(ctx)
+            return
+        outcome = stage.compute(ctx)
+        if outcome.outputs:
+            outputs[stage.id] = outcome.outputs
+        runs.setdefault(stage.id, []).append((outcome, block))
+        if self.keep:
+            self._keep(outcome.outputs, ctx.cohort)
+
+    def _per_part(self, planned: PlannedStage, plan: Pass, whole: Cohort, block: Block, outputs: dict,
+                  part_runs: dict, streamed: bool) -> None:
+        """A cohort-level stage over the block's rows of each part, with the block's slice of the (per-token)
+        upstream outputs it consumes; its verdict is made per part once every block ran."""
+        for k, ranks in enumerate(plan.cohort_ranks):
+            found = block.part(k, whole) if ranks else None
+            if found is None:
+                continue
+            part_block, tokens = found
+            part_outputs = {stage: {key: value[tokens] for key, value in produced.items()}
+                            for stage, produced in outputs.items() if stage in planned.stage.io.upstream_stages}
+            ctx = self.context(planned.stage.id, part_block.cohort, part_outputs, ranks[0],
+                               part_block if streamed else None)
+            outcome = planned.stage.compute(ctx)
+            part_runs.setdefault((planned.stage.id, k), []).append((outcome, part_block))
+
+    def _whitening(self, plan: Pass, blocks: list[Block], shared: dict) -> Optional[Whitening]:
+        """For a streamed pass whose estimator whitens over the cohort: a first pass over the blocks collects every
+        sample's moments of the advantages before whitening, and the cohort's statistics whiten every block."""
+        estimate = next((p for p in self.sample_level if p.stage.id == StageId.ADVANTAGE_ESTIMATE), None)
+        if estimate is None or estimate.action != "run" or not self._whitened(StageId.ADVANTAGE_ESTIMATE) \
+                or not plan.whole:
+            return None
+        n = sum(len(b.index) for b in blocks)
+        moments = Moments(*(torch.zeros(n, dtype=torch.float64) for _ in range(3)))
+        for block in blocks:
+            def collect(values: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor,
+                        at: torch.Tensor = block.index) -> torch.Tensor:
+                found = sample_moments(values, mask, lengths)
+                moments.count[at], moments.total[at], moments.m2[at] = found.count, found.total, found.m2
+                return values
+            outputs = {stage: {key: value[block.index] for key, value in produced.items()}
+                       for stage, produced in shared.items()}
+            upstream = [p for p in self.sample_level if p.stage.per_block and p.stage.id != StageId.SAMPLE
+                        and STAGE_ORDER.index(p.stage.id) <= STAGE_ORDER.index(StageId.ADVANTAGE_ESTIMATE)]
+            for planned in upstream:
+                if self._runs(planned, plan):
+                    ctx = self.context(planned.stage.id, block.cohort, outputs, plan.label, block, collect)
+                    self._compute(planned, ctx, outputs, {}, block)
+            block.cohort.cache.retain(set())
+        mean, var = whitening_stats(moments)
+        return lambda values, mask, lengths: whiten(values, mean, var)
 
     def _keep(self, produced: Mapping[str, torch.Tensor], cohort: Cohort) -> None:
         """Split the kept outputs a stage recomputed into each sample's values."""
@@ -113,21 +246,16 @@ class _Run:
         """True for advantage.estimate of an estimator that whitens over the whole cohort."""
         return stage == StageId.ADVANTAGE_ESTIMATE and self.plan.kernels.estimator.whitened
 
-    def per_part(self, planned: PlannedStage, cohort: Cohort, outputs: dict, plan: Pass) -> list[StageResult]:
-        """A cohort-level stage run on each part alone, against its own expected values, with the part's slice of
-        the (per-token) upstream outputs it consumes."""
-        results: list[StageResult] = []
-        for k, ranks in enumerate(plan.cohort_ranks):
-            if not ranks:
-                continue
-            part_outputs = {stage: {key: value[cohort.token_range(k)] for key, value in produced.items()}
-                            for stage, produced in outputs.items() if stage in planned.stage.io.upstream_stages}
-            result = _run_planned(planned, self.context(planned.stage.id, cohort.part(k), part_outputs, ranks[0]), {})
-            results += _with_copies(result, ranks[0], ranks[1:])
-        return results
-
 
 WHITENED_PART = "advantages whitened over the whole cohort are not replayable on part of it"
+
+
+def _merged(runs: Runs, whole: Cohort) -> Findings:
+    """The findings of a stage's runs over blocks, as over the whole cohort."""
+    merged = Merged()
+    for outcome, block in runs:
+        merged.add(outcome.findings, block)
+    return merged.findings(whole)
 
 
 def _with_copies(result: StageResult, source_rank: Optional[int],
@@ -143,20 +271,6 @@ def _release(outputs: dict, cache: PayloadCache, later: Sequence[Stage], config:
     for stage_id in [s for s in outputs if s not in needed_outputs]:
         del outputs[stage_id]
     cache.retain({name for stage in later for name in stage.inputs})
-
-
-def _run_planned(planned: PlannedStage, ctx: StageContext, outputs: dict) -> StageResult:
-    """Run, replace by recorded outputs, or skip one planned stage; store what it hands downstream."""
-    stage = planned.stage
-    if planned.action == "skip":
-        return skipped(stage.id.value, planned.reason, ctx.rank)
-    if planned.action == "recorded":
-        outputs[stage.id] = stage.recorded(ctx)
-        return skipped(stage.id.value, planned.reason, ctx.rank)
-    outcome = stage.compute(ctx)
-    if outcome.outputs:
-        outputs[stage.id] = outcome.outputs
-    return outcome.result
 
 
 __all__ = ["PER_SAMPLE_OUTPUTS", "execute", "execute_keeping", "replay"]

@@ -22,11 +22,12 @@ import torch
 from trajectory_replay.bundle.schema import RecomputeConfig, StageId
 from trajectory_replay.bundle.stage_io import LOSS_FIELDS, MISMATCH_FIELDS, STAGE_IO, StageIO, rollout_correction
 from trajectory_replay.replay import kernels, losses, mismatch
-from trajectory_replay.replay.estimators import AdvantageInputs, RewardInputs
+from trajectory_replay.replay.blocks import Block
+from trajectory_replay.replay.estimators import AdvantageInputs, RewardInputs, Whitening
 from trajectory_replay.replay.registry import Kernels
 from trajectory_replay.replay.cohort import Cohort
 from trajectory_replay.replay.compare import (
-    EXACT, Findings, SampleLayout, Tolerances, compare_scalar, compare_tensors,
+    EXACT, FieldComparison, Findings, SampleLayout, Tolerances, compare_scalar, compare_tensors,
 )
 from trajectory_replay.replay.report import Divergence, StageResult
 
@@ -46,14 +47,42 @@ class StageContext:
     rank: Optional[int] = None
     kernels: Kernels = field(default=None)  # type: ignore[assignment]  # set by the runner from the plan
     """The estimator, policy loss and aggregation the config names."""
+    block: Optional[Block] = None
+    """The rows computed, and where they lie in the whole cohort (None: the cohort is the whole)."""
+    whitening: Optional[Whitening] = None
+    """How whitened advantages are whitened (None: over this cohort's own tokens)."""
+
+    @property
+    def streamed(self) -> bool:
+        """True when the cohort is one block of several: comparisons keep what merging them needs."""
+        return self.block is not None
+
+    def compare(self, name: str, expected: torch.Tensor, actual: torch.Tensor, layout: SampleLayout,
+                tol: Optional[Tolerances] = None) -> FieldComparison:
+        return compare_tensors(name, expected, actual, layout, self.tol if tol is None else tol,
+                               sample_errors=self.streamed)
+
+    def position(self, flat: int) -> int:
+        """A flat per-token position of this cohort's, in the whole cohort's per-token layout."""
+        if self.block is None:
+            return flat
+        return self.block.to_whole(flat)
 
 
 @dataclass(frozen=True)
 class StageOutcome:
-    """A stage's verdict and the outputs it hands downstream (empty when it could not compute them)."""
+    """What one run of a stage over some rows found, the outputs it hands downstream (empty when it could not
+    compute them) and, for a stage that reduces over the cohort, its partial sums (`partial`, None when the rows
+    could not be computed); the verdict is made by the stage's `finish` over every run's outcome."""
 
-    result: StageResult
+    findings: Findings
     outputs: Outputs = field(default_factory=dict)
+    passed: str = ""
+    partial: object = None
+
+
+Finish = Callable[["StageContext", Findings, "list[tuple[StageOutcome, Optional[Block]]]"], StageResult]
+"""(context over the whole cohort, the runs' findings merged, each run's outcome and block) -> the verdict."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +97,17 @@ class Stage:
     """None: replay cannot compute this stage."""
     recorded: Optional[Callable[[StageContext], Outputs]] = None
     """The outputs a recorded-only contract hands downstream instead of recomputing."""
+    finish: Optional[Finish] = None
+    """Makes the verdict from the runs over the blocks (None: their merged findings, with the passed message)."""
+    per_block: bool = True
+    """Runs block by block in a streamed replay; False: once over the whole cohort (it reads no payload)."""
+
+    def verdict(self, ctx: "StageContext", merged: Findings,
+                runs: "list[tuple[StageOutcome, Optional[Block]]]") -> StageResult:
+        """The stage's result over the whole cohort (`ctx`) from its runs."""
+        if self.finish is not None:
+            return self.finish(ctx, merged, runs)
+        return merged.result(self.id, ctx.rank, passed_message=runs[-1][0].passed if runs else "")
 
     @property
     def io(self) -> StageIO:
@@ -121,10 +161,23 @@ def _compare_per_sample(ctx: StageContext, f: Findings, stage: StageId, key: str
     for p in problems:
         f.problem(p)
     if expected is not None:
-        f.add(compare_tensors(field_name, expected, actual, ctx.cohort.sample_layout, ctx.tol))
+        f.add(ctx.compare(field_name, expected, actual, ctx.cohort.sample_layout))
 
 
 def _run_sample(ctx: StageContext) -> StageOutcome:
+    """The rows' loss masks: as many values as response tokens, and equal to what older records still carry."""
+    c, f = ctx.cohort, Findings()
+    mask = c.load("loss_mask")
+    if mask.numel() != c.num_tokens:
+        f.problem(f"loss_mask_length: loss_mask payload has {mask.numel()} values, "
+                  f"the responses have {c.num_tokens} tokens")
+    else:
+        _check_record_masks(ctx, mask, f)
+    return StageOutcome(f)
+
+
+def _finish_sample(ctx: StageContext, merged: Findings, runs: list) -> StageResult:
+    """The records' own checks over the whole cohort (lengths, duplicate ids, payload sizes), then the masks'."""
     c, f = ctx.cohort, Findings()
     for r in c.records:
         if r.response_length < 0 or r.total_length < r.response_length:
@@ -140,14 +193,10 @@ def _run_sample(ctx: StageContext) -> StageOutcome:
     if duplicates:
         f.problem(f"duplicate sample ids: {', '.join(duplicates[:10])}")
     _check_payload_sizes(ctx, f)
-    mask = c.load("loss_mask")
-    if mask.numel() != c.num_tokens:
-        f.problem(f"loss_mask_length: loss_mask payload has {mask.numel()} values, "
-                  f"the responses have {c.num_tokens} tokens")
-    else:
-        _check_record_masks(c, mask, f)
-    return StageOutcome(f.result(StageId.SAMPLE, ctx.rank, passed_message=f"{len(c.records)} samples, "
-                                 f"{c.num_tokens} tokens"))
+    f.problems += merged.problems
+    f.divergences += merged.divergences
+    f.comparisons += merged.comparisons
+    return f.result(StageId.SAMPLE, ctx.rank, passed_message=f"{len(c.records)} samples, {c.num_tokens} tokens")
 
 
 def _check_payload_sizes(ctx: StageContext, f: Findings) -> None:
@@ -163,57 +212,88 @@ def _check_payload_sizes(ctx: StageContext, f: Findings) -> None:
                           f"the responses have {tokens} tokens")
 
 
-def _check_record_masks(c: Cohort, mask: torch.Tensor, f: Findings) -> None:
-    """Records that still carry a loss_mask (older bundles) must agree with the payload (the "expected" side)."""
-    carried = [r for r in c.records if r.loss_mask and len(r.loss_mask) == r.response_length]
-    if not carried:
+def _check_record_masks(ctx: StageContext, mask: torch.Tensor, f: Findings) -> None:
+    """Records that still carry a loss_mask (older bundles) must agree with the payload (the "expected" side); the
+    samples whose record carries none are compared with the payload itself."""
+    c = ctx.cohort
+    carries = [bool(r.loss_mask and len(r.loss_mask) == r.response_length) for r in c.records]
+    if not any(carries):
         return
-    has_mask = torch.tensor([bool(r.loss_mask and len(r.loss_mask) == r.response_length) for r in c.records])
-    rows = torch.repeat_interleave(has_mask, c.lengths)
-    listed = torch.tensor([v for r in carried for v in r.loss_mask], dtype=torch.float32)
-    layout = SampleLayout.per_token([r.sample_id for r in carried],
-                                    torch.tensor([r.response_length for r in carried]))
-    f.add(compare_tensors("loss_mask", mask[rows], listed, layout, EXACT))
+    listed = mask.to(torch.float32, copy=True)   # the records' masks are written over it
+    rows = torch.repeat_interleave(torch.tensor(carries), c.lengths)
+    listed[rows] = torch.tensor([v for r, has in zip(c.records, carries) if has for v in r.loss_mask],
+                                dtype=torch.float32)
+    f.add(ctx.compare("loss_mask", mask, listed, c.token_layout, EXACT))
 
 
 def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
+    """The rows' log ratios d: their per-sample sums, worst tokens, first non-finite one, tokens over the ceiling,
+    and production's importance weights compared."""
     c, f, cfg = ctx.cohort, Findings(), ctx.config
-    metrics: dict[str, object] = {}
-    versions = [r.policy_version for r in c.records]
+    if not c.has_payload("rollout_log_probs"):
+        return StageOutcome(f)
+    loaded = _load_payloads(ctx, f, ("rollout_log_probs", "old_log_probs", "loss_mask"))
+    if loaded is None:
+        return StageOutcome(f)
+    mask, rollout_lp, old_lp = loaded["loss_mask"], loaded["rollout_log_probs"], loaded["old_log_probs"]
+    inside = mask.to(torch.bool)
+    tokens = int(torch.count_nonzero(inside))
+    d = mismatch.log_ratio(old_lp, rollout_lp)
+    scores = mismatch.token_scores(d, inside)
+    nonfinite = None
+    if not math.isfinite(float(scores.max()) if tokens else 0.0):
+        bad = (~torch.isfinite(d) & inside).nonzero().flatten()
+        if bad.numel():
+            at = int(bad[0])
+            nonfinite = (ctx.position(at), float(d[at]), bad.numel())
+    worst = mismatch.worst_tokens(scores, tokens=tokens)
+    rows = [(ctx.position(int(p)), {"sample_id": sid, "token_offset": tok, "rollout_log_prob": float(rollout_lp[p]),
+                                    "trainer_log_prob": float(old_lp[p]), "log_ratio": float(d[p])})
+            for p, (sid, tok) in zip(worst, c.token_layout.locate(worst))]
+    limit = cfg.mismatch_max_token_log_ratio
+    over = 0 if limit is None else int(torch.count_nonzero(((d.abs() > limit) | d.isnan()) & inside))
+    # d is ours: zeroed where masked out from here on (the masked-in tokens, all this stage reads, keep theirs)
+    sums = mismatch.mismatch_sums(d, inside, c.lengths, scores, in_place=True)
+    if c.has_payload("rollout_is_weights") and cfg.rollout_is != "none":
+        fix = mismatch.correction(d, mask, c.lengths, cfg)
+        recorded = _load_payloads(ctx, f, ("rollout_is_weights",))
+        if recorded is not None:
+            f.add(ctx.compare("rollout_is_weights", recorded["rollout_is_weights"],
+                              mismatch.recorded_weights(fix, mask), c.token_layout))
+    return StageOutcome(f, partial={"sums": sums, "rows": rows, "nonfinite": nonfinite, "over": over})
+
+
+def _finish_rollout_mismatch(ctx: StageContext, merged: Findings, runs: list) -> StageResult:
+    """The metrics of the whole cohort, the 10 worst tokens, the ceilings, staleness, and the expected values."""
+    c, f, cfg = ctx.cohort, Findings(), ctx.config
     has_log_probs = c.has_payload("rollout_log_probs")
-    if not has_log_probs and all(v is None for v in versions):
+    if not has_log_probs and all(r.policy_version is None for r in c.records):
         f.problem("bundle has no payload 'rollout_log_probs' and no sample records a policy_version")
-        return StageOutcome(f.result(StageId.ROLLOUT_MISMATCH, ctx.rank))
+        return f.result(StageId.ROLLOUT_MISMATCH, ctx.rank)
+    f.problems += merged.problems
     actual: dict[str, Optional[float]] = {}
+    rows: list[dict] = []
+    tokens = 0
     if has_log_probs:
-        loaded = _load_payloads(ctx, f, ("rollout_log_probs", "old_log_probs", "loss_mask"))
-        if loaded is None:
-            return StageOutcome(f.result(StageId.ROLLOUT_MISMATCH, ctx.rank))
-        mask, rollout_lp, old_lp = loaded["loss_mask"], loaded["rollout_log_probs"], loaded["old_log_probs"]
-        inside = mask.to(torch.bool)
-        tokens = int(torch.count_nonzero(inside))
-        d = mismatch.log_ratio(old_lp, rollout_lp)
-        scores = mismatch.token_scores(d, inside)
-        if not math.isfinite(float(scores.max()) if tokens else 0.0):
-            _check_finite(f, d, mask, c)
-        worst = mismatch.worst_tokens(scores, tokens=tokens)
-        # d is ours: zeroed where masked out from here on (the masked-in tokens, all this stage reads, keep theirs)
-        actual.update(mismatch.mismatch_metrics(d, inside, c.lengths, scores, in_place=True).as_dict())
-        located = c.token_layout.locate(worst)
-        rows = [{"sample_id": sid, "token_offset": tok, "rollout_log_prob": float(rollout_lp[p]),
-                 "trainer_log_prob": float(old_lp[p]), "log_ratio": float(d[p])} for p, (sid, tok) in zip(worst, located)]
-        _check_thresholds(cfg, f, actual, rows, d, mask)
+        parts = [(outcome.partial, block) for outcome, block in runs]
+        if any(partial is None for partial, _ in parts):   # a payload could not be read
+            f.comparisons += merged.comparisons
+            return f.result(StageId.ROLLOUT_MISMATCH, ctx.rank)
+        sums = mismatch.MismatchSums.combine([(block.index, partial["sums"]) for partial, block in parts],
+                                             len(c.records))
+        tokens = sums.tokens
+        _check_finite(f, c, [partial["nonfinite"] for partial, _ in parts])
+        actual.update(mismatch.metrics_of(sums).as_dict())
+        candidates = [row for partial, _ in parts for row in partial["rows"]]
+        candidates.sort(key=lambda pr: (not math.isnan(pr[1]["log_ratio"]),
+                                        -abs(pr[1]["log_ratio"]) if not math.isnan(pr[1]["log_ratio"]) else 0.0,
+                                        pr[0]))
+        rows = [row for _, row in candidates[:mismatch.WORST_TOKENS]]
+        _check_thresholds(cfg, f, actual, rows, sum(partial["over"] for partial, _ in parts))
         if c.has_payload("rollout_is_weights") and cfg.rollout_is == "none":
             f.problem("bundle holds production's rollout_is_weights, but the config's rollout_is is 'none' "
                       "(replay --set rollout_is=token or sequence)")
-        elif c.has_payload("rollout_is_weights"):
-            fix = mismatch.correction(d, mask, c.lengths, cfg)
-            recorded = _load_payloads(ctx, f, ("rollout_is_weights",))
-            if recorded is not None:
-                f.add(compare_tensors("rollout_is_weights", recorded["rollout_is_weights"],
-                                      mismatch.recorded_weights(fix, mask), c.token_layout, ctx.tol))
-    else:
-        rows, tokens = [], 0
+        f.comparisons += merged.comparisons
     actual["staleness_max"] = _check_staleness(cfg, f, c)
     expected = ctx.cohort.expected_map(StageId.ROLLOUT_MISMATCH.value) or {}
     for name in MISMATCH_FIELDS:
@@ -224,36 +304,35 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
             f.problem(f"expected {StageId.ROLLOUT_MISMATCH} has {name} but the bundle holds nothing to compute it from")
         else:
             f.add(compare_scalar(name, float(expected[name]), float(value), ctx.tol))
-    metrics.update(actual)
+    metrics: dict[str, object] = dict(actual)
     if has_log_probs:
         metrics["worst_tokens"] = rows
     passed = (f"{tokens} tokens" if has_log_probs else "no rollout log-probs") + \
         (f", staleness max {actual['staleness_max']}" if actual["staleness_max"] is not None else "")
-    return StageOutcome(f.result(StageId.ROLLOUT_MISMATCH, ctx.rank, passed_message=passed, metrics=metrics))
+    return f.result(StageId.ROLLOUT_MISMATCH, ctx.rank, passed_message=passed, metrics=metrics)
 
 
-def _check_finite(f: Findings, d: torch.Tensor, mask: torch.Tensor, c: Cohort) -> None:
-    """A masked-in token whose log ratio is NaN or infinite (a broken log-prob on either side) fails the stage."""
-    bad = (~torch.isfinite(d) & mask.to(torch.bool)).nonzero().flatten()
-    if bad.numel():
-        (sid, tok), = c.token_layout.locate(bad[:1])
-        f.problem(f"log ratio is {float(d[bad[0]])} at {sid} token {tok} ({bad.numel()} tokens not finite)")
+def _check_finite(f: Findings, c: Cohort, found: list[Optional[tuple[int, float, int]]]) -> None:
+    """A masked-in token whose log ratio is NaN or infinite (a broken log-prob on either side) fails the stage:
+    `found` holds each block's first such token (position in the cohort, its log ratio, how many)."""
+    found_any = [x for x in found if x is not None]
+    if found_any:
+        at, value, _ = min(found_any, key=lambda x: x[0])
+        (sid, tok), = c.token_layout.locate(torch.tensor([at]))
+        f.problem(f"log ratio is {value} at {sid} token {tok} ({sum(x[2] for x in found_any)} tokens not finite)")
 
 
 def _check_thresholds(cfg: RecomputeConfig, f: Findings, actual: dict[str, Optional[float]], rows: list[dict],
-                      d: torch.Tensor, mask: torch.Tensor) -> None:
-    """Fail when kl_k3 or a token's |d| exceeds its configured ceiling. The divergences are the worst tokens,
-    largest |d| first (expected = the rollout log-prob, actual = the trainer's): those over the token ceiling when
-    it tripped, else all of them (each adds to kl_k3)."""
+                      over: int) -> None:
+    """Fail when kl_k3 or a token's |d| exceeds its configured ceiling (`over`: how many tokens do). The divergences
+    are the worst tokens, largest |d| first (expected = the rollout log-prob, actual = the trainer's): those over the
+    token ceiling when it tripped, else all of them (each adds to kl_k3)."""
     kl_k3, kl_limit, limit = actual["kl_k3"], cfg.mismatch_max_kl_k3, cfg.mismatch_max_token_log_ratio
     kl_tripped = kl_limit is not None and kl_k3 is not None and not kl_k3 <= kl_limit
     if kl_tripped:
         f.problem(f"kl_k3 {kl_k3:.6g} exceeds mismatch_max_kl_k3 {kl_limit:g}")
-    over = 0
-    if limit is not None:
-        over = int(torch.count_nonzero(((d.abs() > limit) | d.isnan()) & mask.to(torch.bool)))
-        if over:
-            f.problem(f"{over} tokens have |log ratio| above mismatch_max_token_log_ratio {limit:g}")
+    if over:
+        f.problem(f"{over} tokens have |log ratio| above mismatch_max_token_log_ratio {limit:g}")
     if over or kl_tripped:
         listed = [r for r in rows if not abs(r["log_ratio"]) <= limit] if over else rows
         f.divergences.extend(Divergence("log_ratio", r["sample_id"], r["token_offset"], r["rollout_log_prob"],
@@ -282,7 +361,7 @@ def _run_reward_raw(ctx: StageContext) -> StageOutcome:
     f = Findings()
     actual = _recorded_raw_rewards(ctx)  # V1 supports scalar rewards only: the recorded one is the recompute
     _compare_per_sample(ctx, f, StageId.REWARD_RAW, "raw_rewards", "raw_reward", actual)
-    return StageOutcome(f.result(StageId.REWARD_RAW, ctx.rank), {"raw_rewards": actual})
+    return StageOutcome(f, {"raw_rewards": actual})
 
 
 def _recorded_raw_rewards(ctx: StageContext) -> torch.Tensor:
@@ -296,7 +375,7 @@ def _run_reward_post_process(ctx: StageContext) -> StageOutcome:
             if r.group_index is None:
                 f.problem(f"sample {r.sample_id} has no group_index")
         if f.failed:
-            return StageOutcome(f.result(StageId.REWARD_POST_PROCESS, ctx.rank))
+            return StageOutcome(f)
         group_ids, keys = kernels.dense_group_ids([r.group_index for r in c.records])
     else:  # the estimator works on token rewards: groups play no part
         group_ids, keys = torch.zeros(len(c.records), dtype=torch.int64), [0] if c.records else []
@@ -306,14 +385,14 @@ def _run_reward_post_process(ctx: StageContext) -> StageOutcome:
             if size != cfg.n_samples_per_prompt:
                 f.problem(f"reward group g-{key} has {size} samples, expected {cfg.n_samples_per_prompt}")
         if f.failed:
-            return StageOutcome(f.result(StageId.REWARD_POST_PROCESS, ctx.rank))
+            return StageOutcome(f)
     raw = ctx.outputs.get(StageId.REWARD_RAW, {}).get("raw_rewards")
     rewards = estimator.post_process(RewardInputs(raw if raw is not None else _recorded_raw_rewards(ctx), group_ids,
                                                   len(keys), cfg))
     _compare_per_sample(ctx, f, StageId.REWARD_POST_PROCESS, "rewards", "reward", rewards)
     passed = (f"{len(keys)} groups" + (f" of {cfg.n_samples_per_prompt}" if cfg.group_size_check == "exact" else "")
               if estimator.grouped else f"{len(c.records)} samples, {estimator.name} keeps raw rewards")
-    return StageOutcome(f.result(StageId.REWARD_POST_PROCESS, ctx.rank, passed_message=passed), {"rewards": rewards})
+    return StageOutcome(f, {"rewards": rewards}, passed=passed)
 
 
 def _recorded_rewards(ctx: StageContext) -> Outputs:
@@ -325,14 +404,14 @@ def _run_advantage_kl(ctx: StageContext) -> StageOutcome:
     # kl_coef == 0: the reward-side KL is zeros and the log-probs are not needed (not loaded)
     loaded = _load_payloads(ctx, f, STAGE_IO[StageId.ADVANTAGE_KL].needed_payloads(cfg))
     if loaded is None:
-        return StageOutcome(f.result(StageId.ADVANTAGE_KL, ctx.rank))
+        return StageOutcome(f)
     if cfg.kl_coef == 0:
         actual = torch.zeros(c.num_tokens, dtype=torch.float32)
     else:
         actual = kernels.kl_estimate(loaded["old_log_probs"], loaded["ref_log_probs"], cfg.kl_loss_type,
                                      cfg.kl_log_ratio_clamp, cfg.kl_output_clamp)
-    f.add(compare_tensors("kl", loaded["kl"], actual, c.token_layout, ctx.tol))
-    return StageOutcome(f.result(StageId.ADVANTAGE_KL, ctx.rank), {"kl": actual})
+    f.add(ctx.compare("kl", loaded["kl"], actual, c.token_layout))
+    return StageOutcome(f, {"kl": actual})
 
 
 def _reward_kl(ctx: StageContext, f: Findings) -> Optional[torch.Tensor]:
@@ -352,15 +431,15 @@ def _run_advantage_estimate(ctx: StageContext) -> StageOutcome:
     loaded = _load_payloads(ctx, f, names)
     kl = _reward_kl(ctx, f) if cfg.kl_in_reward and cfg.kl_coef != 0 and estimator.reads_kl else None
     if rewards is None or loaded is None or f.failed:
-        return StageOutcome(f.result(StageId.ADVANTAGE_ESTIMATE, ctx.rank))
+        return StageOutcome(f)
     actual = estimator.advantages(AdvantageInputs(rewards, c.lengths, loaded["loss_mask"], cfg, kl=kl,
-                                                  values=loaded.get("values")))
-    f.add(compare_tensors("advantages", loaded["advantages"], actual.advantages, c.token_layout, ctx.tol))
+                                                  values=loaded.get("values"), whitening=ctx.whitening))
+    f.add(ctx.compare("advantages", loaded["advantages"], actual.advantages, c.token_layout))
     outputs = {"advantages": actual.advantages}
     if actual.returns is not None:
-        f.add(compare_tensors("returns", loaded["returns"], actual.returns, c.token_layout, ctx.tol))
+        f.add(ctx.compare("returns", loaded["returns"], actual.returns, c.token_layout))
         outputs["returns"] = actual.returns
-    return StageOutcome(f.result(StageId.ADVANTAGE_ESTIMATE, ctx.rank), outputs)
+    return StageOutcome(f, outputs)
 
 
 def _recorded_advantages(ctx: StageContext) -> Outputs:
@@ -393,6 +472,7 @@ def _compare_scalars(ctx: StageContext, f: Findings, stage: StageId, actual: dic
 
 
 def _run_loss_policy(ctx: StageContext) -> StageOutcome:
+    """The rows' per-sample sums of every loss.policy term (and the on-policy check, when asked for)."""
     c, f, cfg = ctx.cohort, Findings(), ctx.config
     names = ("old_log_probs", "log_probs", "entropy", "loss_mask") + (("ref_log_probs",) if cfg.kl_loss_coef else ()) \
         + (("rollout_log_probs",) if rollout_correction(cfg) else ())
@@ -400,14 +480,13 @@ def _run_loss_policy(ctx: StageContext) -> StageOutcome:
     if ctx.cohort.expected_map(StageId.LOSS_POLICY.value) is None:
         f.problem("expected has no loss.policy map")
     if advantages is None or loaded is None or f.failed:
-        return StageOutcome(f.result(StageId.LOSS_POLICY, ctx.rank))
+        return StageOutcome(f)
     if cfg.expect_on_policy:
         _check_on_policy(ctx, f, loaded)
-    actual = losses.policy_loss_outputs(losses.PolicyLossData(
+    sums = losses.policy_loss_sums(losses.PolicyLossData(
         loaded["log_probs"], loaded["old_log_probs"], advantages, loaded["entropy"], loaded["loss_mask"], c.lengths,
         loaded.get("ref_log_probs"), loaded.get("rollout_log_probs")), cfg, ctx.kernels)
-    _compare_scalars(ctx, f, StageId.LOSS_POLICY, actual)
-    return StageOutcome(f.result(StageId.LOSS_POLICY, ctx.rank))
+    return StageOutcome(f, partial=sums)
 
 
 def _check_on_policy(ctx: StageContext, f: Findings, loaded: dict[str, torch.Tensor]) -> None:
@@ -418,32 +497,51 @@ def _check_on_policy(ctx: StageContext, f: Findings, loaded: dict[str, torch.Ten
     zero = torch.zeros((), dtype=torch.float32)
     old = torch.where(inside, loaded["old_log_probs"].to(torch.float32), zero)
     current = torch.where(inside, loaded["log_probs"].to(torch.float32), zero)
-    f.add(compare_tensors("ratio", old, current, ctx.cohort.token_layout, ctx.tol))
+    f.add(ctx.compare("ratio", old, current, ctx.cohort.token_layout))
 
 
 def _run_loss_value(ctx: StageContext) -> StageOutcome:
+    """The rows' per-sample sums of the clipped value loss and its clip indicator."""
     c, f, cfg = ctx.cohort, Findings(), ctx.config
     returns, loaded = _upstream_or_payload(ctx, f, StageId.ADVANTAGE_ESTIMATE, "returns",
                                            ("values", "vpreds", "loss_mask"))
     if ctx.cohort.expected_map(StageId.LOSS_VALUE.value) is None:
         f.problem("expected has no loss.value map")
     if returns is None or loaded is None or f.failed:
-        return StageOutcome(f.result(StageId.LOSS_VALUE, ctx.rank))
-    actual = losses.value_loss_outputs(losses.ValueLossData(loaded["values"], loaded["vpreds"], returns,
-                                                            loaded["loss_mask"], c.lengths), cfg, ctx.kernels)
-    _compare_scalars(ctx, f, StageId.LOSS_VALUE, actual)
-    return StageOutcome(f.result(StageId.LOSS_VALUE, ctx.rank))
+        return StageOutcome(f)
+    sums = losses.value_loss_sums(losses.ValueLossData(loaded["values"], loaded["vpreds"], returns,
+                                                       loaded["loss_mask"], c.lengths), cfg)
+    return StageOutcome(f, partial=sums)
+
+
+def _loss_finish(stage: StageId, scalars: Callable[[losses.LossSums, RecomputeConfig, Kernels], dict[str, float]]) \
+        -> Finish:
+    """The verdict of a loss stage: its scalars from every block's per-sample sums, against the expected map."""
+    def finish(ctx: StageContext, merged: Findings, runs: list) -> StageResult:
+        if any(outcome.partial is None for outcome, _ in runs):   # the rows could not be computed: said why
+            return merged.result(stage, ctx.rank)
+        n = len(ctx.cohort.records)
+        whole = losses.LossSums.empty(runs[0][0].partial.sums, n) if runs else losses.LossSums.empty((), n)
+        for outcome, block in runs:
+            whole.put(block.index, outcome.partial)
+        _compare_scalars(ctx, merged, stage, scalars(whole, ctx.config, ctx.kernels))
+        return merged.result(stage, ctx.rank)
+    return finish
 
 
 STAGES: dict[StageId, Stage] = {s.id: s for s in (
-    Stage(StageId.SAMPLE, "v1", compute=_run_sample),
-    Stage(StageId.ROLLOUT_MISMATCH, "v1", cohort_level=True, compute=_run_rollout_mismatch),
-    Stage(StageId.REWARD_RAW, "v1", compute=_run_reward_raw),
-    Stage(StageId.REWARD_POST_PROCESS, "v1", compute=_run_reward_post_process, recorded=_recorded_rewards),
+    Stage(StageId.SAMPLE, "v1", compute=_run_sample, finish=_finish_sample),
+    Stage(StageId.ROLLOUT_MISMATCH, "v1", cohort_level=True, compute=_run_rollout_mismatch,
+          finish=_finish_rollout_mismatch),
+    Stage(StageId.REWARD_RAW, "v1", compute=_run_reward_raw, per_block=False),
+    Stage(StageId.REWARD_POST_PROCESS, "v1", compute=_run_reward_post_process, recorded=_recorded_rewards,
+          per_block=False),
     Stage(StageId.ADVANTAGE_KL, "v1", compute=_run_advantage_kl),
     Stage(StageId.ADVANTAGE_ESTIMATE, "v1", compute=_run_advantage_estimate, recorded=_recorded_advantages),
-    Stage(StageId.LOSS_POLICY, "v1", cohort_level=True, compute=_run_loss_policy),
-    Stage(StageId.LOSS_VALUE, "v1", cohort_level=True, compute=_run_loss_value),
+    Stage(StageId.LOSS_POLICY, "v1", cohort_level=True, compute=_run_loss_policy,
+          finish=_loss_finish(StageId.LOSS_POLICY, losses.policy_loss_scalars)),
+    Stage(StageId.LOSS_VALUE, "v1", cohort_level=True, compute=_run_loss_value,
+          finish=_loss_finish(StageId.LOSS_VALUE, losses.value_loss_scalars)),
 )}
 
 

@@ -1,0 +1,162 @@
+"""Streaming replay: a cohort replayed in blocks of whole groups reports exactly what one block reports.
+
+Every kind of bundle replay supports is replayed twice, in one block and in blocks of a few tokens (so every
+group lands in a block of its own or shares one with a neighbour), and the two reports must be equal field
+for field, evidence included, clean or with faults.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.replay.cases import split_ranks, twelve_case
+from tests.replay.conftest import MemorySource, source_of
+from tests.replay.reference64 import GROUPS, algorithm_case, token_position, token_with_mask
+from trajectory_replay.bundle.schema import StageId
+from trajectory_replay.replay import replay
+from trajectory_replay.replay.blocks import plan_blocks
+from trajectory_replay.replay.cohort import Cohort, CohortPart, PayloadCache
+from trajectory_replay.replay.fixtures import CanonicalCase
+
+SMALL = 6
+"""Block size in tokens: each block holds about one group of the random cases."""
+
+CONFIGS = {
+    "grpo": {},
+    "grpo-std-biased": {"grpo_std_normalization": True, "std_unbiased": False},
+    "dr_grpo-seq-mean-token-mean": {"advantage_estimator": "dr_grpo", "loss_agg_mode": "seq_mean_token_mean"},
+    "rloo-token-mean-denominator": {"advantage_estimator": "rloo", "loss_agg_mode": "token_mean",
+                                    "loss_denominator": 80},
+    "rf++-kl-in-reward": {"advantage_estimator": "reinforce_plus_plus", "gamma": 0.9, "kl_coef": 0.1,
+                          "kl_in_reward": True},
+    "rf++-baseline": {"advantage_estimator": "reinforce_plus_plus_baseline"},
+    "gae-value": {"advantage_estimator": "gae", "gamma": 0.99, "lam": 0.95, "kl_coef": 0.05, "kl_in_reward": True,
+                  "cliprange_value": 0.2},
+    "gspo-seq-mean-token-sum": {"policy_loss": "gspo", "loss_agg_mode": "seq_mean_token_sum"},
+    "cispo-norm": {"policy_loss": "cispo", "loss_agg_mode": "seq_mean_token_sum_norm", "loss_scale_factor": 8},
+    "dual-clip-kl-loss": {"eps_clip_c": 3.0, "kl_loss_coef": 0.1, "kl_loss_estimator": "low_var_kl"},
+    "rollout-is-token-rs-sequence": {"rollout_is": "token", "rollout_rs": "sequence", "rollout_rs_lower": 0.5,
+                                     "rollout_rs_upper": 2.0, "loss_agg_mode": "token_mean"},
+    "rollout-is-sequence-ceilings": {"rollout_is": "sequence", "mismatch_max_token_log_ratio": 0.5,
+                                     "mismatch_max_kl_k3": 0.001},
+    "on-policy": {"expect_on_policy": True},
+}
+
+
+def _both(sources: list, **options: Any) -> tuple[dict, dict]:
+    """The report of one block and of blocks of SMALL tokens, as dicts with every stage's evidence."""
+    whole = replay(sources, **options)
+    streamed = replay(sources, block_tokens=SMALL, **options)
+
+    def as_dict(report) -> dict:
+        return {"report": report.to_dict(), "evidence": [s.evidence for s in report.stages],
+                "metrics": [s.metrics for s in report.stages]}
+    return as_dict(whole), as_dict(streamed)
+
+
+def _with_payload(case: CanonicalCase, name: str, position: int, delta: float) -> CanonicalCase:
+    payloads = dict(case.payloads)
+    payloads[name] = payloads[name].clone()
+    payloads[name][position] += delta
+    return CanonicalCase(case.manifest, case.index, case.expected, payloads)
+
+
+def _blocks_of(source) -> list:
+    cohort = Cohort([CohortPart(source, tuple(range(len(source.index.samples))))], PayloadCache())
+    return plan_blocks(cohort, SMALL)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS.values()), ids=list(CONFIGS))
+def test_streamed_replay_equals_the_replay_in_one_block(config):
+    case = algorithm_case(config, seed=7)
+    source = source_of(case)
+    assert len(_blocks_of(source)) >= 3
+    whole, streamed = _both([source])
+    assert streamed == whole
+
+
+@pytest.mark.parametrize("config", [CONFIGS["grpo"], CONFIGS["gae-value"], CONFIGS["rf++-kl-in-reward"],
+                                    CONFIGS["rollout-is-token-rs-sequence"]], ids=["grpo", "gae", "rf++", "rollout-is"])
+def test_streamed_faults_are_found_at_the_same_stage_sample_and_token(config):
+    case = algorithm_case(config, seed=3)
+    late = token_position(case.index, 10, token_with_mask(case.index, 10))
+    early = token_position(case.index, 2, token_with_mask(case.index, 2))
+    faulty = _with_payload(_with_payload(case, "kl", late, 0.5), "kl", early, 0.25)
+    faulty = _with_payload(faulty, "entropy", early, float("nan"))
+    if "rollout_log_probs" in faulty.payloads:
+        faulty = _with_payload(faulty, "rollout_log_probs", late, float("inf"))
+    whole, streamed = _both([source_of(faulty)])
+    assert streamed == whole
+    assert not whole["report"]["passed"]
+    kl = next(s for s in whole["report"]["stages"] if s["stage"] == "advantage.kl")
+    assert kl["status"] == "fail"
+
+
+def test_streamed_advantage_faults_keep_their_evidence_and_order():
+    case = algorithm_case({"grpo_std_normalization": True}, seed=5)
+    faulty = case
+    for sample in (11, 0, 6, 3):   # written out of order, across blocks
+        faulty = _with_payload(faulty, "advantages", token_position(case.index, sample, 0), 1.0)
+    whole, streamed = _both([source_of(faulty)])
+    assert streamed == whole
+    stage = next(s for s in whole["report"]["stages"] if s["stage"] == "advantage.estimate")
+    assert [d["sample_id"] for d in stage["divergences"]][:2] == ["a-0", "a-3"]
+
+
+def test_streamed_multi_rank_and_partial_selections_equal_one_block():
+    case = twelve_case()
+    shards = split_ranks(case, [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11]])
+    sources = [MemorySource(*shard, rank=r) for r, shard in enumerate(shards)]
+    whole, streamed = _both(sources)
+    assert streamed == whole and whole["report"]["passed"]
+    whole, streamed = _both(sources, groups=["g-0"])
+    assert streamed == whole
+    whole, streamed = _both(sources, rank=1)
+    assert streamed == whole
+
+
+def test_a_block_holds_whole_groups_and_reads_only_its_rows():
+    case = algorithm_case({}, seed=1)
+    source = source_of(case)
+    blocks = _blocks_of(source)
+    assert len(blocks) == len(set(GROUPS))   # the groups of 4 members each exceed SMALL tokens: one a block
+    for block in blocks:
+        groups = {r.group_index for r in block.cohort.records}
+        members = [i for i, g in enumerate(GROUPS) if g in groups]
+        assert block.index.tolist() == members   # every member of its groups, in cohort order
+    assert replay([source], block_tokens=SMALL).passed
+    rows = {rows for name, rows in source.loads if rows is not None}
+    assert rows and all(sorted({GROUPS[i] for i in r}) and
+                        set(r) == {i for i, g in enumerate(GROUPS) if g in {GROUPS[j] for j in r}} for r in rows)
+
+
+def test_a_malformed_bundle_is_replayed_in_one_block():
+    case = algorithm_case({}, seed=2)
+    payloads = dict(case.payloads)
+    payloads["entropy"] = payloads["entropy"][:-1]
+    whole, streamed = _both([source_of(CanonicalCase(case.manifest, case.index, case.expected, payloads))])
+    assert streamed == whole and not whole["report"]["passed"]
+
+
+def test_the_streamed_replay_reads_every_payload_row_once_per_pass():
+    case = algorithm_case(CONFIGS["gae-value"], seed=4)
+    source = source_of(case)
+    assert replay([source], block_tokens=SMALL).passed
+    per_name: dict[str, int] = {}
+    for name, rows in source.loads:
+        per_name[name] = per_name.get(name, 0) + (len(rows) if rows is not None else len(case.index.samples))
+    # gae whitens over the cohort: the payloads up to advantage.estimate are read twice (statistics, then replay)
+    assert per_name["values"] == 2 * len(case.index.samples)
+    assert per_name["vpreds"] == len(case.index.samples)
+    assert StageId.LOSS_VALUE.value in {s.stage for s in replay([source], block_tokens=SMALL).stages}
+
+
+def test_zero_length_responses_stream_too():
+    case = algorithm_case({"advantage_estimator": "gae", "cliprange_value": 0.2}, seed=9, empty_sample=True)
+    faulty = _with_payload(case, "advantages", token_position(case.index, 2, 0), 0.5)
+    whole, streamed = _both([source_of(faulty)])
+    assert streamed == whole
+    assert torch.tensor(0).item() == 0
