@@ -261,14 +261,20 @@ def _one_line(text: Any) -> str:
     return "; ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
+WORKER_MODULES = ("torch", "trajectory_replay.replay.runner", "trajectory_replay.bundle.reader",
+                  "trajectory_replay.store", "trajectory_replay.ops.scan")
+"""What a worker needs to replay (`trajectory_replay.replay` imports its parts lazily): imported once by the local
+engine's fork server, before it forks any worker."""
+
+
 def _import_torch() -> None:
     """Import torch once in a worker and keep the collector from rescanning what it imported (as the CLI does)."""
     import gc
 
-    import torch  # noqa: F401
+    import importlib
 
-    import trajectory_replay.replay  # noqa: F401
-
+    for module in WORKER_MODULES:
+        importlib.import_module(module)
     gc.freeze()
 
 
@@ -323,7 +329,7 @@ def _context():
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "trajectory_replay.replay", "trajectory_replay.ops.scan"])
+    ctx.set_forkserver_preload(list(WORKER_MODULES))
     return ctx
 
 
