@@ -486,6 +486,8 @@ def scan_cmd(
 
     if engine not in ("local", "ray"):
         raise UsageError(f"--engine {engine!r}: expected local or ray")
+    if ray_address is not None and engine != "ray":
+        raise UsageError("--ray-address needs --engine ray")
     check_workers(workers)
     atol, rtol = check_tolerance("--atol", atol), check_tolerance("--rtol", rtol)
     if engine == "ray":

@@ -19,6 +19,8 @@ from trajectory_replay.backends import open_backend
 from trajectory_replay.ops.scan import TEST_DIE_ENV, TEST_SLEEP_ENV, VERDICTS_DIR, scan_store
 
 REPO = Path(__file__).resolve().parents[2]
+NO_TORCH_CLI = "import sys; sys.modules['torch'] = None; from trajectory_replay.cli import main; main()"
+"""The CLI in a process that cannot import torch: the scan driver never does (its worker processes do)."""
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +94,8 @@ def test_killed_scan_is_resumed(tmp_path):
     for i, name in enumerate(names):
         write_step(root, name, i, 0)
     env = {**os.environ, TEST_SLEEP_ENV: "0.4", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "trajectory_replay", "scan", root, "--workers", "1"], cwd=REPO,
+    # the command as a user runs it, where the driver cannot import torch (only its workers do)
+    proc = subprocess.Popen([sys.executable, "-c", NO_TORCH_CLI, "scan", root, "--workers", "1"], cwd=REPO,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
@@ -135,7 +138,8 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch):
     assert len(missing.stderr.strip().splitlines()) == 1
     for args, message in ((["--workers", "0"], "--workers 0: must be at least 1"),
                           (["--engine", "spark"], "--engine 'spark': expected local or ray"),
-                          (["--atol", "nan"], "--atol nan")):
+                          (["--atol", "nan"], "--atol nan"),
+                          (["--ray-address", "ray://x:1"], "--ray-address needs --engine ray")):
         bad = cli("scan", str(tmp_path), *args)
         assert bad.exit_code == 2 and message in bad.stderr, (args, bad.stderr)
         assert len(bad.stderr.strip().splitlines()) == 1
