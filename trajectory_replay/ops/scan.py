@@ -294,7 +294,7 @@ def storage_env() -> dict[str, str]:
 
 
 def _local_worker(conn, url: str, storage_options: dict[str, Any], options: ScanOptions, hooks: Hooks,
-                  env: dict[str, str]) -> None:
+                  env: dict[str, str], threads: int) -> None:
     """A worker process: replays the bundle names it receives, one answer per name, until told to stop."""
     import signal
 
@@ -304,6 +304,11 @@ def _local_worker(conn, url: str, storage_options: dict[str, Any], options: Scan
     os.environ.update(env)
     try:
         _import_torch()
+        import torch
+
+        # the workers share the CPUs: each runs its tensor operations on its own share of them (a pool of N workers
+        # each running torch's default of one thread per CPU would oversubscribe them N times)
+        torch.set_num_threads(threads)
         replayer = Replayer(url, storage_options, options)
     except BaseException as exc:  # no torch, a store that cannot be opened: every bundle says why
         replayer, failure = None, _one_line(f"{type(exc).__name__}: {exc}")
@@ -384,7 +389,7 @@ def run_local(url: str, storage_options: dict[str, Any], names: Sequence[str], o
     attempts: dict[str, int] = {}
     last_failure: dict[str, str] = {}
     ctx = _context()
-    args = (url, storage_options, options, hooks, storage_env())
+    args = (url, storage_options, options, hooks, storage_env(), max(1, available_cpus() // max(1, workers)))
     pool: list[_Worker] = []
 
     def feed(worker: _Worker) -> None:
@@ -602,13 +607,18 @@ class ScanReport:
         return "\n".join(lines)
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def check_workers(workers: Optional[int]) -> int:
     """`--workers`: at least 1 (default: the CPUs this process may use)."""
     if workers is None:
-        try:
-            return max(1, len(os.sched_getaffinity(0)))
-        except AttributeError:  # pragma: no cover - not Linux
-            return max(1, os.cpu_count() or 1)
+        return available_cpus()
     if workers < 1:
         raise UsageError(f"--workers {workers}: must be at least 1")
     return workers
