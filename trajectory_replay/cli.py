@@ -270,6 +270,10 @@ def replay_cmd(
                                             "overridden (repeatable; VALUE as JSON, else a string).")] = [],
     no_upstream: Annotated[bool, typer.Option("--no-upstream", help="With --step: replay the step-level bundle "
                                               "alone, not with the rollout-level bundles it consumed.")] = False,
+    block_tokens: Annotated[Optional[int], typer.Option(
+        "--block-tokens", help="Stream the replay in blocks of whole prompt groups of about N tokens, to bound "
+        "memory (default: only a cohort of more than 32M tokens streams, in blocks of 4M); the report is the "
+        "same.")] = None,
     html_path: HtmlFlag = None,
     as_json: JsonFlag = False,
 ) -> None:
@@ -282,12 +286,14 @@ def replay_cmd(
     if step is not None and rollout is not None:
         raise UsageError("--step and --rollout are mutually exclusive")
     atol, rtol = check_tolerance("--atol", atol), check_tolerance("--rtol", rtol)
+    if block_tokens is not None and block_tokens < 1:
+        raise UsageError(f"--block-tokens must be a positive number of tokens, got {block_tokens}")
     overrides = parse_overrides(set_)
     sources, rank = open_for_replay(path, step=step, rollout=rollout)
 
     def replay_step(step_sources):
         return replay(step_sources, samples=sample, groups=group, batches=batch, stages=stage or None,
-                      atol=atol, rtol=rtol, rank=rank, overrides=overrides)
+                      atol=atol, rtol=rtol, rank=rank, overrides=overrides, block_tokens=block_tokens)
 
     if step is not None and not no_upstream:
         from trajectory_replay.errors import NoMatchingBundleError

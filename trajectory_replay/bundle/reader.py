@@ -198,8 +198,13 @@ class BundleReader:
             raise BundleError(f"{self.label}: payload {name!r} has {numel} elements, the index has {total} "
                               "response tokens")
         size = header.itemsize
-        spans = [(header.data_start + self._offsets[p] * size, header.data_start + self._offsets[p + 1] * size)
-                 for p in positions]
+        spans: list[tuple[int, int]] = []
+        for p in positions:   # adjacent rows are one range (a block of whole groups is mostly runs of rows)
+            lo, hi = header.data_start + self._offsets[p] * size, header.data_start + self._offsets[p + 1] * size
+            if spans and spans[-1][1] == lo:
+                spans[-1] = (spans[-1][0], hi)
+            else:
+                spans.append((lo, hi))
         parts = self.store.read_ranges(self.payload_ref(name), spans, record=self._record(name))
         return codec.from_bytes(b"".join(parts), header.dtype)
 

@@ -31,8 +31,9 @@ from trajectory_replay.replay.cohort import Cohort, CohortPart, PayloadCache
 from trajectory_replay.replay.compare import FieldComparison, Findings, nonfinite_problem
 from trajectory_replay.replay.report import MAX_DIVERGENCES, Divergence
 
-BLOCK_TOKENS = 1 << 24
-"""Tokens per block when a replay streams (16M: four float32 payloads of a block stay under 256 MiB)."""
+BLOCK_TOKENS = 1 << 22
+"""Tokens per block when a replay streams (4M: 16 MiB per float32 payload; a block's payloads and the next block's,
+read meanwhile, stay within a few hundred MiB)."""
 
 STREAM_TOKENS = 1 << 25
 """A pass over more tokens than this streams (about 128 MiB per float32 payload); a smaller one runs in one block."""

@@ -42,6 +42,8 @@ class PayloadCache:
 
     def __init__(self) -> None:
         self._loaded: dict[tuple[int, str, Optional[tuple[int, ...]]], torch.Tensor] = {}
+        self.names: set[str] = set()
+        """Every payload name loaded through the cache so far (kept or since forgotten)."""
 
     def load(self, part: CohortPart, name: str) -> torch.Tensor:
         """The rows of `name` that `part` selects."""
@@ -49,6 +51,7 @@ class PayloadCache:
         key = (id(part.source), name, rows)
         if key not in self._loaded:
             self._loaded[key] = part.source.load_payload(name, samples=None if rows is None else list(rows))
+            self.names.add(name)
         return self._loaded[key]
 
     def retain(self, names: set[str]) -> None:

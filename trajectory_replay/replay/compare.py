@@ -136,6 +136,7 @@ def compare_tensors(field: str, expected: torch.Tensor, actual: torch.Tensor, la
     max_err = float(diff.max()) if e.numel() else None  # NaN anywhere makes the max NaN
     problems: list[str] = []
     nonfinite: list[tuple[str, int, float, int]] = []
+    finite_diff = max_err is not None and math.isfinite(max_err)
     if max_err is None or max_err <= tol.atol:
         bad = torch.zeros(e.numel(), dtype=torch.bool)  # every error within atol <= the bound: all match
     else:
@@ -153,14 +154,16 @@ def compare_tensors(field: str, expected: torch.Tensor, actual: torch.Tensor, la
             problems.extend(nonfinite_problem(field, side, value, layout.locate(torch.tensor([at]))[0], n)
                             for side, at, value, n in nonfinite)
     count = int(torch.count_nonzero(bad))  # a bool sum would widen every element to int64 first
+    errors = None
+    if (count or sample_errors) and layout.sample_ids and not layout.scalar:
+        # every difference finite: each sample's largest is a max over the differences already taken
+        errors = _segment_max(diff, layout) if finite_diff else _sample_errors(e, a, layout)
     del diff
     positions = bad.nonzero().flatten()[:MAX_DIVERGENCES]
     divergences = tuple(
         Divergence(field=field, sample_id=sid, token_offset=tok, expected=float(e[p]), actual=float(a[p]),
                    abs_error=abs(float(a[p]) - float(e[p])))
         for p, (sid, tok) in zip(positions, layout.locate(positions)))
-    errors = _sample_errors(e, a, layout) if (count or sample_errors) and layout.sample_ids and not layout.scalar \
-        else None
     evidence = _evidence(e, a, bad, layout, errors) if count and errors is not None else None
     return FieldComparison(field=field, compared=e.numel(), mismatch_count=count, max_abs_error=max_err,
                            divergences=divergences, problems=tuple(problems), evidence=evidence,
@@ -179,10 +182,17 @@ def _sample_errors(e: torch.Tensor, a: torch.Tensor, layout: SampleLayout) -> to
     diff[~(torch.isfinite(a) & torch.isfinite(e))] = float("nan")
     if layout.starts is None:   # one value per sample
         return diff
-    lengths = torch.diff(layout.starts, append=torch.tensor([e.numel()]))
     # a non-finite value marks its sample NaN: taken as +inf through the max, then turned back
-    errors = torch.segment_reduce(diff.nan_to_num(nan=float("inf")), "max", lengths=lengths, unsafe=True)
-    errors = torch.where(errors == float("inf"), float("nan"), errors)
+    errors = _segment_max(diff.nan_to_num(nan=float("inf")), layout)
+    return torch.where(errors == float("inf"), float("nan"), errors)
+
+
+def _segment_max(diff: torch.Tensor, layout: SampleLayout) -> torch.Tensor:
+    """Each sample's largest value of `diff` (finite, flat in `layout`; 0 for an empty response)."""
+    if layout.starts is None:   # one value per sample
+        return diff.clone()
+    lengths = torch.diff(layout.starts, append=torch.tensor([diff.numel()]))
+    errors = torch.segment_reduce(diff, "max", lengths=lengths, unsafe=True)
     errors[lengths == 0] = 0.0
     return errors
 

@@ -9,6 +9,7 @@ soon as no later stage reads them.
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
 
@@ -130,7 +131,10 @@ class _Run:
                 ctx = self.context(planned.stage.id, whole, shared, plan.label)
                 self._compute(planned, ctx, shared, runs, whole_block(whole))
         whitening = self._whitening(plan, blocks, shared) if streamed else None
-        for block in blocks:
+        prefetch = _Prefetch(blocks) if streamed else None
+        for b, block in enumerate(blocks):
+            if prefetch is not None:
+                prefetch.ready(b)   # this block's payloads are read; the next block's reading starts now
             outputs = {stage: {key: value[block.index] if streamed else value for key, value in produced.items()}
                        for stage, produced in shared.items()}
             for i, planned in enumerate(self.sample_level):
@@ -143,8 +147,11 @@ class _Run:
             for planned in self.cohort_level:
                 if planned.action == "run" and not plan.cohort_skip:
                     self._per_part(planned, plan, whole, block, outputs, part_runs, streamed)
-            if streamed:
+            if prefetch is not None:
+                prefetch.learn(block.cohort.cache.names)
                 block.cohort.cache.retain(set())
+        if prefetch is not None:
+            prefetch.close()
         for planned in self.sample_level:
             if planned.action == "run" and planned.stage.id in runs:
                 stage_runs = runs[planned.stage.id]
@@ -245,6 +252,39 @@ class _Run:
     def _whitened(self, stage: StageId) -> bool:
         """True for advantage.estimate of an estimator that whitens over the whole cohort."""
         return stage == StageId.ADVANTAGE_ESTIMATE and self.plan.kernels.estimator.whitened
+
+
+class _Prefetch:
+    """Reads the next block's payloads on a thread of its own while the stages compute over the current block:
+    reading and verifying (file reads, BLAKE3) and the stages' tensor kernels run at the same time. The payloads
+    read are those the first block's stages loaded."""
+
+    def __init__(self, blocks: Sequence[Block]) -> None:
+        self.blocks = blocks
+        self.names: set[str] = set()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-prefetch")
+        self.pending: Optional[Future] = None
+
+    def learn(self, names: set[str]) -> None:
+        self.names |= names
+
+    def ready(self, b: int) -> None:
+        """Wait for block `b`'s payloads (a read error surfaces here), then start reading block b + 1's."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+        if self.names and b + 1 < len(self.blocks):
+            self.pending = self.pool.submit(_read_block, self.blocks[b + 1], sorted(self.names))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def _read_block(block: Block, names: Sequence[str]) -> None:
+    for part in block.cohort.parts:
+        for name in names:
+            if part.source.has_payload(name):
+                block.cohort.cache.load(part, name)
 
 
 WHITENED_PART = "advantages whitened over the whole cohort are not replayable on part of it"

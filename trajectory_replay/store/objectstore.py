@@ -19,6 +19,8 @@ with `trust_cache=False` (validate) sends every read to the backend and only fil
 from __future__ import annotations
 
 import base64
+import bisect
+import functools
 import json
 import logging
 import os
@@ -87,6 +89,11 @@ class BlobRecord:
     size: int
     block_size: int
     chunks: tuple[ChunkInfo, ...]
+
+    @functools.cached_property
+    def chunk_offsets(self) -> list[int]:
+        """Each chunk's offset in the blob (increasing)."""
+        return [c.offset for c in self.chunks]
 
     def to_bytes(self) -> bytes:
         # the format goes first: RECORD_HEAD depends on it
@@ -520,9 +527,14 @@ class ObjectStore:
         """(chunk index, block index) pairs covering [start, end)."""
         if start >= end:
             return
-        for ci, chunk in enumerate(record.chunks):
+        # chunks lie in offset order: start at the one holding `start` (a read of many rows asks this per row)
+        first = max(bisect.bisect_right(record.chunk_offsets, start) - 1, 0)
+        for ci in range(first, len(record.chunks)):
+            chunk = record.chunks[ci]
             c_end = chunk.offset + chunk.size
-            if c_end <= start or chunk.offset >= end:
+            if chunk.offset >= end:
+                break
+            if c_end <= start:
                 continue
             lo = (max(start, chunk.offset) - chunk.offset) // record.block_size
             hi = (min(end, c_end) - chunk.offset - 1) // record.block_size
