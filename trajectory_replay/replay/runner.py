@@ -148,8 +148,8 @@ class _Run:
                 if planned.action == "run" and not plan.cohort_skip:
                     self._per_part(planned, plan, whole, block, outputs, part_runs, streamed)
             if prefetch is not None:
-                prefetch.learn(block.cohort.cache.names)
                 block.cohort.cache.retain(set())
+                prefetch.done(b, block.cohort.cache.names)
         if prefetch is not None:
             prefetch.close()
         for planned in self.sample_level:
@@ -192,9 +192,10 @@ class _Run:
         outcome = stage.compute(ctx)
         if outcome.outputs:
             outputs[stage.id] = outcome.outputs
-        runs.setdefault(stage.id, []).append((outcome, block))
         if self.keep:
             self._keep(outcome.outputs, ctx.cohort)
+        # the verdict needs the findings, not the per-token outputs: those go when no later stage reads them
+        runs.setdefault(stage.id, []).append((replace(outcome, outputs={}), block))
 
     def _per_part(self, planned: PlannedStage, plan: Pass, whole: Cohort, block: Block, outputs: dict,
                   part_runs: dict, streamed: bool) -> None:
@@ -263,20 +264,29 @@ class _Prefetch:
         self.blocks = blocks
         self.names: set[str] = set()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-prefetch")
-        self.pending: Optional[Future] = None
-
-    def learn(self, names: set[str]) -> None:
-        self.names |= names
+        self.pending: dict[int, Future] = {}
+        self.started: set[int] = set()
 
     def ready(self, b: int) -> None:
         """Wait for block `b`'s payloads (a read error surfaces here), then start reading block b + 1's."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
+        pending = self.pending.pop(b, None)
+        if pending is not None:
             pending.result()
-        if self.names and b + 1 < len(self.blocks):
-            self.pending = self.pool.submit(_read_block, self.blocks[b + 1], sorted(self.names))
+        self._start(b + 1)
+
+    def done(self, b: int, names: set[str]) -> None:
+        """Block `b` ran, loading `names`: those are read ahead from now on, starting with block b + 1."""
+        self.names |= names
+        self._start(b + 1)
+
+    def _start(self, i: int) -> None:
+        if self.names and i < len(self.blocks) and i not in self.started:
+            self.started.add(i)
+            self.pending[i] = self.pool.submit(_read_block, self.blocks[i], sorted(self.names))
 
     def close(self) -> None:
+        for pending in self.pending.values():
+            pending.cancel()
         self.pool.shutdown(wait=True)
 
 
