@@ -20,8 +20,8 @@ written). Local engine: `scan_store(workers=N)` in this process, 1 and 2 workers
 imports torch once per scanning process whatever the number of workers: that start-up is measured once on its
 own (the first scan of the run) and reported, like Ray's, not counted. Goal: 2 workers at least 1.6x faster than
 1. The Ray engine runs on a local Ray started once with `ray.init(num_cpus=2)` (its start-up reported separately,
-not counted); its first scan warms Ray's worker processes (torch imported in each), the median of the next runs
-is timed. Goal: within 1.5x of the local engine's 2-worker time. For reference, the same scans as a user runs them
+not counted); its first scan warms Ray's worker processes (torch imported in each), the median of the next 5 runs
+(1 with `--quick`) is timed. Goal: within 1.5x of the local engine's 2-worker time. For reference, the same scans as a user runs them
 (`python -m trajectory_replay scan ROOT --force --workers N`, a fresh process, everything included) are timed once
 each. Last, a re-scan without `--force` must replay nothing (every verdict read back from the store).
 """
@@ -112,7 +112,7 @@ def _ray_rows(ctx: Context, root: str, n: int, local_two: float, right) -> list[
         ctx.log(f"ray, first run (workers start, import torch): {warm.seconds:.2f} s")
         runs = []
         ok = right(warm)
-        for _ in range(ctx.reps(3)):
+        for _ in range(ctx.reps(5)):
             report = scan_store(root, engine="ray", force=True)
             ok &= right(report)
             runs.append(report.seconds)

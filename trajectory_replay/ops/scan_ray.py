@@ -45,6 +45,19 @@ def replay_task(url: str, storage_options: dict[str, Any], name: str, options: S
     return replayer.replay_one(name, hooks)
 
 
+_REMOTE: list = []
+
+
+def _remote():
+    """The Ray task (defined once per driver: every scan of this process sends the same function)."""
+    if not _REMOTE:
+        import ray
+
+        _REMOTE.append(ray.remote(num_cpus=1, max_retries=ATTEMPTS - 1, retry_exceptions=True)(replay_task).options(
+            name="trajectory-replay-scan"))
+    return _REMOTE[0]
+
+
 def _connect(address: Optional[str], workers: int) -> bool:
     """Connect to (or start) a cluster; True when this call started one that the scan must stop."""
     import ray
@@ -77,8 +90,7 @@ def run_ray(url: str, storage_options: dict[str, Any], names: Sequence[str], opt
     stop = _connect(address, workers)
     start_seconds = time.perf_counter() - started
     try:
-        task = ray.remote(replay_task).options(num_cpus=1, max_retries=ATTEMPTS - 1, retry_exceptions=True,
-                                               name="trajectory-replay-scan")
+        task = _remote()
         refs = {task.remote(url, storage_options, name, options, hooks): name for name in names}
         waiting = list(refs)
         while waiting:
