@@ -188,3 +188,31 @@ def test_s3_scan(s3_root, s3_env):
     assert (again.replayed, again.cached) == (1, len(CLEAN) + len(DIVERGED))
     check_summary(again.to_dict())
     assert again.exit_code == 1
+
+
+def test_progress_counts_bundles_and_divergences(store):
+    """Every bundle reaches the progress (stored verdicts and incomplete bundles too); the bar shows done / total
+    and the running count of divergences."""
+    import io
+
+    from rich.console import Console
+
+    from trajectory_replay.ops.scan import RichScanProgress, ScanProgress
+
+    class Recording(ScanProgress):
+        def start(self, total):
+            self.total, self.seen = total, []
+
+        def done(self, verdict):
+            self.seen.append((verdict.name, verdict.status))
+
+    recording = Recording()
+    report = scan_store(store, workers=1, progress=recording)
+    assert recording.total == len(recording.seen) == len(report.verdicts) == 7
+    assert sorted(recording.seen) == sorted((v.name, v.status) for v in report.verdicts)
+    out = io.StringIO()
+    with RichScanProgress(Console(file=out, force_terminal=True, width=120)) as bar:
+        bar.start(len(report.verdicts))
+        for verdict in report.verdicts:
+            bar.done(verdict)
+    assert "7/7 bundles" in out.getvalue() and "2 diverged" in out.getvalue()
