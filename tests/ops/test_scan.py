@@ -216,3 +216,17 @@ def test_progress_counts_bundles_and_divergences(store):
         for verdict in report.verdicts:
             bar.done(verdict)
     assert "7/7 bundles" in out.getvalue() and "2 diverged" in out.getvalue()
+
+
+def test_a_store_that_takes_no_verdicts_is_still_scanned(tmp_path):
+    """Verdicts that cannot be written (a store this user may only read) are still reported; the summary says they
+    were not kept, and the next scan replays those bundles again."""
+    root = tmp_path / "store"
+    for i in range(3):
+        write_step(str(root), f"s-{i}-0", i, 0, buggy=i == 1)
+    (root / VERDICTS_DIR).write_bytes(b"not a directory")  # every verdict write fails
+    report = scan_store(str(root), workers=1)
+    assert report.counts["pass"] == 2 and report.counts["diverged"] == 1 and report.exit_code == 1
+    assert len(report.unkept) == 3 and report.unkept[0].startswith("s-0-0: ")
+    assert "3 verdict(s) not kept in the store" in report.render_text()
+    assert scan_store(str(root), workers=1).replayed == 3

@@ -237,10 +237,14 @@ class Replayer:
         except TrajectoryReplayError as exc:  # a digest mismatch, a missing object, a document that does not parse
             verdict.status, verdict.detail = INVALID, _one_line(exc)
         verdict.seconds = time.perf_counter() - started
+        result = verdict.to_dict()
         if verdict.status in CACHEABLE and verdict.digest is not None:
-            self.store.backend.create_if_absent(verdict_key(verdict.digest, self.options),
-                                                verdict_document(verdict, self.options))
-        return verdict.to_dict()
+            try:
+                self.store.backend.create_if_absent(verdict_key(verdict.digest, self.options),
+                                                    verdict_document(verdict, self.options))
+            except (BackendError, OSError) as exc:  # a store this user may read but not write: still a verdict
+                result["unkept"] = _one_line(exc)
+        return result
 
 
 def _judge(verdict: Verdict, report) -> None:
@@ -521,6 +525,8 @@ class ScanReport:
     engine_start_seconds: float = 0.0
     """Time the engine took to start (Ray: connecting to or starting a cluster), included in `seconds`."""
     forced: bool = False
+    unkept: list[str] = dc_field(default_factory=list)
+    """'<bundle>: why' for each verdict reached but not kept in the store (a store this user cannot write)."""
 
     @property
     def counts(self) -> dict[str, int]:
@@ -567,7 +573,7 @@ class ScanReport:
                 "incomplete": [{"name": v.name, "anchor": v.anchor, "missing_ranks": v.missing_ranks,
                                 "expected_ranks": v.expected_ranks, "detail": v.detail} for v in self.incomplete],
                 "finalized": self.finalized, "seconds": round(self.seconds, 3),
-                "engine_start_seconds": round(self.engine_start_seconds, 3),
+                "engine_start_seconds": round(self.engine_start_seconds, 3), "unkept": self.unkept,
                 "verdicts": [v.to_dict() for v in self.verdicts]}
 
     def render_text(self) -> str:
@@ -593,6 +599,9 @@ class ScanReport:
                             else v.detail))
         for name in self.finalized:
             lines.append(f"{name}: finalized (every rank had landed)")
+        if self.unkept:
+            lines.append(f"{len(self.unkept)} verdict(s) not kept in the store (the next scan replays them again): "
+                         f"{self.unkept[0]}")
         if not self.verdicts:
             return "\n".join(lines)
         rows = [("BUNDLE", "ANCHOR", "STATUS", "FIRST DIVERGENT STAGE", "SAMPLE", "FROM")]
@@ -692,6 +701,8 @@ def scan_store(root: str | os.PathLike, *, engine: str = "local", workers: Optio
             new.expected_ranks = new.expected_ranks or old.expected_ranks
             by_name[new.name] = new
             report.replayed += 1
+            if result.get("unkept"):
+                report.unkept.append(f"{new.name}: {result['unkept']}")
         progress.done(new)
 
     if todo:
