@@ -230,3 +230,17 @@ def test_a_store_that_takes_no_verdicts_is_still_scanned(tmp_path):
     assert len(report.unkept) == 3 and report.unkept[0].startswith("s-0-0: ")
     assert "3 verdict(s) not kept in the store" in report.render_text()
     assert scan_store(str(root), workers=1).replayed == 3
+
+
+def test_concurrent_scans_agree_and_keep_sound_verdicts(tmp_path):
+    root = str(tmp_path / "store")
+    populate(root, corrupt=False)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        reports = list(pool.map(lambda _: scan_store(root, workers=1), range(2)))
+    outcomes = [[(v.name, v.status, v.first_divergent_stage, v.sample_id) for v in r.verdicts] for r in reports]
+    assert outcomes[0] == outcomes[1]
+    after = scan_store(root, workers=1)
+    assert (after.replayed, after.cached) == (0, 5), "every verdict either scan wrote reads back"
+    assert [(v.name, v.status, v.first_divergent_stage, v.sample_id) for v in after.verdicts] == outcomes[0]
