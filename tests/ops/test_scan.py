@@ -246,3 +246,14 @@ def test_concurrent_scans_agree_and_keep_sound_verdicts(tmp_path):
     after = scan_store(root, workers=1)
     assert (after.replayed, after.cached) == (0, 5), "every verdict either scan wrote reads back"
     assert [(v.name, v.status, v.first_divergent_stage, v.sample_id) for v in after.verdicts] == outcomes[0]
+
+
+def test_an_unreachable_ray_cluster_is_one_line(tmp_path):
+    pytest.importorskip("ray")
+    root = str(tmp_path / "store")
+    write_step(root, "s-1-0", 1, 0)
+    result = cli("scan", root, "--engine", "ray", "--ray-address", "127.0.0.1:1")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        "trajectory-replay: error: cannot reach the Ray cluster at 127.0.0.1:1: Connection refused (check "
+        "--ray-address or RAY_ADDRESS)"]

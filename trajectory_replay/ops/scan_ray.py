@@ -67,6 +67,10 @@ def _connect(address: Optional[str], workers: int) -> bool:
     address = address or os.environ.get("RAY_ADDRESS") or None
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level="WARNING",
                                   configure_logging=True)
+    if address:
+        problem = _unreachable(address)
+        if problem:
+            raise UsageError(f"cannot reach the Ray cluster at {address}: {problem} (check --ray-address or RAY_ADDRESS)")
     try:
         if address:
             ray.init(address=address, **kwargs)
@@ -76,6 +80,26 @@ def _connect(address: Optional[str], workers: int) -> bool:
     except Exception as exc:  # noqa: BLE001 - Ray's own errors (ConnectionError, RuntimeError, ...) as one line
         where = f"Ray cluster at {address}" if address else "a local Ray cluster"
         raise UsageError(f"cannot connect to {where}: {_one_line(exc)}") from None
+
+
+CONNECT_TIMEOUT = 5.0
+"""Seconds to wait for a TCP connection to `--ray-address` before giving up (Ray itself waits for minutes)."""
+
+
+def _unreachable(address: str) -> Optional[str]:
+    """Why nothing answers at `host:port` (or `ray://host:port`), or None (also for `auto` and other forms Ray
+    resolves itself)."""
+    import socket
+
+    target = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = target.rstrip("/").rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT):
+            return None
+    except OSError as exc:
+        return _one_line(exc.strerror or exc) or type(exc).__name__
 
 
 def run_ray(url: str, storage_options: dict[str, Any], names: Sequence[str], options: ScanOptions, *,
