@@ -65,7 +65,7 @@ def _connect(address: Optional[str], workers: int) -> bool:
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
-    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level="WARNING",
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level="ERROR",
                                   configure_logging=True)
     if address:
         problem = _unreachable(address)
