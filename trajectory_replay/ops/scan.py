@@ -37,7 +37,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field as dc_field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from trajectory_replay import __version__
 from trajectory_replay.backends import Backend, redact_url
