@@ -248,8 +248,14 @@ def decode_array(buffer: bytes | bytearray, where: str) -> tuple[Header, "numpy.
 
 def from_bytes(data: bytes, dtype: "torch.dtype") -> "torch.Tensor":
     """A 1-D tensor over raw little-endian bytes (a copy, so it owns its memory)."""
+    return from_buffer(bytearray(data), dtype)
+
+
+def from_buffer(buffer: bytearray, dtype: "torch.dtype") -> "torch.Tensor":
+    """A 1-D tensor over the raw little-endian bytes of a buffer the caller hands over (no copy: the tensor shares
+    the buffer's memory)."""
     import torch
 
-    if not data:
+    if not buffer:
         return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype)

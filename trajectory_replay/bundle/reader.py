@@ -206,7 +206,9 @@ class BundleReader:
             else:
                 spans.append((lo, hi))
         parts = self.store.read_ranges(self.payload_ref(name), spans, record=self._record(name))
-        return codec.from_bytes(b"".join(parts), header.dtype)
+        # one run of rows comes back in a buffer of its own: the tensor takes it over; several are joined once
+        data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytearray) else bytearray().join(parts)
+        return codec.from_buffer(data, header.dtype)
 
     def row_blocks(self, name: str, positions: Sequence[int]) -> list[tuple[int, int, tuple[tuple[int, bytes], ...]]]:
         """For each sample position: the byte span of its rows in payload `name`'s blob, and the (offset, hash) of

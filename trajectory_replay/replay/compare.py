@@ -138,7 +138,7 @@ def compare_tensors(field: str, expected: torch.Tensor, actual: torch.Tensor, la
     nonfinite: list[tuple[str, int, float, int]] = []
     finite_diff = max_err is not None and math.isfinite(max_err)
     if max_err is None or max_err <= tol.atol:
-        bad = torch.zeros(e.numel(), dtype=torch.bool)  # every error within atol <= the bound: all match
+        bad = None  # every error within atol <= the bound: all match
     else:
         bad = diff > e.abs().mul_(tol.rtol).add_(tol.atol)
         if not math.isfinite(max_err):
@@ -153,13 +153,13 @@ def compare_tensors(field: str, expected: torch.Tensor, actual: torch.Tensor, la
                     nonfinite.append((side, at, float(values[at]), bad_side.numel()))
             problems.extend(nonfinite_problem(field, side, value, layout.locate(torch.tensor([at]))[0], n)
                             for side, at, value, n in nonfinite)
-    count = int(torch.count_nonzero(bad))  # a bool sum would widen every element to int64 first
+    count = 0 if bad is None else int(torch.count_nonzero(bad))  # a bool sum would widen every element to int64
     errors = None
     if (count or sample_errors) and layout.sample_ids and not layout.scalar:
         # every difference finite: each sample's largest is a max over the differences already taken
         errors = _segment_max(diff, layout) if finite_diff else _sample_errors(e, a, layout)
     del diff
-    positions = bad.nonzero().flatten()[:MAX_DIVERGENCES]
+    positions = torch.zeros(0, dtype=torch.int64) if bad is None else bad.nonzero().flatten()[:MAX_DIVERGENCES]
     divergences = tuple(
         Divergence(field=field, sample_id=sid, token_offset=tok, expected=float(e[p]), actual=float(a[p]),
                    abs_error=abs(float(a[p]) - float(e[p])))

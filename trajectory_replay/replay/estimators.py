@@ -120,7 +120,11 @@ def raw_rewards(inputs: RewardInputs) -> torch.Tensor:
 
 def broadcast_advantages(inputs: AdvantageInputs) -> torch.Tensor:
     """Each sample's r' on every token of its response (times the loss mask with mask_advantages)."""
-    a = torch.repeat_interleave(inputs.rewards.to(torch.float32), inputs.lengths.to(torch.int64))
+    rewards, lengths = inputs.rewards.to(torch.float32), inputs.lengths.to(torch.int64)
+    if lengths.numel() and bool((lengths == lengths[0]).all()):   # equal lengths (a padded layout): a plain copy
+        a = rewards[:, None].expand(-1, int(lengths[0])).reshape(-1)
+    else:
+        a = torch.repeat_interleave(rewards, lengths)
     if inputs.config.mask_advantages:
         a.mul_(inputs.mask.to(torch.float32))
     return a

@@ -78,6 +78,19 @@ def masked_sample_sums(values: torch.Tensor, mask: torch.Tensor, lengths: torch.
     return torch.segment_reduce(weighted, "sum", lengths=lengths.to(torch.int64))
 
 
+def stacked_sample_sums(rows: Sequence[torch.Tensor], mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Per-sample sums of each of `rows` times the mask, and of the mask itself (the last row): a (k + 1, n) float64
+    tensor. The products are taken in float32 (a 0/1 mask makes them exact), the sums in float64, all rows in one
+    conversion and one segment reduction."""
+    m = mask.to(torch.float32)
+    stacked = torch.empty((len(rows) + 1, m.numel()), dtype=torch.float32)
+    for i, row in enumerate(rows):
+        torch.mul(row, m, out=stacked[i])
+    stacked[-1] = m
+    per_row = lengths.to(torch.int64).expand(len(rows) + 1, -1).contiguous()
+    return torch.segment_reduce(stacked.to(torch.float64), "sum", lengths=per_row, axis=1)
+
+
 def sample_ends(lengths: torch.Tensor) -> torch.Tensor:
     """Where each sample's tokens end in the flat layout (exclusive)."""
     return torch.cumsum(lengths.to(torch.int64), 0)
@@ -181,5 +194,5 @@ def sample_blocks(lengths: torch.Tensor, block_tokens: int) -> Iterator[tuple[in
 
 
 __all__ = ["KL_TYPES", "LOW_VAR_KL_CLAMP", "Moments", "WHITEN_EPS", "check_kl_type", "dense_group_ids",
-           "kl_estimate", "masked_sample_sums", "masked_whiten", "sample_moments", "whiten", "whitening_stats", "reverse_scan_order", "sample_blocks", "sample_ends",
+           "kl_estimate", "masked_sample_sums", "masked_whiten", "stacked_sample_sums", "sample_moments", "whiten", "whitening_stats", "reverse_scan_order", "sample_blocks", "sample_ends",
            "segment_sum", "token_counts"]

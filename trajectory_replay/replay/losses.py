@@ -16,7 +16,7 @@ import torch
 
 from trajectory_replay.bundle.schema import RecomputeConfig
 from trajectory_replay.bundle.stage_io import rollout_correction
-from trajectory_replay.replay.kernels import kl_estimate, masked_sample_sums, sample_blocks
+from trajectory_replay.replay.kernels import kl_estimate, sample_blocks, stacked_sample_sums
 from trajectory_replay.replay.mismatch import correction, log_ratio
 
 if TYPE_CHECKING:
@@ -200,22 +200,20 @@ def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: "Ke
             fix = correction(log_ratio(data.old_log_probs[start:end], data.rollout_log_probs[start:end]),
                              block_mask, block_lengths, config)
             block_mask, weights = fix.mask, fix.weights
-        mask = block_mask.to(torch.float64)  # once per block: every sum below weighs by it
-        counts.append(torch.segment_reduce(mask, "sum", lengths=block_lengths))
         terms = kernels.policy_loss.tokens(PolicyInputs(
             data.log_probs[start:end], data.old_log_probs[start:end], data.advantages[start:end],
             block_mask, block_lengths, config))
         pg = terms.pg if weights is None else terms.pg.to(torch.float32) * weights
-        sums["pg_loss"].append(masked_sample_sums(pg, mask, block_lengths))
-        sums["pg_clipfrac"].append(masked_sample_sums(terms.clipfrac, mask, block_lengths))
-        sums["ppo_kl"].append(masked_sample_sums(terms.ppo_kl, mask, block_lengths))
+        rows = [pg, terms.clipfrac, terms.ppo_kl, data.entropy[start:end]]
         del terms
-        sums["entropy_loss"].append(masked_sample_sums(data.entropy[start:end], mask, block_lengths))
         if with_kl:
             assert data.ref_log_probs is not None
-            kl = kl_estimate(data.log_probs[start:end], data.ref_log_probs[start:end], config.kl_loss_estimator,
-                             config.kl_log_ratio_clamp, config.kl_output_clamp)
-            sums["kl_loss"].append(masked_sample_sums(kl, mask, block_lengths))
+            rows.append(kl_estimate(data.log_probs[start:end], data.ref_log_probs[start:end],
+                                    config.kl_loss_estimator, config.kl_log_ratio_clamp, config.kl_output_clamp))
+        block_sums = stacked_sample_sums(rows, block_mask, block_lengths)
+        for name, row in zip(sums, block_sums):
+            sums[name].append(row)
+        counts.append(block_sums[-1])
     return LossSums({name: _cat(parts) for name, parts in sums.items()}, _cat(counts))
 
 
@@ -258,14 +256,15 @@ def value_loss_sums(data: ValueLossData, config: RecomputeConfig) -> LossSums:
     counts: list[torch.Tensor] = []
     for first, last, start, end in sample_blocks(lengths, BLOCK_TOKENS):
         block_lengths = lengths[first:last]
-        mask = data.mask[start:end].to(torch.float64)
-        counts.append(torch.segment_reduce(mask, "sum", lengths=block_lengths))
         values, vpreds = data.values[start:end].to(torch.float32), data.vpreds[start:end].to(torch.float32)
         returns = data.returns[start:end].to(torch.float32)
         clipped = torch.maximum(torch.minimum(vpreds, values + c), values - c).sub_(returns).square_()
         unclipped = vpreds.sub(returns).square_()
-        sums["vf_clipfrac"].append(masked_sample_sums(clipped > unclipped, mask, block_lengths))
-        sums["vf_loss"].append(masked_sample_sums(torch.maximum(unclipped, clipped), mask, block_lengths))
+        block_sums = stacked_sample_sums([torch.maximum(unclipped, clipped), clipped > unclipped],
+                                         data.mask[start:end], block_lengths)
+        sums["vf_loss"].append(block_sums[0])
+        sums["vf_clipfrac"].append(block_sums[1])
+        counts.append(block_sums[-1])
     return LossSums({name: _cat(parts) for name, parts in sums.items()}, _cat(counts))
 
 
