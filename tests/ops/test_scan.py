@@ -144,6 +144,8 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch):
         bad = cli("scan", str(tmp_path), *args)
         assert bad.exit_code == 2 and message in bad.stderr, (args, bad.stderr)
         assert len(bad.stderr.strip().splitlines()) == 1
+    memory = cli("scan", "memory://somewhere")
+    assert memory.exit_code == 2 and "memory:// store lives in this process only" in memory.stderr
     code, out = cli_json("scan", str(tmp_path), "--workers", "-3")
     assert code == 2 and out["status"] == "usage"
     monkeypatch.setitem(sys.modules, "ray", None)  # as where ray is not installed

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field as dc_field
 from typing import Any, Callable, Optional, Sequence
 
 from trajectory_replay import __version__
-from trajectory_replay.backends import Backend, redact_url
+from trajectory_replay.backends import Backend, redact_url, split_url
 from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.bundle.status import COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, scan_bundles
 from trajectory_replay.errors import NoMatchingBundleError, UsageError
@@ -650,6 +650,9 @@ def scan_store(root: str | os.PathLike, *, engine: str = "local", workers: Optio
     options = ScanOptions(atol, rtol)
     progress = progress or ScanProgress()
     url = os.fspath(root).rstrip("/") or "/"
+    if split_url(url)[0] == "memory":
+        raise UsageError(f"{url}: a memory:// store lives in this process only, and scan replays in worker "
+                         "processes: scan a path or an s3:// URL")
     backend = open_root(url, **storage_options)
     shown = redact_url(url)
     states, finalized = _finalize_landed(backend, scan_bundles(backend))
