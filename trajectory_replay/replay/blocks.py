@@ -63,7 +63,7 @@ class Block:
         wanted = whole.parts[k]
         for j, part in enumerate(self.cohort.parts):
             if part.source is wanted.source:
-                part_rows = {p: i for i, p in enumerate(wanted.positions)}
+                part_rows = whole.row_index(k)
                 index = torch.tensor([part_rows[p] for p in part.positions], dtype=torch.int64)
                 whole_part = whole.part(k)
                 starts = whole_part.token_layout.starts

@@ -70,6 +70,8 @@ class Cohort:
         self.sample_ids = [r.sample_id for r in self.records]
         # a negative length is reported by the sample stage; here it only must not break the layout
         self.lengths = torch.tensor([max(r.response_length, 0) for r in self.records], dtype=torch.int64)
+        self._part_cohorts: dict[int, Cohort] = {}
+        self._row_indexes: dict[int, dict[int, int]] = {}
 
     @property
     def num_tokens(self) -> int:
@@ -127,8 +129,16 @@ class Cohort:
         return stored if isinstance(stored, dict) else None
 
     def part(self, k: int) -> "Cohort":
-        """Part `k` alone, sharing the payload cache."""
-        return Cohort([self.parts[k]], self.cache)
+        """Part `k` alone, sharing the payload cache (made once)."""
+        if k not in self._part_cohorts:
+            self._part_cohorts[k] = Cohort([self.parts[k]], self.cache)
+        return self._part_cohorts[k]
+
+    def row_index(self, k: int) -> dict[int, int]:
+        """Part `k`'s source positions -> their place among the part's samples (made once)."""
+        if k not in self._row_indexes:
+            self._row_indexes[k] = {p: i for i, p in enumerate(self.parts[k].positions)}
+        return self._row_indexes[k]
 
     def token_range(self, k: int) -> slice:
         """Where part `k`'s tokens lie in the cohort's flat per-token tensors."""
