@@ -145,7 +145,8 @@ def _baseline_row(ctx: Context) -> Row:
     for _ in range(ctx.reps(5)):
         for name, (args, pythonpath) in commands.items():
             samples[name].append(_run(args, pythonpath)[0])
-    subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", base], check=False, capture_output=True)
+    subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", base], check=False,
+                   capture_output=True)
     now = median(samples["replay"]) - median(samples["import"])
     before = median(samples["base-replay"]) - median(samples["base-import"])
     ratio = now / before

@@ -193,6 +193,6 @@ def sample_blocks(lengths: torch.Tensor, block_tokens: int) -> Iterator[tuple[in
             first, start = i + 1, end
 
 
-__all__ = ["KL_TYPES", "LOW_VAR_KL_CLAMP", "Moments", "WHITEN_EPS", "check_kl_type", "dense_group_ids",
-           "kl_estimate", "masked_sample_sums", "masked_whiten", "stacked_sample_sums", "sample_moments", "whiten", "whitening_stats", "reverse_scan_order", "sample_blocks", "sample_ends",
-           "segment_sum", "token_counts"]
+__all__ = ["KL_TYPES", "LOW_VAR_KL_CLAMP", "Moments", "WHITEN_EPS", "check_kl_type", "dense_group_ids", "kl_estimate",
+           "masked_sample_sums", "masked_whiten", "reverse_scan_order", "sample_blocks", "sample_ends",
+           "sample_moments", "segment_sum", "stacked_sample_sums", "token_counts", "whiten", "whitening_stats"]

@@ -291,8 +291,8 @@ def _aggregate(sums: LossSums, config: RecomputeConfig, kernels: "Kernels") -> d
     return {name: float(values.mul(weights).sum()) for name, values in sums.sums.items()}
 
 
-__all__ = ["BLOCK_TOKENS", "LossSums", "PolicyInputs", "PolicyLossData", "PolicyLossTokens", "ValueLossData", "cispo_tokens",
-           "gspo_tokens", "policy_loss_outputs", "ppo_clip_tokens", "seq_mean_token_mean_weights",
-           "seq_mean_token_sum_norm_weights", "seq_mean_token_sum_weights", "sum_of_sample_means_weights",
-           "token_mean_weights", "policy_loss_scalars", "policy_loss_sums", "value_loss_outputs",
+__all__ = ["BLOCK_TOKENS", "LossSums", "PolicyInputs", "PolicyLossData", "PolicyLossTokens", "ValueLossData",
+           "cispo_tokens", "gspo_tokens", "policy_loss_outputs", "policy_loss_scalars", "policy_loss_sums",
+           "ppo_clip_tokens", "seq_mean_token_mean_weights", "seq_mean_token_sum_norm_weights",
+           "seq_mean_token_sum_weights", "sum_of_sample_means_weights", "token_mean_weights", "value_loss_outputs",
            "value_loss_scalars", "value_loss_sums"]

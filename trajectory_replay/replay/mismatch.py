@@ -193,6 +193,6 @@ def staleness(policy_versions: list[Optional[int]], actor_version: Optional[int]
     return [None if v is None or actor_version is None else actor_version - v for v in policy_versions]
 
 
-__all__ = ["CORRECTION_MODES", "Correction", "LOG_RATIO_CLAMP", "MismatchMetrics", "MismatchSums", "WORST_TOKENS", "correction",
-           "log_ratio", "metrics_of", "mismatch_metrics", "mismatch_sums", "recorded_weights", "rs_bounds", "token_scores",
-           "staleness", "worst_tokens"]
+__all__ = ["CORRECTION_MODES", "Correction", "LOG_RATIO_CLAMP", "MismatchMetrics", "MismatchSums", "WORST_TOKENS",
+           "correction", "log_ratio", "metrics_of", "mismatch_metrics", "mismatch_sums", "recorded_weights",
+           "rs_bounds", "staleness", "token_scores", "worst_tokens"]

@@ -132,26 +132,28 @@ class _Run:
                 self._compute(planned, ctx, shared, runs, whole_block(whole))
         whitening = self._whitening(plan, blocks, shared) if streamed else None
         prefetch = _Prefetch(blocks) if streamed else None
-        for b, block in enumerate(blocks):
+        try:
+            for b, block in enumerate(blocks):
+                if prefetch is not None:
+                    prefetch.ready(b)   # this block's payloads are read; the next block's reading starts now
+                outputs = {stage: {key: value[block.index] if streamed else value for key, value in produced.items()}
+                           for stage, produced in shared.items()}
+                for i, planned in enumerate(self.sample_level):
+                    if planned.stage.per_block and self._runs(planned, plan):
+                        ctx = self.context(planned.stage.id, block.cohort, outputs, plan.label,
+                                           block if streamed else None, whitening)
+                        self._compute(planned, ctx, outputs, runs, block)
+                    later = [p.stage for p in self.sample_level[i + 1:] + self.cohort_level]
+                    _release(outputs, block.cohort.cache, later, self.plan.config)
+                for planned in self.cohort_level:
+                    if planned.action == "run" and not plan.cohort_skip:
+                        self._per_part(planned, plan, whole, block, outputs, part_runs, streamed)
+                if prefetch is not None:
+                    block.cohort.cache.retain(set())
+                    prefetch.done(b, block.cohort.cache.names)
+        finally:   # a read or a stage that fails leaves no reading thread behind
             if prefetch is not None:
-                prefetch.ready(b)   # this block's payloads are read; the next block's reading starts now
-            outputs = {stage: {key: value[block.index] if streamed else value for key, value in produced.items()}
-                       for stage, produced in shared.items()}
-            for i, planned in enumerate(self.sample_level):
-                if planned.stage.per_block and self._runs(planned, plan):
-                    ctx = self.context(planned.stage.id, block.cohort, outputs, plan.label,
-                                       block if streamed else None, whitening)
-                    self._compute(planned, ctx, outputs, runs, block)
-                _release(outputs, block.cohort.cache, [p.stage for p in self.sample_level[i + 1:] + self.cohort_level],
-                         self.plan.config)
-            for planned in self.cohort_level:
-                if planned.action == "run" and not plan.cohort_skip:
-                    self._per_part(planned, plan, whole, block, outputs, part_runs, streamed)
-            if prefetch is not None:
-                block.cohort.cache.retain(set())
-                prefetch.done(b, block.cohort.cache.names)
-        if prefetch is not None:
-            prefetch.close()
+                prefetch.close()
         for planned in self.sample_level:
             if planned.action == "run" and planned.stage.id in runs:
                 stage_runs = runs[planned.stage.id]
