@@ -4,6 +4,10 @@ Execution follows the plan and decides nothing about ranks or selection: each pa
 sample-level stages once over its rows, then each cohort-level stage once per part, and every
 verdict is reported for the ranks the plan names. Loaded payloads and stage outputs are dropped as
 soon as no later stage reads them.
+
+A large pass streams (`replay.blocks`): every stage runs over one block of whole groups, then over the
+next, while a thread reads the next block's payloads; each stage's verdict is made once, from its runs
+over the blocks, and equals that of one run over the whole cohort.
 """
 
 from __future__ import annotations
