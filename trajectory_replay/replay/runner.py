@@ -140,8 +140,7 @@ class _Run:
             for b, block in enumerate(blocks):
                 if prefetch is not None:
                     prefetch.ready(b)   # this block's payloads are read; the next block's reading starts now
-                outputs = {stage: {key: value[block.index] if streamed else value for key, value in produced.items()}
-                           for stage, produced in shared.items()}
+                outputs = _block_outputs(shared, block) if streamed else {k: dict(v) for k, v in shared.items()}
                 for i, planned in enumerate(self.sample_level):
                     if planned.stage.per_block and self._runs(planned, plan):
                         ctx = self.context(planned.stage.id, block.cohort, outputs, plan.label,
@@ -234,8 +233,7 @@ class _Run:
                 found = sample_moments(values, mask, lengths)
                 moments.count[at], moments.total[at], moments.m2[at] = found.count, found.total, found.m2
                 return values
-            outputs = {stage: {key: value[block.index] for key, value in produced.items()}
-                       for stage, produced in shared.items()}
+            outputs = _block_outputs(shared, block)
             upstream = [p for p in self.sample_level if p.stage.per_block and p.stage.id != StageId.SAMPLE
                         and STAGE_ORDER.index(p.stage.id) <= STAGE_ORDER.index(StageId.ADVANTAGE_ESTIMATE)]
             for planned in upstream:
@@ -304,6 +302,11 @@ def _read_block(block: Block, names: Sequence[str]) -> None:
 
 
 WHITENED_PART = "advantages whitened over the whole cohort are not replayable on part of it"
+
+
+def _block_outputs(shared: dict, block: Block) -> dict:
+    """The block's samples' values of the per-sample outputs computed once over the whole cohort."""
+    return {stage: {key: value[block.index] for key, value in produced.items()} for stage, produced in shared.items()}
 
 
 def _merged(runs: Runs, whole: Cohort) -> Findings:

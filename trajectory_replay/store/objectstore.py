@@ -422,19 +422,8 @@ class ObjectStore:
 
         def fill(chunk: ChunkInfo) -> None:
             # each worker places its own chunk straight into the buffer: no join, no extra copy
-            target = view[chunk.offset:chunk.offset + chunk.size]
-            hit = self.cache.get(parse_digest(chunk.digest)) if self._cache_serves else None
-            if hit is not None and len(hit) == chunk.size:
-                target[:] = hit
-                return
-            key = object_key(chunk.digest)
-            try:
-                got = self.backend.read_into(key, target)
-            except NotFoundError:
-                raise NotFoundError(f"{self.url}: missing chunk {chunk.digest} of blob {record.digest}") from None
-            if got != chunk.size:
-                raise IntegrityError(f"chunk {chunk.digest} at {self.url}/{key}: {got} bytes, record says {chunk.size}")
-            fetched.append(chunk)
+            if self._read_chunk_into(record, chunk, view[chunk.offset:chunk.offset + chunk.size]):
+                fetched.append(chunk)
 
         self._map(fill, record.chunks)
         # one hash of the whole content verifies every chunk at once; only a mismatch hashes chunk by chunk,
@@ -525,6 +514,22 @@ class ObjectStore:
             out.append(b"".join(pieces))
         return out
 
+    def _read_chunk_into(self, record: BlobRecord, chunk: ChunkInfo, target: memoryview) -> bool:
+        """Fill `target` with one chunk of `record`'s blob: from the cache when it serves the chunk (False), else
+        from the backend (True: the caller verifies it). A missing or short chunk raises, naming the blob."""
+        hit = self.cache.get(parse_digest(chunk.digest)) if self._cache_serves else None
+        if hit is not None and len(hit) == chunk.size:
+            target[:] = hit
+            return False
+        key = object_key(chunk.digest)
+        try:
+            got = self.backend.read_into(key, target)
+        except NotFoundError:
+            raise NotFoundError(f"{self.url}: missing chunk {chunk.digest} of blob {record.digest}") from None
+        if got != chunk.size:
+            raise IntegrityError(f"chunk {chunk.digest} at {self.url}/{key}: {got} bytes, record says {chunk.size}")
+        return True
+
     @staticmethod
     def _whole_chunks_within(record: BlobRecord, start: int, end: int) -> bool:
         """True when [start, end) spans at least one whole chunk (a long run of rows: read chunk by chunk)."""
@@ -544,18 +549,11 @@ class ObjectStore:
 
         def fill(chunk: ChunkInfo) -> None:
             target = view[chunk.offset - start:chunk.offset - start + chunk.size]
-            hit = self.cache.get(parse_digest(chunk.digest)) if self._cache_serves else None
-            if hit is not None and len(hit) == chunk.size:
-                target[:] = hit
+            if not self._read_chunk_into(record, chunk, target):
                 return
-            key = object_key(chunk.digest)
-            try:
-                got = self.backend.read_into(key, target)
-            except NotFoundError:
-                raise NotFoundError(f"{self.url}: missing chunk {chunk.digest} of blob {record.digest}") from None
-            if got != chunk.size or hash_bytes(target) != chunk.digest:
-                raise IntegrityError(f"chunk {chunk.digest} at {self.url}/{key}: content does not match its digest "
-                                     f"(blob {record.digest})")
+            if hash_bytes(target) != chunk.digest:
+                raise IntegrityError(f"chunk {chunk.digest} at {self.url}/{object_key(chunk.digest)}: content does "
+                                     f"not match its digest (blob {record.digest})")
             if self.cache is not None:
                 self.cache.put(parse_digest(chunk.digest), target)
 
