@@ -3,8 +3,10 @@
 glibc raises its mmap threshold after the first large buffer is freed, so later payload-sized
 buffers come from the heap, where freed space is fragmented and stays resident. Replay loads and
 frees many payload-sized tensors; with a fixed threshold they are mapped and returned to the OS
-when freed, which keeps peak memory near what is actually live. Respects a user's own
-MALLOC_MMAP_THRESHOLD_.
+when freed, which keeps peak memory near what is actually live. Small temporaries stay on the
+heap, whose top is kept (up to TRIM_THRESHOLD) instead of being handed back after every free:
+replay's kernels allocate and free such buffers thousands of times, and each trimmed-then-regrown
+page is a page fault. Respects a user's own MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_.
 """
 
 from __future__ import annotations
@@ -13,17 +15,23 @@ import ctypes
 import os
 import sys
 
+_M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 2 << 20
+TRIM_THRESHOLD = 64 << 20
 
 
 def return_large_buffers_to_os() -> bool:
-    """Fix glibc's mmap threshold at 2 MiB; True when applied (Linux with glibc only)."""
+    """Fix glibc's mmap threshold at 2 MiB and its trim threshold at 64 MiB; True when applied (Linux with glibc
+    only)."""
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+        applied = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+        if applied and "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+            libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        return applied
     except (OSError, AttributeError):  # not glibc: nothing to tune
         return False
 

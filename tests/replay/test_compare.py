@@ -81,3 +81,52 @@ def test_at_most_ten_divergences_are_listed_but_all_are_counted():
     result = compare_tensors("x", torch.zeros(25), torch.ones(25), SampleLayout.per_sample(list("abcdefghijklmnopqrstuvwxy")),
                              Tolerances())
     assert result.mismatch_count == 25 and len(result.divergences) == 10
+
+
+def _long_pair(seed: int, jitter: float):
+    """A long per-token pair over samples of uneven lengths (some empty), `actual` off by at most `jitter`."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 3000, (200,), generator=g)
+    lengths[[0, 7, 199]] = 0
+    n = int(lengths.sum())
+    expected = torch.randn(n, generator=g)
+    actual = expected + (torch.rand(n, generator=g) * 2 - 1) * jitter
+    layout = SampleLayout.per_token([f"s{i}" for i in range(200)], lengths)
+    return expected, actual, layout
+
+
+def _full(expected, actual, layout, tol):
+    """The comparison with the chunked check turned off: the reference it must agree with."""
+    import trajectory_replay.replay.compare as compare
+
+    saved, compare.CHUNK_TOKENS = compare.CHUNK_TOKENS, 1 << 40
+    try:
+        return compare_tensors("x", expected, actual, layout, tol, sample_errors=True)
+    finally:
+        compare.CHUNK_TOKENS = saved
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_chunked_check_of_a_passing_field_equals_the_full_comparison(seed):
+    expected, actual, layout = _long_pair(seed, 1e-7)
+    assert expected.numel() > 4 * (1 << 16)   # long enough to be checked chunk by chunk
+    tol = Tolerances(atol=1e-6, rtol=0.0)
+    fast = compare_tensors("x", expected, actual, layout, tol, sample_errors=True)
+    full = _full(expected, actual, layout, tol)
+    assert not fast.failed and fast.max_abs_error == full.max_abs_error > 0
+    assert fast.compared == full.compared and fast.per_token and full.per_token
+    assert torch.equal(fast.sample_errors, full.sample_errors)
+    assert fast.sample_errors[0] == 0 and fast.sample_errors[199] == 0   # empty responses
+
+
+def test_chunked_check_hands_a_failing_or_non_finite_field_to_the_full_comparison():
+    expected, actual, layout = _long_pair(2, 1e-7)
+    actual[-5] += 1.0
+    tol = Tolerances(atol=1e-6, rtol=0.0)
+    result = compare_tensors("x", expected, actual, layout, tol, sample_errors=True)
+    assert result.mismatch_count == 1 and result.divergences[0].abs_error == pytest.approx(1.0, abs=1e-5)
+    assert torch.equal(result.sample_errors, _full(expected, actual, layout, tol).sample_errors)
+    actual[-5] -= 1.0
+    actual[3000] = float("nan")
+    result = compare_tensors("x", expected, actual, layout, tol)
+    assert result.failed and result.mismatch_count == 1 and "actual value is nan" in result.problems[0]

@@ -266,3 +266,16 @@ def test_value_loss_clips_the_prediction_around_the_old_value():
     # (1 - 2)^2 = 1 < (0.2 - 2)^2 = 3.24: the clipped term wins
     assert losses.value_loss_outputs(pulled, cfg, resolve_kernels(cfg)) == pytest.approx(
         {"vf_loss": 0.5 * 3.24, "vf_clipfrac": 1.0})
+
+
+def test_segment_sums_match_a_float64_loop_with_empty_segments_anywhere():
+    from trajectory_replay.replay.kernels import segment_sums
+
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([0, 5, 0, 0, 3, 1, 0])
+    values = torch.randn(2, int(lengths.sum()), generator=g, dtype=torch.float64)
+    got = segment_sums(values, lengths)
+    ends = torch.cumsum(lengths, 0).tolist()
+    want = torch.stack([torch.stack([row[e - n:e].sum() for e, n in zip(ends, lengths.tolist())]) for row in values])
+    assert got.shape == (2, 7) and torch.allclose(got, want, rtol=0, atol=1e-12)
+    assert segment_sums(values[:, :0], torch.zeros(3, dtype=torch.int64)).eq(0).all()

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
+import numpy
 import torch
 
 from trajectory_replay.errors import UnsupportedError
@@ -78,17 +79,52 @@ def masked_sample_sums(values: torch.Tensor, mask: torch.Tensor, lengths: torch.
     return torch.segment_reduce(weighted, "sum", lengths=lengths.to(torch.int64))
 
 
-def stacked_sample_sums(rows: Sequence[torch.Tensor], mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+class Workspace:
+    """A float64 buffer reused by the blocks of one pass: a fresh block-sized buffer each time would be mapped and
+    faulted in anew by the allocator, which costs about as much as the arithmetic done in it."""
+
+    def __init__(self) -> None:
+        self._buffer: Optional[torch.Tensor] = None
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        """A (rows, cols) view of the buffer (grown when too small); its content is unspecified."""
+        if self._buffer is None or self._buffer.shape[0] < rows or self._buffer.shape[1] < cols:
+            self._buffer = torch.empty((rows, cols), dtype=torch.float64)
+        return self._buffer[:rows, :cols]
+
+
+def stacked_sample_sums(rows: Sequence[torch.Tensor], mask: torch.Tensor, lengths: torch.Tensor,
+                        workspace: Optional[Workspace] = None) -> torch.Tensor:
     """Per-sample sums of each of `rows` times the mask, and of the mask itself (the last row): a (k + 1, n) float64
-    tensor. The products are taken in float32 (a 0/1 mask makes them exact), the sums in float64, all rows in one
-    conversion and one segment reduction."""
+    tensor. Each product is taken in float32 (a 0/1 mask makes it exact) and written straight into one float64
+    stack (`workspace`'s, when given); each sample's sums depend on its own tokens only, so they are the same
+    whatever block it is summed in."""
     m = mask.to(torch.float32)
-    stacked = torch.empty((len(rows) + 1, m.numel()), dtype=torch.float32)
+    shape = (len(rows) + 1, m.numel())
+    stacked = workspace.take(*shape) if workspace is not None else torch.empty(shape, dtype=torch.float64)
     for i, row in enumerate(rows):
         torch.mul(row, m, out=stacked[i])
     stacked[-1] = m
-    per_row = lengths.to(torch.int64).expand(len(rows) + 1, -1).contiguous()
-    return torch.segment_reduce(stacked.to(torch.float64), "sum", lengths=per_row, axis=1)
+    return segment_sums(stacked, lengths)
+
+
+def segment_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Per-segment sums along the last axis of a float64 (k, T) tensor, segments of `lengths` (0 allowed): (k, n).
+
+    numpy's `add.reduceat` sums each segment pairwise, several times faster than torch's segment reduction on a
+    CPU and at least as accurate; its segments are given by their starts, so empty ones are left out of the call
+    and stay 0."""
+    lengths = lengths.to(torch.int64)
+    out = torch.zeros((values.shape[0], lengths.numel()), dtype=torch.float64)
+    present = lengths > 0
+    if values.shape[-1] == 0 or not bool(present.any()):
+        return out
+    starts = (torch.cumsum(lengths, 0) - lengths)[present]
+    sums = numpy.add.reduceat(values.numpy(), starts.numpy(), axis=-1)
+    if bool(present.all()):
+        return torch.from_numpy(sums)
+    out[:, present] = torch.from_numpy(sums)
+    return out
 
 
 def sample_ends(lengths: torch.Tensor) -> torch.Tensor:
@@ -193,6 +229,6 @@ def sample_blocks(lengths: torch.Tensor, block_tokens: int) -> Iterator[tuple[in
             first, start = i + 1, end
 
 
-__all__ = ["KL_TYPES", "LOW_VAR_KL_CLAMP", "Moments", "WHITEN_EPS", "check_kl_type", "dense_group_ids", "kl_estimate",
+__all__ = ["KL_TYPES", "LOW_VAR_KL_CLAMP", "Moments", "WHITEN_EPS", "Workspace", "check_kl_type", "dense_group_ids", "kl_estimate",
            "masked_sample_sums", "masked_whiten", "reverse_scan_order", "sample_blocks", "sample_ends",
-           "sample_moments", "segment_sum", "stacked_sample_sums", "token_counts", "whiten", "whitening_stats"]
+           "sample_moments", "segment_sum", "segment_sums", "stacked_sample_sums", "token_counts", "whiten", "whitening_stats"]

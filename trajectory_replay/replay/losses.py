@@ -16,13 +16,13 @@ import torch
 
 from trajectory_replay.bundle.schema import RecomputeConfig
 from trajectory_replay.bundle.stage_io import rollout_correction
-from trajectory_replay.replay.kernels import kl_estimate, sample_blocks, stacked_sample_sums
+from trajectory_replay.replay.kernels import Workspace, kl_estimate, sample_blocks, stacked_sample_sums
 from trajectory_replay.replay.mismatch import correction, log_ratio
 
 if TYPE_CHECKING:
     from trajectory_replay.replay.registry import Kernels
 
-BLOCK_TOKENS = 1 << 19
+BLOCK_TOKENS = 1 << 16
 SEQ_MEAN_EPS = 1e-8
 GSPO_LOG_RATIO_MAX = 10.0
 
@@ -191,6 +191,7 @@ def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: "Ke
         sums["kl_loss"] = []
     counts: list[torch.Tensor] = []
     corrected = rollout_correction(config)
+    workspace = Workspace()
     for first, last, start, end in sample_blocks(lengths, BLOCK_TOKENS):
         block_lengths = lengths[first:last]
         block_mask, weights = data.mask[start:end], None
@@ -210,7 +211,7 @@ def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: "Ke
             assert data.ref_log_probs is not None
             rows.append(kl_estimate(data.log_probs[start:end], data.ref_log_probs[start:end],
                                     config.kl_loss_estimator, config.kl_log_ratio_clamp, config.kl_output_clamp))
-        block_sums = stacked_sample_sums(rows, block_mask, block_lengths)
+        block_sums = stacked_sample_sums(rows, block_mask, block_lengths, workspace)
         for name, row in zip(sums, block_sums):
             sums[name].append(row)
         counts.append(block_sums[-1])
@@ -254,6 +255,7 @@ def value_loss_sums(data: ValueLossData, config: RecomputeConfig) -> LossSums:
     c = config.cliprange_value
     sums: dict[str, list[torch.Tensor]] = {"vf_loss": [], "vf_clipfrac": []}
     counts: list[torch.Tensor] = []
+    workspace = Workspace()
     for first, last, start, end in sample_blocks(lengths, BLOCK_TOKENS):
         block_lengths = lengths[first:last]
         values, vpreds = data.values[start:end].to(torch.float32), data.vpreds[start:end].to(torch.float32)
@@ -261,7 +263,7 @@ def value_loss_sums(data: ValueLossData, config: RecomputeConfig) -> LossSums:
         clipped = torch.maximum(torch.minimum(vpreds, values + c), values - c).sub_(returns).square_()
         unclipped = vpreds.sub(returns).square_()
         block_sums = stacked_sample_sums([torch.maximum(unclipped, clipped), clipped > unclipped],
-                                         data.mask[start:end], block_lengths)
+                                         data.mask[start:end], block_lengths, workspace)
         sums["vf_loss"].append(block_sums[0])
         sums["vf_clipfrac"].append(block_sums[1])
         counts.append(block_sums[-1])

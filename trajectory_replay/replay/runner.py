@@ -136,6 +136,7 @@ class _Run:
                 self._compute(planned, ctx, shared, runs, whole_block(whole))
         whitening = self._whitening(plan, blocks, shared) if streamed else None
         prefetch = _Prefetch(blocks) if streamed else None
+        threads = _leave_a_core_for_reading() if streamed else None
         try:
             for b, block in enumerate(blocks):
                 if prefetch is not None:
@@ -157,6 +158,8 @@ class _Run:
         finally:   # a read or a stage that fails leaves no reading thread behind
             if prefetch is not None:
                 prefetch.close()
+            if threads is not None:
+                torch.set_num_threads(threads)
         for planned in self.sample_level:
             if planned.action == "run" and planned.stage.id in runs:
                 stage_runs = runs[planned.stage.id]
@@ -292,6 +295,16 @@ class _Prefetch:
         for pending in self.pending.values():
             pending.cancel()
         self.pool.shutdown(wait=True)
+
+
+def _leave_a_core_for_reading() -> int:
+    """Run torch's kernels on one thread fewer while the reading thread reads and hashes the next block; the
+    number of threads before, to restore. On a host with two cores, two kernel threads and a busy reader fight
+    over them: each parallel kernel then waits for its descheduled half, and a streamed replay took several times
+    longer than with one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads - 1))
+    return threads
 
 
 def _read_block(block: Block, names: Sequence[str]) -> None:
