@@ -16,6 +16,7 @@ import numpy
 import torch
 
 from trajectory_replay.bundle.schema import Manifest
+from trajectory_replay.replay.kernels import sample_blocks
 from trajectory_replay.replay.report import MAX_DIVERGENCES, Divergence, StageResult, format_number
 
 DEFAULT_ATOL = 1e-6
@@ -191,28 +192,26 @@ def _within_atol(e: torch.Tensor, a: torch.Tensor, layout: SampleLayout, atol: f
     n = e.numel()
     if n < 2 * CHUNK_TOKENS or layout.starts is None or layout.scalar or len(layout.sample_ids) != layout.starts.numel():
         return None
-    from trajectory_replay.replay.kernels import sample_blocks
-
     lengths = torch.diff(layout.starts, append=torch.tensor([n]))
     blocks = list(sample_blocks(lengths, CHUNK_TOKENS))
     buffer = torch.empty(max(end - start for _, _, start, end in blocks), dtype=torch.float32)
-    errors = torch.zeros(lengths.numel(), dtype=torch.float32) if sample_errors and layout.sample_ids else None
+    errors = numpy.zeros(lengths.numel(), dtype=numpy.float32) if sample_errors and layout.sample_ids else None
+    starts, present = layout.starts.numpy(), (lengths > 0).numpy()
     largest = 0.0
     for first, last, start, end in blocks:
-        diff = buffer[:end - start]
-        torch.sub(a[start:end], e[start:end], out=diff).abs_()
         if end == start:
             continue
+        diff = buffer[:end - start]
+        torch.sub(a[start:end], e[start:end], out=diff).abs_()
         worst = float(diff.max())
         if not worst <= atol:   # a NaN fails this too
             return None
         largest = max(largest, worst)
-        if errors is not None:
-            block_lengths = lengths[first:last]
-            present = block_lengths > 0
-            starts = (torch.cumsum(block_lengths, 0) - block_lengths)[present]
-            errors[first:last][present] = torch.from_numpy(numpy.maximum.reduceat(diff.numpy(), starts.numpy()))
-    return largest, errors
+        if errors is not None:   # each sample's largest error; an empty response's stays 0
+            keep = present[first:last]
+            at = starts[first:last][keep] - start
+            errors[first:last][keep] = numpy.maximum.reduceat(diff.numpy(), at)
+    return largest, None if errors is None else torch.from_numpy(errors)
 
 
 MAX_EVIDENCE_TOKENS = 4096
