@@ -51,7 +51,7 @@ from trajectory_replay.store.inventory import fetch
 VERDICTS_DIR = ".verdicts"
 """Top-level prefix of a store root holding scan verdicts (a dot-name: never taken for a bundle)."""
 VERDICT_FORMAT = "trajectory-replay.verdict/1"
-SCAN_SEMANTICS = 1
+SCAN_SEMANTICS = 2
 """Bumped whenever what a scan replays or how it judges changes without a package version change."""
 REPLAY_VERSION = f"{__version__}+scan.{SCAN_SEMANTICS}"
 """Part of every verdict's key: a verdict of another version is not reused."""
