@@ -9,6 +9,8 @@ picks, copies, keeps or repairs bundles (inspect, ls, replay's resolution, cp, g
 
 A bundle directory without any marker has no state (`bundle_status` returns None): `describe_missing`
 tells a writer still at work (or one that died before its marker) from a directory that is no bundle.
+A FINALIZER claim is no marker: it says which producer took on finalizing, never what state a bundle is
+in, so a directory holding only a claim (its rank markers removed) has no state either.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import Iterable, Optional
 from trajectory_replay.backends import Backend, redact_url
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.markers import (
-    COMPLETE, RANK_MARKER, CompleteMarker, Documents, RankMarker, check_agreement, complete_key, rank_key,
-    rank_marker_problems, read_marker, try_finalize,
+    COMPLETE, FINALIZER, RANK_MARKER, CompleteMarker, Documents, RankMarker, check_agreement, complete_key,
+    finalizer_key, rank_key, rank_marker_problems, read_marker, try_finalize,
 )
 from trajectory_replay.errors import (
     BackendError, BundleError, NoSuchTargetError, NotFoundError, StorageUnavailableError, TrajectoryReplayError,
@@ -46,8 +48,11 @@ class BundleState:
     """Sorted; empty when a marker could not be read."""
     missing_ranks: list[int] = field(default_factory=list)
     marker_keys: list[str] = field(default_factory=list)
+    finalizer_key: Optional[str] = None
+    """The FINALIZER claim's key when the directory holds one (never among `marker_keys`: it is copied by no
+    one and names no document; gc removes it with an abandoned cohort's markers)."""
     mtime: Optional[float] = None
-    """Modification time of COMPLETE, else of the newest rank marker."""
+    """Modification time of COMPLETE, else of the newest rank marker or FINALIZER claim."""
     detail: str = ""
 
     @property
@@ -100,14 +105,15 @@ def bundle_status(backend: Backend, name: str, *, retry: bool = True) -> Optiona
     marker_names = [n for n in names if n == COMPLETE or RANK_MARKER.fullmatch(n)]
     if not marker_names:
         return None
-    state = BundleState(name, INCOMPLETE, marker_keys=[f"{name}/{n}" for n in sorted(marker_names)])
+    state = BundleState(name, INCOMPLETE, marker_keys=[f"{name}/{n}" for n in sorted(marker_names)],
+                        finalizer_key=finalizer_key(name) if FINALIZER in names else None)
     try:
         mtimes = [backend.mtime(k) for k in state.marker_keys]
         if COMPLETE in marker_names:
             state.mtime = backend.mtime(complete_key(name))
             state.complete = read_marker(backend, complete_key(name), CompleteMarker)  # type: ignore[assignment]
-        else:
-            state.mtime = max(mtimes)
+        else:  # the claim's age counts: gc removes a cohort's markers and its claim together, or none of them
+            state.mtime = max(mtimes + ([backend.mtime(state.finalizer_key)] if state.finalizer_key else []))
         for n in marker_names:
             match = RANK_MARKER.fullmatch(n)
             if match:

@@ -188,7 +188,9 @@ class BundleWriter:
 
         `payloads` (name -> tensor) not written yet are written here, in one batch with the documents: one
         in-flight record write and one round of lookups and uploads for the whole bundle.
-        Returns the final COMPLETE marker, or None while other ranks of a multi-producer bundle are missing."""
+        Returns the final COMPLETE marker, or None when this producer of a multi-producer bundle did not write
+        it: other ranks are missing, or another rank claimed finalizing (`markers.claim_finalizer`). Either
+        way this writer's ranks have landed."""
         self._check_open()
         if ranks is not None:
             ranks = check_rank_list(list(ranks), self.url)
@@ -217,7 +219,8 @@ class BundleWriter:
                 if r not in (self.expected_ranks or []):
                     raise BundleError(f"{self.url}: rank {r} is not among expected ranks {self.expected_ranks}")
                 self._land_rank(r, documents)
-            result = try_finalize(backend, self.name, self.expected_ranks, unsafe=self.unsafe_markers)
+            result = try_finalize(backend, self.name, self.expected_ranks, unsafe=self.unsafe_markers,
+                                  claim=self.rank)
         self.inflight.remove()
         self._finalized = True
         return result

@@ -9,7 +9,8 @@ records, the sweep lease and the epoch of `store.liveness`. A run goes:
 2. Read the in-flight records. Each listed digest is a root, with its ref, record and chunks.
 3. Mark from every COMPLETE, and from the rank markers of cohorts that are finalizable, younger
    than the grace period or named by a live in-flight record; an older incomplete cohort is
-   abandoned and its markers go too. Marking follows documents -> manifest payload blobs -> refs
+   abandoned and its markers go too, with its FINALIZER claim (and a claim left alone in a
+   directory whose markers are gone). Marking follows documents -> manifest payload blobs -> refs
    -> records -> chunks. A bundle whose markers or tree cannot be read whole is never guessed at:
    what its raw markers name is kept, and if that cannot be known (its manifest or a record is
    unreadable, a marker names no digest) no object or ref is deleted by this run. The report names
@@ -36,6 +37,7 @@ from typing import Any, Iterable, Optional
 from trajectory_replay.backends import Backend, redact_url
 from trajectory_replay.errors import BackendError, NotFoundError, UsageError
 from trajectory_replay.ops.progress import Progress
+from trajectory_replay.bundle.markers import FINALIZER, finalizer_key
 from trajectory_replay.bundle.status import (
     COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, bundle_names, bundle_status, scan_bundles,
 )
@@ -128,6 +130,12 @@ class GcReport:
         return "\n".join(lines)
 
 
+def _cohort_keys(state: BundleState) -> list[str]:
+    """The keys an abandoned cohort leaves: its FINALIZER claim first, so that a run stopped between its
+    batches leaves rank markers (a cohort the next run abandons again), not a claim alone."""
+    return ([state.finalizer_key] if state.finalizer_key else []) + state.marker_keys
+
+
 def collect_garbage(root: str | os.PathLike, *, grace: str | float = DEFAULT_GRACE, dry_run: bool = False,
                     progress: Optional[Progress] = None, **storage_options: Any) -> GcReport:
     """Remove unreachable objects, blob refs, abandoned cohorts' markers and expired in-flight records."""
@@ -166,12 +174,14 @@ class _Collector:
         listed = [k for k in self.inventory.object_keys() + self.inventory.ref_keys()    # 1
                   if digest_from_key(k) is not None]
         inflight = self._read_inflight()                                                    # 2
-        roots, abandoned = self._classify(scan_bundles(self.backend))                       # 3
+        names = bundle_names(self.backend)
+        states = scan_bundles(self.backend, names)
+        roots, abandoned = self._classify(states)                                           # 3
         self._mark(roots)
         self.report.abandoned_bundles = sorted(s.name for s in abandoned)
         self.report.objects_live = sum(1 for k in listed if k in self.live)
         candidates = self._aged([k for k in listed if k not in self.live])                 # 4
-        markers = self._aged([k for s in abandoned for k in s.marker_keys])
+        markers = self._aged([k for s in abandoned for k in _cohort_keys(s)] + self._lone_claims(names, states))
         self._read_candidate_refs(candidates)
         self.candidates = set(candidates) | set(markers)
         if not self.dry_run:
@@ -234,7 +244,7 @@ class _Collector:
         """Only what the store names is ever deleted; while a bundle's references are unknown, no object or ref."""
         if key_kind(key) is not None:
             return digest_from_key(key) is not None and not self.report.kept_everything
-        return True  # markers of abandoned cohorts: bundle_status names only COMPLETE and COMPLETE.<r> keys
+        return True  # markers and claims of abandoned cohorts: only COMPLETE, COMPLETE.<r> and FINALIZER keys
 
     def _read_inflight(self) -> list[InflightState]:
         records = read_inflight(self.backend)
@@ -244,6 +254,13 @@ class _Collector:
             self.inflight_digests.update(r.digests)
         self.active_bundles = {r.bundle for r in live if r.bundle}
         return records
+
+    def _lone_claims(self, names: list[str], states: list[BundleState]) -> list[str]:
+        """FINALIZER claims alone in their directory: its rank markers are gone (removed by hand, or by a gc run
+        that stopped between deletes), so no bundle state names the claim and nothing else would remove it."""
+        stated = {s.name for s in states}
+        return [finalizer_key(n) for n in names if n not in stated and n not in self.active_bundles
+                and self.backend.list_dir(n) == [FINALIZER]]
 
     def _classify(self, states: list[BundleState]) -> tuple[list[BundleState], list[BundleState]]:
         roots, abandoned = [], []
@@ -392,8 +409,8 @@ class _Collector:
         roots, _abandoned = self._classify(states)
         if roots:
             self._mark(roots)
-            for s in roots:  # markers of a cohort no longer abandoned stay
-                self.candidates -= set(s.marker_keys)
+            for s in roots:  # markers of a cohort no longer abandoned stay, and so does its claim
+                self.candidates -= set(_cohort_keys(s))
 
     # ---- deleting --------------------------------------------------------------------------------
     def _delete(self, keys: list[str]) -> None:

@@ -22,8 +22,8 @@ from typing import Any, Optional
 from trajectory_replay.backends import redact_url
 from trajectory_replay.backends.overlay import OverlayBackend
 from trajectory_replay.bundle import legacy
-from trajectory_replay.bundle.markers import CompleteMarker, RankMarker, landed_ranks, rank_key, read_complete, \
-    read_marker
+from trajectory_replay.bundle.markers import FINALIZER, CompleteMarker, RankMarker, landed_ranks, rank_key, \
+    read_complete, read_marker, try_finalize
 from trajectory_replay.bundle.schema import check_name
 from trajectory_replay.bundle.writer import BundleWriter
 from trajectory_replay.errors import BundleError
@@ -62,7 +62,7 @@ def _import_one(path: Path, store: ObjectStore, store_root: str, name: Optional[
     except ValueError as exc:
         raise BundleError(str(exc)) from None
     url = f"{store_root.rstrip('/')}/{target_name}"
-    if store.backend.list_dir(target_name):
+    if any(n != FINALIZER for n in store.backend.list_dir(target_name)):   # a claim alone is no bundle
         _check_same_as_existing(sources, store, store_root, target_name, path, name)
     _write(sources, store, url, path, name)
     return url
@@ -101,6 +101,7 @@ def _refusal(url: str, path: Path, name: Optional[str]) -> str:
 def _write(sources: list, store: ObjectStore, url: str, path: Path, name: Optional[str]) -> None:
     multi = sources[0].rank is not None
     expected_ranks = [s.rank for s in sources] if multi else None
+    final = None
     for source in sources:
         manifest = source.manifest.model_copy(update={"payloads": {}})
         full_index = source.index  # V1 records carry their loss masks
@@ -109,9 +110,12 @@ def _write(sources: list, store: ObjectStore, url: str, path: Path, name: Option
         try:
             for payload, spec in source.manifest.payloads.items():
                 writer.write_payload(payload, source.load_payload(payload).reshape(spec.shape))
-            writer.finalize()
+            final = writer.finalize()
         except BundleError as exc:
             writer.abort()  # no in-flight record outlives a refused import
             if "different content" not in str(exc):
                 raise
             raise BundleError(_refusal(url, path, name)) from None  # written meanwhile by someone else
+    if multi and final is None:
+        # every rank has landed, but another producer's FINALIZER claim was there first: finalize as a reader does
+        try_finalize(store.backend, writer.name, expected_ranks)
