@@ -1,6 +1,6 @@
 """Run the registered benchmark groups, print one table and rewrite docs/benchmarks.md.
 
-    python -m benchmarks [--only store,bundle] [--quick] [--docs PATH | --no-docs] [--strict]
+    python -m benchmarks [--only store,bundle [--refresh]] [--quick] [--docs PATH | --no-docs] [--strict]
 
 To add a group: write `benchmarks/bench_<name>.py` with `run(ctx) -> list[Row]` (plus optional
 `TITLE` and `HOW` strings for the docs) and list `<name>` in GROUPS below. A listed group whose
@@ -71,9 +71,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small sizes, one repetition: a smoke run")
     parser.add_argument("--repeats", type=int, default=None, help="repetitions per timing (default 3, quick 1)")
     parser.add_argument("--docs", default=None,
-                        help="where to write the results page (default docs/benchmarks.md on a full run; "
+                        help="where to write the results page (default docs/benchmarks.md on a full run or with --refresh; "
                              "a --quick run writes no page unless this is given)")
     parser.add_argument("--no-docs", action="store_true", help="do not write the results page")
+    parser.add_argument("--refresh", action="store_true",
+                        help="with --only: replace just those groups' figures in the results page, keeping the others "
+                             "(the page says which run each group's figures come from)")
     parser.add_argument("--workdir", default=None, help="parent of the scratch directory (default: system temp)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed (errors always do)")
     return parser.parse_args(argv)
@@ -93,11 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         elapsed = time.perf_counter() - started
         print_table(rows, title=f"trajectory-replay benchmarks ({'quick' if args.quick else 'full'}, "
                                 f"{elapsed:.0f} s)")
-        docs = None if args.no_docs else (Path(args.docs) if args.docs else (None if args.quick else DEFAULT_DOCS))
+        default = DEFAULT_DOCS if not args.quick and (not args.only or args.refresh) else None
+        docs = None if args.no_docs else (Path(args.docs) if args.docs else default)
         if docs is not None:
             command = "python -m benchmarks" + (f" --only {','.join(names)}" if args.only else "") + \
                       (" --quick" if args.quick else "")
-            write_docs(docs, ctx, rows, sections, command)
+            write_docs(docs, ctx, rows, sections, command, refresh=args.refresh, groups=GROUPS)
             print(f"wrote {docs}", file=sys.stderr)
     finally:
         ctx.close()
