@@ -1,9 +1,13 @@
-"""The FINALIZER claim of multi-rank bundles: only the producer that wins it checks the rank markers and writes
-COMPLETE; everyone else (readers, ls, fsck) ignores it, so a claimant that died leaves a finalizable bundle."""
+"""The FINALIZER claim of multi-rank bundles: a producer claims before it reads the cohort, a loser returns at once,
+the claimant hands the claim back where a rank is missing, and everyone else (readers, ls, fsck) ignores it, so a
+claimant that died leaves a finalizable bundle."""
 
 from __future__ import annotations
 
 import json
+import threading
+from collections import Counter
+from typing import Callable, Optional
 
 import pytest
 
@@ -11,12 +15,13 @@ from trajectory_replay.backends import open_backend
 from trajectory_replay.backends.base import CREATED, DIFFERENT, SAME
 from trajectory_replay.bundle import open_native
 from trajectory_replay.bundle.documents import compact_json
+from trajectory_replay.bundle.inspect import inspect_bundle
 from trajectory_replay.bundle.markers import (
-    FINALIZER, FINALIZER_FORMAT, MARKER_WINDOW, MAX_MARKER_BYTES, RankMarker, cohort_state, complete_key,
-    finalizer_claim, finalizer_key, rank_key, read_marker, try_finalize,
+    FINALIZER, FINALIZER_FORMAT, MARKER_WINDOW, MAX_MARKER_BYTES, RANK_MARKER, RankMarker, cohort_state,
+    complete_key, finalizer_claim, finalizer_key, rank_key, read_marker, try_finalize,
 )
-from trajectory_replay.bundle.status import FINALIZABLE, bundle_status
-from trajectory_replay.errors import BundleError
+from trajectory_replay.bundle.status import FINALIZABLE, INCOMPLETE, bundle_status
+from trajectory_replay.errors import BundleError, IncompleteBundleError, NotFoundError
 from trajectory_replay.ops.cp import copy_bundles
 from trajectory_replay.ops.fsck import check_store
 from trajectory_replay.ops.gc import collect_garbage
@@ -25,24 +30,56 @@ from trajectory_replay.replay.validate import validate_bundle
 from trajectory_replay.store.liveness import read_inflight
 from tests.ops.conftest import rank_writer, renamed_case, write_ranks
 
+DELETED = "deleted"
 
-def _land(root: str, name: str, rank: int, expected_ranks: list[int], **options):
-    """Land `rank` of bundle `name` with the canonical payloads; what its writer's finalize returned, and the
-    outcome of each create it made in the bundle's directory (key -> status)."""
+
+class Landing:
+    """What one producer's finalize did in its bundle's directory: `events`, its creates (key -> status) and
+    deletes (key -> DELETED) in order, and `reads`, how often it read each rank marker."""
+
+    def __init__(self) -> None:
+        self.final = None
+        self.events: list[tuple[str, str]] = []
+        self.reads: Counter = Counter()
+
+    @property
+    def creates(self) -> dict[str, str]:
+        return {key: status for key, status in self.events if status != DELETED}
+
+
+def _land(root: str, name: str, rank: int, expected_ranks: list[int],
+          hook: Optional[Callable] = None, **options) -> Landing:
+    """Land `rank` of bundle `name` with the canonical payloads, watching its writer's backend; `hook(backend)`
+    may wrap more of it first."""
     writer = rank_writer(root, name, rank, expected_ranks, **options)
     backend = writer.store.backend
-    creates: dict[str, str] = {}
-    create_status = backend.create_status
+    out, lock = Landing(), threading.Lock()
+    create_status, delete, read_range = backend.create_status, backend.delete, backend.read_range
 
-    def watched(key: str, data: bytes) -> str:
+    def watched_create(key: str, data: bytes) -> str:
         status = create_status(key, data)
         if key.startswith(f"{name}/"):
-            creates[key] = status
+            with lock:
+                out.events.append((key, status))
         return status
 
-    backend.create_status = watched
-    final = writer.finalize(payloads=renamed_case(name).payloads)
-    return final, creates
+    def watched_delete(key: str) -> None:
+        delete(key)
+        if key.startswith(f"{name}/"):
+            with lock:
+                out.events.append((key, DELETED))
+
+    def watched_read_range(key: str, start: int, end: int) -> bytes:
+        if key.startswith(f"{name}/") and RANK_MARKER.fullmatch(key[len(name) + 1:]):
+            with lock:
+                out.reads[int(key.rsplit(".", 1)[1])] += 1
+        return read_range(key, start, end)
+
+    backend.create_status, backend.delete, backend.read_range = watched_create, watched_delete, watched_read_range
+    if hook is not None:
+        hook(backend)
+    out.final = writer.finalize(payloads=renamed_case(name).payloads)
+    return out
 
 
 def _claimant_died(root: str, name: str, ranks: list[int], **options) -> None:
@@ -53,15 +90,21 @@ def _claimant_died(root: str, name: str, ranks: list[int], **options) -> None:
     assert backend.read(finalizer_key(name)) == finalizer_claim(ranks[-1])
 
 
-def test_the_last_rank_claims_and_finalizes(tmp_path):
+def test_the_first_lander_claims_finds_a_rank_missing_and_hands_the_claim_back(tmp_path):
     root = str(tmp_path / "store")
-    final, creates = _land(root, "cohort", 0, [0, 1])
-    assert final is None and creates == {rank_key("cohort", 0): CREATED}   # rank 1 missing: no claim tried
-    final, creates = _land(root, "cohort", 1, [0, 1])
-    assert final is not None and sorted(final.shards) == ["0", "1"]
-    assert creates == {rank_key("cohort", 1): CREATED, finalizer_key("cohort"): CREATED,
-                       complete_key("cohort"): CREATED}
+    first = _land(root, "cohort", 0, [0, 1])
+    assert first.final is None
+    # claimed before reading the cohort; rank 1 missing: the claim deleted, then rank 1 read once more
+    assert first.events == [(rank_key("cohort", 0), CREATED), (finalizer_key("cohort"), CREATED),
+                            (finalizer_key("cohort"), DELETED)]
+    assert first.reads == {0: 1, 1: 2}
     backend = open_backend(root)
+    assert backend.list_dir("cohort") == ["COMPLETE.0"]
+    last = _land(root, "cohort", 1, [0, 1])
+    assert last.final is not None and sorted(last.final.shards) == ["0", "1"]
+    assert last.events == [(rank_key("cohort", 1), CREATED), (finalizer_key("cohort"), CREATED),
+                           (complete_key("cohort"), CREATED)]
+    assert last.reads == {0: 1, 1: 1}
     assert json.loads(backend.read(finalizer_key("cohort"))) == {"format": FINALIZER_FORMAT, "rank": 1}
     assert backend.list_dir("cohort") == ["COMPLETE", "COMPLETE.0", "COMPLETE.1", FINALIZER]
     state = bundle_status(backend, "cohort")
@@ -69,21 +112,139 @@ def test_the_last_rank_claims_and_finalizes(tmp_path):
     assert finalizer_key("cohort") not in state.marker_keys
 
 
-def test_a_losing_claimant_lands_its_rank_and_leaves_finalizing_to_the_winner(tmp_path):
+def test_a_loser_returns_at_once_and_a_claim_held_while_ranks_are_missing_is_an_incomplete_bundle(tmp_path):
     root = str(tmp_path / "store")
-    _land(root, "cohort", 0, [0, 1])
+    _land(root, "cohort", 0, [0, 1, 2])
     backend = open_backend(root)
-    assert backend.create_if_absent(finalizer_key("cohort"), finalizer_claim(0))   # rank 0 won the race
-    final, creates = _land(root, "cohort", 1, [0, 1])
-    assert final is None
-    assert creates == {rank_key("cohort", 1): CREATED, finalizer_key("cohort"): DIFFERENT}
-    assert not backend.exists(complete_key("cohort")) and backend.exists(rank_key("cohort", 1))
-    assert backend.read(finalizer_key("cohort")) == finalizer_claim(0)
+    assert backend.create_if_absent(finalizer_key("cohort"), finalizer_claim(0))   # rank 0's claimant, mid-read
+    loser = _land(root, "cohort", 1, [0, 1, 2])
+    assert loser.final is None and loser.reads == {}   # not one marker of the cohort read
+    assert loser.events == [(rank_key("cohort", 1), CREATED), (finalizer_key("cohort"), DIFFERENT)]
     assert read_inflight(backend) == []   # a clean commit: nothing left for gc to wait out
-    # the bundle is in the state a dead claimant leaves: the next reader finalizes it
+
+    # the claim is no marker: the directory is an incomplete bundle missing rank 2, wherever it is looked at
+    state = bundle_status(backend, "cohort")
+    assert state.status == INCOMPLETE and state.landed_ranks == [0, 1] and state.missing_ranks == [2]
+    assert state.finalizer_key == finalizer_key("cohort") and finalizer_key("cohort") not in state.marker_keys
+    listing = list_bundles(root)
+    assert [(b.name, b.status, b.ranks, b.missing_ranks) for b in listing.bundles] == [
+        ("cohort", "incomplete", [0, 1], [2])]
+    assert "incomplete (missing ranks [2])" in listing.render_text() and listing.finalized == []
+    seen = inspect_bundle(f"{root}/cohort")
+    assert seen.state == "incomplete" and seen.ranks == [0, 1] and seen.expected_ranks == [0, 1, 2]
+    assert seen.detail == "incomplete bundle: ranks [0, 1] landed, missing ranks [2] of [0, 1, 2]"
+    with pytest.raises(IncompleteBundleError, match=r"missing ranks \[2\]"):
+        open_native(f"{root}/cohort")
+    assert check_store(root).finalized == [] and not backend.exists(complete_key("cohort"))
+
+    # the claimant died holding the claim: the last rank returns too, and the next reader finalizes
+    last = _land(root, "cohort", 2, [0, 1, 2])
+    assert last.final is None and last.reads == {}
     assert bundle_status(backend, "cohort").status == FINALIZABLE
-    assert [r.rank for r in open_native(f"{root}/cohort")] == [0, 1]
+    assert [r.rank for r in open_native(f"{root}/cohort")] == [0, 1, 2]
+    assert backend.exists(complete_key("cohort")) and backend.read(finalizer_key("cohort")) == finalizer_claim(0)
+
+
+def _land_rank_1_when(moment: str, root: str, others: list[Landing]) -> Callable:
+    """A hook for rank 0's claimant of cohort [0, 1]: rank 1 lands (and runs its whole finalize) right after the
+    claimant's first read misses rank 1's marker, or right after the claimant deleted its claim."""
+    def hook(backend) -> None:
+        def land() -> None:
+            if not others:
+                others.append(_land(root, "cohort", 1, [0, 1]))
+
+        if moment == "after the first miss":
+            read_range = backend.read_range
+
+            def missed(key: str, start: int, end: int) -> bytes:
+                try:
+                    return read_range(key, start, end)
+                except NotFoundError:
+                    if key == rank_key("cohort", 1):
+                        land()
+                    raise
+
+            backend.read_range = missed
+        else:
+            delete = backend.delete
+
+            def deleted(key: str) -> None:
+                delete(key)
+                if key == finalizer_key("cohort"):
+                    land()
+
+            backend.delete = deleted
+    return hook
+
+
+@pytest.mark.parametrize("moment", ["after the first miss", "after the delete"])
+def test_a_rank_landing_while_the_claimant_reads_is_not_lost(tmp_path, moment):
+    """Rank 1 lands after the claimant (rank 0) found it missing: before the claimant hands the claim back, rank 1
+    finds the claim taken and returns, and the claimant's read after its delete finds rank 1 and finalizes; after
+    the hand-back, rank 1 claims and finalizes, and the claimant's second claim finds rank 1's."""
+    root = str(tmp_path / "store")
+    others: list[Landing] = []
+    claimant = _land(root, "cohort", 0, [0, 1], hook=_land_rank_1_when(moment, root, others))
+    [rank1] = others
+    backend = open_backend(root)
     assert backend.exists(complete_key("cohort"))
+    if moment == "after the first miss":
+        assert rank1.final is None and rank1.reads == {}
+        assert rank1.events == [(rank_key("cohort", 1), CREATED), (finalizer_key("cohort"), DIFFERENT)]
+        assert claimant.events == [(rank_key("cohort", 0), CREATED), (finalizer_key("cohort"), CREATED),
+                                   (finalizer_key("cohort"), DELETED), (finalizer_key("cohort"), CREATED),
+                                   (complete_key("cohort"), CREATED)]
+        winner, final = 0, claimant.final
+    else:
+        assert claimant.final is None
+        assert claimant.events == [(rank_key("cohort", 0), CREATED), (finalizer_key("cohort"), CREATED),
+                                   (finalizer_key("cohort"), DELETED), (finalizer_key("cohort"), DIFFERENT)]
+        assert rank1.events == [(rank_key("cohort", 1), CREATED), (finalizer_key("cohort"), CREATED),
+                                (complete_key("cohort"), CREATED)]
+        winner, final = 1, rank1.final
+    assert claimant.reads == {0: 1, 1: 2}
+    assert final is not None and sorted(final.shards) == ["0", "1"]
+    assert backend.read(finalizer_key("cohort")) == finalizer_claim(winner)
+    assert bundle_status(backend, "cohort").status == "complete"
+    assert [r.rank for r in open_native(f"{root}/cohort")] == [0, 1]
+
+
+def test_a_claimant_whose_gaps_filled_before_its_second_read_reads_on_and_finalizes(tmp_path):
+    """Two ranks, in different windows, land after the claimant's first read stopped at the first of them: its read
+    after the hand-back takes the first gap and every rank after it, so it claims again and finalizes."""
+    root = str(tmp_path / "store")
+    ranks = list(range(3 * MARKER_WINDOW))
+    gaps = [MARKER_WINDOW + 5, 2 * MARKER_WINDOW + 16]
+    _land(root, "cohort", 1, ranks)
+    backend = open_backend(root)
+    template = json.loads(backend.read(rank_key("cohort", 1)))
+    for r in ranks[2:]:
+        if r not in gaps:
+            backend.write(rank_key("cohort", r), compact_json({**template, "rank": r}))
+    late: list[Landing] = []
+
+    def hook(watched) -> None:
+        read_range = watched.read_range
+
+        def missed(key: str, start: int, end: int) -> bytes:
+            try:
+                return read_range(key, start, end)
+            except NotFoundError:
+                if key == rank_key("cohort", gaps[0]) and not late:
+                    late.extend(_land(root, "cohort", r, ranks) for r in gaps)   # both find the claim taken
+                raise
+
+        watched.read_range = missed
+
+    claimant = _land(root, "cohort", 0, ranks, hook=hook)
+    assert [(x.final, x.reads) for x in late] == [(None, {}), (None, {})]
+    assert claimant.final is not None and sorted(claimant.final.shards, key=int) == [str(r) for r in ranks]
+    assert [status for _, status in claimant.events] == [CREATED, CREATED, DELETED, CREATED, CREATED]
+    # the first read stopped after the window of the first gap; the second took that gap and every rank after it
+    assert claimant.reads[gaps[0]] == 2 and claimant.reads[gaps[1]] == 1
+    assert sum(claimant.reads.values()) == 2 * MARKER_WINDOW + 1 + len(ranks) - gaps[0] - 1
+    assert backend.read(finalizer_key("cohort")) == finalizer_claim(0)
+    assert [r.rank for r in open_native(f"{root}/cohort")] == ranks
 
 
 @pytest.mark.parametrize("finalizer", ["open_native", "validate", "ls", "fsck"])
@@ -110,16 +271,31 @@ def test_a_retry_of_the_claimant_rank_finds_its_own_claim_and_finalizes(tmp_path
     root = str(tmp_path / "store")
     _claimant_died(root, "cohort", [0, 1])
     # another rank's retry stops at its landed marker and at the claim it does not hold
-    final, creates = _land(root, "cohort", 0, [0, 1])
-    assert final is None and creates == {rank_key("cohort", 0): DIFFERENT, finalizer_key("cohort"): DIFFERENT}
-    final, creates = _land(root, "cohort", 1, [0, 1])
-    assert creates == {rank_key("cohort", 1): DIFFERENT, finalizer_key("cohort"): SAME,
-                       complete_key("cohort"): CREATED}
-    assert final is not None and sorted(final.shards) == ["0", "1"]
+    retry = _land(root, "cohort", 0, [0, 1])
+    assert retry.final is None and retry.reads == {}
+    assert retry.creates == {rank_key("cohort", 0): DIFFERENT, finalizer_key("cohort"): DIFFERENT}
+    retry = _land(root, "cohort", 1, [0, 1])
+    assert retry.events == [(rank_key("cohort", 1), DIFFERENT), (finalizer_key("cohort"), SAME),
+                            (complete_key("cohort"), CREATED)]
+    assert retry.final is not None and sorted(retry.final.shards) == ["0", "1"]
     assert [r.rank for r in open_native(f"{root}/cohort")] == [0, 1]
 
 
-def test_the_claimant_still_names_a_bad_rank_marker_and_a_repaired_cohort_is_finalized(tmp_path):
+def test_a_retry_of_a_claimant_that_died_with_ranks_missing_hands_its_claim_back(tmp_path):
+    root = str(tmp_path / "store")
+    _land(root, "cohort", 0, [0, 1])
+    backend = open_backend(root)
+    assert backend.create_if_absent(finalizer_key("cohort"), finalizer_claim(0))   # left by rank 0's first job
+    retry = _land(root, "cohort", 0, [0, 1])
+    assert retry.final is None
+    assert retry.events == [(rank_key("cohort", 0), DIFFERENT), (finalizer_key("cohort"), SAME),
+                            (finalizer_key("cohort"), DELETED)]
+    last = _land(root, "cohort", 1, [0, 1])
+    assert last.final is not None and last.creates[finalizer_key("cohort")] == CREATED
+    assert backend.read(finalizer_key("cohort")) == finalizer_claim(1)
+
+
+def test_the_claimant_still_names_a_bad_rank_marker_keeps_its_claim_and_a_repaired_cohort_is_finalized(tmp_path):
     root = str(tmp_path / "store")
     _land(root, "cohort", 0, [0, 1])
     backend = open_backend(root)
@@ -129,6 +305,8 @@ def test_the_claimant_still_names_a_bad_rank_marker_and_a_repaired_cohort_is_fin
     with pytest.raises(BundleError, match=r"cohort/COMPLETE\.0: corrupt rank marker: holds rank 1.*not finalized"):
         _land(root, "cohort", 1, [0, 1])
     assert backend.read(finalizer_key("cohort")) == finalizer_claim(1) and not backend.exists(complete_key("cohort"))
+    with pytest.raises(BundleError, match=r"cohort/COMPLETE\.0: corrupt rank marker"):   # a retry reports it again
+        _land(root, "cohort", 1, [0, 1])
     report = check_store(root)
     assert rank_key("cohort", 0) in report.corrupt and report.finalized == []
 
@@ -137,24 +315,38 @@ def test_the_claimant_still_names_a_bad_rank_marker_and_a_repaired_cohort_is_fin
     assert backend.exists(complete_key("cohort"))
 
 
+def test_a_claimant_that_cannot_parse_a_marker_names_it_and_keeps_its_claim(tmp_path):
+    root = str(tmp_path / "store")
+    _land(root, "cohort", 0, [0, 1, 2])
+    backend = open_backend(root)
+    backend.write(rank_key("cohort", 1), b"{")
+    with pytest.raises(BundleError, match=r"cohort/COMPLETE\.1"):
+        _land(root, "cohort", 2, [0, 1, 2])
+    assert backend.read(finalizer_key("cohort")) == finalizer_claim(2) and not backend.exists(complete_key("cohort"))
+    assert bundle_status(backend, "cohort").status == "corrupt"
+
+
 def test_gc_removes_the_claim_of_an_abandoned_cohort_and_a_claim_left_alone(tmp_path):
     root = str(tmp_path / "store")
     _claimant_died(root, "cohort", [0, 1, 2])
     _claimant_died(root, "alone", [0, 1])
+    _land(root, "held", 0, [0, 1])
     backend = open_backend(root)
     backend.delete(rank_key("cohort", 2))   # a bad marker removed, its rank never landed again
     for r in (0, 1):
         backend.delete(rank_key("alone", r))
+    assert backend.create_if_absent(finalizer_key("held"), finalizer_claim(0))   # its claimant died mid-read
     assert bundle_status(backend, "alone") is None and bundle_status(backend, "cohort").status == "incomplete"
+    assert bundle_status(backend, "held").status == "incomplete"
 
     young = collect_garbage(root)
     assert young.removed == [] and young.abandoned_bundles == []
     report = collect_garbage(root, grace="0s")
-    assert report.abandoned_bundles == ["cohort"]
-    assert {finalizer_key("cohort"), finalizer_key("alone"), rank_key("cohort", 0), rank_key("cohort", 1)} \
-        <= set(report.removed)
-    assert report.markers_removed == 4
-    assert backend.list("cohort/") == [] and backend.list("alone/") == []
+    assert report.abandoned_bundles == ["cohort", "held"]
+    assert {finalizer_key("cohort"), finalizer_key("alone"), rank_key("cohort", 0), rank_key("cohort", 1),
+            finalizer_key("held"), rank_key("held", 0)} <= set(report.removed)
+    assert report.markers_removed == 6
+    assert backend.list("cohort/") == [] and backend.list("alone/") == [] and backend.list("held/") == []
     assert check_store(root).orphaned == []
 
 
@@ -211,7 +403,7 @@ def test_import_finalizes_a_multi_rank_bundle_whose_claim_another_rank_holds(tmp
     write_ranks(root, "cohort", land=[0, 1], expected_ranks=[0, 1])
     export_bundle(f"{root}/cohort", out)
     backend = open_backend(back)
-    backend.write(finalizer_key("cohort"), finalizer_claim(0))   # left alone: its rank markers are gone
-    assert import_v1(out, back) == [f"{back}/cohort"]   # rank 1 lands last and finds rank 0's claim
-    assert backend.exists(complete_key("cohort")) and backend.read(finalizer_key("cohort")) == finalizer_claim(0)
+    backend.write(finalizer_key("cohort"), finalizer_claim(2))   # left alone: its rank markers are gone
+    assert import_v1(out, back) == [f"{back}/cohort"]   # both ranks land and find rank 2's claim
+    assert backend.exists(complete_key("cohort")) and backend.read(finalizer_key("cohort")) == finalizer_claim(2)
     assert [r.rank for r in open_native(f"{back}/cohort")] == [0, 1]

@@ -15,23 +15,48 @@ content is a pure function of the rank markers, so racing finalizers write the s
 and all succeed. No collective, no waiting, no lock. A reader that finds all rank markers
 but no COMPLETE (the last rank died after landing) finalizes the same way.
 
-A producer that finds every rank landed first create-once writes FINALIZER, naming its rank, and
-only the one whose claim is there (created now, or by its own earlier attempt: the claim's bytes are
-a function of the rank, so a retry of that rank's job goes on) checks the markers and writes
-COMPLETE; the others return, their rank landed. Without the claim, N producers landing at the same
-moment would each check every marker against its documents: N^2 marker reads and 6 N^2 document
-reads for one bundle. The claim decides nothing else: COMPLETE is still create-once with
-deterministic bytes, so a claimant that dies between claim and COMPLETE leaves the bundle exactly
-as a last rank that died after landing does (every rank landed, COMPLETE missing), and readers,
-`ls` and `fsck`, which ignore the claim, finalize it.
+Claim first. A producer that has landed its marker (and finds no COMPLETE) create-once writes
+FINALIZER, naming its rank, before it reads any other rank's marker. One that finds another rank's
+claim there returns at once, its rank landed: it reads nothing of the cohort. Only the claimant
+(its claim created now, or by an earlier attempt of the same rank: the claim's bytes are a function
+of the rank, so a retry of that rank's job goes on) reads the rank markers. When N producers land at
+the same moment, reading before claiming would cost each of them N marker reads to learn that every
+rank landed: N^2 for one bundle (4,096 at 64 ranks, a million at 1,024); claiming first costs N
+claim attempts and one claimant's N reads.
+
+A claimant that finds every rank landed checks the markers against their documents and writes
+COMPLETE. One that finds rank r missing hands the claim back, so that a later lander can finalize:
+it deletes FINALIZER, then reads rank r's marker again (and, if r has landed meanwhile, the ranks
+after it). If every rank has now landed it claims again (create-once: where another producer claimed
+in between, that one carries on and this one returns); otherwise it returns.
+
+Why no landing is lost: the store is linearizable (S3 and local disk are), and every rank writes its
+marker before it tries the claim. If the claimant's read after its delete misses rank r, r's marker,
+and so r's claim attempt, come after the delete: r (or a producer that claims before it, later than
+the delete) reads every rank that landed before. More generally, take the rank that lands last. When
+it tries the claim, it either gets it and then reads every marker, or another producer holds the
+claim at that moment. That holder found every rank landed and finalizes, or it found a rank missing;
+then its delete comes after this claim attempt, so after every marker landed, and its reads after the
+delete find every rank: it claims again, or the producer that claimed after its delete (and so reads
+after the last landing, or claims again only having read every rank) carries on. The claim is no
+lock that anything depends on: two jobs of the same rank both holding it, or a claim deleted under
+its holder, cost reads, never correctness, because COMPLETE is create-once with deterministic bytes.
+
+A claimant that dies (or meets a store error) keeps the claim, and every later lander returns: the
+bundle is then left exactly as a last rank that died after landing leaves it (every rank landed,
+COMPLETE missing, once the missing ranks land), and readers, `ls` and `fsck`, which ignore the
+claim, finalize it. gc removes the claim of an abandoned cohort with its markers.
 
 COMPLETE cannot be undone, so no finalizer trusts a rank marker it has not checked against
 its own documents (`rank_marker_problems`): the key's rank, the manifest's and index's bundle
 id and the index's anchor must be what the marker says, and every document must be readable.
 A marker that fails is reported by its key and the bundle stays unfinalized, so it can still
 be completed: by restoring the object that was missing, or by removing the bad marker and
-landing that rank again (where another rank holds the claim, the next reader, `ls` or `fsck`
-finalizes it then).
+landing that rank again. A claimant that finds a bad marker (or one it cannot parse) raises and
+keeps its claim: the bundle cannot be finalized before it is repaired, and handing the claim back
+would have every later or retried producer read the cohort, and once every rank landed check it
+against its documents, only to fail the same way. Readers, `ls` and `fsck` report the marker by its
+key and finalize the repaired bundle (so does a retry of the claimant's rank).
 """
 
 from __future__ import annotations
@@ -301,8 +326,8 @@ def cohort_state(backend: Backend, name: str, expected_ranks: list[int]) -> tupl
     concurrently, one request each.
 
     Reading stops after the first window with a rank that has not landed: the cohort cannot be finalized then,
-    and every producer calls this after landing its own marker, so reading on would cost each of N producers N
-    marker reads (N^2 requests for one bundle) to learn nothing more."""
+    and reading on would cost the claimant of every rank that lands before the last up to N marker reads to
+    learn nothing more."""
     landed: list[RankMarker] = []
     for start in range(0, len(expected_ranks), MARKER_WINDOW):
         window = expected_ranks[start:start + MARKER_WINDOW]
@@ -320,6 +345,29 @@ def claim_finalizer(backend: Backend, name: str, rank: int, *, unsafe: bool = Fa
     this rank's (created now, or by an earlier attempt of the same rank), False when another rank holds it."""
     backend.require_atomic_create(unsafe=unsafe)
     return backend.create_status(finalizer_key(name), finalizer_claim(rank)) != DIFFERENT
+
+
+def _claimed_cohort(backend: Backend, name: str, expected_ranks: list[int], rank: int,
+                    *, unsafe: bool) -> Optional[list[RankMarker]]:
+    """The landed rank markers, in rank order, for the producer of `rank`, which holds the FINALIZER claim; None
+    when it is to finalize nothing.
+
+    Where a rank is missing, the claim is handed back (deleted; gone already is fine) before that rank's marker is
+    read again, so that the missing rank, landing after the read, finds the claim free: see the module docstring
+    for why nothing is lost between the reads. Should every rank have landed by the second read, the claim is
+    tried again, and a producer that took it in between finalizes instead."""
+    landed, missing = cohort_state(backend, name, expected_ranks)
+    if not missing:
+        return landed
+    backend.delete(finalizer_key(name))
+    gap = missing[0]
+    data = _read_bounded(backend, rank_key(name, gap))
+    if data is None:
+        return None
+    more, missing = cohort_state(backend, name, expected_ranks[expected_ranks.index(gap) + 1:])
+    if missing or not claim_finalizer(backend, name, rank, unsafe=unsafe):
+        return None
+    return landed + [_parse_marker(backend, rank_key(name, gap), data, RankMarker)] + more  # type: ignore[list-item]
 
 
 def check_agreement(name: str, markers: list[RankMarker]) -> None:
@@ -340,9 +388,10 @@ def try_finalize(backend: Backend, name: str, expected_ranks: Optional[list[int]
                  *, unsafe: bool = False, claim: Optional[int] = None) -> Optional[CompleteMarker]:
     """Write the final COMPLETE if every expected rank landed and all agree; return it, or None if ranks are missing.
 
-    `claim` is the rank of a producer that just landed: it finalizes only if it holds the FINALIZER claim
-    (`claim_finalizer`), and gets None when another producer does. Readers pass none and finalize whatever
-    the claim says: a claimant may have died before writing COMPLETE."""
+    `claim` is the rank of a producer that just landed: it claims finalizing before it reads the cohort
+    (`claim_finalizer`) and gets None at once when another producer holds the claim; holding it, it reads the
+    cohort and hands the claim back where a rank is missing (`_claimed_cohort`). Readers pass none and finalize
+    whatever the claim says: a claimant may have died before writing COMPLETE."""
     existing = read_complete(backend, name)
     if existing is not None:
         return existing
@@ -352,11 +401,17 @@ def try_finalize(backend: Backend, name: str, expected_ranks: Optional[list[int]
             return None
         probe = read_marker(backend, rank_key(name, found[0]), RankMarker)
         expected_ranks = probe.expected_ranks  # type: ignore[union-attr]
-    landed, missing = cohort_state(backend, name, expected_ranks)
-    if missing:
-        return None
-    if claim is not None and not claim_finalizer(backend, name, claim, unsafe=unsafe):
-        return None
+    if claim is not None:
+        if not claim_finalizer(backend, name, claim, unsafe=unsafe):
+            return None
+        claimed = _claimed_cohort(backend, name, expected_ranks, claim, unsafe=unsafe)
+        if claimed is None:
+            return None
+        landed = claimed
+    else:
+        landed, missing = cohort_state(backend, name, expected_ranks)
+        if missing:
+            return None
     problems = rank_marker_problems(backend, name, dict(zip(expected_ranks, landed)))
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
