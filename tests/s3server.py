@@ -41,12 +41,14 @@ class S3Server:
         return {"AWS_ACCESS_KEY_ID": self.key, "AWS_SECRET_ACCESS_KEY": self.secret,
                 "AWS_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1"}
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 0.5) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds: weed's own shutdown takes about 10 s, and the test
+        server's data is thrown away anyway."""
         if self.process is None or self.process.poll() is not None:
             return
         self.process.send_signal(signal.SIGTERM)
         try:
-            self.process.wait(timeout=2)
+            self.process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(timeout=10)
