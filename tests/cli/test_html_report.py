@@ -34,14 +34,27 @@ def _write(root: Path, buggy: bool) -> str:
 
 
 def _render(page: Path, tmp: Path) -> tuple[str, str, Path]:
-    """(the DOM after scripts ran, Chromium's log, a screenshot) of `page` opened from disk."""
+    """(the DOM after scripts ran, Chromium's log, a screenshot) of `page` opened from disk. The two browsers
+    run side by side, each with a profile of its own."""
     assert CHROMIUM, "Debian's chromium is needed for this test (scripts/bootstrap.sh installs it with apt-get)"
     shot = tmp / f"{page.stem}.png"
-    common = [CHROMIUM, *FLAGS, f"--user-data-dir={tmp / 'profile'}"]
-    dom = subprocess.run([*common, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
-    subprocess.run([*common, "--window-size=1300,2200", f"--screenshot={shot}", page.as_uri()],
-                   capture_output=True, text=True, timeout=120, check=True)
-    return dom.stdout, dom.stderr, shot
+
+    def browser(profile: str, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={tmp / profile}", *args, page.as_uri()],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    dumper = browser("profile-dom", "--dump-dom")
+    shooter = browser("profile-shot", "--window-size=1300,2200", f"--screenshot={shot}")
+    try:
+        dom, log = dumper.communicate(timeout=120)
+        _, shot_log = shooter.communicate(timeout=120)
+    finally:
+        for proc in (dumper, shooter):
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert shooter.returncode == 0, shot_log
+    return dom, log, shot
 
 
 @pytest.fixture(scope="module")
