@@ -2,9 +2,9 @@
 loss aggregations), captures, and every bundle it writes replays clean; --fault pr65 with a group estimator is
 caught at reward.post_process.
 
-The example computes with its own code, so a pass means replay reproduces an independent implementation. All
-runs share one Python process (`main(argv)` one after another: torch is imported once), beside a second process
-for the two-rank gae run; the bundles are replayed in this process.
+The example computes with its own code, so a pass means replay reproduces an independent implementation. The
+single-rank runs share two Python processes (`main(argv)` one after another: torch is imported once per process),
+beside a third process for the two-rank gae run; the bundles are replayed in this process.
 """
 
 from __future__ import annotations
@@ -71,9 +71,11 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     single = [_argv(workdir, n, extra) for n, extra in CASES.items() if n not in WORLD]
     single.append(_argv(workdir, "pr65", PR65, steps=1))
     multi = [_argv(workdir, n, CASES[n]) for n in WORLD]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        outputs = list(pool.map(lambda share: _run_many(workdir, share), [multi, single]))
-    assert all(out.count("capture_flushed=True") == len(share) for out, share in zip(outputs, [multi, single]))
+    # three processes side by side: each run waits on its capture writer's start and flush
+    shares = [multi, single[:len(single) // 2], single[len(single) // 2:]]
+    with ThreadPoolExecutor(max_workers=len(shares)) as pool:
+        outputs = list(pool.map(lambda share: _run_many(workdir, share), shares))
+    assert all(out.count("capture_flushed=True") == len(share) for out, share in zip(outputs, shares))
     return {name: _replayed(workdir, name) for name in [*CASES, "pr65"]}
 
 

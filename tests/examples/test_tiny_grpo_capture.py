@@ -1,15 +1,17 @@
 """End to end: the tiny GRPO example captures to the real S3 server; the CLI validates and replays every bundle.
 
-One captured run per case (module-scoped), reused by every assertion: W=2 data-parallel ranks, 2 rollouts of
-3 prompt groups x 4 samples streamed as 2 actor steps of 6 samples each (groups straddle steps and ranks), so
-2 rollout-level and 4 step-level bundles, each a 2-rank bundle. The PR #65 case captures 1 rollout. The
-example and the CLI run in real subprocesses that reach S3 through the standard AWS_* variables only; the
-CLI's five calls per bundle share two processes (`run_cli_many`), so torch is imported twice, not per call.
+One captured run per case, made once for the module (the two cases side by side), reused by every assertion:
+W=2 data-parallel ranks, 2 rollouts of 3 prompt groups x 4 samples streamed as 2 actor steps of 6 samples each
+(groups straddle steps and ranks), so 2 rollout-level and 4 step-level bundles, each a 2-rank bundle. The PR #65
+case captures 1 rollout. The example and the CLI run in real subprocesses that reach S3 through the standard
+AWS_* variables only; the CLI's five calls per bundle share two processes (`run_cli_many`), so torch is imported
+twice, not per call.
 """
 
 from __future__ import annotations
 
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,21 +86,31 @@ def _capture(s3_server, env: dict[str, str], workdir: Path, name: str, root: str
 
 
 @pytest.fixture(scope="module")
-def captured(s3_server, s3_capture_env, tmp_path_factory) -> Captured:
-    """Capture switched on by the environment variables alone."""
+def captures(s3_server, s3_capture_env, tmp_path_factory) -> dict[str, Captured]:
+    """Both captures of this module, made side by side (each is a chain of processes that seldom keeps both
+    cores busy): "run", capture switched on by the environment variables alone, and "pr65", the canonical bug
+    captured through the --capture-dir shortcut."""
     bucket, env = s3_capture_env
-    root = f"s3://{bucket}/run"
-    return _capture(s3_server, env, tmp_path_factory.mktemp("capture"), "run", root,
-                    run_env={"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": root})
+    run_root, pr65_root = f"s3://{bucket}/run", f"s3://{bucket}/pr65"
+    run_dir, pr65_dir = tmp_path_factory.mktemp("capture"), tmp_path_factory.mktemp("capture-pr65")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        run = pool.submit(_capture, s3_server, env, run_dir, "run", run_root,
+                          run_env={"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": run_root})
+        pr65 = pool.submit(_capture, s3_server, env, pr65_dir, "pr65", pr65_root,
+                           "--fault", "pr65", "--capture-dir", pr65_root, run_env={}, rollouts=1)
+        return {"run": run.result(), "pr65": pr65.result()}
 
 
 @pytest.fixture(scope="module")
-def captured_pr65(s3_server, s3_capture_env, tmp_path_factory) -> Captured:
+def captured(captures) -> Captured:
+    """Capture switched on by the environment variables alone."""
+    return captures["run"]
+
+
+@pytest.fixture(scope="module")
+def captured_pr65(captures) -> Captured:
     """The canonical bug, captured through the --capture-dir shortcut."""
-    bucket, env = s3_capture_env
-    root = f"s3://{bucket}/pr65"
-    return _capture(s3_server, env, tmp_path_factory.mktemp("capture-pr65"), "pr65", root,
-                    "--fault", "pr65", "--capture-dir", root, run_env={}, rollouts=1)
+    return captures["pr65"]
 
 
 @pytest.fixture(scope="module")
