@@ -94,7 +94,9 @@ def test_capture_to_a_dead_store_backs_off_counts_drops_and_warns_once(endpoint,
             silent.close()
     stats = manager.stats()
 
-    assert stats["max_enqueue_seconds"] < 0.05, stats         # training never waited on the store
+    # training never waited on the store: a wait would take at least the 0.5 s connect timeout (a silent endpoint:
+    # the 1 s read timeout); what is left below that is a loaded host's scheduling, not the store
+    assert stats["max_enqueue_seconds"] < 0.4, stats
     assert stats["written"] == 0 and stats["errors"] >= 1, stats
     # not one attempt per bundle: after the first failure the writer backs off (1 s, 2 s, ...) and drops meanwhile
     assert stats["errors"] <= 3 and stats["dropped"] >= after - 3 and after >= 10, (stats, after)

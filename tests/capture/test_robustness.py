@@ -58,8 +58,9 @@ def test_slow_backend_never_blocks_training(tmp_path, make_manager):
             capture_step(manager, 100, s, [[0, 1], [2, 3]])   # three hook calls
             durations.append((time.perf_counter() - t0) / 3)
         stats = manager.stats()
-        assert max(durations) < 0.05, durations
-        assert stats["max_enqueue_seconds"] < 0.05
+        # a hook that waited for the backend would take its whole second; the margin is a loaded host's scheduling
+        assert max(durations) < 0.4, durations
+        assert stats["max_enqueue_seconds"] < 0.4
         assert stats["enqueued"] <= 2 + 1      # two queued, at most one taken by the writer
         assert stats["dropped"] >= 6 and stats["enqueued"] + stats["dropped"] == 9
         assert stats["errors"] == 0

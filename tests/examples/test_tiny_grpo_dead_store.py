@@ -54,7 +54,8 @@ def test_capture_to_a_silent_store_costs_one_timeout_and_reports_nothing_flushed
         stats = rank["stats"]
         assert stats["written"] == 0 and 1 <= stats["errors"] <= 2, stats
         assert stats["enqueued"] + stats["dropped"] >= RECORDS, stats
-    assert sum(t["capture_seconds"] for t in result["timing"]) < 0.5, result["timing"]
+    # all the hooks together took less than one connect timeout: not one of them waited on the store
+    assert sum(t["capture_seconds"] for t in result["timing"]) < 0.9 * CONNECT_TIMEOUT, result["timing"]
 
     # one timeout, once (ranks wait side by side): a timeout per bundle would add at least RECORDS x READ_TIMEOUT
     bound = 3 * (READ_TIMEOUT + CONNECT_TIMEOUT) + 5
