@@ -185,3 +185,28 @@ def test_the_cli_streams_a_stored_bundle_with_the_same_report(tmp_path):
     assert json.loads(streamed.stdout) == json.loads(whole.stdout)
     bad = runner.invoke(app, ["replay", str(tmp_path / "b"), "--block-tokens", "0"])
     assert bad.exit_code == 2 and "--block-tokens must be a positive number of tokens" in bad.output
+
+
+def test_the_read_ahead_reads_a_local_bundle_on_its_own_thread(tmp_path, monkeypatch):
+    """Once the read-ahead starts, a local bundle's chunks are read and hashed on the read-ahead thread alone: no
+    pool threads competing with the kernels for the cores."""
+    import threading
+
+    from benchmarks.bench_scale import write_case
+    from trajectory_replay.backends.local import LocalBackend
+    from trajectory_replay.bundle import open_for_replay
+
+    write_case(tmp_path / "b", 256, 2048)
+    order: list[str] = []
+    read_into = LocalBackend.read_into
+
+    def recording(self, key, target):
+        order.append(threading.current_thread().name)
+        return read_into(self, key, target)
+
+    monkeypatch.setattr(LocalBackend, "read_into", recording)
+    sources, rank = open_for_replay(str(tmp_path / "b"))
+    assert replay(sources, rank=rank, block_tokens=1 << 17).passed
+    ahead = [i for i, name in enumerate(order) if name.startswith("replay-prefetch")]
+    assert ahead, order
+    assert {name.split("_")[0] for name in order[ahead[0]:]} == {"replay-prefetch"}, set(order[ahead[0]:])

@@ -14,8 +14,9 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from trajectory_replay.errors import BackendError, InvalidKeyError
 
@@ -32,21 +33,41 @@ PROBE_PATIENCE = 10.0
 """How long `require_atomic_create` keeps retrying a probe that could not reach its target before it gives up."""
 
 
+_ONE_CORE = threading.local()
+
+
+@contextmanager
+def one_core_for_cpu_work() -> Iterator[None]:
+    """Within it, the calling thread's pools of CPU work run their items on the thread itself, one after another.
+
+    For a thread given one core of its own (replay's read-ahead, next to the kernels on the others): reading a
+    local file and hashing it are CPU work, and a pool of such workers would only take the other threads' cores
+    and contend with them for the interpreter lock. Pools that wait on a remote store still fan out."""
+    before = getattr(_ONE_CORE, "on", False)
+    _ONE_CORE.on = True
+    try:
+        yield
+    finally:
+        _ONE_CORE.on = before
+
+
 class WorkerPool:
     """A long-lived thread pool created on first use (one per backend or store, not one per call).
 
     Runs a single item inline; falls back to running inline when the interpreter is shutting down
-    (flushes at exit still complete) and starts afresh in a forked child, which inherits no threads."""
+    (flushes at exit still complete) and starts afresh in a forked child, which inherits no threads.
+    A pool of `cpu_work` (local reads, hashing) runs inline under `one_core_for_cpu_work`."""
 
-    def __init__(self, max_workers: int) -> None:
+    def __init__(self, max_workers: int, cpu_work: bool = False) -> None:
         self.max_workers = max_workers
+        self.cpu_work = cpu_work
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pid = 0
         self._lock = threading.Lock()
 
     def map(self, fn, items: Sequence) -> list:
         """`[fn(item) for item in items]`, concurrently, in order."""
-        if len(items) <= 1 or self.max_workers <= 1:
+        if len(items) <= 1 or self.max_workers <= 1 or (self.cpu_work and getattr(_ONE_CORE, "on", False)):
             return [fn(item) for item in items]
         with self._lock:
             if self._pool is None or self._pid != os.getpid():
@@ -161,11 +182,16 @@ class Backend(ABC):
 
     def __init__(self) -> None:
         self.stats = IOStats()
-        self.pool = WorkerPool(self.max_workers)
+        self.pool = WorkerPool(self.max_workers, cpu_work=not self.capabilities.remote)
         self._probe: Optional[ProbeResult] = None
         self._probe_lock = threading.Lock()
         self._probe_delay = 0.0
         self._probe_retry_at = 0.0
+
+    @property
+    def reads_are_cpu_work(self) -> bool:
+        """True when a read costs CPU time rather than waiting on a server (local files, memory)."""
+        return not self.capabilities.remote
 
     # ---- primitives (subclasses) -------------------------------------------------------------
     @abstractmethod

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 
-from trajectory_replay.backends.base import Backend, Capabilities
+from trajectory_replay.backends.base import Backend, Capabilities, WorkerPool
 from trajectory_replay.backends.memory import MemoryBackend
 from trajectory_replay.errors import NotFoundError
 
@@ -25,6 +25,11 @@ class OverlayBackend(Backend):
         self.top = MemoryBackend(f".overlay-{uuid.uuid4().hex}")
         self.url = base.url
         self.max_workers = base.max_workers
+        self.pool = WorkerPool(self.max_workers, cpu_work=base.reads_are_cpu_work)
+
+    @property
+    def reads_are_cpu_work(self) -> bool:
+        return self.base.reads_are_cpu_work
 
     def close(self) -> None:
         """Drop everything written."""

@@ -19,6 +19,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from trajectory_replay._allocator import reuse_block_buffers
+from trajectory_replay.backends.base import one_core_for_cpu_work
 from trajectory_replay.bundle.schema import STAGE_ORDER, RecomputeConfig, StageId
 from trajectory_replay.replay.blocks import BLOCK_TOKENS, STREAM_TOKENS, Block, Merged, plan_blocks, whole_block
 from trajectory_replay.replay.cohort import Cohort, PayloadCache
@@ -137,6 +139,7 @@ class _Run:
         whitening = self._whitening(plan, blocks, shared) if streamed else None
         prefetch = _Prefetch(blocks) if streamed else None
         threads = _leave_a_core_for_reading() if streamed else None
+        heap = reuse_block_buffers() if streamed else None
         try:
             for b, block in enumerate(blocks):
                 if prefetch is not None:
@@ -160,6 +163,8 @@ class _Run:
                 prefetch.close()
             if threads is not None:
                 torch.set_num_threads(threads)
+            if heap is not None:
+                heap()
         for planned in self.sample_level:
             if planned.action == "run" and planned.stage.id in runs:
                 stage_runs = runs[planned.stage.id]
@@ -308,10 +313,11 @@ def _leave_a_core_for_reading() -> int:
 
 
 def _read_block(block: Block, names: Sequence[str]) -> None:
-    for part in block.cohort.parts:
-        for name in names:
-            if part.source.has_payload(name):
-                block.cohort.cache.load(part, name)
+    with one_core_for_cpu_work():   # the core `_leave_a_core_for_reading` left: local reads and hashes stay on it
+        for part in block.cohort.parts:
+            for name in names:
+                if part.source.has_payload(name):
+                    block.cohort.cache.load(part, name)
 
 
 WHITENED_PART = "advantages whitened over the whole cohort are not replayable on part of it"

@@ -212,8 +212,8 @@ class ObjectStore:
 
     def __post_init__(self) -> None:
         # chunk transfers call the backend, whose own pool does the ranged and batched reads
-        self._io = WorkerPool(self.backend.max_workers)
-        self._hashing = WorkerPool(min(4, os.cpu_count() or 1))
+        self._io = WorkerPool(self.backend.max_workers, cpu_work=self.backend.reads_are_cpu_work)
+        self._hashing = WorkerPool(min(4, os.cpu_count() or 1), cpu_work=True)
 
     @classmethod
     def open(cls, path_or_url: str | os.PathLike, *, cache_dir: Optional[str | os.PathLike] = None,

@@ -1,0 +1,47 @@
+"""The command line's malloc tuning, observed through glibc's own counters in a process of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+_PROBE = textwrap.dedent("""
+    import ctypes, json
+    import torch
+    from trajectory_replay import _allocator
+
+    class Info(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = Info
+
+    def mapped(nbytes):
+        before = libc.mallinfo2().hblks
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return libc.mallinfo2().hblks - before
+
+    block = 16 << 20   # a block's payload (4M float32 tokens)
+    seen = {"untuned_noop": _allocator.reuse_block_buffers()() is None}
+    seen["tuned"] = _allocator.return_large_buffers_to_os()
+    seen["mapped_small"] = mapped(4 << 20)
+    end = _allocator.reuse_block_buffers()
+    seen["streaming_block"] = mapped(block)
+    seen["streaming_huge"] = mapped(64 << 20)
+    end()
+    seen["after_block"] = mapped(block)
+    print(json.dumps(seen))
+""")
+
+
+def test_block_buffers_come_from_the_heap_only_while_a_replay_streams():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}   # a user's own settings win
+    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True, env=env)
+    seen = json.loads(out.stdout)
+    assert seen == {"untuned_noop": True, "tuned": True, "mapped_small": 1, "streaming_block": 0,
+                    "streaming_huge": 1, "after_block": 1}, seen
