@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from typing import Callable
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -50,8 +49,57 @@ def return_large_buffers_to_os() -> bool:
         return False
 
 
-def reuse_block_buffers() -> Callable[[], None]:
-    """While a replay streams, keep its block-sized buffers on the heap; returns the function that ends it.
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+class BlockHeap:
+    """While a replay streams, its block-sized buffers come from the heap (`reuse_block_buffers`)."""
+
+    def __init__(self, libc) -> None:
+        self._libc = libc
+        self._info = getattr(libc, "mallinfo2", None) if libc is not None else None   # glibc 2.33 and later
+        self._outside = 0
+        if self._info is not None:
+            self._info.restype = _MallInfo2
+            self._outside = self._resident() - self._held()   # what malloc does not hold: libraries, Python's own
+
+    def between_blocks(self) -> None:
+        """Hand the heap's free pages back to the OS once more than FREE_HEAP_BUDGET of them are resident. Blocks'
+        buffers and the small objects that outlive a block interleave on the heap, so some holes fit no later
+        buffer: without this the heap grew by a few MiB per block, however many blocks came."""
+        if self._libc is None or self._info is None:
+            return
+        if self._resident() - self._held() - self._outside > FREE_HEAP_BUDGET:
+            self._libc.malloc_trim(0)
+
+    def end(self) -> None:
+        """Put the 2 MiB threshold back and hand the heap's free memory back to the OS."""
+        if self._libc is not None:
+            self._libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+            self._libc.malloc_trim(0)
+            self._libc = None
+
+    def _held(self) -> int:
+        """Bytes malloc has handed out (heap and mapped); asking also merges the heap's small free chunks."""
+        info = self._info()
+        return info.uordblks + info.hblkhd
+
+    @staticmethod
+    def _resident() -> int:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+FREE_HEAP_BUDGET = 128 << 20
+"""Free heap memory kept between blocks of a streamed pass for the next block's buffers (a block of 4M tokens reads
+about 100 MiB)."""
+
+
+def reuse_block_buffers() -> BlockHeap:
+    """While a replay streams, keep its block-sized buffers on the heap; `end()` the returned BlockHeap after it.
 
     A streamed replay allocates and frees the same few block-sized buffers (read payloads, stage outputs) once per
     block. Above the 2 MiB threshold each would be a fresh mapping, faulted in page by page every time, which on a
@@ -61,13 +109,8 @@ def reuse_block_buffers() -> Callable[[], None]:
     process keeps glibc's own adaptive threshold)."""
     libc = _libc
     if libc is None or not libc.mallopt(_M_MMAP_THRESHOLD, BLOCK_MMAP_THRESHOLD):
-        return lambda: None
-
-    def end() -> None:
-        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-        libc.malloc_trim(0)
-
-    return end
+        return BlockHeap(None)
+    return BlockHeap(libc)
 
 
 # --- large read buffers ---------------------------------------------------------------------------

@@ -158,13 +158,15 @@ class _Run:
                 if prefetch is not None:
                     block.cohort.cache.retain(set())
                     prefetch.done(b, block.cohort.cache.names)
+                if heap is not None:
+                    heap.between_blocks()
         finally:   # a read or a stage that fails leaves no reading thread behind
             if prefetch is not None:
                 prefetch.close()
             if threads is not None:
                 torch.set_num_threads(threads)
             if heap is not None:
-                heap()
+                heap.end()
         for planned in self.sample_level:
             if planned.action == "run" and planned.stage.id in runs:
                 stage_runs = runs[planned.stage.id]
