@@ -23,10 +23,10 @@ mask, 1.68 GB) on local disk, prompt groups of 8 adjacent samples. `replay PATH 
 whole groups (the cohort is over the 32M-token threshold); `validate PATH` reads and verifies every payload. Each
 command in a fresh process, interleaved with processes doing only their unavoidable imports (`import torch,
 trajectory_replay.cli` for replay, `import trajectory_replay.cli` for validate); net time is wall time minus the
-import's, medians of three rounds; memory is the peak RSS (`VmHWM`) of the replay process minus that of the
+import's, medians of five rounds; memory is the peak RSS (`VmHWM`) of the replay process minus that of the
 bare import, against the payload bytes. **full replay**: an 8,192 x 1,024 bundle of the same kind, replayed by
 this tree and by release `{BASELINE}` (checked out in a git worktree, run with the same interpreter and
-libraries), fresh processes interleaved with bare imports of each, medians of five rounds net of import."""
+libraries), fresh processes interleaved with bare imports of each, medians of seven rounds net of import."""
 
 GROUP_SIZE = 8
 
@@ -121,7 +121,7 @@ def _streamed_row(ctx: Context) -> Row:
     commands = {"import": ["--import-only"], "import-cli": ["--import-cli-only"],
                 "replay": ["replay", str(path), "--json"], "validate": ["validate", str(path)]}
     samples: dict[str, list[tuple[float, int]]] = {name: [] for name in commands}
-    for _ in range(ctx.reps(3)):
+    for _ in range(ctx.reps(5)):
         for name, args in commands.items():
             samples[name].append(_run(args))
     wall = {name: median([w for w, _ in got]) for name, got in samples.items()}
@@ -142,7 +142,7 @@ def _baseline_row(ctx: Context) -> Row:
     commands = {"import": (["--import-only"], None), "replay": (["replay", str(path), "--json"], None),
                 "base-import": (["--import-only"], base), "base-replay": (["replay", str(path), "--json"], base)}
     samples: dict[str, list[float]] = {name: [] for name in commands}
-    for _ in range(ctx.reps(5)):
+    for _ in range(ctx.reps(7)):
         for name, (args, pythonpath) in commands.items():
             samples[name].append(_run(args, pythonpath)[0])
     subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", base], check=False,

@@ -15,7 +15,7 @@ TITLE = "scan: replaying every bundle of a store"
 HOW = """\
 A local store of 200 small step bundles (the canonical GRPO step at anchors 0:0 .. 199:0, one in ten with the
 physical-batch bug; 40 with `--quick`) is scanned with `force=True` (every bundle replayed, every verdict
-written). Local engine: `scan_store(workers=N)` in this process, 1 and 2 workers interleaved, 3 runs each (1 with
+written). Local engine: `scan_store(workers=N)` in this process, 1 and 2 workers interleaved, 5 runs each (1 with
 `--quick`), the best of each timed (medians shown too). Each run starts its own worker processes, forked from the
 engine's fork server, which imports torch once per scanning process whatever the number of workers: that start-up
 is measured once on its own (the first scan of the run) and reported, like Ray's, not counted. Goal: 2 workers at
@@ -69,7 +69,7 @@ def run(ctx: Context) -> list[Row]:
     ok = right(first)
     ctx.log(f"local, first scan of this process (fork server start): {first.seconds:.2f} s")
     times: dict[int, list[float]] = {1: [], 2: []}
-    for _ in range(ctx.reps(3)):
+    for _ in range(ctx.reps(5)):
         for workers in (1, 2):
             report = scan_store(root, workers=workers, force=True)
             ok &= right(report)
