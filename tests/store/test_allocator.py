@@ -13,13 +13,8 @@ _PROBE = textwrap.dedent("""
     import torch
     from trajectory_replay import _allocator
 
-    class Info(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in
-                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                     "keepcost")]
-
     libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = Info
+    libc.mallinfo2.restype = _allocator._MallInfo2
 
     def mapped(nbytes):
         before = libc.mallinfo2().hblks

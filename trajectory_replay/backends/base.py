@@ -182,7 +182,7 @@ class Backend(ABC):
 
     def __init__(self) -> None:
         self.stats = IOStats()
-        self.pool = WorkerPool(self.max_workers, cpu_work=not self.capabilities.remote)
+        self.pool = WorkerPool(self.max_workers, cpu_work=self.reads_are_cpu_work)
         self._probe: Optional[ProbeResult] = None
         self._probe_lock = threading.Lock()
         self._probe_delay = 0.0

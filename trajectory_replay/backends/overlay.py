@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 
-from trajectory_replay.backends.base import Backend, Capabilities, WorkerPool
+from trajectory_replay.backends.base import Backend, Capabilities
 from trajectory_replay.backends.memory import MemoryBackend
 from trajectory_replay.errors import NotFoundError
 
@@ -20,12 +20,11 @@ class OverlayBackend(Backend):
     capabilities = Capabilities(atomic_create=True, ranged_reads=True, listing=True, deletes=True, remote=False)
 
     def __init__(self, base: Backend) -> None:
+        self.base = base   # before the base class sizes the pool after it
+        self.max_workers = base.max_workers
         super().__init__()
-        self.base = base
         self.top = MemoryBackend(f".overlay-{uuid.uuid4().hex}")
         self.url = base.url
-        self.max_workers = base.max_workers
-        self.pool = WorkerPool(self.max_workers, cpu_work=base.reads_are_cpu_work)
 
     @property
     def reads_are_cpu_work(self) -> bool:
