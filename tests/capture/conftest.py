@@ -20,11 +20,15 @@ def clean_capture(monkeypatch):
 
 @pytest.fixture
 def make_manager():
-    """CaptureManager factory; every manager is closed at teardown."""
+    """CaptureManager factory; every manager is closed at teardown. Its managers write in a thread unless a test
+    asks for a writer (`writer=`) or for the product's default (`default_writer=True`): a writer process imports
+    torch, seconds of CPU that only the tests of the process itself need to spend."""
     made: list[CaptureManager] = []
 
-    def make(capture_dir, **options) -> CaptureManager:
+    def make(capture_dir, default_writer: bool = False, **options) -> CaptureManager:
         options.setdefault("atexit_timeout", None)
+        if not default_writer:
+            options.setdefault("writer", "thread")
         manager = CaptureManager(capture_dir, **options)
         made.append(manager)
         return manager

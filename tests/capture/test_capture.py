@@ -77,7 +77,7 @@ def test_hooks_through_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_DIR, f"file://{tmp_path}/run-1")
     monkeypatch.setenv(ENV_STEPS, "5:1")
     monkeypatch.setenv(ENV_ROLLOUTS, "6")
-    manager = capture.maybe_enable_for_actor(0, True, [0], atexit_timeout=None)
+    manager = capture.maybe_enable_for_actor(0, True, [0], atexit_timeout=None, writer="thread")
     assert manager is not None and not manager.multi_producer
     assert capture.capture_rollout(5, **rollout_kwargs()) is False  # filtered out
     assert capture.capture_rollout(6, **rollout_kwargs())
@@ -199,7 +199,7 @@ def test_close_drops_open_steps_and_refuses_more(tmp_path, make_manager):
 def test_slime_adapter(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_CAPTURE, "1")
     monkeypatch.setenv(ENV_DIR, str(tmp_path))
-    capture.maybe_enable_for_actor(0, True, [0], atexit_timeout=None)
+    capture.maybe_enable_for_actor(0, True, [0], atexit_timeout=None, writer="thread")
     kw = rollout_kwargs()
     data = {"tokens": [torch.arange(3) for _ in range(4)], "response_lengths": kw["response_lengths"],
             "total_lengths": kw["total_lengths"], "loss_masks": [torch.ones(2, dtype=torch.int32) for _ in range(4)],
@@ -265,7 +265,7 @@ def test_writer_process_by_default(s3_root, make_manager):
     """By default bundles are written by a child process at lowered priority: none of that work holds
     training's GIL. It writes what the hooks captured, exactly as the thread writer does."""
     url, options = s3_root
-    manager = make_manager(url, storage_options=options)
+    manager = make_manager(url, storage_options=options, default_writer=True)
     assert manager.writer_mode == "process"
     assert capture_step(manager, 6, 0, [[0, 1], [2, 3]])
     assert manager.capture_rollout(6, **rollout_kwargs())
@@ -279,7 +279,7 @@ def test_writer_process_by_default(s3_root, make_manager):
 
 
 def test_writer_priority_low_is_niced_not_idle(tmp_path, make_manager):
-    manager = make_manager(tmp_path / "cap", writer_priority="low")
+    manager = make_manager(tmp_path / "cap", writer="process", writer_priority="low")
     assert manager.capture_rollout(3, **rollout_kwargs()) and manager.flush(60)
     child = manager._writer.proc
     assert os.sched_getscheduler(child.pid) != os.SCHED_IDLE and os.getpriority(os.PRIO_PROCESS, child.pid) == 10
@@ -290,7 +290,7 @@ def test_writer_process_reports_failures(tmp_path, make_manager, caplog):
     """A record the writer process cannot write is counted and logged in the training process."""
     root = tmp_path / "cap"
     root.mkdir()
-    manager = make_manager(root)
+    manager = make_manager(root, writer="process")
     (root / "objects").write_text("not a directory")   # every object write fails
     with caplog.at_level(logging.ERROR, logger="trajectory_replay.capture"):
         assert manager.capture_rollout(1, **rollout_kwargs())

@@ -39,7 +39,8 @@ def test_capture_to_s3_from_the_environment(s3_root, s3_env, monkeypatch):
 def test_two_ranks_to_s3_with_storage_options(s3_root, make_manager):
     url, storage_options = s3_root
     shards = {0: [0, 1, 2], 1: [3]}
-    managers = [make_manager(url, rank=r, expected_ranks=[0, 1], storage_options=storage_options) for r in shards]
+    managers = [make_manager(url, rank=r, expected_ranks=[0, 1], storage_options=storage_options,
+                            default_writer=True) for r in shards]
     for r, m in enumerate(managers):
         assert m.capture_rollout(12, **rollout_kwargs(shards[r], flat=True))
     for m in managers:

@@ -82,7 +82,7 @@ def test_capture_to_a_dead_store_backs_off_counts_drops_and_warns_once(endpoint,
         silent.listen(512)
         dead_env.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{silent.getsockname()[1]}")
     try:
-        manager = make_manager("s3://capture-bucket/run", max_queue_records=QUEUE)
+        manager = make_manager("s3://capture-bucket/run", max_queue_records=QUEUE, default_writer=True)
         assert manager.writer_mode == "process"
         taken, after = _train(manager)
         stats = manager.stats()

@@ -57,7 +57,7 @@ def test_capture_started_during_an_outage_completes_its_bundles_once_the_server_
 
     launcher = threading.Thread(target=start, daemon=True)
     t0 = time.monotonic()
-    manager = make_manager(url, storage_options=options, max_queue_records=4)
+    manager = make_manager(url, storage_options=options, max_queue_records=4, default_writer=True)
     assert manager.writer_mode == "process"   # the default for S3: it probes as soon as it has started
     try:
         watcher = open_backend(url, **options)

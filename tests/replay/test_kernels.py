@@ -279,3 +279,26 @@ def test_segment_sums_match_a_float64_loop_with_empty_segments_anywhere():
     want = torch.stack([torch.stack([row[e - n:e].sum() for e, n in zip(ends, lengths.tolist())]) for row in values])
     assert got.shape == (2, 7) and torch.allclose(got, want, rtol=0, atol=1e-12)
     assert segment_sums(values[:, :0], torch.zeros(3, dtype=torch.int64)).eq(0).all()
+
+
+@pytest.mark.parametrize("length", [7, 8191, 8193, 40_000])
+def test_segment_sums_of_float32_values_equal_those_of_the_values_in_float64(length):
+    """float32 rows are summed in float64 as they are read: bit for bit the sums of the rows converted first, so a
+    loss keeps its value whatever precision its stack of products is kept in."""
+    from trajectory_replay.replay.kernels import segment_sums
+
+    g = torch.Generator().manual_seed(length)
+    lengths = torch.randint(0, 2 * length, (9,), generator=g)
+    lengths[3] = 0
+    values = torch.randn(3, int(lengths.sum()), generator=g) * 1e3
+    assert torch.equal(segment_sums(values, lengths), segment_sums(values.to(torch.float64), lengths))
+
+
+def test_stacked_sample_sums_keep_float64_rows_in_float64():
+    from trajectory_replay.replay.kernels import Workspace, stacked_sample_sums
+
+    fine = torch.tensor([1.0 + 2.0 ** -40, 3.0], dtype=torch.float64)
+    coarse = torch.tensor([0.5, 0.25])
+    for workspace in (None, Workspace()):
+        sums = stacked_sample_sums([coarse, fine], torch.tensor([1, 1]), torch.tensor([2]), workspace)
+        assert sums.dtype == torch.float64 and sums[1].item() == 4.0 + 2.0 ** -40 and sums[0].item() == 0.75
