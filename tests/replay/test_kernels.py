@@ -281,19 +281,6 @@ def test_segment_sums_match_a_float64_loop_with_empty_segments_anywhere():
     assert segment_sums(values[:, :0], torch.zeros(3, dtype=torch.int64)).eq(0).all()
 
 
-@pytest.mark.parametrize("length", [7, 8191, 8193, 40_000])
-def test_segment_sums_of_float32_values_equal_those_of_the_values_in_float64(length):
-    """float32 rows are summed in float64 as they are read: bit for bit the sums of the rows converted first, so a
-    loss keeps its value whatever precision its stack of products is kept in."""
-    from trajectory_replay.replay.kernels import segment_sums
-
-    g = torch.Generator().manual_seed(length)
-    lengths = torch.randint(0, 2 * length, (9,), generator=g)
-    lengths[3] = 0
-    values = torch.randn(3, int(lengths.sum()), generator=g) * 1e3
-    assert torch.equal(segment_sums(values, lengths), segment_sums(values.to(torch.float64), lengths))
-
-
 def test_stacked_sample_sums_keep_float64_rows_in_float64():
     from trajectory_replay.replay.kernels import Workspace, stacked_sample_sums
 

@@ -80,32 +80,28 @@ def masked_sample_sums(values: torch.Tensor, mask: torch.Tensor, lengths: torch.
 
 
 class Workspace:
-    """A buffer reused by the blocks of one pass: a fresh block-sized buffer each time would be mapped and faulted in
-    anew by the allocator, which costs about as much as the arithmetic done in it."""
+    """A float64 buffer reused by the blocks of one pass: a fresh block-sized buffer each time would be mapped and
+    faulted in anew by the allocator, which costs about as much as the arithmetic done in it."""
 
     def __init__(self) -> None:
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._buffer: Optional[torch.Tensor] = None
 
-    def take(self, rows: int, cols: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """A (rows, cols) view of the `dtype` buffer (grown when too small); its content is unspecified."""
-        buffer = self._buffers.get(dtype)
-        if buffer is None or buffer.shape[0] < rows or buffer.shape[1] < cols:
-            buffer = self._buffers[dtype] = torch.empty((rows, cols), dtype=dtype)
-        return buffer[:rows, :cols]
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        """A (rows, cols) view of the buffer (grown when too small); its content is unspecified."""
+        if self._buffer is None or self._buffer.shape[0] < rows or self._buffer.shape[1] < cols:
+            self._buffer = torch.empty((rows, cols), dtype=torch.float64)
+        return self._buffer[:rows, :cols]
 
 
 def stacked_sample_sums(rows: Sequence[torch.Tensor], mask: torch.Tensor, lengths: torch.Tensor,
                         workspace: Optional[Workspace] = None) -> torch.Tensor:
     """Per-sample sums of each of `rows` times the mask, and of the mask itself (the last row): a (k + 1, n) float64
-    tensor. Each product is taken in the rows' own precision (float32 for float32, half-precision and bool rows: a
-    0/1 mask makes it exact) into one stack (`workspace`'s, when given), which is summed in float64; each sample's
-    sums depend on its own tokens only, so they are the same whatever block it is summed in."""
+    tensor. Each product is taken in float32 (a 0/1 mask makes it exact) and written straight into one float64
+    stack (`workspace`'s, when given); each sample's sums depend on its own tokens only, so they are the same
+    whatever block it is summed in."""
     m = mask.to(torch.float32)
-    dtype = torch.float32
-    for row in rows:
-        dtype = torch.promote_types(dtype, row.dtype)
     shape = (len(rows) + 1, m.numel())
-    stacked = workspace.take(*shape, dtype=dtype) if workspace is not None else torch.empty(shape, dtype=dtype)
+    stacked = workspace.take(*shape) if workspace is not None else torch.empty(shape, dtype=torch.float64)
     for i, row in enumerate(rows):
         torch.mul(row, m, out=stacked[i])
     stacked[-1] = m
@@ -113,19 +109,18 @@ def stacked_sample_sums(rows: Sequence[torch.Tensor], mask: torch.Tensor, length
 
 
 def segment_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Per-segment float64 sums along the last axis of a float32 or float64 (k, T) tensor, segments of `lengths`
-    (0 allowed): (k, n).
+    """Per-segment sums along the last axis of a float64 (k, T) tensor, segments of `lengths` (0 allowed): (k, n).
 
-    numpy's `add.reduceat` sums each segment several times faster than torch's segment reduction on a CPU, and
-    accumulates float32 values in float64 as it goes (the same sums as of the values converted first, without the
-    float64 copy); its segments are given by their starts, so empty ones are left out of the call and stay 0."""
+    numpy's `add.reduceat` sums each segment pairwise, several times faster than torch's segment reduction on a
+    CPU and at least as accurate; its segments are given by their starts, so empty ones are left out of the call
+    and stay 0."""
     lengths = lengths.to(torch.int64)
     out = torch.zeros((values.shape[0], lengths.numel()), dtype=torch.float64)
     present = lengths > 0
     if values.shape[-1] == 0 or not bool(present.any()):
         return out
     starts = (torch.cumsum(lengths, 0) - lengths)[present]
-    sums = numpy.add.reduceat(values.numpy(), starts.numpy(), axis=-1, dtype=numpy.float64)
+    sums = numpy.add.reduceat(values.numpy(), starts.numpy(), axis=-1)
     if bool(present.all()):
         return torch.from_numpy(sums)
     out[:, present] = torch.from_numpy(sums)
