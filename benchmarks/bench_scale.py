@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_replay import _PEAK
 from benchmarks.common import REPO_ROOT, Context, Row, fmt_bytes, fmt_secs, median
 
 GROUP = "scale"
@@ -21,12 +20,15 @@ HOW = f"""\
 **streamed**: a 16,384-sample x 4,096-token GRPO bundle (67M tokens: six float32 per-token payloads and the uint8
 mask, 1.68 GB) on local disk, prompt groups of 8 adjacent samples. `replay PATH --json` streams it in blocks of
 whole groups (the cohort is over the 32M-token threshold); `validate PATH` reads and verifies every payload. Each
-command in a fresh process, interleaved with processes doing only their unavoidable imports (`import torch,
-trajectory_replay.cli` for replay, `import trajectory_replay.cli` for validate); net time is wall time minus the
-import's, medians of five rounds; memory is the peak RSS (`VmHWM`) of the replay process minus that of the
-bare import, against the payload bytes. **full replay**: an 8,192 x 1,024 bundle of the same kind, replayed by
-this tree and by release `{BASELINE}` (checked out in a git worktree, run with the same interpreter and
-libraries), fresh processes interleaved with bare imports of each, medians of seven rounds net of import."""
+command runs in a fresh process that first imports what it cannot do without (`torch` and `trajectory_replay.cli`
+for replay, `trajectory_replay.cli` for validate), then times the command's `main()` itself: the time net of the
+interpreter and the imports, measured where it happens instead of as the difference of two processes' wall times
+(an import of torch alone varies by more than a second from one process to the next on a loaded machine). Medians
+of five rounds, the two commands interleaved. Memory is the peak RSS (`VmHWM`) of the replay process minus that of
+a process that only does its imports, against the payload bytes. **full replay**: an 8,192 x 1,024 bundle of the
+same kind, replayed the same way by this tree and by release `{BASELINE}` (checked out in a git worktree, run with
+the same interpreter and libraries), fresh processes interleaved, medians of seven rounds. Both trees are byte-compiled
+first, as an installed package is."""
 
 GROUP_SIZE = 8
 
@@ -84,32 +86,65 @@ def write_case(path: Path, n: int, tokens: int, seed: int = 0) -> int:
     return sum(t.numel() * t.element_size() for t in payloads.values()) + mask.numel()
 
 
-def _run(args: list[str], pythonpath: str | None = None) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of one fresh process running the CLI (or a bare import) with `args`."""
-    import time
+_NET = r"""
+import sys, time
+def _peak():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+imports, args = sys.argv[1], sys.argv[2:]
+if imports == "torch":
+    import torch
+import trajectory_replay.cli
+net, code = 0.0, 0
+if args:
+    sys.argv = ["trajectory-replay", *args]
+    started = time.perf_counter()
+    try:
+        trajectory_replay.cli.main()
+    except SystemExit as exc:
+        code = exc.code or 0
+    net = time.perf_counter() - started
+sys.stderr.write(f"\nNET={net}\nPEAK_RSS={_peak()}\n")
+sys.exit(code)
+"""
+"""One fresh process: import torch (when `imports` is "torch") and the CLI, then run the CLI's `main()` on the
+arguments (none: imports only) and report its own time and the process's peak RSS."""
 
+
+def _run(imports: str, args: list[str], pythonpath: str | None = None) -> tuple[float, int]:
+    """(seconds of the command's `main()`, net of the interpreter and the imports; peak RSS bytes) of one fresh
+    process that imports `imports` ("torch" or "cli") and runs the CLI with `args` (none: the imports alone)."""
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", _PEAK, *args], check=False, stdout=subprocess.DEVNULL,
+    out = subprocess.run([sys.executable, "-c", _NET, imports, *args], check=False, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True, env=env)
-    wall = time.perf_counter() - t0
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed: {out.stderr[-800:]}")
-    return wall, int(out.stderr.rsplit("PEAK_RSS=", 1)[1])
+    net = float(out.stderr.rsplit("NET=", 1)[1].split()[0])
+    return net, int(out.stderr.rsplit("PEAK_RSS=", 1)[1])
+
+
+def _compiled(root: Path) -> None:
+    """Byte-compile the package under `root`, as an installed package is: where PYTHONDONTWRITEBYTECODE is set,
+    each process would otherwise compile it again, and that time would be counted as the command's."""
+    import compileall
+
+    compileall.compile_dir(str(root / "trajectory_replay"), quiet=1)
 
 
 def _baseline(ctx: Context) -> str:
-    """A git worktree of release BASELINE (made once); its root, which goes first on PYTHONPATH."""
+    """A git worktree of release BASELINE (made once, byte-compiled); its root, which goes first on PYTHONPATH."""
     where = ctx.path("baseline-tree")
     if not (where / "trajectory_replay").exists():
         subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", "--force", str(where), BASELINE],
                        check=True, capture_output=True)
+    _compiled(where)
     return str(where)
 
 
 def run(ctx: Context) -> list[Row]:
+    _compiled(REPO_ROOT)
     rows = [_streamed_row(ctx), _baseline_row(ctx)]
     return [r for r in rows if r is not None]
 
@@ -118,14 +153,14 @@ def _streamed_row(ctx: Context) -> Row:
     n, tokens = ctx.size(16384, 2048), ctx.size(4096, 1024)
     path = ctx.path("scale") / "big"
     payload = write_case(path, n, tokens)
-    commands = {"import": ["--import-only"], "import-cli": ["--import-cli-only"],
-                "replay": ["replay", str(path), "--json"], "validate": ["validate", str(path)]}
+    commands = {"import": ("torch", []), "replay": ("torch", ["replay", str(path), "--json"]),
+                "validate": ("cli", ["validate", str(path)])}
     samples: dict[str, list[tuple[float, int]]] = {name: [] for name in commands}
     for _ in range(ctx.reps(5)):
-        for name, args in commands.items():
-            samples[name].append(_run(args))
-    wall = {name: median([w for w, _ in got]) for name, got in samples.items()}
-    replay_net, validate_net = wall["replay"] - wall["import"], wall["validate"] - wall["import-cli"]
+        for name, (imports, args) in commands.items():
+            samples[name].append(_run(imports, args))
+    net = {name: median([t for t, _ in got]) for name, got in samples.items()}
+    replay_net, validate_net = net["replay"], net["validate"]
     extra = median([r for _, r in samples["replay"]]) - median([r for _, r in samples["import"]])
     ratio, mem = replay_net / validate_net, extra / payload
     return Row(GROUP, f"streamed replay of {n}x{tokens} ({fmt_bytes(payload)} of payloads), local",
@@ -139,16 +174,14 @@ def _baseline_row(ctx: Context) -> Row:
     path = ctx.path("scale") / "full"
     write_case(path, n, tokens, seed=1)
     base = _baseline(ctx)
-    commands = {"import": (["--import-only"], None), "replay": (["replay", str(path), "--json"], None),
-                "base-import": (["--import-only"], base), "base-replay": (["replay", str(path), "--json"], base)}
+    commands = {"replay": None, "base-replay": base}
     samples: dict[str, list[float]] = {name: [] for name in commands}
     for _ in range(ctx.reps(7)):
-        for name, (args, pythonpath) in commands.items():
-            samples[name].append(_run(args, pythonpath)[0])
+        for name, pythonpath in commands.items():
+            samples[name].append(_run("torch", ["replay", str(path), "--json"], pythonpath)[0])
     subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", base], check=False,
                    capture_output=True)
-    now = median(samples["replay"]) - median(samples["import"])
-    before = median(samples["base-replay"]) - median(samples["base-import"])
+    now, before = median(samples["replay"]), median(samples["base-replay"])
     ratio = now / before
     return Row(GROUP, f"full replay of {n}x{tokens}, net of import, against release {BASELINE}", f"{ratio:.2f}x",
                "<= 0.67x", ratio <= 0.67, f"this tree {fmt_secs(now)}, {BASELINE} {fmt_secs(before)}")

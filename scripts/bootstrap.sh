@@ -15,3 +15,7 @@ fi
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }
 fi
+# Byte-compile the project's own modules now. Python does this itself on first import, except where
+# PYTHONDONTWRITEBYTECODE is set (as in many container images): then every process would compile them again,
+# about 0.3 s of CPU per command, and the test suite starts some hundred processes.
+.venv/bin/python -m compileall -q -j 0 trajectory_replay tests examples benchmarks >/dev/null

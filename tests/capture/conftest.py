@@ -6,12 +6,12 @@ import pytest
 
 from trajectory_replay import capture
 from trajectory_replay.capture import CaptureManager
-from trajectory_replay.capture.config import ENV_CAPTURE, ENV_DIR, ENV_ROLLOUTS, ENV_STEPS
+from trajectory_replay.capture.config import ENV_CAPTURE, ENV_DIR, ENV_ROLLOUTS, ENV_STEPS, ENV_WRITER
 
 
 @pytest.fixture(autouse=True)
 def clean_capture(monkeypatch):
-    for name in (ENV_CAPTURE, ENV_DIR, ENV_STEPS, ENV_ROLLOUTS):
+    for name in (ENV_CAPTURE, ENV_DIR, ENV_STEPS, ENV_ROLLOUTS, ENV_WRITER):
         monkeypatch.delenv(name, raising=False)
     capture.shutdown(timeout=10)
     yield

@@ -9,7 +9,7 @@ import pytest
 
 from trajectory_replay import capture
 from trajectory_replay.capture import CaptureConfigError, load_config
-from trajectory_replay.capture.config import ENV_CAPTURE, ENV_DIR, ENV_ROLLOUTS, ENV_STEPS
+from trajectory_replay.capture.config import ENV_CAPTURE, ENV_DIR, ENV_ROLLOUTS, ENV_STEPS, ENV_WRITER
 from trajectory_replay.errors import TrajectoryReplayError
 from tests.capture.helpers import microbatch_kwargs, rollout_kwargs
 
@@ -67,6 +67,8 @@ def test_empty_filters_mean_no_filter():
     ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1.5"}, ENV_ROLLOUTS, "'1.5'"),
     ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1,"}, ENV_ROLLOUTS, "'1,'"),
     ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1:2"}, ENV_ROLLOUTS, "'1:2'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_WRITER: "fork"}, ENV_WRITER, "'fork'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "memory://run", ENV_WRITER: "process"}, ENV_WRITER, "'process'"),
 ])
 def test_bad_values_name_the_variable(env, variable, shown):
     with pytest.raises(CaptureConfigError) as info:
@@ -111,17 +113,34 @@ def test_non_producer_ranks_stay_silent(tmp_path, monkeypatch):
     assert not (tmp_path / "cap").exists()
 
 
+def test_writer_from_the_environment():
+    on = {ENV_CAPTURE: "1", ENV_DIR: "d"}
+    assert load_config(on).writer is None and load_config({**on, ENV_WRITER: " "}).writer is None
+    assert load_config({**on, ENV_WRITER: " Thread"}).writer == "thread"
+    assert load_config({ENV_WRITER: "fork"}).writer is None   # capture off: not read
+
+
 def test_producer_rank_starts_one_writer(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_CAPTURE, "yes")
     monkeypatch.setenv(ENV_DIR, str(tmp_path / "cap"))
+    monkeypatch.setenv(ENV_WRITER, "thread")
     before = threading.active_count()
     manager = capture.maybe_enable_for_actor(1, True, [0, 1], atexit_timeout=None)
-    assert manager is capture.get_manager() and manager.running
+    assert manager is capture.get_manager() and manager.running and manager.writer_mode == "thread"
     assert manager.multi_producer and manager.rank == 1 and manager.expected_ranks == [0, 1]
     assert threading.active_count() == before + 1
     assert capture.shutdown(timeout=10)
     assert capture.get_manager() is None and not manager.running
     assert threading.active_count() == before
+
+
+def test_a_writer_the_program_passes_wins_over_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_CAPTURE, "1")
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "cap"))
+    monkeypatch.setenv(ENV_WRITER, "process")
+    manager = capture.maybe_enable_for_actor(0, True, [0], atexit_timeout=None, writer="thread")
+    assert manager.writer_mode == "thread"
+    assert capture.shutdown(timeout=10)
 
 
 def test_rank_must_be_expected(tmp_path, monkeypatch):

@@ -55,12 +55,25 @@ class _Model(BaseModel):
     @classmethod
     def _warn_unknown(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            known = set(cls.model_fields)
-            known |= {f.alias for f in cls.model_fields.values() if f.alias}
-            for key in data:
-                if key not in known:
-                    warnings.warn(f"{cls.__name__}: unknown field {key!r} ignored", SchemaWarning, stacklevel=2)
+            known = _known_fields(cls)
+            if not data.keys() <= known:   # one set comparison per record (an index holds thousands)
+                for key in data:
+                    if key not in known:
+                        warnings.warn(f"{cls.__name__}: unknown field {key!r} ignored", SchemaWarning,
+                                      stacklevel=2)
         return data
+
+
+_KNOWN_FIELDS: dict[type, frozenset[str]] = {}
+
+
+def _known_fields(cls: type[BaseModel]) -> frozenset[str]:
+    """The field names and aliases of a model class, worked out once per class."""
+    known = _KNOWN_FIELDS.get(cls)
+    if known is None:
+        fields = cls.model_fields
+        known = _KNOWN_FIELDS[cls] = frozenset(fields) | {f.alias for f in fields.values() if f.alias}
+    return known
 
 
 class StageId(str, Enum):

@@ -4,6 +4,8 @@
     RELAX_REPLAY_CAPTURE_DIR        store root: a path or any fsspec URL (s3://bucket/run-42); required when on
     RELAX_REPLAY_CAPTURE_STEPS      optional step filter: R:S,R:S,...  (unset or empty = every step)
     RELAX_REPLAY_CAPTURE_ROLLOUTS   optional rollout filter: R,R,...   (unset or empty = every rollout)
+    RELAX_REPLAY_CAPTURE_WRITER     optional writer: auto, process or thread (unset or empty = auto; a
+                                    `writer=` the program passes to the manager wins)
 
 S3 endpoint and credentials come from the usual places (AWS_* variables, AWS config files, FSSPEC_S3_*).
 While capture is off the other variables are not read, so they can never break a run that does not
@@ -26,6 +28,7 @@ ENV_CAPTURE = "RELAX_REPLAY_CAPTURE"
 ENV_DIR = "RELAX_REPLAY_CAPTURE_DIR"
 ENV_STEPS = "RELAX_REPLAY_CAPTURE_STEPS"
 ENV_ROLLOUTS = "RELAX_REPLAY_CAPTURE_ROLLOUTS"
+ENV_WRITER = "RELAX_REPLAY_CAPTURE_WRITER"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -45,12 +48,14 @@ class CaptureConfigError(TrajectoryReplayError, ValueError):
 
 @dataclass(frozen=True)
 class CaptureConfig:
-    """The parsed configuration. `steps` / `rollouts` None means no filter (capture every one)."""
+    """The parsed configuration. `steps` / `rollouts` None means no filter (capture every one); `writer` None
+    means the manager's own default."""
 
     enabled: bool = False
     capture_dir: Optional[str] = None
     steps: Optional[frozenset[tuple[int, int]]] = None
     rollouts: Optional[frozenset[int]] = None
+    writer: Optional[str] = None
 
     def wants_step(self, rollout_id: int, step_id: int) -> bool:
         """True when the step-level bundle of actor step (rollout_id, step_id) is to be captured."""
@@ -127,13 +132,27 @@ def parse_dir(value: Optional[str], variable: str = ENV_DIR) -> str:
     return text
 
 
+def parse_writer(value: Optional[str], variable: str = ENV_WRITER) -> Optional[str]:
+    """The writer mode (`auto`, `process` or `thread`, case-insensitive); unset or empty -> None."""
+    if value is None or value.strip() == "":
+        return None
+    norm = value.strip().lower()
+    if norm not in WRITER_MODES:
+        raise _bad(variable, value, f"expected one of {', '.join(WRITER_MODES)}")
+    return norm
+
+
 def load_config(environ: Optional[Mapping[str, str]] = None) -> CaptureConfig:
     """Read the capture configuration from `environ` (default `os.environ`)."""
     env = os.environ if environ is None else environ
     if not parse_switch(env.get(ENV_CAPTURE)):
         return CaptureConfig(enabled=False)
-    return CaptureConfig(enabled=True, capture_dir=parse_dir(env.get(ENV_DIR)),
-                         steps=parse_steps(env.get(ENV_STEPS)), rollouts=parse_rollouts(env.get(ENV_ROLLOUTS)))
+    capture_dir, writer = parse_dir(env.get(ENV_DIR)), parse_writer(env.get(ENV_WRITER))
+    if writer == "process" and capture_dir.lower().startswith("memory://"):
+        raise _bad(ENV_WRITER, env[ENV_WRITER], f"a writer process cannot reach {ENV_DIR}={capture_dir!r}, a store "
+                   "that lives in this process only (use thread or auto)")
+    return CaptureConfig(enabled=True, capture_dir=capture_dir, steps=parse_steps(env.get(ENV_STEPS)),
+                         rollouts=parse_rollouts(env.get(ENV_ROLLOUTS)), writer=writer)
 
 
 def choose_writer(writer: str, writer_priority: str, capture_dir: str, store_given: bool) -> str:
@@ -162,6 +181,6 @@ def producer_ranks(rank: int, expected_ranks: Optional[Sequence[int]]) -> list[i
     return ranks
 
 
-__all__ = ["CaptureConfig", "CaptureConfigError", "ENV_CAPTURE", "ENV_DIR", "ENV_ROLLOUTS", "ENV_STEPS",
+__all__ = ["CaptureConfig", "CaptureConfigError", "ENV_CAPTURE", "ENV_DIR", "ENV_ROLLOUTS", "ENV_STEPS", "ENV_WRITER",
            "WRITER_MODES", "WRITER_PRIORITIES", "choose_writer", "load_config", "parse_dir", "parse_rollouts",
-           "parse_steps", "parse_switch", "producer_ranks"]
+           "parse_steps", "parse_switch", "parse_writer", "producer_ranks"]

@@ -29,7 +29,8 @@ def maybe_enable_for_actor(rank: int, is_producer: bool, expected_ranks: Sequenc
                            ) -> Optional[CaptureManager]:
     """Start capture on this rank if the environment switches it on and the rank is a producer.
 
-    Reads RELAX_REPLAY_CAPTURE* (a bad value raises CaptureConfigError naming the variable, on every rank).
+    Reads RELAX_REPLAY_CAPTURE* (a bad value raises CaptureConfigError naming the variable, on every rank);
+    RELAX_REPLAY_CAPTURE_WRITER chooses the writer unless `manager_options` has `writer`.
     Producer ranks (e.g. the last pipeline stage of each data-parallel replica) get a CaptureManager with
     a writer thread; other ranks get None and start nothing. `expected_ranks` are the producer ranks of
     one bundle: with more than one, each writes its own shard (rank `rank`) of a multi-producer bundle.
@@ -46,6 +47,8 @@ def maybe_enable_for_actor(rank: int, is_producer: bool, expected_ranks: Sequenc
     if _MANAGER is not None:
         log.warning("capture: already enabled (%r); replacing it", _MANAGER)
         shutdown()
+    if config.writer is not None:
+        manager_options.setdefault("writer", config.writer)
     try:
         manager = CaptureManager(config.capture_dir, rank=rank, expected_ranks=ranks, steps=config.steps,
                                  rollouts=config.rollouts, **manager_options)
