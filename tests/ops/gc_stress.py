@@ -20,15 +20,16 @@ import random
 import sys
 import time
 import uuid
-
-import torch
+from typing import TYPE_CHECKING
 
 from trajectory_replay.bundle import BundleWriter
 from trajectory_replay.errors import TrajectoryReplayError
 from trajectory_replay.ops.gc import collect_garbage
-from trajectory_replay.replay import canonical_case
 from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.chunking import ChunkingParams
+
+if TYPE_CHECKING:   # the gc role never builds a tensor: it runs without torch, as the gc command does
+    import torch
 
 ROUND = float(os.environ.get("GC_STRESS_ROUND", "0.6"))
 SIZE = int(os.environ.get("GC_STRESS_ROWS", "64"))
@@ -36,13 +37,19 @@ SPREAD = (float(os.environ.get("GC_STRESS_FROM", "0.02")), float(os.environ.get(
 CHUNKING = ChunkingParams(chunk_size=16 << 10, min_size=16 << 10, target_size=16 << 10)
 
 
-def content(k: int) -> dict[str, torch.Tensor]:
+def content(k: int) -> dict[str, "torch.Tensor"]:
     """The payloads of content k: the canonical ones plus one of its own, cut into many chunks."""
+    import torch
+
+    from trajectory_replay.replay import canonical_case
+
     gen = torch.Generator().manual_seed(k)
     return {**canonical_case(False).payloads, "extra": torch.rand((SIZE, 4096), generator=gen)}
 
 
 def writer_for(root: str, name: str, store: ObjectStore) -> BundleWriter:
+    from trajectory_replay.replay import canonical_case
+
     case = canonical_case(False)
     manifest = case.manifest.model_copy(update={"bundle_id": name})
     index = case.index.model_copy(update={"bundle_id": name})
@@ -52,7 +59,8 @@ def writer_for(root: str, name: str, store: ObjectStore) -> BundleWriter:
 def main(role: str, root: str, start: float | str, seconds: float, options: dict, ident: str = "0") -> None:
     store = ObjectStore.open(root, cache=False, **options)
     store.chunking = CHUNKING
-    content(0)   # the first round is not slowed by what runs once (torch's first operations)
+    if role != "gc":
+        content(0)   # the first round is not slowed by what runs once (torch's first operations)
     if start == "stdin":
         print("ready", flush=True)
         start = float(sys.stdin.readline())
@@ -70,6 +78,8 @@ def main(role: str, root: str, start: float | str, seconds: float, options: dict
         if role == "aborter":
             writer = writer_for(root, f"aborted-{uuid.uuid4().hex[:8]}", store)
             # plus garbage of its own that no writer reuses, so every sweep has something to remove
+            import torch
+
             writer.write_payloads({**content(k), "noise": torch.rand(2048, generator=torch.Generator().manual_seed(
                 rng.randrange(1 << 62)))})
             writer.abort()
