@@ -80,7 +80,7 @@ def test_long_responses_share_rollout_chunks(tmp_path) -> None:
     from trajectory_replay.store import ObjectStore
 
     run = run_example(tmp_path, "long", *SMALL, "--digits", "128", "--min-response", "128", "--capture-dir",
-                      str(tmp_path / "cap"), world_size=1, steps=1)
+                      str(tmp_path / "cap"), world_size=1, steps=1, env={"RELAX_REPLAY_CAPTURE_WRITER": "thread"})
     assert len(run.result["steps"]) == STEPS_PER_ROLLOUT
     [rollout] = open_native(str(tmp_path / "cap" / "rollout-0"))
     assert {s.response_length for s in rollout.index.samples} == {129}
