@@ -143,6 +143,18 @@ def test_a_writer_the_program_passes_wins_over_the_environment(tmp_path, monkeyp
     assert capture.shutdown(timeout=10)
 
 
+def test_a_writer_process_from_the_environment_with_a_store_object_is_a_config_error(tmp_path, monkeypatch):
+    from trajectory_replay.store import ObjectStore
+
+    monkeypatch.setenv(ENV_CAPTURE, "1")
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "cap"))
+    monkeypatch.setenv(ENV_WRITER, "process")
+    with pytest.raises(CaptureConfigError, match=ENV_WRITER):
+        capture.maybe_enable_for_actor(0, True, [0], atexit_timeout=None,
+                                       store=ObjectStore.open(str(tmp_path / "cap")))
+    assert capture.get_manager() is None
+
+
 def test_rank_must_be_expected(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_CAPTURE, "1")
     monkeypatch.setenv(ENV_DIR, str(tmp_path))
