@@ -67,13 +67,17 @@ def main(role: str, root: str, start: float | str, seconds: float, options: dict
     rng = random.Random(f"{role}-{ident}")
     counts = {"role": role, "id": ident, "completed": 0, "refused": 0, "aborted": 0, "removed": 0, "sweeps": 0}
     deadline = start + seconds
+
+    def sweep() -> None:
+        report = collect_garbage(root, grace=0.0, **options)
+        counts["sweeps"] += 1
+        counts["removed"] += len(report.removed)
+
     while time.time() < deadline:
         k = int((time.time() - start) // ROUND)
         round_start = start + k * ROUND
         if role == "gc":
-            report = collect_garbage(root, grace=0.0, **options)
-            counts["sweeps"] += 1
-            counts["removed"] += len(report.removed)
+            sweep()
             continue
         if role == "aborter":
             writer = writer_for(root, f"aborted-{uuid.uuid4().hex[:8]}", store)
@@ -107,9 +111,7 @@ def main(role: str, root: str, start: float | str, seconds: float, options: dict
         # one sweep more, begun after every round has: on a loaded machine a sweep can take the whole run, and
         # have begun before the first abort; this one always has garbage to find, while the others' last
         # commits may still be under way
-        report = collect_garbage(root, grace=0.0, **options)
-        counts["sweeps"] += 1
-        counts["removed"] += len(report.removed)
+        sweep()
     print(json.dumps(counts), flush=True)
 
 

@@ -148,9 +148,8 @@ def load_config(environ: Optional[Mapping[str, str]] = None) -> CaptureConfig:
     if not parse_switch(env.get(ENV_CAPTURE)):
         return CaptureConfig(enabled=False)
     capture_dir, writer = parse_dir(env.get(ENV_DIR)), parse_writer(env.get(ENV_WRITER))
-    if writer == "process" and capture_dir.lower().startswith("memory://"):
-        raise _bad(ENV_WRITER, env[ENV_WRITER], f"a writer process cannot reach {ENV_DIR}={capture_dir!r}, a store "
-                   "that lives in this process only (use thread or auto)")
+    if writer is not None:
+        check_env_writer(writer, env[ENV_WRITER], capture_dir, store_given=False)
     return CaptureConfig(enabled=True, capture_dir=capture_dir, steps=parse_steps(env.get(ENV_STEPS)),
                          rollouts=parse_rollouts(env.get(ENV_ROLLOUTS)), writer=writer)
 
@@ -173,6 +172,15 @@ def choose_writer(writer: str, writer_priority: str, capture_dir: str, store_giv
     return writer
 
 
+def check_env_writer(writer: str, value: str, capture_dir: str, store_given: bool) -> None:
+    """CaptureConfigError naming RELAX_REPLAY_CAPTURE_WRITER (set to `value`) when `choose_writer` refuses its
+    `writer` for this capture directory (and, if `store_given`, a store object the program passes)."""
+    try:
+        choose_writer(writer, WRITER_PRIORITIES[0], capture_dir, store_given)
+    except ValueError as exc:
+        raise _bad(ENV_WRITER, value, f"{exc} (use thread or auto)") from None
+
+
 def producer_ranks(rank: int, expected_ranks: Optional[Sequence[int]]) -> list[int]:
     """The producer ranks of one bundle, sorted (default: `rank` alone); `rank` must be among them."""
     ranks = sorted({int(r) for r in expected_ranks}) if expected_ranks is not None else [rank]
@@ -182,5 +190,5 @@ def producer_ranks(rank: int, expected_ranks: Optional[Sequence[int]]) -> list[i
 
 
 __all__ = ["CaptureConfig", "CaptureConfigError", "ENV_CAPTURE", "ENV_DIR", "ENV_ROLLOUTS", "ENV_STEPS", "ENV_WRITER",
-           "WRITER_MODES", "WRITER_PRIORITIES", "choose_writer", "load_config", "parse_dir", "parse_rollouts",
-           "parse_steps", "parse_switch", "parse_writer", "producer_ranks"]
+           "WRITER_MODES", "WRITER_PRIORITIES", "check_env_writer", "choose_writer", "load_config", "parse_dir",
+           "parse_rollouts", "parse_steps", "parse_switch", "parse_writer", "producer_ranks"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Optional, Sequence
 
-from trajectory_replay.capture.config import CaptureConfigError, ENV_DIR, ENV_WRITER, load_config
+from trajectory_replay.capture.config import CaptureConfigError, ENV_DIR, check_env_writer, load_config
 from trajectory_replay.capture.manager import CaptureManager
 from trajectory_replay.errors import TrajectoryReplayError
 
@@ -47,12 +47,10 @@ def maybe_enable_for_actor(rank: int, is_producer: bool, expected_ranks: Sequenc
     if _MANAGER is not None:
         log.warning("capture: already enabled (%r); replacing it", _MANAGER)
         shutdown()
-    if config.writer is not None:
-        if config.writer == "process" and manager_options.get("store") is not None \
-                and "writer" not in manager_options:
-            raise CaptureConfigError(f"{ENV_WRITER}={config.writer!r}: this program hands capture a store object, "
-                                     "which a writer process cannot reach (use thread or auto)")
-        manager_options.setdefault("writer", config.writer)
+    if config.writer is not None and "writer" not in manager_options:
+        check_env_writer(config.writer, config.writer, config.capture_dir,
+                         store_given=manager_options.get("store") is not None)
+        manager_options["writer"] = config.writer
     try:
         manager = CaptureManager(config.capture_dir, rank=rank, expected_ranks=ranks, steps=config.steps,
                                  rollouts=config.rollouts, **manager_options)
