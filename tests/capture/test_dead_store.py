@@ -105,8 +105,8 @@ def test_capture_to_a_dead_store_backs_off_counts_drops_and_warns_once(endpoint,
     assert sum(taken) == stats["enqueued"] == stats["errors"] + stats["dropped"] - refused_at_once, (stats, taken)
     assert stats["queued_records"] == 0 and stats["bytes_in_use"] == 0, stats
     # closing waits at most for the record being written, which the timeouts bound (connect 0.5 s + read 1 s),
-    # not for each queued record in turn (QUEUE x 1.5 s)
-    assert closing < 6.0, closing
+    # not for each queued record in turn (QUEUE x 1.5 s = 24 s); the rest of the bound is a loaded host's scheduling
+    assert closing < 10.0, closing
 
     warnings = _store_warnings(caplog)
     assert len(warnings) == 1, [r.getMessage() for r in warnings]   # one kind of failure: one line

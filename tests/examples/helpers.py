@@ -40,8 +40,10 @@ class ExampleRun:
 
 
 def run_example(workdir: Path, name: str, *extra: str, world_size: int = 2, steps: int = 2,
-                env: Mapping[str, str] | None = None, timeout: float = 120) -> ExampleRun:
-    """Run the example in its own fresh working directory `workdir/name` (so what it writes can be listed)."""
+                env: Mapping[str, str] | None = None, timeout: float = 240) -> ExampleRun:
+    """Run the example in its own fresh working directory `workdir/name` (so what it writes can be listed).
+    `timeout` catches a hang, not slowness: on a loaded host a run's writer processes, at idle priority, run only
+    when a CPU has nothing else to do."""
     cwd = workdir / name
     cwd.mkdir(parents=True)
     out = cwd / f"{name}.json"
