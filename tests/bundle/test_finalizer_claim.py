@@ -270,9 +270,10 @@ def test_a_dead_claimant_leaves_a_bundle_that_readers_ls_and_fsck_finalize(tmp_p
 def test_a_retry_of_the_claimant_rank_finds_its_own_claim_and_finalizes(tmp_path):
     root = str(tmp_path / "store")
     _claimant_died(root, "cohort", [0, 1])
-    # another rank's retry stops at its landed marker and at the claim it does not hold
+    # another rank's retry stops at its landed marker (read once, to log the attempt that landed it) and at the claim
+    # it does not hold, reading no other rank's marker
     retry = _land(root, "cohort", 0, [0, 1])
-    assert retry.final is None and retry.reads == {}
+    assert retry.final is None and retry.reads == {0: 1}
     assert retry.creates == {rank_key("cohort", 0): DIFFERENT, finalizer_key("cohort"): DIFFERENT}
     retry = _land(root, "cohort", 1, [0, 1])
     assert retry.events == [(rank_key("cohort", 1), DIFFERENT), (finalizer_key("cohort"), SAME),

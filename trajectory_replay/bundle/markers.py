@@ -273,14 +273,10 @@ def finalizer_claim(rank: int) -> bytes:
 
 
 def read_marker(backend: Backend, key: str, model: type[BaseModel]) -> Optional[BaseModel]:
-    """The parsed marker at `key`, or None when absent; BundleError when malformed."""
-    try:
-        if backend.size(key) > MAX_MARKER_BYTES:
-            raise BundleError(f"{backend.url}/{key}: marker larger than {MAX_MARKER_BYTES} bytes")
-        data = backend.read(key)
-    except NotFoundError:
-        return None
-    return _parse_marker(backend, key, data, model)
+    """The parsed marker at `key`, or None when absent; BundleError when malformed (or larger than MAX_MARKER_BYTES).
+    One request: every bundle's status reads its COMPLETE, and a store may hold thousands of bundles."""
+    data = _read_bounded(backend, key)
+    return None if data is None else _parse_marker(backend, key, data, model)
 
 
 def _parse_marker(backend: Backend, key: str, data: bytes, model: type[BaseModel]) -> BaseModel:
