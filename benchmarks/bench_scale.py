@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -104,25 +105,34 @@ if args:
     except SystemExit as exc:
         code = exc.code or 0
     net = time.perf_counter() - started
-sys.stderr.write(f"\nNET={net}\nPEAK_RSS={_peak()}\n")
+sys.stderr.write(f"\nNET={net}\nPEAK_RSS={_peak()}\nFROM={trajectory_replay.cli.__file__}\n")
 sys.exit(code)
 """
 """One fresh process: import torch (when `imports` is "torch") and the CLI, then run the CLI's `main()` on the
 arguments (none: imports only) and report its own time and the process's peak RSS."""
 
 
-def _run(imports: str, args: list[str], pythonpath: str | None = None) -> tuple[float, int]:
+def _run(imports: str, args: list[str], tree: str | None = None) -> tuple[float, int]:
     """(seconds of the command's `main()`, net of the interpreter and the imports; peak RSS bytes) of one fresh
-    process that imports `imports` ("torch" or "cli") and runs the CLI with `args` (none: the imports alone)."""
+    process that imports `imports` ("torch" or "cli") and runs the CLI with `args` (none: the imports alone), with
+    the package of the source tree `tree` (default: this one).
+
+    The process runs in a directory of its own: `python -c` puts its working directory first on the import path,
+    so run from a source tree it would import that tree's package whatever PYTHONPATH says. It reports the file
+    it imported the CLI from, and that must lie in `tree`."""
+    root = Path(tree or REPO_ROOT).resolve()
     env = dict(os.environ)
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", _NET, imports, *args], check=False, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True, env=env)
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as cwd:
+        out = subprocess.run([sys.executable, "-c", _NET, imports, *args], check=False, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed: {out.stderr[-800:]}")
+    found = Path(out.stderr.rsplit("FROM=", 1)[1].strip()).resolve()
+    if not found.is_relative_to(root):
+        raise RuntimeError(f"the process meant to run the tree at {root} imported {found}")
     net = float(out.stderr.rsplit("NET=", 1)[1].split()[0])
-    return net, int(out.stderr.rsplit("PEAK_RSS=", 1)[1])
+    return net, int(out.stderr.rsplit("PEAK_RSS=", 1)[1].split()[0])
 
 
 def _compiled(root: Path) -> None:
