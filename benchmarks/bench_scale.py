@@ -29,7 +29,9 @@ of five rounds, the two commands interleaved. Memory is the peak RSS (`VmHWM`) o
 a process that only does its imports, against the payload bytes. **full replay**: an 8,192 x 1,024 bundle of the
 same kind, replayed the same way by this tree and by release `{BASELINE}` (checked out in a git worktree, run with
 the same interpreter and libraries), fresh processes interleaved, medians of seven rounds. Both trees are byte-compiled
-first, as an installed package is."""
+first, as an installed package is. Every process starts in an empty directory with its tree first on `PYTHONPATH` and
+reports the file it imported the CLI from, which must lie in that tree (`python -c` puts its working directory first
+on the import path: started in a source tree, it would run that tree's package whatever `PYTHONPATH` says)."""
 
 GROUP_SIZE = 8
 

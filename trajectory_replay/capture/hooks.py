@@ -48,8 +48,8 @@ def maybe_enable_for_actor(rank: int, is_producer: bool, expected_ranks: Sequenc
         log.warning("capture: already enabled (%r); replacing it", _MANAGER)
         shutdown()
     if config.writer is not None and "writer" not in manager_options:
-        check_env_writer(config.writer, config.writer, config.capture_dir,
-                         store_given=manager_options.get("store") is not None)
+        if manager_options.get("store") is not None:   # load_config checked it for a writer without a store object
+            check_env_writer(config.writer, config.writer, config.capture_dir, store_given=True)
         manager_options["writer"] = config.writer
     try:
         manager = CaptureManager(config.capture_dir, rank=rank, expected_ranks=ranks, steps=config.steps,
