@@ -289,3 +289,28 @@ def test_stacked_sample_sums_keep_float64_rows_in_float64():
     for workspace in (None, Workspace()):
         sums = stacked_sample_sums([coarse, fine], torch.tensor([1, 1]), torch.tensor([2]), workspace)
         assert sums.dtype == torch.float64 and sums[1].item() == 4.0 + 2.0 ** -40 and sums[0].item() == 0.75
+
+
+def _greedy_blocks(lengths: list[int], block_tokens: int) -> list[tuple[int, int, int, int]]:
+    """The definition: samples are added to a block until it holds at least `block_tokens` tokens; the last block
+    takes what is left."""
+    out, first, start, end = [], 0, 0, 0
+    for i, n in enumerate(lengths):
+        end += n
+        if end - start >= block_tokens or i == len(lengths) - 1:
+            out.append((first, i + 1, start, end))
+            first, start = i + 1, end
+    return out
+
+
+@pytest.mark.parametrize("block_tokens", [1, 2, 5, 16, 64, 1000])
+def test_sample_blocks_are_the_greedy_blocks_of_whole_samples(block_tokens):
+    g = torch.Generator().manual_seed(block_tokens)
+    choices = torch.tensor([0, 0, 1, 3, 7, 50])
+    for n in range(40):
+        lengths = choices[torch.randint(len(choices), (n,), generator=g)]
+        blocks = list(kernels.sample_blocks(lengths, block_tokens))
+        assert blocks == _greedy_blocks(lengths.tolist(), block_tokens)
+        # whole samples, in order, every token once
+        assert [b[0] for b in blocks[1:]] == [b[1] for b in blocks[:-1]]
+        assert sum(b[3] - b[2] for b in blocks) == int(lengths.sum())

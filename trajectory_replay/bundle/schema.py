@@ -9,6 +9,7 @@ reported with a `SchemaWarning`, never silently dropped.
 
 from __future__ import annotations
 
+import itertools
 import re
 import warnings
 from enum import Enum
@@ -419,10 +420,7 @@ class BundleIndex(_Model):
     def token_offsets(self) -> list[int]:
         """Where each sample's rows start in a flat per-token payload, plus the total (sample i's rows are
         [offsets[i], offsets[i + 1])). A negative length counts as 0 here; replay reports it."""
-        out = [0]
-        for s in self.samples:
-            out.append(out[-1] + max(s.response_length, 0))
-        return out
+        return list(itertools.accumulate((max(s.response_length, 0) for s in self.samples), initial=0))
 
 
 class RewardRawExpected(_Model):

@@ -173,9 +173,9 @@ class Cohort:
 
     def token_range(self, k: int) -> slice:
         """Where part `k`'s tokens lie in the cohort's flat per-token tensors."""
-        counts = [sum(max(p.source.index.samples[i].response_length, 0) for i in p.positions) for p in self.parts]
-        start = sum(counts[:k])
-        return slice(start, start + counts[k])
+        first = sum(len(p.positions) for p in self.parts[:k])
+        start = int(self.lengths[:first].sum())
+        return slice(start, start + int(self.lengths[first:first + len(self.parts[k].positions)].sum()))
 
 
 def _expected_field(expected: dict[str, Any], stage: str, key: str) -> Any:

@@ -8,6 +8,7 @@ in place. The estimators live in `replay.estimators`, the losses and aggregation
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
@@ -222,11 +223,11 @@ def sample_blocks(lengths: torch.Tensor, block_tokens: int) -> Iterator[tuple[in
     """(first sample, end sample, first token, end token) of consecutive blocks of whole samples of about
     `block_tokens` tokens each, so that per-token temporaries stay a small fraction of the inputs."""
     first, start = 0, 0
-    ends = sample_ends(lengths).tolist()
-    for i, end in enumerate(ends):
-        if end - start >= block_tokens or i == len(ends) - 1:
-            yield first, i + 1, start, end
-            first, start = i + 1, end
+    ends = sample_ends(lengths).tolist()   # non-decreasing: a block ends at the first sample that fills it
+    while first < len(ends):
+        last = min(bisect.bisect_left(ends, start + block_tokens, lo=first), len(ends) - 1)
+        yield first, last + 1, start, ends[last]
+        first, start = last + 1, ends[last]
 
 
 __all__ = ["KL_TYPES", "LOW_VAR_KL_CLAMP", "Moments", "WHITEN_EPS", "Workspace", "check_kl_type", "dense_group_ids", "kl_estimate",
