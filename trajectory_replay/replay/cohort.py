@@ -8,8 +8,6 @@ stay contiguous. Payload rows are read only when a stage asks for them, and only
 from __future__ import annotations
 
 import math
-import threading
-from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Optional, Sequence
@@ -40,17 +38,10 @@ class CohortPart:
 
 
 class PayloadCache:
-    """Payload rows already loaded, keyed by source, payload name and rows, so each is read once.
-
-    Safe to share with a read-ahead thread: a load of rows another thread is reading waits for that read instead of
-    reading them again, and a read that failed fails every load of the same rows with its error (it is not tried
-    again: a store that does not answer would cost its timeout twice)."""
+    """Payload rows already loaded, keyed by source, payload name and rows, so each is read once."""
 
     def __init__(self) -> None:
         self._loaded: dict[tuple[int, str, Optional[tuple[int, ...]]], torch.Tensor] = {}
-        self._reading: dict[tuple[int, str, Optional[tuple[int, ...]]], Future] = {}
-        """Reads in progress, and reads that failed (their future holds the error)."""
-        self._lock = threading.Lock()
         self.names: set[str] = set()
         """Every payload name loaded through the cache so far (kept or since forgotten)."""
 
@@ -58,37 +49,15 @@ class PayloadCache:
         """The rows of `name` that `part` selects."""
         rows = None if part.whole else part.positions
         key = (id(part.source), name, rows)
-        with self._lock:
-            found = self._loaded.get(key)
-            if found is not None:
-                return found
-            reading = self._reading.get(key)
-            if reading is None:
-                reading = self._reading[key] = Future()
-                mine = True
-            else:
-                mine = False
-        if not mine:
-            return reading.result()
-        try:
-            tensor = part.source.load_payload(name, samples=None if rows is None else list(rows))
-        except BaseException as exc:
-            reading.set_exception(exc)
-            raise
-        with self._lock:
-            self._loaded[key] = tensor
-            del self._reading[key]
+        if key not in self._loaded:
+            self._loaded[key] = part.source.load_payload(name, samples=None if rows is None else list(rows))
             self.names.add(name)
-        reading.set_result(tensor)
-        return tensor
+        return self._loaded[key]
 
     def retain(self, names: set[str]) -> None:
         """Forget every loaded payload whose name is not in `names` (a later load reads it again)."""
-        with self._lock:
-            for key in [k for k in self._loaded if k[1] not in names]:
-                del self._loaded[key]
-            for key in [k for k, f in self._reading.items() if k[1] not in names and f.done()]:
-                del self._reading[key]
+        for key in [k for k in self._loaded if k[1] not in names]:
+            del self._loaded[key]
 
 
 class Cohort:

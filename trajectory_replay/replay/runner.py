@@ -13,7 +13,6 @@ over the blocks, and equals that of one run over the whole cohort.
 from __future__ import annotations
 
 import math
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
@@ -24,7 +23,7 @@ from trajectory_replay._allocator import reuse_block_buffers
 from trajectory_replay.backends.base import one_core_for_cpu_work
 from trajectory_replay.bundle.schema import STAGE_ORDER, RecomputeConfig, StageId
 from trajectory_replay.replay.blocks import BLOCK_TOKENS, STREAM_TOKENS, Block, Merged, plan_blocks, whole_block
-from trajectory_replay.replay.cohort import Cohort, CohortPart, PayloadCache
+from trajectory_replay.replay.cohort import Cohort, PayloadCache
 from trajectory_replay.replay.compare import Findings, resolve_tolerance
 from trajectory_replay.replay.estimators import Whitening
 from trajectory_replay.replay.kernels import Moments, sample_moments, whiten, whitening_stats
@@ -139,7 +138,6 @@ class _Run:
                 self._compute(planned, ctx, shared, runs, whole_block(whole))
         whitening = self._whitening(plan, blocks, shared) if streamed else None
         prefetch = _Prefetch(blocks) if streamed else None
-        ahead = None if streamed else _ReadAhead(whole, self._reads(plan))
         threads = _leave_a_core_for_reading() if streamed else None
         heap = reuse_block_buffers() if streamed else None
         try:
@@ -148,17 +146,13 @@ class _Run:
                     prefetch.ready(b)   # this block's payloads are read; the next block's reading starts now
                 outputs = _block_outputs(shared, block) if streamed else {k: dict(v) for k, v in shared.items()}
                 for i, planned in enumerate(self.sample_level):
-                    if ahead is not None:
-                        ahead.reached(i)
                     if planned.stage.per_block and self._runs(planned, plan):
                         ctx = self.context(planned.stage.id, block.cohort, outputs, plan.label,
                                            block if streamed else None, whitening)
                         self._compute(planned, ctx, outputs, runs, block)
                     later = [p.stage for p in self.sample_level[i + 1:] + self.cohort_level]
                     _release(outputs, block.cohort.cache, later, self.plan.config)
-                for j, planned in enumerate(self.cohort_level):
-                    if ahead is not None:
-                        ahead.reached(len(self.sample_level) + j)
+                for planned in self.cohort_level:
                     if planned.action == "run" and not plan.cohort_skip:
                         self._per_part(planned, plan, whole, block, outputs, part_runs, streamed)
                 if prefetch is not None:
@@ -169,8 +163,6 @@ class _Run:
         finally:   # a read or a stage that fails leaves no reading thread behind
             if prefetch is not None:
                 prefetch.close()
-            if ahead is not None:
-                ahead.close()
             if threads is not None:
                 torch.set_num_threads(threads)
             if heap is not None:
@@ -199,24 +191,6 @@ class _Run:
                                                    _merged(stage_runs, part), stage_runs)
                     results += _with_copies(result, ranks[0], ranks[1:])
         return results
-
-    def _reads(self, plan: Pass) -> list[list[tuple[CohortPart, str]]]:
-        """What each stage of an unstreamed pass may load, in the order they run (sample-level stages, then
-        cohort-level ones): the (part, payload) pairs of the payloads it may read under the config that the
-        bundle holds."""
-        reads: list[list[tuple[CohortPart, str]]] = []
-        for planned in self.sample_level:
-            runs = planned.action == "run" and planned.stage.per_block and self._runs(planned, plan)
-            reads.append(self._payloads(planned, plan.parts) if runs else [])
-        for planned in self.cohort_level:
-            runs = planned.action == "run" and not plan.cohort_skip
-            parts = [part for part, ranks in zip(plan.parts, plan.cohort_ranks) if ranks]
-            reads.append(self._payloads(planned, parts) if runs else [])
-        return reads
-
-    def _payloads(self, planned: PlannedStage, parts: Sequence[CohortPart]) -> list[tuple[CohortPart, str]]:
-        names = planned.stage.io.payloads_read_for(self.plan.config)
-        return [(part, name) for name in names for part in parts if part.source.has_payload(name)]
 
     def _runs(self, planned: PlannedStage, plan: Pass) -> bool:
         """True when the stage computes (or hands recorded outputs downstream) in this pass."""
@@ -328,51 +302,6 @@ class _Prefetch:
         for pending in self.pending.values():
             pending.cancel()
         self.pool.shutdown(wait=True)
-
-
-class _ReadAhead:
-    """Reads the payloads of the stage after the one running, on a thread of its own, while an unstreamed pass runs:
-    reading and verifying (file reads, BLAKE3) overlap the stages' kernels, and at most two stages' payloads are held.
-
-    It only fills the pass's payload cache: a stage loads what it needs through the cache whatever was read ahead,
-    waiting for a read in progress; a read that failed fails the stage that loads it, as its own read would have
-    (one that no stage loads changes nothing)."""
-
-    def __init__(self, whole: Cohort, reads: Sequence[Sequence[tuple[CohortPart, str]]]) -> None:
-        self.whole, self.reads = whole, reads
-        self._reached = -1
-        self._closed = False
-        self._moved = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="replay-read-ahead", daemon=True)
-        self._thread.start()
-
-    def reached(self, step: int) -> None:
-        """Stage `step` starts: stage step + 1's payloads may be read now."""
-        with self._moved:
-            self._reached = step
-            self._moved.notify()
-
-    def close(self) -> None:
-        """Stop after the read in progress (a failed stage leaves no reading thread behind)."""
-        with self._moved:
-            self._closed = True
-            self._moved.notify()
-        self._thread.join()
-
-    def _run(self) -> None:
-        with one_core_for_cpu_work():
-            for step, pairs in enumerate(self.reads):
-                for part, name in pairs:
-                    with self._moved:
-                        self._moved.wait_for(lambda: self._closed or self._reached >= step - 1)
-                        if self._closed:
-                            return
-                        if self._reached >= step:
-                            break   # the stage has started and loads what it needs itself
-                    try:
-                        self.whole.cache.load(part, name)
-                    except Exception:  # noqa: BLE001 - kept by the cache for the stage that loads it
-                        pass
 
 
 def _leave_a_core_for_reading() -> int:
