@@ -131,7 +131,12 @@ class LocalBackend(Backend):
             tmp.unlink(missing_ok=True)
 
     def _exists(self, key: str) -> bool:
-        return os.path.isfile(self._file(key))
+        try:
+            return stat.S_ISREG(os.stat(self._file(key)).st_mode)
+        except OSError as exc:   # as Path.is_file: absent is False, anything else (a permission) is an error
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP):
+                return False
+            raise
 
     def _stat(self, key: str) -> os.stat_result:
         try:
