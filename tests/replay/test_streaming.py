@@ -207,6 +207,6 @@ def test_the_read_ahead_reads_a_local_bundle_on_its_own_thread(tmp_path, monkeyp
     monkeypatch.setattr(LocalBackend, "read_into", recording)
     sources, rank = open_for_replay(str(tmp_path / "b"))
     assert replay(sources, rank=rank, block_tokens=1 << 17).passed
-    ahead = [i for i, name in enumerate(order) if name.startswith("replay-prefetch")]
+    ahead = [i for i, name in enumerate(order) if name.startswith("replay-ahead")]
     assert ahead, order
-    assert {name.split("_")[0] for name in order[ahead[0]:]} == {"replay-prefetch"}, set(order[ahead[0]:])
+    assert {name.split("_")[0] for name in order[ahead[0]:]} == {"replay-ahead"}, set(order[ahead[0]:])

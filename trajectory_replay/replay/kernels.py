@@ -81,50 +81,76 @@ def masked_sample_sums(values: torch.Tensor, mask: torch.Tensor, lengths: torch.
 
 
 class Workspace:
-    """A float64 buffer reused by the blocks of one pass: a fresh block-sized buffer each time would be mapped and
-    faulted in anew by the allocator, which costs about as much as the arithmetic done in it."""
+    """Buffers reused by the blocks of one pass: a fresh block-sized buffer each time would be mapped and faulted in
+    anew by the allocator, which costs about as much as the arithmetic done in it."""
 
     def __init__(self) -> None:
-        self._buffer: Optional[torch.Tensor] = None
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
 
-    def take(self, rows: int, cols: int) -> torch.Tensor:
-        """A (rows, cols) view of the buffer (grown when too small); its content is unspecified."""
-        if self._buffer is None or self._buffer.shape[0] < rows or self._buffer.shape[1] < cols:
-            self._buffer = torch.empty((rows, cols), dtype=torch.float64)
-        return self._buffer[:rows, :cols]
+    def take(self, rows: int, cols: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """A (rows, cols) view of the buffer of `dtype` (grown when too small); its content is unspecified."""
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.shape[0] < rows or buffer.shape[1] < cols:
+            buffer = self._buffers[dtype] = torch.empty((rows, cols), dtype=dtype)
+        return buffer[:rows, :cols]
+
+
+_NARROW = (torch.float32, torch.float16, torch.bfloat16, torch.bool, torch.uint8, torch.int8)
+"""Dtypes whose products with a 0/1 float32 mask are exact in float32."""
 
 
 def stacked_sample_sums(rows: Sequence[torch.Tensor], mask: torch.Tensor, lengths: torch.Tensor,
-                        workspace: Optional[Workspace] = None) -> torch.Tensor:
+                        workspace: Optional[Workspace] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-sample sums of each of `rows` times the mask, and of the mask itself (the last row): a (k + 1, n) float64
-    tensor. Each product is taken in float32 (a 0/1 mask makes it exact) and written straight into one float64
-    stack (`workspace`'s, when given); each sample's sums depend on its own tokens only, so they are the same
-    whatever block it is summed in."""
-    m = mask.to(torch.float32)
-    shape = (len(rows) + 1, m.numel())
-    stacked = workspace.take(*shape) if workspace is not None else torch.empty(shape, dtype=torch.float64)
+    tensor. The products of float32 (or narrower) rows are taken in float32 (a 0/1 mask makes them exact: nothing
+    is rounded before the sum), the stack is widened to float64 in one copy and summed in float64; a wider row is
+    multiplied in float64. Each sample's sums depend on its own tokens only, so they are the same whatever block
+    it is summed in. A bool row is read as 0/1 bytes (torch multiplies bytes by floats several times faster).
+    `out`: where to write the sums (see `segment_sums`)."""
+    shape = (len(rows) + 1, mask.numel())
+    if workspace is not None:
+        narrow, wide = workspace.take(*shape, dtype=torch.float32), workspace.take(*shape)
+    else:
+        narrow, wide = torch.empty(shape, dtype=torch.float32), torch.empty(shape, dtype=torch.float64)
+    m = narrow[-1]
+    m.copy_(mask)
+    widened = []
     for i, row in enumerate(rows):
-        torch.mul(row, m, out=stacked[i])
-    stacked[-1] = m
-    return segment_sums(stacked, lengths)
+        if row.dtype in _NARROW:
+            torch.mul(row.view(torch.uint8) if row.dtype == torch.bool else row, m, out=narrow[i])
+        else:
+            torch.mul(row.to(torch.float64), m, out=wide[i])
+            widened.append(i)
+    if not widened:
+        wide.copy_(narrow)
+    else:
+        for i in [j for j in range(shape[0]) if j not in widened]:
+            wide[i].copy_(narrow[i])
+    return segment_sums(wide, lengths, out)
 
 
-def segment_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Per-segment sums along the last axis of a float64 (k, T) tensor, segments of `lengths` (0 allowed): (k, n).
+def segment_sums(values: torch.Tensor, lengths: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-segment sums along the last axis of a float64 (k, T) tensor, segments of `lengths` (0 allowed): (k, n),
+    written into `out` when given (a float64 (k, n) tensor, a view of a larger one allowed).
 
     numpy's `add.reduceat` sums each segment pairwise, several times faster than torch's segment reduction on a
     CPU and at least as accurate; its segments are given by their starts, so empty ones are left out of the call
     and stay 0."""
-    lengths = lengths.to(torch.int64)
-    out = torch.zeros((values.shape[0], lengths.numel()), dtype=torch.float64)
-    present = lengths > 0
-    if values.shape[-1] == 0 or not bool(present.any()):
+    # the bookkeeping runs on numpy arrays: on a block's few dozen lengths each torch call costs more than its work
+    lens = lengths.numpy() if lengths.dtype == torch.int64 else lengths.to(torch.int64).numpy()
+    if out is None:
+        out = torch.zeros((values.shape[0], lens.size), dtype=torch.float64)
+    target = out.numpy()
+    present = lens > 0
+    if values.shape[-1] == 0 or not present.any():
+        target[...] = 0.0
         return out
-    starts = (torch.cumsum(lengths, 0) - lengths)[present]
-    sums = numpy.add.reduceat(values.numpy(), starts.numpy(), axis=-1)
-    if bool(present.all()):
-        return torch.from_numpy(sums)
-    out[:, present] = torch.from_numpy(sums)
+    starts = numpy.cumsum(lens) - lens
+    if present.all():
+        numpy.add.reduceat(values.numpy(), starts, axis=-1, out=target)
+    else:
+        target[...] = 0.0
+        target[:, present] = numpy.add.reduceat(values.numpy(), starts[present], axis=-1)
     return out
 
 

@@ -57,16 +57,19 @@ def _log_ratio(inputs: PolicyInputs) -> torch.Tensor:
 
 def ppo_clip_tokens(inputs: PolicyInputs) -> PolicyLossTokens:
     """PPO clipped surrogate with asymmetric clip, max(-ratio A, -clip(ratio) A), and the optional dual clip
-    (where A < 0: min(-c A, pg)); clipped where the clipped term is strictly larger."""
+    (where A < 0: min(-c A, pg)); clipped where the clipped term is strictly larger.
+
+    Computed as -min(ratio A, clip(ratio) A), the same numbers (negation is exact), with clipfrac as a float 0/1
+    tensor: on a CPU torch compares into a float tensor several times faster than into a bool one."""
     cfg = inputs.config
     a = inputs.advantages.to(torch.float32)
     log_ratio = _log_ratio(inputs)
     ratio = torch.exp(log_ratio)
-    pg = ratio.mul(a).neg_()  # the unclipped term, turned into pg in place below
-    clipped = ratio.clamp_(1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high).mul_(a).neg_()
-    del ratio  # clamped in place above
-    clipfrac = clipped > pg  # bool: a quarter of the memory of a float tensor; reductions promote it
-    torch.maximum(pg, clipped, out=pg)
+    unclipped = ratio.mul(a)
+    clipped = ratio.clamp_(1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high).mul_(a)   # in place: ratio is not needed
+    del ratio
+    clipfrac = torch.lt(clipped, unclipped, out=torch.empty_like(clipped))   # -clipped > -unclipped
+    pg = torch.minimum(unclipped, clipped, out=unclipped).neg_()
     del clipped
     if cfg.eps_clip_c is not None:
         pg = torch.where(a < 0, torch.minimum(a.mul(-cfg.eps_clip_c), pg), pg)
@@ -186,10 +189,8 @@ def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: "Ke
     whole samples; rejection (rollout_rs) changes the mask every term and count is taken over."""
     lengths = data.lengths.to(torch.int64)
     with_kl = config.kl_loss_coef != 0
-    sums: dict[str, list[torch.Tensor]] = {f: [] for f in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss")}
-    if with_kl:
-        sums["kl_loss"] = []
-    counts: list[torch.Tensor] = []
+    fields = ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss") + (("kl_loss",) if with_kl else ())
+    table = torch.zeros((len(fields) + 1, lengths.numel()), dtype=torch.float64)   # each field's sums, then T_i
     corrected = rollout_correction(config)
     workspace = Workspace()
     for first, last, start, end in sample_blocks(lengths, BLOCK_TOKENS):
@@ -211,11 +212,8 @@ def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: "Ke
             assert data.ref_log_probs is not None
             rows.append(kl_estimate(data.log_probs[start:end], data.ref_log_probs[start:end],
                                     config.kl_loss_estimator, config.kl_log_ratio_clamp, config.kl_output_clamp))
-        block_sums = stacked_sample_sums(rows, block_mask, block_lengths, workspace)
-        for name, row in zip(sums, block_sums):
-            sums[name].append(row)
-        counts.append(block_sums[-1])
-    return LossSums({name: _cat(parts) for name, parts in sums.items()}, _cat(counts))
+        stacked_sample_sums(rows, block_mask, block_lengths, workspace, out=table[:, first:last])
+    return LossSums(dict(zip(fields, table[:-1])), table[-1])
 
 
 def policy_loss_scalars(sums: LossSums, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
@@ -253,21 +251,17 @@ def value_loss_sums(data: ValueLossData, config: RecomputeConfig) -> LossSums:
     and of its clip indicator (clipped term strictly larger)."""
     lengths = data.lengths.to(torch.int64)
     c = config.cliprange_value
-    sums: dict[str, list[torch.Tensor]] = {"vf_loss": [], "vf_clipfrac": []}
-    counts: list[torch.Tensor] = []
+    table = torch.zeros((3, lengths.numel()), dtype=torch.float64)   # vf_loss, vf_clipfrac, T_i
     workspace = Workspace()
     for first, last, start, end in sample_blocks(lengths, BLOCK_TOKENS):
-        block_lengths = lengths[first:last]
         values, vpreds = data.values[start:end].to(torch.float32), data.vpreds[start:end].to(torch.float32)
         returns = data.returns[start:end].to(torch.float32)
         clipped = torch.maximum(torch.minimum(vpreds, values + c), values - c).sub_(returns).square_()
         unclipped = vpreds.sub(returns).square_()
-        block_sums = stacked_sample_sums([torch.maximum(unclipped, clipped), clipped > unclipped],
-                                         data.mask[start:end], block_lengths, workspace)
-        sums["vf_loss"].append(block_sums[0])
-        sums["vf_clipfrac"].append(block_sums[1])
-        counts.append(block_sums[-1])
-    return LossSums({name: _cat(parts) for name, parts in sums.items()}, _cat(counts))
+        clipfrac = torch.lt(unclipped, clipped, out=torch.empty_like(clipped))   # a float 0/1, as in ppo_clip_tokens
+        stacked_sample_sums([torch.maximum(unclipped, clipped, out=unclipped), clipfrac], data.mask[start:end],
+                            lengths[first:last], workspace, out=table[:, first:last])
+    return LossSums({"vf_loss": table[0], "vf_clipfrac": table[1]}, table[2])
 
 
 def value_loss_scalars(sums: LossSums, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
@@ -281,10 +275,6 @@ def value_loss_outputs(data: ValueLossData, config: RecomputeConfig, kernels: "K
     """Clipped value loss: vf = max((v' - R)^2, (clip(v', v - c, v + c) - R)^2), vf_loss = 0.5 Agg(vf) (times
     loss_scale), vf_clipfrac = Agg(clipped term strictly larger)."""
     return value_loss_scalars(value_loss_sums(data, config), config, kernels)
-
-
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
 def _aggregate(sums: LossSums, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:

@@ -6,16 +6,18 @@ verdict is reported for the ranks the plan names. Loaded payloads and stage outp
 soon as no later stage reads them.
 
 A large pass streams (`replay.blocks`): every stage runs over one block of whole groups, then over the
-next, while a thread reads the next block's payloads; each stage's verdict is made once, from its runs
+next, while a thread reads the next block's payloads and runs its sample-level stages; each stage's verdict is made once, from its runs
 over the blocks, and equals that of one run over the whole cohort.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -137,39 +139,55 @@ class _Run:
                 ctx = self.context(planned.stage.id, whole, shared, plan.label)
                 self._compute(planned, ctx, shared, runs, whole_block(whole))
         whitening = self._whitening(plan, blocks, shared) if streamed else None
-        prefetch = _Prefetch(blocks) if streamed else None
+
+        def sample_steps(block: Block) -> tuple[dict, list[Callable[[], None]]]:
+            """The block's per-block sample-level stages as steps to run in order, and the outputs they fill (what
+            the cohort-level stages read)."""
+            outputs = _block_outputs(shared, block) if streamed else {k: dict(v) for k, v in shared.items()}
+
+            def step(i: int, planned: PlannedStage) -> None:
+                if planned.stage.per_block and self._runs(planned, plan):
+                    ctx = self.context(planned.stage.id, block.cohort, outputs, plan.label,
+                                       block if streamed else None, whitening)
+                    self._compute(planned, ctx, outputs, runs, block)
+                later = [p.stage for p in self.sample_level[i + 1:] + self.cohort_level]
+                _release(outputs, block.cohort.cache, later, self.plan.config)
+
+            return outputs, [functools.partial(step, i, planned) for i, planned in enumerate(self.sample_level)]
+
+        ahead = _Ahead(blocks, sample_steps) if streamed else None
+        position = {id(block): b for b, block in enumerate(blocks)}
         threads = _leave_a_core_for_reading() if streamed else None
         heap = reuse_block_buffers() if streamed else None
         try:
             for b, block in enumerate(blocks):
-                if prefetch is not None:
-                    prefetch.ready(b)   # this block's payloads are read; the next block's reading starts now
-                outputs = _block_outputs(shared, block) if streamed else {k: dict(v) for k, v in shared.items()}
-                for i, planned in enumerate(self.sample_level):
-                    if planned.stage.per_block and self._runs(planned, plan):
-                        ctx = self.context(planned.stage.id, block.cohort, outputs, plan.label,
-                                           block if streamed else None, whitening)
-                        self._compute(planned, ctx, outputs, runs, block)
-                    later = [p.stage for p in self.sample_level[i + 1:] + self.cohort_level]
-                    _release(outputs, block.cohort.cache, later, self.plan.config)
+                # block b's payloads read and its sample-level stages run, by the thread ahead as far as it got
+                # and here for the rest; that thread goes on to block b + 1 while the cohort-level stages run here
+                if ahead is not None:
+                    outputs = ahead.take(b)
+                else:
+                    outputs, steps = sample_steps(block)
+                    for run_step in steps:
+                        run_step()
                 for planned in self.cohort_level:
                     if planned.action == "run" and not plan.cohort_skip:
                         self._per_part(planned, plan, whole, block, outputs, part_runs, streamed)
-                if prefetch is not None:
+                if ahead is not None:
                     block.cohort.cache.retain(set())
-                    prefetch.done(b, block.cohort.cache.names)
+                    ahead.done(b, block.cohort.cache.names)
                 if heap is not None:
                     heap.between_blocks()
-        finally:   # a read or a stage that fails leaves no reading thread behind
-            if prefetch is not None:
-                prefetch.close()
+        finally:   # a read or a stage that fails leaves no thread behind
+            if ahead is not None:
+                ahead.close()
             if threads is not None:
                 torch.set_num_threads(threads)
             if heap is not None:
                 heap.end()
         for planned in self.sample_level:
             if planned.action == "run" and planned.stage.id in runs:
-                stage_runs = runs[planned.stage.id]
+                # in block order: the thread ahead may run a stage on the next block before this one ends it
+                stage_runs = sorted(runs[planned.stage.id], key=lambda run: position.get(id(run[1]), -1))
                 result = planned.stage.verdict(self.context(planned.stage.id, whole, {}, plan.label),
                                                _merged(stage_runs, whole), stage_runs)
             elif planned.action == "run":   # whitened advantages on part of the cohort
@@ -269,24 +287,76 @@ class _Run:
         return stage == StageId.ADVANTAGE_ESTIMATE and self.plan.kernels.estimator.whitened
 
 
-class _Prefetch:
-    """Reads the next block's payloads on a thread of its own while the stages compute over the current block:
-    reading and verifying (file reads, BLAKE3) and the stages' tensor kernels run at the same time. The payloads
-    read are those the first block's stages loaded."""
+class _Job:
+    """One block's work ahead: read its payloads, then its sample-level stages, as steps run strictly in order.
+    The thread ahead runs steps until the caller takes the block; the caller then waits for the step under way
+    and runs the rest itself. So neither thread idles while the other has work on the block: the split between
+    reading-plus-early-stages and the later stages balances itself, block by block."""
 
-    def __init__(self, blocks: Sequence[Block]) -> None:
+    def __init__(self, outputs: dict, steps: Sequence[Callable[[], None]]) -> None:
+        self.outputs = outputs
+        self.steps = list(steps)
+        self.next = 0
+        self.taken = False
+        self.running = False
+        self.error: Optional[BaseException] = None
+        self.turn = threading.Condition()
+
+    def run_ahead(self) -> None:
+        """On the thread ahead: the steps in order, until all ran, one failed, or the caller took the block."""
+        while True:
+            with self.turn:
+                if self.taken or self.error is not None or self.next == len(self.steps):
+                    return
+                self.running = True
+            try:
+                self.steps[self.next]()
+            except BaseException as exc:   # handed to the caller, which raises it
+                self.error = exc
+            finally:
+                with self.turn:
+                    if self.error is None:
+                        self.next += 1
+                    self.running = False
+                    self.turn.notify_all()
+
+    def finish(self) -> dict:
+        """On the caller's thread: take the block, wait for the step under way, run the remaining ones."""
+        with self.turn:
+            self.taken = True
+            while self.running:
+                self.turn.wait()
+        if self.error is not None:
+            raise self.error
+        while self.next < len(self.steps):
+            self.steps[self.next]()
+            self.next += 1
+        return self.outputs
+
+
+class _Ahead:
+    """Works one block ahead of the caller, on a thread of its own: reads the block's payloads and runs its
+    sample-level stages (a `_Job`) while the caller runs the cohort-level stages (the losses) over the block
+    before. Reading and verifying (file reads, BLAKE3) and the stage chain run at the same time, on two cores.
+    The payloads read are those the first block's stages loaded; that first block runs on the caller's thread."""
+
+    def __init__(self, blocks: Sequence[Block], sample_steps: Callable[[Block], tuple[dict, list]]) -> None:
         self.blocks = blocks
+        self.sample_steps = sample_steps
         self.names: set[str] = set()
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-prefetch")
-        self.pending: dict[int, Future] = {}
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-ahead")
+        self.jobs: dict[int, _Job] = {}
         self.started: set[int] = set()
 
-    def ready(self, b: int) -> None:
-        """Wait for block `b`'s payloads (a read error surfaces here), then start reading block b + 1's."""
-        pending = self.pending.pop(b, None)
-        if pending is not None:
-            pending.result()
-        self._start(b + 1)
+    def take(self, b: int) -> dict:
+        """Block `b`'s sample-level outputs, its stages run (a read or stage error surfaces here); the thread ahead
+        goes on to block b + 1."""
+        job = self.jobs.pop(b, None)
+        if job is None:   # the first block: it runs here
+            outputs, steps = self.sample_steps(self.blocks[b])
+            job = _Job(outputs, steps)
+        self._start(b + 1)   # queued behind block b: it begins once the thread ahead lets go of block b
+        return job.finish()
 
     def done(self, b: int, names: set[str]) -> None:
         """Block `b` ran, loading `names`: those are read ahead from now on, starting with block b + 1."""
@@ -296,12 +366,29 @@ class _Prefetch:
     def _start(self, i: int) -> None:
         if self.names and i < len(self.blocks) and i not in self.started:
             self.started.add(i)
-            self.pending[i] = self.pool.submit(_read_block, self.blocks[i], sorted(self.names))
+            block, names = self.blocks[i], sorted(self.names)
+            outputs, steps = self.sample_steps(block)
+            job = self.jobs[i] = _Job(outputs, [functools.partial(_read, block, names), *steps])
+            self.pool.submit(self._ahead, job)
+
+    @staticmethod
+    def _ahead(job: _Job) -> None:
+        with one_core_for_cpu_work():   # the core `_leave_a_core_for_reading` left: local reads stay on it
+            job.run_ahead()
 
     def close(self) -> None:
-        for pending in self.pending.values():
-            pending.cancel()
+        for job in self.jobs.values():
+            with job.turn:
+                job.taken = True   # a job not yet begun stops before its first step
         self.pool.shutdown(wait=True)
+
+
+def _read(block: Block, names: Sequence[str]) -> None:
+    """Read the block's rows of the payloads `names` into its cache."""
+    for part in block.cohort.parts:
+        for name in names:
+            if part.source.has_payload(name):
+                block.cohort.cache.load(part, name)
 
 
 def _leave_a_core_for_reading() -> int:
@@ -312,14 +399,6 @@ def _leave_a_core_for_reading() -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, threads - 1))
     return threads
-
-
-def _read_block(block: Block, names: Sequence[str]) -> None:
-    with one_core_for_cpu_work():   # the core `_leave_a_core_for_reading` left: local reads and hashes stay on it
-        for part in block.cohort.parts:
-            for name in names:
-                if part.source.has_payload(name):
-                    block.cohort.cache.load(part, name)
 
 
 WHITENED_PART = "advantages whitened over the whole cohort are not replayable on part of it"
