@@ -210,3 +210,78 @@ def test_the_read_ahead_reads_a_local_bundle_on_its_own_thread(tmp_path, monkeyp
     ahead = [i for i, name in enumerate(order) if name.startswith("replay-ahead")]
     assert ahead, order
     assert {name.split("_")[0] for name in order[ahead[0]:]} == {"replay-ahead"}, set(order[ahead[0]:])
+
+
+def _stage_threads(monkeypatch) -> list[tuple[str, str]]:
+    """Record (stage, thread name) of every stage computation from now on."""
+    import threading
+
+    from trajectory_replay.replay import runner
+
+    seen: list[tuple[str, str]] = []
+    compute = runner._Run._compute
+
+    def recording(self, planned, ctx, outputs, runs, block):
+        seen.append((planned.stage.id.value, threading.current_thread().name))
+        return compute(self, planned, ctx, outputs, runs, block)
+
+    monkeypatch.setattr(runner._Run, "_compute", recording)
+    return seen
+
+
+@pytest.mark.parametrize("slow", ["losses", "reads"])
+def test_the_thread_ahead_and_the_caller_share_each_blocks_stages_and_agree(monkeypatch, slow):
+    """A block's sample-level stages run on the thread ahead while the losses of the block before run on the
+    caller's thread; when the reads are the slow side, the caller takes a block over mid-chain and runs the rest
+    of its stages. Either way the report is the one of a single block."""
+    import time
+
+    from trajectory_replay.replay import runner
+
+    # GAE (its estimate whitened over the cohort, from a first pass) when the losses are slow; RLOO (one pass)
+    # when the reads are, so that every estimate on the caller's thread is one of the pass itself
+    case = algorithm_case(CONFIGS["gae-value" if slow == "losses" else "rloo-token-mean-denominator"], seed=5)
+    sources = [source_of(case)]
+    whole = replay(sources).to_dict()
+    seen = _stage_threads(monkeypatch)
+    if slow == "losses":
+        per_part = runner._Run._per_part
+        monkeypatch.setattr(runner._Run, "_per_part",
+                            lambda *a, **k: (time.sleep(0.02), per_part(*a, **k))[1])
+    else:
+        read = runner._read
+        monkeypatch.setattr(runner, "_read", lambda *a, **k: (time.sleep(0.05), read(*a, **k))[1])
+    assert replay(sources, block_tokens=SMALL).to_dict() == whole
+    ahead = {stage for stage, thread in seen if thread.startswith("replay-ahead")}
+    here = {stage for stage, thread in seen if not thread.startswith("replay-ahead")}
+    if slow == "losses":
+        assert {"advantage.kl", "advantage.estimate"} <= ahead, seen
+        assert "loss.policy" not in ahead   # cohort-level stages run on the caller's thread only
+    else:
+        # the first block runs here anyway; every later one is taken over as soon as its read is done
+        assert sum(1 for stage, thread in seen if stage == "advantage.estimate"
+                   and not thread.startswith("replay-ahead")) == len(_blocks_of(sources[0]))
+        assert "advantage.estimate" in here
+
+
+def test_a_failure_on_the_thread_ahead_surfaces_in_the_replay_and_leaves_no_thread(tmp_path):
+    """A chunk damaged in the last block of a stored bundle: the thread ahead meets it, the replay raises the
+    integrity error a one-block replay raises, and no thread of the replay is left running."""
+    import threading
+
+    from benchmarks.bench_scale import write_case
+    from trajectory_replay.bundle import open_for_replay
+    from trajectory_replay.errors import IntegrityError
+    from trajectory_replay.store.digest import object_key
+
+    write_case(tmp_path / "b", 256, 2048)
+    sources, rank = open_for_replay(str(tmp_path / "b"))
+    store = sources[0].store
+    last = store.record(sources[0].manifest.payloads["log_probs"].digest).chunks[-1]
+    store.backend.write(object_key(last.digest), b"\0" * last.size)
+    with pytest.raises(IntegrityError, match=last.digest):
+        replay(sources, rank=rank)
+    sources, rank = open_for_replay(str(tmp_path / "b"))
+    with pytest.raises(IntegrityError, match=last.digest):
+        replay(sources, rank=rank, block_tokens=1 << 16)
+    assert not [t for t in threading.enumerate() if t.name.startswith("replay-ahead")]

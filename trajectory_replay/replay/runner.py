@@ -6,8 +6,8 @@ verdict is reported for the ranks the plan names. Loaded payloads and stage outp
 soon as no later stage reads them.
 
 A large pass streams (`replay.blocks`): every stage runs over one block of whole groups, then over the
-next, while a thread reads the next block's payloads and runs its sample-level stages; each stage's verdict is made once, from its runs
-over the blocks, and equals that of one run over the whole cohort.
+next, while a second thread reads the next block's payloads and runs its sample-level stages; each stage's
+verdict is made once, from its runs over the blocks, and equals that of one run over the whole cohort.
 """
 
 from __future__ import annotations
