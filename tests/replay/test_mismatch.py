@@ -276,6 +276,32 @@ def test_a_non_finite_log_prob_fails_the_stage_and_leads_the_worst_tokens():
     assert json.loads(report.to_json())["stages"][1]["metrics"]["kl_k1"] == "nan"
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("-inf"), float("inf")])
+def test_a_non_finite_log_prob_on_a_masked_out_token_changes_nothing(value):
+    """Padding often holds garbage: a NaN or infinite rollout log-prob where the loss mask is 0 counts as d = 0,
+    so the stage passes with the metrics and worst tokens of the clean bundle, in one block or streamed."""
+    clean = replay([_bundle()])
+    garbage = list(ROLLOUT)
+    garbage[3] = value   # sample 1, token 1: masked out
+    source = _bundle()
+    source.payloads["rollout_log_probs"] = _t(garbage)
+    for report in (replay([source]), replay([source], block_tokens=2)):
+        entry = report.stage("rollout.mismatch")
+        assert report.passed and entry.status == "pass", entry.message
+        assert entry.metrics == clean.stage("rollout.mismatch").metrics
+
+
+def test_the_stage_takes_its_sums_in_one_pass_or_by_selection_alike():
+    """The fast pass (the mask multiplied in) and the selection it falls back to give the same per-sample sums."""
+    old, rollout = _t(OLD), _t(ROLLOUT)
+    mask = torch.tensor(FLAT_MASK, dtype=torch.uint8)
+    d, masked, scores, sums = mismatch.mismatch_pass(old, rollout, mask, _lengths())
+    reference = mismatch.mismatch_sums(mismatch.log_ratio(old, rollout), mask, _lengths())
+    assert torch.equal(sums.seq, reference.seq) and torch.equal(sums.k3, reference.k3)
+    assert (sums.tokens, sums.max_score) == (reference.tokens, reference.max_score) == (5, 1.0)
+    assert masked.tolist() == [x * m for x, m in zip(D, FLAT_MASK)]
+
+
 def test_worst_tokens_over_many_chunks_match_a_full_sort():
     g = torch.Generator().manual_seed(5)
     d = torch.randn(50_000, generator=g)

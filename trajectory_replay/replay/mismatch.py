@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy
 import torch
 
 from trajectory_replay.bundle.schema import RecomputeConfig
@@ -88,15 +89,57 @@ def mismatch_sums(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, sc
     whatever it holds, NaN included). `in_place`: `d` (float32) may be overwritten with 0 on the masked-out tokens,
     sparing a copy of the cohort's size."""
     inside = mask if mask.dtype == torch.bool else mask.to(torch.bool)
-    lengths = lengths.to(torch.int64)
     if scores is None:
         scores = token_scores(d, inside)
     z = d.to(torch.float32)
     z = z.masked_fill_(~inside, 0.0) if in_place and z is d else torch.where(inside, z, 0.0)
-    seq = torch.segment_reduce(z, "sum", lengths=lengths)
-    k3 = torch.segment_reduce(torch.expm1(z).sub_(z), "sum", lengths=lengths)   # exp(d) - 1 - d, 0 where masked out
+    seq, k3 = _sample_sums(z, lengths)
     # torch's max keeps a NaN
     return MismatchSums(seq, k3, int(torch.count_nonzero(inside)), float(scores.max()) if scores.numel() else -1.0)
+
+
+def mismatch_pass(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
+                  lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MismatchSums]:
+    """What rollout.mismatch computes over the tokens: (d = old - rollout, d with 0 on the masked-out tokens, the
+    scores the worst tokens are taken from, the `mismatch_sums` of d).
+
+    Where every d is finite the mask is applied by multiplying with it (selecting with a bool mask costs several
+    times more), and a masked-out token scores 0 instead of `token_scores`' -1: neither is anyone's worst token,
+    and the largest score is the same. A non-finite d anywhere (a sample's sum then is not finite) takes the
+    cohort again by selection, so that a masked-out NaN or infinity still counts as 0; the sums of every finite
+    sample are the same either way."""
+    d = log_ratio(old_log_probs, rollout_log_probs)
+    weights = mask if mask.dtype in (torch.float32, torch.uint8, torch.bool) else mask.to(torch.float32)
+    with numpy.errstate(invalid="ignore"):   # inf * 0 on a masked-out token: caught below
+        z = torch.from_numpy(numpy.multiply(d.numpy(), weights.numpy(), dtype=numpy.float32))
+    seq, k3 = _sample_sums(z, lengths)
+    tokens = int(torch.count_nonzero(mask))
+    if bool(torch.isfinite(seq).all()) and bool(torch.isfinite(k3).all()):
+        scores = z.abs()
+        return d, z, scores, MismatchSums(seq, k3, tokens, float(scores.max()) if tokens else -1.0)
+    inside = mask.to(torch.bool)
+    scores = token_scores(d, inside)
+    z = torch.where(inside, d, 0.0)
+    seq, k3 = _sample_sums(z, lengths)
+    return d, z, scores, MismatchSums(seq, k3, tokens, float(scores.max()) if scores.numel() else -1.0)
+
+
+def _sample_sums(z: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample sums of `z` (float32, 0 where masked out) and of exp(z) - 1 - z, in float32, each sample summed
+    pairwise over its own tokens (numpy's `add.reduceat`, several times faster than torch's segment reduction
+    on a CPU): a sample's sums do not depend on the samples around it."""
+    lens = lengths.to(torch.int64).numpy()
+    seq, k3 = numpy.zeros(lens.size, dtype=numpy.float32), numpy.zeros(lens.size, dtype=numpy.float32)
+    present = lens > 0
+    if present.any():
+        starts = (numpy.cumsum(lens) - lens)[present]
+        values = z.numpy()
+        with numpy.errstate(all="ignore"):   # a non-finite or huge d gives a non-finite sum, as torch's would
+            seq[present] = numpy.add.reduceat(values, starts)
+            excess = numpy.expm1(values)
+            excess -= values   # exp(d) - 1 - d, 0 where masked out
+            k3[present] = numpy.add.reduceat(excess, starts)
+    return torch.from_numpy(seq), torch.from_numpy(k3)
 
 
 def metrics_of(sums: MismatchSums) -> MismatchMetrics:
@@ -194,5 +237,5 @@ def staleness(policy_versions: list[Optional[int]], actor_version: Optional[int]
 
 
 __all__ = ["CORRECTION_MODES", "Correction", "LOG_RATIO_CLAMP", "MismatchMetrics", "MismatchSums", "WORST_TOKENS",
-           "correction", "log_ratio", "metrics_of", "mismatch_metrics", "mismatch_sums", "recorded_weights",
+           "correction", "log_ratio", "metrics_of", "mismatch_metrics", "mismatch_pass", "mismatch_sums", "recorded_weights",
            "rs_bounds", "staleness", "token_scores", "worst_tokens"]

@@ -236,13 +236,11 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
     if loaded is None:
         return StageOutcome(f)
     mask, rollout_lp, old_lp = loaded["loss_mask"], loaded["rollout_log_probs"], loaded["old_log_probs"]
-    inside = mask.to(torch.bool)
-    tokens = int(torch.count_nonzero(inside))
-    d = mismatch.log_ratio(old_lp, rollout_lp)
-    scores = mismatch.token_scores(d, inside)
+    d, masked, scores, sums = mismatch.mismatch_pass(old_lp, rollout_lp, mask, c.lengths)
+    tokens = sums.tokens
     nonfinite = None
-    if not math.isfinite(float(scores.max()) if tokens else 0.0):
-        bad = (~torch.isfinite(d) & inside).nonzero().flatten()
+    if not math.isfinite(sums.max_score if tokens else 0.0):
+        bad = (~torch.isfinite(d) & mask.to(torch.bool)).nonzero().flatten()
         if bad.numel():
             at = int(bad[0])
             nonfinite = (ctx.position(at), float(d[at]), bad.numel())
@@ -251,11 +249,9 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
                                     "trainer_log_prob": float(old_lp[p]), "log_ratio": float(d[p])})
             for p, (sid, tok) in zip(worst, c.token_layout.locate(worst))]
     limit = cfg.mismatch_max_token_log_ratio
-    over = 0 if limit is None else int(torch.count_nonzero(((d.abs() > limit) | d.isnan()) & inside))
-    # d is ours: zeroed where masked out from here on (the masked-in tokens, all this stage reads, keep theirs)
-    sums = mismatch.mismatch_sums(d, inside, c.lengths, scores, in_place=True)
+    over = 0 if limit is None else int(torch.count_nonzero(((d.abs() > limit) | d.isnan()) & mask.to(torch.bool)))
     if c.has_payload("rollout_is_weights") and cfg.rollout_is != "none":
-        fix = mismatch.correction(d, mask, c.lengths, cfg)
+        fix = mismatch.correction(masked, mask, c.lengths, cfg)   # a masked-out token's d counts as 0
         recorded = _load_payloads(ctx, f, ("rollout_is_weights",))
         if recorded is not None:
             f.add(ctx.compare("rollout_is_weights", recorded["rollout_is_weights"],
