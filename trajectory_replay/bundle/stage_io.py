@@ -88,6 +88,11 @@ class StageIO:
         recorded = self.outputs if self.recorded_as == "payload" else ()
         return tuple(dict.fromkeys(self.payloads + recorded))
 
+    def payloads_read_under(self, config: RecomputeConfig) -> tuple[str, ...]:
+        """The payloads the stage may load under `config`: `payloads_read` without those the config rules out (the
+        optional ones stay: the stage reads each one the bundle holds)."""
+        return self._present(self.payloads_read, config)
+
     def declared_inputs(self, config: Optional[RecomputeConfig] = None) -> tuple[str, ...]:
         """The `inputs` of the stage's contract: its payloads, the upstream outputs it consumes, its fields."""
         names = self.payloads + tuple(name for _, name in self.upstream) + self.fields

@@ -155,7 +155,7 @@ class _Run:
 
             return outputs, [functools.partial(step, i, planned) for i, planned in enumerate(self.sample_level)]
 
-        ahead = _Ahead(blocks, sample_steps) if streamed else None
+        ahead = _Ahead(blocks, sample_steps, self._block_payloads(plan)) if streamed else None
         position = {id(block): b for b, block in enumerate(blocks)}
         threads = _leave_a_core_for_reading() if streamed else None
         heap = reuse_block_buffers() if streamed else None
@@ -209,6 +209,14 @@ class _Run:
                                                    _merged(stage_runs, part), stage_runs)
                     results += _with_copies(result, ranks[0], ranks[1:])
         return results
+
+    def _block_payloads(self, plan: Pass) -> set[str]:
+        """The payloads the stages that run block by block may read under the config: what the thread ahead reads
+        for a block before its stages run (one a stage loads beyond these is read when it asks, and ahead for the
+        blocks after)."""
+        running = [p for p in self.sample_level if p.stage.per_block and self._runs(p, plan)]
+        running += [p for p in self.cohort_level if p.action == "run" and not plan.cohort_skip]
+        return {name for p in running for name in p.stage.io.payloads_read_under(self.plan.config)}
 
     def _runs(self, planned: PlannedStage, plan: Pass) -> bool:
         """True when the stage computes (or hands recorded outputs downstream) in this pass."""
@@ -338,21 +346,24 @@ class _Ahead:
     """Works one block ahead of the caller, on a thread of its own: reads the block's payloads and runs its
     sample-level stages (a `_Job`) while the caller runs the cohort-level stages (the losses) over the block
     before. Reading and verifying (file reads, BLAKE3) and the stage chain run at the same time, on two cores.
-    The payloads read are those the first block's stages loaded; that first block runs on the caller's thread."""
+    It starts on the first block at once, reading the payloads the stages may read under the config (`names`);
+    a payload a block's stages loaded beyond those is read ahead for the blocks after."""
 
-    def __init__(self, blocks: Sequence[Block], sample_steps: Callable[[Block], tuple[dict, list]]) -> None:
+    def __init__(self, blocks: Sequence[Block], sample_steps: Callable[[Block], tuple[dict, list]],
+                 names: set[str]) -> None:
         self.blocks = blocks
         self.sample_steps = sample_steps
-        self.names: set[str] = set()
+        self.names: set[str] = set(names)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-ahead")
         self.jobs: dict[int, _Job] = {}
         self.started: set[int] = set()
+        self._start(0)
 
     def take(self, b: int) -> dict:
         """Block `b`'s sample-level outputs, its stages run (a read or stage error surfaces here); the thread ahead
         goes on to block b + 1."""
         job = self.jobs.pop(b, None)
-        if job is None:   # the first block: it runs here
+        if job is None:   # nothing to read ahead: the block runs here
             outputs, steps = self.sample_steps(self.blocks[b])
             job = _Job(outputs, steps)
         self._start(b + 1)   # queued behind block b: it begins once the thread ahead lets go of block b
