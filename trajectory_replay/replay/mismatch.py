@@ -100,34 +100,39 @@ def mismatch_sums(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, sc
 
 def mismatch_pass(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
                   lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MismatchSums]:
-    """What rollout.mismatch computes over the tokens: (d = old - rollout, d with 0 on the masked-out tokens, the
-    scores the worst tokens are taken from, the `mismatch_sums` of d).
+    """What rollout.mismatch computes over the tokens: (d = old - rollout on the masked-in tokens, d with 0 on the
+    masked-out tokens, the scores the worst tokens are taken from, the `mismatch_sums` of d). Every metric, worst
+    token and ceiling reads d on the masked-in tokens only.
 
-    Where every d is finite the mask is applied by multiplying with it (selecting with a bool mask costs several
-    times more), and a masked-out token scores 0 instead of `token_scores`' -1: neither is anyone's worst token,
-    and the largest score is the same. A non-finite d anywhere (a sample's sum then is not finite) takes the
-    cohort again by selection, so that a masked-out NaN or infinity still counts as 0; the sums of every finite
-    sample are the same either way."""
-    d = log_ratio(old_log_probs, rollout_log_probs)
+    Where every d is finite the mask is applied by multiplying with it, in place (selecting with a bool mask costs
+    several times more), so the first two are one tensor, and a masked-out token scores 0 instead of
+    `token_scores`' -1: neither is anyone's worst token, and the largest score is the same. A non-finite d anywhere
+    (a sample's sum then is not finite) takes the cohort again by selection, so that a masked-out NaN or infinity
+    still counts as 0, and then d is whole; the sums of every finite sample are the same either way."""
     weights = mask if mask.dtype in (torch.float32, torch.uint8, torch.bool) else mask.to(torch.float32)
+    masked = log_ratio(old_log_probs, rollout_log_probs)   # a new tensor: ours to overwrite
     with numpy.errstate(invalid="ignore"):   # inf * 0 on a masked-out token: caught below
-        z = torch.from_numpy(numpy.multiply(d.numpy(), weights.numpy(), dtype=numpy.float32))
-    seq, k3 = _sample_sums(z, lengths)
+        numpy.multiply(masked.numpy(), weights.numpy(), out=masked.numpy())
+    scratch = torch.empty_like(masked)
+    seq, k3 = _sample_sums(masked, lengths, scratch)
     tokens = int(torch.count_nonzero(mask))
     if bool(torch.isfinite(seq).all()) and bool(torch.isfinite(k3).all()):
-        scores = z.abs()
-        return d, z, scores, MismatchSums(seq, k3, tokens, float(scores.max()) if tokens else -1.0)
+        scores = torch.abs(masked, out=scratch)
+        return masked, masked, scores, MismatchSums(seq, k3, tokens, float(scores.max()) if tokens else -1.0)
+    d = log_ratio(old_log_probs, rollout_log_probs)
     inside = mask.to(torch.bool)
     scores = token_scores(d, inside)
     z = torch.where(inside, d, 0.0)
-    seq, k3 = _sample_sums(z, lengths)
+    seq, k3 = _sample_sums(z, lengths, scratch)
     return d, z, scores, MismatchSums(seq, k3, tokens, float(scores.max()) if scores.numel() else -1.0)
 
 
-def _sample_sums(z: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample_sums(z: torch.Tensor, lengths: torch.Tensor,
+                 scratch: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample sums of `z` (float32, 0 where masked out) and of exp(z) - 1 - z, in float32, each sample summed
     pairwise over its own tokens (numpy's `add.reduceat`, several times faster than torch's segment reduction
-    on a CPU): a sample's sums do not depend on the samples around it."""
+    on a CPU): a sample's sums do not depend on the samples around it. `scratch`: a float32 tensor like `z` to
+    compute exp(z) - 1 - z in (its content is left unspecified)."""
     lens = lengths.to(torch.int64).numpy()
     seq, k3 = numpy.zeros(lens.size, dtype=numpy.float32), numpy.zeros(lens.size, dtype=numpy.float32)
     present = lens > 0
@@ -136,7 +141,7 @@ def _sample_sums(z: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, 
         values = z.numpy()
         with numpy.errstate(all="ignore"):   # a non-finite or huge d gives a non-finite sum, as torch's would
             seq[present] = numpy.add.reduceat(values, starts)
-            excess = numpy.expm1(values)
+            excess = numpy.expm1(values, out=None if scratch is None else scratch.numpy())
             excess -= values   # exp(d) - 1 - d, 0 where masked out
             k3[present] = numpy.add.reduceat(excess, starts)
     return torch.from_numpy(seq), torch.from_numpy(k3)
