@@ -114,18 +114,13 @@ def stacked_sample_sums(rows: Sequence[torch.Tensor], mask: torch.Tensor, length
         narrow, wide = torch.empty(shape, dtype=torch.float32), torch.empty(shape, dtype=torch.float64)
     m = narrow[-1]
     m.copy_(mask)
-    widened = []
     for i, row in enumerate(rows):
         if row.dtype in _NARROW:
             torch.mul(row.view(torch.uint8) if row.dtype == torch.bool else row, m, out=narrow[i])
-        else:
+    wide.copy_(narrow)
+    for i, row in enumerate(rows):
+        if row.dtype not in _NARROW:   # its float32 row above was left as it was: its products are taken here
             torch.mul(row.to(torch.float64), m, out=wide[i])
-            widened.append(i)
-    if not widened:
-        wide.copy_(narrow)
-    else:
-        for i in [j for j in range(shape[0]) if j not in widened]:
-            wide[i].copy_(narrow[i])
     return segment_sums(wide, lengths, out)
 
 
