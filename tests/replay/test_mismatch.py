@@ -295,21 +295,75 @@ def test_the_stage_takes_its_sums_in_one_pass_or_by_selection_alike():
     """The fast pass (the mask multiplied in) and the selection it falls back to give the same per-sample sums."""
     old, rollout = _t(OLD), _t(ROLLOUT)
     mask = torch.tensor(FLAT_MASK, dtype=torch.uint8)
-    d, masked, scores, sums = mismatch.mismatch_pass(old, rollout, mask, _lengths())
+    found = mismatch.mismatch_pass(old, rollout, mask, _lengths(), ceiling=0.4)
     reference = mismatch.mismatch_sums(mismatch.log_ratio(old, rollout), mask, _lengths())
-    assert torch.equal(sums.seq, reference.seq) and torch.equal(sums.k3, reference.k3)
-    assert (sums.tokens, sums.max_score) == (reference.tokens, reference.max_score) == (5, 1.0)
-    assert masked.tolist() == [x * m for x, m in zip(D, FLAT_MASK)]
+    assert torch.equal(found.sums.seq, reference.seq) and torch.equal(found.sums.k3, reference.k3)
+    assert (found.sums.tokens, found.sums.max_score) == (reference.tokens, reference.max_score) == (5, 1.0)
+    assert found.worst.tolist() == [5, 2, 1, 0, 4] and found.over == 2 and found.nonfinite is None
 
 
-def test_worst_tokens_over_many_chunks_match_a_full_sort():
+def _brute_force(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, ceiling: float) -> dict:
+    """What `mismatch_pass` finds, token by token in float64 Python (sums aside): the worst tokens by |d| (NaN
+    first, ties in flat order, |d| = 0 left out), the tokens over the ceiling, the first non-finite token."""
+    inside = [bool(m) for m in mask.tolist()]
+    values = d.tolist()
+    scored = [(i, abs(v)) for i, (v, m) in enumerate(zip(values, inside)) if m and (math.isnan(v) or v != 0)]
+    scored.sort(key=lambda p: (not math.isnan(p[1]), -p[1] if not math.isnan(p[1]) else 0.0, p[0]))
+    bad = [i for i, (v, m) in enumerate(zip(values, inside)) if m and not math.isfinite(v)]
+    return {"worst": [i for i, _ in scored[:mismatch.WORST_TOKENS]],
+            "over": sum(1 for v, m in zip(values, inside) if m and (math.isnan(v) or abs(v) > ceiling)),
+            "nonfinite": (bad[0], len(bad)) if bad else None}
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 1000, 1 << 16])
+@pytest.mark.parametrize("kind", ["clean", "garbage outside the mask", "non-finite inside", "ties"])
+def test_the_pass_gives_the_same_results_whatever_its_chunks(kind, chunk_tokens):
+    """Chunks of whole samples and windows of WINDOW tokens change nothing: the sums are bit for bit those of
+    one selection over the whole cohort, and the worst tokens, the count over the ceiling and the first
+    non-finite token are those of a token-by-token search."""
+    g = torch.Generator().manual_seed(11)
+    lengths = torch.randint(0, 700, (40,), generator=g)
+    lengths[5] = 3000   # one sample longer than several windows
+    total = int(lengths.sum())
+    old = -torch.rand(total, generator=g)
+    rollout = old - 0.05 * torch.randn(total, generator=g)
+    mask = (torch.rand(total, generator=g) < 0.8).to(torch.uint8)
+    if kind == "garbage outside the mask":
+        outside = (mask == 0).nonzero().flatten()
+        rollout[outside[::3]] = math.nan
+        rollout[outside[1::3]] = -math.inf
+    if kind == "non-finite inside":
+        inside = mask.nonzero().flatten()
+        rollout[inside[[100, 2000, 9000]]] = torch.tensor([math.nan, math.inf, -math.inf])
+    if kind == "ties":   # equal |d| in windows far apart, the largest of them all
+        inside = mask.nonzero().flatten()
+        for at, sign in zip(inside[[9000, 50, 4500, 12000]].tolist(), (1, -1, 1, -1)):
+            rollout[at] = old[at] - sign * 0.75
+    d = mismatch.log_ratio(old, rollout)
+    found = mismatch.mismatch_pass(old, rollout, mask, lengths, ceiling=0.1, chunk_tokens=chunk_tokens)
+    reference = mismatch.mismatch_sums(d, mask, lengths)
+    for got, want in ((found.sums.seq, reference.seq), (found.sums.k3, reference.k3)):   # exactly, NaN for NaN
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert found.sums.tokens == reference.tokens
+    assert found.sums.max_score == reference.max_score or math.isnan(found.sums.max_score) and math.isnan(
+        reference.max_score)
+    expected = _brute_force(d, mask, lengths, 0.1)
+    assert {"worst": found.worst.tolist(), "over": found.over, "nonfinite": found.nonfinite} == expected
+    if kind == "ties":
+        assert expected["worst"][:4] == sorted(inside[[9000, 50, 4500, 12000]].tolist())
+
+
+def test_worst_tokens_over_many_windows_match_a_full_sort():
     g = torch.Generator().manual_seed(5)
+    old = -torch.rand(50_000, generator=g)
     d = torch.randn(50_000, generator=g)
-    d[[7, 31_000, 49_999]] = torch.tensor([9.0, -9.0, 8.5])   # a tie across chunks, and the last token
+    d[[7, 31_000, 49_999]] = torch.tensor([9.0, -9.0, 8.5])   # a tie across windows, and the last token
     mask = torch.rand(50_000, generator=g) < 0.8
     mask[[7, 31_000, 49_999]] = True
-    got = mismatch.worst_tokens(mismatch.token_scores(d, mask)).tolist()
-    score = torch.where(mask, d.abs(), -1.0)
+    lengths = torch.tensor([10_000] * 5)
+    got = mismatch.mismatch_pass(old, old - d, mask, lengths).worst.tolist()
+    ratio = mismatch.log_ratio(old, old - d)
+    score = torch.where(mask, ratio.abs(), -1.0)
     expected = sorted(range(50_000), key=lambda i: (-float(score[i]), i))[:10]
     assert got == expected and got[:3] == [7, 31_000, 49_999]
 

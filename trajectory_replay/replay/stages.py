@@ -236,22 +236,21 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
     if loaded is None:
         return StageOutcome(f)
     mask, rollout_lp, old_lp = loaded["loss_mask"], loaded["rollout_log_probs"], loaded["old_log_probs"]
-    d, masked, scores, sums = mismatch.mismatch_pass(old_lp, rollout_lp, mask, c.lengths)
-    tokens = sums.tokens
+    found = mismatch.mismatch_pass(old_lp, rollout_lp, mask, c.lengths, ceiling=cfg.mismatch_max_token_log_ratio)
+    sums, worst = found.sums, found.worst
     nonfinite = None
-    if not math.isfinite(sums.max_score if tokens else 0.0):
-        bad = (~torch.isfinite(d) & mask.to(torch.bool)).nonzero().flatten()
-        if bad.numel():
-            at = int(bad[0])
-            nonfinite = (ctx.position(at), float(d[at]), bad.numel())
-    worst = mismatch.worst_tokens(scores, tokens=tokens)
+    if found.nonfinite is not None:
+        at, count = found.nonfinite
+        nonfinite = (ctx.position(at), float(mismatch.log_ratio(old_lp[at], rollout_lp[at])), count)
+    ratios = mismatch.log_ratio(old_lp[worst], rollout_lp[worst]).tolist()   # d of each, as the pass computed it
     rows = [(ctx.position(int(p)), {"sample_id": sid, "token_offset": tok, "rollout_log_prob": float(rollout_lp[p]),
-                                    "trainer_log_prob": float(old_lp[p]), "log_ratio": float(d[p])})
-            for p, (sid, tok) in zip(worst, c.token_layout.locate(worst))]
-    limit = cfg.mismatch_max_token_log_ratio
-    over = 0 if limit is None else int(torch.count_nonzero(((d.abs() > limit) | d.isnan()) & mask.to(torch.bool)))
+                                    "trainer_log_prob": float(old_lp[p]), "log_ratio": r})
+            for p, r, (sid, tok) in zip(worst, ratios, c.token_layout.locate(worst))]
+    over = found.over
     if c.has_payload("rollout_is_weights") and cfg.rollout_is != "none":
-        fix = mismatch.correction(masked, mask, c.lengths, cfg)   # a masked-out token's d counts as 0
+        # a masked-out token's d counts as 0, whatever it holds
+        masked = torch.where(mask.to(torch.bool), mismatch.log_ratio(old_lp, rollout_lp), 0.0)
+        fix = mismatch.correction(masked, mask, c.lengths, cfg)
         recorded = _load_payloads(ctx, f, ("rollout_is_weights",))
         if recorded is not None:
             f.add(ctx.compare("rollout_is_weights", recorded["rollout_is_weights"],
