@@ -231,7 +231,7 @@ def _worst(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: t
     picked = (nan | ((top >= kth) & (top > 0))).nonzero().flatten().tolist()
     if not picked:
         return torch.zeros(0, dtype=torch.int64)
-    ends = torch.cat([firsts[1:], lengths.sum().reshape(1)])
+    ends = torch.cat([firsts[1:], lengths.to(torch.int64).sum().reshape(1)])
     chosen = torch.tensor(picked, dtype=torch.int64)
     starts, sizes = firsts[chosen], ends[chosen] - firsts[chosen]
     candidates = torch.repeat_interleave(starts, sizes) + (
