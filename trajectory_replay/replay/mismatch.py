@@ -104,7 +104,7 @@ CHUNK_TOKENS = 1 << 18
 """The pass goes over chunks of whole samples of about this many tokens (1 MiB of float32), in two buffers it
 reuses, which stay in the CPU's cache; a temporary of the cohort's size is slower to write and read back and,
 where large buffers are mapped afresh for each allocation (the command line), faulted in page by page as well.
-On 4M tokens the pass took half the time of the whole-cohort one it replaced."""
+On 4M tokens under the command line's allocator settings the pass takes half the time of a whole-cohort one."""
 
 WINDOW = 1024
 """Tokens per window whose largest score the pass keeps: the worst tokens are searched in the best windows only."""
