@@ -5,61 +5,26 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
-from benchmarks.common import Context, Row, fmt_bytes, fmt_secs, median
+from benchmarks.common import REPO_ROOT, Context, Row, byte_compile, fmt_bytes, fmt_secs, median, run_cli_net
 from benchmarks.data import GROUP_SIZE, big_case
 
 GROUP = "replay"
 TITLE = "replay: recompute, memory, lazy remote reads"
 HOW = """\
-The 2,048 x 2,048 bundle of the bundle benchmarks, on local disk. Each command is the CLI in a
-fresh process (`python -m trajectory_replay replay PATH --json`, `... validate PATH`); its net time
-is its wall time minus that of a process doing only the imports the command cannot avoid: `import
-torch, trajectory_replay.cli` for replay, `import trajectory_replay.cli` for validate, which never imports
-torch (the four interleaved, medians). **replay vs validate**: full replay (all six stages) against
-`validate`, which reads and verifies every payload. **memory**: peak RSS (`VmHWM` of the child process)
-of the replay process minus that of the bare-import process, against the payload bytes. **rollout.mismatch**:
-the same bundle with a `rollout_log_probs` payload and the stage contracted, against the bundle without, both
-replayed alternately by `replay()` in one fresh process (after one untimed replay of each), best of fifteen. **diff**: `diff` of that S3 bundle against a copy whose advantages differ in one scattered group, both with
-empty caches; every byte fetched from the two bundles counts. **S3 group**: replay of one group whose members are scattered across
-the bundle, by `s3://` URL with an empty cache; every byte fetched at the backend counts."""
-
-# Runs a command in this fresh process and reports its own high-water RSS. VmHWM belongs to the
-# process image, so unlike ru_maxrss it does not inherit the benchmark parent's size across fork/exec.
-_PEAK = r"""
-import runpy, sys
-def _peak():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
-code = 0
-try:
-    if sys.argv[1] == "--import-only":
-        import torch, trajectory_replay.cli
-    elif sys.argv[1] == "--import-cli-only":
-        import trajectory_replay.cli
-    else:
-        sys.argv = ["trajectory-replay", *sys.argv[1:]]
-        from trajectory_replay.cli import main
-        main()
-except SystemExit as exc:
-    code = exc.code or 0
-sys.stderr.write(f"\nPEAK_RSS={_peak()}\n")
-sys.exit(code)
-"""
-
-
-def _measure(args: list[str]) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of one fresh process running the CLI with `args`."""
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", _PEAK, *args], check=False, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE,
-                         text=True)
-    wall = time.perf_counter() - t0
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} failed: {out.stderr[-500:]}")
-    return wall, int(out.stderr.rsplit("PEAK_RSS=", 1)[1])
-
+The 2,048 x 2,048 bundle of the bundle benchmarks, on local disk. **replay vs validate**: `replay PATH --json`
+(all six stages) against `validate PATH`, which reads and verifies every payload. Each command runs in a fresh
+process that first imports what it cannot do without (`torch` and `trajectory_replay.cli` for replay,
+`trajectory_replay.cli` for validate, which never imports torch), then times the command's `main()` itself: its
+time net of the interpreter and those imports, measured where it happens (as the scale benchmarks do); the two
+interleaved with a process doing the imports alone, medians of five rounds. **memory**: peak RSS (`VmHWM`) of the
+replay process minus that of the process doing only its imports, against the payload bytes.
+**rollout.mismatch**: the same bundle with a `rollout_log_probs` payload and the stage contracted, against the
+bundle without, both replayed alternately by `replay()` in one fresh process (after one untimed replay of each),
+best of fifteen. **diff**: `diff` of that S3 bundle against a copy whose advantages differ in one scattered group,
+both with empty caches; every byte fetched from the two bundles counts. **S3 group**: replay of one group whose
+members are scattered across the bundle, by `s3://` URL with an empty cache; every byte fetched at the backend
+counts."""
 
 def _mismatch_row(ctx: Context, case, n: int, local) -> Row:
     """What rollout.mismatch adds to a full replay: the same bundle with the inference engine's log-probs and the
@@ -127,21 +92,19 @@ def run(ctx: Context) -> list[Row]:
     payload_bytes = sum(t.numel() * t.element_size() for t in case.payloads.values()) + case.loss_masks.numel()
     path = str(local / "big")
 
-    commands = {"import": ["--import-only"], "import-cli": ["--import-cli-only"], "replay": ["replay", path, "--json"],
-                "validate": ["validate", path]}
+    byte_compile(REPO_ROOT)
+    commands = {"import": ("torch", []), "replay": ("torch", ["replay", path, "--json"]),
+                "validate": ("cli", ["validate", path])}
     samples: dict[str, list[tuple[float, int]]] = {name: [] for name in commands}
     for _ in range(ctx.reps(5)):
-        for name, args in commands.items():  # interleaved, so load changes hit all three alike
-            samples[name].append(_measure(args))
-    imp = median([w for w, _ in samples["import"]])
-    replay_net = median([w for w, _ in samples["replay"]]) - imp
-    imp_cli = median([w for w, _ in samples["import-cli"]])
-    validate_net = median([w for w, _ in samples["validate"]]) - imp_cli
+        for name, (imports, args) in commands.items():  # interleaved, so load changes hit all three alike
+            samples[name].append(run_cli_net(imports, args))
+    replay_net = median([t for t, _ in samples["replay"]])
+    validate_net = median([t for t, _ in samples["validate"]])
     ratio = replay_net / validate_net
-    rows = [Row(GROUP, f"full replay vs validate, {n}x2048 local, net of bare import", f"{ratio:.2f}x",
-                "<= 1.5x", ratio <= 1.5,
-                f"replay {fmt_secs(replay_net)}, validate {fmt_secs(validate_net)}; bare imports: torch + CLI "
-                f"{fmt_secs(imp)}, CLI without torch {fmt_secs(imp_cli)}")]
+    rows = [Row(GROUP, f"full replay vs validate, {n}x2048 local, net of the imports", f"{ratio:.2f}x",
+                "<= 1.5x", ratio <= 1.5, f"replay {fmt_secs(replay_net)}, validate {fmt_secs(validate_net)}, each "
+                "its main() in a fresh process")]
     extra = median([r for _, r in samples["replay"]]) - median([r for _, r in samples["import"]])
     mem_ratio = extra / payload_bytes
     rows.append(Row(GROUP, "replay peak memory above bare import", f"{mem_ratio:.2f}x payload bytes",

@@ -3,15 +3,12 @@ earlier release of this project."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import REPO_ROOT, Context, Row, fmt_bytes, fmt_secs, median
+from benchmarks.common import REPO_ROOT, Context, Row, byte_compile, fmt_bytes, fmt_secs, median, run_cli_net
 
 GROUP = "scale"
 TITLE = "scale: streamed replay of a large bundle; full replay against an earlier release"
@@ -89,74 +86,18 @@ def write_case(path: Path, n: int, tokens: int, seed: int = 0) -> int:
     return sum(t.numel() * t.element_size() for t in payloads.values()) + mask.numel()
 
 
-_NET = r"""
-import sys, time
-def _peak():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
-imports, args = sys.argv[1], sys.argv[2:]
-if imports == "torch":
-    import torch
-import trajectory_replay.cli
-net, code = 0.0, 0
-if args:
-    sys.argv = ["trajectory-replay", *args]
-    started = time.perf_counter()
-    try:
-        trajectory_replay.cli.main()
-    except SystemExit as exc:
-        code = exc.code or 0
-    net = time.perf_counter() - started
-sys.stderr.write(f"\nNET={net}\nPEAK_RSS={_peak()}\nFROM={trajectory_replay.cli.__file__}\n")
-sys.exit(code)
-"""
-"""One fresh process: import torch (when `imports` is "torch") and the CLI, then run the CLI's `main()` on the
-arguments (none: imports only) and report its own time and the process's peak RSS."""
-
-
-def _run(imports: str, args: list[str], tree: str | None = None) -> tuple[float, int]:
-    """(seconds of the command's `main()`, net of the interpreter and the imports; peak RSS bytes) of one fresh
-    process that imports `imports` ("torch" or "cli") and runs the CLI with `args` (none: the imports alone), with
-    the package of the source tree `tree` (default: this one).
-
-    The process runs in a directory of its own: `python -c` puts its working directory first on the import path,
-    so run from a source tree it would import that tree's package whatever PYTHONPATH says. It reports the file
-    it imported the CLI from, and that must lie in `tree`."""
-    root = Path(tree or REPO_ROOT).resolve()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    with tempfile.TemporaryDirectory(prefix="bench-scale-") as cwd:
-        out = subprocess.run([sys.executable, "-c", _NET, imports, *args], check=False, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} failed: {out.stderr[-800:]}")
-    found = Path(out.stderr.rsplit("FROM=", 1)[1].strip()).resolve()
-    if not found.is_relative_to(root):
-        raise RuntimeError(f"the process meant to run the tree at {root} imported {found}")
-    net = float(out.stderr.rsplit("NET=", 1)[1].split()[0])
-    return net, int(out.stderr.rsplit("PEAK_RSS=", 1)[1].split()[0])
-
-
-def _compiled(root: Path) -> None:
-    """Byte-compile the package under `root`, as an installed package is: where PYTHONDONTWRITEBYTECODE is set,
-    each process would otherwise compile it again, and that time would be counted as the command's."""
-    import compileall
-
-    compileall.compile_dir(str(root / "trajectory_replay"), quiet=1)
-
-
 def _baseline(ctx: Context) -> str:
     """A git worktree of release BASELINE (made once, byte-compiled); its root, which goes first on PYTHONPATH."""
     where = ctx.path("baseline-tree")
     if not (where / "trajectory_replay").exists():
         subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", "--force", str(where), BASELINE],
                        check=True, capture_output=True)
-    _compiled(where)
+    byte_compile(where)
     return str(where)
 
 
 def run(ctx: Context) -> list[Row]:
-    _compiled(REPO_ROOT)
+    byte_compile(REPO_ROOT)
     rows = [_streamed_row(ctx), _baseline_row(ctx)]
     return [r for r in rows if r is not None]
 
@@ -170,7 +111,7 @@ def _streamed_row(ctx: Context) -> Row:
     samples: dict[str, list[tuple[float, int]]] = {name: [] for name in commands}
     for _ in range(ctx.reps(5)):
         for name, (imports, args) in commands.items():
-            samples[name].append(_run(imports, args))
+            samples[name].append(run_cli_net(imports, args))
     net = {name: median([t for t, _ in got]) for name, got in samples.items()}
     replay_net, validate_net = net["replay"], net["validate"]
     extra = median([r for _, r in samples["replay"]]) - median([r for _, r in samples["import"]])
@@ -190,7 +131,7 @@ def _baseline_row(ctx: Context) -> Row:
     samples: dict[str, list[float]] = {name: [] for name in commands}
     for _ in range(ctx.reps(7)):
         for name, pythonpath in commands.items():
-            samples[name].append(_run("torch", ["replay", str(path), "--json"], pythonpath)[0])
+            samples[name].append(run_cli_net("torch", ["replay", str(path), "--json"], pythonpath)[0])
     subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "remove", "--force", base], check=False,
                    capture_output=True)
     now, before = median(samples["replay"]), median(samples["base-replay"])

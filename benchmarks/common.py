@@ -52,6 +52,62 @@ class Row(NamedTuple):
 
 
 # ---- formatting -----------------------------------------------------------------------------------
+_NET = r"""
+import sys, time
+def _peak():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+imports, args = sys.argv[1], sys.argv[2:]
+if imports == "torch":
+    import torch
+import trajectory_replay.cli
+net, code = 0.0, 0
+if args:
+    sys.argv = ["trajectory-replay", *args]
+    started = time.perf_counter()
+    try:
+        trajectory_replay.cli.main()
+    except SystemExit as exc:
+        code = exc.code or 0
+    net = time.perf_counter() - started
+sys.stderr.write(f"\nNET={net}\nPEAK_RSS={_peak()}\nFROM={trajectory_replay.cli.__file__}\n")
+sys.exit(code)
+"""
+"""One fresh process: import torch (when `imports` is "torch") and the CLI, then run the CLI's `main()` on the
+arguments (none: imports only) and report its own time and the process's peak RSS."""
+
+
+def run_cli_net(imports: str, args: list[str], tree: str | None = None) -> tuple[float, int]:
+    """(seconds of the command's `main()`, net of the interpreter and the imports; peak RSS bytes) of one fresh
+    process that imports `imports` ("torch" or "cli") and runs the CLI with `args` (none: the imports alone), with
+    the package of the source tree `tree` (default: this one).
+
+    The process runs in a directory of its own: `python -c` puts its working directory first on the import path,
+    so run from a source tree it would import that tree's package whatever PYTHONPATH says. It reports the file
+    it imported the CLI from, and that must lie in `tree`."""
+    root = Path(tree or REPO_ROOT).resolve()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    with tempfile.TemporaryDirectory(prefix="bench-cli-") as cwd:
+        out = subprocess.run([sys.executable, "-c", _NET, imports, *args], check=False, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed: {out.stderr[-800:]}")
+    found = Path(out.stderr.rsplit("FROM=", 1)[1].strip()).resolve()
+    if not found.is_relative_to(root):
+        raise RuntimeError(f"the process meant to run the tree at {root} imported {found}")
+    net = float(out.stderr.rsplit("NET=", 1)[1].split()[0])
+    return net, int(out.stderr.rsplit("PEAK_RSS=", 1)[1].split()[0])
+
+
+def byte_compile(root: Path) -> None:
+    """Byte-compile the package under `root`, as an installed package is: where PYTHONDONTWRITEBYTECODE is set,
+    each process would otherwise compile it again, and that time would be counted as the command's."""
+    import compileall
+
+    compileall.compile_dir(str(root / "trajectory_replay"), quiet=1)
+
+
 def fmt_bytes(n: float) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
         if abs(n) >= size:
