@@ -6,8 +6,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_replay import _measure
-from benchmarks.common import Context, Row, fmt_bytes, fmt_secs, median
+from benchmarks.common import REPO_ROOT, Context, Row, byte_compile, fmt_bytes, fmt_secs, median, run_cli_net
 from benchmarks.data import BigCase, big_case
 
 GROUP = "algorithms"
@@ -17,11 +16,12 @@ Two 2,048 x 2,048 bundles on local disk, the same samples, masks and log-probs: 
 replay benchmarks (six stages) and a GAE one (`advantage_estimator=gae`, `kl_in_reward` with kl_coef
 0.01, gamma 1, lam 0.95) that also contracts `loss.value` and so holds three more float32 payloads
 (`values`, `vpreds`, `returns`). The GAE bundle's expected values come from one run of replay's own
-kernels (this measures speed, not correctness); both replays pass. Each replay is the CLI in a fresh
-process (`python -m trajectory_replay replay PATH --json`) interleaved with a process doing only `import
-torch, trajectory_replay.cli`; net time is wall time minus the import's. **time**: GAE net time over GRPO
-net time, one ratio per round of the three processes, the median of seven rounds. **memory**: peak RSS (`VmHWM`) of the GAE replay minus that of the import,
-against the GAE bundle's payload bytes."""
+kernels (this measures speed, not correctness); both replays pass. Each replay (`replay PATH --json`) runs in
+a fresh process that first imports `torch` and `trajectory_replay.cli`, then times the command's `main()` itself:
+its time net of the interpreter and those imports (as the replay and scale benchmarks do), interleaved with a
+process doing the imports alone. **time**: GAE time over GRPO time, one ratio per round of the three processes,
+the median of seven rounds. **memory**: peak RSS (`VmHWM`) of the GAE replay minus that of the process doing only
+the imports, against the GAE bundle's payload bytes."""
 
 GAE_CONFIG = dict(advantage_estimator="gae", kl_in_reward=True, gamma=1.0, lam=0.95, cliprange_value=0.2)
 
@@ -85,22 +85,22 @@ def run(ctx: Context) -> list[Row]:
     paths = {"grpo": write(grpo, local / "grpo"), "gae": write(gae, local / "gae")}
     gae_bytes = payload_bytes(gae)
     del grpo, gae
-    commands = {"import": ["--import-only"], **{name: ["replay", p, "--json"] for name, p in paths.items()}}
+    byte_compile(REPO_ROOT)
+    commands = {"import": []} | {name: ["replay", p, "--json"] for name, p in paths.items()}
     samples: dict[str, list[tuple[float, int]]] = {name: [] for name in commands}
     for _ in range(ctx.reps(7)):
         for name, args in commands.items():  # interleaved, so load changes hit all alike
-            samples[name].append(_measure(args))
-    imp = median([w for w, _ in samples["import"]])
-    net = {name: median([w for w, _ in samples[name]]) - imp for name in paths}
-    # one ratio per round (its own import as the baseline), then their median: a slow moment of the machine
-    # lands on both replays of a round instead of on one side of the comparison
-    rounds = [(gae[0] - i[0]) / (grpo[0] - i[0])
-              for i, grpo, gae in zip(samples["import"], samples["grpo"], samples["gae"])]
+            samples[name].append(run_cli_net("torch", args))
+    net = {name: median([t for t, _ in samples[name]]) for name in paths}
+    # one ratio per round, then their median: a slow moment of the machine lands on both replays of a round
+    # instead of on one side of the comparison
+    rounds = [gae[0] / grpo[0] for grpo, gae in zip(samples["grpo"], samples["gae"])]
     ratio = median(rounds)
-    rows = [Row(GROUP, f"gae+value recompute time vs grpo, {n}x2048 local, net of bare import", f"{ratio:.2f}x",
+    rows = [Row(GROUP, f"gae+value recompute time vs grpo, {n}x2048 local, net of the imports", f"{ratio:.2f}x",
                 "<= 2x", ratio <= 2.0,
                 f"median of {len(rounds)} per-round ratios ({min(rounds):.2f}x-{max(rounds):.2f}x); medians: "
-                f"gae+value {fmt_secs(net['gae'])}, grpo {fmt_secs(net['grpo'])}; bare import {fmt_secs(imp)}")]
+                f"gae+value {fmt_secs(net['gae'])}, grpo {fmt_secs(net['grpo'])}, each its main() in a fresh "
+                "process")]
     extra = median([r for _, r in samples["gae"]]) - median([r for _, r in samples["import"]])
     mem_ratio = extra / gae_bytes
     rows.append(Row(GROUP, "gae+value peak memory above bare import", f"{mem_ratio:.2f}x payload bytes", "<= 2x",
