@@ -51,7 +51,7 @@ class Row(NamedTuple):
         return "ERROR" if self.value == "error" else ("SKIP" if self.value == "skipped" else "-")
 
 
-# ---- formatting -----------------------------------------------------------------------------------
+# ---- commands in fresh processes -----------------------------------------------------------------
 _NET = r"""
 import sys, time
 def _peak():
@@ -108,6 +108,7 @@ def byte_compile(root: Path) -> None:
     compileall.compile_dir(str(root / "trajectory_replay"), quiet=1)
 
 
+# ---- formatting -----------------------------------------------------------------------------------
 def fmt_bytes(n: float) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
         if abs(n) >= size:
