@@ -85,17 +85,13 @@ class MismatchSums:
         return MismatchSums(seq, k3, sum(p.tokens for _, p in parts), top)
 
 
-def mismatch_sums(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, scores: Optional[torch.Tensor] = None,
-                  *, in_place: bool = False) -> MismatchSums:
+def mismatch_sums(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor) -> MismatchSums:
     """The per-sample sums of the log ratios `d` over the masked-in tokens (a masked-out token counts as d = 0
-    whatever it holds, NaN included). `in_place`: `d` (float32) may be overwritten with 0 on the masked-out tokens,
-    sparing a copy of the cohort's size."""
+    whatever it holds, NaN included), by one selection over the whole cohort: what `mismatch_pass` computes in
+    chunks."""
     inside = mask if mask.dtype == torch.bool else mask.to(torch.bool)
-    if scores is None:
-        scores = token_scores(d, inside)
-    z = d.to(torch.float32)
-    z = z.masked_fill_(~inside, 0.0) if in_place and z is d else torch.where(inside, z, 0.0)
-    seq, k3 = _sample_sums(z, lengths)
+    scores = token_scores(d, inside)
+    seq, k3 = _sample_sums(torch.where(inside, d.to(torch.float32), 0.0), lengths)
     # torch's max keeps a NaN
     return MismatchSums(seq, k3, int(torch.count_nonzero(inside)), float(scores.max()) if scores.numel() else -1.0)
 
@@ -108,6 +104,9 @@ On 4M tokens under the command line's allocator settings the pass takes half the
 
 WINDOW = 1024
 """Tokens per window whose largest score the pass keeps: the worst tokens are searched in the best windows only."""
+
+MAX_THREADS = 2
+"""Threads the pass runs its chunks on, at most (and never more than torch's own thread count)."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +153,7 @@ def mismatch_pass(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, 
         done = [one(c) for c in chunks]
     for (first, last, _, _), part in zip(chunks, done):
         seq[first:last], k3[first:last] = part.seq, part.k3
-    tokens = int(torch.count_nonzero(mask))
+    tokens = sum(p.tokens for p in done)
     top = torch.cat([p.maxima for p in done]) if done else torch.zeros(0, dtype=torch.float32)
     max_score = float(top.max()) if tokens and top.numel() else -1.0   # torch's max keeps a NaN
     firsts = torch.cat([p.starts for p in done]) if done else torch.zeros(0, dtype=torch.int64)
@@ -164,16 +163,13 @@ def mismatch_pass(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, 
     return MismatchPass(MismatchSums(seq, k3, tokens, max_score), worst, sum(p.over for p in done), nonfinite)
 
 
-MAX_THREADS = 2
-"""Threads the pass runs its chunks on, at most (and never more than torch's own thread count)."""
-
-
 class _Chunk(NamedTuple):
-    """One chunk's part of a `MismatchPass`: its samples' sums, its windows' largest scores and first tokens, its
-    tokens over the ceiling, and (first position, count) of its masked-in non-finite d, or None."""
+    """One chunk's part of a `MismatchPass`: its samples' sums, its masked-in tokens, its windows' largest scores
+    and first tokens, its tokens over the ceiling, and (first position, count) of its masked-in non-finite d, or None."""
 
     seq: torch.Tensor
     k3: torch.Tensor
+    tokens: int
     maxima: torch.Tensor
     starts: torch.Tensor
     over: int
@@ -215,7 +211,8 @@ def _chunk(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, weights
     if whole < size:
         maxima.append(scores[whole:].max().reshape(1))
     # the last window ends with the chunk
-    return _Chunk(seq, k3, torch.cat(maxima), torch.arange(start, end, WINDOW), over, bad)
+    return _Chunk(seq, k3, int(torch.count_nonzero(inside)), torch.cat(maxima), torch.arange(start, end, WINDOW),
+                  over, bad)
 
 
 def _worst(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor, top: torch.Tensor,
@@ -277,10 +274,9 @@ def metrics_of(sums: MismatchSums) -> MismatchMetrics:
     return MismatchMetrics(k1, k3, sums.max_score, float(sums.seq.abs().max()))
 
 
-def mismatch_metrics(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor,
-                     scores: Optional[torch.Tensor] = None, *, in_place: bool = False) -> MismatchMetrics:
+def mismatch_metrics(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor) -> MismatchMetrics:
     """The metrics of the log ratios `d` over the masked-in tokens of one whole cohort (see `mismatch_sums`)."""
-    return metrics_of(mismatch_sums(d, mask, lengths, scores, in_place=in_place))
+    return metrics_of(mismatch_sums(d, mask, lengths))
 
 
 def rs_bounds(config: RecomputeConfig) -> tuple[float, float]:
