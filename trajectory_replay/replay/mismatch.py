@@ -239,10 +239,14 @@ def _worst(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: t
     keep = ~(best.values <= 0)   # a NaN is kept
     values, positions = best.values[keep].tolist(), candidates[best.indices[keep]]
     # equal |d| in flat order: the order of ties is not topk's to choose
-    order = sorted(range(len(values)), key=lambda i: (not math.isnan(values[i]),
-                                                      -values[i] if not math.isnan(values[i]) else 0,
-                                                      int(positions[i])))
+    order = sorted(range(len(values)), key=lambda i: worst_first(values[i], int(positions[i])))
     return positions[order]
+
+
+def worst_first(score: float, position: int) -> tuple[bool, float, int]:
+    """Sort key of the worst tokens: a NaN |d| first, then the largest |d|, ties in flat order."""
+    nan = math.isnan(score)
+    return not nan, 0.0 if nan else -score, position
 
 
 def _sample_sums(z: torch.Tensor, lengths: torch.Tensor,
@@ -333,4 +337,4 @@ def staleness(policy_versions: list[Optional[int]], actor_version: Optional[int]
 __all__ = ["CHUNK_TOKENS", "CORRECTION_MODES", "Correction", "LOG_RATIO_CLAMP", "MismatchMetrics", "MismatchPass",
            "MismatchSums", "WINDOW", "WORST_TOKENS",
            "correction", "log_ratio", "metrics_of", "mismatch_metrics", "mismatch_pass", "mismatch_sums", "recorded_weights",
-           "rs_bounds", "staleness", "token_scores"]
+           "rs_bounds", "staleness", "token_scores", "worst_first"]

@@ -12,7 +12,6 @@ why others are skipped, is decided by `replay.plan`.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
@@ -280,9 +279,7 @@ def _finish_rollout_mismatch(ctx: StageContext, merged: Findings, runs: list) ->
         _check_finite(f, c, [partial["nonfinite"] for partial, _ in parts])
         actual.update(mismatch.metrics_of(sums).as_dict())
         candidates = [row for partial, _ in parts for row in partial["rows"]]
-        candidates.sort(key=lambda pr: (not math.isnan(pr[1]["log_ratio"]),
-                                        -abs(pr[1]["log_ratio"]) if not math.isnan(pr[1]["log_ratio"]) else 0.0,
-                                        pr[0]))
+        candidates.sort(key=lambda pr: mismatch.worst_first(abs(pr[1]["log_ratio"]), pr[0]))
         rows = [row for _, row in candidates[:mismatch.WORST_TOKENS]]
         _check_thresholds(cfg, f, actual, rows, sum(partial["over"] for partial, _ in parts))
         if c.has_payload("rollout_is_weights") and cfg.rollout_is == "none":
