@@ -25,7 +25,7 @@ from trajectory_replay.bundle.documents import (
 )
 from trajectory_replay.bundle.legacy import write_v1_bundle
 from trajectory_replay.bundle.markers import MAX_RANKS
-from trajectory_replay.bundle.schema import SchemaWarning
+from trajectory_replay.bundle.schema import BundleIndex, SchemaWarning
 from trajectory_replay.cli import app
 from trajectory_replay.errors import BundleError
 from trajectory_replay.replay import canonical_case
@@ -162,6 +162,40 @@ def test_nesting_up_to_the_bound_is_accepted(crafted):
 def test_nesting_scan_skips_strings_and_escapes(text, deep):
     assert nesting_exceeds(text, 64) is deep
     json.loads(text)  # every case is valid JSON
+
+
+def test_unknown_fields_of_documents_read_from_bytes_warn_and_are_dropped(crafted):
+    """The manifest and index are validated straight from their bytes: an unknown field of a record, of a nested
+    model and of the document itself each warns once, naming the model, and is not kept."""
+    index = crafted.doc("index")
+    index["samples"][1]["sampling_seed"] = 7
+    index["identity"]["actor_step_id"]["attempt"] = 2   # a frozen model
+    index["written_by"] = "newer"
+    manifest = crafted.doc("manifest")
+    manifest["producer"]["host"] = "node-3"
+    url = crafted.commit(index=index, manifest=manifest)
+    with pytest.warns(SchemaWarning) as seen:
+        reader = BundleReader.open(url)
+    assert sorted(str(w.message) for w in seen) == [
+        "ActorStepId: unknown field 'attempt' ignored", "BundleIndex: unknown field 'written_by' ignored",
+        "ProducerInfo: unknown field 'host' ignored", "SampleRecord: unknown field 'sampling_seed' ignored"]
+    assert "sampling_seed" not in reader.index.samples[1].model_dump()
+    assert "written_by" not in reader.index.model_dump()
+    step = crafted.original["index"]["identity"]["actor_step_id"]
+    assert reader.index.identity.actor_step_id.model_dump() == step
+    assert [s.sample_id for s in reader.index.samples] == [s["sample_id"] for s in crafted.original["index"]["samples"]]
+
+
+def test_documents_read_from_bytes_equal_those_read_the_python_way(crafted):
+    """Validating from bytes gives the same models as parsing the JSON first, NaN and all."""
+    index = crafted.doc("index")
+    index["samples"][0]["raw_reward"] = float("nan")
+    url = crafted.commit(index=index)
+    reader = BundleReader.open(url)
+    text = crafted.store.get(reader.documents.index.blob_ref())
+    slow = BundleIndex.model_validate(json.loads(bytes(text)))
+    assert reader.index.model_dump_json() == slow.model_dump_json()
+    assert reader.index.samples[0].raw_reward != reader.index.samples[0].raw_reward   # NaN survives
 
 
 def test_document_over_the_size_bound_is_refused_before_it_is_read(crafted, monkeypatch):

@@ -46,6 +46,22 @@ def validate_document(model: type[M], raw: Any, label: str) -> M:
         raise BundleError(f"{label}: {validation_message(exc)}") from None
 
 
+def parse_document(model: type[M], data: bytes | bytearray, label: str) -> M:
+    """The document `data` (UTF-8 JSON bytes) validated as `model`, with any error as a one-line BundleError
+    naming `label`.
+
+    Validated straight from the bytes, without building the Python objects of the whole text first (a
+    step's index holds thousands of records). Bad input is read again the slower way, which gives the
+    error its words."""
+    if nesting_exceeds(data):
+        raise BundleError(f"{label}: not valid JSON (nested more than {MAX_JSON_DEPTH} levels deep)")
+    try:
+        return model.model_validate_json(data)
+    except ValidationError:
+        pass
+    return validate_document(model, parse_json(data, label), label)
+
+
 def max_document_bytes() -> int:
     """The document size bound in bytes: $TRAJECTORY_REPLAY_MAX_DOCUMENT_BYTES, else DEFAULT_MAX_DOCUMENT_BYTES."""
     text = os.environ.get(MAX_DOCUMENT_BYTES_ENV, "").strip()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from trajectory_replay.backends import redact_url
 from trajectory_replay.bundle import codec
-from trajectory_replay.bundle.documents import check_document_size, parse_json, validate_document
+from trajectory_replay.bundle.documents import check_document_size, parse_document, parse_json, validate_document
 from trajectory_replay.bundle.markers import CompleteMarker, Documents, read_complete, try_finalize
 from trajectory_replay.bundle.paths import split_bundle_path
 from trajectory_replay.bundle.schema import BundleIndex, Expected, Manifest, PayloadSpec
@@ -79,17 +79,20 @@ class BundleReader:
         return sources[0]
 
     # ---- documents -----------------------------------------------------------------------------
-    def _json(self, ref, what: str) -> dict[str, Any]:
-        label = f"{self.label}: {what}"
+    def _bytes(self, ref, label: str) -> bytes | bytearray:
         check_document_size(ref.size, label)  # the record must agree with this size, so nothing larger is read
         try:
-            data = self.store.get(ref.blob_ref())
+            return self.store.get(ref.blob_ref())
         except TrajectoryReplayError as exc:
             raise type(exc)(f"{label}: {exc}") from None
-        return parse_json(data, label)
+
+    def _json(self, ref, what: str) -> dict[str, Any]:
+        label = f"{self.label}: {what}"
+        return parse_json(self._bytes(ref, label), label)
 
     def _document(self, ref, what: str, model):
-        return validate_document(model, self._json(ref, what), f"{self.label}: {what}")
+        label = f"{self.label}: {what}"
+        return parse_document(model, self._bytes(ref, label), label)
 
     def full_index(self) -> BundleIndex:
         """The index with every record's loss_mask restored from the `loss_mask` payload."""

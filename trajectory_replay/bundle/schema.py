@@ -48,33 +48,19 @@ def check_name(value: str, what: str) -> str:
 
 
 class _Model(BaseModel):
-    """Shared configuration: unknown fields warn and are ignored; enums serialize as values."""
+    """Shared configuration: unknown fields warn and are ignored; enums serialize as values.
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True, use_enum_values=False)
+    Unknown fields are collected as extras while pydantic validates (no Python hook runs before validation, so a
+    JSON document is validated straight from its bytes) and dropped, with one warning each, right after."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _warn_unknown(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            known = _known_fields(cls)
-            if not data.keys() <= known:   # one set comparison per record (an index holds thousands)
-                for key in data:
-                    if key not in known:
-                        warnings.warn(f"{cls.__name__}: unknown field {key!r} ignored", SchemaWarning,
-                                      stacklevel=2)
-        return data
+    model_config = ConfigDict(extra="allow", populate_by_name=True, use_enum_values=False)
 
-
-_KNOWN_FIELDS: dict[type, frozenset[str]] = {}
-
-
-def _known_fields(cls: type[BaseModel]) -> frozenset[str]:
-    """The field names and aliases of a model class, worked out once per class."""
-    known = _KNOWN_FIELDS.get(cls)
-    if known is None:
-        fields = cls.model_fields
-        known = _KNOWN_FIELDS[cls] = frozenset(fields) | {f.alias for f in fields.values() if f.alias}
-    return known
+    def model_post_init(self, context: Any, /) -> None:
+        extra = self.__pydantic_extra__
+        if extra:
+            for key in extra:
+                warnings.warn(f"{type(self).__name__}: unknown field {key!r} ignored", SchemaWarning, stacklevel=2)
+            object.__setattr__(self, "__pydantic_extra__", {})
 
 
 class StageId(str, Enum):
