@@ -50,6 +50,7 @@ from trajectory_replay.bundle.documents import parse_json as _parse_json
 from trajectory_replay.bundle.documents import validate_document as _validate
 from trajectory_replay.bundle.codec import manifest_dtype
 from trajectory_replay.bundle.markers import MAX_RANK, MAX_RANKS
+from trajectory_replay.bundle.paths import check_directory, find_v1_bundles, is_v1_bundle, rank_of_dir
 from trajectory_replay.bundle.torchsave import RawTensor, encode_pt, raw_tensor
 from trajectory_replay.errors import (
     BundleError, IncompleteBundleError, NoSuchTargetError, NotFoundError, TrajectoryReplayError, UnsupportedError,
@@ -72,7 +73,7 @@ MAX_DOCUMENT_BYTES = DEFAULT_MAX_DOCUMENT_BYTES
 """The default bound on a JSON document; the bound in force is `documents.max_document_bytes()`."""
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-_RANK_DIR = re.compile(r"rank-(0|[1-9][0-9]*)")
+
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -310,15 +311,9 @@ def _json_bytes(value: Any) -> bytes:
     return (json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def _rank_of_dir(directory: Path) -> Optional[int]:
-    """r when `directory` is `<bundle>/rank-<r>`, else None."""
-    match = _RANK_DIR.fullmatch(directory.name)
-    return int(match.group(1)) if match else None
-
-
 def _label_of(directory: Path) -> str:
     """How messages name a bundle directory: `b-1`, or `b-1/rank-0` for a rank of a multi-rank bundle."""
-    if _rank_of_dir(directory) is not None:
+    if rank_of_dir(directory) is not None:
         return f"{directory.parent.name}/{directory.name}"
     return directory.name
 
@@ -708,14 +703,6 @@ def _read_payload_file(path: Path, label: str, entry: V1PayloadEntry) -> bytes:
     return _read_bounded(path, label, entry.bytes)
 
 
-def _check_directory(path: Path) -> None:
-    """NotFoundError when `path` does not exist, BundleError when it is not a directory."""
-    if not path.exists():
-        raise NoSuchTargetError(f"{path}: no such bundle directory")
-    if not path.is_dir():
-        raise BundleError(f"{path}: not a directory")
-
-
 def _read_complete(directory: Path, label: str) -> dict[str, Any]:
     """COMPLETE's parsed JSON object; a missing one means the bundle is not finished."""
     if not (directory / "COMPLETE").is_file():
@@ -787,14 +774,14 @@ def open_v1_bundle(path: PathLike) -> LegacyBundle:
     """Open and verify one V1 bundle directory (a single producer, or `<bundle>/rank-<r>`)."""
     directory = Path(path)
     label = _label_of(directory)
-    _check_directory(directory)
+    check_directory(directory)
 
     raw_complete = _read_complete(directory, label)
     if "shards" in raw_complete:
         raise BundleError(f"{label}: a multi-rank bundle root; open it with open_v1 (one source per rank)")
     complete = _validate(V1Complete, raw_complete, f"{label}/COMPLETE")
 
-    rank = _rank_of_dir(directory)
+    rank = rank_of_dir(directory)
     if rank is not None and complete.ranks != [rank]:
         raise BundleError(f"{label}/COMPLETE: ranks {complete.ranks} do not match the directory (expected [{rank}])")
     if rank is None and complete.ranks != complete.expected_ranks:
@@ -835,7 +822,7 @@ def open_v1(path: PathLike) -> list[LegacyBundle]:
     """Open a V1 bundle as one source per rank, in rank order (a single-producer bundle gives one)."""
     root = Path(path)
     label = _label_of(root)
-    _check_directory(root)
+    check_directory(root)
     raw_complete = _read_complete(root, label)
     if "shards" not in raw_complete:
         return [open_v1_bundle(root)]
@@ -845,17 +832,6 @@ def open_v1(path: PathLike) -> list[LegacyBundle]:
     if len(ids) != 1:
         raise BundleError(f"{label}: ranks disagree on bundle_id ({sorted(ids)})")
     return sources
-
-
-def is_v1_bundle(path: PathLike) -> bool:
-    """True when `path` looks like a V1 bundle: it holds manifest.json, or rank-<r> bundle directories."""
-    directory = Path(path)
-    if not directory.is_dir():
-        return False
-    if (directory / "manifest.json").is_file():
-        return True
-    return any(_rank_of_dir(child) is not None and (child / "manifest.json").is_file()
-               for child in directory.iterdir() if child.is_dir())
 
 
 @dataclass(frozen=True)
@@ -925,13 +901,6 @@ def _unfinished_status(directory: Path, reason: str) -> V1Status:
     return V1Status(directory, status, first.rollout_id if step is None else step.rollout_id,
                     None if step is None else step.step_id, tuple(sorted(markers)), tuple(expected), missing,
                     mtime=max(mtimes) if mtimes else None, detail=detail)
-
-
-def find_v1_bundles(capture_dir: PathLike) -> list[Path]:
-    """The children of `capture_dir` that are V1 bundles, sorted by name."""
-    directory = Path(capture_dir)
-    _check_directory(directory)
-    return sorted(child for child in directory.iterdir() if is_v1_bundle(child))
 
 
 __all__ = [

@@ -1,12 +1,14 @@
-"""Bundle addresses: `<root>/<bundle>` and `<root>/<bundle>/rank-<r>`, as local paths or URLs."""
+"""Bundle addresses: `<root>/<bundle>` and `<root>/<bundle>/rank-<r>`, as local paths or URLs; and how a local
+directory of the older (V1) format is told apart, without loading that format's reader."""
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Optional
+from pathlib import Path
+from typing import Optional, Union
 
-from trajectory_replay.errors import BundleError
+from trajectory_replay.errors import BundleError, NoSuchTargetError
 
 RANK_DIR = re.compile(r"rank-(0|[1-9][0-9]*)")
 
@@ -29,3 +31,35 @@ def split_bundle_path(path_or_url: str) -> tuple[str, str, Optional[int]]:
     name = parts.pop()
     root = "/".join(parts) or "/"
     return scheme + root, name, rank
+
+
+def rank_of_dir(directory: Path) -> Optional[int]:
+    """r when `directory` is `<bundle>/rank-<r>`, else None."""
+    match = RANK_DIR.fullmatch(directory.name)
+    return int(match.group(1)) if match else None
+
+
+def is_v1_bundle(path: Union[str, os.PathLike]) -> bool:
+    """True when `path` looks like a V1 bundle: it holds manifest.json, or rank-<r> bundle directories."""
+    directory = Path(path)
+    if not directory.is_dir():
+        return False
+    if (directory / "manifest.json").is_file():
+        return True
+    return any(rank_of_dir(child) is not None and (child / "manifest.json").is_file()
+               for child in directory.iterdir() if child.is_dir())
+
+
+def check_directory(path: Path) -> None:
+    """NoSuchTargetError when `path` does not exist, BundleError when it is not a directory."""
+    if not path.exists():
+        raise NoSuchTargetError(f"{path}: no such bundle directory")
+    if not path.is_dir():
+        raise BundleError(f"{path}: not a directory")
+
+
+def find_v1_bundles(capture_dir: Union[str, os.PathLike]) -> list[Path]:
+    """The children of `capture_dir` that are V1 bundles, sorted by name."""
+    directory = Path(capture_dir)
+    check_directory(directory)
+    return sorted(child for child in directory.iterdir() if is_v1_bundle(child))

@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from trajectory_replay.backends import open_backend, redact_url
-from trajectory_replay.bundle import legacy
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.markers import COMPLETE, RANK_MARKER
-from trajectory_replay.bundle.paths import split_bundle_path
+from trajectory_replay.bundle.paths import find_v1_bundles, is_v1_bundle, split_bundle_path
 from trajectory_replay.bundle.reader import BundleReader, native_readers
 from trajectory_replay.bundle.status import CORRUPT, FINALIZABLE, BundleState, bundle_status, finalize, scan_bundles
 from trajectory_replay.errors import BundleError, NoMatchingBundleError, SelectionError, TrajectoryReplayError
@@ -57,6 +56,8 @@ class Bundle:
         """One source per rank (BundleReader or LegacyBundle), verified as far as opening goes; a bundle that is
         not complete is refused (IncompleteBundleError saying what is missing)."""
         if self.format == V1:
+            from trajectory_replay.bundle import legacy   # only an older-format bundle loads its reader
+
             return legacy.open_v1(self.path)  # type: ignore[arg-type]
         return native_readers(self.store, self.name, self.rank)  # type: ignore[arg-type]
 
@@ -102,7 +103,7 @@ def older_bundles(address: str | os.PathLike) -> list[Path]:
     local = _local_path(os.fspath(address))
     if local is None or not local.is_dir():
         return []
-    return [local] if legacy.is_v1_bundle(local) else legacy.find_v1_bundles(local)
+    return [local] if is_v1_bundle(local) else find_v1_bundles(local)
 
 
 def is_native_bundle(path_or_url: str | os.PathLike, **storage_options: Any) -> bool:
@@ -217,7 +218,7 @@ def _local_path(text: str) -> Optional[Path]:
 
 def _is_older(local: Path) -> bool:
     """True for an older-format bundle directory, or a rank directory of one."""
-    return legacy.is_v1_bundle(local) or (local.name.startswith("rank-") and legacy.is_v1_bundle(local.parent))
+    return is_v1_bundle(local) or (local.name.startswith("rank-") and is_v1_bundle(local.parent))
 
 
 def _bundle_at(text: str, local: Optional[Path], options: dict) -> Bundle:
@@ -242,7 +243,7 @@ def _native_bundle(text: str, options: dict) -> Optional[Bundle]:
 
 def _holds_older_bundles(text: str, local: Optional[Path], options: dict) -> bool:
     """True for a local directory that is no bundle but holds older-format bundles (a capture directory)."""
-    if local is None or not local.is_dir() or legacy.is_v1_bundle(local) or not legacy.find_v1_bundles(local):
+    if local is None or not local.is_dir() or is_v1_bundle(local) or not find_v1_bundles(local):
         return False
     return _native_bundle(text, options) is None
 
@@ -265,7 +266,7 @@ def _designated(text: str, local: Optional[Path], want: Optional[Anchor], option
         return _bundle_at(text, local, options)  # a writer left documents but no marker: opening says so
     if want is None and _RANK_SUFFIX.search(text.rstrip("/") + "/"):
         return _bundle_at(text, local, options)  # one rank of a bundle: opening checks its cohort
-    if local is not None and legacy.is_v1_bundle(local):
+    if local is not None and is_v1_bundle(local):
         if want is not None:
             Selection(shown, want, [_older_candidate(local)], direct=True).one()
         return _bundle_at(text, local, options)
@@ -291,6 +292,8 @@ def _designated(text: str, local: Optional[Path], want: Optional[Anchor], option
 
 def _older_candidate(path: Path) -> Candidate:
     """An older-format bundle as a candidate, opened to read its identity."""
+    from trajectory_replay.bundle import legacy
+
     return Candidate(path.name, str(path), Anchor.of(legacy.open_v1(path)[0].index.identity), V1)
 
 

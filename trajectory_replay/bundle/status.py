@@ -21,6 +21,7 @@ from typing import Iterable, Optional
 
 from trajectory_replay.backends import Backend, redact_url
 from trajectory_replay.bundle.anchor import Anchor
+from trajectory_replay.bundle.paths import is_v1_bundle
 from trajectory_replay.bundle.markers import (
     COMPLETE, FINALIZER, RANK_MARKER, CompleteMarker, Documents, RankMarker, check_agreement, complete_key,
     finalizer_key, rank_key, rank_marker_problems, read_marker, try_finalize,
@@ -94,9 +95,7 @@ def bundle_names(backend: Backend) -> list[str]:
     root = getattr(backend, "root", None)
     if not isinstance(root, os.PathLike):
         return names
-    from trajectory_replay.bundle import legacy
-
-    return [n for n in names if not legacy.is_v1_bundle(os.path.join(root, n))]
+    return [n for n in names if not is_v1_bundle(os.path.join(root, n))]
 
 
 def bundle_status(backend: Backend, name: str, *, retry: bool = True) -> Optional[BundleState]:
