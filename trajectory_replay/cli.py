@@ -633,6 +633,9 @@ def main() -> None:
     from trajectory_replay._allocator import return_large_buffers_to_os
 
     return_large_buffers_to_os()
+    # what the process holds before the command (the CLI's own imports, and torch when the caller imported it
+    # first) lives until exit: out of the collector's scans, as `_import_torch` does for torch
+    gc.freeze()
     app(prog_name="trajectory-replay")
 
 
