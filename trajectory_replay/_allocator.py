@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -27,6 +28,7 @@ BLOCK_MMAP_THRESHOLD = 32 << 20
 """The mmap threshold while a replay streams: glibc's largest (on 64-bit), above a block's buffers."""
 
 _libc = None   # set once the tuning is applied
+_mmap_threshold = MMAP_THRESHOLD   # the tuned process's threshold (a streamed pass raises it)
 
 
 def return_large_buffers_to_os() -> bool:
@@ -77,8 +79,10 @@ class BlockHeap:
 
     def end(self) -> None:
         """Put the 2 MiB threshold back and hand the heap's free memory back to the OS."""
+        global _mmap_threshold
         if self._libc is not None:
             self._libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+            _mmap_threshold = MMAP_THRESHOLD
             self._libc.malloc_trim(0)
             self._libc = None
 
@@ -107,9 +111,11 @@ def reuse_block_buffers() -> BlockHeap:
     where a freed block's buffers serve the next block; at the end the threshold goes back and the heap's free
     memory is handed back to the OS. Nothing happens when the tuning above was not applied (a library user's
     process keeps glibc's own adaptive threshold)."""
+    global _mmap_threshold
     libc = _libc
     if libc is None or not libc.mallopt(_M_MMAP_THRESHOLD, BLOCK_MMAP_THRESHOLD):
         return BlockHeap(None)
+    _mmap_threshold = BLOCK_MMAP_THRESHOLD
     return BlockHeap(libc)
 
 
@@ -129,12 +135,24 @@ def _bind():
         new = ctypes.pythonapi.PyByteArray_FromStringAndSize
         new.restype = ctypes.py_object
         new.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
-        return new
+        resize = ctypes.pythonapi.PyByteArray_Resize
+        resize.restype = ctypes.c_int
+        resize.argtypes = (ctypes.py_object, ctypes.c_ssize_t)
+        return new, resize
     except (AttributeError, OSError):  # not CPython
-        return None
+        return None, None
 
 
-_new_bytearray = _bind()
+_new_bytearray, _resize = _bind()
+
+# Under the command line's tuning a large read buffer is its own mapping, returned to the OS when freed, so the
+# next payload read faults a fresh one in page by page (on a virtual machine, about as much CPU as the read
+# itself). A one-block replay frees payloads as its stages no longer need them while later stages read others of
+# the same size, so the process keeps the large buffers it handed out and gives a buffer nothing refers to any
+# more to the next read it can hold. At most SPARE_BUFFERS such free buffers are kept; the rest are let go.
+SPARE_BUFFERS = 2
+_handed_out: list[bytearray] = []
+_pool_lock = threading.Lock()
 
 
 def buffer_for_read(size: int) -> bytearray:
@@ -143,4 +161,35 @@ def buffer_for_read(size: int) -> bytearray:
     Never hand such a buffer out before it is filled (on a failed read, drop it)."""
     if size < LARGE_BUFFER or _new_bytearray is None:
         return bytearray(size)
-    return _new_bytearray(None, size)
+    if _libc is None or size < _mmap_threshold:   # not tuned, or a streamed pass: the heap serves it
+        return _new_bytearray(None, size)
+    with _pool_lock:
+        buffer = _reuse(size)
+        if buffer is None:
+            buffer = _new_bytearray(None, size)
+        _handed_out.append(buffer)
+        return buffer
+
+
+def _reuse(size: int):
+    """A handed-out buffer nothing else refers to that holds `size` bytes without reallocating, resized to it; None
+    when there is none. Free buffers beyond SPARE_BUFFERS are let go."""
+    free = [i for i in range(len(_handed_out)) if sys.getrefcount(_handed_out[i]) == _UNREFERENCED]
+    chosen = None
+    for i in free:
+        capacity = _handed_out[i].__alloc__()
+        if capacity // 2 <= size < capacity and (chosen is None or capacity < _handed_out[chosen].__alloc__()):
+            chosen = i
+    buffer = None
+    if chosen is not None:
+        buffer = _handed_out[chosen]
+        if _resize(buffer, size) != 0:   # cannot happen without a reference; never hand out a wrong size
+            buffer = None
+    keep = set(free[-SPARE_BUFFERS:]) - {chosen}
+    _handed_out[:] = [b for i, b in enumerate(_handed_out) if i not in free or i in keep]
+    return buffer
+
+
+_UNREFERENCED = 2
+"""What `sys.getrefcount` reports for a handed-out buffer held only by `_handed_out`: that list's reference, and the
+call's argument."""

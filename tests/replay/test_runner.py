@@ -649,3 +649,26 @@ def test_partly_overlapping_ranks_are_replayed_each_on_their_own():
 def test_ranks_of_different_bundles_are_an_error():
     with pytest.raises(BundleError, match="different bundles"):
         replay([canonical_source_of(buggy=False), source_of(canonical_case(buggy=True), rank=1)])
+
+
+@pytest.mark.parametrize("config, kept", [
+    ({"kl_coef": 0.1}, {"old_log_probs", "log_probs", "entropy", "advantages", "loss_mask"}),
+    ({"kl_coef": 0.1, "kl_loss_coef": 0.01}, {"old_log_probs", "log_probs", "entropy", "advantages", "loss_mask",
+                                               "ref_log_probs"}),
+    ({"kl_coef": 0.1, "kl_in_reward": True, "advantage_estimator": "reinforce_plus_plus"},
+     {"old_log_probs", "log_probs", "entropy", "advantages", "loss_mask", "kl"}),
+])
+def test_after_advantage_kl_the_payloads_no_later_stage_reads_under_the_config_are_let_go(config, kept):
+    """The reference log-probs and the recorded KL stay loaded only while a later stage can read them under the
+    config (a KL loss term; the KL in the token rewards), not whenever some config could."""
+    from trajectory_replay.bundle.schema import RecomputeConfig
+    from trajectory_replay.replay.cohort import PayloadCache
+    from trajectory_replay.replay.runner import _release
+    from trajectory_replay.replay.stages import STAGES
+
+    cache = PayloadCache()
+    loaded = ("old_log_probs", "ref_log_probs", "kl", "log_probs", "entropy", "advantages", "loss_mask", "values")
+    cache._loaded = {(0, name, None): torch.zeros(1) for name in loaded}
+    later = [STAGES[StageId.ADVANTAGE_ESTIMATE], STAGES[StageId.LOSS_POLICY]]
+    _release({}, cache, later, RecomputeConfig(**config))
+    assert {name for _, name, _ in cache._loaded} == kept

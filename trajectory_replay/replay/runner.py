@@ -436,11 +436,12 @@ def _with_copies(result: StageResult, source_rank: Optional[int],
 
 
 def _release(outputs: dict, cache: PayloadCache, later: Sequence[Stage], config: RecomputeConfig) -> None:
-    """Drop stage outputs and loaded payloads that no later stage reads, so peak memory stays near the inputs."""
+    """Drop stage outputs and loaded payloads that no later stage reads under `config`, so peak memory stays near the
+    inputs (the reference log-probs go once advantage.kl ran, unless the loss takes a KL term)."""
     needed_outputs = {dep for stage in later for dep in stage.dependencies(config)}
     for stage_id in [s for s in outputs if s not in needed_outputs]:
         del outputs[stage_id]
-    cache.retain({name for stage in later for name in stage.inputs})
+    cache.retain({name for stage in later for name in stage.io.payloads_read_under(config)})
 
 
 __all__ = ["PER_SAMPLE_OUTPUTS", "execute", "execute_keeping", "replay"]

@@ -113,11 +113,6 @@ class Stage:
         return STAGE_IO[self.id]
 
     @property
-    def inputs(self) -> tuple[str, ...]:
-        """The payloads it may load (loaded only when actually needed; kept loaded while a later stage may)."""
-        return self.io.payloads_read
-
-    @property
     def outputs(self) -> tuple[str, ...]:
         return self.io.outputs
 
