@@ -154,3 +154,17 @@ def test_redact_url():
 
     assert redact_url("s3://user:pw@bucket/x") == "s3://bucket/x"
     assert redact_url("/plain/path") == "/plain/path"
+
+
+def test_read_into_fills_the_target_and_reports_the_size(backend):
+    """read_into writes the whole value at the front of the target and returns its size; a larger value returns its
+    size (the caller's check fails); an absent key, or a prefix that holds keys, is NotFoundError."""
+    backend.write("r/a", b"hello")
+    target = bytearray(b"." * 8)
+    assert backend.read_into("r/a", memoryview(target)) == 5 and bytes(target) == b"hello..."
+    assert backend.read_into("r/a", memoryview(bytearray(3))) == 5
+    backend.write("r/empty", b"")
+    assert backend.read_into("r/empty", memoryview(bytearray(4))) == 0
+    for absent in ("r/b", "r", "r/a/deeper"):
+        with pytest.raises(NotFoundError):
+            backend.read_into(absent, memoryview(bytearray(4096)))

@@ -64,20 +64,27 @@ class LocalBackend(Backend):
             raise NotFoundError(f"{self.url}: {key!r} is a directory, not a value") from None
 
     def _read_into(self, key: str, target: memoryview) -> int:
+        # a read of a large payload opens thousands of chunk files: a bare descriptor, no file object
         try:
-            with open(self._file(key), "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                if size > len(target):
-                    return size
-                view, done = target[:size], 0
-                while done < size:
-                    n = f.readinto(view[done:])
-                    if not n:
-                        break
-                    done += n
-                return done
+            fd = os.open(self._file(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise NotFoundError(f"{self.url}: no such key {key!r}") from None
+        try:
+            info = os.fstat(fd)
+            if stat.S_ISDIR(info.st_mode):
+                raise NotFoundError(f"{self.url}: no such key {key!r}")
+            size = info.st_size
+            if size > len(target):
+                return size
+            view, done = target[:size], 0
+            while done < size:
+                n = os.readv(fd, [view[done:]])
+                if not n:
+                    break
+                done += n
+            return done
+        finally:
+            os.close(fd)
 
     def _read_range(self, key: str, start: int, end: int) -> bytes:
         try:

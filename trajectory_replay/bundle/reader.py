@@ -200,10 +200,12 @@ class BundleReader:
         if numel != total:
             raise BundleError(f"{self.label}: payload {name!r} has {numel} elements, the index has {total} "
                               "response tokens")
-        size = header.itemsize
+        size, offsets, start = header.itemsize, self._offsets, header.data_start
         spans: list[tuple[int, int]] = []
-        for p in positions:   # adjacent rows are one range (a block of whole groups is mostly runs of rows)
-            lo, hi = header.data_start + self._offsets[p] * size, header.data_start + self._offsets[p + 1] * size
+        if positions and positions == list(range(positions[0], positions[-1] + 1)):   # one run of rows: one range
+            spans.append((start + offsets[positions[0]] * size, start + offsets[positions[-1] + 1] * size))
+        for p in positions if not spans else ():   # adjacent rows are one range (a block is mostly runs of rows)
+            lo, hi = start + offsets[p] * size, start + offsets[p + 1] * size
             if spans and spans[-1][1] == lo:
                 spans[-1] = (spans[-1][0], hi)
             else:
@@ -246,11 +248,12 @@ class BundleReader:
 
     def _check_positions(self, samples: Sequence[int]) -> list[int]:
         n = len(self.index.samples)
-        out = []
-        for p in samples:
+        out = list(samples)
+        if out and all(type(p) is int for p in out) and 0 <= min(out) and max(out) < n:
+            return out
+        for p in out:
             if not isinstance(p, int) or not 0 <= p < n:
                 raise BundleError(f"{self.label}: sample position {p!r} out of range (bundle has {n} samples)")
-            out.append(p)
         return out
 
     def object_digests(self) -> list[str]:
