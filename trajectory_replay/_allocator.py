@@ -183,7 +183,9 @@ def _reuse(size: int):
     buffer = None
     if chosen is not None:
         buffer = _handed_out[chosen]
-        if _resize(buffer, size) != 0:   # cannot happen without a reference; never hand out a wrong size
+        try:
+            _resize(buffer, size)   # within its allocation: only the length changes
+        except (BufferError, MemoryError):   # not without a reference to it; never hand out a wrong size
             buffer = None
     keep = set(free[-SPARE_BUFFERS:]) - {chosen}
     _handed_out[:] = [b for i, b in enumerate(_handed_out) if i not in free or i in keep]
