@@ -204,12 +204,13 @@ class BundleReader:
         spans: list[tuple[int, int]] = []
         if positions and positions == list(range(positions[0], positions[-1] + 1)):   # one run of rows: one range
             spans.append((start + offsets[positions[0]] * size, start + offsets[positions[-1] + 1] * size))
-        for p in positions if not spans else ():   # adjacent rows are one range (a block is mostly runs of rows)
-            lo, hi = start + offsets[p] * size, start + offsets[p + 1] * size
-            if spans and spans[-1][1] == lo:
-                spans[-1] = (spans[-1][0], hi)
-            else:
-                spans.append((lo, hi))
+        else:
+            for p in positions:   # adjacent rows are one range (a block of whole groups is mostly runs of rows)
+                lo, hi = start + offsets[p] * size, start + offsets[p + 1] * size
+                if spans and spans[-1][1] == lo:
+                    spans[-1] = (spans[-1][0], hi)
+                else:
+                    spans.append((lo, hi))
         parts = self.store.read_ranges(self.payload_ref(name), spans, record=self._record(name))
         # one run of rows comes back in a buffer of its own: the tensor takes it over; several are joined once
         data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytearray) else bytearray().join(parts)
