@@ -19,13 +19,16 @@ with `trust_cache=False` (validate) sends every read to the backend and only fil
 from __future__ import annotations
 
 import base64
+import binascii
 import bisect
 import functools
 import json
 import logging
 import os
+import re
+import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
 from trajectory_replay._allocator import buffer_for_read
 from trajectory_replay.backends import Backend, ByteRange, open_backend
@@ -71,9 +74,9 @@ class BlobRef:
     record: str
 
 
-@dataclass(frozen=True)
-class ChunkInfo:
-    """One chunk of a blob: digest, size, offset in the blob, and its block hashes (32 bytes each)."""
+class ChunkInfo(NamedTuple):
+    """One chunk of a blob: digest, size, offset in the blob, and its block hashes (32 bytes each). A named tuple:
+    a record of a large payload holds thousands, made each time the record is read."""
 
     digest: str
     size: int
@@ -116,12 +119,14 @@ class BlobRecord:
             parse_digest(doc["digest"])
             chunks, offset = [], 0
             for digest, csize, blocks_b64 in doc["chunks"]:
-                parse_digest(digest)
-                blocks = base64.b64decode(blocks_b64, validate=True)
+                if type(digest) is not str or not _DIGEST.fullmatch(digest):
+                    parse_digest(digest)   # raises, saying what is wrong with it
+                blocks = _decode_blocks(blocks_b64)
                 if csize <= 0 or len(blocks) != 32 * -(-csize // block_size):
                     raise ValueError(f"chunk {digest} has {len(blocks) // 32} block hashes for {csize} bytes")
-                chunks.append(ChunkInfo(digest, int(csize), offset, blocks))
-                offset += int(csize)
+                csize = int(csize)
+                chunks.append(ChunkInfo(digest, csize, offset, blocks))
+                offset += csize
             if offset != size:
                 raise ValueError(f"chunk sizes add up to {offset}, record says {size}")
         except (ValueError, KeyError, TypeError) as exc:
@@ -131,6 +136,19 @@ class BlobRecord:
             message = f"malformed blob record {where}: nested too deeply"
             raise RecordError(message, message) from None
         return cls(doc["digest"], size, block_size, tuple(chunks))
+
+
+_DIGEST = re.compile(PREFIX + "[0-9a-f]{64}")
+
+
+def _decode_blocks(text: Any) -> bytes:
+    """A chunk's block hashes from their base64 text; ValueError (binascii.Error) for anything but clean base64."""
+    if _STRICT_BASE64 and type(text) is str:   # one call instead of a pattern match over the text, then a decode
+        return binascii.a2b_base64(text, strict_mode=True)
+    return base64.b64decode(text, validate=True)
+
+
+_STRICT_BASE64 = sys.version_info >= (3, 11)
 
 
 def looks_like_record(head: bytes) -> bool:
