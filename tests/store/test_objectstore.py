@@ -246,3 +246,28 @@ def test_put_many_lists_once_then_stores_everything(store):
     # a plan made ahead (to learn a digest first) is accepted as an item
     plan = store.plan(b"made ahead")
     assert store.put_many([plan])[0].digest == plan.ref.digest and store.get(plan.ref.digest) == b"made ahead"
+
+
+def test_a_record_with_unclean_block_hashes_or_chunk_digests_is_refused_naming_it(tmp_path):
+    import base64
+    import json
+
+    from trajectory_replay.store.objectstore import BlobRecord, RecordError
+
+    store = ObjectStore.open(tmp_path / "s")
+    ref = store.put(bytes(range(256)) * 300)
+    good = json.loads(store.get_object(ref.record))
+    assert BlobRecord.from_bytes(json.dumps(good).encode(), ref.record).chunks[0].blocks == \
+        base64.b64decode(good["chunks"][0][2])
+    text = good["chunks"][0][2]
+    for field, value in ((2, text[:-4] + "!" + text[-3:]),     # not in the alphabet
+                         (2, text.rstrip("=") + "A"),          # wrong length: padding left out
+                         (2, text + "===="),                   # padding past the end
+                         (2, "=" + text[1:]),                  # padding first
+                         (2, 7),                               # not text
+                         (0, good["chunks"][0][0].upper()),    # a digest not in lowercase
+                         (0, "blake3:" + "0" * 63)):           # a digest too short
+        doc = json.loads(json.dumps(good))
+        doc["chunks"][0][field] = value
+        with pytest.raises(RecordError, match="malformed blob record"):
+            BlobRecord.from_bytes(json.dumps(doc).encode(), ref.record)
