@@ -21,8 +21,8 @@ def clean_capture(monkeypatch):
 @pytest.fixture
 def make_manager():
     """CaptureManager factory; every manager is closed at teardown. Its managers write in a thread unless a test
-    asks for a writer (`writer=`) or for the product's default (`default_writer=True`): a writer process imports
-    torch, seconds of CPU that only the tests of the process itself need to spend."""
+    asks for a writer (`writer=`) or for the product's default (`default_writer=True`): a writer process is a
+    second interpreter per manager, which only the tests of the process itself need to start."""
     made: list[CaptureManager] = []
 
     def make(capture_dir, default_writer: bool = False, **options) -> CaptureManager:

@@ -278,6 +278,26 @@ def test_writer_process_by_default(s3_root, make_manager):
     assert manager.close(30) and child.poll() is not None   # closing ends the process
 
 
+def test_writer_process_never_imports_torch_and_writes_what_the_thread_writer_writes(tmp_path, make_manager):
+    """The child builds and encodes bundles from raw tensors: torch is never loaded in it, and every payload (the
+    micro-batches joined, the loss mask) has the same digest as the thread writer's."""
+    managers = {mode: make_manager(tmp_path / mode, writer=mode) for mode in ("process", "thread")}
+    for manager in managers.values():
+        assert capture_step(manager, 4, 1, [[0, 1], [2, 3]])
+        assert manager.capture_rollout(4, **rollout_kwargs(flat=True))
+        assert manager.flush(60) and manager.stats()["written"] == 2 and manager.stats()["errors"] == 0
+    child = managers["process"]._writer.proc
+    with open(f"/proc/{child.pid}/maps", encoding="utf-8") as maps:
+        mapped = maps.read()
+    assert "libtorch" not in mapped and "blake3" in mapped   # it hashed: it is the process that wrote the bundles
+    for name in ("step-4-1", "rollout-4"):
+        digests = {}
+        for mode in managers:
+            [source] = open_native(str(tmp_path / mode / name))
+            digests[mode] = {key: spec.digest for key, spec in source.manifest.payloads.items()}
+        assert digests["process"] == digests["thread"] and "loss_mask" in digests["thread"], digests
+
+
 def test_writer_priority_low_is_niced_not_idle(tmp_path, make_manager):
     manager = make_manager(tmp_path / "cap", writer="process", writer_priority="low")
     assert manager.capture_rollout(3, **rollout_kwargs()) and manager.flush(60)

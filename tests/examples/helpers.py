@@ -131,8 +131,8 @@ def run_examples(workdir: Path, runs: list[list[str]]) -> str:
     """The example's `main(argv)` for each of `runs`, one after another in one fresh process; its stdout.
 
     Their capture writes in a thread of each rank (RELAX_REPLAY_CAPTURE_WRITER=thread): what these runs check is
-    the bundles, and a writer process per run would import torch once more per run; `run_example`'s runs keep
-    the default writer process."""
+    the bundles, and a writer process per rank and run would start one more interpreter each; `run_example`'s
+    runs keep the default writer process."""
     import json
     import subprocess
     import sys

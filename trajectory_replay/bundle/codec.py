@@ -15,7 +15,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from trajectory_replay.bundle.documents import MAX_JSON_DEPTH, nesting_exceeds, one_line
 from trajectory_replay.errors import BundleError
@@ -70,8 +70,13 @@ def torch_dtype(name: str) -> "torch.dtype":
     return getattr(torch, manifest_dtype(name).removeprefix("torch."))
 
 
-def check_storable(name: str, tensor: object) -> "torch.Tensor":
-    """The tensor, contiguous on the CPU, if it can be stored; BundleError naming the payload otherwise."""
+def check_storable(name: str, tensor: object) -> "torch.Tensor | RawTensor":
+    """The tensor, contiguous on the CPU, if it can be stored; BundleError naming the payload otherwise. A
+    `RawTensor` is stored as it is (checked when it was made)."""
+    if isinstance(tensor, RawTensor):
+        if tensor.dtype not in _MANIFEST_NAMES:
+            raise BundleError(f"payload {name!r}: dtype {tensor.dtype} cannot be stored")
+        return tensor
     import torch
 
     if not isinstance(tensor, torch.Tensor):
@@ -83,13 +88,110 @@ def check_storable(name: str, tensor: object) -> "torch.Tensor":
     return tensor.detach().to("cpu").contiguous()
 
 
-def encode(tensor: "torch.Tensor") -> tuple[bytes, int]:
-    """(safetensors bytes, offset where the tensor data starts)."""
+def encode(tensor: "torch.Tensor | RawTensor") -> tuple[bytes, int]:
+    """(safetensors bytes, offset where the tensor data starts). A `RawTensor` is laid out without torch, byte for
+    byte as safetensors lays out the same torch tensor: the header's compact JSON padded with spaces to a multiple
+    of 8 bytes, then the data."""
+    if isinstance(tensor, RawTensor):
+        code = _MANIFEST_NAMES[tensor.dtype]
+        header = json.dumps({TENSOR_NAME: {"dtype": code, "shape": list(tensor.shape),
+                                           "data_offsets": [0, len(tensor.data)]}}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)
+        return struct.pack("<Q", len(header)) + header + bytes(tensor.data), 8 + len(header)
     from safetensors.torch import save as st_save
 
     blob = st_save({TENSOR_NAME: tensor})
     (header_len,) = struct.unpack("<Q", blob[:8])
     return blob, 8 + header_len
+
+
+_LIST_FORMATS = {"torch.float64": "d", "torch.float32": "f", "torch.float16": "e", "torch.int64": "q",
+                 "torch.int32": "i", "torch.int16": "h", "torch.int8": "b", "torch.uint8": "B", "torch.bool": "?",
+                 "torch.uint16": "H", "torch.uint32": "I", "torch.uint64": "Q"}
+"""The `struct` format of each dtype's elements (bfloat16, which has none, is widened to float32 by hand)."""
+
+
+def _element_bytes(dtype: str) -> Optional[int]:
+    if dtype == "torch.bfloat16":
+        return 2
+    return struct.calcsize(_LIST_FORMATS[dtype]) if dtype in _LIST_FORMATS else None
+
+
+def _nested(flat: list, shape: tuple[int, ...]):
+    """`flat` (C order) as nested lists of `shape`; its one value for a 0-d shape."""
+    if not shape:
+        return flat[0]
+    if len(shape) == 1:
+        return flat
+    step = math.prod(shape[1:])
+    return [_nested(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """A dense tensor as its bytes (C order, little-endian) with its dtype in the manifest's spelling
+    (`torch.float32`) and its shape: what the capture writer process builds bundles from, without importing torch.
+    It has the few tensor methods the bundle writer and the capture records call (`dim`, `numel`,
+    `element_size`, `reshape`, `tolist`, `item`)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        # a dtype that cannot be stored is kept as it is: `check_storable` refuses it naming the payload
+        object.__setattr__(self, "dtype", self.dtype if self.dtype.startswith("torch.") else f"torch.{self.dtype}")
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        size = _element_bytes(self.dtype)
+        if any(d < 0 for d in self.shape) or (size is not None and len(self.data) != math.prod(self.shape) * size):
+            raise BundleError(f"a {self.dtype} tensor of shape {list(self.shape)} cannot hold {len(self.data)} bytes")
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        size = _element_bytes(self.dtype)
+        if size is None:
+            raise BundleError(f"dtype {self.dtype} is not known here")
+        return size
+
+    def reshape(self, *shape: int) -> "RawTensor":
+        """The same bytes under another shape; one dimension may be -1."""
+        dims = list(shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
+        if dims.count(-1) == 1:
+            known = math.prod(d for d in dims if d != -1)
+            dims[dims.index(-1)] = self.numel() // known if known else 0
+        if math.prod(dims) != self.numel():
+            raise ValueError(f"shape {list(shape)} is invalid for a tensor of {self.numel()} elements")
+        return RawTensor(self.dtype, tuple(dims), self.data)
+
+    def tolist(self):
+        """The values as Python numbers, nested by the shape (one number for a 0-d tensor)."""
+        n = self.numel()
+        if self.dtype == "torch.bfloat16":   # the high half of a float32
+            wide = struct.pack(f"<{n}I", *(v << 16 for v in struct.unpack(f"<{n}H", self.data)))
+            flat = list(struct.unpack(f"<{n}f", wide))
+        elif self.dtype in _LIST_FORMATS:
+            flat = list(struct.unpack(f"<{n}{_LIST_FORMATS[self.dtype]}", self.data))
+        else:
+            raise BundleError(f"dtype {self.dtype} is not known here")
+        return _nested(flat, self.shape)
+
+    def item(self):
+        if self.numel() != 1:
+            raise ValueError(f"only a tensor of one element has an item, not one of {self.numel()}")
+        return self.reshape(-1).tolist()[0]
+
+    @staticmethod
+    def cat(parts: "list[RawTensor]") -> "RawTensor":
+        """The flat concatenation of tensors of one dtype."""
+        dtypes = {p.dtype for p in parts}
+        if len(dtypes) != 1:
+            raise BundleError(f"cannot join tensors of dtypes {sorted(dtypes)}")
+        return RawTensor(parts[0].dtype, (sum(p.numel() for p in parts),), b"".join(bytes(p.data) for p in parts))
 
 
 @dataclass(frozen=True)

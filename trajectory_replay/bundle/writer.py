@@ -310,20 +310,19 @@ class BundleWriter:
                 contract.pop("kernel", None)
         return compact_json(doc)
 
-    def _mask_tensor(self, samples) -> torch.Tensor:
-        """The records' loss masks as one uint8 tensor; BundleError naming the first sample with a value not 0/1."""
-        import torch
-
+    def _mask_tensor(self, samples) -> codec.RawTensor:
+        """The records' loss masks as one uint8 tensor (made without torch: the capture writer process never
+        imports it); BundleError naming the first sample with a value not 0/1."""
         try:  # bytes() of a list of small ints runs in C: a mask of millions of tokens costs milliseconds
-            data = bytearray(b"".join(bytes(s.loss_mask) for s in samples))
+            data = b"".join(bytes(s.loss_mask) for s in samples)
         except (TypeError, ValueError):  # not all ints in 0..255 (1.0, True, -1, 256, ...): the exact slow path
             data = None
-        if data is None or (data and int(torch.frombuffer(data, dtype=torch.uint8).max()) > 1):
+        if data is None or data.translate(None, b"\x00\x01"):   # some byte other than 0 and 1
             bad = next((s for s in samples if any(v not in (0, 1) for v in s.loss_mask)), None)
             if bad is not None:
                 raise BundleError(f"{self.url}: sample {bad.sample_id}: loss_mask values must be 0 or 1")
-            return torch.tensor([int(v) for s in samples for v in s.loss_mask], dtype=torch.uint8)
-        return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            data = bytes(int(v) for s in samples for v in s.loss_mask)
+        return codec.RawTensor("torch.uint8", (len(data),), data)
 
     def abort(self) -> None:
         """Give up: remove the in-flight record (what was written becomes garbage for gc)."""

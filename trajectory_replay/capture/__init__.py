@@ -4,13 +4,34 @@ Off by default; switched on by RELAX_REPLAY_CAPTURE=1 and RELAX_REPLAY_CAPTURE_D
 snapshots and enqueues; a background thread writes bundles to the content-addressed store.
 """
 
-from trajectory_replay.capture.config import CaptureConfig, CaptureConfigError, load_config
-from trajectory_replay.capture.hooks import (
-    capture_microbatch, capture_rollout, capture_slime_rollout, capture_step_end, disable, get_manager, maybe_enable,
-    maybe_enable_for_actor, set_manager, shutdown, slime_rollout_arguments, stats,
-)
-from trajectory_replay.capture.manager import CaptureManager
-from trajectory_replay.capture.records import rollout_bundle_id, step_bundle_id
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CaptureConfig": "config", "CaptureConfigError": "config", "load_config": "config",
+    "capture_microbatch": "hooks", "capture_rollout": "hooks", "capture_slime_rollout": "hooks",
+    "capture_step_end": "hooks", "disable": "hooks", "get_manager": "hooks", "maybe_enable": "hooks",
+    "maybe_enable_for_actor": "hooks", "set_manager": "hooks", "shutdown": "hooks",
+    "slime_rollout_arguments": "hooks", "stats": "hooks",
+    "CaptureManager": "manager",
+    "rollout_bundle_id": "records", "step_bundle_id": "records",
+}
+"""Each public name and its module, imported on first use: the capture writer process imports this package's
+record and commit modules, which must not pull in torch through the hooks."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_EXPORTS))
+
 
 __all__ = [
     "CaptureConfig", "CaptureConfigError", "CaptureManager", "capture_microbatch", "capture_rollout",

@@ -26,18 +26,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence, Union
 
-import torch
-
+from trajectory_replay.bundle.codec import RawTensor
 from trajectory_replay.bundle.schema import (
     ActorStepId, BundleIndex, ComparisonPolicy, Identity, Manifest, ProducerInfo, RankTopology, RecomputeConfig,
     SampleRecord, StageCapability, StageContract, StageId, WeightLineage,
 )
 from trajectory_replay.bundle.stage_io import LOSS_FIELDS, MISMATCH_FIELDS, STAGE_IO, VALUE_LOSS_FIELDS
-from trajectory_replay.capture.snapshot import (
-    Snapshot, estimate_nbytes, materialize_float, materialize_list, materialize_masks,
-)
+from trajectory_replay.capture.values import materialize_float, materialize_list, materialize_masks
+
+if TYPE_CHECKING:   # the capture writer process builds bundles from these records without importing torch
+    import torch
+
+    from trajectory_replay.capture.snapshot import Snapshot
 
 ROLLOUT_STAGES = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCESS, StageId.ADVANTAGE_KL,
                   StageId.ADVANTAGE_ESTIMATE)
@@ -51,6 +53,21 @@ VALUE_LOSS_PAYLOADS = ("values", "vpreds", "returns")
 STEP_OPTIONAL_PAYLOADS = ("ref_log_probs",) + VALUE_LOSS_PAYLOADS + ("rollout_log_probs",)
 """The reference log-probs of a KL loss, the value-loss inputs and the inference engine's log-probs, written when
 every micro-batch gives them."""
+
+
+def _torch_version() -> str:
+    import torch   # a Provenance is made in the training process, which has torch
+
+    return torch.__version__
+
+
+def _concat(parts: list) -> Any:
+    """One flat tensor of micro-batches' flat tensors: torch's, or the writer process's raw ones."""
+    if all(isinstance(p, RawTensor) for p in parts):
+        return RawTensor.cat(parts)
+    import torch
+
+    return torch.cat(parts)
 
 
 def check_mismatch_metrics(metrics: Mapping[str, Any]) -> None:
@@ -110,6 +127,8 @@ class Columns:
 
     @classmethod
     def estimate(cls, **values: Any) -> int:
+        from trajectory_replay.capture.snapshot import estimate_nbytes
+
         return sum(estimate_nbytes(v) for v in values.values())
 
     @classmethod
@@ -143,7 +162,7 @@ class Columns:
 class Provenance:
     """Identity provenance and producer settings shared by every bundle of a manager."""
 
-    producer: ProducerInfo = field(default_factory=lambda: ProducerInfo(torch_version=torch.__version__))
+    producer: ProducerInfo = field(default_factory=lambda: ProducerInfo(torch_version=_torch_version()))
     topology: RankTopology = field(default_factory=RankTopology)
 
     @classmethod
@@ -281,7 +300,7 @@ class StepRecord:
             parts = [mb.payloads.get(name) for mb in micro_batches]
             if any(p is None for p in parts):
                 continue  # written as given: a payload missing in any micro-batch is left out (replay reports it)
-            tensors[name] = torch.cat([p.reshape(-1) for p in parts]) if len(parts) != 1 else parts[0]
+            tensors[name] = _concat([p.reshape(-1) for p in parts]) if len(parts) != 1 else parts[0]
         stages = STEP_STAGES[:1] + _mismatch_stage(records, tensors) + STEP_STAGES[1:] \
             + ((StageId.LOSS_VALUE,) if self.has_value_loss else ())
         expected = {stage.value: {k: materialize_float(self.scalars.get(k))

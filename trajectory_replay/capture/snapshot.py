@@ -107,48 +107,4 @@ class Snapshot:
         self.events = []
 
 
-# ---- writer-side conversions (after Snapshot.wait) --------------------------------------------------
-
-def materialize_list(value: Any, what: str, n: Optional[int] = None) -> Optional[list]:
-    """Per-sample scalars as a Python list."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        out = value.reshape(-1).tolist()
-    else:
-        out = [v.item() if isinstance(v, torch.Tensor) else v for v in value]
-    if n is not None and len(out) != n:
-        raise ValueError(f"{what} has {len(out)} entries for {n} samples")
-    return out
-
-
-def materialize_masks(value: Any, lengths: Sequence[int], what: str = "loss_masks") -> list[list[int]]:
-    """Per-sample loss masks: a list of per-sample lists/tensors, or one flat tensor split by response length."""
-    if isinstance(value, torch.Tensor):
-        flat = [int(v) for v in value.reshape(-1).tolist()]
-        if len(flat) != sum(max(n, 0) for n in lengths):
-            raise ValueError(f"{what}: a flat mask of {len(flat)} tokens for {sum(lengths)} response tokens")
-        out, pos = [], 0
-        for n in lengths:
-            out.append(flat[pos:pos + max(n, 0)])
-            pos += max(n, 0)
-        return out
-    if value is None:
-        raise ValueError(f"{what} is missing")
-    if len(value) != len(lengths):
-        raise ValueError(f"{what} has {len(value)} entries for {len(lengths)} samples")
-    return [[int(x) for x in (m.reshape(-1).tolist() if isinstance(m, torch.Tensor) else m)] for m in value]
-
-
-def materialize_float(value: Any) -> Optional[float]:
-    """A reported scalar (a number or a 0-d/1-element tensor) as a float."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"a reported scalar is a tensor of {value.numel()} elements, not one")
-        return float(value.reshape(-1)[0].item())
-    return float(value)
-
-
-__all__ = ["Snapshot", "estimate_nbytes", "materialize_float", "materialize_list", "materialize_masks"]
+__all__ = ["Snapshot", "estimate_nbytes"]

@@ -10,7 +10,9 @@ the child answers (READY, failure or None) once it has opened and probed the sto
 one `Request` per bundle (a sequence number and a `BundleJob`), which the child commits with
 `capture.commit.commit_bundle`, exactly as a writer thread would, and answers with a `Reply`. A failure is a
 storage failure (the store cannot be used: `StorageUnavailableError`) as (message, kind, transient), so that
-the parent can back off. Tensors travel as raw bytes (dtype, shape, bytes), not through torch's own pickling.
+the parent can back off. Tensors travel as raw bytes (dtype, shape, bytes), not through torch's own pickling,
+and arrive as `codec.RawTensor`s: the child builds and encodes bundles without importing torch, so it starts in
+a fraction of a second and holds a fraction of the memory.
 The child dies with the thread that started it (Linux: PR_SET_PDEATHSIG), so a killed training process
 never leaves a writer behind that would complete a bundle after it.
 """
@@ -29,8 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, NamedTuple, Optional
 
-import torch
-
+from trajectory_replay.bundle.codec import RawTensor
 from trajectory_replay.capture.commit import BundleJob, commit_bundle, storage_failure
 from trajectory_replay.capture.records import check_fields
 from trajectory_replay.errors import StorageUnavailableError
@@ -45,18 +46,12 @@ READY = "ready"
 # ---- framing ---------------------------------------------------------------------------------------
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any):
-        if isinstance(obj, torch.Tensor):
+        torch = sys.modules.get("torch")   # whoever sends a tensor has imported torch; the child never does
+        if torch is not None and isinstance(obj, torch.Tensor):
             t = obj.detach().to("cpu").contiguous()
             raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            return _tensor_from_bytes, (str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
+            return RawTensor, (str(t.dtype), tuple(t.shape), raw)
         return NotImplemented
-
-
-def _tensor_from_bytes(dtype: str, shape: tuple, raw: bytes) -> torch.Tensor:
-    dt = getattr(torch, dtype)
-    if not raw:
-        return torch.empty(shape, dtype=dt)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
 
 
 def send(stream: BinaryIO, obj: Any) -> None:
