@@ -140,9 +140,11 @@ def _maybe_enable_capture(capture_dir: str | None, rank: int, expected_ranks: li
                           config: dict[str, Any]) -> None:
     """Every trainer rank is a producer: each DP rank writes its own shard of every bundle."""
     _CAPTURE["config"] = dict(config)
+    started = time.perf_counter()
     _CAPTURE["manager"] = capture.maybe_enable_for_actor(
         rank, is_producer=True, expected_ranks=expected_ranks, environ=capture_environ(capture_dir),
         topology={"dp": len(expected_ranks), "tp": 1, "pp": 1, "cp": 1})
+    _CAPTURE["start_seconds"] = time.perf_counter() - started
 
 
 def _lineage(rollout_versions: list[int], actor_versions: list[int]) -> dict[str, Any]:
@@ -201,12 +203,15 @@ def _shutdown_capture(timeout: float) -> dict[str, Any]:
     or were dropped (a store that cannot be used), since nothing is left to do."""
     manager = _CAPTURE["manager"]
     threads = capture_threads()
+    started = time.perf_counter()
     done = capture.shutdown(timeout)
+    waited = time.perf_counter() - started
     stats = manager.stats() if manager is not None else None
     landed = stats is None or (stats["written"] == stats["enqueued"] and not stats["errors"]
                                and not stats["dropped"])
+    # the training process's own waits on capture outside the hooks: starting it, and flushing it at the end
     return {"enabled": manager is not None, "capture_threads": threads, "flushed": done and landed,
-            "stats": stats}
+            "stats": stats, "start_seconds": _CAPTURE.get("start_seconds", 0.0), "shutdown_seconds": waited}
 
 
 # --------------------------------------------------------------------------- model

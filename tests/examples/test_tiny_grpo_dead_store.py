@@ -2,7 +2,8 @@
 
 Training completes, slowed by about one bounded timeout (not one per bundle: each rank captures 6 records), every
 rank reports `capture_flushed` false since nothing landed, and stderr holds one warning line per rank about the
-store, without a traceback. Compared with the capture-off run of the same configuration (the `baseline` fixture).
+store, without a traceback. Its numbers are those of the capture-off run of the same configuration (the
+`baseline` fixture); its waits on capture are the ones the example measures in each rank.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 
 from tests.examples.helpers import EXAMPLE, SMALL, STEPS_PER_ROLLOUT, ExampleRun, clean_env
 
@@ -34,14 +34,12 @@ def test_capture_to_a_silent_store_costs_one_timeout_and_reports_nothing_flushed
                      "TRAJECTORY_REPLAY_S3_READ_TIMEOUT": str(READ_TIMEOUT),
                      "TRAJECTORY_REPLAY_S3_CONNECT_TIMEOUT": str(CONNECT_TIMEOUT),
                      "TRAJECTORY_REPLAY_S3_MAX_ATTEMPTS": "1"})
-    started = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, str(EXAMPLE), "--steps", str(ROLLOUTS), "--world-size", "2", "--seed",
                                "3", *SMALL, "--capture-dir", "s3://capture-bucket/run", "--out-json", str(out)],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False)
     finally:
         silent.close()
-    elapsed = time.monotonic() - started
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text(encoding="utf-8"))
 
@@ -57,10 +55,13 @@ def test_capture_to_a_silent_store_costs_one_timeout_and_reports_nothing_flushed
     # all the hooks together took less than one connect timeout: not one of them waited on the store
     assert sum(t["capture_seconds"] for t in result["timing"]) < 0.9 * CONNECT_TIMEOUT, result["timing"]
 
-    # one timeout, once (ranks wait side by side): a timeout per bundle would add at least RECORDS x READ_TIMEOUT
+    # one timeout, once: a timeout per bundle would add at least RECORDS x READ_TIMEOUT. Measured where training
+    # waits on capture outside the hooks (starting it, its imports included, and flushing it at exit), not as the
+    # difference of this run's wall time and the baseline's, which were taken at different moments of a loaded host.
     bound = 3 * (READ_TIMEOUT + CONNECT_TIMEOUT) + 5
     assert bound < RECORDS * READ_TIMEOUT
-    assert elapsed < baseline.elapsed + bound, (elapsed, baseline.elapsed)
+    for rank in ranks:
+        assert rank["start_seconds"] + rank["shutdown_seconds"] < bound, rank
 
     lines = proc.stderr.strip().splitlines()
     assert "Traceback" not in proc.stderr, proc.stderr
