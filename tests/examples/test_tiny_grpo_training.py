@@ -56,7 +56,9 @@ def test_capture_off_starts_nothing_and_writes_nothing(baseline) -> None:
     for c in cap["ranks"]:
         waits = {k: c.pop(k) for k in ("start_seconds", "shutdown_seconds")}
         assert c == {"rank": c["rank"], "enabled": False, "capture_threads": 0, "flushed": True, "stats": None}
-        assert all(0 <= w < 1 for w in waits.values()), waits
+        # with nothing started, the end has nothing to wait for (the start's figure is its imports)
+        assert isinstance(waits["start_seconds"], float) and waits["start_seconds"] >= 0, waits
+        assert 0 <= waits["shutdown_seconds"] < 0.5, waits
     assert "capture_threads=0" in baseline.stdout
     assert sorted(p.name for p in baseline.workdir.iterdir()) == [baseline.out_json.name]
 
