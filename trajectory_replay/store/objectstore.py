@@ -25,7 +25,6 @@ import functools
 import json
 import logging
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
@@ -119,8 +118,7 @@ class BlobRecord:
             parse_digest(doc["digest"])
             chunks, offset = [], 0
             for digest, csize, blocks_b64 in doc["chunks"]:
-                if type(digest) is not str or not _DIGEST.fullmatch(digest):
-                    parse_digest(digest)   # raises, saying what is wrong with it
+                parse_digest(digest)
                 blocks = _decode_blocks(blocks_b64)
                 if csize <= 0 or len(blocks) != 32 * -(-csize // block_size):
                     raise ValueError(f"chunk {digest} has {len(blocks) // 32} block hashes for {csize} bytes")
@@ -136,9 +134,6 @@ class BlobRecord:
             message = f"malformed blob record {where}: nested too deeply"
             raise RecordError(message, message) from None
         return cls(doc["digest"], size, block_size, tuple(chunks))
-
-
-_DIGEST = re.compile(PREFIX + "[0-9a-f]{64}")
 
 
 def _decode_blocks(text: Any) -> bytes:
