@@ -112,8 +112,9 @@ _LIST_FORMATS = {"torch.float64": "d", "torch.float32": "f", "torch.float16": "e
 
 
 def _element_bytes(dtype: str) -> Optional[int]:
-    if dtype == "torch.bfloat16":
-        return 2
+    """Bytes per element: the stored dtypes' from `_DTYPES`, the few others' from their `struct` format."""
+    if dtype in _MANIFEST_NAMES:
+        return _DTYPES[_MANIFEST_NAMES[dtype]][1]
     return struct.calcsize(_LIST_FORMATS[dtype]) if dtype in _LIST_FORMATS else None
 
 
