@@ -7,6 +7,7 @@ for field, evidence included, clean or with faults.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -187,28 +188,53 @@ def test_the_cli_streams_a_stored_bundle_with_the_same_report(tmp_path):
     assert bad.exit_code == 2 and "--block-tokens must be a positive number of tokens" in bad.output
 
 
-def test_the_read_ahead_reads_a_local_bundle_on_its_own_thread(tmp_path, monkeypatch):
-    """A local bundle's chunks are read and hashed on the thread ahead alone, the first block's included: no pool
-    threads competing with the kernels for the cores."""
+def _recorded_reads(tmp_path, monkeypatch, helper: bool) -> tuple[list[str], list[str]]:
+    """Replay a local bundle in blocks; the threads that read chunks in this process and those that asked the
+    reading process (`readproc`) for them."""
     import threading
 
     from benchmarks.bench_scale import write_case
     from trajectory_replay.backends.local import LocalBackend
     from trajectory_replay.bundle import open_for_replay
+    from trajectory_replay.store import readproc
 
     write_case(tmp_path / "b", 256, 2048)
-    order: list[str] = []
-    read_into = LocalBackend.read_into
+    here: list[str] = []
+    asked: list[str] = []
+    read_into, helper_read = LocalBackend.read_into, readproc.ReadingProcess.read
 
     def recording(self, key, target):
-        order.append(threading.current_thread().name)
+        here.append(threading.current_thread().name)
         return read_into(self, key, target)
+
+    def asking(self, items):
+        asked.append(threading.current_thread().name)
+        return helper_read(self, items)
 
     sources, rank = open_for_replay(str(tmp_path / "b"))   # the manifest and index: read here, before the replay
     monkeypatch.setattr(LocalBackend, "read_into", recording)
+    monkeypatch.setattr(readproc.ReadingProcess, "read", asking)
+    if not helper:
+        monkeypatch.delattr(os, "memfd_create", raising=False)
     assert replay(sources, rank=rank, block_tokens=1 << 17).passed
+    return here, asked
+
+
+def test_a_local_bundle_is_read_by_the_reading_process_for_the_thread_ahead(tmp_path, monkeypatch):
+    """A local bundle's whole chunks are read and hashed by the reading process, asked by the thread ahead alone,
+    the first block's included: nothing in this process competes with the kernels for the cores or the lock."""
+    here, asked = _recorded_reads(tmp_path, monkeypatch, helper=True)
+    assert asked and {name.split("_")[0] for name in asked} == {"replay-ahead"}, set(asked)
+    assert here == []
+
+
+def test_without_a_reading_process_the_thread_ahead_reads_a_local_bundle_on_its_own(tmp_path, monkeypatch):
+    """Where no reading process can run, a local bundle's chunks are read and hashed on the thread ahead alone: no
+    pool threads competing with the kernels for the cores."""
+    here, asked = _recorded_reads(tmp_path, monkeypatch, helper=False)
+    assert asked == []
     # from the first block on: the payloads the stages may read under the config are known before any runs
-    assert order and {name.split("_")[0] for name in order} == {"replay-ahead"}, set(order)
+    assert here and {name.split("_")[0] for name in here} == {"replay-ahead"}, set(here)
 
 
 def _stage_threads(monkeypatch) -> list[tuple[str, str]]:

@@ -15,7 +15,7 @@ import stat
 import uuid
 from pathlib import Path
 
-from trajectory_replay.backends.base import Backend, Capabilities
+from trajectory_replay.backends.base import Backend, Capabilities, validate_key
 from trajectory_replay.errors import BackendError, NotFoundError
 
 TMP_PREFIX = ".tmp-"
@@ -46,6 +46,10 @@ class LocalBackend(Backend):
         """The file of `key` as a string: what the read paths open, once per chunk (a pathlib join costs several
         times the string join, and a read of a large payload opens thousands of chunk files)."""
         return os.path.join(self._dir, key)
+
+    def local_file(self, key: str) -> str:
+        """The file that holds `key` (for a helper process that reads it by path)."""
+        return self._file(validate_key(key))
 
     def escapes_root(self, prefix: str) -> bool:
         path = self._path(prefix.rstrip("/"))

@@ -354,7 +354,7 @@ def from_bytes(data: bytes, dtype: "torch.dtype") -> "torch.Tensor":
     return from_buffer(bytearray(data), dtype)
 
 
-def from_buffer(buffer: bytearray, dtype: "torch.dtype") -> "torch.Tensor":
+def from_buffer(buffer: "bytearray | memoryview", dtype: "torch.dtype") -> "torch.Tensor":
     """A 1-D tensor over the raw little-endian bytes of a buffer the caller hands over (no copy: the tensor shares
     the buffer's memory)."""
     import torch

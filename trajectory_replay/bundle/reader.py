@@ -211,9 +211,11 @@ class BundleReader:
                     spans[-1] = (spans[-1][0], hi)
                 else:
                     spans.append((lo, hi))
-        parts = self.store.read_ranges(self.payload_ref(name), spans, record=self._record(name))
-        # one run of rows comes back in a buffer of its own: the tensor takes it over; several are joined once
-        data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytearray) else bytearray().join(parts)
+        parts = self.store.read_ranges(self.payload_ref(name), spans, record=self._record(name), for_tensor=True)
+        # one run of rows comes back in a buffer of its own (a bytearray, or a part of a reading process's arena): the
+        # tensor takes it over; several are joined once
+        alone = len(parts) == 1 and isinstance(parts[0], (bytearray, memoryview))
+        data = parts[0] if alone else bytearray().join(parts)
         return codec.from_buffer(data, header.dtype)
 
     def row_blocks(self, name: str, positions: Sequence[int]) -> list[tuple[int, int, tuple[tuple[int, bytes], ...]]]:

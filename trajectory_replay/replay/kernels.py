@@ -100,33 +100,69 @@ _NARROW = (torch.float32, torch.float16, torch.bfloat16, torch.bool, torch.uint8
 
 
 def stacked_sample_sums(rows: Sequence[torch.Tensor], mask: torch.Tensor, lengths: torch.Tensor,
-                        workspace: Optional[Workspace] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        workspace: Optional[Workspace] = None, out: Optional[torch.Tensor] = None,
+                        counts: Sequence[int] = ()) -> torch.Tensor:
     """Per-sample sums of each of `rows` times the mask, and of the mask itself (the last row): a (k + 1, n) float64
     tensor. The products of float32 (or narrower) rows are taken in float32 (a 0/1 mask makes them exact: nothing
     is rounded before the sum), the stack is widened to float64 in one copy and summed in float64; a wider row is
     multiplied in float64. Each sample's sums depend on its own tokens only, so they are the same whatever block
     it is summed in. A bool row is read as 0/1 bytes (torch multiplies bytes by floats several times faster).
-    `out`: where to write the sums (see `segment_sums`)."""
-    shape = (len(rows) + 1, mask.numel())
+    `out`: where to write the sums (see `segment_sums`).
+
+    `counts`: the positions of rows whose values are all 0 or 1 (clip indicators). Such a row times an integer mask
+    is an integer, and so is the mask itself: their sums are summed in float32 where every partial sum is an integer
+    float32 holds exactly (below 2^24), which gives the float64 sum bit for bit without widening those rows."""
+    k, n = len(rows), mask.numel()
+    integral = [i for i in counts if rows[i].dtype in _NARROW] if _counts_exact_in_float32(mask, lengths) else None
+    # the rows summed in float64 first, then those summed in float32 (the counts and the mask, when exact)
+    order = [i for i in range(k) if i not in (integral or ())] + (integral or []) + [k]
+    widened = k + 1 if integral is None else k - len(integral)
     if workspace is not None:
-        narrow, wide = workspace.take(*shape, dtype=torch.float32), workspace.take(*shape)
+        narrow, wide = workspace.take(k + 1, n, dtype=torch.float32), workspace.take(widened, n)
     else:
-        narrow, wide = torch.empty(shape, dtype=torch.float32), torch.empty(shape, dtype=torch.float64)
+        narrow, wide = torch.empty((k + 1, n), dtype=torch.float32), torch.empty((widened, n), dtype=torch.float64)
     m = narrow[-1]
     m.copy_(mask)
-    for i, row in enumerate(rows):
-        if row.dtype in _NARROW:
-            torch.mul(row.view(torch.uint8) if row.dtype == torch.bool else row, m, out=narrow[i])
-    wide.copy_(narrow)
-    for i, row in enumerate(rows):
-        if row.dtype not in _NARROW:   # its float32 row above was left as it was: its products are taken here
-            torch.mul(row.to(torch.float64), m, out=wide[i])
-    return segment_sums(wide, lengths, out)
+    for slot, i in enumerate(order[:-1]):
+        if rows[i].dtype in _NARROW:
+            torch.mul(rows[i].view(torch.uint8) if rows[i].dtype == torch.bool else rows[i], m, out=narrow[slot])
+    wide.copy_(narrow[:widened])
+    for slot, i in enumerate(order[:widened]):
+        if i < k and rows[i].dtype not in _NARROW:   # its float32 slot above was left as it was: multiplied here
+            torch.mul(rows[i].to(torch.float64), m, out=wide[slot])
+    sums = torch.empty((k + 1, lengths.numel()), dtype=torch.float64)
+    segment_sums(wide, lengths, sums[:widened])
+    if widened <= k:
+        segment_sums(narrow[widened:], lengths, sums[widened:])
+    if out is None:
+        return sums[torch.argsort(torch.tensor(order))]
+    out[torch.tensor(order, dtype=torch.int64)] = sums
+    return out
+
+
+_FLOAT32_INTEGERS = 1 << 24
+"""Every integer of magnitude up to 2^24 is a float32; a sum of integers that never leaves that range is exact."""
+
+
+def _counts_exact_in_float32(mask: torch.Tensor, lengths: torch.Tensor) -> bool:
+    """True when a per-sample sum of the mask, or of a 0/1 row times it, cannot leave float32's exact integers: an
+    integer mask (bool or uint8) whose largest value times the longest sample stays below 2^24."""
+    if lengths.numel() == 0 or mask.numel() == 0:
+        return False
+    if mask.dtype == torch.bool:
+        largest = 1
+    elif mask.dtype == torch.uint8:
+        largest = int(mask.max())
+    else:
+        return False
+    return largest * int(lengths.max()) < _FLOAT32_INTEGERS
 
 
 def segment_sums(values: torch.Tensor, lengths: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Per-segment sums along the last axis of a float64 (k, T) tensor, segments of `lengths` (0 allowed): (k, n),
-    written into `out` when given (a float64 (k, n) tensor, a view of a larger one allowed).
+    """Per-segment sums along the last axis of a (k, T) tensor, segments of `lengths` (0 allowed): (k, n) float64,
+    written into `out` when given (a float64 (k, n) tensor, a view of a larger one allowed). A float64 tensor is
+    summed in float64; a float32 one in float32 (for values whose sums float32 holds exactly: see
+    `stacked_sample_sums`).
 
     numpy's `add.reduceat` sums each segment pairwise, several times faster than torch's segment reduction on a
     CPU and at least as accurate; its segments are given by their starts, so empty ones are left out of the call
@@ -141,8 +177,10 @@ def segment_sums(values: torch.Tensor, lengths: torch.Tensor, out: Optional[torc
         target[...] = 0.0
         return out
     starts = numpy.cumsum(lens) - lens
-    if present.all():
+    if present.all() and values.dtype == torch.float64:
         numpy.add.reduceat(values.numpy(), starts, axis=-1, out=target)
+    elif present.all():   # summed in the values' own dtype, then widened
+        target[...] = numpy.add.reduceat(values.numpy(), starts, axis=-1)
     else:
         target[...] = 0.0
         target[:, present] = numpy.add.reduceat(values.numpy(), starts[present], axis=-1)

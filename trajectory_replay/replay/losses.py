@@ -192,6 +192,7 @@ def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: "Ke
     fields = ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss") + (("kl_loss",) if with_kl else ())
     table = torch.zeros((len(fields) + 1, lengths.numel()), dtype=torch.float64)   # each field's sums, then T_i
     corrected = rollout_correction(config)
+    indicator = kernels.policy_loss.tokens in _INDICATOR_CLIPFRAC   # a plugin's clipfrac is summed as any value
     workspace = Workspace()
     for first, last, start, end in sample_blocks(lengths, BLOCK_TOKENS):
         block_lengths = lengths[first:last]
@@ -212,8 +213,13 @@ def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: "Ke
             assert data.ref_log_probs is not None
             rows.append(kl_estimate(data.log_probs[start:end], data.ref_log_probs[start:end],
                                     config.kl_loss_estimator, config.kl_log_ratio_clamp, config.kl_output_clamp))
-        stacked_sample_sums(rows, block_mask, block_lengths, workspace, out=table[:, first:last])
+        stacked_sample_sums(rows, block_mask, block_lengths, workspace, out=table[:, first:last],
+                            counts=(1,) if indicator else ())
     return LossSums(dict(zip(fields, table[:-1])), table[-1])
+
+
+_INDICATOR_CLIPFRAC = (ppo_clip_tokens, gspo_tokens, cispo_tokens)
+"""The policy losses whose clipfrac is a 0/1 indicator per token (its sums are counts: see `stacked_sample_sums`)."""
 
 
 def policy_loss_scalars(sums: LossSums, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
@@ -260,7 +266,7 @@ def value_loss_sums(data: ValueLossData, config: RecomputeConfig) -> LossSums:
         unclipped = vpreds.sub(returns).square_()
         clipfrac = torch.lt(unclipped, clipped, out=torch.empty_like(clipped))   # a float 0/1, as in ppo_clip_tokens
         stacked_sample_sums([torch.maximum(unclipped, clipped, out=unclipped), clipfrac], data.mask[start:end],
-                            lengths[first:last], workspace, out=table[:, first:last])
+                            lengths[first:last], workspace, out=table[:, first:last], counts=(1,))
     return LossSums({"vf_loss": table[0], "vf_clipfrac": table[1]}, table[2])
 
 

@@ -35,6 +35,7 @@ from trajectory_replay.replay.report import ReplayReport, StageResult, skipped
 from trajectory_replay.replay.selection import Selection
 from trajectory_replay.replay.source import ReplaySource
 from trajectory_replay.replay.stages import Stage, StageContext, StageOutcome
+from trajectory_replay.store import readproc
 
 
 def replay(sources: Sequence[ReplaySource], *, samples: Sequence[str] = (), groups: Sequence[str] = (),
@@ -126,9 +127,16 @@ class _Run:
 
     def one_pass(self, plan: Pass) -> list[StageResult]:
         """The verdicts of one pass: sample-level stages over all its rows, then cohort-level ones per part; in
-        blocks of whole groups when the pass streams (every stage over one block, then the next)."""
+        blocks of whole groups when the pass streams (every stage over one block, then the next, with local chunk
+        files read by a helper process: see `readproc`)."""
         whole = Cohort(plan.parts, self.cache)
         blocks = self.blocks(whole)
+        if len(blocks) == 1:
+            return self._pass(plan, whole, blocks)
+        with readproc.reading_process(_arena_bytes(blocks, plan, self._block_payloads(plan))):
+            return self._pass(plan, whole, blocks)
+
+    def _pass(self, plan: Pass, whole: Cohort, blocks: list[Block]) -> list[StageResult]:
         streamed = len(blocks) > 1
         results: list[StageResult] = []
         runs: dict[StageId, Runs] = {}
@@ -400,6 +408,22 @@ def _read(block: Block, names: Sequence[str]) -> None:
         for name in names:
             if part.source.has_payload(name):
                 block.cohort.cache.load(part, name)
+
+
+def _arena_bytes(blocks: Sequence[Block], plan: Pass, names: set[str]) -> int:
+    """Room for the payloads `names` of three of the largest blocks: the block the stages run on, the next one read
+    meanwhile, and slack for the arena's free space to come in pieces."""
+    per_token = 0.0
+    for part in plan.parts:
+        specs = part.source.manifest.payloads
+        per_token = max(per_token, sum(spec.size / max(math.prod(spec.shape), 1) for name, spec in specs.items()
+                                       if name in names and spec.per_token))
+    tokens = max(block.cohort.num_tokens for block in blocks)
+    return min(int(3 * tokens * per_token) + (16 << 20), MAX_ARENA)
+
+
+MAX_ARENA = 4 << 30
+"""The largest arena a streamed pass asks for (blocks beyond it are read into memory of their own)."""
 
 
 def _leave_a_core_for_reading() -> int:

@@ -32,12 +32,14 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 from trajectory_replay._allocator import buffer_for_read
 from trajectory_replay.backends import Backend, ByteRange, open_backend
 from trajectory_replay.backends.base import DIFFERENT, SAME, WorkerPool
+from trajectory_replay.backends.local import LocalBackend
 from trajectory_replay.errors import IntegrityError, NotFoundError, TrajectoryReplayError
 from trajectory_replay.store.cache import ReadCache
 from trajectory_replay.store.chunking import ChunkingParams, chunk_ends
 from trajectory_replay.store.digest import (
     PREFIX, blob_ref_key, hash_bytes, object_key, parse_digest, raw_hash,
 )
+from trajectory_replay.store import readproc
 from trajectory_replay.store.jsonbound import MAX_JSON_DEPTH, nesting_exceeds
 
 if TYPE_CHECKING:
@@ -445,8 +447,7 @@ class ObjectStore:
         if actual != record.digest:
             for chunk in record.chunks:
                 if hash_bytes(view[chunk.offset:chunk.offset + chunk.size]) != chunk.digest:
-                    raise IntegrityError(f"chunk {chunk.digest} at {self.url}/{object_key(chunk.digest)}: content "
-                                         f"does not match its digest (blob {record.digest})")
+                    raise _digest_mismatch(self.url, chunk, record)
             raise IntegrityError(f"blob {record.digest}: content hashes to {actual}")
         if self.cache is not None and fetched:  # verified above, as part of the whole
             self._map(lambda c: self.cache.put(parse_digest(c.digest), view[c.offset:c.offset + c.size]), fetched)
@@ -500,15 +501,19 @@ class ObjectStore:
         return self.read_ranges(ref_or_digest, [(start, end)], record=record)[0]
 
     def read_ranges(self, ref_or_digest: BlobRef | str, spans: Sequence[tuple[int, int]],
-                    record: Optional[BlobRecord] = None) -> list[bytes]:
-        """Several byte ranges of one blob in one concurrent fetch of the blocks they cover."""
+                    record: Optional[BlobRecord] = None, *, for_tensor: bool = False) -> list[bytes]:
+        """Several byte ranges of one blob in one concurrent fetch of the blocks they cover.
+
+        `for_tensor`: the caller makes a tensor straight on the one buffer a single range comes back in, and keeps no
+        other view of it; that buffer may then be a part of a reading process's arena (see `readproc`), reused once
+        nothing refers to it."""
         record = record or self.record(ref_or_digest)
         for start, end in spans:
             if not (0 <= start <= end <= record.size):
                 raise TrajectoryReplayError(
                     f"byte range [{start}, {end}) outside blob {record.digest} of {record.size} bytes")
         if len(spans) == 1 and self._whole_chunks_within(record, *spans[0]):
-            return [self._read_span(record, *spans[0])]
+            return [self._read_span(record, *spans[0], shared=for_tensor)]
         needed: dict[tuple[int, int], None] = {}
         for start, end in spans:
             for key in self._blocks_of(record, start, end):
@@ -534,13 +539,12 @@ class ObjectStore:
         if hit is not None and len(hit) == chunk.size:
             target[:] = hit
             return False
-        key = object_key(chunk.digest)
         try:
-            got = self.backend.read_into(key, target)
+            got = self.backend.read_into(object_key(chunk.digest), target)
         except NotFoundError:
-            raise NotFoundError(f"{self.url}: missing chunk {chunk.digest} of blob {record.digest}") from None
+            raise _missing_chunk(self.url, chunk, record) from None
         if got != chunk.size:
-            raise IntegrityError(f"chunk {chunk.digest} at {self.url}/{key}: {got} bytes, record says {chunk.size}")
+            raise _wrong_size(self.url, chunk, got)
         return True
 
     @staticmethod
@@ -549,10 +553,14 @@ class ObjectStore:
         first = bisect.bisect_left(record.chunk_offsets, start)
         return first < len(record.chunks) and record.chunks[first].offset + record.chunks[first].size <= end
 
-    def _read_span(self, record: BlobRecord, start: int, end: int) -> bytearray:
+    def _read_span(self, record: BlobRecord, start: int, end: int, shared: bool = False) -> bytearray | memoryview:
         """Bytes [start, end) of a blob into one new buffer: the chunks wholly inside read straight into it and
-        verified by their digests (one hash each, as `get` does), the partial chunks at either edge by blocks."""
-        buffer = buffer_for_read(end - start)
+        verified by their digests (one hash each, as `get` does), the partial chunks at either edge by blocks.
+        `shared` (see `read_ranges`), with a reading process on and a store on local disk without a read cache: the
+        buffer is a part of the process's arena and the helper reads the whole chunks."""
+        helper = readproc.active() if shared and self._helper_reads else None
+        placed = helper.allocate(end - start) if helper is not None else None
+        buffer = placed[1] if placed is not None else buffer_for_read(end - start)
         view = memoryview(buffer)
         first = bisect.bisect_left(record.chunk_offsets, start)
         last = bisect.bisect_right(record.chunk_offsets, end) - 1   # the chunk holding `end`, or one starting at it
@@ -565,16 +573,47 @@ class ObjectStore:
             if not self._read_chunk_into(record, chunk, target):
                 return
             if hash_bytes(target) != chunk.digest:
-                raise IntegrityError(f"chunk {chunk.digest} at {self.url}/{object_key(chunk.digest)}: content does "
-                                     f"not match its digest (blob {record.digest})")
+                raise _digest_mismatch(self.url, chunk, record)
             if self.cache is not None:
                 self.cache.put(parse_digest(chunk.digest), target)
 
-        self._map(fill, inside)
+        if placed is None or not self._helper_fill(helper, placed[0] - start, record, inside):
+            self._map(fill, inside)
         edges = [(a, b) for a, b in ((start, lo), (hi, end)) if a < b]
         for (a, b), data in zip(edges, self.read_ranges(record.digest, edges, record=record) if edges else []):
             view[a - start:b - start] = data
         return buffer
+
+    @property
+    def _helper_reads(self) -> bool:
+        """True when a reading process may read this store's chunks: files on local disk, no read cache."""
+        return isinstance(self.backend, LocalBackend) and self.cache is None
+
+    def _helper_fill(self, helper: "readproc.ReadingProcess", shift: int, record: BlobRecord,
+                     chunks: Sequence[ChunkInfo]) -> bool:
+        """Have the reading process read and verify `chunks` into its arena (each at its blob offset + `shift`);
+        False when it cannot (the caller reads them itself). A chunk that is missing, of the wrong size or of the
+        wrong content raises as a read in this process would."""
+        backend = self.backend
+        assert isinstance(backend, LocalBackend)
+        items = [(backend.local_file(object_key(c.digest)), c.offset + shift, c.size, parse_digest(c.digest))
+                 for c in chunks]
+        failures = helper.read(items)
+        if failures is None:
+            return False
+        if failures:
+            index, kind, detail = failures[0]
+            chunk = chunks[index]
+            if kind == "missing":
+                raise _missing_chunk(self.url, chunk, record)
+            if kind == "size":
+                raise _wrong_size(self.url, chunk, detail)
+            if kind == "digest":
+                raise _digest_mismatch(self.url, chunk, record)
+            return False   # the helper could not read a file this process may: read them all here
+        for chunk in chunks:
+            backend.stats.count_read(chunk.size)
+        return True
 
     def _blocks_of(self, record: BlobRecord, start: int, end: int):
         """(chunk index, block index) pairs covering [start, end)."""
@@ -664,6 +703,20 @@ class ObjectStore:
 
     def _map(self, fn, items: Sequence) -> list:
         return self._io.map(fn, items)
+
+
+def _missing_chunk(url: str, chunk: ChunkInfo, record: BlobRecord) -> NotFoundError:
+    return NotFoundError(f"{url}: missing chunk {chunk.digest} of blob {record.digest}")
+
+
+def _wrong_size(url: str, chunk: ChunkInfo, got: int) -> IntegrityError:
+    return IntegrityError(f"chunk {chunk.digest} at {url}/{object_key(chunk.digest)}: {got} bytes, record says "
+                          f"{chunk.size}")
+
+
+def _digest_mismatch(url: str, chunk: ChunkInfo, record: BlobRecord) -> IntegrityError:
+    return IntegrityError(f"chunk {chunk.digest} at {url}/{object_key(chunk.digest)}: content does not match its "
+                          f"digest (blob {record.digest})")
 
 
 __all__ = [

@@ -1,0 +1,130 @@
+"""The reading process: local chunk files read and verified by a helper process into a shared arena, exactly as
+this process would read them, and never a source of errors of its own."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from trajectory_replay.errors import IntegrityError, NotFoundError
+from trajectory_replay.store import ChunkingParams, ObjectStore, object_key
+from trajectory_replay.store import readproc
+
+SMALL = ChunkingParams(chunk_size=64 << 10, min_size=16 << 10, target_size=32 << 10)
+
+
+@pytest.fixture
+def local(tmp_path):
+    store = ObjectStore.open(str(tmp_path / "store"))
+    store.chunking = SMALL
+    data = os.urandom(400_000)
+    ref = store.put(data)
+    assert len(store.record(ref).chunks) == 7
+    return store, ref, data
+
+
+def _read(store, ref, start=0, end=None):
+    record = store.record(ref)
+    return store.read_ranges(ref, [(start, record.size if end is None else end)], for_tensor=True)[0]
+
+
+def _chunk_file(store, ref, i: int) -> str:
+    return store.backend.local_file(object_key(store.record(ref).chunks[i].digest))
+
+
+def test_the_helper_reads_whole_chunks_into_its_arena(local):
+    store, ref, data = local
+    with readproc.reading_process(1 << 20) as helper:
+        assert helper is not None and readproc.active() is helper
+        got = _read(store, ref)
+        assert isinstance(got, memoryview) and got.obj.base.obj is helper._map   # a part of the arena
+        assert bytes(got) == data
+        # a range with partial chunks at both edges: the whole chunks by the helper, the edges by blocks here
+        inner = _read(store, ref, 70_000, 330_000)
+        assert bytes(inner) == data[70_000:330_000]
+        tensor = torch.frombuffer(inner, dtype=torch.uint8)
+        assert bytes(tensor.numpy()) == data[70_000:330_000]
+
+
+def test_without_for_tensor_a_read_never_lands_in_the_arena(local):
+    store, ref, data = local
+    with readproc.reading_process(1 << 20):
+        got = store.read_ranges(ref, [(0, len(data))])[0]
+    assert isinstance(got, bytearray) and got == data
+
+
+def test_an_arena_part_is_written_again_only_once_nothing_refers_to_it(local):
+    with readproc.reading_process(1 << 20) as helper:
+        first, second = helper.allocate(1000), helper.allocate(1000)
+        assert first[0] == 0 and second[0] == 1000
+        tensor = torch.frombuffer(first[1], dtype=torch.uint8)   # a tensor on a part keeps it in use
+        del first
+        third = helper.allocate(1000)
+        assert third[0] == 2000
+        del tensor, third
+        again = helper.allocate(1000)
+        assert again[0] == 0   # free again: the lowest free run
+        piece = second[1][10:20]   # so does a slice of a part, on its own
+        del second
+        assert helper.allocate(1000)[0] == 1000 + 1000   # the run after `again` and `piece`'s part
+        del piece
+        assert helper.allocate(2000)[0] == 1000
+        assert helper.allocate(1 << 21) is None   # larger than the arena: the caller reads into memory of its own
+
+
+@pytest.mark.parametrize("damage", ["flipped", "missing", "short", "long"])
+def test_a_damaged_chunk_fails_as_it_does_without_the_helper(local, damage):
+    """The same error, word for word, whichever process read the chunk."""
+    store, ref, data = local
+    path = _chunk_file(store, ref, 3)
+    content = open(path, "rb").read()
+    os.chmod(path, 0o644)
+    if damage == "missing":
+        os.remove(path)
+    else:
+        changed = {"flipped": content[:100] + bytes([content[100] ^ 1]) + content[101:], "short": content[:-1],
+                   "long": content + b"x"}[damage]
+        with open(path, "wb") as f:
+            f.write(changed)
+    kind = NotFoundError if damage == "missing" else IntegrityError
+    with pytest.raises(kind) as alone:
+        _read(store, ref)
+    with readproc.reading_process(1 << 20) as helper:
+        with pytest.raises(kind) as helped:
+            _read(store, ref)
+        assert helper.broken is None   # a damaged store is the store's fault, not the helper's
+    assert str(helped.value) == str(alone.value)
+    assert store.record(ref).chunks[3].digest in str(alone.value)
+
+
+def test_a_helper_that_dies_leaves_the_reads_to_this_process(local):
+    store, ref, data = local
+    with readproc.reading_process(1 << 20) as helper:
+        assert bytes(_read(store, ref)) == data
+        helper._proc.kill()
+        helper._proc.wait()
+        assert bytes(_read(store, ref)) == data   # read here instead, as correct
+        assert helper.broken is not None and readproc.active() is None
+
+
+def test_the_helper_ends_with_the_last_use(local):
+    store, ref, data = local
+    with readproc.reading_process(1 << 20) as outer:
+        with readproc.reading_process(1 << 20) as inner:
+            assert inner is outer   # one helper per process
+        assert readproc.active() is outer and outer._proc.poll() is None
+        kept = _read(store, ref)
+    assert readproc.active() is None
+    assert outer._proc.poll() is not None   # the helper process has exited
+    assert bytes(kept) == data   # what was read stays valid after the helper is gone
+
+
+def test_where_no_helper_can_run_reads_stay_here(local, monkeypatch):
+    store, ref, data = local
+    monkeypatch.delattr(os, "memfd_create")
+    with readproc.reading_process(1 << 20) as helper:
+        assert helper is None and readproc.active() is None
+        got = _read(store, ref)
+    assert isinstance(got, bytearray) and got == data

@@ -1,0 +1,233 @@
+"""Local chunk files read and verified by a helper process, into memory the two processes share.
+
+A streamed replay reads the next block's payloads on one thread while its kernels run on another. Reading a
+local store is thousands of small file reads and hashes per block, and each of those calls lets go of the
+interpreter lock and takes it back. Next to a thread that takes the lock between every two kernels, the two
+threads hand it back and forth tens of thousands of times: on a two-core host a block's read took half again as
+long as the same read alone, the difference spent waiting for the lock. The helper process has an interpreter of
+its own: it opens, reads and hashes the chunk files of a payload straight into an arena of shared memory, and
+the reading thread only waits for its answer, once per payload. The replay's tensors are made on the arena
+itself (no copy); a part of the arena is written again only once no tensor refers to it any more.
+
+`reading_process()` turns it on for the length of a `with` block (a streamed pass); `ObjectStore` then reads the
+whole chunks of a local store through it, and reads exactly as before when it is off, when the store is not on
+local disk or has a read cache, when a payload does not fit in the arena's free space, and after the helper
+failed in any way (whatever it read is read again in this process; a helper is an optimisation, never a source
+of errors). Linux only (`os.memfd_create`); elsewhere reads stay in this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+import weakref
+from contextlib import contextmanager
+from typing import Iterator, NamedTuple, Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+_CHILD = r"""
+import os, sys, mmap, pickle, signal, struct
+signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the replay's to handle: the helper ends when its pipe does
+if sys.path and sys.path[0] == "":   # nothing of the working directory may shadow what the helper imports
+    del sys.path[0]
+import blake3
+
+arena = memoryview(mmap.mmap(int(sys.argv[1]), int(sys.argv[2])))
+requests, answers = sys.stdin.buffer, sys.stdout.buffer
+spare = bytearray(1)
+
+def read_exactly(n):
+    data = requests.read(n)
+    return data if len(data) == n else None
+
+def read_one(path, offset, size, digest):
+    target = arena[offset:offset + size]
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return ("missing", 0)
+    except OSError as exc:
+        return ("error", str(exc))
+    try:
+        done = 0
+        while done < size:
+            n = os.readv(fd, [target[done:], spare])
+            if not n:
+                break
+            done += n
+        if done == size and os.readv(fd, [spare]):
+            done = size + 1
+        if done != size:
+            return ("size", os.fstat(fd).st_size)
+    except IsADirectoryError:
+        return ("missing", 0)
+    except OSError as exc:
+        return ("error", str(exc))
+    finally:
+        os.close(fd)
+    if blake3.blake3(target).hexdigest() != digest:
+        return ("digest", 0)
+    return None
+
+while True:
+    head = read_exactly(8)
+    if head is None:
+        break
+    body = read_exactly(struct.unpack("<Q", head)[0])
+    if body is None:
+        break
+    failures = []
+    for i, item in enumerate(pickle.loads(body)):
+        failure = read_one(*item)
+        if failure is not None:
+            failures.append((i, *failure))
+    reply = pickle.dumps(failures)
+    answers.write(struct.pack("<Q", len(reply)) + reply)
+    answers.flush()
+"""
+
+class _Region(NamedTuple):
+    start: int
+    end: int
+    owner: "weakref.ref"
+    """The array over the region that every view handed out is made on: the region is in use while it lives."""
+
+
+class ReadingProcess:
+    """A helper process and the shared arena it reads chunk files into."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()       # the arena's regions
+        self._io_lock = threading.Lock()    # the helper's pipes: one request at a time
+        self._regions: list[_Region] = []
+        self.broken: Optional[str] = None
+        self.pid = os.getpid()   # a forked child of this process must not talk to this process's helper
+        self._fd = os.memfd_create("trajectory-replay-reads", getattr(os, "MFD_CLOEXEC", 1))
+        try:
+            os.ftruncate(self._fd, capacity)
+            self._map = mmap.mmap(self._fd, capacity)
+            # the helper imports what this process can (its import path, not only the environment's)
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+            self._proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(self._fd), str(capacity)],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, pass_fds=(self._fd,), env=env)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def allocate(self, size: int) -> Optional[tuple[int, memoryview]]:
+        """(offset, writable view) of `size` bytes of the arena that nothing else uses, the lowest such run; None when
+        there is none. The run is free again once nothing refers to the view or to anything made on it (a slice of
+        it, a tensor on it): each of those keeps the array under the view alive, and the arena only holds a weak
+        reference to that array."""
+        import numpy
+
+        if size <= 0 or size > self.capacity or self.broken is not None:
+            return None
+        with self._lock:
+            self._regions = sorted((r for r in self._regions if r.owner() is not None), key=lambda r: r.start)
+            at = 0
+            for region in self._regions:
+                if region.start - at >= size:
+                    break
+                at = max(at, region.end)
+            if at + size > self.capacity:
+                return None
+            owner = numpy.frombuffer(self._map, dtype=numpy.uint8, count=size, offset=at)
+            self._regions.append(_Region(at, at + size, weakref.ref(owner)))
+            return at, memoryview(owner)
+
+    def read(self, items: Sequence[tuple[str, int, int, str]]) -> Optional[list[tuple]]:
+        """Have the helper read each (file, arena offset, size, hex digest) into the arena and check it; the
+        failures, as (item index, "missing" | "size" | "digest" | "error", detail) for the items that failed.
+        None when the helper cannot be used (it is then off for good, and the caller reads the items itself)."""
+        if self.broken is not None:
+            return None
+        body = pickle.dumps(list(items))
+        with self._io_lock:
+            if self.broken is not None:
+                return None
+            try:
+                assert self._proc.stdin is not None and self._proc.stdout is not None
+                self._proc.stdin.write(struct.pack("<Q", len(body)) + body)
+                self._proc.stdin.flush()
+                head = self._proc.stdout.read(8)
+                reply = self._proc.stdout.read(struct.unpack("<Q", head)[0]) if len(head) == 8 else b""
+                return pickle.loads(reply)
+            except Exception as exc:  # noqa: BLE001 - any failure of the helper only turns it off
+                self.broken = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                log.debug("reading process stopped (%s); reading in this process", self.broken)
+                self._stop()
+                return None
+
+    def close(self) -> None:
+        """Stop the helper and let go of the arena (its memory is freed once no tensor refers to it)."""
+        with self._io_lock:
+            if self.broken is None:
+                self.broken = "closed"
+                self._stop()
+        with self._lock:
+            self._regions = []
+        os.close(self._fd)   # the memory stays mapped while any view of it lives
+
+    def _stop(self) -> None:
+        proc = self._proc
+        for pipe in (proc.stdin, proc.stdout):
+            try:
+                if pipe is not None:
+                    pipe.close()
+            except OSError:
+                pass
+        try:
+            proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+_active: Optional[ReadingProcess] = None
+_users = 0
+_active_lock = threading.Lock()
+
+
+def active() -> Optional[ReadingProcess]:
+    """The reading process turned on by `reading_process`, while one is and it works."""
+    helper = _active
+    return helper if helper is not None and helper.broken is None and helper.pid == os.getpid() else None
+
+
+@contextmanager
+def reading_process(capacity: int) -> Iterator[Optional[ReadingProcess]]:
+    """Within it, local chunk reads go through a helper process with an arena of `capacity` bytes (shared by the
+    nested or concurrent uses within one process; started by the first, stopped after the last). Yields None
+    where it cannot run (not Linux, or the helper could not be started)."""
+    global _active, _users
+    with _active_lock:
+        if _active is None and hasattr(os, "memfd_create"):
+            try:
+                _active = ReadingProcess(capacity)
+            except (OSError, ValueError) as exc:   # no memfd, no room, no interpreter to start
+                log.debug("no reading process (%s); reading in this process", exc)
+        if _active is not None:
+            _users += 1
+        helper = _active
+    try:
+        yield helper
+    finally:
+        if helper is not None:
+            with _active_lock:
+                _users -= 1
+                if _users == 0:
+                    _active = None
+                    helper.close()
+
+
+__all__ = ["ReadingProcess", "active", "reading_process"]
