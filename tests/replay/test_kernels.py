@@ -291,6 +291,46 @@ def test_stacked_sample_sums_keep_float64_rows_in_float64():
         assert sums.dtype == torch.float64 and sums[1].item() == 4.0 + 2.0 ** -40 and sums[0].item() == 0.75
 
 
+@pytest.mark.parametrize("mask_kind", ["uint8", "bool", "weighted", "float"])
+def test_count_rows_summed_in_float32_give_the_float64_sums_bit_for_bit(mask_kind):
+    """Rows named as counts (0/1 clip indicators) and the mask are summed in float32 where that is exact: the same
+    float64 numbers as widening every row, whatever the rows' dtypes, empty samples, a uint8 mask with values above 1
+    or a float mask (summed in float64 then)."""
+    from trajectory_replay.replay.kernels import Workspace, stacked_sample_sums
+
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(0, 3000, (200,), generator=g)
+    lengths[::9] = 0
+    total = int(lengths.sum())
+    mask = {"uint8": (torch.rand(total, generator=g) < 0.8).to(torch.uint8),
+            "bool": torch.rand(total, generator=g) < 0.8,
+            "weighted": torch.randint(0, 4, (total,), generator=g, dtype=torch.uint8),
+            "float": (torch.rand(total, generator=g) < 0.8).to(torch.float32)}[mask_kind]
+    rows = [torch.randn(total, generator=g), (torch.rand(total, generator=g) < 0.3).float(),
+            torch.randn(total, generator=g, dtype=torch.float64), torch.rand(total, generator=g) < 0.5,
+            torch.randn(total, generator=g).to(torch.bfloat16)]
+    plain = stacked_sample_sums(rows, mask, lengths)
+    for workspace in (None, Workspace()):
+        counted = stacked_sample_sums(rows, mask, lengths, workspace, counts=(1, 3))
+        assert torch.equal(counted, plain)
+        table = torch.full((len(rows) + 1, 300), 7.0, dtype=torch.float64)
+        stacked_sample_sums(rows, mask, lengths, workspace, out=table[:, 50:250], counts=(1, 3))
+        assert torch.equal(table[:, 50:250], plain) and table[:, :50].eq(7).all() and table[:, 250:].eq(7).all()
+    ends = torch.cumsum(lengths, 0).tolist()
+    want = [float(mask[e - n:e].double().sum()) for e, n in zip(ends, lengths.tolist())]
+    assert plain[-1].tolist() == want
+
+
+def test_counts_are_widened_where_float32_could_not_hold_their_sums():
+    """A sample so long that its count could pass 2^24 is summed in float64 like any row."""
+    from trajectory_replay.replay.kernels import _counts_exact_in_float32
+
+    assert _counts_exact_in_float32(torch.ones(10, dtype=torch.bool), torch.tensor([(1 << 24) - 1]))
+    assert not _counts_exact_in_float32(torch.ones(10, dtype=torch.bool), torch.tensor([1 << 24]))
+    assert not _counts_exact_in_float32(torch.full((10,), 2, dtype=torch.uint8), torch.tensor([1 << 23]))
+    assert not _counts_exact_in_float32(torch.ones(10), torch.tensor([10]))   # a float mask may hold any value
+
+
 def _greedy_blocks(lengths: list[int], block_tokens: int) -> list[tuple[int, int, int, int]]:
     """The definition: samples are added to a block until it holds at least `block_tokens` tokens; the last block
     takes what is left."""
