@@ -236,6 +236,25 @@ def test_a_store_that_takes_no_verdicts_is_still_scanned(tmp_path):
     assert scan_store(str(root), workers=1).replayed == 3
 
 
+def test_a_torn_verdict_is_replayed_and_written_again(tmp_path):
+    """A verdict left empty or cut short (a crash before the system wrote it out: verdicts are not flushed one by
+    one) is ignored, its bundle replayed, and a sound verdict written in its place."""
+    root = tmp_path / "store"
+    for i in range(3):
+        write_step(str(root), f"s-{i}-0", i, 0, buggy=i == 1)
+    assert scan_store(str(root), workers=1).replayed == 3
+    stored = sorted((root / VERDICTS_DIR).iterdir())
+    assert len(stored) == 3
+    sound = stored[0].read_bytes()
+    stored[0].write_bytes(b"")
+    stored[1].write_bytes(stored[1].read_bytes()[:10])
+    again = scan_store(str(root), workers=1)
+    assert (again.replayed, again.cached) == (2, 1) and again.unkept == []
+    assert stored[0].read_bytes() == sound
+    assert (again.counts["pass"], again.counts["diverged"]) == (2, 1)
+    assert (scan_store(str(root), workers=1).replayed, scan_store(str(root), workers=1).cached) == (0, 3)
+
+
 def test_concurrent_scans_agree_and_keep_sound_verdicts(tmp_path):
     root = str(tmp_path / "store")
     populate(root, corrupt=False)

@@ -152,3 +152,32 @@ def test_links_out_of_the_root_are_found(tmp_path):
     os.symlink(outside, root / "objects")
     assert ObjectStore.open(str(root)).inventory.links_out() == ["objects"]
     assert ObjectStore.open(str(tmp_path / "other")).inventory.links_out() == []
+
+
+def test_concurrently_keeps_busy_items_on_this_thread_and_sends_waiting_ones_to_a_pool():
+    """Items that keep the thread busy (a local store's metadata) run here, in order; from the first item that
+    waited, the rest go to a thread pool, still returned in order."""
+    import threading
+    import time
+
+    from trajectory_replay.store.inventory import concurrently
+
+    here = threading.current_thread().name
+
+    def busy(x: int) -> tuple[int, str]:
+        return x * x, threading.current_thread().name
+
+    runs = [concurrently(busy, range(50), 4) for _ in range(3)]
+    assert all([v for v, _ in got] == [x * x for x in range(50)] for got in runs)
+    # a thread preempted for a millisecond mid-item looks like a wait: one run of three on this thread is enough
+    assert any({t for _, t in got} == {here} for got in runs)
+
+    def waits(x: int) -> tuple[int, str]:
+        if x >= 3:
+            time.sleep(0.005)   # a round trip to a remote store
+        return x, threading.current_thread().name
+
+    got = concurrently(waits, range(20), 4)
+    assert [v for v, _ in got] == list(range(20))
+    assert {t for _, t in got[:4]} == {here}   # up to and including the first item that waited
+    assert here not in {t for _, t in got[4:]}

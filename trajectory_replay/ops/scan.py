@@ -240,8 +240,10 @@ class Replayer:
         result = verdict.to_dict()
         if verdict.status in CACHEABLE and verdict.digest is not None:
             try:
-                self.store.backend.create_if_absent(verdict_key(verdict.digest, self.options),
-                                                    verdict_document(verdict, self.options))
+                # a whole-value replace, not flushed to disk: a verdict is a cache, and the fsync of every
+                # verdict serialized the workers of a local scan on the file system's journal (see docs/scan.md)
+                self.store.backend.write(verdict_key(verdict.digest, self.options),
+                                         verdict_document(verdict, self.options), durable=False)
             except (BackendError, OSError) as exc:  # a store this user may read but not write: still a verdict
                 result["unkept"] = _one_line(exc)
         return result

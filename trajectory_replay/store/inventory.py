@@ -16,6 +16,7 @@ spelled in `digest` alone, and `key_kind` / `digest_from_key` tell them apart.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence, TypeVar
 
@@ -40,11 +41,30 @@ LAYOUT_DIRS = (OBJECTS_DIR, REFS_DIR, INFLIGHT_DIR, GC_DIR)
 # ---- concurrency ------------------------------------------------------------------------------------
 
 def concurrently(fn: Callable[[T], R], items: Sequence[T], workers: int = 8) -> list[R]:
-    """`[fn(x) for x in items]` on a thread pool, in order (sequential for 0 or 1 item)."""
+    """`[fn(x) for x in items]`, in order: on this thread while the items keep it busy, on a pool of `workers`
+    threads from the first item that mostly waited.
+
+    Over a store on local disk each item (a marker read and parsed, a file's status) is a fraction of a millisecond
+    of work for the interpreter: on a pool the threads only take turns at its lock, and listing 200 bundles took
+    three times as long as on one thread. An item that waits (on S3 or another remote store, a network file system,
+    a cold disk) is what threads are for: once one has waited more than WAITED_FOR_A_POOL beyond the CPU time it
+    took, the rest go to the pool."""
     items = list(items)
     if len(items) <= 1 or workers <= 1:
         return [fn(x) for x in items]
-    return _pool(workers).map(fn, items)
+    out: list[R] = []
+    for i, item in enumerate(items):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        out.append(fn(item))
+        waited = (time.perf_counter() - wall) - (time.thread_time() - cpu)
+        if waited > WAITED_FOR_A_POOL and i + 1 < len(items):
+            return out + _pool(workers).map(fn, items[i + 1:])
+    return out
+
+
+WAITED_FOR_A_POOL = 0.001
+"""Seconds an item of `concurrently` may wait (wall time beyond its CPU time) before the rest go to a thread pool:
+less than any round trip to a remote store, far more than a read from the page cache."""
 
 
 _POOLS: dict[int, WorkerPool] = {}
