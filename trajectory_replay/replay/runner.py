@@ -131,7 +131,9 @@ class _Run:
         files read by a helper process: see `readproc`)."""
         whole = Cohort(plan.parts, self.cache)
         blocks = self.blocks(whole)
-        if len(blocks) == 1:
+        # a native bundle's source reads through its ObjectStore: only one on local disk has use for a helper
+        local = any(getattr(getattr(p.source, "store", None), "reads_local_files", False) for p in plan.parts)
+        if len(blocks) == 1 or not local:
             return self._pass(plan, whole, blocks)
         with readproc.reading_process(_arena_bytes(blocks, plan, self._block_payloads(plan))):
             return self._pass(plan, whole, blocks)

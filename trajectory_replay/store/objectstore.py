@@ -34,12 +34,12 @@ from trajectory_replay.backends import Backend, ByteRange, open_backend
 from trajectory_replay.backends.base import DIFFERENT, SAME, WorkerPool
 from trajectory_replay.backends.local import LocalBackend
 from trajectory_replay.errors import IntegrityError, NotFoundError, TrajectoryReplayError
+from trajectory_replay.store import readproc
 from trajectory_replay.store.cache import ReadCache
 from trajectory_replay.store.chunking import ChunkingParams, chunk_ends
 from trajectory_replay.store.digest import (
     PREFIX, blob_ref_key, hash_bytes, object_key, parse_digest, raw_hash,
 )
-from trajectory_replay.store import readproc
 from trajectory_replay.store.jsonbound import MAX_JSON_DEPTH, nesting_exceeds
 
 if TYPE_CHECKING:
@@ -558,7 +558,7 @@ class ObjectStore:
         verified by their digests (one hash each, as `get` does), the partial chunks at either edge by blocks.
         `shared` (see `read_ranges`), with a reading process on and a store on local disk without a read cache: the
         buffer is a part of the process's arena and the helper reads the whole chunks."""
-        helper = readproc.active() if shared and self._helper_reads else None
+        helper = readproc.active() if shared and self.reads_local_files else None
         placed = helper.allocate(end - start) if helper is not None else None
         buffer = placed[1] if placed is not None else buffer_for_read(end - start)
         view = memoryview(buffer)
@@ -585,8 +585,9 @@ class ObjectStore:
         return buffer
 
     @property
-    def _helper_reads(self) -> bool:
-        """True when a reading process may read this store's chunks: files on local disk, no read cache."""
+    def reads_local_files(self) -> bool:
+        """True when this store's chunks are files on local disk read without a read cache: what a reading process
+        (`readproc`) can read for it."""
         return isinstance(self.backend, LocalBackend) and self.cache is None
 
     def _helper_fill(self, helper: "readproc.ReadingProcess", shift: int, record: BlobRecord,

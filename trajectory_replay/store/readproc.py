@@ -211,6 +211,8 @@ def reading_process(capacity: int) -> Iterator[Optional[ReadingProcess]]:
     where it cannot run (not Linux, or the helper could not be started)."""
     global _active, _users
     with _active_lock:
+        if _active is not None and _active.pid != os.getpid():   # a forked child: its parent's helper is not its own
+            _active, _users = None, 0
         if _active is None and hasattr(os, "memfd_create"):
             try:
                 _active = ReadingProcess(capacity)
