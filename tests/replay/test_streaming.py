@@ -290,13 +290,15 @@ def test_the_thread_ahead_and_the_caller_share_each_blocks_stages_and_agree(monk
 
 
 def test_a_failure_on_the_thread_ahead_surfaces_in_the_replay_and_leaves_no_thread(tmp_path):
-    """A chunk damaged in the last block of a stored bundle: the thread ahead meets it, the replay raises the
-    integrity error a one-block replay raises, and no thread of the replay is left running."""
+    """A chunk damaged in the last block of a stored bundle: the thread ahead (through the reading process) meets it,
+    the replay raises the integrity error a one-block replay raises, and no thread or process of the replay is left
+    running."""
     import threading
 
     from benchmarks.bench_scale import write_case
     from trajectory_replay.bundle import open_for_replay
     from trajectory_replay.errors import IntegrityError
+    from trajectory_replay.store import readproc
     from trajectory_replay.store.digest import object_key
 
     write_case(tmp_path / "b", 256, 2048)
@@ -310,3 +312,4 @@ def test_a_failure_on_the_thread_ahead_surfaces_in_the_replay_and_leaves_no_thre
     with pytest.raises(IntegrityError, match=last.digest):
         replay(sources, rank=rank, block_tokens=1 << 16)
     assert not [t for t in threading.enumerate() if t.name.startswith("replay-ahead")]
+    assert readproc._active is None   # and no reading process: it ended with the pass
