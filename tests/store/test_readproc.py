@@ -3,12 +3,13 @@ this process would read them, and never a source of errors of its own."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
 import torch
 
-from trajectory_replay.errors import IntegrityError, NotFoundError
+from trajectory_replay.errors import IntegrityError, NotFoundError, TrajectoryReplayError
 from trajectory_replay.store import ChunkingParams, ObjectStore, object_key
 from trajectory_replay.store import readproc
 
@@ -27,7 +28,7 @@ def local(tmp_path):
 
 def _read(store, ref, start=0, end=None):
     record = store.record(ref)
-    return store.read_ranges(ref, [(start, record.size if end is None else end)], for_tensor=True)[0]
+    return store.read_joined(ref, [(start, record.size if end is None else end)], for_tensor=True)
 
 
 def _chunk_file(store, ref, i: int) -> str:
@@ -51,8 +52,36 @@ def test_the_helper_reads_whole_chunks_into_its_arena(local):
 def test_without_for_tensor_a_read_never_lands_in_the_arena(local):
     store, ref, data = local
     with readproc.reading_process(1 << 20):
-        got = store.read_ranges(ref, [(0, len(data))])[0]
+        assert store.read_ranges(ref, [(0, len(data))])[0] == data
+        got = store.read_joined(ref, [(0, len(data))])
     assert isinstance(got, bytearray) and got == data
+
+
+@pytest.mark.parametrize("helper", [True, False])
+def test_several_ranges_are_joined_in_one_buffer_whole_chunks_read_whole(local, monkeypatch, helper):
+    """Ranges anywhere in the blob (inside one chunk, across several, touching, empty), one after another in one
+    buffer; the chunks wholly inside a range are read whole (by the helper when one is on), the rest by blocks."""
+    from trajectory_replay.backends.local import LocalBackend
+
+    store, ref, data = local
+    spans = [(0, 10), (10, 200_000), (250_000, 250_000), (260_000, 399_000), (5, 70_000), (399_990, 400_000)]
+    whole_reads: list[str] = []
+    read_into = LocalBackend.read_into
+
+    def recording(self, key, target):
+        whole_reads.append(key)
+        return read_into(self, key, target)
+
+    monkeypatch.setattr(LocalBackend, "read_into", recording)
+    with readproc.reading_process(1 << 20) if helper else contextlib.nullcontext():
+        got = store.read_joined(ref, spans, for_tensor=True)
+        assert bytes(got) == b"".join(data[a:b] for a, b in spans)
+        assert isinstance(got, memoryview) == helper
+    inside = {object_key(c.digest) for c in store.record(ref).chunks
+              if any(a <= c.offset and c.offset + c.size <= b for a, b in spans)}
+    assert inside and (whole_reads == [] if helper else set(whole_reads) == inside)
+    with pytest.raises(TrajectoryReplayError, match="outside blob"):
+        store.read_joined(ref, [(0, 10), (399_999, 400_001)])
 
 
 def test_an_arena_part_is_written_again_only_once_nothing_refers_to_it(local):

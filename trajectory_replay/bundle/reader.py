@@ -211,11 +211,8 @@ class BundleReader:
                     spans[-1] = (spans[-1][0], hi)
                 else:
                     spans.append((lo, hi))
-        parts = self.store.read_ranges(self.payload_ref(name), spans, record=self._record(name), for_tensor=True)
-        # one run of rows comes back in a buffer of its own (a bytearray, or a part of a reading process's arena): the
-        # tensor takes it over; several are joined once
-        alone = len(parts) == 1 and isinstance(parts[0], (bytearray, memoryview))
-        data = parts[0] if alone else bytearray().join(parts)
+        # the rows' runs, joined in one buffer the tensor takes over (a part of a reading process's arena, if one is on)
+        data = self.store.read_joined(self.payload_ref(name), spans, record=self._record(name), for_tensor=True)
         return codec.from_buffer(data, header.dtype)
 
     def row_blocks(self, name: str, positions: Sequence[int]) -> list[tuple[int, int, tuple[tuple[int, bytes], ...]]]:

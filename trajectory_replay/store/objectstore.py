@@ -501,19 +501,12 @@ class ObjectStore:
         return self.read_ranges(ref_or_digest, [(start, end)], record=record)[0]
 
     def read_ranges(self, ref_or_digest: BlobRef | str, spans: Sequence[tuple[int, int]],
-                    record: Optional[BlobRecord] = None, *, for_tensor: bool = False) -> list[bytes]:
-        """Several byte ranges of one blob in one concurrent fetch of the blocks they cover.
-
-        `for_tensor`: the caller makes a tensor straight on the one buffer a single range comes back in, and keeps no
-        other view of it; that buffer may then be a part of a reading process's arena (see `readproc`), reused once
-        nothing refers to it."""
+                    record: Optional[BlobRecord] = None) -> list[bytes]:
+        """Several byte ranges of one blob in one concurrent fetch of the blocks they cover."""
         record = record or self.record(ref_or_digest)
-        for start, end in spans:
-            if not (0 <= start <= end <= record.size):
-                raise TrajectoryReplayError(
-                    f"byte range [{start}, {end}) outside blob {record.digest} of {record.size} bytes")
+        self._check_spans(record, spans)
         if len(spans) == 1 and self._whole_chunks_within(record, *spans[0]):
-            return [self._read_span(record, *spans[0], shared=for_tensor)]
+            return [self._read_joined(record, spans)]
         needed: dict[tuple[int, int], None] = {}
         for start, end in spans:
             for key in self._blocks_of(record, start, end):
@@ -553,23 +546,54 @@ class ObjectStore:
         first = bisect.bisect_left(record.chunk_offsets, start)
         return first < len(record.chunks) and record.chunks[first].offset + record.chunks[first].size <= end
 
-    def _read_span(self, record: BlobRecord, start: int, end: int, shared: bool = False) -> bytearray | memoryview:
-        """Bytes [start, end) of a blob into one new buffer: the chunks wholly inside read straight into it and
-        verified by their digests (one hash each, as `get` does), the partial chunks at either edge by blocks.
-        `shared` (see `read_ranges`), with a reading process on and a store on local disk without a read cache: the
-        buffer is a part of the process's arena and the helper reads the whole chunks."""
-        helper = readproc.active() if shared and self.reads_local_files else None
-        placed = helper.allocate(end - start) if helper is not None else None
-        buffer = placed[1] if placed is not None else buffer_for_read(end - start)
-        view = memoryview(buffer)
-        first = bisect.bisect_left(record.chunk_offsets, start)
-        last = bisect.bisect_right(record.chunk_offsets, end) - 1   # the chunk holding `end`, or one starting at it
-        inside = [c for c in record.chunks[first:last + 1] if c.offset + c.size <= end]
-        lo = inside[0].offset
-        hi = inside[-1].offset + inside[-1].size
+    def read_joined(self, ref_or_digest: BlobRef | str, spans: Sequence[tuple[int, int]],
+                    record: Optional[BlobRecord] = None, *, for_tensor: bool = False) -> bytearray | memoryview:
+        """The byte ranges `spans` of one blob, one after another in one new buffer (the rows of a block of samples,
+        however many runs of the payload they lie in). The chunks wholly inside a range are read whole, straight
+        into the buffer, and verified by their digests (one hash each, as `get` does); the rest of each range, at
+        its edges, by verified blocks.
 
-        def fill(chunk: ChunkInfo) -> None:
-            target = view[chunk.offset - start:chunk.offset - start + chunk.size]
+        `for_tensor`: the caller makes a tensor straight on the buffer and keeps no other view of it. With a reading
+        process on (see `readproc`) and a store on local disk without a read cache, the buffer is then a part of
+        the process's shared arena, reused once nothing refers to it, and the helper reads the whole chunks."""
+        record = record or self.record(ref_or_digest)
+        self._check_spans(record, spans)
+        return self._read_joined(record, spans, shared=for_tensor)
+
+    def _check_spans(self, record: BlobRecord, spans: Sequence[tuple[int, int]]) -> None:
+        for start, end in spans:
+            if not (0 <= start <= end <= record.size):
+                raise TrajectoryReplayError(
+                    f"byte range [{start}, {end}) outside blob {record.digest} of {record.size} bytes")
+
+    def _read_joined(self, record: BlobRecord, spans: Sequence[tuple[int, int]],
+                     shared: bool = False) -> bytearray | memoryview:
+        total = sum(end - start for start, end in spans)
+        helper = readproc.active() if shared and self.reads_local_files else None
+        placed = helper.allocate(total) if helper is not None else None
+        buffer = placed[1] if placed is not None else buffer_for_read(total)
+        view = memoryview(buffer)
+        whole: list[tuple[ChunkInfo, int]] = []   # (chunk, where it goes in the buffer)
+        edges: list[tuple[int, int, int]] = []    # (start, end, where it goes)
+        at = 0
+        for start, end in spans:
+            first = bisect.bisect_left(record.chunk_offsets, start)
+            inside = []
+            for chunk in record.chunks[first:]:
+                if chunk.offset + chunk.size > end:
+                    break
+                inside.append(chunk)
+            if inside:
+                lo, hi = inside[0].offset, inside[-1].offset + inside[-1].size
+                whole += [(chunk, at + chunk.offset - start) for chunk in inside]
+                edges += [(a, b, at + a - start) for a, b in ((start, lo), (hi, end)) if a < b]
+            elif start < end:
+                edges.append((start, end, at))
+            at += end - start
+
+        def fill(item: tuple[ChunkInfo, int]) -> None:
+            chunk, where = item
+            target = view[where:where + chunk.size]
             if not self._read_chunk_into(record, chunk, target):
                 return
             if hash_bytes(target) != chunk.digest:
@@ -577,11 +601,12 @@ class ObjectStore:
             if self.cache is not None:
                 self.cache.put(parse_digest(chunk.digest), target)
 
-        if placed is None or not self._helper_fill(helper, placed[0] - start, record, inside):
-            self._map(fill, inside)
-        edges = [(a, b) for a, b in ((start, lo), (hi, end)) if a < b]
-        for (a, b), data in zip(edges, self.read_ranges(record.digest, edges, record=record) if edges else []):
-            view[a - start:b - start] = data
+        if whole and (placed is None or not self._helper_fill(helper, placed[0], record, whole)):
+            self._map(fill, whole)
+        if edges:
+            parts = self.read_ranges(record.digest, [(a, b) for a, b, _ in edges], record=record)
+            for (a, b, where), data in zip(edges, parts):
+                view[where:where + b - a] = data
         return buffer
 
     @property
@@ -590,15 +615,16 @@ class ObjectStore:
         (`readproc`) can read for it."""
         return isinstance(self.backend, LocalBackend) and self.cache is None
 
-    def _helper_fill(self, helper: "readproc.ReadingProcess", shift: int, record: BlobRecord,
-                     chunks: Sequence[ChunkInfo]) -> bool:
-        """Have the reading process read and verify `chunks` into its arena (each at its blob offset + `shift`);
-        False when it cannot (the caller reads them itself). A chunk that is missing, of the wrong size or of the
-        wrong content raises as a read in this process would."""
+    def _helper_fill(self, helper: "readproc.ReadingProcess", base: int, record: BlobRecord,
+                     whole: Sequence[tuple[ChunkInfo, int]]) -> bool:
+        """Have the reading process read and verify each (chunk, where) into its arena, at `base` + where; False
+        when it cannot (the caller reads them itself). A chunk that is missing, of the wrong size or of the wrong
+        content raises as a read in this process would."""
         backend = self.backend
         assert isinstance(backend, LocalBackend)
-        items = [(backend.local_file(object_key(c.digest)), c.offset + shift, c.size, parse_digest(c.digest))
-                 for c in chunks]
+        chunks = [chunk for chunk, _ in whole]
+        items = [(backend.local_file(object_key(c.digest)), base + where, c.size, parse_digest(c.digest))
+                 for c, where in whole]
         failures = helper.read(items)
         if failures is None:
             return False
