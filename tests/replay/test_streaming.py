@@ -192,10 +192,12 @@ def _recorded_reads(tmp_path, monkeypatch, helper: bool) -> tuple[list[str], lis
     """Replay a local bundle in blocks; the threads that read chunks in this process and those that asked the
     reading process (`readproc`) for them."""
     import threading
+    import time
 
     from benchmarks.bench_scale import write_case
     from trajectory_replay.backends.local import LocalBackend
     from trajectory_replay.bundle import open_for_replay
+    from trajectory_replay.replay import runner
     from trajectory_replay.store import readproc
 
     write_case(tmp_path / "b", 256, 2048)
@@ -211,9 +213,19 @@ def _recorded_reads(tmp_path, monkeypatch, helper: bool) -> tuple[list[str], lis
         asked.append(threading.current_thread().name)
         return helper_read(self, items)
 
+    # the losses take a while on each block, as on a real one: the thread ahead has begun the next block by the time
+    # this thread takes it (a block it has not begun is read here: on a loaded host, with these tiny blocks, the
+    # caller could otherwise overtake it)
+    per_part = runner._Run._per_part
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.02)
+        return per_part(self, *args, **kwargs)
+
     sources, rank = open_for_replay(str(tmp_path / "b"))   # the manifest and index: read here, before the replay
     monkeypatch.setattr(LocalBackend, "read_into", recording)
     monkeypatch.setattr(readproc.ReadingProcess, "read", asking)
+    monkeypatch.setattr(runner._Run, "_per_part", slow)
     if not helper:
         monkeypatch.delattr(os, "memfd_create", raising=False)
     assert replay(sources, rank=rank, block_tokens=1 << 17).passed

@@ -60,19 +60,26 @@ def test_without_for_tensor_a_read_never_lands_in_the_arena(local):
 @pytest.mark.parametrize("helper", [True, False])
 def test_several_ranges_are_joined_in_one_buffer_whole_chunks_read_whole(local, monkeypatch, helper):
     """Ranges anywhere in the blob (inside one chunk, across several, touching, empty), one after another in one
-    buffer; the chunks wholly inside a range are read whole (by the helper when one is on), the rest by blocks."""
+    buffer; the chunks wholly inside a range are read whole, the rest by blocks: all of it by the helper when one
+    is on, nothing in this process."""
     from trajectory_replay.backends.local import LocalBackend
 
     store, ref, data = local
     spans = [(0, 10), (10, 200_000), (250_000, 250_000), (260_000, 399_000), (5, 70_000), (399_990, 400_000)]
     whole_reads: list[str] = []
-    read_into = LocalBackend.read_into
+    block_reads: list[str] = []
+    read_into, read_range = LocalBackend.read_into, LocalBackend.read_range
 
     def recording(self, key, target):
         whole_reads.append(key)
         return read_into(self, key, target)
 
+    def recording_range(self, key, start, end):
+        block_reads.append(key)
+        return read_range(self, key, start, end)
+
     monkeypatch.setattr(LocalBackend, "read_into", recording)
+    monkeypatch.setattr(LocalBackend, "read_range", recording_range)
     with readproc.reading_process(1 << 20) if helper else contextlib.nullcontext():
         got = store.read_joined(ref, spans, for_tensor=True)
         assert bytes(got) == b"".join(data[a:b] for a, b in spans)
@@ -80,6 +87,7 @@ def test_several_ranges_are_joined_in_one_buffer_whole_chunks_read_whole(local, 
     inside = {object_key(c.digest) for c in store.record(ref).chunks
               if any(a <= c.offset and c.offset + c.size <= b for a, b in spans)}
     assert inside and (whole_reads == [] if helper else set(whole_reads) == inside)
+    assert (block_reads == []) == helper
     with pytest.raises(TrajectoryReplayError, match="outside blob"):
         store.read_joined(ref, [(0, 10), (399_999, 400_001)])
 
@@ -103,10 +111,13 @@ def test_an_arena_part_is_written_again_only_once_nothing_refers_to_it(local):
         assert helper.allocate(1 << 21) is None   # larger than the arena: the caller reads into memory of its own
 
 
+@pytest.mark.parametrize("read", ["whole", "edge"])
 @pytest.mark.parametrize("damage", ["flipped", "missing", "short", "long"])
-def test_a_damaged_chunk_fails_as_it_does_without_the_helper(local, damage):
-    """The same error, word for word, whichever process read the chunk."""
+def test_a_damaged_chunk_fails_as_it_does_without_the_helper(local, damage, read):
+    """The same error, word for word, whichever process read the chunk: read whole, or only part of it at the edge
+    of a range (by its blocks). A chunk one byte too long is not noticed by a read of part of it, here or there."""
     store, ref, data = local
+    chunk = store.record(ref).chunks[3]
     path = _chunk_file(store, ref, 3)
     content = open(path, "rb").read()
     os.chmod(path, 0o644)
@@ -117,15 +128,21 @@ def test_a_damaged_chunk_fails_as_it_does_without_the_helper(local, damage):
                    "long": content + b"x"}[damage]
         with open(path, "wb") as f:
             f.write(changed)
+    start = 0 if read == "whole" else chunk.offset + 50   # chunk 3 read from its byte 50: an edge, by blocks
+    if read == "edge" and damage == "long":
+        assert bytes(store.read_joined(ref, [(start, len(data))])) == data[start:]
+        with readproc.reading_process(1 << 20):
+            assert bytes(_read(store, ref, start)) == data[start:]
+        return
     kind = NotFoundError if damage == "missing" else IntegrityError
     with pytest.raises(kind) as alone:
-        _read(store, ref)
+        _read(store, ref, start)
     with readproc.reading_process(1 << 20) as helper:
         with pytest.raises(kind) as helped:
-            _read(store, ref)
+            _read(store, ref, start)
         assert helper.broken is None   # a damaged store is the store's fault, not the helper's
     assert str(helped.value) == str(alone.value)
-    assert store.record(ref).chunks[3].digest in str(alone.value)
+    assert chunk.digest in str(alone.value) or store.record(ref).digest in str(alone.value)
 
 
 def test_a_helper_that_dies_leaves_the_reads_to_this_process(local):

@@ -601,7 +601,9 @@ class ObjectStore:
             if self.cache is not None:
                 self.cache.put(parse_digest(chunk.digest), target)
 
-        if whole and (placed is None or not self._helper_fill(helper, placed[0], record, whole)):
+        if placed is not None and self._helper_fill(helper, placed[0], record, whole, edges):
+            return buffer
+        if whole:
             self._map(fill, whole)
         if edges:
             parts = self.read_ranges(record.digest, [(a, b) for a, b, _ in edges], record=record)
@@ -616,30 +618,56 @@ class ObjectStore:
         return isinstance(self.backend, LocalBackend) and self.cache is None
 
     def _helper_fill(self, helper: "readproc.ReadingProcess", base: int, record: BlobRecord,
-                     whole: Sequence[tuple[ChunkInfo, int]]) -> bool:
-        """Have the reading process read and verify each (chunk, where) into its arena, at `base` + where; False
-        when it cannot (the caller reads them itself). A chunk that is missing, of the wrong size or of the wrong
-        content raises as a read in this process would."""
+                     whole: Sequence[tuple[ChunkInfo, int]], edges: Sequence[tuple[int, int, int]]) -> bool:
+        """Have the reading process read and verify, into its arena at `base` + where: each (chunk, where) whole,
+        and each edge (start, end, where) by the blocks that cover it. False when it cannot (the caller reads them
+        itself). A chunk or block that is missing, short or of the wrong content raises as a read in this process
+        would."""
         backend = self.backend
         assert isinstance(backend, LocalBackend)
-        chunks = [chunk for chunk, _ in whole]
-        items = [(backend.local_file(object_key(c.digest)), base + where, c.size, parse_digest(c.digest))
-                 for c, where in whole]
+        items: list[tuple] = []
+        named: list[tuple[ChunkInfo, Optional[tuple[int, int]]]] = []   # each item's chunk, and its block range
+        for chunk, where in whole:
+            items.append(("chunk", backend.local_file(object_key(chunk.digest)), base + where, chunk.size,
+                          parse_digest(chunk.digest)))
+            named.append((chunk, None))
+        size = record.block_size
+        for start, end, where in edges:
+            ci = max(bisect.bisect_right(record.chunk_offsets, start) - 1, 0)
+            while ci < len(record.chunks) and record.chunks[ci].offset < end:
+                chunk = record.chunks[ci]
+                a = max(start, chunk.offset) - chunk.offset
+                b = min(end, chunk.offset + chunk.size) - chunk.offset
+                if a < b:
+                    first, last = a // size, (b - 1) // size
+                    lo, hi = first * size, min(chunk.size, (last + 1) * size)
+                    items.append(("blocks", backend.local_file(object_key(chunk.digest)),
+                                  base + where + chunk.offset + a - start, lo, hi, size, first,
+                                  chunk.blocks[32 * first:32 * (last + 1)], a, b))
+                    named.append((chunk, (lo, hi)))
+                ci += 1
         failures = helper.read(items)
         if failures is None:
             return False
         if failures:
             index, kind, detail = failures[0]
-            chunk = chunks[index]
-            if kind == "missing":
+            chunk, blocks = named[index]
+            key = object_key(chunk.digest)
+            if kind == "missing" and blocks is None:
                 raise _missing_chunk(self.url, chunk, record)
+            if kind == "missing":
+                raise _missing_blocks(self.url, record, f"{backend.url}: no such key {key!r}")
             if kind == "size":
                 raise _wrong_size(self.url, chunk, detail)
             if kind == "digest":
                 raise _digest_mismatch(self.url, chunk, record)
+            if kind == "short" and blocks is not None:
+                raise _short_range(self.url, chunk, blocks[0], blocks[1], detail)
+            if kind == "block":
+                raise _block_mismatch(self.url, chunk, detail, record)
             return False   # the helper could not read a file this process may: read them all here
-        for chunk in chunks:
-            backend.stats.count_read(chunk.size)
+        for chunk, blocks in named:
+            backend.stats.count_read(chunk.size if blocks is None else blocks[1] - blocks[0])
         return True
 
     def _blocks_of(self, record: BlobRecord, start: int, end: int):
@@ -695,18 +723,16 @@ class ObjectStore:
         try:
             payloads = self.backend.read_ranges(requests)
         except NotFoundError as exc:
-            raise NotFoundError(f"{self.url}: missing chunk of blob {record.digest} ({exc})") from None
+            raise _missing_blocks(self.url, record, str(exc)) from None
         for run, req, data in zip(runs, requests, payloads):
             chunk = record.chunks[run[0][0]]
             if len(data) != req.end - req.start:
-                raise IntegrityError(f"chunk {chunk.digest} at {self.url}/{req.key}: expected "
-                                     f"{req.end - req.start} bytes at {req.start}, got {len(data)}")
+                raise _short_range(self.url, chunk, req.start, req.end, len(data))
             for j, (ci, bi) in enumerate(run):
                 block = data[j * record.block_size:(j + 1) * record.block_size]
                 expected = chunk.blocks[32 * bi:32 * bi + 32]
                 if raw_hash(block) != expected:
-                    raise IntegrityError(f"chunk {chunk.digest} at {self.url}/{req.key}: block {bi} does not "
-                                         f"match the record of blob {record.digest}")
+                    raise _block_mismatch(self.url, chunk, bi, record)
                 if self.cache is not None:
                     self.cache.put(expected.hex(), block)
                 result[(ci, bi)] = block
@@ -739,6 +765,20 @@ def _missing_chunk(url: str, chunk: ChunkInfo, record: BlobRecord) -> NotFoundEr
 def _wrong_size(url: str, chunk: ChunkInfo, got: int) -> IntegrityError:
     return IntegrityError(f"chunk {chunk.digest} at {url}/{object_key(chunk.digest)}: {got} bytes, record says "
                           f"{chunk.size}")
+
+
+def _missing_blocks(url: str, record: BlobRecord, why: str) -> NotFoundError:
+    return NotFoundError(f"{url}: missing chunk of blob {record.digest} ({why})")
+
+
+def _short_range(url: str, chunk: ChunkInfo, start: int, end: int, got: int) -> IntegrityError:
+    return IntegrityError(f"chunk {chunk.digest} at {url}/{object_key(chunk.digest)}: expected {end - start} bytes at "
+                          f"{start}, got {got}")
+
+
+def _block_mismatch(url: str, chunk: ChunkInfo, block: int, record: BlobRecord) -> IntegrityError:
+    return IntegrityError(f"chunk {chunk.digest} at {url}/{object_key(chunk.digest)}: block {block} does not match "
+                          f"the record of blob {record.digest}")
 
 
 def _digest_mismatch(url: str, chunk: ChunkInfo, record: BlobRecord) -> IntegrityError:

@@ -47,7 +47,8 @@ def read_exactly(n):
     data = requests.read(n)
     return data if len(data) == n else None
 
-def read_one(path, offset, size, digest):
+def read_chunk(path, offset, size, digest):
+    # a whole chunk file into the arena at `offset`, checked against its digest
     target = arena[offset:offset + size]
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -76,6 +77,42 @@ def read_one(path, offset, size, digest):
         return ("digest", 0)
     return None
 
+
+def read_blocks(path, offset, lo, hi, block, first, hashes, a, b):
+    # bytes [lo, hi) of a chunk file (whole blocks from block `first` on), each checked against its hash; then
+    # bytes [a, b) of the chunk into the arena at `offset`
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return ("missing", 0)
+    except OSError as exc:
+        return ("error", str(exc))
+    try:
+        data = b""
+        while len(data) < hi - lo:
+            more = os.pread(fd, hi - lo - len(data), lo + len(data))
+            if not more:
+                break
+            data += more
+    except IsADirectoryError:
+        return ("missing", 0)
+    except OSError as exc:
+        return ("error", str(exc))
+    finally:
+        os.close(fd)
+    if len(data) != hi - lo:
+        return ("short", len(data))
+    view = memoryview(data)
+    for j in range(0, len(data), block):
+        k = j // block
+        if blake3.blake3(view[j:j + block]).digest() != hashes[32 * k:32 * k + 32]:
+            return ("block", first + k)
+    arena[offset:offset + b - a] = view[a - lo:b - lo]
+    return None
+
+
+READERS = {"chunk": read_chunk, "blocks": read_blocks}
+
 while True:
     head = read_exactly(8)
     if head is None:
@@ -84,8 +121,8 @@ while True:
     if body is None:
         break
     failures = []
-    for i, item in enumerate(pickle.loads(body)):
-        failure = read_one(*item)
+    for i, (kind, *item) in enumerate(pickle.loads(body)):
+        failure = READERS[kind](*item)
         if failure is not None:
             failures.append((i, *failure))
     reply = pickle.dumps(failures)
@@ -145,10 +182,17 @@ class ReadingProcess:
             self._regions.append(_Region(at, at + size, weakref.ref(owner)))
             return at, memoryview(owner)
 
-    def read(self, items: Sequence[tuple[str, int, int, str]]) -> Optional[list[tuple]]:
-        """Have the helper read each (file, arena offset, size, hex digest) into the arena and check it; the
-        failures, as (item index, "missing" | "size" | "digest" | "error", detail) for the items that failed.
-        None when the helper cannot be used (it is then off for good, and the caller reads the items itself)."""
+    def read(self, items: Sequence[tuple]) -> Optional[list[tuple]]:
+        """Have the helper read each item into the arena and check it:
+
+        - ("chunk", file, arena offset, size, hex digest): a whole chunk, checked against its digest;
+        - ("blocks", file, arena offset, lo, hi, block size, first block, block hashes, a, b): bytes [lo, hi) of a
+          chunk, block `first` and those after it each checked against its 32-byte hash, then the chunk's bytes
+          [a, b) copied to the arena offset.
+
+        The failures, as (item index, "missing" | "size" | "digest" | "short" | "block" | "error", detail) for the
+        items that failed (size: the file's size; short: the bytes there were; block: the block's index). None
+        when the helper cannot be used (it is then off for good, and the caller reads the items itself)."""
         if self.broken is not None:
             return None
         body = pickle.dumps(list(items))
