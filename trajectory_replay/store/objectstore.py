@@ -555,7 +555,7 @@ class ObjectStore:
 
         `for_tensor`: the caller makes a tensor straight on the buffer and keeps no other view of it. With a reading
         process on (see `readproc`) and a store on local disk without a read cache, the buffer is then a part of
-        the process's shared arena, reused once nothing refers to it, and the helper reads the whole chunks."""
+        the process's shared arena, reused once nothing refers to it, and the helper reads and verifies all of it."""
         record = record or self.record(ref_or_digest)
         self._check_spans(record, spans)
         return self._read_joined(record, spans, shared=for_tensor)

@@ -9,8 +9,9 @@ its own: it opens, reads and hashes the chunk files of a payload straight into a
 the reading thread only waits for its answer, once per payload. The replay's tensors are made on the arena
 itself (no copy); a part of the arena is written again only once no tensor refers to it any more.
 
-`reading_process()` turns it on for the length of a `with` block (a streamed pass); `ObjectStore` then reads the
-whole chunks of a local store through it, and reads exactly as before when it is off, when the store is not on
+`reading_process()` turns it on for the length of a `with` block (a streamed pass); `ObjectStore.read_joined` then
+reads a local store's payload rows through it (whole chunks checked against their digests, the partial chunks at a
+run's edges by their blocks, each checked against its hash), and reads exactly as before when it is off, when the store is not on
 local disk or has a read cache, when a payload does not fit in the arena's free space, and after the helper
 failed in any way (whatever it read is read again in this process; a helper is an optimisation, never a source
 of errors). Linux only (`os.memfd_create`); elsewhere reads stay in this process.
