@@ -48,32 +48,44 @@ def read_exactly(n):
     data = requests.read(n)
     return data if len(data) == n else None
 
-def read_chunk(path, offset, size, digest):
-    # a whole chunk file into the arena at `offset`, checked against its digest
-    target = arena[offset:offset + size]
+def opened(path, read):
+    # (read(fd), None) on the file at `path`, or (None, failure) for a file that is missing or cannot be read
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        return ("missing", 0)
+        return None, ("missing", 0)
     except OSError as exc:
-        return ("error", str(exc))
+        return None, ("error", str(exc))
     try:
+        return read(fd), None
+    except IsADirectoryError:
+        return None, ("missing", 0)
+    except OSError as exc:
+        return None, ("error", str(exc))
+    finally:
+        os.close(fd)
+
+
+def read_chunk(path, offset, size, digest):
+    # a whole chunk file into the arena at `offset`, checked against its digest
+    target = arena[offset:offset + size]
+
+    def fill(fd):   # None once exactly `size` bytes were read, else the file's size
         done = 0
         while done < size:
             n = os.readv(fd, [target[done:], spare])
             if not n:
                 break
             done += n
-        if done == size and os.readv(fd, [spare]):
-            done = size + 1
-        if done != size:
-            return ("size", os.fstat(fd).st_size)
-    except IsADirectoryError:
-        return ("missing", 0)
-    except OSError as exc:
-        return ("error", str(exc))
-    finally:
-        os.close(fd)
+        if done == size and not os.readv(fd, [spare]):
+            return None
+        return os.fstat(fd).st_size
+
+    wrong, failure = opened(path, fill)
+    if failure is not None:
+        return failure
+    if wrong is not None:
+        return ("size", wrong)
     if blake3.blake3(target).hexdigest() != digest:
         return ("digest", 0)
     return None
@@ -82,25 +94,18 @@ def read_chunk(path, offset, size, digest):
 def read_blocks(path, offset, lo, hi, block, first, hashes, a, b):
     # bytes [lo, hi) of a chunk file (whole blocks from block `first` on), each checked against its hash; then
     # bytes [a, b) of the chunk into the arena at `offset`
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        return ("missing", 0)
-    except OSError as exc:
-        return ("error", str(exc))
-    try:
+    def pread(fd):
         data = b""
         while len(data) < hi - lo:
             more = os.pread(fd, hi - lo - len(data), lo + len(data))
             if not more:
                 break
             data += more
-    except IsADirectoryError:
-        return ("missing", 0)
-    except OSError as exc:
-        return ("error", str(exc))
-    finally:
-        os.close(fd)
+        return data
+
+    data, failure = opened(path, pread)
+    if failure is not None:
+        return failure
     if len(data) != hi - lo:
         return ("short", len(data))
     view = memoryview(data)
