@@ -576,13 +576,14 @@ class ObjectStore:
         whole: list[tuple[ChunkInfo, int]] = []   # (chunk, where it goes in the buffer)
         edges: list[tuple[int, int, int]] = []    # (start, end, where it goes)
         at = 0
+        chunks = record.chunks
         for start, end in spans:
-            first = bisect.bisect_left(record.chunk_offsets, start)
-            inside = []
-            for chunk in record.chunks[first:]:
-                if chunk.offset + chunk.size > end:
-                    break
-                inside.append(chunk)
+            # the chunks wholly inside [start, end), walked by index: a slice of a large record's chunk list per run
+            # would copy the rest of the list each time
+            first = last = bisect.bisect_left(record.chunk_offsets, start)
+            while last < len(chunks) and chunks[last].offset + chunks[last].size <= end:
+                last += 1
+            inside = chunks[first:last]
             if inside:
                 lo, hi = inside[0].offset, inside[-1].offset + inside[-1].size
                 whole += [(chunk, at + chunk.offset - start) for chunk in inside]
