@@ -245,11 +245,21 @@ def _finish(report, html_path: Optional[str], as_json: bool) -> None:
 
         write = write_diff_html if isinstance(report, DiffReport) else write_replay_html
         typer.echo(f"trajectory-replay: wrote {html_path} ({write(report, html_path)} bytes)", err=True)
+    status = report_status(report)
+    reason = getattr(report, "unsupported_reason", None)
     if as_json:
-        emit_json("pass" if report.passed else "diverged", report.to_dict(), allow_nan=False)
+        emit_json(status, {**report.to_dict(), **({"error": reason} if reason else {})}, allow_nan=False)
     else:
         emit(report.render_text())
+    if reason:   # nothing was checked: say why where a failure is said, as for any other unsupported bundle
+        typer.echo(f"trajectory-replay: error: {reason}", err=True)
     raise typer.Exit(report.exit_code)
+
+
+def report_status(report) -> str:
+    """The `--json` status of a replay, chain or diff report: its own verdict (pass, diverged, unsupported), or for
+    a report that has none, pass or diverged."""
+    return getattr(report, "status", None) or ("pass" if report.passed else "diverged")
 StepFlag = Annotated[Optional[str], typer.Option("--step", help="ROLLOUT:STEP of a step-level bundle.")]
 RolloutFlag = Annotated[Optional[int], typer.Option("--rollout", help="Rollout id of a rollout-level bundle.")]
 
@@ -328,12 +338,14 @@ def conventions_cmd(
         raise UsageError("--step and --rollout are mutually exclusive")
     sources, rank = open_for_replay(path, step=step, rollout=rollout)
     found = find_conventions(sources, rank=rank)
-    status = "pass" if found.best is not None else "diverged"
     if as_json:
-        emit_json(status, found.to_dict(), allow_nan=False)
+        emit_json(found.status, {**found.to_dict(), **({"error": found.unsupported} if found.unsupported else {})},
+                  allow_nan=False)
     else:
         emit(found.render_text())
-    raise typer.Exit(0 if found.best is not None else 1)
+    if found.unsupported:
+        typer.echo(f"trajectory-replay: error: {found.unsupported}", err=True)
+    raise typer.Exit(found.exit_code)
 
 
 @app.command("diff", cls=Command)

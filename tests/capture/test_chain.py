@@ -146,3 +146,32 @@ def test_the_html_report_of_a_chain_shows_upstream_link_and_step(tmp_path, make_
     assert "first divergence: bundle rollout-3, stage reward.post_process" in text
     assert "rollout-3 (upstream)" in text and "link: rollout outputs → step inputs" in text
     assert "step-3-0 (step)" in text and "link: advantages, largest error per sample" in text
+
+
+def _shape(doc: dict) -> dict:
+    """The keys of a replay report and of its stage entries, with the type of each value (null as any type)."""
+    def kinds(d: dict) -> dict:
+        return {k: None if v is None else type(v).__name__ for k, v in d.items()}
+    return {"top": set(doc), "stage": {k for s in doc["stages"] for k in s},
+            "types": {k: t for k, t in kinds(doc).items() if t is not None}}
+
+
+def test_a_chained_report_names_an_upstream_divergence_in_the_keys_of_a_single_report(tmp_path, make_manager):
+    """A client reading a single bundle's keys (status, passed, first_divergent_stage, stages) gets the upstream
+    divergence from a chain too, and both objects share one schema (the chain adds chain, link and notes)."""
+    _capture(make_manager(tmp_path, writer=WRITER), rewards=[1.0, -1.0, -1.0, 1.0])
+    result, chained = _replay(tmp_path, "--json")
+    assert result.exit_code == 1 and chained["status"] == "diverged" and chained["passed"] is False
+    assert chained["first_divergent_stage"] == "reward.post_process"
+    assert chained["first_divergence"]["bundle"] == "rollout-3" and chained["bundle_id"] == "step-3-0"
+    failed = [(s["bundle"], s["stage"]) for s in chained["stages"] if s["status"] == "fail"]
+    assert failed[0] == ("rollout-3", "reward.post_process") and ("step-3-0", "link") in failed
+    single = json.loads(runner.invoke(app, ["replay", str(tmp_path / "rollout-3"), "--json"]).stdout)
+    assert single["first_divergence"] == chained["first_divergence"]
+    one, chain = _shape(single), _shape(chained)
+    assert chain["top"] - one["top"] == {"chain", "link", "notes"} and one["top"] <= chain["top"]
+    assert one["stage"] == chain["stage"]
+    assert {k: t for k, t in chain["types"].items() if k in one["types"]} == one["types"]
+    text = _replay(tmp_path)[0].stdout
+    assert text.startswith("chain rollout-3 -> step-3-0 — first divergence: bundle rollout-3, stage "
+                           "reward.post_process")

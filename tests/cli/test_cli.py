@@ -62,7 +62,8 @@ def test_replay_json_shape_and_human_report(tmp_path):
     result = run("replay", path, "--json")
     assert result.exit_code == 1
     report = json.loads(result.stdout)
-    assert set(report) == {"status", "bundle_id", "passed", "first_divergent_stage", "config_overrides", "stages"}
+    assert set(report) == {"status", "bundle_id", "passed", "first_divergent_stage", "first_divergence", "reason",
+                           "compared", "config_overrides", "stages"}
     assert report["status"] == "diverged"
     assert report["passed"] is False and report["first_divergent_stage"] == "reward.post_process"
     for stage in report["stages"]:

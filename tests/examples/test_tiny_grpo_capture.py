@@ -151,8 +151,12 @@ def test_bundle_validates_and_replays_by_url_and_through_the_capture_dir(capture
     if bundle.startswith("rollout-"):
         assert by_path.json() == by_dir.json()
     else:   # --step through the capture directory: the step chained to the rollout bundle that produced it
-        chained = by_dir.json()
-        assert {k: chained[k] for k in by_path.json()} == by_path.json()
+        chained, alone = by_dir.json(), by_path.json()
+        # one schema: the chain's object has every key of the step's own, describing the whole chain
+        assert {k: chained[k] for k in alone if k not in ("stages", "compared")} == \
+            {k: v for k, v in alone.items() if k not in ("stages", "compared")}
+        assert [s for s in chained["stages"] if s["bundle"] == bundle and s["stage"] != "link"] == alone["stages"]
+        assert chained["compared"] > alone["compared"]
         assert [e["bundle"] for e in chained["chain"]] == [f"rollout-{bundle.split('-')[1]}", bundle]
         assert chained["link"]["status"] == "pass" and chained["first_divergence"] is None
     stages = [(s["stage"], s["rank"], s["status"]) for s in by_path.json()["stages"]]

@@ -22,8 +22,8 @@ def test_json_has_the_design_shape_and_stays_valid_with_non_finite_values():
     assert data["bundle_id"] == "b-1" and data["passed"] is False
     assert data["first_divergent_stage"] == "advantage.kl"
     assert [s["stage"] for s in data["stages"]] == ["sample", "reward.raw", "advantage.kl", "loss.policy"]
-    assert set(data["stages"][0]) == {"stage", "rank", "status", "message", "max_abs_error", "mismatch_count",
-                                      "divergences"}
+    assert set(data["stages"][0]) == {"bundle", "stage", "rank", "status", "message", "compared", "max_abs_error",
+                                      "mismatch_count", "divergences"}
     assert data["stages"][1]["status"] == "skipped"
     assert data["stages"][2]["divergences"] == [{"field": "kl", "sample_id": "s-1", "token_offset": 1,
                                                  "expected": "nan", "actual": -0.25, "abs_error": "nan"}]
@@ -31,10 +31,22 @@ def test_json_has_the_design_shape_and_stays_valid_with_non_finite_values():
 
 
 def test_skipped_stages_never_count_and_an_all_pass_report_passes():
-    report = ReplayReport("b", (skipped("loss.policy", "partial"), StageResult("sample", "pass", "ok")))
+    report = ReplayReport("b", (skipped("loss.policy", "partial"), StageResult("sample", "pass", "ok", compared=4)))
     assert report.passed and report.first_divergent_stage is None and report.exit_code == 0
     assert json.loads(report.to_json())["first_divergent_stage"] is None
     assert _report().exit_code == 1
+
+
+def test_a_report_that_compared_no_value_is_unsupported_not_pass():
+    nothing = ReplayReport("b", (skipped("loss.policy", "partial"), StageResult("sample", "pass", "ok")))
+    assert nothing.status == "unsupported" and not nothing.passed and nothing.exit_code == 1
+    assert "had no value to compare" in nothing.unsupported_reason
+    assert ReplayReport("b", ()).unsupported_reason == "the bundle contracts no stage"
+    asked = ReplayReport("b", (skipped("loss.policy", "partial"), StageResult("sample", "pass", "ok", compared=4)),
+                         requested=("loss.policy",))
+    assert asked.status == "unsupported" and asked.unsupported_reason == \
+        "stage loss.policy was asked for and skipped: partial"
+    assert _report().status == "diverged" and _report().unsupported_reason is None
 
 
 def test_text_rendering():

@@ -51,7 +51,7 @@ from trajectory_replay.store.inventory import fetch
 VERDICTS_DIR = ".verdicts"
 """Top-level prefix of a store root holding scan verdicts (a dot-name: never taken for a bundle)."""
 VERDICT_FORMAT = "trajectory-replay.verdict/1"
-SCAN_SEMANTICS = 2
+SCAN_SEMANTICS = 3
 """Bumped whenever what a scan replays or how it judges changes without a package version change."""
 REPLAY_VERSION = f"{__version__}+scan.{SCAN_SEMANTICS}"
 """Part of every verdict's key: a verdict of another version is not reused."""
@@ -250,10 +250,13 @@ class Replayer:
 
 
 def _judge(verdict: Verdict, report) -> None:
-    """Fill `verdict` from a ReplayReport: pass, or the first divergent stage and its first divergence."""
+    """Fill `verdict` from a ReplayReport: pass, unsupported (nothing compared) with why, or the first divergent
+    stage and its first divergence."""
     first = next((s for s in report.stages if s.failed), None)
     if first is None:
-        verdict.status = PASS
+        reason = report.unsupported_reason
+        verdict.status = PASS if reason is None else UNSUPPORTED
+        verdict.detail = "" if reason is None else _one_line(reason)
         return
     verdict.status = DIVERGED
     verdict.first_divergent_stage, verdict.rank = str(getattr(first.stage, "value", first.stage)), first.rank

@@ -21,7 +21,7 @@ import torch
 
 from trajectory_replay.bundle.schema import StageId
 from trajectory_replay.replay.compare import Findings, SampleLayout, compare_tensors, resolve_tolerance
-from trajectory_replay.replay.report import Divergence, ReplayReport, StageResult
+from trajectory_replay.replay.report import Divergence, ReplayReport, StageResult, Verdict, divergence_place
 from trajectory_replay.replay.source import ReplaySource, SamplesById
 
 LINK = "link"
@@ -79,39 +79,83 @@ class ChainReport:
 
     @property
     def first_divergence(self) -> Optional[dict[str, Any]]:
-        """{bundle, stage, sample, field, token} of the first failure in chain order, or None."""
+        """{bundle, stage, rank, sample, field, token} of the first failure in chain order, or None."""
         for entry in self.upstream:
-            found = _first_failure(entry.bundle, entry.report)
-            if found is not None:
-                return found
+            if entry.report is not None and entry.report.first_divergence is not None:
+                return entry.report.first_divergence
         if self.link is not None and self.link.failed:
-            return _where(self.step.bundle, self.link)
-        return _first_failure(self.step.bundle, self.step.report)
+            return divergence_place(self.step.bundle, self.link)
+        return None if self.step.report is None else self.step.report.first_divergence
+
+    @property
+    def first_divergent_stage(self) -> Optional[str]:
+        """The stage of the first divergence, in whichever bundle of the chain it is (`link` for the link)."""
+        first = self.first_divergence
+        return None if first is None else first["stage"]
+
+    @property
+    def unsupported_reason(self) -> Optional[str]:
+        """Why the step was not checked (nothing diverged and its own replay compared nothing), or None. Rollouts
+        that pass do not make a step that was not checked pass."""
+        if self.first_divergence is not None:
+            return None
+        if self.step.report is None:
+            return f"step bundle {self.step.bundle} was not replayed"
+        reason = self.step.report.unsupported_reason
+        return None if reason is None else f"step bundle {self.step.bundle}: {reason}"
+
+    @property
+    def status(self) -> Verdict:
+        """diverged (anywhere in the chain), unsupported (the step checked nothing) or pass."""
+        if self.first_divergence is not None:
+            return "diverged"
+        return "unsupported" if self.unsupported_reason is not None else "pass"
 
     @property
     def passed(self) -> bool:
-        return self.first_divergence is None
+        return self.status == "pass"
 
     @property
     def exit_code(self) -> int:
         return 0 if self.passed else 1
 
+    def _entries(self) -> list[dict[str, Any]]:
+        """Every stage entry of the chain in chain order, each naming its bundle: rollouts, the link, the step."""
+        out = [{"bundle": e.bundle, **s.to_dict()} for e in self.upstream if e.report is not None
+               for s in e.report.stages]
+        if self.link is not None:
+            out.append({"bundle": self.step.bundle, **self.link.to_dict()})
+        if self.step.report is not None:
+            out += [{"bundle": self.step.bundle, **s.to_dict()} for s in self.step.report.stages]
+        return out
+
     def to_dict(self) -> dict[str, Any]:
-        """The `replay --json` object of a chain: the step's report fields, plus `chain` and `first_divergence`."""
-        step = self.step.report.to_dict() if self.step.report is not None else {}
-        return {**step, "passed": self.passed, "first_divergence": self.first_divergence,
+        """The `replay --json` object of a chain: the keys of a single bundle's report (`ReplayReport.to_dict`),
+        describing the first divergence wherever it is and listing every stage of the chain; then `chain` (each
+        bundle's own report), `link` and `notes`."""
+        step = self.step.report
+        reports = [e.report for e in self.upstream if e.report is not None] + ([step] if step is not None else [])
+        return {"status": self.status, "bundle_id": self.step.bundle, "passed": self.passed,
+                "first_divergent_stage": self.first_divergent_stage, "first_divergence": self.first_divergence,
+                "reason": self.unsupported_reason,
+                "compared": sum(r.compared for r in reports) + (self.link.compared if self.link is not None else 0),
+                "config_overrides": {} if step is None else dict(step.overrides),
+                "stages": self._entries(),
                 "chain": [e.to_dict() for e in self.upstream] + [self.step.to_dict()],
                 "link": None if self.link is None else self.link.to_dict(), "notes": list(self.notes)}
 
     def render_text(self) -> str:
         """Each bundle's report in chain order, the link between them, and the first divergence on top."""
-        first = self.first_divergence
         if not self.upstream:   # nothing to chain: the step's own report, with why
             return "\n".join([f"note: {n}" for n in self.notes]
                              + ([self.step.report.render_text()] if self.step.report is not None else []))
         names = " -> ".join([e.bundle for e in self.upstream] + [self.step.bundle])
-        where = "none" if first is None else ", ".join(f"{k} {v}" for k, v in first.items() if v is not None)
-        lines = [f"chain {names} — first divergence: {where}"]
+        first, reason = self.first_divergence, self.unsupported_reason
+        if reason is not None:
+            lines = [f"chain {names} — unsupported: nothing compared ({reason})"]
+        else:
+            where = "none" if first is None else ", ".join(f"{k} {v}" for k, v in first.items() if v is not None)
+            lines = [f"chain {names} — first divergence: {where}"]
         lines += [f"note: {n}" for n in self.notes]
         for entry in self.upstream:
             lines.append(f"== {entry.bundle} (upstream)" + (f": {entry.note}" if entry.note else ""))
@@ -125,20 +169,6 @@ class ChainReport:
         if self.step.report is not None:
             lines.append(self.step.report.render_text())
         return "\n".join(lines)
-
-
-def _where(bundle: str, result: StageResult) -> dict[str, Any]:
-    d = result.divergences[0] if result.divergences else None
-    return {"bundle": bundle, "stage": result.stage if isinstance(result.stage, str) else str(result.stage),
-            "rank": result.rank, "sample": d.sample_id if d else None, "field": d.field if d else None,
-            "token": d.token_offset if d else None}
-
-
-def _first_failure(bundle: str, report: Optional[ReplayReport]) -> Optional[dict[str, Any]]:
-    if report is None:
-        return None
-    failed = next((s for s in report.stages if s.failed), None)
-    return None if failed is None else _where(bundle, failed)
 
 
 def rollout_ids(step_sources: Sequence[ReplaySource]) -> tuple[list[int], list[str]]:

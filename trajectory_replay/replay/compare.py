@@ -308,6 +308,7 @@ class Findings:
         return StageResult(stage=stage, rank=rank, status="fail" if self.failed else "pass",
                            message=message or "ok", max_abs_error=max(errors) if errors else None,
                            mismatch_count=sum(c.mismatch_count for c in self.comparisons),
+                           compared=sum(c.compared for c in self.comparisons),
                            divergences=tuple(divergences), metrics=dict(metrics or {}), evidence=evidence)
 
 

@@ -46,14 +46,18 @@ class Candidate:
     """stage -> pass | fail | skipped (several ranks: fail when any rank fails)."""
     error: Optional[str] = None
     """Why the candidate could not be replayed (an unsupported combination), if so."""
+    compared: int = 0
+    """How many values its replay compared: a candidate that compared none reproduces nothing."""
 
     @property
     def reproduces_all(self) -> bool:
-        return self.error is None and bool(self.stages) and all(s != "fail" for s in self.stages.values())
+        return (self.error is None and self.compared > 0
+                and any(s == "pass" for s in self.stages.values())
+                and all(s != "fail" for s in self.stages.values()))
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "changes": self.changes, "stages": self.stages,
-                "reproduces_all": self.reproduces_all, "error": self.error}
+                "compared": self.compared, "reproduces_all": self.reproduces_all, "error": self.error}
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,19 @@ class ConventionsReport:
 
     bundle_id: str
     candidates: tuple[Candidate, ...]
+    unsupported: Optional[str] = None
+    """Why no candidate was tried: the recorded config's replay compared no value (every stage skipped...)."""
+
+    @property
+    def status(self) -> str:
+        """pass (a candidate reproduces every stage), unsupported (nothing could be compared) or diverged."""
+        if self.unsupported is not None:
+            return "unsupported"
+        return "pass" if self.best is not None else "diverged"
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.status == "pass" else 1
 
     def reproducing(self, stage: str) -> list[str]:
         """The candidates under which `stage` passes, most specific first."""
@@ -82,12 +99,15 @@ class ConventionsReport:
 
     def to_dict(self) -> dict[str, Any]:
         best = self.best
-        return {"bundle_id": self.bundle_id, "best": best.name if best else None,
+        return {"status": self.status, "bundle_id": self.bundle_id, "reason": self.unsupported,
+                "best": best.name if best else None,
                 "reproduced_by": {s: self.reproducing(s) for s in self.stage_names},
                 "candidates": [c.to_dict() for c in self._ordered()]}
 
     def render_text(self) -> str:
         recorded = self.candidates[0]
+        if self.unsupported is not None:
+            return f"bundle {self.bundle_id}: unsupported: nothing compared ({self.unsupported})"
         lines = [f"bundle {self.bundle_id}: which convention reproduces production's values"]
         failing = [s for s, v in recorded.stages.items() if v == "fail"]
         lines.append("recorded config: " + ("reproduces every stage" if not failing
@@ -148,14 +168,16 @@ def find_conventions(sources: Sequence[ReplaySource], *, rank: Optional[int] = N
         except TrajectoryReplayError as exc:
             tried.append(Candidate(name, kind, changes, error=str(exc)))
             return None
-        tried.append(Candidate(name, kind, changes, _stage_verdicts(report)))
+        tried.append(Candidate(name, kind, changes, _stage_verdicts(report), compared=report.compared))
         return report
 
     # the recorded config first, and its errors as replay raises them (an unsupported bundle is no question
     # of conventions)
     seen.add(repr([]))
     base = execute(plan_replay(cached, rank=rank))
-    tried.append(Candidate("recorded", "recorded", {}, _stage_verdicts(base)))
+    tried.append(Candidate("recorded", "recorded", {}, _stage_verdicts(base), compared=base.compared))
+    if base.unsupported_reason is not None:   # nothing to compare under the recorded config: none under a variant
+        return ConventionsReport(sources[0].bundle_id, tuple(tried), unsupported=base.unsupported_reason)
     for changes in single_field_variants(recorded):
         report = attempt(_label(changes), "variant", changes)
         if "loss_agg_mode" in changes and report is not None:

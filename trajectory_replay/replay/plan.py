@@ -74,6 +74,8 @@ class PlannedStage:
     stage: Stage
     action: Action
     reason: str = ""
+    named: bool = False
+    """The user asked for this stage by name (`--stage`): a replay that skips it has not checked what was asked."""
 
 
 @dataclass(frozen=True)
@@ -376,14 +378,14 @@ def _plan_one(manifest: Manifest, stage: Stage, named: bool = False) -> PlannedS
                                    "it cannot be replayed")
         reason = f"capability={capability.value} (declared by the bundle)"
         if stage.recorded is not None:
-            return PlannedStage(stage, "recorded", f"{reason}; recorded values passed downstream")
-        return PlannedStage(stage, "skip", reason)
+            return PlannedStage(stage, "recorded", f"{reason}; recorded values passed downstream", named)
+        return PlannedStage(stage, "skip", reason, named)
     if contract.version != stage.version:
         raise UnsupportedError(f"stage {stage.id} contract version {contract.version!r} is not replayable "
                                f"(replay implements {stage.version!r})")
     if stage.compute is None:
         raise UnsupportedError(f"stage {stage.id} is not replayable: replay cannot recompute it")
-    return PlannedStage(stage, "run")
+    return PlannedStage(stage, "run", named=named)
 
 
 # --------------------------------------------------------------------------- how the ranks relate

@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 StageStatus = Literal["pass", "fail", "skipped"]
+Verdict = Literal["pass", "diverged", "unsupported"]
+"""A replay's outcome: every compared value matched; a value diverged; or nothing that was asked was compared (every
+stage declared unsupported or skipped, an empty cohort, a stage asked for by name that did not run)."""
 
 MAX_DIVERGENCES = 10
 """Concrete divergences listed per stage entry."""
@@ -56,6 +59,8 @@ class StageResult:
     max_abs_error: Optional[float] = None
     mismatch_count: int = 0
     divergences: tuple[Divergence, ...] = ()
+    compared: int = 0
+    """How many values the stage compared (a stage that passes having compared none has checked nothing)."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """What a stage measures whether it passes or not (rollout.mismatch: its metrics and worst tokens)."""
     evidence: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -74,8 +79,8 @@ class StageResult:
     def to_dict(self) -> dict[str, Any]:
         """The stage object of `replay --json`."""
         out = {"stage": self.stage, "rank": self.rank, "status": self.status, "message": self.message,
-               "max_abs_error": json_number(self.max_abs_error), "mismatch_count": self.mismatch_count,
-               "divergences": [d.to_dict() for d in self.divergences]}
+               "compared": self.compared, "max_abs_error": json_number(self.max_abs_error),
+               "mismatch_count": self.mismatch_count, "divergences": [d.to_dict() for d in self.divergences]}
         if self.metrics:
             out["metrics"] = _json_ready(self.metrics)
         return out
@@ -106,16 +111,43 @@ class ReplayReport:
     stages: tuple[StageResult, ...] = field(default_factory=tuple)
     overrides: dict[str, Any] = field(default_factory=dict)
     """Config fields replayed with a value other than the recorded one (`replay --set`), field -> value."""
+    requested: tuple[str, ...] = ()
+    """The stages asked for by name (`--stage`); empty when every contracted stage was asked for."""
+
+    @property
+    def compared(self) -> int:
+        """How many values the stages that ran compared, over all stages and ranks."""
+        return sum(s.compared for s in self.stages if s.status != "skipped")
+
+    @property
+    def unsupported_reason(self) -> Optional[str]:
+        """Why this replay checked nothing that was asked, or None when it did (a divergence always checked)."""
+        if any(s.failed for s in self.stages):
+            return None
+        return unchecked_reason(self.stages, self.requested)
+
+    @property
+    def status(self) -> Verdict:
+        """pass, diverged, or unsupported (nothing that was asked was compared): never pass without a value."""
+        if any(s.failed for s in self.stages):
+            return "diverged"
+        return "unsupported" if self.unsupported_reason is not None else "pass"
 
     @property
     def passed(self) -> bool:
-        """True when no stage that ran diverged."""
-        return not any(s.failed for s in self.stages)
+        """True only when values were compared and none diverged."""
+        return self.status == "pass"
 
     @property
     def first_divergent_stage(self) -> Optional[str]:
         """The first failed stage in stage order, or None."""
         return next((s.stage for s in self.stages if s.failed), None)
+
+    @property
+    def first_divergence(self) -> Optional[dict[str, Any]]:
+        """{bundle, stage, rank, sample, field, token} of the first failure, or None."""
+        failed = next((s for s in self.stages if s.failed), None)
+        return None if failed is None else divergence_place(self.bundle_id, failed)
 
     @property
     def exit_code(self) -> int:
@@ -130,30 +162,74 @@ class ReplayReport:
         raise KeyError(f"no report entry for stage {stage!r} rank {rank!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        """The `replay --json` object, JSON-ready (non-finite numbers as strings)."""
-        return {"bundle_id": self.bundle_id, "passed": self.passed,
-                "first_divergent_stage": self.first_divergent_stage,
+        """The `replay --json` object, JSON-ready (non-finite numbers as strings). A chained replay's object has the
+        same keys, and more (`ChainReport.to_dict`)."""
+        return {"status": self.status, "bundle_id": self.bundle_id, "passed": self.passed,
+                "first_divergent_stage": self.first_divergent_stage, "first_divergence": self.first_divergence,
+                "reason": self.unsupported_reason, "compared": self.compared,
                 "config_overrides": dict(self.overrides),
-                "stages": [s.to_dict() for s in self.stages]}
+                "stages": [{"bundle": self.bundle_id, **s.to_dict()} for s in self.stages]}
 
     def to_json(self, indent: Optional[int] = None) -> str:
         """`to_dict()` serialized; always valid JSON."""
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
+    def headline(self) -> str:
+        """The report's first line: the first divergent stage, or why nothing was checked."""
+        reason = self.unsupported_reason
+        if reason is not None:
+            return f"bundle {self.bundle_id} — unsupported: nothing compared ({reason})"
+        return f"bundle {self.bundle_id} — first divergent stage: {self.first_divergent_stage or 'none'}"
+
     def render_text(self) -> str:
         """The human-readable report: headline, one line per stage, then each stage's divergences."""
-        lines = [f"bundle {self.bundle_id} — first divergent stage: {self.first_divergent_stage or 'none'}"]
+        lines = [self.headline()]
         if self.overrides:
             lines.append("config overridden (not as recorded): "
                          + ", ".join(f"{k}={json.dumps(v)}" for k, v in self.overrides.items()))
-        for s in self.stages:
-            line = f"[{s.status:>7}] {s.label}  {s.message}"
-            if s.status != "skipped":
-                line += f", max_abs_error={format_number(s.max_abs_error)}, mismatches={s.mismatch_count}"
-            lines.append(line)
-            lines.extend(f"          {m}" for m in s.render_metrics())
-            lines.extend(f"          {d.render()}" for d in s.divergences)
+        lines.extend(render_stage_lines(self.stages))
         return "\n".join(lines)
+
+
+def render_stage_lines(stages: Sequence[StageResult]) -> list[str]:
+    """One line per stage (its verdict, message and errors), then its metrics and divergences, indented."""
+    lines = []
+    for s in stages:
+        line = f"[{s.status:>7}] {s.label}  {s.message}"
+        if s.status != "skipped":
+            line += f", max_abs_error={format_number(s.max_abs_error)}, mismatches={s.mismatch_count}"
+        lines.append(line)
+        lines.extend(f"          {m}" for m in s.render_metrics())
+        lines.extend(f"          {d.render()}" for d in s.divergences)
+    return lines
+
+
+def unchecked_reason(stages: Sequence[StageResult], requested: Sequence[str] = ()) -> Optional[str]:
+    """Why `stages` (none failed) checked nothing that was asked: a stage asked for by name that did not run, every
+    stage skipped, or stages that ran and compared no value; None when values were compared."""
+    for name in requested:
+        entries = [s for s in stages if s.stage == name]
+        if entries and all(s.status == "skipped" for s in entries):
+            return f"stage {name} was asked for and skipped: {entries[0].message}"
+    if not stages:
+        return "the bundle contracts no stage"
+    if all(s.status == "skipped" for s in stages):
+        reasons = list(dict.fromkeys(s.message.split(";")[0] for s in stages))   # "...; recorded values passed"
+        return f"every stage was skipped: {'; '.join(reasons[:3])}" + (f"; and {len(reasons) - 3} more reasons"
+                                                                      if len(reasons) > 3 else "")
+    if sum(s.compared for s in stages if s.status != "skipped") == 0:
+        ran = ", ".join(dict.fromkeys(s.stage for s in stages if s.status != "skipped"))
+        return f"the stages that ran ({ran}) had no value to compare (an empty cohort?)"
+    return None
+
+
+def divergence_place(bundle: str, result: StageResult) -> dict[str, Any]:
+    """{bundle, stage, rank, sample, field, token} of a failed stage's first divergence (sample, field and token
+    null when the failure is not a value)."""
+    d = result.divergences[0] if result.divergences else None
+    return {"bundle": bundle, "stage": str(result.stage), "rank": result.rank,
+            "sample": d.sample_id if d else None, "field": d.field if d else None,
+            "token": d.token_offset if d else None}
 
 
 def _plain(value: Any) -> str:
@@ -191,5 +267,5 @@ def format_number(value: Optional[float]) -> str:
     return text
 
 
-__all__ = ["Divergence", "MAX_DIVERGENCES", "ReplayReport", "StageResult", "StageStatus", "format_number",
-           "json_number", "skipped"]
+__all__ = ["Divergence", "MAX_DIVERGENCES", "ReplayReport", "StageResult", "StageStatus", "Verdict",
+           "divergence_place", "format_number", "json_number", "render_stage_lines", "skipped", "unchecked_reason"]

@@ -71,7 +71,9 @@ def execute_keeping(plan: ReplayPlan, keep: Sequence[str], *, atol: Optional[flo
     results = [result for one in plan.passes for result in run.one_pass(one)]
     order = {stage.value: i for i, stage in enumerate(STAGE_ORDER)}
     results.sort(key=lambda r: (order.get(r.stage, len(order)), -1 if r.rank is None else r.rank))
-    return ReplayReport(bundle_id=plan.bundle_id, stages=tuple(results), overrides=dict(plan.overrides)), run.kept
+    requested = tuple(p.stage.id.value for p in plan.stages if p.named)
+    return ReplayReport(bundle_id=plan.bundle_id, stages=tuple(results), overrides=dict(plan.overrides),
+                        requested=requested), run.kept
 
 
 Runs = list[tuple[StageOutcome, Block]]
