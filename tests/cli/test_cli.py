@@ -67,7 +67,8 @@ def test_replay_json_shape_and_human_report(tmp_path):
     assert report["status"] == "diverged"
     assert report["passed"] is False and report["first_divergent_stage"] == "reward.post_process"
     for stage in report["stages"]:
-        assert set(stage) == {"stage", "rank", "status", "message", "max_abs_error", "mismatch_count", "divergences"}
+        assert set(stage) == {"bundle", "stage", "rank", "status", "message", "compared", "max_abs_error",
+                              "mismatch_count", "divergences"}
     loss = next(s for s in report["stages"] if s["stage"] == "loss.policy")
     assert loss["status"] == "fail"
     pg = next(d for d in loss["divergences"] if d["field"] == "pg_loss")
