@@ -21,10 +21,10 @@ REDS = ((255, 245, 240), (252, 187, 161), (251, 106, 74), (203, 24, 29), (103, 0
 """The error colour scale, from no error to the largest (ColorBrewer Reds)."""
 NOT_FINITE_COLOUR = "#9ca3af"
 
+CHAR_WIDTH = 6.2
+"""About the width of one character of an 11 px label, to size margins by the labels they hold."""
 MAX_LINE_POINTS = 2048
 """Points per line of a line chart; a longer series is drawn from each bucket's extremes."""
-MAX_MARKS = 1024
-"""Divergent-token marks drawn on one line chart."""
 
 
 def _esc(value: object) -> str:
@@ -160,18 +160,18 @@ def token_chart(expected: Sequence[float], actual: Sequence[float], divergent: S
     """Expected and actual values of one sample per token offset, its divergent tokens marked with a cross."""
     n = max(len(expected), len(actual), 1)
     lo, hi = _finite_range([*expected, *actual])
-    frame = _Frame(340, (-0.5, n - 0.5), (lo, hi))
+    frame = _Frame(360, (-0.5, n - 0.5), (lo, hi), top=30)
     ticks = [(t, str(t)) for t in integer_ticks(0, n - 1)]
     body = frame.axes(ticks, value_ticks(lo, hi), f"token offset in {sample_id}'s response", y_title)
     body.append(_polyline(frame, expected, EXPECTED_COLOUR))
     body.append(_polyline(frame, actual, ACTUAL_COLOUR))
-    marks = []
-    for i in list(divergent)[:MAX_MARKS]:
-        value = actual[i] if i < len(actual) and math.isfinite(actual[i]) else hi
-        x, y = frame.px(i), frame.py(value)
-        marks.append(f"M{_num(x - 4)} {_num(y - 4)}l8 8m-8 0l8-8")
-    if marks:
-        body.append(f"<path d='{''.join(marks)}' stroke='{DIVERGENT_COLOUR}' stroke-width='2' fill='none'/>")
+    shown = list(divergent)
+    base = frame.height - frame.bottom
+    rug = "".join(f"M{_num(frame.px(i))} {base - 1}v-7" for i in shown)   # every divergent token, at the axis
+    crosses = "".join(f"M{_num(frame.px(i) - 4)} {_num(frame.py(_finite_or(actual, i, hi)) - 4)}l8 8m-8 0l8-8"
+                      for i in shown) if len(shown) <= 64 else ""   # few: a cross on the actual value too
+    if shown:
+        body.append(f"<path d='{rug}{crosses}' stroke='{DIVERGENT_COLOUR}' stroke-width='2' fill='none'/>")
     if n <= 64:  # few tokens: each one says its values on hover
         for i in range(n):
             e = expected[i] if i < len(expected) else None
@@ -180,9 +180,9 @@ def token_chart(expected: Sequence[float], actual: Sequence[float], divergent: S
                         f"width='{_num(frame.px(1) - frame.px(0))}' height='{frame.height - frame.top - frame.bottom}'>"
                         f"<title>{_esc(sample_id)} token {i}: expected {short(e)}, actual {short(a)}</title></rect>")
     legend = [(EXPECTED_COLOUR, "expected"), (ACTUAL_COLOUR, "actual")]
-    if marks:
+    if shown:
         legend.append((DIVERGENT_COLOUR, f"divergent ({len(divergent)})"))
-    body += _legend(legend, frame.left + 10, frame.top + 4)
+    body += _legend(legend, frame.left + 10, 14)
     return _svg(frame.height, body, f"{y_title} of {sample_id} per token")
 
 
@@ -193,7 +193,7 @@ def paired_chart(labels: Sequence[str], expected: Sequence[Optional[float]], act
     values = [v for v in (*expected, *actual) if v is not None]
     lo, hi = _finite_range(values)
     rotate = n > 8 or max((len(s) for s in labels), default=0) > 12
-    frame = _Frame(340 + (40 if rotate else 0), (-0.5, n - 0.5), (lo, hi), bottom=88 if rotate else 48)
+    frame = _Frame(360 + (40 if rotate else 0), (-0.5, n - 0.5), (lo, hi), top=30, bottom=88 if rotate else 48)
     body = frame.axes(list(enumerate(labels)), value_ticks(lo, hi), "", y_title, rotate_x=rotate, x_class="label")
     for i, label in enumerate(labels):
         e, a = expected[i], actual[i]
@@ -204,11 +204,18 @@ def paired_chart(labels: Sequence[str], expected: Sequence[Optional[float]], act
         if len(points) == 2:
             body.append(f"<line x1='{_num(x)}' x2='{_num(x)}' y1='{_num(frame.py(e))}' y2='{_num(frame.py(a))}' "
                         f"stroke='{DIVERGENT_COLOUR}' stroke-dasharray='3 2'/>")
-        for v, colour, name in points:
-            body.append(f"<circle cx='{_num(x)}' cy='{_num(frame.py(v))}' r='6' fill='{colour}'>"
+        for v, colour, name in points:   # expected a ring around actual's dot: both show where they meet
+            paint = f"r='4.5' fill='{colour}'" if name == "actual" else \
+                f"r='7.5' fill='none' stroke='{colour}' stroke-width='2.5'"
+            body.append(f"<circle cx='{_num(x)}' cy='{_num(frame.py(v))}' {paint}>"
                         f"<title>{_esc(label)}: {name} {short(v)}</title></circle>")
-    body += _legend([(EXPECTED_COLOUR, "expected"), (ACTUAL_COLOUR, "actual")], frame.left + 10, frame.top + 4)
+    body += _legend([(EXPECTED_COLOUR, "expected"), (ACTUAL_COLOUR, "actual")], frame.left + 10, 14)
     return _svg(frame.height, body, f"{y_title}: expected and actual")
+
+
+def _finite_or(values: Sequence[float], i: int, default: float) -> float:
+    """values[i] where it exists and is finite, else `default`."""
+    return values[i] if i < len(values) and math.isfinite(values[i]) else default
 
 
 def _red(fraction: float) -> str:
@@ -220,12 +227,13 @@ def _red(fraction: float) -> str:
 
 
 def _log_range(values: Sequence[float]) -> tuple[float, float]:
-    """The log10 range of the positive finite values (one decade around a single value)."""
+    """The log10 range the colours span: from the smallest positive finite value's decade (at least one decade
+    below the largest) up to the largest value, which gets the darkest colour."""
     logs = [math.log10(v) for v in values if math.isfinite(v) and v > 0]
     if not logs:
         return -1.0, 0.0
-    lo, hi = math.floor(min(logs)), math.ceil(max(logs))
-    return (lo, hi) if hi > lo else (lo - 1, hi)
+    hi = max(logs)
+    return min(math.floor(min(logs)), hi - 1), hi
 
 
 def heatmap(ids: Sequence[str], values: Sequence[float], columns: int, max_cells: int) -> tuple[str, int]:
@@ -285,18 +293,23 @@ def _colour_bar(x: float, y: float, height: float, lo: float, hi: float) -> list
     out = [f"<defs><linearGradient id='{gid}' x1='0' x2='0' y1='0' y2='1'>{stops}</linearGradient></defs>",
            f"<rect x='{x}' y='{y}' width='14' height='{_num(height)}' fill='url(#{gid})' stroke='#d7dbe3'/>",
            f"<text x='{x}' y='{y - 8}'>|error|</text>"]
-    decades = list(range(int(lo), int(hi) + 1))
+    def label(value: float, text: str) -> str:
+        at = y + (hi - value) / (hi - lo) * height
+        return (f"<line class='tick' x1='{x + 14}' x2='{x + 18}' y1='{_num(at)}' y2='{_num(at)}'/>"
+                f"<text x='{x + 21}' y='{_num(at + 4)}'>{_esc(text)}</text>")
+
+    out.append(label(hi, short(10 ** hi)))   # the largest error, at the top
+    decades = [d for d in range(math.ceil(lo), math.floor(hi) + 1) if (hi - d) / (hi - lo) * height >= 16]
     step = max(1, math.ceil(len(decades) * 16 / height))   # labels at least 16 px apart
-    for d in decades[::step]:
-        at = y + (hi - d) / (hi - lo) * height
-        out.append(f"<line class='tick' x1='{x + 14}' x2='{x + 18}' y1='{_num(at)}' y2='{_num(at)}'/>"
-                   f"<text x='{x + 21}' y='{_num(at + 4)}'>1e{d}</text>")
+    out += [label(d, f"1e{d}") for d in decades[::-step]]
     return out
 
 
 def bar_chart(labels: Sequence[str], shares: Sequence[float], notes: Sequence[str]) -> str:
     """Horizontal bars of a share (0..1) per label, each with its note at the bar's end."""
-    left, row = 300, 26
+    longest = max((len(s) for s in labels), default=0)
+    left, row = min(40 + int(longest * CHAR_WIDTH), WIDTH // 2), 26
+    fits = int((left - 16) / CHAR_WIDTH)
     height = 60 + row * len(labels)
     frame = _Frame(height, (0.0, 1.0), (0.0, 1.0), left=left, right=110, top=10, bottom=44)
     body = []
@@ -308,7 +321,8 @@ def bar_chart(labels: Sequence[str], shares: Sequence[float], notes: Sequence[st
                 "values that differ</text>")
     for k, (label, share, note) in enumerate(zip(labels, shares, notes)):
         y = frame.top + k * row
-        body.append(f"<text x='{left - 8}' y='{y + 17}' text-anchor='end'>{_esc(label)}</text>"
+        shown = label if len(label) <= fits else "…" + label[len(label) - fits + 1:]
+        body.append(f"<text x='{left - 8}' y='{y + 17}' text-anchor='end'>{_esc(shown)}</text>"
                     f"<rect x='{left}' y='{y + 4}' width='{_num(frame.px(share) - left)}' height='{row - 8}' "
                     f"fill='{DIVERGENT_COLOUR}'><title>{_esc(label)}: {_esc(note)}</title></rect>"
                     f"<text x='{_num(frame.px(share) + 6)}' y='{y + 17}'>{_esc(note)}</text>")
@@ -325,8 +339,9 @@ def strip_chart(labels: Sequence[str], categories: Sequence[str], colours: dict[
     per_column = max(1, math.ceil(len(labels) / max_columns))
     few = per_column == 1 and len(labels) <= 40
     left, row = 100, 26
-    frame = _Frame(40 + row * len(rows) + (150 if few else 50), (-0.5, len(buckets) - 0.5), (0, 1), left=left,
-                   bottom=(150 if few else 50), top=10)
+    bottom = min(40 + int(max(map(len, labels)) * CHAR_WIDTH * 0.65), 200) if few else 50   # labels at -40°
+    frame = _Frame(40 + row * len(rows) + bottom, (-0.5, len(buckets) - 0.5), (0, 1), left=left, bottom=bottom,
+                   top=10)
     body = []
     for k, name in enumerate(rows):
         body.append(f"<text x='{left - 8}' y='{frame.top + k * row + 17}' text-anchor='end'>{_esc(name)}</text>")

@@ -76,7 +76,7 @@ class _Page:
                 f"<style>{CSS}</style></head><body>")
         text = [p for p in self.parts if isinstance(p, str)]
         budget = PAGE_LIMIT - len(head.encode()) - sum(len(p.encode()) for p in text) - 20_000  # captions, notes
-        out = [head]
+        out, figures = [head], 0
         for part in self.parts:
             if isinstance(part, str):
                 out.append(part)
@@ -86,7 +86,8 @@ class _Page:
             budget -= size
             shown = svg if budget >= 0 else (f"<p class='note'>plot left out: it would take this page past "
                                              f"{PAGE_LIMIT / 1e6:g} MB (the tables and --json say the same)</p>")
-            out.append(f"<figure><figcaption>{_esc(caption)}</figcaption>{shown}"
+            figures += 1
+            out.append(f"<figure id='plot-{figures}'><figcaption>{_esc(caption)}</figcaption>{shown}"
                        + (f"<p class='note'>{_esc(note)}</p>" if note else "") + "</figure>")
         data = ("\n".join(out) + "</body></html>").encode("utf-8")
         Path(path).write_bytes(data)
@@ -171,6 +172,14 @@ def _first_divergence(page: _Page, stage) -> None:
                     plots.paired_chart(labels, [d.expected for d in shown], [d.actual for d in shown], field),
                     "" if len(shown) == stage.mismatch_count else
                     f"the {len(shown)} mismatches listed above; the heatmap below shows every sample")
+    _first_sample(page, stage)
+
+
+def _first_sample(page: _Page, stage) -> None:
+    """The stage's first divergent sample token by token, for its first failed field with values per token (a
+    per-sample field such as the rewards has one value per sample, which its table and heatmap show)."""
+    from trajectory_replay.replay.compare import MAX_EVIDENCE_TOKENS
+
     for name, evidence in stage.evidence.items():
         first = evidence["first_sample"]
         if len(first["expected"]) > 1:
@@ -178,9 +187,9 @@ def _first_divergence(page: _Page, stage) -> None:
                         plots.token_chart(first["expected"], first["actual"], first["divergent"], name,
                                           first["sample_id"]),
                         f"{len(first['divergent'])} divergent token(s) marked"
-                        + (f"; the first {len(first['expected'])} tokens shown" if first["divergent"]
-                           and len(first["expected"]) >= 4096 else ""))
-            break
+                        + (f"; its first {len(first['expected'])} tokens shown"
+                           if len(first["expected"]) >= MAX_EVIDENCE_TOKENS else ""))
+            return
 
 
 def _stage_table(page: _Page, report) -> None:
@@ -233,6 +242,8 @@ def _bundle_sections(page: _Page, report, heading: Optional[str] = None) -> None
             page.add(_divergence_table(s))
         for name, evidence in s.evidence.items():
             _heatmap(page, s.label, name, evidence["sample_errors"])
+        if s is not failed[0]:
+            _first_sample(page, s)
 
 
 def _verdict(page: _Page, passed: bool, text: str) -> None:

@@ -128,8 +128,10 @@ def test_the_demo_buggy_bundle_report_is_small_and_renders_with_integer_sample_t
     _self_contained(text)
     dom, log, shot = _render(page, tmp_path)
     assert "CONSOLE" not in log, log
-    # every plot is drawn in the browser: the paired chart and the two heatmaps
-    assert dom.count("<svg class=\"plot\"") == text.count("<svg class='plot'") == 3
+    # every plot is drawn in the browser: the first divergent stage's values, its heatmap, and the later
+    # advantage.estimate's heatmap and first divergent sample per token
+    assert dom.count("<svg class=\"plot\"") == text.count("<svg class='plot'") == 4
+    assert "advantage.estimate: advantages of s-0, its first divergent sample, per token" in text
     ticks = _index_ticks(dom)
     assert ticks and all(re.fullmatch(r"\d+", t) for t in ticks), ticks
     assert shot.stat().st_size > 30_000   # a blank page is a few kilobytes
@@ -164,9 +166,12 @@ def test_heatmaps_name_their_samples_with_a_readable_colour_bar(demo_page):
     assert 80 <= height <= 200   # one row of 4 samples: neither a sliver nor a screenful
     for sid in ("s-0", "s-1", "s-2", "s-3"):
         assert f"<title>{sid}: 4.5</title>" in heatmap and f">{sid}</text>" in heatmap
-    # colour bar labels at whole decades, at least 16 px apart
-    ys = sorted(float(y) for y in re.findall(r"<text x='[\d.]+' y='([\d.]+)'>1e-?\d+</text>", heatmap))
-    assert len(ys) >= 2 and all(b - a >= 16 for a, b in zip(ys, ys[1:]))
+    # the colour bar: the largest error at the top, whole decades below it, labels at least 16 px apart
+    labels = re.findall(r"<line class='tick'[^>]*/><text x='[\d.]+' y='([\d.]+)'>([^<]+)</text>",
+                        heatmap[heatmap.index("|error|"):])
+    assert [text for _, text in labels] == ["4.5", "1e0"]
+    ys = sorted(float(y) for y, _ in labels)
+    assert all(b - a >= 16 for a, b in zip(ys, ys[1:]))
 
 
 def test_a_large_bundle_page_stays_under_the_limit_and_says_what_it_left_out(tmp_path):
