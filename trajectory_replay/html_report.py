@@ -58,8 +58,9 @@ svg.plot .hover:hover{fill:rgba(31,111,180,.08)}
 
 
 class _Page:
-    """Sections of HTML and the plots among them. Plots are placed when the page is written, in order, while
-    the page stays under PAGE_LIMIT with everything else on it."""
+    """Sections of HTML and the plots among them, written out under PAGE_LIMIT: plots are placed in order while
+    they fit beside all the text; text past the limit (only a page of very many failed ranks has so much) is
+    cut, and the page says where."""
 
     def __init__(self, title: str) -> None:
         self.title = title
@@ -74,24 +75,39 @@ class _Page:
     def write(self, path: str | Path) -> int:
         head = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_esc(self.title)}</title>"
                 f"<style>{CSS}</style></head><body>")
-        text = [p for p in self.parts if isinstance(p, str)]
-        budget = PAGE_LIMIT - len(head.encode()) - sum(len(p.encode()) for p in text) - 20_000  # captions, notes
-        out, figures = [head], 0
+        tail = "</body></html>"
+        room = PAGE_LIMIT - _size(head) - _size(tail) - 1_024   # 1 kB kept for the note of a cut
+        figures = [_figure(0, *part[:1], "", *part[2:]) for part in self.parts if not isinstance(part, str)]
+        plot_room = room - sum(_size(p) + 1 for p in self.parts if isinstance(p, str)) - sum(
+            _size(f) + 1 for f in figures)
+        out, used, count = [head], 0, 0
         for part in self.parts:
-            if isinstance(part, str):
-                out.append(part)
-                continue
-            caption, svg, note = part
-            size = len(svg.encode())
-            budget -= size
-            shown = svg if budget >= 0 else (f"<p class='note'>plot left out: it would take this page past "
-                                             f"{PAGE_LIMIT / 1e6:g} MB (the tables and --json say the same)</p>")
-            figures += 1
-            out.append(f"<figure id='plot-{figures}'><figcaption>{_esc(caption)}</figcaption>{shown}"
-                       + (f"<p class='note'>{_esc(note)}</p>" if note else "") + "</figure>")
-        data = ("\n".join(out) + "</body></html>").encode("utf-8")
+            if not isinstance(part, str):
+                caption, svg, note = part
+                count += 1
+                fits = _size(svg) <= plot_room
+                plot_room -= _size(svg) if fits else 0
+                part = _figure(count, caption, svg if fits else (
+                    f"<p class='note'>plot left out: it would take this page past {PAGE_LIMIT / 1e6:g} MB (the "
+                    "tables and --json say the same)</p>"), note)
+            if used + _size(part) + 1 > room:
+                out.append(f"<p class='note'>the rest of this report is left out: it would take this page past "
+                           f"{PAGE_LIMIT / 1e6:g} MB (--json has everything)</p>")
+                break
+            out.append(part)
+            used += _size(part) + 1
+        data = ("\n".join(out) + tail).encode("utf-8")
         Path(path).write_bytes(data)
         return len(data)
+
+
+def _size(markup: str) -> int:
+    return len(markup.encode("utf-8"))
+
+
+def _figure(number: int, caption: str, content: str, note: str) -> str:
+    return (f"<figure id='plot-{number}'><figcaption>{_esc(caption)}</figcaption>{content}"
+            + (f"<p class='note'>{_esc(note)}</p>" if note else "") + "</figure>")
 
 
 def _table(head: Sequence[str], rows: Sequence[str], note: str = "") -> str:

@@ -22,7 +22,7 @@ from trajectory_replay.bundle.schema import (
 from trajectory_replay.cli import app
 from trajectory_replay.html_report import PAGE_LIMIT, write_diff_html, write_replay_html, write_scan_html
 from trajectory_replay.replay.fixtures import canonical_case
-from trajectory_replay.replay.report import ReplayReport, StageResult
+from trajectory_replay.replay.report import Divergence, ReplayReport, StageResult
 
 runner = CliRunner()
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -201,6 +201,24 @@ def test_per_rank_mismatch_sections_name_their_rank(tmp_path):
     headings = _headings(page.read_text(encoding="utf-8"))
     assert "training–inference mismatch: rollout.mismatch (rank 0)" in headings
     assert "training–inference mismatch: rollout.mismatch (rank 1)" in headings
+
+
+def test_a_page_of_very_many_failed_ranks_stays_under_the_limit_and_says_where_it_is_cut(tmp_path):
+    ids = [f"s-{i}" for i in range(64)]
+    evidence = {"advantages": {"sample_errors": dict.fromkeys(ids, 1.0), "first_sample": {
+        "sample_id": "s-0", "expected": [1.0] * 64, "actual": [2.0] * 64, "divergent": list(range(64))}}}
+    divergences = tuple(Divergence("advantages", sid, 0, 1.0, 2.0, 1.0) for sid in ids[:10])
+    report = ReplayReport("b-many-ranks", stages=tuple(
+        StageResult(stage, "fail", "advantages: 64 of 64 values differ", rank=r, max_abs_error=1.0,
+                    mismatch_count=64, divergences=divergences, evidence=evidence)
+        for r in range(512) for stage in ("advantage.estimate", "loss.policy")))
+    page = tmp_path / "ranks.html"
+    assert write_replay_html(report, page) == page.stat().st_size <= PAGE_LIMIT
+    text = page.read_text(encoding="utf-8")
+    assert text.endswith("</body></html>")
+    assert "first divergent stage: advantage.estimate (rank 0)" in _headings(text)
+    assert "1024 of 1024 stage entries not listed here" not in text and "624 of 1024 stage entries" in text
+    assert "the rest of this report is left out: it would take this page past 1.5 MB" in text
 
 
 def test_the_diff_page_lists_fields_in_stage_order_without_credentials(bundles, tmp_path):
