@@ -48,7 +48,7 @@ h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 8px} h3{font-s
 .pass{background:#e6f4ea;color:#1e6b34} .fail{background:#fde8e8;color:#9b1c1c} .skipped{color:#6b7280}
 table{border-collapse:collapse;font-size:13px;margin:6px 0} td,th{border:1px solid #d7dbe3;padding:4px 8px;
 text-align:left;vertical-align:top} th{background:#f3f5f9} td.num{text-align:right;font-variant-numeric:tabular-nums}
-table.identity th{width:120px} td.changed{background:#fff4d6}
+table.identity th{width:120px} td.changed{background:#fff4d6} td.wrap{overflow-wrap:anywhere;min-width:240px}
 .note{color:#4b5563;font-size:13px} code{font-size:12px}
 figure{margin:14px 0} figcaption{font-size:14px;font-weight:600;margin:0 0 4px}
 svg.plot{display:block;font-size:11px;fill:#1d2330} svg.plot .grid{stroke:#eceff4} svg.plot .axis,svg.plot .tick
@@ -212,7 +212,7 @@ def _stage_table(page: _Page, report) -> None:
     stages, note = _bounded(report.stages, lambda s: s.failed, "stage entries")
     rows = [f"<tr><td>{_esc(s.stage)}</td><td>{_esc(s.rank)}</td><td class='{s.status}'>{s.status}</td>"
             f"<td class='num'>{_number(s.max_abs_error)}</td><td class='num'>{s.mismatch_count}</td>"
-            f"<td>{_esc(s.message)}</td></tr>" for s in stages]
+            f"<td class='wrap'>{_esc(s.message)}</td></tr>" for s in stages]
     page.add(_table(("stage", "rank", "status", "max abs error", "mismatches", "message"), rows, note))
 
 
@@ -323,7 +323,7 @@ def write_diff_html(report, path: str | Path) -> int:
     fields, note = _bounded(report.fields_in_stage_order, lambda f: f.differs, "fields")
     rows = [f"<tr class='{'fail' if f.differs else ''}'><td>{_esc(f.stage)}</td><td>{_esc(f.name)}</td>"
             f"<td class='num'>{f.compared}</td><td class='num'>{f.differing}</td>"
-            f"<td class='num'>{_number(f.max_abs_diff)}</td><td>{_esc(f.note)}</td></tr>" for f in fields]
+            f"<td class='num'>{_number(f.max_abs_diff)}</td><td class='wrap'>{_esc(f.note)}</td></tr>" for f in fields]
     page.add("<h2>fields, in stage order</h2>"
              + _table(("stage", "field", "compared", "differ", "max |a−b|", "note"), rows, note))
     differing = report.differences[:TABLE_ROWS]
@@ -368,7 +368,8 @@ def write_scan_html(report, path: str | Path) -> int:
         page.add("<h2>incomplete bundles</h2>" + _table(
             ("bundle", "anchor", "missing ranks", "expected ranks", "detail"),
             [f"<tr><td>{_esc(v.name)}</td><td>{_esc(v.anchor)}</td><td>{_esc(v.missing_ranks)}</td>"
-             f"<td>{_esc(v.expected_ranks)}</td><td>{_esc(v.detail)}</td></tr>" for v in incomplete], note))
+             f"<td>{_esc(v.expected_ranks)}</td><td class='wrap'>{_esc(v.detail)}</td></tr>" for v in incomplete],
+            note))
     if report.verdicts:
         verdicts = report.verdicts
         svg, per_column = plots.strip_chart(
@@ -383,7 +384,8 @@ def write_scan_html(report, path: str | Path) -> int:
     rows = [f"<tr><td>{_esc(v.name)}</td><td>{_esc(v.anchor)}</td>"
             f"<td class='{'pass' if v.status == 'pass' else 'fail'}'>{_esc(v.status)}</td>"
             f"<td>{_esc(v.first_divergent_stage)}</td><td>{_esc(v.sample_id)}</td><td>{_esc(v.field)}</td>"
-            f"<td>{'stored verdict' if v.cached else 'replayed'}</td><td>{_esc(v.detail)}</td></tr>" for v in verdicts]
+            f"<td>{'stored verdict' if v.cached else 'replayed'}</td><td class='wrap'>{_esc(v.detail)}</td></tr>"
+            for v in verdicts]
     page.add("<h2>bundles</h2>" + _table(("bundle", "anchor", "verdict", "first divergent stage", "sample", "field",
                                           "from", "detail"), rows, note))
     return page.write(path)

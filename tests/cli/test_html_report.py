@@ -221,6 +221,24 @@ def test_a_page_of_very_many_failed_ranks_stays_under_the_limit_and_says_where_i
     assert "the rest of this report is left out: it would take this page past 1.5 MB" in text
 
 
+def test_non_finite_values_are_drawn_as_such(tmp_path):
+    nan, inf = float("nan"), float("inf")
+    evidence = {"advantages": {"sample_errors": {"s-0": nan, "s-1": 0.5, "s-2": 0.0, "s-3": inf}, "first_sample": {
+        "sample_id": "s-0", "expected": [1.0, 1.0, 1.0], "actual": [1.0, nan, 2.0], "divergent": [1, 2]}}}
+    report = ReplayReport("b-nan", stages=(StageResult(
+        "advantage.estimate", "fail", "advantages: 2 of 12 values differ", max_abs_error=nan, mismatch_count=2,
+        divergences=(Divergence("advantages", "s-0", 1, 1.0, nan, nan),), evidence=evidence),))
+    page = tmp_path / "nan.html"
+    write_replay_html(report, page)
+    text = page.read_text(encoding="utf-8")
+    assert "<title>s-0: not finite</title>" in text and "<title>s-3: not finite</title>" in text
+    assert "<title>s-2: 0</title>" in text and ">not finite</text>" in text   # the legend of the grey cells
+    assert "<title>s-0 token 1: expected 1, actual not finite</title>" in text
+    # no coordinate of a plot is NaN or infinite (the browser would drop the element)
+    svgs = re.findall(r"<svg.*?</svg>", text)
+    assert len(svgs) == 3 and not re.search(r"='[^']*(nan|inf)[^']*'", "".join(svgs))
+
+
 def test_the_diff_page_lists_fields_in_stage_order_without_credentials(bundles, tmp_path):
     from trajectory_replay.bundle import open_bundle
     from trajectory_replay.replay.diff import diff_bundles
