@@ -157,7 +157,8 @@ def _polyline(frame: _Frame, values: Sequence[float], colour: str) -> str:
 
 def token_chart(expected: Sequence[float], actual: Sequence[float], divergent: Sequence[int], y_title: str,
                 sample_id: str) -> str:
-    """Expected and actual values of one sample per token offset, its divergent tokens marked with a cross."""
+    """Expected and actual values of one sample per token offset; its divergent tokens marked on the axis (and,
+    when there are few, with a cross on the actual value)."""
     n = max(len(expected), len(actual), 1)
     lo, hi = _finite_range([*expected, *actual])
     frame = _Frame(360, (-0.5, n - 0.5), (lo, hi), top=30)
@@ -165,12 +166,12 @@ def token_chart(expected: Sequence[float], actual: Sequence[float], divergent: S
     body = frame.axes(ticks, value_ticks(lo, hi), f"token offset in {sample_id}'s response", y_title)
     body.append(_polyline(frame, expected, EXPECTED_COLOUR))
     body.append(_polyline(frame, actual, ACTUAL_COLOUR))
-    shown = list(divergent)
+    marked = list(divergent)
     base = frame.height - frame.bottom
-    rug = "".join(f"M{_num(frame.px(i))} {base - 1}v-7" for i in shown)   # every divergent token, at the axis
+    rug = "".join(f"M{_num(frame.px(i))} {base - 1}v-7" for i in marked)   # every divergent token, at the axis
     crosses = "".join(f"M{_num(frame.px(i) - 4)} {_num(frame.py(_finite_or(actual, i, hi)) - 4)}l8 8m-8 0l8-8"
-                      for i in shown) if len(shown) <= 64 else ""   # few: a cross on the actual value too
-    if shown:
+                      for i in marked) if len(marked) <= 64 else ""   # few: a cross on the actual value too
+    if marked:
         body.append(f"<path d='{rug}{crosses}' stroke='{DIVERGENT_COLOUR}' stroke-width='2' fill='none'/>")
     if n <= 64:  # few tokens: each one says its values on hover
         for i in range(n):
@@ -180,7 +181,7 @@ def token_chart(expected: Sequence[float], actual: Sequence[float], divergent: S
                         f"width='{_num(frame.px(1) - frame.px(0))}' height='{frame.height - frame.top - frame.bottom}'>"
                         f"<title>{_esc(sample_id)} token {i}: expected {short(e)}, actual {short(a)}</title></rect>")
     legend = [(EXPECTED_COLOUR, "expected"), (ACTUAL_COLOUR, "actual")]
-    if shown:
+    if marked:
         legend.append((DIVERGENT_COLOUR, f"divergent ({len(divergent)})"))
     body += _legend(legend, frame.left + 10, 14)
     return _svg(frame.height, body, f"{y_title} of {sample_id} per token")
@@ -188,7 +189,8 @@ def token_chart(expected: Sequence[float], actual: Sequence[float], divergent: S
 
 def paired_chart(labels: Sequence[str], expected: Sequence[Optional[float]], actual: Sequence[Optional[float]],
                  y_title: str) -> str:
-    """Expected and actual values at labelled positions (sample ids, or sample id and token), side by side."""
+    """Expected (a ring) and actual (a dot) values at labelled positions (sample ids, or sample id and token),
+    joined by a dashed line; a non-finite value is left out."""
     n = max(len(labels), 1)
     values = [v for v in (*expected, *actual) if v is not None]
     lo, hi = _finite_range(values)

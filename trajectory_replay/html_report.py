@@ -183,8 +183,9 @@ def _first_divergence(page: _Page, stage) -> None:
         shown = [d for d in stage.divergences if d.field == field or d.sample_id is None]
         labels = [d.field if d.sample_id is None else d.sample_id if d.token_offset is None
                   else f"{d.sample_id} token {d.token_offset}" for d in shown]
-        page.figure(f"{stage.label}: {field}, expected and actual "
-                    + ("per field" if all(d.sample_id is None for d in shown) else "per sample"),
+        per = ("per field" if all(d.sample_id is None for d in shown) else "per sample"
+               if all(d.token_offset is None for d in shown) else "per sample and token")
+        page.figure(f"{stage.label}: {field}, expected and actual {per}",
                     plots.paired_chart(labels, [d.expected for d in shown], [d.actual for d in shown], field),
                     "" if len(shown) == stage.mismatch_count else
                     f"the {len(shown)} mismatches listed above; the heatmap below shows every sample")
@@ -219,8 +220,8 @@ def _stage_table(page: _Page, report) -> None:
 def _heatmap(page: _Page, stage: str, name: str, errors: dict[str, float]) -> None:
     """Each sample's largest error, HEATMAP_COLUMNS samples per row in cohort order."""
     svg, per_cell = plots.heatmap(list(errors), list(errors.values()), HEATMAP_COLUMNS, HEATMAP_CELLS)
-    page.figure(f"{stage}: {name}, largest error per sample ({len(errors)} samples in cohort order, "
-                f"{min(HEATMAP_COLUMNS, len(errors))} per row)", svg,
+    row = f"{min(HEATMAP_COLUMNS, len(errors))} per row" if per_cell == 1 else f"{HEATMAP_COLUMNS} cells per row"
+    page.figure(f"{stage}: {name}, largest error per sample ({len(errors)} samples in cohort order, {row})", svg,
                 "each row is named by its first sample; hover a cell for its sample and error" + (
                     f"; each cell holds {per_cell} consecutive samples and shows the largest of their errors "
                     f"(at most {HEATMAP_CELLS} cells are drawn)" if per_cell > 1 else ""))
