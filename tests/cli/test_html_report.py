@@ -158,6 +158,17 @@ def test_the_page_says_first_which_bundle_and_the_first_divergent_stage_values(d
     assert "advantage.estimate" not in section   # no later stage's values stand in for the first one's
 
 
+def test_a_config_field_replayed_with_another_value_is_marked(demo_page, tmp_path):
+    page = tmp_path / "override.html"
+    result = runner.invoke(app, ["replay", str(Path(demo_page[1]) / "b-00065"), "--set", "kl_coef=0.2",
+                                 "--html", str(page)])
+    assert result.exit_code == 1, result.output
+    text = page.read_text(encoding="utf-8")
+    assert ("<td class='changed'><code>kl_coef</code></td><td class='changed'><code>0.1 → 0.2</code></td>"
+            in text)
+    assert "replayed with 1 field(s) changed" in text
+
+
 def test_heatmaps_name_their_samples_with_a_readable_colour_bar(demo_page):
     text = demo_page[0].read_text(encoding="utf-8")
     heatmap = text[text.index("reward.post_process: reward, largest error per sample"):]
