@@ -233,18 +233,19 @@ def parse_overrides(assignments: list[str]) -> dict[str, Any]:
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the human report.")]
 HtmlFlag = Annotated[Optional[str], typer.Option("--html", help="Also write the report as one self-contained HTML "
-                                                "file with plots (needs the report extra: plotly).")]
+                                                "file with plots.")]
 
 
-def _finish(report, html_path: Optional[str], as_json: bool) -> None:
-    """Write a replay, chain or diff report's HTML page when asked (saying on stderr where it went: stdout stays
-    the report), print the report, and exit with its code."""
+def _finish(report, html_path: Optional[str], as_json: bool, sources=None) -> None:
+    """Write a replay, chain or diff report's HTML page when asked (a replay's with the `sources` replayed; saying
+    on stderr where it went: stdout stays the report), print the report, and exit with its code."""
     if html_path is not None:
         from trajectory_replay.html_report import write_diff_html, write_replay_html
         from trajectory_replay.replay.diff import DiffReport
 
-        write = write_diff_html if isinstance(report, DiffReport) else write_replay_html
-        typer.echo(f"trajectory-replay: wrote {html_path} ({write(report, html_path)} bytes)", err=True)
+        size = write_diff_html(report, html_path) if isinstance(report, DiffReport) else \
+            write_replay_html(report, html_path, sources)
+        typer.echo(f"trajectory-replay: wrote {html_path} ({size} bytes)", err=True)
     status = report_status(report)
     reason = getattr(report, "unsupported_reason", None)
     if as_json:
@@ -318,7 +319,7 @@ def replay_cmd(
         report = replay_chain(sources, open_rollout, replay_step=replay_step, atol=atol, rtol=rtol)
     else:
         report = replay_step(sources)
-    _finish(report, html_path, as_json)
+    _finish(report, html_path, as_json, sources)
 
 
 @app.command("conventions", cls=Command)
@@ -494,7 +495,7 @@ def scan_cmd(
                                                         "verdict.")] = False,
     quiet: QuietFlag = False,
     html_path: Annotated[Optional[str], typer.Option("--html", help="Also write the summary as one self-contained "
-                                                     "HTML page with the verdict timeline (needs plotly).")] = None,
+                                                     "HTML page with the verdict timeline.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Replay every complete bundle of a store, resumably (verdicts are kept in the store); summarize counts,
@@ -512,10 +513,6 @@ def scan_cmd(
         from trajectory_replay.ops.scan_ray import require_ray
 
         require_ray()
-    if html_path is not None:
-        from trajectory_replay.html_report import _plotly
-
-        _plotly()  # no plotly: say so before replaying anything
     kwargs = dict(engine=engine, workers=workers, ray_address=ray_address, atol=atol, rtol=rtol, force=force)
     if progress_wanted(quiet):
         with RichScanProgress() as bar:

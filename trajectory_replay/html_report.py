@@ -1,32 +1,34 @@
-"""One self-contained HTML file of a replay (or a chain, or a diff) that people can look at.
+"""One self-contained HTML file of a replay (or a chain, a diff, a scan) that people can look at.
 
-The page holds the verdict and the chain, the stage table, a per-sample error heatmap for each failed stage, and,
-for the first divergent sample, its expected and actual values per token with the divergent tokens marked; the
-rollout.mismatch metrics and worst tokens when the bundle has them. Plots are plotly figures; plotly.js is inlined,
-so the file opens with no network access. plotly is the optional extra `trajectory-replay[report]`.
+A replay page answers what the terminal report answers, first: the bundle (id, anchor, where it is stored, the
+recompute config), then the first divergent stage with its expected and actual values per sample (and per token)
+as a table and a plot, then the stage table, the rollout.mismatch metrics of each rank, a heatmap of each sample's
+largest error for every failed stage and field, and each later failed stage's listed divergences.
+
+Plots are inline SVG drawn by `html_plots` (no script, no network, no dependency): plotly.js inlined costs 4.8 MB
+per page, and the installed plotly ships no partial bundle. What a page holds is bounded, so a page stays under
+PAGE_LIMIT for any bundle: heatmaps show at most HEATMAP_CELLS cells (a cell then holds consecutive samples), long
+tables keep their failed rows first, and a plot that would pass the limit is left out; the page says so each time.
 """
 
 from __future__ import annotations
 
 import html
 import json
-import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
-from trajectory_replay.errors import UsageError
+from trajectory_replay import html_plots as plots
+from trajectory_replay.backends import redact_url
 
+PAGE_LIMIT = 1_500_000
+"""Bytes a page may take."""
 HEATMAP_COLUMNS = 64
 """Samples per heatmap row: 2,048 samples make a 32 x 64 grid."""
-
-
-def _plotly():
-    try:
-        import plotly.graph_objects as go
-        import plotly.io as pio
-    except ImportError:
-        raise UsageError("--html needs plotly, the report extra: pip install 'trajectory-replay[report]'") from None
-    return go, pio
+HEATMAP_CELLS = 2048
+"""Cells per heatmap; more samples share cells."""
+TABLE_ROWS = 400
+"""Rows per long table (stages of many ranks, a scan's bundles)."""
 
 
 def _esc(value: Any) -> str:
@@ -46,133 +48,245 @@ h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 8px} h3{font-s
 .pass{background:#e6f4ea;color:#1e6b34} .fail{background:#fde8e8;color:#9b1c1c} .skipped{color:#6b7280}
 table{border-collapse:collapse;font-size:13px;margin:6px 0} td,th{border:1px solid #d7dbe3;padding:4px 8px;
 text-align:left;vertical-align:top} th{background:#f3f5f9} td.num{text-align:right;font-variant-numeric:tabular-nums}
+table.identity th{width:120px} td.changed{background:#fff4d6} td.wrap{overflow-wrap:anywhere;min-width:240px}
 .note{color:#4b5563;font-size:13px} code{font-size:12px}
+figure{margin:14px 0} figcaption{font-size:14px;font-weight:600;margin:0 0 4px}
+svg.plot{display:block;font-size:11px;fill:#1d2330} svg.plot .grid{stroke:#eceff4} svg.plot .axis,svg.plot .tick
+{stroke:#6b7280} svg.plot .title{font-size:12px;fill:#4b5563} svg.plot .hover{fill:transparent}
+svg.plot .hover:hover{fill:rgba(31,111,180,.08)}
 """
 
 
 class _Page:
-    """Sections of HTML and the figures they embed (plotly.js once, in the first figure)."""
+    """Sections of HTML and the plots among them, written out under PAGE_LIMIT: plots are placed in order while
+    they fit beside all the text; text past the limit (only a page of very many failed ranks has so much) is
+    cut, and the page says where."""
 
     def __init__(self, title: str) -> None:
-        self.go, self.pio = _plotly()
         self.title = title
-        self.parts: list[str] = []
-        self.figures = 0
+        self.parts: list[str | tuple[str, str, str]] = []
 
     def add(self, markup: str) -> None:
         self.parts.append(markup)
 
-    def figure(self, fig) -> None:
-        fig.update_layout(margin=dict(l=60, r=20, t=40, b=40), template="plotly_white")
-        self.parts.append(self.pio.to_html(fig, full_html=False, include_plotlyjs="inline" if self.figures == 0
-                                           else False, div_id=f"plot-{self.figures}",
-                                           config={"displaylogo": False, "responsive": True}))
-        self.figures += 1
+    def figure(self, caption: str, svg: str, note: str = "") -> None:
+        self.parts.append((caption, svg, note))
 
     def write(self, path: str | Path) -> int:
-        doc = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_esc(self.title)}</title>"
-               f"<style>{CSS}</style></head><body>" + "\n".join(self.parts) + "</body></html>")
-        data = doc.encode("utf-8")
+        head = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_esc(self.title)}</title>"
+                f"<style>{CSS}</style></head><body>")
+        tail = "</body></html>"
+        room = PAGE_LIMIT - _size(head) - _size(tail) - 1_024   # 1 kB kept for the note of a cut
+        figures = [_figure(0, *part[:1], "", *part[2:]) for part in self.parts if not isinstance(part, str)]
+        plot_room = room - sum(_size(p) + 1 for p in self.parts if isinstance(p, str)) - sum(
+            _size(f) + 1 for f in figures)
+        out, used, count = [head], 0, 0
+        for part in self.parts:
+            if not isinstance(part, str):
+                caption, svg, note = part
+                count += 1
+                fits = _size(svg) <= plot_room
+                plot_room -= _size(svg) if fits else 0
+                part = _figure(count, caption, svg if fits else (
+                    f"<p class='note'>plot left out: it would take this page past {PAGE_LIMIT / 1e6:g} MB (the "
+                    "tables and --json say the same)</p>"), note)
+            if used + _size(part) + 1 > room:
+                out.append(f"<p class='note'>the rest of this report is left out: it would take this page past "
+                           f"{PAGE_LIMIT / 1e6:g} MB (--json has everything)</p>")
+                break
+            out.append(part)
+            used += _size(part) + 1
+        data = ("\n".join(out) + tail).encode("utf-8")
         Path(path).write_bytes(data)
         return len(data)
 
 
+def _size(markup: str) -> int:
+    return len(markup.encode("utf-8"))
+
+
+def _figure(number: int, caption: str, content: str, note: str) -> str:
+    return (f"<figure id='plot-{number}'><figcaption>{_esc(caption)}</figcaption>{content}"
+            + (f"<p class='note'>{_esc(note)}</p>" if note else "") + "</figure>")
+
+
+def _table(head: Sequence[str], rows: Sequence[str], note: str = "") -> str:
+    """A table of ready-made `<tr>` rows under `head`, with a note below when some rows were left out."""
+    return ("<table><tr>" + "".join(f"<th>{_esc(h)}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>"
+            + (f"<p class='note'>{_esc(note)}</p>" if note else ""))
+
+
+def _bounded(items: Sequence[Any], keep: Callable[[Any], bool], what: str) -> tuple[list[Any], str]:
+    """At most TABLE_ROWS of `items`, in their order: those `keep` picks first, then the others; and a note
+    saying how many were left out."""
+    if len(items) <= TABLE_ROWS:
+        return list(items), ""
+    chosen = {id(x) for x in [x for x in items if keep(x)][:TABLE_ROWS]}
+    for x in items:
+        if len(chosen) >= TABLE_ROWS:
+            break
+        chosen.add(id(x))
+    shown = [x for x in items if id(x) in chosen]
+    return shown, f"{len(items) - len(shown)} of {len(items)} {what} not listed here (--json lists every one)"
+
+
+# ---- a replay page ------------------------------------------------------------------------------------
+
+def _identity(page: _Page, sources: Sequence[Any], overrides: dict[str, Any]) -> None:
+    """The bundle: id, anchor, where it is stored (no credentials), ranks, samples, and its recompute config
+    (fields replayed with another value marked)."""
+    from trajectory_replay.bundle.anchor import Anchor
+
+    first = sources[0]
+    anchor = Anchor.of(first.index.identity)
+    ranks = sorted(s.rank for s in sources if s.rank is not None)
+    rows = [("bundle", first.bundle_id), ("anchor", f"{anchor}  ({anchor.flag})"),
+            ("stored at", redact_url(str(getattr(first, "label", "") or "")))]
+    if ranks:
+        rows.append(("ranks", ", ".join(map(str, ranks))))
+    rows.append(("samples", str(sum(len(s.index.samples) for s in sources))))
+    page.add("<table class='identity'>" + "".join(f"<tr><th>{_esc(k)}</th><td><code>{_esc(v)}</code></td></tr>"
+                                                  for k, v in rows) + "</table>")
+    config = first.index.config
+    fields = config.model_dump()
+    cells = []
+    for name, value in fields.items():
+        if name in overrides:
+            cells.append(f"<td class='changed'><code>{_esc(name)}</code></td><td class='changed'>"
+                         f"<code>{_esc(json.dumps(value))} → {_esc(json.dumps(overrides[name]))}</code></td>")
+        else:
+            cells.append(f"<td><code>{_esc(name)}</code></td><td><code>{_esc(json.dumps(value))}</code></td>")
+    per_row = 3
+    body = "".join("<tr>" + "".join(cells[k:k + per_row]) + "</tr>" for k in range(0, len(cells), per_row))
+    profile = getattr(config, "profile", None)
+    page.add("<h3>recompute config" + (f" (profile {_esc(profile)})" if profile else "") + "</h3>"
+             + (f"<p class='note'>replayed with {len(overrides)} field(s) changed (marked): recorded → replayed</p>"
+                if overrides else "") + f"<table>{body}</table>")
+
+
+def _divergence_table(stage) -> str:
+    rows = [f"<tr><td>{_esc(d.field)}</td><td>{_esc(d.sample_id)}</td><td class='num'>{_esc(d.token_offset)}</td>"
+            f"<td class='num'>{_number(d.expected)}</td><td class='num'>{_number(d.actual)}</td>"
+            f"<td class='num'>{_number(d.abs_error)}</td></tr>" for d in stage.divergences]
+    more = stage.mismatch_count - len(stage.divergences)
+    return _table(("field", "sample", "token", "expected", "actual", "|error|"), rows,
+                  f"the first {len(stage.divergences)} of {stage.mismatch_count} mismatches" if more > 0 else "")
+
+
+def _first_divergence(page: _Page, stage) -> None:
+    """The first failed stage: its message, its listed divergences (sample ids, tokens, expected, actual) as a
+    table and a plot, and its first divergent sample token by token when its values are per token."""
+    page.add(f"<h2>first divergent stage: {_esc(stage.label)}</h2><p>{_esc(stage.message)}</p>")
+    if stage.divergences:
+        page.add(_divergence_table(stage))
+        field = stage.divergences[0].field
+        shown = [d for d in stage.divergences if d.field == field or d.sample_id is None]
+        labels = [d.field if d.sample_id is None else d.sample_id if d.token_offset is None
+                  else f"{d.sample_id} token {d.token_offset}" for d in shown]
+        per = ("per field" if all(d.sample_id is None for d in shown) else "per sample"
+               if all(d.token_offset is None for d in shown) else "per sample and token")
+        page.figure(f"{stage.label}: {field}, expected and actual {per}",
+                    plots.paired_chart(labels, [d.expected for d in shown], [d.actual for d in shown], field),
+                    "" if len(shown) == stage.mismatch_count else
+                    f"the {len(shown)} mismatches listed above; the heatmap below shows every sample")
+    _first_sample(page, stage)
+
+
+def _first_sample(page: _Page, stage) -> None:
+    """The stage's first divergent sample token by token, for its first failed field with values per token (a
+    per-sample field such as the rewards has one value per sample, which its table and heatmap show)."""
+    from trajectory_replay.replay.compare import MAX_EVIDENCE_TOKENS
+
+    for name, evidence in stage.evidence.items():
+        first = evidence["first_sample"]
+        if len(first["expected"]) > 1:
+            page.figure(f"{stage.label}: {name} of {first['sample_id']}, its first divergent sample, per token",
+                        plots.token_chart(first["expected"], first["actual"], first["divergent"], name,
+                                          first["sample_id"]),
+                        f"{len(first['divergent'])} divergent token(s) marked"
+                        + (f"; its first {len(first['expected'])} tokens shown"
+                           if len(first["expected"]) >= MAX_EVIDENCE_TOKENS else ""))
+            return
+
+
 def _stage_table(page: _Page, report) -> None:
-    rows = ["<table><tr><th>stage</th><th>rank</th><th>status</th><th>max abs error</th><th>mismatches</th>"
-            "<th>message</th></tr>"]
-    for s in report.stages:
-        rows.append(f"<tr><td>{_esc(s.stage)}</td><td>{_esc(s.rank)}</td><td class='{s.status}'>{s.status}</td>"
-                    f"<td class='num'>{_number(s.max_abs_error)}</td><td class='num'>{s.mismatch_count}</td>"
-                    f"<td>{_esc(s.message)}</td></tr>")
-    rows.append("</table>")
-    page.add("".join(rows))
+    stages, note = _bounded(report.stages, lambda s: s.failed, "stage entries")
+    rows = [f"<tr><td>{_esc(s.stage)}</td><td>{_esc(s.rank)}</td><td class='{s.status}'>{s.status}</td>"
+            f"<td class='num'>{_number(s.max_abs_error)}</td><td class='num'>{s.mismatch_count}</td>"
+            f"<td class='wrap'>{_esc(s.message)}</td></tr>" for s in stages]
+    page.add(_table(("stage", "rank", "status", "max abs error", "mismatches", "message"), rows, note))
 
 
 def _heatmap(page: _Page, stage: str, name: str, errors: dict[str, float]) -> None:
-    """Each sample's largest error, on a grid of HEATMAP_COLUMNS samples per row (log10; NaN: non-finite)."""
-    ids = list(errors)
-    cols = min(HEATMAP_COLUMNS, max(len(ids), 1))
-    rows = math.ceil(len(ids) / cols)
-    z: list[list[Optional[float]]] = [[None] * cols for _ in range(rows)]
-    text: list[list[str]] = [[""] * cols for _ in range(rows)]
-    for k, sid in enumerate(ids):
-        value = errors[sid]
-        r, c = divmod(k, cols)
-        z[r][c] = math.log10(value) if value and value > 0 and math.isfinite(value) else (
-            None if value != value else -12.0)
-        text[r][c] = f"{sid}: {'not finite' if value != value else f'{value:.6g}'}"
-    fig = page.go.Figure(page.go.Heatmap(z=z, text=text, hoverinfo="text", colorscale="Reds",
-                                         colorbar=dict(title="log10 |err|")))
-    fig.update_layout(title=f"{stage}: {name}, largest error per sample ({len(ids)} samples, "
-                            f"{cols} per row, in cohort order)", height=120 + 18 * rows,
-                      yaxis=dict(autorange="reversed", title="row"), xaxis=dict(title="column"))
-    page.figure(fig)
-
-
-def _token_plot(page: _Page, stage: str, name: str, first: dict[str, Any]) -> None:
-    """Expected and actual values of the first divergent sample, per token, divergent tokens marked."""
-    go = page.go
-    expected, actual, bad = first["expected"], first["actual"], first["divergent"]
-    xs = list(range(len(expected)))
-    fig = go.Figure([go.Scatter(x=xs, y=expected, mode="lines+markers", name="expected"),
-                     go.Scatter(x=xs, y=actual, mode="lines+markers", name="actual"),
-                     go.Scatter(x=bad, y=[actual[i] for i in bad], mode="markers", name="divergent",
-                                marker=dict(symbol="x", size=11, color="#c81e1e"))])
-    fig.update_layout(title=f"{stage}: {name} of {first['sample_id']}, the first divergent sample",
-                      xaxis_title="token offset" if len(expected) > 1 else "", yaxis_title=name, height=360)
-    page.figure(fig)
+    """Each sample's largest error, HEATMAP_COLUMNS samples per row in cohort order."""
+    svg, per_cell = plots.heatmap(list(errors), list(errors.values()), HEATMAP_COLUMNS, HEATMAP_CELLS)
+    row = f"{min(HEATMAP_COLUMNS, len(errors))} per row" if per_cell == 1 else f"{HEATMAP_COLUMNS} cells per row"
+    page.figure(f"{stage}: {name}, largest error per sample ({len(errors)} samples in cohort order, {row})", svg,
+                "each row is named by its first sample; hover a cell for its sample and error" + (
+                    f"; each cell holds {per_cell} consecutive samples and shows the largest of their errors "
+                    f"(at most {HEATMAP_CELLS} cells are drawn)" if per_cell > 1 else ""))
 
 
 def _mismatch(page: _Page, stage) -> None:
     metrics = {k: v for k, v in stage.metrics.items() if not isinstance(v, list)}
     worst = stage.metrics.get("worst_tokens") or []
-    page.add("<h3>training–inference mismatch</h3><table><tr>" + "".join(f"<th>{_esc(k)}</th>" for k in metrics)
-             + "</tr><tr>" + "".join(f"<td class='num'>{_number(v)}</td>" for v in metrics.values()) + "</tr></table>")
+    page.add(f"<h3>training–inference mismatch: {_esc(stage.label)}</h3>" + _table(
+        list(metrics), ["<tr>" + "".join(f"<td class='num'>{_number(v)}</td>" for v in metrics.values()) + "</tr>"]))
     if worst:
-        head = "".join(f"<th>{_esc(k)}</th>" for k in worst[0])
-        body = "".join("<tr>" + "".join(f"<td>{_number(v)}</td>" for v in row.values()) + "</tr>" for row in worst)
-        page.add(f"<table><tr>{head}</tr>{body}</table>")
+        page.add("<p class='note'>worst tokens</p>" + _table(list(worst[0]), [
+            "<tr>" + "".join(f"<td>{_number(v)}</td>" for v in row.values()) + "</tr>" for row in worst]))
 
 
-def _bundle_sections(page: _Page, report, heading: str) -> None:
-    """A bundle's stage table, mismatch metrics and the plots of its failed stages."""
-    page.add(f"<h2>{_esc(heading)}</h2>")
+def _bundle_sections(page: _Page, report, heading: Optional[str] = None) -> None:
+    """A bundle's first divergent stage, stage table, mismatch metrics, and its failed stages (under `heading`:
+    one bundle of a chain)."""
+    if heading:
+        page.add(f"<h2>{_esc(heading)}</h2>")
     if report.overrides:
         page.add("<p class='note'>config overridden: " + _esc(", ".join(f"{k}={json.dumps(v)}" for k, v in
                                                                        report.overrides.items())) + "</p>")
+    failed = [s for s in report.stages if s.failed]
+    if failed:
+        _first_divergence(page, failed[0])
+    page.add("<h2>stages</h2>")
     _stage_table(page, report)
     for s in report.stages:
         if s.stage == "rollout.mismatch" and s.metrics:
             _mismatch(page, s)
-    failed = [s for s in report.stages if s.failed]
     for s in failed:
+        page.add(f"<h3>failed: {_esc(s.label)}</h3><p class='note'>{_esc(s.message)}</p>")
+        if s is not failed[0] and s.divergences:
+            page.add(_divergence_table(s))
         for name, evidence in s.evidence.items():
             _heatmap(page, s.label, name, evidence["sample_errors"])
-        if not s.evidence:
-            page.add(f"<p class='note'>{_esc(s.label)}: nothing to plot (no per-sample values compared)</p>")
-    # the first divergent sample token by token: the first failed field with tokens (a per-sample field such as
-    # the rewards has one value per sample, which its heatmap already shows)
-    per_token = [(s, name, e["first_sample"]) for s in failed for name, e in s.evidence.items()
-                 if len(e["first_sample"]["expected"]) > 1]
-    if per_token:
-        s, name, first = per_token[0]
-        _token_plot(page, s.label, name, first)
+        if s is not failed[0]:
+            _first_sample(page, s)
 
 
 def _verdict(page: _Page, passed: bool, text: str) -> None:
     page.add(f"<div class='verdict {'pass' if passed else 'fail'}'>{_esc(text)}</div>")
 
 
-def write_replay_html(report, path: str | Path) -> int:
-    """The HTML page of a ReplayReport or a ChainReport at `path`; its size in bytes."""
+def _unchecked(report) -> Optional[str]:
+    """The verdict line of a replay that compared nothing (why), or None."""
+    reason = report.unsupported_reason
+    return None if reason is None else f"unsupported: nothing compared ({reason})"
+
+
+def write_replay_html(report, path: str | Path, sources: Optional[Sequence[Any]] = None) -> int:
+    """The HTML page of a ReplayReport or a ChainReport at `path`; its size in bytes. `sources`: the replayed
+    bundle's (the chain's step bundle's) sources, whose identity and config the page shows first."""
     from trajectory_replay.replay.chain import ChainReport
 
     if isinstance(report, ChainReport):
         page = _Page(f"replay {report.step.bundle}")
         page.add(f"<h1>trajectory-replay: {_esc(report.step.bundle)} with the rollouts that produced it</h1>")
         first = report.first_divergence
-        _verdict(page, report.passed, "no divergence" if first is None else "first divergence: " + ", ".join(
-            f"{k} {v}" for k, v in first.items() if v is not None))
+        _verdict(page, report.passed, _unchecked(report) or ("no divergence" if first is None else
+                                                             "first divergence: " + ", ".join(
+            f"{k} {v}" for k, v in first.items() if v is not None)))
+        if sources:
+            _identity(page, sources, {} if report.step.report is None else report.step.report.overrides)
         page.add("<p class='note'>chain: " + " → ".join(_esc(e.bundle) for e in report.upstream)
                  + (" → " if report.upstream else "") + _esc(report.step.bundle) + "</p>")
         for note in report.notes:
@@ -192,54 +306,58 @@ def write_replay_html(report, path: str | Path) -> int:
         return page.write(path)
     page = _Page(f"replay {report.bundle_id}")
     page.add(f"<h1>trajectory-replay: {_esc(report.bundle_id)}</h1>")
-    _verdict(page, report.passed, f"first divergent stage: {report.first_divergent_stage or 'none'}")
-    _bundle_sections(page, report, "stages")
+    _verdict(page, report.passed,
+             _unchecked(report) or f"first divergent stage: {report.first_divergent_stage or 'none'}")
+    if sources:
+        _identity(page, sources, report.overrides)
+    _bundle_sections(page, report)
     return page.write(path)
 
 
+# ---- a diff page -------------------------------------------------------------------------------------
+
 def write_diff_html(report, path: str | Path) -> int:
-    """The HTML page of a DiffReport: the verdict, the field table, and a bar chart of the fields that differ."""
-    page = _Page(f"diff {report.a} {report.b}")
-    page.add(f"<h1>trajectory-replay diff</h1><p class='note'>A: <code>{_esc(report.a)}</code><br>"
-             f"B: <code>{_esc(report.b)}</code><br>{report.samples} samples matched by id</p>")
+    """The HTML page of a DiffReport: the verdict, the field table in stage order, and a bar chart of the
+    fields that differ; its size in bytes."""
+    a, b = redact_url(report.a), redact_url(report.b)
+    page = _Page(f"diff {a} {b}")
+    page.add(f"<h1>trajectory-replay diff</h1><p class='note'>A: <code>{_esc(a)}</code><br>"
+             f"B: <code>{_esc(b)}</code><br>{report.samples} samples matched by id</p>")
     first = report.first
     _verdict(page, report.identical, "identical" if first is None else f"first difference at {first.stage}: "
              f"{first.name}" + ("" if first.first is None else " " + ", ".join(
-                 f"{k} {v}" for k, v in first.first.items() if v is not None)))
+                 f"{k} {_number(v)}" for k, v in first.first.items() if v is not None)))
     for note in report.notes:
         page.add(f"<p class='note'>{_esc(note)}</p>")
-    fields = sorted(report.fields, key=lambda f: f.stage != "config")
-    rows = ["<table><tr><th>stage</th><th>field</th><th>compared</th><th>differ</th><th>max |a−b|</th>"
-            "<th>note</th></tr>"]
-    for f in fields:
-        cls = "fail" if f.differs else ""
-        rows.append(f"<tr class='{cls}'><td>{_esc(f.stage)}</td><td>{_esc(f.name)}</td>"
-                    f"<td class='num'>{f.compared}</td><td class='num'>{f.differing}</td>"
-                    f"<td class='num'>{_number(f.max_abs_diff)}</td><td>{_esc(f.note)}</td></tr>")
-    rows.append("</table>")
-    page.add("<h2>fields</h2>" + "".join(rows))
-    differing = report.differences
+    fields, note = _bounded(report.fields_in_stage_order, lambda f: f.differs, "fields")
+    rows = [f"<tr class='{'fail' if f.differs else ''}'><td>{_esc(f.stage)}</td><td>{_esc(f.name)}</td>"
+            f"<td class='num'>{f.compared}</td><td class='num'>{f.differing}</td>"
+            f"<td class='num'>{_number(f.max_abs_diff)}</td><td class='wrap'>{_esc(f.note)}</td></tr>" for f in fields]
+    page.add("<h2>fields, in stage order</h2>"
+             + _table(("stage", "field", "compared", "differ", "max |a−b|", "note"), rows, note))
+    differing = report.differences[:TABLE_ROWS]
     if differing:
-        go = page.go
-        fig = go.Figure(go.Bar(x=[f.differing / max(f.compared, 1) for f in differing],
-                               y=[f"{f.stage} · {f.name}" for f in differing], orientation="h",
-                               text=[f"{f.differing} of {f.compared}" for f in differing]))
-        fig.update_layout(title="share of values that differ, per field", xaxis=dict(title="share", range=[0, 1]),
-                          yaxis=dict(autorange="reversed"), height=160 + 30 * len(differing))
-        page.figure(fig)
+        page.figure("share of values that differ, per field", plots.bar_chart(
+            [f"{f.stage} · {f.name}" for f in differing], [f.differing / max(f.compared, 1) for f in differing],
+            [f"{f.differing} of {f.compared}" for f in differing]))
     return page.write(path)
 
+
+# ---- a scan page -------------------------------------------------------------------------------------
 
 SCAN_COLOURS = {"pass": "#2e9e4f", "diverged": "#d62728", "invalid": "#8c2d9c", "incomplete": "#f0a202",
                 "unsupported": "#7f7f7f", "error": "#1d2330"}
 """Colour of each scan verdict in the timeline."""
+TIMELINE_COLUMNS = 1000
+"""Columns of the verdict timeline; more bundles share columns."""
 
 
 def write_scan_html(report, path: str | Path) -> int:
     """The HTML page of a ScanReport: counts, the earliest divergence, incomplete bundles, the verdict timeline
     (x: bundles in anchor order, colour: verdict) and the per-bundle table; its size in bytes."""
-    page = _Page(f"scan {report.root}")
-    page.add(f"<h1>trajectory-replay scan</h1><p class='note'><code>{_esc(report.root)}</code>: "
+    root = redact_url(report.root)
+    page = _Page(f"scan {root}")
+    page.add(f"<h1>trajectory-replay scan</h1><p class='note'><code>{_esc(root)}</code>: "
              f"{len(report.verdicts)} bundles, {report.replayed} replayed, {report.cached} from stored verdicts "
              f"({_esc(report.engine)} engine, {report.workers} worker(s), replay {_esc(report.replay_version)})</p>")
     first = report.earliest_divergence
@@ -252,45 +370,34 @@ def write_scan_html(report, path: str | Path) -> int:
         f"earliest divergence: {first.name} ({first.anchor or 'no anchor'}) at {first.first_divergent_stage}"
         + (f": {where}" if where else "")))
     counts = report.counts
-    page.add("<h2>counts</h2><table><tr>" + "".join(f"<th>{_esc(k)}</th>" for k in counts) + "</tr><tr>"
-             + "".join(f"<td class='num'>{v}</td>" for v in counts.values()) + "</tr></table>")
+    page.add("<h2>counts</h2>" + _table(list(counts), ["<tr>" + "".join(f"<td class='num'>{v}</td>"
+                                                                         for v in counts.values()) + "</tr>"]))
     if report.incomplete:
-        page.add("<h2>incomplete bundles</h2><table><tr><th>bundle</th><th>anchor</th><th>missing ranks</th>"
-                 "<th>expected ranks</th><th>detail</th></tr>" + "".join(
-                     f"<tr><td>{_esc(v.name)}</td><td>{_esc(v.anchor)}</td><td>{_esc(v.missing_ranks)}</td>"
-                     f"<td>{_esc(v.expected_ranks)}</td><td>{_esc(v.detail)}</td></tr>" for v in report.incomplete)
-                 + "</table>")
+        incomplete, note = _bounded(report.incomplete, lambda v: True, "incomplete bundles")
+        page.add("<h2>incomplete bundles</h2>" + _table(
+            ("bundle", "anchor", "missing ranks", "expected ranks", "detail"),
+            [f"<tr><td>{_esc(v.name)}</td><td>{_esc(v.anchor)}</td><td>{_esc(v.missing_ranks)}</td>"
+             f"<td>{_esc(v.expected_ranks)}</td><td class='wrap'>{_esc(v.detail)}</td></tr>" for v in incomplete],
+            note))
     if report.verdicts:
-        go = page.go
-        labels = [f"{v.anchor or '-'} · {v.name}" for v in report.verdicts]
-        traces = []
-        for status, colour in SCAN_COLOURS.items():
-            at = [i for i, v in enumerate(report.verdicts) if v.status == status]
-            if not at:
-                continue
-            traces.append(go.Scatter(
-                x=[labels[i] for i in at], y=[status] * len(at), mode="markers", name=status,
-                marker=dict(color=colour, size=11, symbol="square"),
-                text=[f"{report.verdicts[i].name} ({report.verdicts[i].anchor or 'no anchor'}): {status}"
-                      + (f" at {report.verdicts[i].first_divergent_stage}"
-                         if report.verdicts[i].first_divergent_stage else "") for i in at], hoverinfo="text"))
-        fig = go.Figure(traces)
-        fig.update_layout(title="verdict per bundle, in anchor order (rollout, step)", height=320,
-                          xaxis=dict(title="step (anchor order)", type="category", categoryorder="array",
-                                     categoryarray=labels, showticklabels=len(labels) <= 60),
-                          yaxis=dict(title="verdict", type="category", categoryorder="array",
-                                     categoryarray=list(SCAN_COLOURS)))
-        page.figure(fig)
-    rows = ["<h2>bundles</h2><table><tr><th>bundle</th><th>anchor</th><th>verdict</th><th>first divergent stage</th>"
-            "<th>sample</th><th>field</th><th>from</th><th>detail</th></tr>"]
-    for v in report.verdicts:
-        cls = "pass" if v.status == "pass" else "fail"
-        rows.append(f"<tr><td>{_esc(v.name)}</td><td>{_esc(v.anchor)}</td><td class='{cls}'>{_esc(v.status)}</td>"
-                    f"<td>{_esc(v.first_divergent_stage)}</td><td>{_esc(v.sample_id)}</td><td>{_esc(v.field)}</td>"
-                    f"<td>{'stored verdict' if v.cached else 'replayed'}</td><td>{_esc(v.detail)}</td></tr>")
-    rows.append("</table>")
-    page.add("".join(rows))
+        verdicts = report.verdicts
+        svg, per_column = plots.strip_chart(
+            [f"{v.anchor or '-'} · {v.name}" for v in verdicts], [v.status for v in verdicts], SCAN_COLOURS,
+            TIMELINE_COLUMNS, [f"{v.name} ({v.anchor or 'no anchor'}): {v.status}"
+                               + (f" at {v.first_divergent_stage}" if v.first_divergent_stage else "")
+                               for v in verdicts])
+        page.figure("verdict per bundle, in anchor order (rollout, step)", svg,
+                    "hover a square for its bundle" if per_column == 1 else
+                    f"each column holds {per_column} consecutive bundles and marks every verdict among them")
+    verdicts, note = _bounded(report.verdicts, lambda v: v.status != "pass", "bundles")
+    rows = [f"<tr><td>{_esc(v.name)}</td><td>{_esc(v.anchor)}</td>"
+            f"<td class='{'pass' if v.status == 'pass' else 'fail'}'>{_esc(v.status)}</td>"
+            f"<td>{_esc(v.first_divergent_stage)}</td><td>{_esc(v.sample_id)}</td><td>{_esc(v.field)}</td>"
+            f"<td>{'stored verdict' if v.cached else 'replayed'}</td><td class='wrap'>{_esc(v.detail)}</td></tr>"
+            for v in verdicts]
+    page.add("<h2>bundles</h2>" + _table(("bundle", "anchor", "verdict", "first divergent stage", "sample", "field",
+                                          "from", "detail"), rows, note))
     return page.write(path)
 
 
-__all__ = ["write_diff_html", "write_replay_html", "write_scan_html"]
+__all__ = ["PAGE_LIMIT", "write_diff_html", "write_replay_html", "write_scan_html"]

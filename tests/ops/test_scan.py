@@ -63,7 +63,7 @@ def test_html_page(store, tmp_path):
     assert f"wrote {page}" in result.stderr
     html = page.read_text(encoding="utf-8")
     assert "earliest divergence: s-2-1 (step 2:1) at reward.post_process: sample s-0" in html
-    assert "verdict per bundle, in anchor order" in html and "plotly" in html
+    assert "verdict per bundle, in anchor order" in html and "<svg class='plot'" in html
     for name in ("s-1-0", "s-2-1", "s-3-0", "a-late", INCOMPLETE):
         assert name in html
     assert "<th>missing ranks</th>" in html and "[1]" in html

@@ -59,6 +59,9 @@ def test_an_older_format_capture_of_an_unsupported_algorithm_exits_1_with_the_re
     assert text.exit_code == 1 and "unsupported: nothing compared" in text.stdout
     assert "first divergent stage: none" not in text.stdout
     assert text.stderr.strip().startswith("trajectory-replay: error: every stage was skipped")
+    page = tmp_path / "report.html"
+    html = runner.invoke(app, ["replay", str(bundle), "--html", str(page)])
+    assert html.exit_code == 1 and "unsupported: nothing compared (every stage was skipped" in page.read_text()
 
 
 def test_a_stage_asked_for_by_name_and_skipped_says_so(tmp_path):

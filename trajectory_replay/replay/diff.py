@@ -84,8 +84,13 @@ class DiffReport:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
+    def fields_in_stage_order(self) -> list[FieldDiff]:
+        """Every field, the config first, then by the first stage that reads or records it."""
+        return sorted(self.fields, key=lambda f: _stage_rank(f.stage))
+
+    @property
     def differences(self) -> list[FieldDiff]:
-        return sorted((f for f in self.fields if f.differs), key=lambda f: _stage_rank(f.stage))
+        return [f for f in self.fields_in_stage_order if f.differs]
 
     @property
     def identical(self) -> bool:
@@ -109,7 +114,7 @@ class DiffReport:
         return {"a": self.a, "b": self.b, "identical": self.identical, "samples": self.samples,
                 "first_difference": None if first is None else {"stage": first.stage, "field": first.name,
                                                                 **(first.to_dict()["first"] or {})},
-                "fields": [f.to_dict() for f in sorted(self.fields, key=lambda f: _stage_rank(f.stage))],
+                "fields": [f.to_dict() for f in self.fields_in_stage_order],
                 "bytes_fetched": self.bytes_fetched, "notes": list(self.notes)}
 
     def render_text(self) -> str:
@@ -124,7 +129,7 @@ class DiffReport:
         lines = [f"diff {self.a} {self.b}: {self.samples} samples matched by id — {head}"]
         lines += [f"note: {n}" for n in self.notes]
         lines.append(f"  {'stage':<20} {'field':<34} {'compared':>9} {'differ':>7} {'max |a-b|':>11}")
-        for f in sorted(self.fields, key=lambda f: _stage_rank(f.stage)):
+        for f in self.fields_in_stage_order:
             mark = "*" if f.differs else " "
             lines.append(f"{mark} {f.stage:<20} {f.name:<34} {f.compared:>9} {f.differing:>7} "
                          f"{format_number(f.max_abs_diff):>11}" + (f"  ({f.note})" if f.note else ""))
