@@ -84,9 +84,11 @@ from trajectory_replay.store.objectstore import MAX_RECORD_BYTES
 COMPLETE = "COMPLETE"
 RANK_MARKER = re.compile(r"COMPLETE\.(0|[1-9][0-9]*)")
 FINALIZER = "FINALIZER"
+ABANDONED = "ABANDONED"
 COMPLETE_FORMAT = "trajectory-replay.complete/1"
 RANK_FORMAT = "trajectory-replay.rank/1"
 FINALIZER_FORMAT = "trajectory-replay.finalizer/1"
+ABANDONED_FORMAT = "trajectory-replay.abandoned/1"
 MAX_MARKER_BYTES = 4 << 20
 MARKER_WINDOW = 32
 """Rank markers `cohort_state` reads at once (concurrently, one request each)."""
@@ -264,6 +266,32 @@ def complete_key(name: str) -> str:
 
 def finalizer_key(name: str) -> str:
     return f"{name}/{FINALIZER}"
+
+
+def abandoned_key(name: str) -> str:
+    return f"{name}/{ABANDONED}"
+
+
+def abandoned_note(ranks: Sequence[int], when: float) -> bytes:
+    """The ABANDONED note gc writes just before it removes the rank markers `ranks` of an abandoned cohort
+    (`when`: wall-clock seconds)."""
+    return compact_json({"format": ABANDONED_FORMAT, "ranks": sorted(set(ranks)), "removed": when})
+
+
+def read_abandoned(backend: Backend, name: str) -> list[int]:
+    """The ranks whose markers gc removed from bundle `name` as an abandoned cohort, by its ABANDONED note; []
+    when there is none, or when it cannot be read (the note only ever adds an error to a landing)."""
+    try:
+        data = _read_bounded(backend, abandoned_key(name))
+        doc = None if data is None or len(data) > MAX_MARKER_BYTES else parse_json(data, abandoned_key(name))
+    except BundleError:
+        return []
+    if not isinstance(doc, dict) or doc.get("format") != ABANDONED_FORMAT:
+        return []
+    try:
+        return _rank_list(doc.get("ranks"))
+    except ValueError:
+        return []
 
 
 def finalizer_claim(rank: int) -> bytes:
