@@ -506,6 +506,30 @@ def rank_marker_problems(backend: Backend, name: str, markers: Mapping[int, Rank
     return [problems[r] for r in sorted(problems)]
 
 
+def complete_disagreements(name: str, complete: CompleteMarker, markers: Mapping[int, RankMarker]) -> list[MarkerProblem]:
+    """The rank markers (rank -> the marker found under COMPLETE.<rank>) of a bundle whose COMPLETE exists that do
+    not say what COMPLETE says of their rank: bundle id, anchor, expected ranks and documents. COMPLETE is what
+    readers use, so such a marker harms nothing yet; but it is what a lost COMPLETE would be finalized from again
+    (and what `cp` copies), so fsck names it while the damage is still latent."""
+    problems = []
+    for rank, marker in sorted(markers.items()):
+        shard = complete.shards.get(str(rank))
+        if shard is None:
+            why = f"rank {rank} is not among COMPLETE's shards {one_line(str(sorted(map(int, complete.shards))), 120)}"
+        elif marker.rank != rank:
+            why = f"holds rank {marker.rank}, not the {rank} of its key"
+        else:
+            fields = [f for f in ("bundle_id", "anchor") if getattr(marker, f) != getattr(complete, f)] + \
+                     (["expected_ranks"] if sorted(marker.expected_ranks) != sorted(complete.expected_ranks) else []) + \
+                     [f"documents.{label}" for label in _DOCUMENTS
+                      if getattr(marker.documents, label) != getattr(shard, label)]
+            if not fields:
+                continue
+            why = f"{', '.join(fields)} differ{'s' if len(fields) == 1 else ''} from COMPLETE's rank {rank}"
+        problems.append(MarkerProblem(rank_key(name, rank), why, True))
+    return problems
+
+
 _DOCUMENTS = {"manifest": Manifest, "index": BundleIndex, "expected": Expected}
 
 
