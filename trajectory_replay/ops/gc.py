@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional
 
 from trajectory_replay.backends import Backend, redact_url
-from trajectory_replay.errors import BackendError, NotFoundError, UsageError
+from trajectory_replay.bundle.documents import parse_json
+from trajectory_replay.errors import BackendError, BundleError, NotFoundError, UsageError
 from trajectory_replay.ops.progress import Progress
 from trajectory_replay.bundle.markers import (
     ABANDONED, FINALIZER, RANK_MARKER, abandoned_key, abandoned_note, finalizer_key,
@@ -130,6 +131,15 @@ class GcReport:
             lines.append("  would remove:")
             lines += [f"    {key}" for key in self.removed + self.temporaries_removed]
         return "\n".join(lines)
+
+
+def _whole_json(data: bytes) -> bool:
+    """True when `data` parses as one JSON object (nesting bounded as for every marker)."""
+    try:
+        parse_json(data, "marker")
+    except BundleError:
+        return False
+    return True
 
 
 def _cohort_keys(state: BundleState) -> list[str]:
@@ -331,6 +341,11 @@ class _Collector:
         raw = self.inventory.read(state.marker_keys)
         seeds: set[str] = set()
         for key, data in raw.items():
+            if data is not None and not _whole_json(data):
+                # cut short (or not JSON at all): the digests it still holds need not be all it named
+                self._unknowable(state.name, f"marker {key} is not whole JSON (truncated?), so what it names "
+                                             "cannot be known")
+                return
             found = set() if data is None else digests_in(data)
             if data is not None and not found:
                 self._unknowable(state.name, f"marker {key} names no digest")
