@@ -92,8 +92,13 @@ ABANDONED_FORMAT = "trajectory-replay.abandoned/1"
 MAX_MARKER_BYTES = 4 << 20
 MARKER_WINDOW = 32
 """Rank markers `cohort_state` reads at once (concurrently, one request each)."""
-MAX_RANKS = 65_536
-"""Most ranks a marker may list (expected_ranks, shards): a bound on the rank markers a reader checks."""
+MAX_RANKS = 4096
+"""Most ranks a marker may list (expected_ranks, shards): a bound on the rank markers a reader checks. A
+multi-rank COMPLETE holds three document references (about 0.5 KiB) per rank, so no more than about 8,000
+fit in MAX_MARKER_BYTES; 4,096 producers of one step is the data-parallel degree of runs on tens of thousands
+of GPUs."""
+RANKS_SHOWN = 16
+"""Ranks (or runs of consecutive ranks) a one-line message shows before it counts the rest (`ranks_brief`)."""
 MAX_RANK = (1 << 31) - 1
 """Largest rank number: ranks name keys (`COMPLETE.<r>`), so they stay short."""
 _RANK_TEXT = re.compile(r"0|[1-9][0-9]{0,9}")
@@ -129,6 +134,22 @@ def _rank_list(value: Any) -> list[int]:
     if twice:
         raise ValueError(f"lists a rank twice ({sorted(twice)[:8]})")
     return ranks
+
+
+def ranks_brief(ranks: Sequence[int], limit: int = RANKS_SHOWN) -> str:
+    """Ranks for a one-line message: `[0, 1, 2]` up to `limit` of them; beyond, runs of consecutive ranks, the
+    first `limit` of them, and the count: `[0-63, 65-4095] (4095 ranks)`, `[0, 2, 4, ...] (2048 ranks)`."""
+    ranks = sorted(ranks)
+    if len(ranks) <= limit:
+        return str(ranks)
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    shown = [f"{a}-{b}" if b > a else str(a) for a, b in runs[:limit]]
+    return f"[{', '.join(shown)}{', ...' if len(runs) > limit else ''}] ({len(ranks)} ranks)"
 
 
 def check_rank_list(ranks: Any, where: str) -> list[int]:

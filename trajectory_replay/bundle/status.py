@@ -24,7 +24,7 @@ from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.paths import is_v1_bundle
 from trajectory_replay.bundle.markers import (
     COMPLETE, FINALIZER, RANK_MARKER, CompleteMarker, Documents, RankMarker, check_agreement, complete_key,
-    finalizer_key, rank_key, rank_marker_problems, read_marker, try_finalize,
+    finalizer_key, rank_key, rank_marker_problems, ranks_brief, read_marker, try_finalize,
 )
 from trajectory_replay.errors import (
     BackendError, BundleError, NoSuchTargetError, NotFoundError, StorageUnavailableError, TrajectoryReplayError,
@@ -148,7 +148,7 @@ def bundle_status(backend: Backend, name: str, *, retry: bool = True) -> Optiona
         state.status, state.detail = CORRUPT, str(exc)
         return state
     if state.missing_ranks:
-        state.detail = f"missing ranks {state.missing_ranks} of {state.expected_ranks}"
+        state.detail = f"missing ranks {ranks_brief(state.missing_ranks)} of {ranks_brief(state.expected_ranks)}"
     else:
         state.status, state.detail = FINALIZABLE, "every rank landed; COMPLETE is missing"
     return state
@@ -197,8 +197,8 @@ def describe_missing(backend: Backend, name: str, state: Optional[BundleState]) 
         raise NoSuchTargetError(f"{redact_url(backend.url)}/{name}: no such bundle")
     if state.markers_unreadable:
         raise BundleError(state.detail)
-    return (f"incomplete bundle: ranks {state.landed_ranks} landed, missing ranks {state.missing_ranks} of "
-            f"{state.expected_ranks}")
+    return (f"incomplete bundle: ranks {ranks_brief(state.landed_ranks)} landed, missing ranks "
+            f"{ranks_brief(state.missing_ranks)} of {ranks_brief(state.expected_ranks)}")
 
 
 __all__ = [

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 from trajectory_replay.backends import Backend, redact_url
 from trajectory_replay.bundle.markers import (
-    MarkerProblem, complete_disagreements, rank_marker_problems, try_finalize,
+    MarkerProblem, complete_disagreements, rank_marker_problems, ranks_brief, try_finalize,
 )
 from trajectory_replay.errors import BundleError, NoSuchTargetError
 from trajectory_replay.ops.progress import Progress
@@ -102,7 +102,7 @@ class FsckReport:
                          "(repair it first: the keys under its damaged objects are among them)")
         elif self.orphaned:
             lines.append(f"  orphaned: {len(self.orphaned)} keys no bundle references (gc removes them)")
-        lines += [f"  incomplete: {b['name']} (missing ranks {b['missing_ranks']})" for b in self.incomplete]
+        lines += [f"  incomplete: {b['name']} (missing ranks {ranks_brief(b['missing_ranks'])})" for b in self.incomplete]
         lines += [f"  finalized: {n}" for n in self.finalized]
         lines += [f"  finalizable: {n}" for n in self.finalizable if n not in self.finalized]
         lines += [f"  damaged bundle: {b['name']}: {b['detail']}" for b in self.damaged_bundles]

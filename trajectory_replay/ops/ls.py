@@ -25,6 +25,7 @@ from typing import Any, Optional
 from trajectory_replay.backends import Backend
 from trajectory_replay.bundle import legacy
 from trajectory_replay.bundle.anchor import Anchor
+from trajectory_replay.bundle.markers import RANKS_SHOWN, ranks_brief
 from trajectory_replay.bundle.resolve import older_bundles
 from trajectory_replay.bundle.status import (
     COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, finalize, scan_bundles,
@@ -84,9 +85,9 @@ class ListReport:
             return f"{self.root}: no bundles"
         rows = [("BUNDLE", "ANCHOR", "STATUS", "RANKS", "LOGICAL", "STORED", "AGE")]
         for b in self.bundles:
-            status = b.status + (f" (missing ranks {b.missing_ranks})" if b.missing_ranks else "")
+            status = b.status + (f" (missing ranks {ranks_brief(b.missing_ranks)})" if b.missing_ranks else "")
             name = b.name + (" [v1]" if b.format == "v1" else "")
-            rows.append((name, b.anchor or "-", status, ",".join(map(str, b.ranks)) or "-",
+            rows.append((name, b.anchor or "-", status, _ranks_column(b.ranks),
                          human_bytes(b.logical_bytes), human_bytes(b.stored_bytes), human_age(b.age_seconds)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
@@ -165,6 +166,13 @@ def _listing(state: BundleState, tree, now: float) -> BundleListing:
         logical_bytes=tree.logical_bytes if tree else 0,
         stored_bytes=sum(tree.payload_chunks().values()) if tree else 0,
         age_seconds=None if state.mtime is None else max(0.0, now - state.mtime), detail=detail)
+
+
+def _ranks_column(ranks: list[int]) -> str:
+    """`0,1,2`; a long list as `ranks_brief` abbreviates it (`--json` has every rank)."""
+    if not ranks:
+        return "-"
+    return ",".join(map(str, ranks)) if len(ranks) <= RANKS_SHOWN else ranks_brief(ranks)
 
 
 def human_age(seconds: Optional[float]) -> str:
