@@ -61,6 +61,7 @@ key and finalize the repaired bundle (so does a retry of the claimant's rank).
 
 from __future__ import annotations
 
+import json
 import operator
 import re
 from collections.abc import Mapping, Sequence
@@ -73,11 +74,11 @@ from trajectory_replay.backends import Backend
 from trajectory_replay.backends.base import DIFFERENT
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.documents import (
-    check_document_size, compact_json, one_line, parse_json, validate_document,
+    check_document_size, compact_json, nesting_exceeds, one_line, parse_json, validate_document,
 )
-from trajectory_replay.bundle.schema import BundleIndex, Expected, Manifest
+from trajectory_replay.bundle.schema import BundleIndex, Expected, Identity, Manifest
 from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError
-from trajectory_replay.store import BlobRecord, BlobRef, hash_bytes, object_key
+from trajectory_replay.store import BlobRecord, BlobRef, ObjectStore, hash_bytes, object_key
 from trajectory_replay.store.inventory import fetch
 from trajectory_replay.store.objectstore import MAX_RECORD_BYTES
 
@@ -525,6 +526,70 @@ def rank_marker_problems(backend: Backend, name: str, markers: Mapping[int, Rank
             if found is not None:
                 problems[rank] = MarkerProblem(rank_key(name, rank), *found)
     return [problems[r] for r in sorted(problems)]
+
+
+INDEX_HEAD_BYTES = 16 << 10
+"""Bytes of an index read first for its identity: the writer sorts keys, so `identity` comes before `samples`."""
+
+
+def index_anchor(store: ObjectStore, ref: DocRef, label: str) -> Anchor:
+    """The anchor of the index document `ref`, read verified: its first INDEX_HEAD_BYTES when they hold the whole
+    `identity` (the stored index sorts its keys, and the samples come after it), else the whole document within
+    the document bound. BundleError when it cannot be read or has no valid identity."""
+    check_document_size(ref.size, label)
+    try:
+        head = store.read_range(ref.blob_ref(), 0, min(ref.size, INDEX_HEAD_BYTES))
+        identity = _leading_field(head, "identity") if ref.size > INDEX_HEAD_BYTES else None
+        if identity is None:
+            identity = parse_json(head if ref.size <= INDEX_HEAD_BYTES else store.get(ref.blob_ref()),
+                                  label).get("identity")
+    except (TrajectoryReplayError, ValueError) as exc:
+        raise BundleError(f"{label}: {exc}") from None
+    return Anchor.of(validate_document(Identity, identity, f"{label}: identity"))
+
+
+def _leading_field(head: bytes, name: str) -> Optional[Any]:
+    """The value of top-level field `name` of the JSON object whose first bytes are `head`, when it and every field
+    before it lie whole within `head`; None otherwise (the caller reads the whole document then)."""
+    if nesting_exceeds(head):
+        return None
+    text = bytes(head).decode("utf-8", "replace")
+    decoder, pos = json.JSONDecoder(), 0
+    try:
+        pos = _skip(text, pos, "{")
+        while True:
+            key, pos = decoder.raw_decode(text, _skip(text, pos))
+            value, pos = decoder.raw_decode(text, _skip(text, _skip(text, pos, ":")))
+            if key == name:
+                return value
+            pos = _skip(text, pos, ",")
+    except (ValueError, RecursionError):
+        return None
+
+
+def _skip(text: str, pos: int, expected: str = "") -> int:
+    """The position after optional whitespace from `pos` and then `expected`; ValueError when something else."""
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    if not text.startswith(expected, pos):
+        raise ValueError(f"expected {expected!r}")
+    return pos + len(expected)
+
+
+def anchor_problem(store: ObjectStore, name: str, complete: CompleteMarker) -> Optional[str]:
+    """Why COMPLETE of bundle `name` is corrupt in its anchor: it differs from the identity in a shard's index
+    (`ls` would show one anchor, `inspect` the other, and `--step` would select by the wrong one); None when
+    every shard agrees, or when an index cannot be read (the tree walk names that)."""
+    for key, docs in sorted(complete.shards.items(), key=lambda kv: int(kv[0])):
+        try:
+            anchor = index_anchor(store, docs.index, f"{name}: index")
+        except BundleError:
+            continue
+        if anchor != complete.anchor:
+            shard = f" of rank {key}" if complete.multi_rank else ""
+            return (f"{name}/{COMPLETE}: corrupt marker: anchor {complete.anchor} differs from {anchor} in the "
+                    f"index{shard}")
+    return None
 
 
 def complete_disagreements(name: str, complete: CompleteMarker, markers: Mapping[int, RankMarker]) -> list[MarkerProblem]:

@@ -23,13 +23,15 @@ from trajectory_replay.backends import Backend, redact_url
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.paths import is_v1_bundle
 from trajectory_replay.bundle.markers import (
-    COMPLETE, FINALIZER, RANK_MARKER, CompleteMarker, Documents, RankMarker, check_agreement, complete_key,
+    COMPLETE, FINALIZER, RANK_MARKER, CompleteMarker, Documents, RankMarker, anchor_problem, check_agreement,
+    complete_key,
     finalizer_key, rank_key, rank_marker_problems, ranks_brief, read_marker, try_finalize,
 )
 from trajectory_replay.errors import (
     BackendError, BundleError, NoSuchTargetError, NotFoundError, StorageUnavailableError, TrajectoryReplayError,
     UsageError,
 )
+from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.inventory import LAYOUT_DIRS, concurrently
 from trajectory_replay.store.liveness import read_inflight
 
@@ -161,6 +163,15 @@ def scan_bundles(backend: Backend, names: Optional[Iterable[str]] = None) -> lis
     return sorted((s for s in states if s is not None), key=lambda s: s.name)
 
 
+def anchor_problems(backend: Backend, states: Iterable[BundleState]) -> dict[str, str]:
+    """Bundle name -> why, for each complete bundle whose COMPLETE records an anchor other than its index's
+    identity (`markers.anchor_problem`: the first bytes of each index, read verified, concurrently)."""
+    store = ObjectStore(backend)
+    complete = [s for s in states if s.complete is not None]
+    found = concurrently(lambda s: anchor_problem(store, s.name, s.complete), complete, backend.max_workers)
+    return {s.name: why for s, why in zip(complete, found) if why is not None}
+
+
 def finalize(backend: Backend, state: BundleState) -> BundleState:
     """A finalizable bundle after writing its final COMPLETE, as every reader does (docs/format.md): complete;
     still finalizable, `detail` saying why, where this store or user cannot write markers; corrupt when its
@@ -202,6 +213,7 @@ def describe_missing(backend: Backend, name: str, state: Optional[BundleState]) 
 
 
 __all__ = [
-    "BundleState", "COMPLETE_STATUS", "CORRUPT", "FINALIZABLE", "INCOMPLETE", "bundle_names", "bundle_status",
+    "BundleState", "COMPLETE_STATUS", "CORRUPT", "FINALIZABLE", "INCOMPLETE", "anchor_problems", "bundle_names",
+    "bundle_status",
     "describe_missing", "finalize", "scan_bundles",
 ]

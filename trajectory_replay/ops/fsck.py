@@ -36,7 +36,9 @@ from trajectory_replay.bundle.markers import (
 )
 from trajectory_replay.errors import BundleError, NoSuchTargetError
 from trajectory_replay.ops.progress import Progress
-from trajectory_replay.bundle.status import CORRUPT, FINALIZABLE, INCOMPLETE, BundleState, scan_bundles
+from trajectory_replay.bundle.status import (
+    CORRUPT, FINALIZABLE, INCOMPLETE, BundleState, anchor_problems, scan_bundles,
+)
 from trajectory_replay.ops.walk import BundleTree, Walker, open_root
 from trajectory_replay.store import BlobRecord
 from trajectory_replay.store.digest import REF, blob_ref_key, digest_from_key, key_kind
@@ -172,9 +174,11 @@ def check_store(root: str | os.PathLike, *, repair_from: Optional[str] = None,
     # gc walks the same trees: one it cannot read whole makes it keep every object and ref (ops/gc.py)
     walked = {s.name for s in states if s.status != INCOMPLETE}
     report.orphans_kept_by = sorted(name for name, tree in trees.items() if tree.problems and name in walked)
+    anchors = anchor_problems(backend, states)
     for s in states:
         finalize_error = _finalize(backend, s, report)
-        detail = _damage(s, trees.get(s.name), marker_problems.get(s.name, []), finalize_error)
+        detail = "; ".join(filter(None, [anchors.get(s.name), _damage(s, trees.get(s.name),
+                                                                       marker_problems.get(s.name, []), finalize_error)]))
         if detail:
             report.damaged_bundles.append({"name": s.name, "detail": detail})
         elif s.status == INCOMPLETE:

@@ -28,7 +28,7 @@ from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.markers import RANKS_SHOWN, ranks_brief
 from trajectory_replay.bundle.resolve import older_bundles
 from trajectory_replay.bundle.status import (
-    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, finalize, scan_bundles,
+    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, anchor_problems, finalize, scan_bundles,
 )
 from trajectory_replay.ops.walk import BundleTree, Walker, open_root
 from trajectory_replay.units import human_bytes
@@ -114,9 +114,10 @@ def list_bundles(root: str | os.PathLike, **storage_options: Any) -> ListReport:
     report.bundles += [_older_listing(legacy.v1_status(path), now) for path in older_bundles(root)]
     states, report.finalized = finalize_landed(backend, scan_bundles(backend))
     trees = Walker(backend).trees([s for s in states if s.status != CORRUPT])
+    anchors = anchor_problems(backend, states)
     for state in states:
         tree = trees.get(state.name)
-        report.bundles.append(_listing(state, tree, now))
+        report.bundles.append(_listing(state, tree, now, anchors.get(state.name)))
     report.bundles.sort(key=lambda b: b.name)
     complete = [trees[b.name] for b in report.bundles if b.status == COMPLETE_STATUS and b.name in trees]
     report.complete_bundles = len(complete)
@@ -152,11 +153,14 @@ def finalize_landed(backend: Backend, states: list[BundleState]) -> tuple[list[B
     return after, [s.name for s in after if s.name in landed and s.status == COMPLETE_STATUS]
 
 
-def _listing(state: BundleState, tree, now: float) -> BundleListing:
+def _listing(state: BundleState, tree, now: float, anchor_problem: Optional[str] = None) -> BundleListing:
     anchor = state.anchor
     status, detail = state.status, state.detail
     if tree is not None and tree.problems:
         status, detail = CORRUPT, "; ".join(tree.problems)
+    if anchor_problem:
+        detail = f"{anchor_problem}; {detail}" if status == CORRUPT else anchor_problem
+        status = CORRUPT
     ranks = state.expected_ranks if state.complete is not None else state.landed_ranks
     return BundleListing(
         name=state.name, anchor=str(anchor) if anchor else None,
