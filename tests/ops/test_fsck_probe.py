@@ -18,7 +18,8 @@ from trajectory_replay.cli import app
 from trajectory_replay.ops.fsck import check_store
 from trajectory_replay.ops.gc import collect_garbage
 from trajectory_replay.ops.walk import Walker
-from trajectory_replay.store.digest import object_key
+from trajectory_replay.ops.cp import copy_bundles
+from trajectory_replay.store.digest import blob_ref_key, object_key
 
 runner = CliRunner()
 
@@ -78,3 +79,24 @@ def test_repair_from_a_store_that_does_not_exist_is_a_one_line_error(tmp_path):
     as_json = runner.invoke(app, ["fsck", root, "--repair-from", missing, "--json"])
     doc = json.loads(as_json.stdout)
     assert as_json.exit_code == 1 and doc["status"] == "selection" and "--repair-from" in doc["error"]
+
+
+def test_a_ref_naming_a_record_that_does_not_exist_is_the_culprit_and_is_repaired_from_a_copy(tmp_path):
+    root, copy = str(tmp_path / "store"), str(tmp_path / "copy")
+    write_canonical(root)
+    copy_bundles(root, copy, all_bundles=True)
+    backend = open_backend(root)
+    tree = Walker(backend).trees([bundle_status(backend, "b-00001")])["b-00001"]
+    node = next(node for _, spec, node in tree.payloads if spec.name == "advantages")
+    ref = blob_ref_key(node.digest)
+    nowhere = "blake3:" + "ab" * 32
+    backend.write(ref, nowhere.encode())
+
+    report = check_store(root)
+    assert report.corrupt == [ref] and report.missing == []
+    assert object_key(nowhere) not in report.render_text()
+
+    repaired = check_store(root, repair_from=copy)
+    assert repaired.repaired == [ref] and repaired.unrepaired == [] and repaired.healthy
+    assert backend.read(ref) == open_backend(copy).read(ref)
+    assert check_store(root).healthy
