@@ -221,9 +221,11 @@ class BundleWriter:
                 if r not in (self.expected_ranks or []):
                     raise BundleError(f"{self.url}: rank {r} is not among expected ranks {self.expected_ranks}")
                 self._land_rank(r, documents)
-            removed = self._relanded(ranks)
             result = try_finalize(backend, self.name, self.expected_ranks, unsafe=self.unsafe_markers,
                                   claim=self.rank)
+            # read after the cohort: gc writes its note before it removes a marker, so a rank found missing
+            # because gc removed it is in the note by now
+            removed = self._relanded(ranks, complete=result is not None)
         self.inflight.remove()
         self._finalized = True
         if result is None and removed:   # this rank landed (its marker is there): the record can go first
@@ -260,12 +262,13 @@ class BundleWriter:
                         "again", self.url, len(absent), len(broken))
             self._put_many([sources[d] for d in broken])
 
-    def _relanded(self, ranks: Sequence[int]) -> list[int]:
+    def _relanded(self, ranks: Sequence[int], complete: bool) -> list[int]:
         """The ranks gc removed from this bundle as an abandoned cohort (its ABANDONED note) other than `ranks`,
-        which this writer has just landed again: the note is rewritten without them (removed once empty)."""
+        which this writer has just landed again: the note is rewritten without them, and removed once it lists
+        none or the bundle is `complete`."""
         backend = self.store.backend
         removed = read_abandoned(backend, self.name)
-        rest = [r for r in removed if r not in ranks]
+        rest = [] if complete else [r for r in removed if r not in ranks]
         if len(rest) < len(removed):
             if rest:
                 backend.write(abandoned_key(self.name), abandoned_note(rest, time.time()))
