@@ -592,7 +592,8 @@ def anchor_problem(store: ObjectStore, name: str, complete: CompleteMarker) -> O
     return None
 
 
-def complete_disagreements(name: str, complete: CompleteMarker, markers: Mapping[int, RankMarker]) -> list[MarkerProblem]:
+def complete_disagreements(name: str, complete: CompleteMarker,
+                           markers: Mapping[int, RankMarker]) -> list[MarkerProblem]:
     """The rank markers (rank -> the marker found under COMPLETE.<rank>) of a bundle whose COMPLETE exists that do
     not say what COMPLETE says of their rank: bundle id, anchor, expected ranks and documents. COMPLETE is what
     readers use, so such a marker harms nothing yet; but it is what a lost COMPLETE would be finalized from again
@@ -605,10 +606,11 @@ def complete_disagreements(name: str, complete: CompleteMarker, markers: Mapping
         elif marker.rank != rank:
             why = f"holds rank {marker.rank}, not the {rank} of its key"
         else:
-            fields = [f for f in ("bundle_id", "anchor") if getattr(marker, f) != getattr(complete, f)] + \
-                     (["expected_ranks"] if sorted(marker.expected_ranks) != sorted(complete.expected_ranks) else []) + \
-                     [f"documents.{label}" for label in _DOCUMENTS
-                      if getattr(marker.documents, label) != getattr(shard, label)]
+            fields = [f for f in ("bundle_id", "anchor") if getattr(marker, f) != getattr(complete, f)]
+            if sorted(marker.expected_ranks) != sorted(complete.expected_ranks):
+                fields.append("expected_ranks")
+            fields += [f"documents.{label}" for label in _DOCUMENTS
+                       if getattr(marker.documents, label) != getattr(shard, label)]
             if not fields:
                 continue
             why = f"{', '.join(fields)} differ{'s' if len(fields) == 1 else ''} from COMPLETE's rank {rank}"

@@ -104,7 +104,8 @@ class FsckReport:
                          "(repair it first: the keys under its damaged objects are among them)")
         elif self.orphaned:
             lines.append(f"  orphaned: {len(self.orphaned)} keys no bundle references (gc removes them)")
-        lines += [f"  incomplete: {b['name']} (missing ranks {ranks_brief(b['missing_ranks'])})" for b in self.incomplete]
+        lines += [f"  incomplete: {b['name']} (missing ranks {ranks_brief(b['missing_ranks'])})"
+                  for b in self.incomplete]
         lines += [f"  finalized: {n}" for n in self.finalized]
         lines += [f"  finalizable: {n}" for n in self.finalizable if n not in self.finalized]
         lines += [f"  damaged bundle: {b['name']}: {b['detail']}" for b in self.damaged_bundles]
@@ -177,8 +178,8 @@ def check_store(root: str | os.PathLike, *, repair_from: Optional[str] = None,
     anchors = anchor_problems(backend, states)
     for s in states:
         finalize_error = _finalize(backend, s, report)
-        detail = "; ".join(filter(None, [anchors.get(s.name), _damage(s, trees.get(s.name),
-                                                                       marker_problems.get(s.name, []), finalize_error)]))
+        damage = _damage(s, trees.get(s.name), marker_problems.get(s.name, []), finalize_error)
+        detail = "; ".join(filter(None, [anchors.get(s.name), damage]))
         if detail:
             report.damaged_bundles.append({"name": s.name, "detail": detail})
         elif s.status == INCOMPLETE:
