@@ -337,3 +337,24 @@ def test_a_bundle_with_an_unreadable_manifest_keeps_every_object(tmp_path):
     report = collect_garbage(root, grace="0s")
     assert report.kept_everything and report.objects_removed == 0
     assert any(p.startswith("damaged: ") for p in report.unreadable_bundles)
+
+
+@pytest.mark.parametrize("cut", [0.3, 0.6, 0.9])
+def test_a_truncated_complete_keeps_every_object(tmp_path, cut):
+    """A COMPLETE cut short still holds some of its digests, never surely all: what it named cannot be known."""
+    root = str(tmp_path / "store")
+    write_canonical(root)
+    damaged = write_canonical(root, name="damaged", buggy=True)
+    needed = reachable(root, "damaged") - {"damaged/COMPLETE"}
+    raw = (Path(damaged) / "COMPLETE").read_bytes()
+    _damage_marker(root, "damaged", raw[:int(len(raw) * cut)])
+    _crashed(root)
+    backend = open_backend(root)
+    keys = set(backend.list("objects/")) | set(backend.list("blobs/"))
+    report = collect_garbage(root, grace="0s")
+    assert report.kept_everything and report.objects_removed == 0 and report.refs_removed == 0
+    assert all(backend.exists(k) for k in needed), "a key the damaged bundle names was removed"
+    assert set(backend.list("objects/")) | set(backend.list("blobs/")) == keys
+    [named] = [p for p in report.unreadable_bundles if p.startswith("damaged: ")]
+    assert "damaged/COMPLETE: not valid JSON" in named
+    assert "kept every object and ref: an unreadable bundle might reference any of them" in report.render_text()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from trajectory_replay.backends import redact_url
-from trajectory_replay.bundle.markers import CompleteMarker
+from trajectory_replay.bundle.markers import RANKS_SHOWN, CompleteMarker, ranks_brief
 from trajectory_replay.bundle.reader import BundleReader, native_readers
 from trajectory_replay.bundle.redaction import unknown_fields
 from trajectory_replay.bundle.resolve import V1, Bundle, open_bundle
@@ -303,8 +303,11 @@ def _check_shards(out: Inspection, store: Optional[ObjectStore], first, open_ran
 
 
 def ranks_text(ranks) -> str:
-    """`0, 1, 2`: ranks as a person writes them ('none' for no rank)."""
-    return ", ".join(str(r) for r in ranks if r is not None) or "none"
+    """`0, 1, 2`: ranks as a person writes them ('none' for no rank); a long list abbreviated (`ranks_brief`)."""
+    ranks = [r for r in ranks if r is not None]
+    if len(ranks) > RANKS_SHOWN:
+        return ranks_brief(ranks)
+    return ", ".join(map(str, ranks)) or "none"
 
 
 def value_text(value: Any) -> str:

@@ -61,6 +61,7 @@ key and finalize the repaired bundle (so does a retry of the claimant's rank).
 
 from __future__ import annotations
 
+import json
 import operator
 import re
 from collections.abc import Mapping, Sequence
@@ -73,25 +74,32 @@ from trajectory_replay.backends import Backend
 from trajectory_replay.backends.base import DIFFERENT
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.documents import (
-    check_document_size, compact_json, one_line, parse_json, validate_document,
+    check_document_size, compact_json, nesting_exceeds, one_line, parse_json, validate_document,
 )
-from trajectory_replay.bundle.schema import BundleIndex, Expected, Manifest
+from trajectory_replay.bundle.schema import BundleIndex, Expected, Identity, Manifest
 from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError
-from trajectory_replay.store import BlobRecord, BlobRef, hash_bytes, object_key
+from trajectory_replay.store import BlobRecord, BlobRef, ObjectStore, hash_bytes, object_key
 from trajectory_replay.store.inventory import fetch
 from trajectory_replay.store.objectstore import MAX_RECORD_BYTES
 
 COMPLETE = "COMPLETE"
 RANK_MARKER = re.compile(r"COMPLETE\.(0|[1-9][0-9]*)")
 FINALIZER = "FINALIZER"
+ABANDONED = "ABANDONED"
 COMPLETE_FORMAT = "trajectory-replay.complete/1"
 RANK_FORMAT = "trajectory-replay.rank/1"
 FINALIZER_FORMAT = "trajectory-replay.finalizer/1"
+ABANDONED_FORMAT = "trajectory-replay.abandoned/1"
 MAX_MARKER_BYTES = 4 << 20
 MARKER_WINDOW = 32
 """Rank markers `cohort_state` reads at once (concurrently, one request each)."""
-MAX_RANKS = 65_536
-"""Most ranks a marker may list (expected_ranks, shards): a bound on the rank markers a reader checks."""
+MAX_RANKS = 4096
+"""Most ranks a marker may list (expected_ranks, shards): a bound on the rank markers a reader checks. A
+multi-rank COMPLETE holds three document references (about 0.5 KiB) per rank, so no more than about 8,000
+fit in MAX_MARKER_BYTES; 4,096 producers of one step is the data-parallel degree of runs on tens of thousands
+of GPUs."""
+RANKS_SHOWN = 16
+"""Ranks (or runs of consecutive ranks) a one-line message shows before it counts the rest (`ranks_brief`)."""
 MAX_RANK = (1 << 31) - 1
 """Largest rank number: ranks name keys (`COMPLETE.<r>`), so they stay short."""
 _RANK_TEXT = re.compile(r"0|[1-9][0-9]{0,9}")
@@ -127,6 +135,22 @@ def _rank_list(value: Any) -> list[int]:
     if twice:
         raise ValueError(f"lists a rank twice ({sorted(twice)[:8]})")
     return ranks
+
+
+def ranks_brief(ranks: Sequence[int], limit: int = RANKS_SHOWN) -> str:
+    """Ranks for a one-line message: `[0, 1, 2]` up to `limit` of them; beyond, runs of consecutive ranks, the
+    first `limit` of them, and the count: `[0-63, 65-4095] (4095 ranks)`, `[0, 2, 4, ...] (2048 ranks)`."""
+    ranks = sorted(ranks)
+    if len(ranks) <= limit:
+        return str(ranks)
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    shown = [f"{a}-{b}" if b > a else str(a) for a, b in runs[:limit]]
+    return f"[{', '.join(shown)}{', ...' if len(runs) > limit else ''}] ({len(ranks)} ranks)"
 
 
 def check_rank_list(ranks: Any, where: str) -> list[int]:
@@ -264,6 +288,32 @@ def complete_key(name: str) -> str:
 
 def finalizer_key(name: str) -> str:
     return f"{name}/{FINALIZER}"
+
+
+def abandoned_key(name: str) -> str:
+    return f"{name}/{ABANDONED}"
+
+
+def abandoned_note(ranks: Sequence[int], when: float) -> bytes:
+    """The ABANDONED note gc writes just before it removes the rank markers `ranks` of an abandoned cohort
+    (`when`: wall-clock seconds)."""
+    return compact_json({"format": ABANDONED_FORMAT, "ranks": sorted(set(ranks)), "removed": when})
+
+
+def read_abandoned(backend: Backend, name: str) -> list[int]:
+    """The ranks whose markers gc removed from bundle `name` as an abandoned cohort, by its ABANDONED note; []
+    when there is none, or when it cannot be read (the note only ever adds an error to a landing)."""
+    try:
+        data = _read_bounded(backend, abandoned_key(name))
+        doc = None if data is None or len(data) > MAX_MARKER_BYTES else parse_json(data, abandoned_key(name))
+    except BundleError:
+        return []
+    if not isinstance(doc, dict) or doc.get("format") != ABANDONED_FORMAT:
+        return []
+    try:
+        return _rank_list(doc.get("ranks"))
+    except ValueError:
+        return []
 
 
 def finalizer_claim(rank: int) -> bytes:
@@ -476,6 +526,96 @@ def rank_marker_problems(backend: Backend, name: str, markers: Mapping[int, Rank
             if found is not None:
                 problems[rank] = MarkerProblem(rank_key(name, rank), *found)
     return [problems[r] for r in sorted(problems)]
+
+
+INDEX_HEAD_BYTES = 16 << 10
+"""Bytes of an index read first for its identity: the writer sorts keys, so `identity` comes before `samples`."""
+
+
+def index_anchor(store: ObjectStore, ref: DocRef, label: str) -> Anchor:
+    """The anchor of the index document `ref`, read verified: its first INDEX_HEAD_BYTES when they hold the whole
+    `identity` (the stored index sorts its keys, and the samples come after it), else the whole document within
+    the document bound. BundleError when it cannot be read or has no valid identity."""
+    check_document_size(ref.size, label)
+    try:
+        head = store.read_range(ref.blob_ref(), 0, min(ref.size, INDEX_HEAD_BYTES))
+        identity = _leading_field(head, "identity") if ref.size > INDEX_HEAD_BYTES else None
+        if identity is None:
+            identity = parse_json(head if ref.size <= INDEX_HEAD_BYTES else store.get(ref.blob_ref()),
+                                  label).get("identity")
+    except (TrajectoryReplayError, ValueError) as exc:
+        raise BundleError(f"{label}: {exc}") from None
+    return Anchor.of(validate_document(Identity, identity, f"{label}: identity"))
+
+
+def _leading_field(head: bytes, name: str) -> Optional[Any]:
+    """The value of top-level field `name` of the JSON object whose first bytes are `head`, when it and every field
+    before it lie whole within `head`; None otherwise (the caller reads the whole document then)."""
+    if nesting_exceeds(head):
+        return None
+    text = bytes(head).decode("utf-8", "replace")
+    decoder, pos = json.JSONDecoder(), 0
+    try:
+        pos = _skip(text, pos, "{")
+        while True:
+            key, pos = decoder.raw_decode(text, _skip(text, pos))
+            value, pos = decoder.raw_decode(text, _skip(text, _skip(text, pos, ":")))
+            if key == name:
+                return value
+            pos = _skip(text, pos, ",")
+    except (ValueError, RecursionError):
+        return None
+
+
+def _skip(text: str, pos: int, expected: str = "") -> int:
+    """The position after optional whitespace from `pos` and then `expected`; ValueError when something else."""
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    if not text.startswith(expected, pos):
+        raise ValueError(f"expected {expected!r}")
+    return pos + len(expected)
+
+
+def anchor_problem(store: ObjectStore, name: str, complete: CompleteMarker) -> Optional[str]:
+    """Why COMPLETE of bundle `name` is corrupt in its anchor: it differs from the identity in a shard's index
+    (`ls` would show one anchor, `inspect` the other, and `--step` would select by the wrong one); None when
+    every shard agrees, or when an index cannot be read (the tree walk names that)."""
+    for key, docs in sorted(complete.shards.items(), key=lambda kv: int(kv[0])):
+        try:
+            anchor = index_anchor(store, docs.index, f"{name}: index")
+        except BundleError:
+            continue
+        if anchor != complete.anchor:
+            shard = f" of rank {key}" if complete.multi_rank else ""
+            return (f"{name}/{COMPLETE}: corrupt marker: anchor {complete.anchor} differs from {anchor} in the "
+                    f"index{shard}")
+    return None
+
+
+def complete_disagreements(name: str, complete: CompleteMarker,
+                           markers: Mapping[int, RankMarker]) -> list[MarkerProblem]:
+    """The rank markers (rank -> the marker found under COMPLETE.<rank>) of a bundle whose COMPLETE exists that do
+    not say what COMPLETE says of their rank: bundle id, anchor, expected ranks and documents. COMPLETE is what
+    readers use, so such a marker harms nothing yet; but it is what a lost COMPLETE would be finalized from again
+    (and what `cp` copies), so fsck names it while the damage is still latent."""
+    problems = []
+    for rank, marker in sorted(markers.items()):
+        shard = complete.shards.get(str(rank))
+        if shard is None:
+            why = f"rank {rank} is not among COMPLETE's shards {one_line(str(sorted(map(int, complete.shards))), 120)}"
+        elif marker.rank != rank:
+            why = f"holds rank {marker.rank}, not the {rank} of its key"
+        else:
+            fields = [f for f in ("bundle_id", "anchor") if getattr(marker, f) != getattr(complete, f)]
+            if sorted(marker.expected_ranks) != sorted(complete.expected_ranks):
+                fields.append("expected_ranks")
+            fields += [f"documents.{label}" for label in _DOCUMENTS
+                       if getattr(marker.documents, label) != getattr(shard, label)]
+            if not fields:
+                continue
+            why = f"{', '.join(fields)} differ{'s' if len(fields) == 1 else ''} from COMPLETE's rank {rank}"
+        problems.append(MarkerProblem(rank_key(name, rank), why, True))
+    return problems
 
 
 _DOCUMENTS = {"manifest": Manifest, "index": BundleIndex, "expected": Expected}

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from trajectory_replay.backends import redact_url
 from trajectory_replay.bundle import codec
+from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.documents import check_document_size, parse_document, parse_json, validate_document
 from trajectory_replay.bundle.markers import CompleteMarker, Documents, read_complete, try_finalize
 from trajectory_replay.bundle.paths import split_bundle_path
@@ -54,6 +55,9 @@ class BundleReader:
             if value != marker.bundle_id:
                 raise BundleError(f"{self.label}: bundle_id {value!r} in the {what} differs from "
                                   f"{marker.bundle_id!r} in COMPLETE")
+        if Anchor.of(self.index.identity) != marker.anchor:  # ls and --step go by the marker's: both must agree
+            raise BundleError(f"{self.label}: corrupt COMPLETE: anchor {marker.anchor} differs from "
+                              f"{Anchor.of(self.index.identity)} in the index")
         self._offsets = self.index.token_offsets()
         self._headers: dict[str, codec.Header] = {}
         self._records: dict[str, BlobRecord] = {}

@@ -23,13 +23,15 @@ from trajectory_replay.backends import Backend, redact_url
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.paths import is_v1_bundle
 from trajectory_replay.bundle.markers import (
-    COMPLETE, FINALIZER, RANK_MARKER, CompleteMarker, Documents, RankMarker, check_agreement, complete_key,
-    finalizer_key, rank_key, rank_marker_problems, read_marker, try_finalize,
+    COMPLETE, FINALIZER, RANK_MARKER, CompleteMarker, Documents, RankMarker, anchor_problem, check_agreement,
+    complete_key,
+    finalizer_key, rank_key, rank_marker_problems, ranks_brief, read_marker, try_finalize,
 )
 from trajectory_replay.errors import (
     BackendError, BundleError, NoSuchTargetError, NotFoundError, StorageUnavailableError, TrajectoryReplayError,
     UsageError,
 )
+from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.inventory import LAYOUT_DIRS, concurrently
 from trajectory_replay.store.liveness import read_inflight
 
@@ -148,7 +150,7 @@ def bundle_status(backend: Backend, name: str, *, retry: bool = True) -> Optiona
         state.status, state.detail = CORRUPT, str(exc)
         return state
     if state.missing_ranks:
-        state.detail = f"missing ranks {state.missing_ranks} of {state.expected_ranks}"
+        state.detail = f"missing ranks {ranks_brief(state.missing_ranks)} of {ranks_brief(state.expected_ranks)}"
     else:
         state.status, state.detail = FINALIZABLE, "every rank landed; COMPLETE is missing"
     return state
@@ -159,6 +161,15 @@ def scan_bundles(backend: Backend, names: Optional[Iterable[str]] = None) -> lis
     names = bundle_names(backend) if names is None else list(names)
     states = concurrently(lambda n: bundle_status(backend, n), names, backend.max_workers)
     return sorted((s for s in states if s is not None), key=lambda s: s.name)
+
+
+def anchor_problems(backend: Backend, states: Iterable[BundleState]) -> dict[str, str]:
+    """Bundle name -> why, for each complete bundle whose COMPLETE records an anchor other than its index's
+    identity (`markers.anchor_problem`: the first bytes of each index, read verified, concurrently)."""
+    store = ObjectStore(backend)
+    complete = [s for s in states if s.complete is not None]
+    found = concurrently(lambda s: anchor_problem(store, s.name, s.complete), complete, backend.max_workers)
+    return {s.name: why for s, why in zip(complete, found) if why is not None}
 
 
 def finalize(backend: Backend, state: BundleState) -> BundleState:
@@ -197,11 +208,12 @@ def describe_missing(backend: Backend, name: str, state: Optional[BundleState]) 
         raise NoSuchTargetError(f"{redact_url(backend.url)}/{name}: no such bundle")
     if state.markers_unreadable:
         raise BundleError(state.detail)
-    return (f"incomplete bundle: ranks {state.landed_ranks} landed, missing ranks {state.missing_ranks} of "
-            f"{state.expected_ranks}")
+    return (f"incomplete bundle: ranks {ranks_brief(state.landed_ranks)} landed, missing ranks "
+            f"{ranks_brief(state.missing_ranks)} of {ranks_brief(state.expected_ranks)}")
 
 
 __all__ = [
-    "BundleState", "COMPLETE_STATUS", "CORRUPT", "FINALIZABLE", "INCOMPLETE", "bundle_names", "bundle_status",
+    "BundleState", "COMPLETE_STATUS", "CORRUPT", "FINALIZABLE", "INCOMPLETE", "anchor_problems", "bundle_names",
+    "bundle_status",
     "describe_missing", "finalize", "scan_bundles",
 ]

@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 from trajectory_replay.backends import redact_url
 from trajectory_replay.bundle import codec
 from trajectory_replay.bundle.anchor import Anchor
-from trajectory_replay.bundle.documents import MAX_JSON_DEPTH, compact_json, nesting_exceeds, validate_document
+from trajectory_replay.bundle.documents import (
+    MAX_JSON_DEPTH, compact_json, nesting_exceeds, one_line, validate_document,
+)
 from trajectory_replay.bundle.markers import (
-    CompleteMarker, DocRef, Documents, RankMarker, check_rank_list, complete_key, rank_key, read_complete,
-    read_marker, try_finalize,
+    CompleteMarker, DocRef, Documents, RankMarker, abandoned_key, check_rank_list, complete_key, rank_key,
+    abandoned_note, read_abandoned, read_complete, read_marker, try_finalize,
 )
 from trajectory_replay.bundle.paths import split_bundle_path
 from trajectory_replay.bundle.redaction import check_policy, redact_samples
@@ -221,8 +223,13 @@ class BundleWriter:
                 self._land_rank(r, documents)
             result = try_finalize(backend, self.name, self.expected_ranks, unsafe=self.unsafe_markers,
                                   claim=self.rank)
+            # read after the cohort: gc writes its note before it removes a marker, so a rank found missing
+            # because gc removed it is in the note by now
+            removed = self._relanded(ranks, complete=result is not None)
         self.inflight.remove()
         self._finalized = True
+        if result is None and removed:   # this rank landed (its marker is there): the record can go first
+            self._check_cohort_kept(removed)
         return result
 
     def _check_survived_gc(self, sources: Mapping[str, tuple]) -> None:
@@ -255,16 +262,59 @@ class BundleWriter:
                         "again", self.url, len(absent), len(broken))
             self._put_many([sources[d] for d in broken])
 
+    def _relanded(self, ranks: Sequence[int], complete: bool) -> list[int]:
+        """The ranks gc removed from this bundle as an abandoned cohort (its ABANDONED note) other than `ranks`,
+        which this writer has just landed again: the note is rewritten without them, and removed once it lists
+        none or the bundle is `complete`."""
+        backend = self.store.backend
+        removed = read_abandoned(backend, self.name)
+        rest = [] if complete else [r for r in removed if r not in ranks]
+        if len(rest) < len(removed):
+            if rest:
+                backend.write(abandoned_key(self.name), abandoned_note(rest, time.time()))
+            else:
+                backend.delete(abandoned_key(self.name))
+        return rest
+
+    def _check_cohort_kept(self, removed: Sequence[int]) -> None:
+        """BundleError when a rank whose marker gc removed (`removed`, by the ABANDONED note) is still missing:
+        the cohort this rank landed into lost a landing, so it cannot complete as captured, and returning normally
+        would lose the capture without a word."""
+        backend = self.store.backend
+        gone = [r for r in removed if not backend.exists(rank_key(self.name, r))]
+        if gone:
+            raise BundleError(
+                f"{self.url}: gc removed the landed rank marker(s) {one_line(str(gone), 80)} of this bundle as an "
+                f"abandoned cohort (older than its --grace; see {abandoned_key(self.name)}); this rank landed, but "
+                "the bundle completes only once those ranks land again: capture the step again, and give gc a "
+                "--grace longer than a step's capture")
+
     def _land_rank(self, rank: int, documents: Documents) -> None:
+        """Create COMPLETE.<rank>; a marker already there is this rank landed by an earlier attempt, accepted
+        only when it names the same bundle, anchor, expected ranks and documents (a retry of the same job).
+        Different content is another run's landing (a capture restarted into the same directory): taking it
+        as landed would mix the two runs in one bundle, so the write is refused."""
         backend = self.store.backend
         marker = RankMarker(bundle_id=self.manifest.bundle_id, rank=rank, anchor=Anchor.of(self.index.identity),
                             expected_ranks=list(self.expected_ranks or []), documents=documents,
                             attempt=self.attempt, created=time.time())
         if backend.create_if_absent(rank_key(self.name, rank), compact_json(marker.model_dump(mode="json"))):
             return
-        earlier = read_marker(backend, rank_key(self.name, rank), RankMarker)
-        # a marker from an earlier attempt means this rank has landed: its retry stops here
-        log.info("%s: rank %d already landed (attempt %s)", self.url, rank, getattr(earlier, "attempt", "?"))
+        key = f"{redact_url(backend.url)}/{rank_key(self.name, rank)}"
+        try:
+            earlier = read_marker(backend, rank_key(self.name, rank), RankMarker)
+        except BundleError as exc:
+            raise BundleError(f"{key}: rank {rank} already landed, and its marker cannot be read ({exc}); refusing "
+                              "to land it again") from None
+        if earlier is None:
+            raise BundleError(f"{key}: rank {rank}'s marker was removed while it landed (by gc?); nothing is "
+                              "landed, write the bundle again")
+        if _landing(earlier) != _landing(marker):
+            raise BundleError(f"{key}: rank {rank} already landed with different content (attempt "
+                              f"{earlier.attempt}); refusing to mix two captures in one bundle: "
+                              "write into a new directory, or remove the bundle first")
+        # the same landing from an earlier attempt of this rank's job: its retry stops here
+        log.info("%s: rank %d already landed (attempt %s)", self.url, rank, earlier.attempt)
 
     def _write_documents(self, pending: Sequence["_Encoded"] = (), sources: Optional[dict] = None) -> Documents:
         """Write the payloads still `pending`, the loss mask and the three documents, in one batch.
@@ -332,6 +382,11 @@ class BundleWriter:
     def _check_open(self) -> None:
         if self._finalized:
             raise BundleError(f"{self.url}: writer already finalized")
+
+
+def _landing(marker: RankMarker) -> tuple:
+    """What makes two rank markers the same landing (the attempt and the time aside)."""
+    return marker.bundle_id, marker.rank, marker.anchor, sorted(marker.expected_ranks), marker.documents.digests()
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from trajectory_replay.backends import Backend, open_backend, redact_url
-from trajectory_replay.bundle.markers import MarkerProblem, rank_marker_problems, try_finalize
-from trajectory_replay.errors import BundleError
+from trajectory_replay.backends import Backend, redact_url
+from trajectory_replay.bundle.markers import (
+    MarkerProblem, complete_disagreements, rank_marker_problems, ranks_brief, try_finalize,
+)
+from trajectory_replay.errors import BundleError, NoSuchTargetError
 from trajectory_replay.ops.progress import Progress
-from trajectory_replay.bundle.status import CORRUPT, FINALIZABLE, INCOMPLETE, BundleState, scan_bundles
+from trajectory_replay.bundle.status import (
+    CORRUPT, FINALIZABLE, INCOMPLETE, BundleState, anchor_problems, scan_bundles,
+)
 from trajectory_replay.ops.walk import BundleTree, Walker, open_root
 from trajectory_replay.store import BlobRecord
 from trajectory_replay.store.digest import REF, blob_ref_key, digest_from_key, key_kind
@@ -59,6 +63,9 @@ class FsckReport:
     corrupt: list[str] = field(default_factory=list)
     """Objects and refs whose bytes are wrong, and rank markers that contradict their documents."""
     orphaned: list[str] = field(default_factory=list)
+    orphans_kept_by: list[str] = field(default_factory=list)
+    """Bundles whose tree cannot be read whole: while one exists, gc removes no object or ref (one of them might
+    be in that tree), so the orphans stay, and keys under a damaged record count among them."""
     incomplete: list[dict[str, Any]] = field(default_factory=list)
     finalizable: list[str] = field(default_factory=list)
     finalized: list[str] = field(default_factory=list)
@@ -91,9 +98,14 @@ class FsckReport:
                             ("relinked", self.relinked)):
             lines += [f"  {label}: {k}" for k in keys]
         lines += [f"  not repaired: {k} ({self.unrepaired_reasons.get(k, 'no sound copy')})" for k in self.unrepaired]
-        if self.orphaned:
+        if self.orphaned and self.orphans_kept_by:
+            lines.append(f"  unreferenced: {len(self.orphaned)} keys no readable bundle references; gc keeps them, "
+                         f"and every other object, while {', '.join(self.orphans_kept_by)} cannot be read whole "
+                         "(repair it first: the keys under its damaged objects are among them)")
+        elif self.orphaned:
             lines.append(f"  orphaned: {len(self.orphaned)} keys no bundle references (gc removes them)")
-        lines += [f"  incomplete: {b['name']} (missing ranks {b['missing_ranks']})" for b in self.incomplete]
+        lines += [f"  incomplete: {b['name']} (missing ranks {ranks_brief(b['missing_ranks'])})"
+                  for b in self.incomplete]
         lines += [f"  finalized: {n}" for n in self.finalized]
         lines += [f"  finalizable: {n}" for n in self.finalizable if n not in self.finalized]
         lines += [f"  damaged bundle: {b['name']}: {b['detail']}" for b in self.damaged_bundles]
@@ -113,7 +125,7 @@ def check_store(root: str | os.PathLike, *, repair_from: Optional[str] = None,
     """Verify `root`; with `repair_from`, restore bad objects and refs from that store; finalize finalizable bundles."""
     backend = open_root(root, **storage_options)
     inventory = Inventory(backend)
-    source = open_backend(repair_from, **(repair_options or {})) if repair_from else None
+    source = _repair_source(repair_from, repair_options or {}) if repair_from else None
     progress = progress or Progress()
     report = FsckReport(redact_url(os.fspath(root)))
     listed = inventory.object_keys() + inventory.ref_keys()
@@ -141,8 +153,9 @@ def check_store(root: str | os.PathLike, *, repair_from: Optional[str] = None,
         unsound -= fixed
         if not fixed:
             break
-    marker_problems = {s.name: rank_marker_problems(backend, s.name, s.rank_markers)
-                       for s in states if s.complete is None and s.rank_markers}
+    marker_problems = {s.name: rank_marker_problems(backend, s.name, s.rank_markers) if s.complete is None
+                       else complete_disagreements(s.name, s.complete, s.rank_markers)
+                       for s in states if s.rank_markers}
     bad_markers = sorted(p.key for problems in marker_problems.values() for p in problems if p.corrupt)
     report.missing = sorted(missing)
     report.corrupt = sorted(corrupt | set(bad_markers))
@@ -151,21 +164,37 @@ def check_store(root: str | os.PathLike, *, repair_from: Optional[str] = None,
             report.not_repaired(key, f"copied from {redact_url(source.url)}, still {_state(key, missing)} after it")
         for key in sorted((missing | corrupt) - attempted):
             report.not_repaired(key, f"repair stopped after {MAX_REPAIR_ROUNDS} rounds")
+        complete = {s.name for s in states if s.complete is not None}
         for key in bad_markers:
-            report.not_repaired(key, "a rank marker is not restored from another store; the bundle is not finalized")
+            report.not_repaired(key, "a rank marker is not restored from another store" + (
+                "" if key.rpartition("/")[0] in complete else "; the bundle is not finalized"))
     report.bundles = len(states)
     live_digests = {d for r in inflight if r.live(time.time()) for d in r.digests}
     in_flight = {k for d in live_digests for k in digest_keys(d)}
     report.orphaned = sorted(k for k in listed if k not in needed and k not in in_flight)
+    # gc walks the same trees: one it cannot read whole makes it keep every object and ref (ops/gc.py)
+    walked = {s.name for s in states if s.status != INCOMPLETE}
+    report.orphans_kept_by = sorted(name for name, tree in trees.items() if tree.problems and name in walked)
+    anchors = anchor_problems(backend, states)
     for s in states:
         finalize_error = _finalize(backend, s, report)
-        detail = _damage(s, trees.get(s.name), marker_problems.get(s.name, []), finalize_error)
+        damage = _damage(s, trees.get(s.name), marker_problems.get(s.name, []), finalize_error)
+        detail = "; ".join(filter(None, [anchors.get(s.name), damage]))
         if detail:
             report.damaged_bundles.append({"name": s.name, "detail": detail})
         elif s.status == INCOMPLETE:
             report.incomplete.append({"name": s.name, "missing_ranks": s.missing_ranks,
                                       "expected_ranks": s.expected_ranks})
     return report
+
+
+def _repair_source(url: str, options: dict) -> Backend:
+    """The store to repair from; NoSuchTargetError, before anything is checked, when nothing is stored there
+    (every key would otherwise be reported "absent" from it, as though the copy lacked just those)."""
+    try:
+        return open_root(url, **options)
+    except NoSuchTargetError as exc:
+        raise NoSuchTargetError(f"--repair-from {exc}") from None
 
 
 def _state(key: str, missing: set[str]) -> str:

@@ -35,9 +35,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional
 
 from trajectory_replay.backends import Backend, redact_url
-from trajectory_replay.errors import BackendError, NotFoundError, UsageError
+from trajectory_replay.bundle.documents import parse_json
+from trajectory_replay.errors import BackendError, BundleError, NotFoundError, UsageError
 from trajectory_replay.ops.progress import Progress
-from trajectory_replay.bundle.markers import FINALIZER, finalizer_key
+from trajectory_replay.bundle.markers import (
+    ABANDONED, FINALIZER, RANK_MARKER, abandoned_key, abandoned_note, finalizer_key,
+)
 from trajectory_replay.bundle.status import (
     COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, bundle_names, bundle_status, scan_bundles,
 )
@@ -46,7 +49,7 @@ from trajectory_replay.store import BlobRecord
 from trajectory_replay.store.digest import OBJECT, REF, digest_from_key, digests_in, key_kind, object_key
 from trajectory_replay.store.inventory import Inventory, batched, concurrently, digest_keys, record_keys
 from trajectory_replay.store.liveness import (
-    InflightState, LeaseLost, SweepLease, is_inflight_key, read_inflight, remove_dead_leases,
+    DEFAULT_INFLIGHT_TTL, InflightState, LeaseLost, SweepLease, is_inflight_key, read_inflight, remove_dead_leases,
 )
 from trajectory_replay.units import human_bytes
 
@@ -130,6 +133,15 @@ class GcReport:
         return "\n".join(lines)
 
 
+def _whole_json(data: bytes) -> bool:
+    """True when `data` parses as one JSON object (nesting bounded as for every marker)."""
+    try:
+        parse_json(data, "marker")
+    except BundleError:
+        return False
+    return True
+
+
 def _cohort_keys(state: BundleState) -> list[str]:
     """The keys an abandoned cohort leaves: its FINALIZER claim first, so that a run stopped between its
     batches leaves rank markers (a cohort the next run abandons again), not a claim alone."""
@@ -181,7 +193,9 @@ class _Collector:
         self.report.abandoned_bundles = sorted(s.name for s in abandoned)
         self.report.objects_live = sum(1 for k in listed if k in self.live)
         candidates = self._aged([k for k in listed if k not in self.live])                 # 4
-        markers = self._aged([k for s in abandoned for k in _cohort_keys(s)] + self._lone_claims(names, states))
+        claims, notes = self._leftovers(names, states)
+        markers = self._aged([k for s in abandoned for k in _cohort_keys(s)] + claims) \
+            + self._aged(notes, self.start - max(self.grace, DEFAULT_INFLIGHT_TTL))
         self._read_candidate_refs(candidates)
         self.candidates = set(candidates) | set(markers)
         if not self.dry_run:
@@ -207,7 +221,10 @@ class _Collector:
                     if not first:
                         self._refresh()
                     first = False
-                    self._delete([k for k in batch if k in self.candidates and self._deletable(k)])
+                    doomed = [k for k in batch if k in self.candidates and self._deletable(k)]
+                    if layer is markers:
+                        self._note_abandoned(doomed)
+                    self._delete(doomed)
             if self.report.removed and not self.dry_run:
                 self._refresh(final=True)  # only to detect conflicts with captures that started meanwhile
         except LeaseLost as exc:
@@ -255,12 +272,37 @@ class _Collector:
         self.active_bundles = {r.bundle for r in live if r.bundle}
         return records
 
-    def _lone_claims(self, names: list[str], states: list[BundleState]) -> list[str]:
-        """FINALIZER claims alone in their directory: its rank markers are gone (removed by hand, or by a gc run
-        that stopped between deletes), so no bundle state names the claim and nothing else would remove it."""
+    def _leftovers(self, names: list[str], states: list[BundleState]) -> tuple[list[str], list[str]]:
+        """(FINALIZER claims, ABANDONED notes) left in directories without markers, where no bundle state names
+        them and nothing else would remove them. A claim is left when the rank markers are gone (removed by hand,
+        or by a gc run that stopped between deletes); a note outlives its cohort on purpose (see
+        `_note_abandoned`) and goes only once older than an in-flight record's TTL, so no writer that started
+        before it is still at work."""
         stated = {s.name for s in states}
-        return [finalizer_key(n) for n in names if n not in stated and n not in self.active_bundles
-                and self.backend.list_dir(n) == [FINALIZER]]
+        claims, notes = [], []
+        for name in names:
+            if name in stated or name in self.active_bundles:
+                continue
+            held = set(self.backend.list_dir(name))
+            if held and held <= {FINALIZER, ABANDONED}:
+                claims += [finalizer_key(name)] if FINALIZER in held else []
+                notes += [abandoned_key(name)] if ABANDONED in held else []
+        return claims, notes
+
+    def _note_abandoned(self, keys: list[str]) -> None:
+        """Before the rank markers among `keys` go, write each cohort's ABANDONED note: a producer of the bundle
+        that lands later finds its cohort incomplete and, reading the note, fails loudly instead of returning as
+        though its landing would count (markers.removed_since). Written again by every sweep that abandons the
+        bundle, so its time is that of the latest removal."""
+        ranks: dict[str, list[int]] = {}
+        for key in keys:
+            name, _, tail = key.rpartition("/")
+            match = RANK_MARKER.fullmatch(tail)
+            if match:
+                ranks.setdefault(name, []).append(int(match.group(1)))
+        if not self.dry_run:
+            for name, landed in ranks.items():
+                self.backend.write(abandoned_key(name), abandoned_note(landed, time.time()))
 
     def _classify(self, states: list[BundleState]) -> tuple[list[BundleState], list[BundleState]]:
         roots, abandoned = [], []
@@ -299,6 +341,11 @@ class _Collector:
         raw = self.inventory.read(state.marker_keys)
         seeds: set[str] = set()
         for key, data in raw.items():
+            if data is not None and not _whole_json(data):
+                # cut short (or not JSON at all): the digests it still holds need not be all it named
+                self._unknowable(state.name, f"marker {key} is not whole JSON (truncated?), so what it names "
+                                             "cannot be known")
+                return
             found = set() if data is None else digests_in(data)
             if data is not None and not found:
                 self._unknowable(state.name, f"marker {key} names no digest")
@@ -334,8 +381,8 @@ class _Collector:
         if seeds - seen:
             self._unknowable(state.name, "its documents nest deeper than a bundle's")
 
-    def _aged(self, keys: list[str]) -> list[str]:
-        """The keys whose mtime is older than the grace period; records their sizes."""
+    def _aged(self, keys: list[str], cutoff: Optional[float] = None) -> list[str]:
+        """The keys whose mtime is older than the grace period (or `cutoff`); records their sizes."""
         def stat(key: str) -> Optional[tuple[int, float]]:
             try:
                 return self.backend.size(key), self.backend.mtime(key)
@@ -346,7 +393,7 @@ class _Collector:
         for key, st in zip(keys, concurrently(stat, keys, self.backend.max_workers)):
             if st is None:
                 continue
-            if st[1] <= self.cutoff:
+            if st[1] <= (self.cutoff if cutoff is None else cutoff):
                 self.sizes[key] = st[0]
                 out.append(key)
             else:

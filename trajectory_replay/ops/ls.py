@@ -25,9 +25,10 @@ from typing import Any, Optional
 from trajectory_replay.backends import Backend
 from trajectory_replay.bundle import legacy
 from trajectory_replay.bundle.anchor import Anchor
+from trajectory_replay.bundle.markers import RANKS_SHOWN, ranks_brief
 from trajectory_replay.bundle.resolve import older_bundles
 from trajectory_replay.bundle.status import (
-    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, finalize, scan_bundles,
+    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, anchor_problems, finalize, scan_bundles,
 )
 from trajectory_replay.ops.walk import BundleTree, Walker, open_root
 from trajectory_replay.units import human_bytes
@@ -84,9 +85,9 @@ class ListReport:
             return f"{self.root}: no bundles"
         rows = [("BUNDLE", "ANCHOR", "STATUS", "RANKS", "LOGICAL", "STORED", "AGE")]
         for b in self.bundles:
-            status = b.status + (f" (missing ranks {b.missing_ranks})" if b.missing_ranks else "")
+            status = b.status + (f" (missing ranks {ranks_brief(b.missing_ranks)})" if b.missing_ranks else "")
             name = b.name + (" [v1]" if b.format == "v1" else "")
-            rows.append((name, b.anchor or "-", status, ",".join(map(str, b.ranks)) or "-",
+            rows.append((name, b.anchor or "-", status, _ranks_column(b.ranks),
                          human_bytes(b.logical_bytes), human_bytes(b.stored_bytes), human_age(b.age_seconds)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
@@ -113,9 +114,10 @@ def list_bundles(root: str | os.PathLike, **storage_options: Any) -> ListReport:
     report.bundles += [_older_listing(legacy.v1_status(path), now) for path in older_bundles(root)]
     states, report.finalized = finalize_landed(backend, scan_bundles(backend))
     trees = Walker(backend).trees([s for s in states if s.status != CORRUPT])
+    anchors = anchor_problems(backend, states)
     for state in states:
         tree = trees.get(state.name)
-        report.bundles.append(_listing(state, tree, now))
+        report.bundles.append(_listing(state, tree, now, anchors.get(state.name)))
     report.bundles.sort(key=lambda b: b.name)
     complete = [trees[b.name] for b in report.bundles if b.status == COMPLETE_STATUS and b.name in trees]
     report.complete_bundles = len(complete)
@@ -151,11 +153,14 @@ def finalize_landed(backend: Backend, states: list[BundleState]) -> tuple[list[B
     return after, [s.name for s in after if s.name in landed and s.status == COMPLETE_STATUS]
 
 
-def _listing(state: BundleState, tree, now: float) -> BundleListing:
+def _listing(state: BundleState, tree, now: float, anchor_problem: Optional[str] = None) -> BundleListing:
     anchor = state.anchor
     status, detail = state.status, state.detail
     if tree is not None and tree.problems:
         status, detail = CORRUPT, "; ".join(tree.problems)
+    if anchor_problem:
+        detail = f"{anchor_problem}; {detail}" if status == CORRUPT else anchor_problem
+        status = CORRUPT
     ranks = state.expected_ranks if state.complete is not None else state.landed_ranks
     return BundleListing(
         name=state.name, anchor=str(anchor) if anchor else None,
@@ -165,6 +170,13 @@ def _listing(state: BundleState, tree, now: float) -> BundleListing:
         logical_bytes=tree.logical_bytes if tree else 0,
         stored_bytes=sum(tree.payload_chunks().values()) if tree else 0,
         age_seconds=None if state.mtime is None else max(0.0, now - state.mtime), detail=detail)
+
+
+def _ranks_column(ranks: list[int]) -> str:
+    """`0,1,2`; a long list as `ranks_brief` abbreviates it (`--json` has every rank)."""
+    if not ranks:
+        return "-"
+    return ",".join(map(str, ranks)) if len(ranks) <= RANKS_SHOWN else ranks_brief(ranks)
 
 
 def human_age(seconds: Optional[float]) -> str:

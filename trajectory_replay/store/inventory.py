@@ -290,6 +290,12 @@ class Inventory:
                 if which is None:
                     continue
                 key, record = object_key(which), self.record_cache[which]
+                if record is None and which != record_digest:
+                    # the ref names a record that is not there, while the caller names another: writes go record
+                    # before ref, so the ref is what is wrong (and what a sound copy repairs), not some object
+                    # nothing else names
+                    node.corrupt.add(blob_ref_key(digest))
+                    continue
                 node.keys.add(key)
                 if isinstance(record, BlobRecord) and record.digest == digest:
                     node.keys.update(object_key(c.digest) for c in record.chunks)
