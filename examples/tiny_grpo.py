@@ -64,6 +64,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from typing import Any, NamedTuple
 
 import torch
@@ -109,11 +110,14 @@ _CAPTURE: dict[str, Any] = {"manager": None, "config": None, "seconds": 0.0}
 CAPTURE_THREAD_PREFIX = "trajectory-replay-capture"
 
 
-def capture_environ(capture_dir: str | None) -> dict[str, str]:
-    """The environment capture is configured from: os.environ, plus what --capture-dir implies."""
+def capture_environ(capture_dir: str | None, run_id: str | None = None) -> dict[str, str]:
+    """The environment capture is configured from: os.environ, plus what --capture-dir implies, plus this launch's
+    identity (made once by the launching process, so every rank has the same one and a rerun another)."""
     env = dict(os.environ)
     if capture_dir:
         env.update(RELAX_REPLAY_CAPTURE="1", RELAX_REPLAY_CAPTURE_DIR=capture_dir)
+    if run_id and not env.get("TRAJECTORY_REPLAY_RUN_ID"):
+        env["TRAJECTORY_REPLAY_RUN_ID"] = run_id
     return env
 
 
@@ -137,12 +141,12 @@ def _timed_hook(fn):
 
 
 def _maybe_enable_capture(capture_dir: str | None, rank: int, expected_ranks: list[int],
-                          config: dict[str, Any]) -> None:
+                          config: dict[str, Any], run_id: str | None = None) -> None:
     """Every trainer rank is a producer: each DP rank writes its own shard of every bundle."""
     _CAPTURE["config"] = dict(config)
     started = time.perf_counter()
     _CAPTURE["manager"] = capture.maybe_enable_for_actor(
-        rank, is_producer=True, expected_ranks=expected_ranks, environ=capture_environ(capture_dir),
+        rank, is_producer=True, expected_ranks=expected_ranks, environ=capture_environ(capture_dir, run_id),
         topology={"dp": len(expected_ranks), "tp": 1, "pp": 1, "cp": 1})
     _CAPTURE["start_seconds"] = time.perf_counter() - started
 
@@ -775,7 +779,7 @@ def policy_loss_of(parts: dict[str, torch.Tensor], args: argparse.Namespace) -> 
 
 def _train(rank: int, world: int, args: argparse.Namespace) -> None:
     config = recompute_config(args)
-    _maybe_enable_capture(args.capture_dir, rank, list(range(world)), config)
+    _maybe_enable_capture(args.capture_dir, rank, list(range(world)), config, getattr(args, "run_id", None))
     models = Models(args)
     snapshots = {0: models.snapshot()}
     board, stream, producer = WeightBoard(), queue.Queue(), None
@@ -920,6 +924,7 @@ def free_port() -> int:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    args.run_id = f"tiny-grpo-{uuid.uuid4().hex[:16]}"   # this launch, for every rank it spawns
     port = free_port()
     if args.world_size == 1:
         train_worker(0, 1, args, port)

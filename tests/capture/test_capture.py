@@ -68,8 +68,11 @@ def test_step_bundle_replays(tmp_path, make_manager):
     assert [s.micro_batch_id for s in index.samples] == ["mb-0007", "mb-0007", "mb-0008", "mb-0008"]
     assert source.expected == {"loss.policy": loss_scalars(range(4))}
     assert set(source.manifest.payloads) == {"old_log_probs", "log_probs", "entropy", "advantages", "loss_mask"}
-    # a micro-batch selection works on the captured ids
-    assert replay([source], batches=["mb-0008"]).passed
+    # a micro-batch selection works on the captured ids; a step bundle holds only the cohort-level loss.policy,
+    # which a partial selection skips: nothing is compared, so the verdict is unsupported, not pass
+    selected = replay([source], batches=["mb-0008"])
+    assert selected.status == "unsupported" and "every stage was skipped" not in selected.unsupported_reason
+    assert selected.stage("loss.policy").status == "skipped" and selected.stage("sample").status == "pass"
 
 
 def test_hooks_through_the_environment(tmp_path, monkeypatch):

@@ -226,6 +226,9 @@ class RankMarker(_MarkerFields):
     documents: Documents
     attempt: str
     created: float = 0.0
+    run: Optional[str] = None
+    """The launch of the training job that landed it (a capture's run identity), where one is known: ranks of two
+    launches are two captures, never one bundle."""
 
     @field_validator("rank", mode="before")
     @classmethod
@@ -417,10 +420,11 @@ def _claimed_cohort(backend: Backend, name: str, expected_ranks: list[int], rank
 
 
 def check_agreement(name: str, markers: list[RankMarker]) -> None:
-    """BundleError unless all rank markers agree on bundle id, anchor and expected ranks."""
+    """BundleError unless all rank markers agree on bundle id, anchor, expected ranks and the run that landed them
+    (ranks of a restarted run beside those of the run before it are two captures, not one bundle)."""
     first = markers[0]
     for m in markers[1:]:
-        for field in ("bundle_id", "anchor", "expected_ranks"):
+        for field in ("bundle_id", "anchor", "expected_ranks", "run"):
             if getattr(m, field) != getattr(first, field):
                 raise BundleError(f"{name}: rank markers disagree on {field} (rank {first.rank}: "
                                   f"{one_line(str(getattr(first, field)), 120)}, rank {m.rank}: "

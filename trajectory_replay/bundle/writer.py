@@ -52,13 +52,16 @@ EXPECTED_PAYLOADS = frozenset({"kl", "advantages"})
 
 
 class BundleWriter:
-    """Write one bundle (or rank `rank` of a multi-producer bundle) at `<root>/<bundle_id>`."""
+    """Write one bundle (or rank `rank` of a multi-producer bundle) at `<root>/<bundle_id>`.
+
+    `run_id` (several producers): the launch of the job that writes this rank, the same for every rank of it; rank
+    markers of different runs never complete one bundle together (a capture restarted into the same directory)."""
 
     def __init__(self, path_or_url: str | os.PathLike, manifest: Manifest | Mapping, index: BundleIndex | Mapping,
                  expected: Mapping[str, Any], *, rank: Optional[int] = None,
                  expected_ranks: Optional[Sequence[int]] = None, store: Optional[ObjectStore] = None,
                  unsafe_markers: bool = False, inflight_ttl: float = DEFAULT_INFLIGHT_TTL,
-                 **storage_options: Any) -> None:
+                 run_id: Optional[str] = None, **storage_options: Any) -> None:
         root, name, addressed_rank = split_bundle_path(os.fspath(path_or_url))
         if addressed_rank is not None:
             raise BundleError(f"{path_or_url}: write to the bundle path and pass rank={addressed_rank} instead")
@@ -102,6 +105,7 @@ class BundleWriter:
         self.store = store or ObjectStore.open(root, **storage_options)
         self.unsafe_markers = unsafe_markers
         self.attempt = uuid.uuid4().hex
+        self.run_id = run_id
         # taken before anything is found present: a sweep that may delete after that is seen at commit
         self._gc_watch = GcWatch(self.store.backend)
         self.inflight = InflightRecord(self.store.backend, self.attempt, self.name, inflight_ttl)
@@ -297,8 +301,9 @@ class BundleWriter:
         backend = self.store.backend
         marker = RankMarker(bundle_id=self.manifest.bundle_id, rank=rank, anchor=Anchor.of(self.index.identity),
                             expected_ranks=list(self.expected_ranks or []), documents=documents,
-                            attempt=self.attempt, created=time.time())
-        if backend.create_if_absent(rank_key(self.name, rank), compact_json(marker.model_dump(mode="json"))):
+                            attempt=self.attempt, created=time.time(), run=self.run_id)
+        document = marker.model_dump(mode="json", exclude={"run"} if self.run_id is None else set())
+        if backend.create_if_absent(rank_key(self.name, rank), compact_json(document)):
             return
         key = f"{redact_url(backend.url)}/{rank_key(self.name, rank)}"
         try:
@@ -310,8 +315,9 @@ class BundleWriter:
             raise BundleError(f"{key}: rank {rank}'s marker was removed while it landed (by gc?); nothing is "
                               "landed, write the bundle again")
         if _landing(earlier) != _landing(marker):
+            runs = f", run {earlier.run}, this run {self.run_id}" if earlier.run != self.run_id else ""
             raise BundleError(f"{key}: rank {rank} already landed with different content (attempt "
-                              f"{earlier.attempt}); refusing to mix two captures in one bundle: "
+                              f"{earlier.attempt}{runs}); refusing to mix two captures in one bundle: "
                               "write into a new directory, or remove the bundle first")
         # the same landing from an earlier attempt of this rank's job: its retry stops here
         log.info("%s: rank %d already landed (attempt %s)", self.url, rank, earlier.attempt)
@@ -386,7 +392,8 @@ class BundleWriter:
 
 def _landing(marker: RankMarker) -> tuple:
     """What makes two rank markers the same landing (the attempt and the time aside)."""
-    return marker.bundle_id, marker.rank, marker.anchor, sorted(marker.expected_ranks), marker.documents.digests()
+    return (marker.bundle_id, marker.rank, marker.anchor, sorted(marker.expected_ranks), marker.documents.digests(),
+            marker.run)
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,13 @@ class BundleJob:
     record: CaptureRecord
     rank: int = 0
     expected_ranks: tuple[int, ...] = (0,)
+    run_id: Optional[str] = None
+    """The launch that captured it (`config.run_identity`), recorded in its rank marker."""
 
     def __post_init__(self) -> None:
         check_fields(self, capture_dir=str, record=CAPTURE_RECORDS, rank=int, expected_ranks=tuple)
+        if self.run_id is not None and not isinstance(self.run_id, str):
+            raise ValueError(f"BundleJob.run_id: expected a string or None, got {type(self.run_id).__name__}")
         if not self.capture_dir.strip():
             raise ValueError("BundleJob.capture_dir is empty")
         ranks = self.expected_ranks
@@ -59,7 +63,8 @@ def commit_bundle(store: ObjectStore, job: BundleJob) -> str:
     forget = getattr(store.backend, "forget_outage", None)
     if forget is not None:   # each record asks the store again; the manager's backoff spaced the attempts out
         forget()
-    rank_args = dict(rank=job.rank, expected_ranks=list(job.expected_ranks)) if job.multi_producer else {}
+    rank_args = dict(rank=job.rank, expected_ranks=list(job.expected_ranks), run_id=job.run_id) \
+        if job.multi_producer else {}
     writer = BundleWriter(f"{job.capture_dir.rstrip('/')}/{job.bundle_id}", parts.manifest, parts.index,
                           parts.expected, store=store, **rank_args)
     try:

@@ -6,6 +6,11 @@
     RELAX_REPLAY_CAPTURE_ROLLOUTS   optional rollout filter: R,R,...   (unset or empty = every rollout)
     RELAX_REPLAY_CAPTURE_WRITER     optional writer: auto, process or thread (unset or empty = auto; a
                                     `writer=` the program passes to the manager wins)
+    TRAJECTORY_REPLAY_RUN_ID        optional: the identity of this launch of the training job, the same on
+                                    every rank and new at every (re)start; default: what the launcher says
+                                    (torchrun's TORCHELASTIC_RUN_ID and restart count, Slurm's job id and
+                                    restart count), else none. Rank markers carry it, so that ranks of two
+                                    launches never complete one bundle together (`run_identity`).
 
 S3 endpoint and credentials come from the usual places (AWS_* variables, AWS config files, FSSPEC_S3_*).
 While capture is off the other variables are not read, so they can never break a run that does not
@@ -29,6 +34,9 @@ ENV_DIR = "RELAX_REPLAY_CAPTURE_DIR"
 ENV_STEPS = "RELAX_REPLAY_CAPTURE_STEPS"
 ENV_ROLLOUTS = "RELAX_REPLAY_CAPTURE_ROLLOUTS"
 ENV_WRITER = "RELAX_REPLAY_CAPTURE_WRITER"
+ENV_RUN_ID = "TRAJECTORY_REPLAY_RUN_ID"
+MAX_RUN_ID = 200
+_RUN_ID = re.compile(r"[\x21-\x7e]+")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -56,6 +64,8 @@ class CaptureConfig:
     steps: Optional[frozenset[tuple[int, int]]] = None
     rollouts: Optional[frozenset[int]] = None
     writer: Optional[str] = None
+    run_id: Optional[str] = None
+    """The launch this capture belongs to (`run_identity`), or None when nothing names it."""
 
     def wants_step(self, rollout_id: int, step_id: int) -> bool:
         """True when the step-level bundle of actor step (rollout_id, step_id) is to be captured."""
@@ -151,7 +161,30 @@ def load_config(environ: Optional[Mapping[str, str]] = None) -> CaptureConfig:
     if writer is not None:
         check_env_writer(writer, env[ENV_WRITER], capture_dir, store_given=False)
     return CaptureConfig(enabled=True, capture_dir=capture_dir, steps=parse_steps(env.get(ENV_STEPS)),
-                         rollouts=parse_rollouts(env.get(ENV_ROLLOUTS)), writer=writer)
+                         rollouts=parse_rollouts(env.get(ENV_ROLLOUTS)), writer=writer, run_id=run_identity(env))
+
+
+def run_identity(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The identity of this launch of the training job: the same on every rank of it, different after a restart.
+
+    TRAJECTORY_REPLAY_RUN_ID when set (a launcher or the user sets it once for all ranks); else torchrun's
+    TORCHELASTIC_RUN_ID with its TORCHELASTIC_RESTART_COUNT (a restart of the workers is another launch); else
+    Slurm's SLURM_JOB_ID with SLURM_RESTART_COUNT (a requeued job); else None. Ranks agree on it without talking
+    to each other, which is what a rank marker needs: a rank of a restarted run must not complete a bundle with
+    the ranks an earlier launch landed (their data differ; see docs/capture.md)."""
+    env = os.environ if environ is None else environ
+    given = env.get(ENV_RUN_ID, "").strip()
+    if given:
+        if len(given) > MAX_RUN_ID or not _RUN_ID.fullmatch(given):
+            raise _bad(ENV_RUN_ID, given[:80], f"expected up to {MAX_RUN_ID} printable characters without spaces")
+        return given
+    elastic = env.get("TORCHELASTIC_RUN_ID", "").strip()
+    if elastic and elastic.lower() != "none":
+        return f"torchelastic:{elastic}:{env.get('TORCHELASTIC_RESTART_COUNT', '0').strip() or '0'}"[:MAX_RUN_ID]
+    job = env.get("SLURM_JOB_ID", "").strip()
+    if job:
+        return f"slurm:{job}:{env.get('SLURM_RESTART_COUNT', '0').strip() or '0'}"[:MAX_RUN_ID]
+    return None
 
 
 def choose_writer(writer: str, writer_priority: str, capture_dir: str, store_given: bool) -> str:
@@ -189,6 +222,7 @@ def producer_ranks(rank: int, expected_ranks: Optional[Sequence[int]]) -> list[i
     return ranks
 
 
-__all__ = ["CaptureConfig", "CaptureConfigError", "ENV_CAPTURE", "ENV_DIR", "ENV_ROLLOUTS", "ENV_STEPS", "ENV_WRITER",
+__all__ = ["CaptureConfig", "CaptureConfigError", "ENV_CAPTURE", "ENV_DIR", "ENV_ROLLOUTS", "ENV_RUN_ID", "ENV_STEPS",
+           "ENV_WRITER", "run_identity",
            "WRITER_MODES", "WRITER_PRIORITIES", "check_env_writer", "choose_writer", "load_config", "parse_dir",
            "parse_rollouts", "parse_steps", "parse_switch", "parse_writer", "producer_ranks"]

@@ -51,6 +51,8 @@ def maybe_enable_for_actor(rank: int, is_producer: bool, expected_ranks: Sequenc
         if manager_options.get("store") is not None:   # load_config checked it for a writer without a store object
             check_env_writer(config.writer, config.writer, config.capture_dir, store_given=True)
         manager_options["writer"] = config.writer
+    if config.run_id is not None:
+        manager_options.setdefault("run_id", config.run_id)
     try:
         manager = CaptureManager(config.capture_dir, rank=rank, expected_ranks=ranks, steps=config.steps,
                                  rollouts=config.rollouts, **manager_options)

@@ -42,7 +42,7 @@ import torch
 
 from trajectory_replay.bundle.schema import ProducerInfo, RankTopology
 from trajectory_replay.capture.commit import BundleJob, storage_failure
-from trajectory_replay.capture.config import choose_writer, producer_ranks
+from trajectory_replay.capture.config import choose_writer, producer_ranks, run_identity
 from trajectory_replay.capture.records import (
     CaptureRecord, Columns, MicroBatch, Provenance, RolloutRecord, StepRecord, check_mismatch_metrics,
     rollout_bundle_id, step_bundle_id,
@@ -101,8 +101,10 @@ class CaptureManager:
                  max_pending_steps: int = DEFAULT_MAX_PENDING_STEPS, producer: Optional[ProducerInfo] = None,
                  topology: Optional[RankTopology | Mapping[str, int]] = None,
                  atexit_timeout: Optional[float] = DEFAULT_ATEXIT_TIMEOUT, start: bool = True,
-                 writer: str = "auto", writer_priority: str = "idle") -> None:
+                 writer: str = "auto", writer_priority: str = "idle", run_id: Optional[str] = None) -> None:
         self.capture_dir = os.fspath(capture_dir)
+        # the launch this capture belongs to, in every rank marker it writes (default: what the environment says)
+        self.run_id = run_id if run_id is not None else run_identity()
         self.writer_mode = choose_writer(writer, writer_priority, self.capture_dir, store is not None)
         self.writer_priority = writer_priority
         self._writer: Optional[Writer] = None
@@ -267,7 +269,7 @@ class CaptureManager:
         return False
 
     def _job(self, record: CaptureRecord) -> BundleJob:
-        return BundleJob(self.capture_dir, record, self.rank, tuple(self.expected_ranks))
+        return BundleJob(self.capture_dir, record, self.rank, tuple(self.expected_ranks), self.run_id)
 
     def _enqueue(self, job: BundleJob, snapshot: Snapshot, nbytes: int) -> bool:
         """Queue a job whose `nbytes` are reserved; a closed manager, a store backing off or a full queue drops it
