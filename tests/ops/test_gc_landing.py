@@ -81,3 +81,17 @@ def test_a_rank_already_landed_with_other_content_is_refused_and_the_same_landin
     final = _land(url, "cohort", 1, [0, 1], **options)
     assert final is not None and sorted(final.shards) == ["0", "1"]
     assert validates(f"{url}/cohort", **options)
+
+
+def test_a_name_holding_only_an_abandoned_note_takes_an_import(tmp_path):
+    """gc's note of an abandoned cohort is no bundle: importing under that name is not refused as a clash."""
+    from tests.bundle_legacy.v1_cases import tool_case
+    from trajectory_replay.ops.importer import import_v1
+
+    root = str(tmp_path / "store")
+    assert _land(root, "cohort", 0, [0, 1]) is None
+    assert collect_garbage(root, grace="0s").abandoned_bundles == ["cohort"]
+    assert open_backend(root).exists(abandoned_key("cohort"))
+    v1 = tool_case().write(tmp_path / "replay-120-0")
+    (url,) = import_v1(str(v1), root, name="cohort")
+    assert url.endswith("/cohort") and validates(url)

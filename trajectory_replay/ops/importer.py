@@ -22,7 +22,7 @@ from typing import Any, Optional
 from trajectory_replay.backends import redact_url
 from trajectory_replay.backends.overlay import OverlayBackend
 from trajectory_replay.bundle import legacy
-from trajectory_replay.bundle.markers import FINALIZER, CompleteMarker, RankMarker, landed_ranks, rank_key, \
+from trajectory_replay.bundle.markers import ABANDONED, FINALIZER, CompleteMarker, RankMarker, landed_ranks, rank_key, \
     read_complete, read_marker, try_finalize
 from trajectory_replay.bundle.schema import check_name
 from trajectory_replay.bundle.writer import BundleWriter
@@ -62,7 +62,8 @@ def _import_one(path: Path, store: ObjectStore, store_root: str, name: Optional[
     except ValueError as exc:
         raise BundleError(str(exc)) from None
     url = f"{store_root.rstrip('/')}/{target_name}"
-    if any(n != FINALIZER for n in store.backend.list_dir(target_name)):   # a claim alone is no bundle
+    # a finalizer claim, or gc's note of an abandoned cohort, alone is no bundle
+    if any(n not in (FINALIZER, ABANDONED) for n in store.backend.list_dir(target_name)):
         _check_same_as_existing(sources, store, store_root, target_name, path, name)
     _write(sources, store, url, path, name)
     return url
