@@ -23,6 +23,7 @@ from trajectory_replay.bundle.legacy import write_v1_bundle
 from trajectory_replay.cli import app
 from trajectory_replay.replay import canonical_case
 from trajectory_replay.store import ObjectStore
+from trajectory_replay.store.digest import object_key
 from trajectory_replay.units import human_bytes
 
 runner = CliRunner()
@@ -291,3 +292,21 @@ def test_sizes_use_iec_units_and_ls_agrees_with_stats(tmp_path):
     assert f"{human_bytes(stats['stored_bytes'])} stored" in text
     assert not re.search(r"\d ?(kB|KB|MB|GB|bytes)\b", text), text  # one unit system: B, KiB, MiB, ...
     assert re.search(r"\d KiB|\d B\b", text)
+
+
+# ---- ls ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("damage", ["record", "marker"])
+def test_ls_names_a_corrupt_bundle_once(tmp_path, damage):
+    root = str(tmp_path / "store")
+    write_canonical(root, name="b-bad")
+    backend = open_backend(root)
+    if damage == "record":  # the manifest's record no longer hashes to its digest
+        marker = json.loads(backend.read("b-bad/COMPLETE"))
+        backend.write(object_key(marker["shards"]["0"]["manifest"]["record"]), b"garbage")
+    else:
+        backend.write("b-bad/COMPLETE", b"{not json")
+    result = run("ls", root)
+    assert result.exit_code == 0, result.output
+    (line,) = [line for line in result.stdout.splitlines() if "b-bad" in line and ": " in line]  # not the row
+    assert line.count("b-bad") == 1 and line.startswith(("b-bad: ", f"{root}/b-bad/")), line

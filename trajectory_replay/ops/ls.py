@@ -90,7 +90,7 @@ class ListReport:
                          human_bytes(b.logical_bytes), human_bytes(b.stored_bytes), human_age(b.age_seconds)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        lines += [f"{b.name}: {b.detail}" for b in self.bundles if b.status in (CORRUPT, FINALIZABLE, "unsupported")]
+        lines += [_about(b.name, b.detail) for b in self.bundles if b.status in (CORRUPT, FINALIZABLE, "unsupported")]
         lines += [f"{name}: finalized (every rank had landed)" for name in self.finalized]
         older = [b for b in self.bundles if b.format == "v1"]
         if len(older) < len(self.bundles):
@@ -102,6 +102,15 @@ class ListReport:
             lines.append(f"older format [v1]: {len(done)} complete bundle(s) of {len(older)}, "
                          f"{human_bytes(sum(b.logical_bytes for b in done))} of payload files")
         return "\n".join(lines)
+
+
+def _about(name: str, detail: str) -> str:
+    """`detail` as a line about bundle `name`: prefixed with the name unless it already starts by naming the bundle
+    (its name, or a path through it), so the name is not read twice."""
+    first = detail.split(": ", 1)[0]
+    if first == name or f"/{name}/" in f"/{first}/":
+        return detail
+    return f"{name}: {detail}"
 
 
 def list_bundles(root: str | os.PathLike, **storage_options: Any) -> ListReport:
