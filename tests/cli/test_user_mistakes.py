@@ -17,10 +17,11 @@ from typer.testing import CliRunner
 
 from tests.bundle.helpers import write_canonical
 from tests.replay.cases import split_ranks, twelve_case
-from trajectory_replay.backends import open_backend
+from trajectory_replay.backends import S3_BUCKET_RULE, location_problem, open_backend
 from trajectory_replay.bundle import BundleWriter
 from trajectory_replay.bundle.legacy import write_v1_bundle
 from trajectory_replay.cli import app
+from trajectory_replay.errors import BackendError
 from trajectory_replay.replay import canonical_case
 from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.digest import object_key
@@ -310,3 +311,64 @@ def test_ls_names_a_corrupt_bundle_once(tmp_path, damage):
     assert result.exit_code == 0, result.output
     (line,) = [line for line in result.stdout.splitlines() if "b-bad" in line and ": " in line]  # not the row
     assert line.count("b-bad") == 1 and line.startswith(("b-bad: ", f"{root}/b-bad/")), line
+
+
+# ---- paths and URLs that name no store -----------------------------------------------------------
+
+JSON_COMMANDS = {"replay", "conventions", "diff", "inspect", "validate", "ls", "scan", "cp", "gc", "fsck", "stats"}
+BAD_LOCATIONS = {  # as typed -> what the one line must say
+    "s3://": "s3://: no bucket name: an S3 URL is s3://BUCKET/PREFIX",
+    "s3:///x": "s3:///x: no bucket name: an S3 URL is s3://BUCKET/PREFIX",
+    "s3://BAD_bucket!/x": f"s3://BAD_bucket!/x: invalid S3 bucket name 'BAD_bucket!': a bucket name is "
+                          f"{S3_BUCKET_RULE}",
+    "s3://ab/x": f"s3://ab/x: invalid S3 bucket name 'ab': a bucket name is {S3_BUCKET_RULE}",
+    "s3://user:secret@Bucket/x": f"s3://Bucket/x: invalid S3 bucket name 'Bucket': a bucket name is {S3_BUCKET_RULE}",
+    "http://host/x": "http://host/x: unsupported storage protocol 'http' (use a path, file://, s3:// or memory://)",
+    "": "empty path: give a directory or a URL such as s3://bucket/prefix",
+}
+LOCATION_ARGUMENTS = [  # every path or URL a command takes; {x} is the mistake, {ok} a real store or bundle
+    (["replay", "{x}"], "PATH"), (["conventions", "{x}"], "PATH"), (["diff", "{x}", "{ok}"], "A"),
+    (["diff", "{ok}", "{x}"], "B"), (["inspect", "{x}"], "PATH"), (["validate", "{x}"], "PATH"),
+    (["import", "{x}", "{root}"], "SOURCE"), (["import", "{v1}", "{x}"], "STORE_ROOT"), (["demo", "{x}"], "DIR-OR-URL"),
+    (["ls", "{x}"], "ROOT"), (["scan", "{x}"], "ROOT"), (["cp", "{x}", "{dest}"], "SOURCE"),
+    (["cp", "{ok}", "{x}"], "DEST_ROOT"), (["gc", "{x}"], "ROOT"), (["fsck", "{x}"], "ROOT"),
+    (["fsck", "{root}", "--repair-from", "{x}"], "--repair-from"), (["stats", "{x}"], "ROOT"),
+    (["export", "{x}", "{dest}"], "BUNDLE"), (["export", "{ok}", "{x}"], "OUT_DIR"),
+]
+
+
+@pytest.fixture
+def places(tmp_path, monkeypatch):
+    """A store with a bundle, a V1 bundle and a free destination; the current directory is an empty one."""
+    root = str(tmp_path / "store")
+    places = {"root": root, "ok": write_canonical(root), "v1": str(_v1(tmp_path / "v1" / "b-old", buggy=False)),
+              "dest": str(tmp_path / "dest")}
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    return places
+
+
+@pytest.mark.parametrize("typed", list(BAD_LOCATIONS))
+def test_every_command_refuses_a_location_that_names_no_store_the_same_way(places, tmp_path, typed):
+    before = _keys(places["root"])
+    for template, name in LOCATION_ARGUMENTS:
+        argv = [a.format(x=typed, **places) for a in template]
+        line = one_error_line(run(*argv), 2)
+        said = line.removeprefix("trajectory-replay: error: ")
+        expected = BAD_LOCATIONS[typed] if typed else f"{name}: {BAD_LOCATIONS[typed]}"
+        assert said == f"{expected} (see `trajectory-replay {argv[0]} --help`)", argv
+        assert "secret" not in line and "regex" not in line
+        doc = json.loads(run(*argv, "--json").stdout)
+        if argv[0] in JSON_COMMANDS:
+            assert doc == {"status": "usage", "error": said}, argv
+        else:  # a command without --json still answers a line with it in one object
+            assert doc["status"] == "usage" and "No such option: --json" in doc["error"], argv
+    assert os.listdir(tmp_path / "cwd") == []  # `demo s3://` wrote no local ./s3: directory, `demo ''` no demo
+    assert _keys(places["root"]) == before and not os.path.exists(places["dest"])
+
+
+def test_open_backend_refuses_an_invalid_bucket_before_any_request():
+    with pytest.raises(BackendError) as info:
+        open_backend("s3://BAD_bucket!/x", endpoint_url="http://127.0.0.1:9")  # nothing listens there
+    assert str(info.value) == BAD_LOCATIONS["s3://BAD_bucket!/x"]
+    assert location_problem("s3://my-bucket.v2/run-42") is None and location_problem("relative/dir") is None
