@@ -127,14 +127,16 @@ def _options(
 
 def _refuse_flags_as_values(params: list, args: list[str]) -> None:
     """An option followed by another of the command's options (`--sample --json`) is missing its value: the parser
-    would take that option as the value, and `--json` would be lost."""
+    would take that option as the value, and `--json` would be lost (also where the command has no `--json`: the
+    line still gets its one JSON object)."""
     options = {name: param for param in params if param.param_type_name == "option"
                for name in (*param.opts, *param.secondary_opts)}
     for arg, following in zip(args, args[1:]):
         if arg == "--":
             return
         param = options.get(arg)
-        if param is not None and not (param.is_flag or param.count) and following in options:
+        takes_value = param is not None and not (param.is_flag or param.count)
+        if takes_value and (following in options or following == "--json"):
             metavar = param.display_type_rich(None) if isinstance(param, _Option) else "VALUE"
             raise ClickUsageError(f"{arg} is missing its value ({following} is an option): write {arg} {metavar}")
 

@@ -13,7 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
+import typer.main
 from typer.testing import CliRunner
+
+import trajectory_replay
 
 from tests.bundle.helpers import write_canonical
 from tests.replay.cases import split_ranks, twelve_case
@@ -23,6 +27,7 @@ from trajectory_replay.bundle.legacy import write_v1_bundle
 from trajectory_replay.cli import app
 from trajectory_replay.errors import BackendError
 from trajectory_replay.replay import canonical_case
+from trajectory_replay.replay.compare import DEFAULT_ATOL, DEFAULT_RTOL
 from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.digest import object_key
 from trajectory_replay.units import human_bytes
@@ -372,3 +377,66 @@ def test_open_backend_refuses_an_invalid_bucket_before_any_request():
         open_backend("s3://BAD_bucket!/x", endpoint_url="http://127.0.0.1:9")  # nothing listens there
     assert str(info.value) == BAD_LOCATIONS["s3://BAD_bucket!/x"]
     assert location_problem("s3://my-bucket.v2/run-42") is None and location_problem("relative/dir") is None
+
+
+# ---- options and help ----------------------------------------------------------------------------
+
+def _commands():
+    return typer.main.get_command(app).commands
+
+
+def _value_options(command) -> list[str]:
+    return [p.opts[0] for p in command.params if p.param_type_name == "option" and not p.is_flag]
+
+
+def test_an_option_missing_its_value_does_not_swallow_json(places):
+    checked = 0
+    for name, command in _commands().items():
+        args = [places["ok"]] * sum(p.param_type_name == "argument" and p.required for p in command.params)
+        for option in _value_options(command):
+            for line in ([name, *args, option, "--json"], [name, option, "--json", *args]):
+                result = run(*line)
+                assert result.exit_code == 2, (line, result.output)
+                doc = json.loads(result.stdout)  # one object: the JSON flag was not taken as the option's value
+                assert doc["status"] == "usage" and f"{option} is missing its value (--json is an option)" in \
+                    doc["error"], line
+                assert result.stderr.strip() == f"trajectory-replay: error: {doc['error']}"
+                checked += 1
+    assert checked >= 2 * 25
+    line = one_error_line(run("replay", places["ok"], "--sample", "--stage", "reward.post_process"), 2)
+    assert "--sample is missing its value (--stage is an option): write --sample ID" in line
+    doc = json.loads(run("replay", places["ok"], "--set", "name=--json", "--json").stdout)  # a value may hold --
+    assert "unknown config field 'name'" in doc["error"] and "missing its value" not in doc["error"]
+
+
+def test_version():
+    result = run("--version")
+    assert (result.exit_code, result.stdout) == (0, f"trajectory-replay {trajectory_replay.__version__}\n")
+
+
+@pytest.mark.parametrize("name", ["", *sorted(typer.main.get_command(app).commands)])
+def test_help_reads_as_a_persons_cli(name):
+    command = _commands().get(name)
+    result = run(*([name] if name else []), "--help", env={"COLUMNS": "80", "TERMINAL_WIDTH": "80"})
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert not re.search(r"<(bool|str|int|float|list\[str\]|path)>|\{\w+\}", text), text  # no Python types
+    assert max(len(line) for line in text.splitlines()) <= 80
+    if command is None:
+        assert "--version" in text
+        return
+    assert "\n" not in (command.help or "").split("\n\n")[0]  # sentences are not broken where the source was
+    rows = {line.split()[1]: line.split()[2:] for line in text.splitlines() if re.match(r"│ --", line)}
+    for param in command.params:
+        if param.param_type_name != "option":
+            assert param.metavar and param.metavar in text.split("\n\n")[0] + text, param.name  # Usage: ... PATH
+            continue
+        words = rows[param.opts[0]]
+        if param.is_flag:
+            assert words[0] not in ("BOOL", "BOOLEAN"), (param.opts, words)
+        else:
+            assert param.metavar and words[0 if len(param.opts) == 1 else 1] == param.metavar, (param.opts, words)
+    if "--atol" in rows:
+        words = " ".join(text.replace("│", "").split())
+        defaults = re.findall(r"per stage, else (\S+)\)", words)  # --atol's, then --rtol's
+        assert [float(d) for d in defaults] == [DEFAULT_ATOL, DEFAULT_RTOL], defaults
