@@ -30,6 +30,7 @@ from trajectory_replay.backends import location_problem
 from trajectory_replay.errors import (
     BackendError, IncompleteBundleError, SelectionError, TrajectoryReplayError, UnsupportedError, UsageError,
 )
+from trajectory_replay.units import human_bytes
 
 try:  # typer vendors click from 0.20 on; earlier releases use click itself
     from typer._click.exceptions import UsageError as ClickUsageError
@@ -362,7 +363,7 @@ def _finish(report, html_path: Optional[str], as_json: bool) -> None:
         from trajectory_replay.replay.diff import DiffReport
 
         write = write_diff_html if isinstance(report, DiffReport) else write_replay_html
-        typer.echo(f"trajectory-replay: wrote {html_path} ({write(report, html_path)} bytes)", err=True)
+        typer.echo(f"trajectory-replay: wrote {html_path} ({human_bytes(write(report, html_path))})", err=True)
     if as_json:
         emit_json("pass" if report.passed else "diverged", report.to_dict(), allow_nan=False)
     else:
@@ -626,7 +627,8 @@ def scan_cmd(
     if html_path is not None:
         from trajectory_replay.html_report import write_scan_html
 
-        typer.echo(f"trajectory-replay: wrote {html_path} ({write_scan_html(report, html_path)} bytes)", err=True)
+        typer.echo(f"trajectory-replay: wrote {html_path} ({human_bytes(write_scan_html(report, html_path))})",
+                   err=True)
     if as_json:
         emit_json(report.status, {**report.to_dict(), **summary(report.problems())}, allow_nan=False)
     else:

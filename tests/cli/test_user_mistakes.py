@@ -440,3 +440,39 @@ def test_help_reads_as_a_persons_cli(name):
         words = " ".join(text.replace("│", "").split())
         defaults = re.findall(r"per stage, else (\S+)\)", words)  # --atol's, then --rtol's
         assert [float(d) for d in defaults] == [DEFAULT_ATOL, DEFAULT_RTOL], defaults
+
+
+# ---- sizes and widths of the human reports -------------------------------------------------------
+
+def test_diff_and_html_pages_show_sizes_in_iec_units(tmp_path):
+    root = str(tmp_path / "store")
+    buggy, clean = write_canonical(root, buggy=True), write_canonical(root, name="clean")
+    for args in (["diff", buggy, clean], ["replay", buggy], ["scan", root, "--quiet", "--workers", "1"]):
+        page = tmp_path / f"{args[0]}.html"
+        result = run(*args, "--html", str(page))
+        assert result.exit_code == 1, result.output  # the buggy bundle differs / diverges
+        assert result.stderr.strip() == f"trajectory-replay: wrote {page} ({human_bytes(page.stat().st_size)})"
+        assert not re.search(r"\d ?(kB|KB|MB|GB|bytes)\b", result.stdout + result.stderr), result.output
+    fetched = run("diff", buggy, clean).stdout.splitlines()[-1]
+    assert re.fullmatch(r"fetched from the stores: \d+(\.\d)? (B|KiB|MiB)", fetched), fetched
+
+
+def test_inspect_and_diff_fit_a_narrow_terminal(tmp_path):
+    root = str(tmp_path / ("a-store-with-a-rather-long-directory-name-" * 2))
+    long_id = "b-" + "nightly-grpo-run-with-a-descriptive-name-" * 2 + "00065"
+    buggy, clean = write_canonical(root, name=long_id, buggy=True), write_canonical(root, name="clean")
+    wide_inspect, wide_diff = run("inspect", buggy).stdout, run("diff", buggy, clean).stdout
+    assert max(map(len, wide_inspect.splitlines() + wide_diff.splitlines())) > 80  # the case is a real one
+    assert f"bundle {long_id} " in wide_inspect  # piped: whole lines, as before
+    narrow = {"COLUMNS": "80"}
+    for args in (["inspect", buggy], ["diff", buggy, clean], ["diff", buggy, clean, "--atol", "0"]):
+        result = run(*args, env=narrow)
+        assert result.exit_code in (0, 1), result.output
+        lines = result.stdout.splitlines()
+        assert max(map(len, lines)) <= 80, "\n".join(line for line in lines if len(line) > 80)
+        words = " ".join(result.stdout.split())
+        assert long_id in words.replace(" ", "") or long_id in words  # wrapped, not lost
+    table = [line for line in run("diff", buggy, clean, env=narrow).stdout.splitlines() if "…" in line]
+    assert all(len(line) <= 80 for line in table)
+    header = run("diff", buggy, clean, env=narrow).stdout.splitlines()
+    assert header[0].startswith("diff ") and header[1].startswith("  ")  # the long header wraps, indented
