@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import warnings
 from functools import wraps
@@ -294,6 +295,19 @@ def check_tolerance(flag: str, value: Optional[float]) -> Optional[float]:
     if value is not None and not (math.isfinite(value) and value >= 0):
         raise UsageError(f"{flag} {value}: must be a finite number >= 0")
     return value
+
+
+_RAY_ADDRESS = re.compile(r"(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})")
+
+
+def check_ray_address(address: Optional[str]) -> None:
+    """`--ray-address` as typed: HOST:PORT, ray://HOST:PORT, `auto` or `local` (checked before any verdict is
+    looked up, so a typo is refused also when every verdict is cached)."""
+    if address is None or address in ("auto", "local"):
+        return
+    match = _RAY_ADDRESS.fullmatch(address)
+    if not match or not 0 < int(match.group(3)) < 65536:
+        raise UsageError(f"--ray-address {address!r}: expected HOST:PORT, ray://HOST:PORT, auto or local")
 
 
 def parse_overrides(assignments: list[str]) -> dict[str, Any]:
@@ -608,6 +622,7 @@ def scan_cmd(
         raise UsageError(f"--engine {engine!r}: expected local or ray")
     if ray_address is not None and engine != "ray":
         raise UsageError("--ray-address needs --engine ray")
+    check_ray_address(ray_address)
     check_workers(workers)
     atol, rtol = check_tolerance("--atol", atol), check_tolerance("--rtol", rtol)
     if engine == "ray":

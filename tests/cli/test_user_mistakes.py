@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -476,3 +477,27 @@ def test_inspect_and_diff_fit_a_narrow_terminal(tmp_path):
     assert all(len(line) <= 80 for line in table)
     header = run("diff", buggy, clean, env=narrow).stdout.splitlines()
     assert header[0].startswith("diff ") and header[1].startswith("  ")  # the long header wraps, indented
+
+
+# ---- scan on Ray ---------------------------------------------------------------------------------
+
+def test_a_malformed_ray_address_is_refused_also_when_every_verdict_is_cached(tmp_path):
+    root = str(tmp_path / "store")
+    write_canonical(root)
+    first = run("scan", root, "--quiet", "--workers", "1", "--json")
+    assert json.loads(first.stdout)["status"] == "pass"  # the verdict is stored: a re-scan replays nothing
+    for address in ("nonsense", "127.0.0.1", "ray://host:99999", "host:port", ""):
+        line = one_error_line(run("scan", root, "--engine", "ray", "--ray-address", address, "--quiet"), 2)
+        assert f"--ray-address {address!r}: expected HOST:PORT, ray://HOST:PORT, auto or local" in line
+
+
+def test_an_unreachable_ray_cluster_is_an_io_error_not_a_usage_error(tmp_path):
+    root = str(tmp_path / "store")
+    write_canonical(root)
+    with socket.socket() as probe:  # a port nothing listens on: bound here, never listened on
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+        line = one_error_line(run("scan", root, "--engine", "ray", "--ray-address", address, "--quiet"), 1)
+        assert f"cannot reach the Ray cluster at {address}: " in line and "--ray-address or RAY_ADDRESS" in line
+        doc = json.loads(run("scan", root, "--engine", "ray", "--ray-address", address, "--quiet", "--json").stdout)
+    assert doc["status"] == "io" and doc["error"] == line.removeprefix("trajectory-replay: error: ")
