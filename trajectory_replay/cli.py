@@ -388,7 +388,7 @@ def _finish(report, html_path: Optional[str], as_json: bool) -> None:
 @app.command("replay", cls=Command)
 @command
 def replay_cmd(
-    path: Annotated[str, Where("PATH", BUNDLE_OR_DIR)],
+    path: Annotated[str, Where("BUNDLE-OR-DIR", BUNDLE_OR_DIR)],
     sample: Annotated[list[str], Value("--sample", "ID", "Sample id (repeatable); expands to its whole group.")] = [],
     group: Annotated[list[str], Value("--group", "g-N", "Prompt group g-<group_index> (repeatable).")] = [],
     batch: Annotated[list[str], Value("--batch", "mb-NNNN", "Micro-batch id (repeatable).")] = [],
@@ -446,7 +446,7 @@ def replay_cmd(
 @app.command("conventions", cls=Command)
 @command
 def conventions_cmd(
-    path: Annotated[str, Where("PATH", BUNDLE_OR_DIR)],
+    path: Annotated[str, Where("BUNDLE-OR-DIR", BUNDLE_OR_DIR)],
     step: StepFlag = None,
     rollout: RolloutFlag = None,
     as_json: JsonFlag = False,
@@ -497,7 +497,7 @@ def diff_cmd(
 @app.command("inspect", cls=Command)
 @command
 def inspect_cmd(
-    path: Annotated[str, Where("PATH", BUNDLE_OR_ROOT)],
+    path: Annotated[str, Where("BUNDLE-OR-DIR", BUNDLE_OR_ROOT)],
     step: StepFlag = None,
     rollout: RolloutFlag = None,
     as_json: JsonFlag = False,
@@ -518,7 +518,7 @@ def inspect_cmd(
 @app.command("validate", cls=Command)
 @command
 def validate_cmd(
-    path: Annotated[str, Where("PATH", BUNDLE_OR_ROOT)],
+    path: Annotated[str, Where("BUNDLE-OR-DIR", BUNDLE_OR_ROOT)],
     step: StepFlag = None,
     rollout: RolloutFlag = None,
     as_json: JsonFlag = False,
@@ -547,8 +547,8 @@ def schema_cmd() -> None:
 @app.command("import", cls=Command)
 @command
 def import_cmd(
-    source: Annotated[str, Where("SOURCE", "An older-format (V1) bundle directory, or a directory of them.")],
-    store_root: Annotated[str, Where("STORE_ROOT", "Store root to import into (path or URL).")],
+    source: Annotated[str, Where("V1-BUNDLE-OR-DIR", "An older-format (V1) bundle directory, or a directory of them.")],
+    store_root: Annotated[str, Where("STORE-ROOT", "Store root to import into (path or URL).")],
     as_name: Annotated[Optional[str], Value("--as", "NAME", "Name of the imported bundle (one bundle only).")] = None,
     step: StepFlag = None,
     rollout: RolloutFlag = None,
@@ -596,7 +596,7 @@ def ls_cmd(
 @app.command("scan", cls=Command)
 @command
 def scan_cmd(
-    root: Annotated[str, Where("ROOT", "Store root or capture directory (path or URL).")],
+    root: Annotated[str, Where("STORE-OR-CAPTURE", "Store root or capture directory (path or URL).")],
     engine: Annotated[str, Value("--engine", "local|ray", "local: a process pool on this machine; ray: one task "
                                  "per bundle on a Ray cluster (the ray extra).")] = "local",
     workers: Annotated[Optional[int], Value("--workers", "N", "Worker processes (local) or CPUs of the Ray started "
@@ -654,8 +654,8 @@ def scan_cmd(
 @app.command("cp", cls=Command)
 @command
 def cp_cmd(
-    source: Annotated[str, Where("SOURCE", "A bundle, or a store root with --step/--rollout/--all.")],
-    dest_root: Annotated[str, Where("DEST_ROOT", "Destination store root (path or URL).")],
+    source: Annotated[str, Where("BUNDLE-OR-ROOT", "A bundle, or a store root with --step/--rollout/--all.")],
+    dest_root: Annotated[str, Where("DEST-ROOT", "Destination store root (path or URL).")],
     step: Annotated[Optional[str], Value("--step", "R:S", "Copy the step-level bundle of rollout R, step "
                                                           "S.")] = None,
     rollout: Annotated[Optional[int], Value("--rollout", "R", "Copy the rollout-level bundle of rollout R.")] = None,
@@ -747,7 +747,7 @@ def stats_cmd(
 @command
 def export_cmd(
     bundle: Annotated[str, Where("BUNDLE", "Native bundle path or URL.")],
-    out_dir: Annotated[str, Where("OUT_DIR", "New directory to write the V1 bundle to.")],
+    out_dir: Annotated[str, Where("OUT-DIR", "New directory to write the V1 bundle to.")],
     quiet: QuietFlag = False,
 ) -> None:
     """Write a bundle as a self-contained directory in the older V1 layout (`import` reads it back)."""

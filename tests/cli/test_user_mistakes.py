@@ -333,13 +333,13 @@ BAD_LOCATIONS = {  # as typed -> what the one line must say
     "": "empty path: give a directory or a URL such as s3://bucket/prefix",
 }
 LOCATION_ARGUMENTS = [  # every path or URL a command takes; {x} is the mistake, {ok} a real store or bundle
-    (["replay", "{x}"], "PATH"), (["conventions", "{x}"], "PATH"), (["diff", "{x}", "{ok}"], "A"),
-    (["diff", "{ok}", "{x}"], "B"), (["inspect", "{x}"], "PATH"), (["validate", "{x}"], "PATH"),
-    (["import", "{x}", "{root}"], "SOURCE"), (["import", "{v1}", "{x}"], "STORE_ROOT"), (["demo", "{x}"], "DIR-OR-URL"),
-    (["ls", "{x}"], "ROOT"), (["scan", "{x}"], "ROOT"), (["cp", "{x}", "{dest}"], "SOURCE"),
-    (["cp", "{ok}", "{x}"], "DEST_ROOT"), (["gc", "{x}"], "ROOT"), (["fsck", "{x}"], "ROOT"),
+    (["replay", "{x}"], "BUNDLE-OR-DIR"), (["conventions", "{x}"], "BUNDLE-OR-DIR"), (["diff", "{x}", "{ok}"], "A"),
+    (["diff", "{ok}", "{x}"], "B"), (["inspect", "{x}"], "BUNDLE-OR-DIR"), (["validate", "{x}"], "BUNDLE-OR-DIR"),
+    (["import", "{x}", "{root}"], "V1-BUNDLE-OR-DIR"), (["import", "{v1}", "{x}"], "STORE-ROOT"), (["demo", "{x}"], "DIR-OR-URL"),
+    (["ls", "{x}"], "ROOT"), (["scan", "{x}"], "STORE-OR-CAPTURE"), (["cp", "{x}", "{dest}"], "BUNDLE-OR-ROOT"),
+    (["cp", "{ok}", "{x}"], "DEST-ROOT"), (["gc", "{x}"], "ROOT"), (["fsck", "{x}"], "ROOT"),
     (["fsck", "{root}", "--repair-from", "{x}"], "--repair-from"), (["stats", "{x}"], "ROOT"),
-    (["export", "{x}", "{dest}"], "BUNDLE"), (["export", "{ok}", "{x}"], "OUT_DIR"),
+    (["export", "{x}", "{dest}"], "BUNDLE"), (["export", "{ok}", "{x}"], "OUT-DIR"),
 ]
 
 
