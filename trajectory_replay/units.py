@@ -4,7 +4,6 @@ shown on: long lines wrap under their value column, table cells too wide for the
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import textwrap
@@ -33,17 +32,14 @@ def human_rate(bytes_per_second: float) -> str:
 
 
 def report_width() -> Optional[int]:
-    """The columns a human report may fill: COLUMNS when set, else the terminal's; None (no limit) when stdout is
-    not a terminal, so that piped text keeps whole lines for the tools that read it."""
-    text = os.environ.get("COLUMNS", "").strip()
-    if text.isdigit() and int(text) > 0:
-        return max(int(text), MIN_WIDTH)
+    """The columns a human report may fill on the terminal it is shown on (COLUMNS, else the terminal's own width);
+    None (no limit) when stdout is not a terminal, so that piped text keeps whole lines for the tools reading it."""
     try:
-        if sys.stdout.isatty():
-            return max(shutil.get_terminal_size().columns, MIN_WIDTH)
+        if not sys.stdout.isatty():
+            return None
     except (AttributeError, ValueError):  # a closed or replaced stdout
-        pass
-    return None
+        return None
+    return max(shutil.get_terminal_size().columns, MIN_WIDTH)
 
 
 def clip(text: str, width: Optional[int]) -> str:

@@ -5,12 +5,16 @@ into `head`, sizes in one unit system. Local stores and the real S3 test server.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
 import re
 import socket
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 import pytest
@@ -458,25 +462,42 @@ def test_diff_and_html_pages_show_sizes_in_iec_units(tmp_path):
     assert re.fullmatch(r"fetched from the stores: \d+(\.\d)? (B|KiB|MiB)", fetched), fetched
 
 
+def _on_terminal(args: list[str], columns: int) -> str:
+    """What the CLI, as its own process whose stdout is a terminal `columns` wide (a pseudo-terminal), shows."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}  # the terminal's own width
+    proc = subprocess.Popen([sys.executable, "-m", "trajectory_replay", *args], stdout=slave,
+                            stderr=subprocess.DEVNULL, cwd=REPO, env=env)
+    os.close(slave)
+    shown = []
+    try:
+        while data := os.read(master, 65536):
+            shown.append(data)
+    except OSError:  # EIO: the process closed the terminal
+        pass
+    finally:
+        os.close(master)
+    assert proc.wait(timeout=120) in (0, 1)
+    return b"".join(shown).decode().replace("\r\n", "\n")
+
+
 def test_inspect_and_diff_fit_a_narrow_terminal(tmp_path):
     root = str(tmp_path / ("a-store-with-a-rather-long-directory-name-" * 2))
     long_id = "b-" + "nightly-grpo-run-with-a-descriptive-name-" * 2 + "00065"
     buggy, clean = write_canonical(root, name=long_id, buggy=True), write_canonical(root, name="clean")
-    wide_inspect, wide_diff = run("inspect", buggy).stdout, run("diff", buggy, clean).stdout
-    assert max(map(len, wide_inspect.splitlines() + wide_diff.splitlines())) > 80  # the case is a real one
-    assert f"bundle {long_id} " in wide_inspect  # piped: whole lines, as before
-    narrow = {"COLUMNS": "80"}
-    for args in (["inspect", buggy], ["diff", buggy, clean], ["diff", buggy, clean, "--atol", "0"]):
-        result = run(*args, env=narrow)
-        assert result.exit_code in (0, 1), result.output
-        lines = result.stdout.splitlines()
-        assert max(map(len, lines)) <= 80, "\n".join(line for line in lines if len(line) > 80)
-        words = " ".join(result.stdout.split())
-        assert long_id in words.replace(" ", "") or long_id in words  # wrapped, not lost
-    table = [line for line in run("diff", buggy, clean, env=narrow).stdout.splitlines() if "…" in line]
-    assert all(len(line) <= 80 for line in table)
-    header = run("diff", buggy, clean, env=narrow).stdout.splitlines()
-    assert header[0].startswith("diff ") and header[1].startswith("  ")  # the long header wraps, indented
+    piped = run("inspect", buggy, env={"COLUMNS": "80"}).stdout + run("diff", buggy, clean).stdout
+    assert max(map(len, piped.splitlines())) > 80  # the case is a real one
+    assert f"bundle {long_id} [native]" in piped  # piped: whole lines for the tools reading them
+    for args in (["inspect", buggy], ["diff", buggy, clean]):
+        shown = _on_terminal(args, 80)
+        lines = shown.splitlines()
+        assert len(lines) > 10 and max(map(len, lines)) <= 80, "\n".join(line for line in lines if len(line) > 80)
+        assert long_id in "".join(shown.split())  # wrapped, not lost
+        if args[0] == "diff":
+            assert lines[0].startswith("diff ") and lines[1].startswith("  ")  # the long header wraps, indented
+            assert any(line.endswith("…") or "… " in line for line in lines)  # a long field name is cut
+            assert lines[-1].startswith("fetched from the stores: ")
 
 
 # ---- scan on Ray ---------------------------------------------------------------------------------
