@@ -30,7 +30,8 @@ from trajectory_replay.backends import S3_BUCKET_RULE, location_problem, open_ba
 from trajectory_replay.bundle import BundleWriter
 from trajectory_replay.bundle.legacy import write_v1_bundle
 from trajectory_replay.cli import app
-from trajectory_replay.errors import BackendError
+from trajectory_replay.demo import run_demo
+from trajectory_replay.errors import BackendError, UsageError
 from trajectory_replay.replay import canonical_case
 from trajectory_replay.replay.compare import DEFAULT_ATOL, DEFAULT_RTOL
 from trajectory_replay.store import ObjectStore
@@ -332,7 +333,9 @@ BAD_LOCATIONS = {  # as typed -> what the one line must say
     "s3://BAD_bucket!/x": f"s3://BAD_bucket!/x: invalid S3 bucket name 'BAD_bucket!': a bucket name is "
                           f"{S3_BUCKET_RULE}",
     "s3://ab/x": f"s3://ab/x: invalid S3 bucket name 'ab': a bucket name is {S3_BUCKET_RULE}",
-    "s3://user:secret@Bucket/x": f"s3://Bucket/x: invalid S3 bucket name 'Bucket': a bucket name is {S3_BUCKET_RULE}",
+    "s3://user:secret@Bucket/x": f"s3://Bucket/x: invalid S3 bucket name 'Bucket': a bucket name is "
+                                 f"{S3_BUCKET_RULE}",
+    "s3:/bucket/x": "s3:/bucket/x: not a URL (no // after s3:): write s3://...",
     "http://host/x": "http://host/x: unsupported storage protocol 'http' (use a path, file://, s3:// or memory://)",
     "": "empty path: give a directory or a URL such as s3://bucket/prefix",
 }
@@ -522,3 +525,11 @@ def test_an_unreachable_ray_cluster_is_an_io_error_not_a_usage_error(tmp_path):
         assert f"cannot reach the Ray cluster at {address}: " in line and "--ray-address or RAY_ADDRESS" in line
         doc = json.loads(run("scan", root, "--engine", "ray", "--ray-address", address, "--quiet", "--json").stdout)
     assert doc["status"] == "io" and doc["error"] == line.removeprefix("trajectory-replay: error: ")
+
+
+@pytest.mark.parametrize("typed", ["s3://", "s3:///x", "", "s3:/bucket/x"])
+def test_run_demo_refuses_a_location_that_names_no_store(typed, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError) as info:
+        run_demo(typed)
+    assert str(info.value) == BAD_LOCATIONS[typed] and os.listdir(tmp_path) == []

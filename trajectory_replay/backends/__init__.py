@@ -29,6 +29,7 @@ def split_url(path_or_url: str) -> tuple[str, str]:
 S3_BUCKET_RULE = ("3-63 characters: lowercase letters, digits, dots and hyphens, beginning and ending with a "
                   "letter or digit")
 _S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_SLASHLESS_URL = re.compile(r"(s3|s3a|s3n|file|local|memory):(?!//)", re.IGNORECASE)
 
 
 def location_problem(path_or_url: str | os.PathLike) -> Optional[str]:
@@ -38,6 +39,9 @@ def location_problem(path_or_url: str | os.PathLike) -> Optional[str]:
     text = os.fspath(path_or_url)
     if not text.strip():
         return "empty path: give a directory or a URL such as s3://bucket/prefix"
+    slashless = _SLASHLESS_URL.match(text)
+    if slashless:  # `s3:/bucket/x` would be a local directory named `s3:`
+        return f"{redact_url(text)}: not a URL (no // after {slashless.group(1)}:): write {slashless.group(1)}://..."
     protocol, rest = split_url(text)
     if protocol not in ("file", "memory", "s3"):
         return f"{redact_url(text)}: unsupported storage protocol {protocol!r} (use a path, file://, s3:// or memory://)"
