@@ -342,7 +342,8 @@ BAD_LOCATIONS = {  # as typed -> what the one line must say
 LOCATION_ARGUMENTS = [  # every path or URL a command takes; {x} is the mistake, {ok} a real store or bundle
     (["replay", "{x}"], "BUNDLE-OR-DIR"), (["conventions", "{x}"], "BUNDLE-OR-DIR"), (["diff", "{x}", "{ok}"], "A"),
     (["diff", "{ok}", "{x}"], "B"), (["inspect", "{x}"], "BUNDLE-OR-DIR"), (["validate", "{x}"], "BUNDLE-OR-DIR"),
-    (["import", "{x}", "{root}"], "V1-BUNDLE-OR-DIR"), (["import", "{v1}", "{x}"], "STORE-ROOT"), (["demo", "{x}"], "DIR-OR-URL"),
+    (["import", "{x}", "{root}"], "V1-BUNDLE-OR-DIR"), (["import", "{v1}", "{x}"], "STORE-ROOT"),
+    (["demo", "{x}"], "DIR-OR-URL"),
     (["ls", "{x}"], "ROOT"), (["scan", "{x}"], "STORE-OR-CAPTURE"), (["cp", "{x}", "{dest}"], "BUNDLE-OR-ROOT"),
     (["cp", "{ok}", "{x}"], "DEST-ROOT"), (["gc", "{x}"], "ROOT"), (["fsck", "{x}"], "ROOT"),
     (["fsck", "{root}", "--repair-from", "{x}"], "--repair-from"), (["stats", "{x}"], "ROOT"),

@@ -33,9 +33,9 @@ _SLASHLESS_URL = re.compile(r"(s3|s3a|s3n|file|local|memory):(?!//)", re.IGNOREC
 
 
 def location_problem(path_or_url: str | os.PathLike) -> Optional[str]:
-    """What makes `path_or_url` name no store at all, as written and before any request (an empty path, an
-    unknown protocol, an S3 URL without a valid bucket name), one line naming it and what to write instead;
-    None when it can name one."""
+    """What makes `path_or_url` name no store at all, as written and before any request (an empty path, a URL
+    missing its //, an unknown protocol, an S3 URL without a valid bucket name), one line naming it and what to
+    write instead; None when it can name one."""
     text = os.fspath(path_or_url)
     if not text.strip():
         return "empty path: give a directory or a URL such as s3://bucket/prefix"
@@ -44,10 +44,14 @@ def location_problem(path_or_url: str | os.PathLike) -> Optional[str]:
         return f"{redact_url(text)}: not a URL (no // after {slashless.group(1)}:): write {slashless.group(1)}://..."
     protocol, rest = split_url(text)
     if protocol not in ("file", "memory", "s3"):
-        return f"{redact_url(text)}: unsupported storage protocol {protocol!r} (use a path, file://, s3:// or memory://)"
+        return _unsupported(text, protocol)
     if protocol == "s3":
         return _s3_bucket_problem(text, rest)
     return None
+
+
+def _unsupported(url: str, protocol: str) -> str:
+    return f"{redact_url(url)}: unsupported storage protocol {protocol!r} (use a path, file://, s3:// or memory://)"
 
 
 def _s3_bucket_problem(url: str, rest: str) -> Optional[str]:
@@ -78,7 +82,7 @@ def open_backend(path_or_url: str | os.PathLike, **storage_options: Any) -> Back
             raise BackendError(problem)
 
         return S3Backend(path, **storage_options)
-    raise BackendError(f"{path_or_url}: unsupported storage protocol {protocol!r} (use a path, file://, s3:// or memory://)")
+    raise BackendError(_unsupported(os.fspath(path_or_url), protocol))
 
 
 def redact_url(url: str) -> str:
