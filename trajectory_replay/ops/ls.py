@@ -105,11 +105,13 @@ class ListReport:
 
 
 def _about(name: str, detail: str) -> str:
-    """`detail` as a line about bundle `name`: prefixed with the name unless it already starts by naming the bundle
-    (its name, or a path through it), so the name is not read twice."""
-    first = detail.split(": ", 1)[0]
-    if first == name or f"/{name}/" in f"/{first}/":
-        return detail
+    """`detail` as a line about bundle `name`, which names the bundle once: a detail that starts with the name, or
+    with a path through the bundle, goes on from the bundle (`b-7: COMPLETE: not valid JSON`)."""
+    first, sep, rest = detail.partition(": ")
+    if sep and (first == name or first.endswith(f"/{name}")):
+        detail = rest
+    elif sep and f"/{name}/" in first:
+        detail = f"{first.split(f'/{name}/', 1)[1]}: {rest}"
     return f"{name}: {detail}"
 
 
