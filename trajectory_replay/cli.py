@@ -357,7 +357,7 @@ def _tolerance(flag: str, kind: str, default: str, each: str) -> Any:
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the human report.")]
 HtmlFlag = Annotated[Optional[str], Value("--html", "FILE", "Also write the report as one self-contained HTML file "
-                                          "with plots (needs the report extra: plotly).")]
+                                          "with plots.")]
 AtolFlag = Annotated[Optional[float], _tolerance("--atol", "Absolute", "1e-6", "stage")]
 RtolFlag = Annotated[Optional[float], _tolerance("--rtol", "Relative", "1e-5", "stage")]
 StepFlag = Annotated[Optional[str], Value("--step", "R:S", "The step-level bundle of rollout R, step S.")]
@@ -610,7 +610,7 @@ def scan_cmd(
                                                         "verdict.")] = False,
     quiet: QuietFlag = False,
     html_path: Annotated[Optional[str], Value("--html", "FILE", "Also write the summary as one self-contained HTML "
-                                              "page with the verdict timeline (needs plotly).")] = None,
+                                              "page with the verdict timeline.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Replay every complete bundle of a store, resumably (verdicts are kept in the store); summarize counts,
