@@ -12,21 +12,26 @@ an error, `error`, the same one line that goes to stderr.
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import logging
 import math
 import os
+import re
 import sys
 import warnings
 from functools import wraps
 from typing import Annotated, Any, Callable, Optional
 
 import typer
-from typer.core import TyperCommand, TyperGroup
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
+from trajectory_replay import __version__
+from trajectory_replay.backends import location_problem
 from trajectory_replay.errors import (
     BackendError, IncompleteBundleError, SelectionError, TrajectoryReplayError, UnsupportedError, UsageError,
 )
+from trajectory_replay.units import human_bytes
 
 try:  # typer vendors click from 0.20 on; earlier releases use click itself
     from typer._click.exceptions import UsageError as ClickUsageError
@@ -40,8 +45,48 @@ _STORAGE_LIBRARIES = {"botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "u
 """Packages whose own exceptions mean the storage could not be reached or refused us."""
 
 
+class _Argument(TyperArgument):
+    """A positional argument in help as people write one: its metavar (PATH, [DIR-OR-URL]), no Python type."""
+
+    def display_type_rich(self, ctx) -> None:
+        return None
+
+    def _usage_display_name(self) -> str:
+        return self.display_name_raw if self.required else f"[{self.display_name_raw}]"
+
+
+class _Option(TyperOption):
+    """An option in help as people write one: a flag alone (`--json`), a value option with its metavar
+    (`--atol X`), never a Python type."""
+
+    def display_type_rich(self, ctx) -> Optional[str]:
+        if self.is_flag or self.count:
+            return None
+        return self.metavar or (self.name or "value").upper()
+
+
+_READABLE = {TyperArgument: _Argument, TyperOption: _Option}
+
+
+def _readable(params: list) -> list:
+    """`params` shown by `_Argument` and `_Option` (they parse as before: only their help differs)."""
+    for param in params:
+        param.__class__ = _READABLE.get(type(param), type(param))
+    return params
+
+
+def _whole_sentences(text: Optional[str]) -> Optional[str]:
+    """A docstring's paragraphs each as one line, so help wraps them at the terminal's width, not the source's."""
+    if not text:
+        return text
+    return "\n\n".join(" ".join(part.split()) for part in inspect.cleandoc(text).split("\n\n"))
+
+
 class Group(TyperGroup):
     """The command group: an unknown command or option is one line too (and JSON with `--json`), exit 2."""
+
+    def get_params(self, ctx) -> list:
+        return _readable(super().get_params(ctx))
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
         return _one_line_usage(lambda: super(Group, self).parse_args(ctx, args), ctx, args, "")
@@ -53,6 +98,7 @@ class Group(TyperGroup):
 def _one_line_usage(parse: Callable, ctx, args: list[str], name: str):
     as_json = "--json" in args  # before parsing: the parser consumes `args`
     try:
+        _refuse_flags_as_values(ctx.command.get_params(ctx), args)
         return parse()
     except ClickUsageError as exc:
         if ctx.resilient_parsing or type(exc).__name__ == "NoArgsIsHelpError":
@@ -65,6 +111,36 @@ def _one_line_usage(parse: Callable, ctx, args: list[str], name: str):
 app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Capture what one async RL training step consumed; replay it offline and name the first "
                        "divergence.")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        emit(f"trajectory-replay {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Capture what one async RL training step consumed; replay it offline and name the first divergence."""
+
+
+def _refuse_flags_as_values(params: list, args: list[str]) -> None:
+    """An option followed by another of the command's options (`--sample --json`) is missing its value: the parser
+    would take that option as the value, and `--json` would be lost (also where the command has no `--json`: the
+    line still gets its one JSON object)."""
+    options = {name: param for param in params if param.param_type_name == "option"
+               for name in (*param.opts, *param.secondary_opts)}
+    for arg, following in zip(args, args[1:]):
+        if arg == "--":
+            return
+        param = options.get(arg)
+        takes_value = param is not None and not (param.is_flag or param.count)
+        if takes_value and (following in options or following == "--json"):
+            metavar = param.display_type_rich(None) if isinstance(param, _Option) else "VALUE"
+            raise ClickUsageError(f"{arg} is missing its value ({following} is an option): write {arg} {metavar}")
 
 
 def error_status(exc: BaseException) -> tuple[str, int]:
@@ -163,7 +239,15 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 class Command(TyperCommand):
-    """A subcommand whose command-line mistakes are one line (and one JSON object with `--json`), exit 2."""
+    """A subcommand whose command-line mistakes are one line (and one JSON object with `--json`), exit 2, and
+    whose help reads as a person's: whole sentences, metavars instead of Python types."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.help = _whole_sentences(self.help)
+
+    def get_params(self, ctx) -> list:
+        return _readable(super().get_params(ctx))
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
         return _one_line_usage(lambda: super(Command, self).parse_args(ctx, args), ctx, args, self.name or "")
@@ -213,6 +297,19 @@ def check_tolerance(flag: str, value: Optional[float]) -> Optional[float]:
     return value
 
 
+_RAY_ADDRESS = re.compile(r"(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})")
+
+
+def check_ray_address(address: Optional[str]) -> None:
+    """`--ray-address` as typed: HOST:PORT, ray://HOST:PORT, `auto` or `local` (checked before any verdict is
+    looked up, so a typo is refused also when every verdict is cached)."""
+    if address is None or address in ("auto", "local"):
+        return
+    match = _RAY_ADDRESS.fullmatch(address)
+    if not match or not 0 < int(match.group(3)) < 65536:
+        raise UsageError(f"--ray-address {address!r}: expected HOST:PORT, ray://HOST:PORT, auto or local")
+
+
 def parse_overrides(assignments: list[str]) -> dict[str, Any]:
     """`--set FIELD=VALUE` flags as {field: value}: VALUE parsed as JSON (true, 1e-4, null, "x"), else kept as a
     string; UsageError for a flag without `=` or a field given twice."""
@@ -231,9 +328,45 @@ def parse_overrides(assignments: list[str]) -> dict[str, Any]:
     return out
 
 
+def _location(param: typer.CallbackParam, value: Optional[str]) -> Optional[str]:
+    """A path or URL from the command line, refused as typed when it can name no store (before any request); an
+    empty one is named by its argument or option (an unset shell variable leaves nothing else to name)."""
+    problem = None if value is None else location_problem(value)
+    if problem and not value.strip():
+        name = param.opts[0] if param.param_type_name == "option" else param.display_name_raw
+        problem = f"{name}: {problem}"
+    if problem:
+        raise ClickUsageError(problem)
+    return value
+
+
+def Where(metavar: str, help: str) -> Any:  # noqa: N802 (reads as the type of an argument)
+    """A path or URL argument: shown as `metavar`, checked by `_location`."""
+    return typer.Argument(metavar=metavar, callback=_location, help=help)
+
+
+def Value(flag: str, metavar: str, help: str, **kwargs: Any) -> Any:  # noqa: N802
+    """An option that takes a value, shown as `flag metavar`."""
+    return typer.Option(flag, metavar=metavar, help=help, **kwargs)
+
+
+def _tolerance(flag: str, kind: str, default: str, each: str) -> Any:
+    return Value(flag, "X", f"{kind} tolerance for every {each} (default: the bundle's own per stage, else "
+                            f"{default}).")
+
+
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the human report.")]
-HtmlFlag = Annotated[Optional[str], typer.Option("--html", help="Also write the report as one self-contained HTML "
-                                                "file with plots.")]
+HtmlFlag = Annotated[Optional[str], Value("--html", "FILE", "Also write the report as one self-contained HTML file "
+                                          "with plots.")]
+AtolFlag = Annotated[Optional[float], _tolerance("--atol", "Absolute", "1e-6", "stage")]
+RtolFlag = Annotated[Optional[float], _tolerance("--rtol", "Relative", "1e-5", "stage")]
+StepFlag = Annotated[Optional[str], Value("--step", "R:S", "The step-level bundle of rollout R, step S.")]
+RolloutFlag = Annotated[Optional[int], Value("--rollout", "R", "The rollout-level bundle of rollout R.")]
+QuietFlag = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar (it is shown only on a terminal).")]
+BUNDLE_OR_DIR = "Bundle, bundle/rank-<r>, capture directory or store root (path or URL)."
+BUNDLE_OR_ROOT = ("Bundle path or URL (native or older directory format), or a store root or capture directory "
+                  "with --step/--rollout.")
+STORE_ROOT = "Store root (path or URL)."
 
 
 def _finish(report, html_path: Optional[str], as_json: bool, sources=None) -> None:
@@ -245,7 +378,7 @@ def _finish(report, html_path: Optional[str], as_json: bool, sources=None) -> No
 
         size = write_diff_html(report, html_path) if isinstance(report, DiffReport) else \
             write_replay_html(report, html_path, sources)
-        typer.echo(f"trajectory-replay: wrote {html_path} ({size} bytes)", err=True)
+        typer.echo(f"trajectory-replay: wrote {html_path} ({human_bytes(size)})", err=True)
     status = report_status(report)
     reason = getattr(report, "unsupported_reason", None)
     if as_json:
@@ -261,30 +394,29 @@ def report_status(report) -> str:
     """The `--json` status of a replay, chain or diff report: its own verdict (pass, diverged, unsupported), or for
     a report that has none, pass or diverged."""
     return getattr(report, "status", None) or ("pass" if report.passed else "diverged")
-StepFlag = Annotated[Optional[str], typer.Option("--step", help="ROLLOUT:STEP of a step-level bundle.")]
-RolloutFlag = Annotated[Optional[int], typer.Option("--rollout", help="Rollout id of a rollout-level bundle.")]
 
 
 @app.command("replay", cls=Command)
 @command
 def replay_cmd(
-    path: Annotated[str, typer.Argument(help="Bundle, bundle/rank-<r>, capture directory or store root (path or URL).")],
-    sample: Annotated[list[str], typer.Option("--sample", help="Sample id (repeatable); expands to its whole group.")] = [],
-    group: Annotated[list[str], typer.Option("--group", help="Group id g-<group_index> (repeatable).")] = [],
-    batch: Annotated[list[str], typer.Option("--batch", help="Micro-batch id mb-NNNN (repeatable).")] = [],
-    step: Annotated[Optional[str], typer.Option("--step", help="ROLLOUT:STEP of a step-level bundle.")] = None,
-    rollout: Annotated[Optional[int], typer.Option("--rollout", help="Rollout id of a rollout-level bundle.")] = None,
-    stage: Annotated[list[str], typer.Option("--stage", help="Run this stage and what it depends on (repeatable).")] = [],
-    atol: Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance for every stage.")] = None,
-    rtol: Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance for every stage.")] = None,
-    set_: Annotated[list[str], typer.Option("--set", help="FIELD=VALUE: replay with a recompute config field "
-                                            "overridden (repeatable; VALUE as JSON, else a string).")] = [],
+    path: Annotated[str, Where("BUNDLE-OR-DIR", BUNDLE_OR_DIR)],
+    sample: Annotated[list[str], Value("--sample", "ID", "Sample id (repeatable); expands to its whole group.")] = [],
+    group: Annotated[list[str], Value("--group", "g-N", "Prompt group g-<group_index> (repeatable).")] = [],
+    batch: Annotated[list[str], Value("--batch", "mb-NNNN", "Micro-batch id (repeatable).")] = [],
+    step: StepFlag = None,
+    rollout: RolloutFlag = None,
+    stage: Annotated[list[str], Value("--stage", "STAGE", "Run this stage and what it depends on "
+                                                          "(repeatable).")] = [],
+    atol: AtolFlag = None,
+    rtol: RtolFlag = None,
+    set_: Annotated[list[str], Value("--set", "FIELD=VALUE", "Replay with a recompute config field overridden "
+                                     "(repeatable; VALUE as JSON, else a string).")] = [],
     no_upstream: Annotated[bool, typer.Option("--no-upstream", help="With --step: replay the step-level bundle "
                                               "alone, not with the rollout-level bundles it consumed.")] = False,
-    block_tokens: Annotated[Optional[int], typer.Option(
-        "--block-tokens", help="Stream the replay in blocks of whole prompt groups of about N tokens, to bound "
-        "memory (default: only a cohort of more than 32M tokens streams, in blocks of 4M); the report is the "
-        "same.")] = None,
+    block_tokens: Annotated[Optional[int], Value(
+        "--block-tokens", "N", "Stream the replay in blocks of whole prompt groups of about N tokens, to bound "
+        "memory; the report is the same (default: only a cohort of more than 32M tokens streams, in blocks of "
+        "4M).")] = None,
     html_path: HtmlFlag = None,
     as_json: JsonFlag = False,
 ) -> None:
@@ -325,7 +457,7 @@ def replay_cmd(
 @app.command("conventions", cls=Command)
 @command
 def conventions_cmd(
-    path: Annotated[str, typer.Argument(help="Bundle, bundle/rank-<r>, capture directory or store root (path or URL).")],
+    path: Annotated[str, Where("BUNDLE-OR-DIR", BUNDLE_OR_DIR)],
     step: StepFlag = None,
     rollout: RolloutFlag = None,
     as_json: JsonFlag = False,
@@ -352,12 +484,12 @@ def conventions_cmd(
 @app.command("diff", cls=Command)
 @command
 def diff_cmd(
-    a: Annotated[str, typer.Argument(help="First bundle (path or URL, native or older format).")],
-    b: Annotated[str, typer.Argument(help="Second bundle of the same step.")],
+    a: Annotated[str, Where("A", "First bundle (path or URL, native or older format).")],
+    b: Annotated[str, Where("B", "Second bundle of the same step.")],
     step: StepFlag = None,
     rollout: RolloutFlag = None,
-    atol: Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance for every field.")] = None,
-    rtol: Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance for every field.")] = None,
+    atol: Annotated[Optional[float], _tolerance("--atol", "Absolute", "1e-6", "field")] = None,
+    rtol: Annotated[Optional[float], _tolerance("--rtol", "Relative", "1e-5", "field")] = None,
     html_path: HtmlFlag = None,
     as_json: JsonFlag = False,
 ) -> None:
@@ -378,8 +510,7 @@ def diff_cmd(
 @app.command("inspect", cls=Command)
 @command
 def inspect_cmd(
-    path: Annotated[str, typer.Argument(help="Bundle path or URL (native or older directory format), or a "
-                                             "store root / capture directory with --step/--rollout.")],
+    path: Annotated[str, Where("BUNDLE-OR-DIR", BUNDLE_OR_ROOT)],
     step: StepFlag = None,
     rollout: RolloutFlag = None,
     as_json: JsonFlag = False,
@@ -400,8 +531,7 @@ def inspect_cmd(
 @app.command("validate", cls=Command)
 @command
 def validate_cmd(
-    path: Annotated[str, typer.Argument(help="Bundle path or URL (native or older directory format), or a "
-                                             "store root / capture directory with --step/--rollout.")],
+    path: Annotated[str, Where("BUNDLE-OR-DIR", BUNDLE_OR_ROOT)],
     step: StepFlag = None,
     rollout: RolloutFlag = None,
     as_json: JsonFlag = False,
@@ -430,9 +560,9 @@ def schema_cmd() -> None:
 @app.command("import", cls=Command)
 @command
 def import_cmd(
-    source: Annotated[str, typer.Argument(help="An older-format (V1) bundle directory, or a directory of them.")],
-    store_root: Annotated[str, typer.Argument(help="Store root to import into (path or URL).")],
-    as_name: Annotated[Optional[str], typer.Option("--as", help="Name of the imported bundle (one bundle only).")] = None,
+    source: Annotated[str, Where("V1-BUNDLE-OR-DIR", "An older-format (V1) bundle directory, or a directory of them.")],
+    store_root: Annotated[str, Where("STORE-ROOT", "Store root to import into (path or URL).")],
+    as_name: Annotated[Optional[str], Value("--as", "NAME", "Name of the imported bundle (one bundle only).")] = None,
     step: StepFlag = None,
     rollout: RolloutFlag = None,
 ) -> None:
@@ -446,7 +576,7 @@ def import_cmd(
 @app.command("demo", cls=Command)
 @command
 def demo_cmd(
-    directory: Annotated[Optional[str], typer.Argument(help="Store to write into, a path or URL (default: a new "
+    directory: Annotated[Optional[str], Where("DIR-OR-URL", "Store to write into, a path or URL (default: a new "
                                                             "./trajectory-replay-demo).")] = None,
 ) -> None:
     """Write a clean GRPO step and the same step with the physical-batch bug, replay both, print both reports."""
@@ -459,13 +589,10 @@ def demo_cmd(
     raise typer.Exit(0 if result.as_expected else 1)
 
 
-QuietFlag = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar (it is shown only on a terminal).")]
-
-
 @app.command("ls", cls=Command)
 @command
 def ls_cmd(
-    root: Annotated[str, typer.Argument(help="Store root (path or URL).")],
+    root: Annotated[str, Where("ROOT", STORE_ROOT)],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: status, root, bundles and "
                                                          "totals.")] = False,
 ) -> None:
@@ -482,20 +609,21 @@ def ls_cmd(
 @app.command("scan", cls=Command)
 @command
 def scan_cmd(
-    root: Annotated[str, typer.Argument(help="Store root or capture directory (path or URL).")],
-    engine: Annotated[str, typer.Option("--engine", help="local: a process pool on this machine; ray: one task "
-                                                         "per bundle on a Ray cluster (the ray extra).")] = "local",
-    workers: Annotated[Optional[int], typer.Option("--workers", help="Worker processes (local) or CPUs of the "
-                                                   "Ray started for the scan (default: the CPUs here).")] = None,
-    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster to run on (default: "
-                                                       "RAY_ADDRESS, else a local Ray started for the scan).")] = None,
-    atol: Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance for every stage.")] = None,
-    rtol: Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance for every stage.")] = None,
+    root: Annotated[str, Where("STORE-OR-CAPTURE", "Store root or capture directory (path or URL).")],
+    engine: Annotated[str, Value("--engine", "local|ray", "local: a process pool on this machine; ray: one task "
+                                 "per bundle on a Ray cluster (the ray extra).")] = "local",
+    workers: Annotated[Optional[int], Value("--workers", "N", "Worker processes (local) or CPUs of the Ray started "
+                                            "for the scan (default: the CPUs here).")] = None,
+    ray_address: Annotated[Optional[str], Value("--ray-address", "ADDR", "Ray cluster to run on, HOST:PORT or "
+                                                "ray://HOST:PORT (default: RAY_ADDRESS, else a local Ray started "
+                                                "for the scan).")] = None,
+    atol: AtolFlag = None,
+    rtol: RtolFlag = None,
     force: Annotated[bool, typer.Option("--force", help="Replay every bundle, also those with a stored "
                                                         "verdict.")] = False,
     quiet: QuietFlag = False,
-    html_path: Annotated[Optional[str], typer.Option("--html", help="Also write the summary as one self-contained "
-                                                     "HTML page with the verdict timeline.")] = None,
+    html_path: Annotated[Optional[str], Value("--html", "FILE", "Also write the summary as one self-contained HTML "
+                                              "page with the verdict timeline.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Replay every complete bundle of a store, resumably (verdicts are kept in the store); summarize counts,
@@ -507,6 +635,7 @@ def scan_cmd(
         raise UsageError(f"--engine {engine!r}: expected local or ray")
     if ray_address is not None and engine != "ray":
         raise UsageError("--ray-address needs --engine ray")
+    check_ray_address(ray_address)
     check_workers(workers)
     atol, rtol = check_tolerance("--atol", atol), check_tolerance("--rtol", rtol)
     if engine == "ray":
@@ -522,7 +651,8 @@ def scan_cmd(
     if html_path is not None:
         from trajectory_replay.html_report import write_scan_html
 
-        typer.echo(f"trajectory-replay: wrote {html_path} ({write_scan_html(report, html_path)} bytes)", err=True)
+        typer.echo(f"trajectory-replay: wrote {html_path} ({human_bytes(write_scan_html(report, html_path))})",
+                   err=True)
     if as_json:
         emit_json(report.status, {**report.to_dict(), **summary(report.problems())}, allow_nan=False)
     else:
@@ -533,10 +663,11 @@ def scan_cmd(
 @app.command("cp", cls=Command)
 @command
 def cp_cmd(
-    source: Annotated[str, typer.Argument(help="A bundle, or a store root with --step/--rollout/--all.")],
-    dest_root: Annotated[str, typer.Argument(help="Destination store root (path or URL).")],
-    step: Annotated[Optional[str], typer.Option("--step", help="Copy the step-level bundle ROLLOUT:STEP.")] = None,
-    rollout: Annotated[Optional[int], typer.Option("--rollout", help="Copy the rollout-level bundle ROLLOUT.")] = None,
+    source: Annotated[str, Where("BUNDLE-OR-ROOT", "A bundle, or a store root with --step/--rollout/--all.")],
+    dest_root: Annotated[str, Where("DEST-ROOT", "Destination store root (path or URL).")],
+    step: Annotated[Optional[str], Value("--step", "R:S", "Copy the step-level bundle of rollout R, step "
+                                                          "S.")] = None,
+    rollout: Annotated[Optional[int], Value("--rollout", "R", "Copy the rollout-level bundle of rollout R.")] = None,
     all_bundles: Annotated[bool, typer.Option("--all", help="Copy every complete bundle of the root.")] = False,
     quiet: QuietFlag = False,
     as_json: JsonFlag = False,
@@ -560,8 +691,8 @@ def cp_cmd(
 @app.command("gc", cls=Command)
 @command
 def gc_cmd(
-    root: Annotated[str, typer.Argument(help="Store root (path or URL).")],
-    grace: Annotated[str, typer.Option("--grace", help="Keep unreferenced keys younger than this (0s, 30m, 24h, "
+    root: Annotated[str, Where("ROOT", STORE_ROOT)],
+    grace: Annotated[str, Value("--grace", "DURATION", "Keep unreferenced keys younger than this (0s, 30m, 24h, "
                                                        "7d).")] = "24h",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be removed; remove nothing.")] = False,
     quiet: QuietFlag = False,
@@ -583,9 +714,9 @@ def gc_cmd(
 @app.command("fsck", cls=Command)
 @command
 def fsck_cmd(
-    root: Annotated[str, typer.Argument(help="Store root (path or URL).")],
-    repair_from: Annotated[Optional[str], typer.Option("--repair-from", help="Store to re-fetch bad or missing "
-                                                                             "objects from.")] = None,
+    root: Annotated[str, Where("ROOT", STORE_ROOT)],
+    repair_from: Annotated[Optional[str], Value("--repair-from", "URL", "Store to re-fetch bad or missing objects "
+                                                "from.", callback=_location)] = None,
     quiet: QuietFlag = False,
     as_json: JsonFlag = False,
 ) -> None:
@@ -608,7 +739,7 @@ def fsck_cmd(
 @app.command("stats", cls=Command)
 @command
 def stats_cmd(
-    root: Annotated[str, typer.Argument(help="Store root (path or URL).")],
+    root: Annotated[str, Where("ROOT", STORE_ROOT)],
     as_json: JsonFlag = False,
 ) -> None:
     """Bundles, objects, logical and stored payload bytes, the dedup ratio, per payload name."""
@@ -624,8 +755,8 @@ def stats_cmd(
 @app.command("export", cls=Command)
 @command
 def export_cmd(
-    bundle: Annotated[str, typer.Argument(help="Native bundle path or URL.")],
-    out_dir: Annotated[str, typer.Argument(help="New directory to write the V1 bundle to.")],
+    bundle: Annotated[str, Where("BUNDLE", "Native bundle path or URL.")],
+    out_dir: Annotated[str, Where("OUT-DIR", "New directory to write the V1 bundle to.")],
     quiet: QuietFlag = False,
 ) -> None:
     """Write a bundle as a self-contained directory in the older V1 layout (`import` reads it back)."""

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from trajectory_replay.backends import redact_url
+from trajectory_replay.backends import location_problem, redact_url
 from trajectory_replay.bundle import BundleWriter, open_sources
+from trajectory_replay.errors import UsageError
 from trajectory_replay.replay import ReplayReport, canonical_case, replay
 
 
@@ -43,7 +44,10 @@ def _fresh_directory(base: Path) -> Path:
 def run_demo(directory: Optional[str | os.PathLike] = None) -> DemoResult:
     """Write the clean and buggy bundles into the store `directory` (a path or URL; default: a new
     ./trajectory-replay-demo) and replay both."""
-    if directory:
+    if directory is not None:
+        problem = location_problem(directory)
+        if problem:  # `s3://` stripped of its slashes would be a local directory named `s3:`; '' the current one
+            raise UsageError(problem)
         # a URL stays a URL: as a Path, `s3://bucket/x` would become a local directory named `s3:`
         root = os.fspath(directory).rstrip("/") or "/"
     else:

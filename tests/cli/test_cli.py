@@ -246,3 +246,14 @@ def test_replay_one_rank_of_a_data_parallel_bundle(tmp_path):
     assert run("replay", str(tmp_path / name)).exit_code == 0
     result = run("replay", str(tmp_path / name / "rank-1"), "--sample", "q-0")
     assert result.exit_code == 1 and "no sample 'q-0'" in result.output
+
+
+def test_the_demos_default_directories_are_git_ignored():
+    repo = Path(__file__).resolve().parents[2]
+    paths = ["trajectory-replay-demo/b-00001/COMPLETE", "trajectory-replay-demo-2/objects/ab/x"]
+    out = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=repo, capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split() == paths, (out.returncode, out.stdout, out.stderr)
+    kept = subprocess.run(["git", "check-ignore", "--no-index", "trajectory_replay/demo.py"], cwd=repo,
+                          capture_output=True, text=True, timeout=60)
+    assert kept.returncode == 1  # the module of the same name is not

@@ -5,24 +5,37 @@ into `head`, sizes in one unit system. Local stores and the real S3 test server.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
 import re
+import socket
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 import pytest
+import typer
+import typer.main
 from typer.testing import CliRunner
+
+import trajectory_replay
 
 from tests.bundle.helpers import write_canonical
 from tests.replay.cases import split_ranks, twelve_case
-from trajectory_replay.backends import open_backend
+from trajectory_replay.backends import S3_BUCKET_RULE, location_problem, open_backend
 from trajectory_replay.bundle import BundleWriter
 from trajectory_replay.bundle.legacy import write_v1_bundle
 from trajectory_replay.cli import app
+from trajectory_replay.demo import run_demo
+from trajectory_replay.errors import BackendError, UsageError
 from trajectory_replay.replay import canonical_case
+from trajectory_replay.replay.compare import DEFAULT_ATOL, DEFAULT_RTOL
 from trajectory_replay.store import ObjectStore
+from trajectory_replay.store.digest import object_key
 from trajectory_replay.units import human_bytes
 
 runner = CliRunner()
@@ -291,3 +304,234 @@ def test_sizes_use_iec_units_and_ls_agrees_with_stats(tmp_path):
     assert f"{human_bytes(stats['stored_bytes'])} stored" in text
     assert not re.search(r"\d ?(kB|KB|MB|GB|bytes)\b", text), text  # one unit system: B, KiB, MiB, ...
     assert re.search(r"\d KiB|\d B\b", text)
+
+
+# ---- ls ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("damage", ["record", "marker"])
+def test_ls_names_a_corrupt_bundle_once(tmp_path, damage):
+    root = str(tmp_path / "store")
+    write_canonical(root, name="b-bad")
+    backend = open_backend(root)
+    if damage == "record":  # the manifest's record no longer hashes to its digest
+        marker = json.loads(backend.read("b-bad/COMPLETE"))
+        backend.write(object_key(marker["shards"]["0"]["manifest"]["record"]), b"garbage")
+    else:
+        backend.write("b-bad/COMPLETE", b"{not json")
+    result = run("ls", root)
+    assert result.exit_code == 0, result.output
+    (line,) = [line for line in result.stdout.splitlines() if "b-bad" in line and ": " in line]  # not the row
+    assert line.count("b-bad") == 1 and line.startswith("b-bad: "), line
+    assert "does not match its digest" in line if damage == "record" else "b-bad: COMPLETE: not valid JSON" in line
+
+
+# ---- paths and URLs that name no store -----------------------------------------------------------
+
+JSON_COMMANDS = {"replay", "conventions", "diff", "inspect", "validate", "ls", "scan", "cp", "gc", "fsck", "stats"}
+BAD_LOCATIONS = {  # as typed -> what the one line must say
+    "s3://": "s3://: no bucket name: an S3 URL is s3://BUCKET/PREFIX",
+    "s3:///x": "s3:///x: no bucket name: an S3 URL is s3://BUCKET/PREFIX",
+    "s3://BAD_bucket!/x": f"s3://BAD_bucket!/x: invalid S3 bucket name 'BAD_bucket!': a bucket name is "
+                          f"{S3_BUCKET_RULE}",
+    "s3://ab/x": f"s3://ab/x: invalid S3 bucket name 'ab': a bucket name is {S3_BUCKET_RULE}",
+    "s3://user:secret@Bucket/x": f"s3://Bucket/x: invalid S3 bucket name 'Bucket': a bucket name is "
+                                 f"{S3_BUCKET_RULE}",
+    "s3:/bucket/x": "s3:/bucket/x: not a URL (no // after s3:): write s3://...",
+    "http://host/x": "http://host/x: unsupported storage protocol 'http' (use a path, file://, s3:// or memory://)",
+    "": "empty path: give a directory or a URL such as s3://bucket/prefix",
+}
+LOCATION_ARGUMENTS = [  # every path or URL a command takes; {x} is the mistake, {ok} a real store or bundle
+    (["replay", "{x}"], "BUNDLE-OR-DIR"), (["conventions", "{x}"], "BUNDLE-OR-DIR"), (["diff", "{x}", "{ok}"], "A"),
+    (["diff", "{ok}", "{x}"], "B"), (["inspect", "{x}"], "BUNDLE-OR-DIR"), (["validate", "{x}"], "BUNDLE-OR-DIR"),
+    (["import", "{x}", "{root}"], "V1-BUNDLE-OR-DIR"), (["import", "{v1}", "{x}"], "STORE-ROOT"),
+    (["demo", "{x}"], "DIR-OR-URL"),
+    (["ls", "{x}"], "ROOT"), (["scan", "{x}"], "STORE-OR-CAPTURE"), (["cp", "{x}", "{dest}"], "BUNDLE-OR-ROOT"),
+    (["cp", "{ok}", "{x}"], "DEST-ROOT"), (["gc", "{x}"], "ROOT"), (["fsck", "{x}"], "ROOT"),
+    (["fsck", "{root}", "--repair-from", "{x}"], "--repair-from"), (["stats", "{x}"], "ROOT"),
+    (["export", "{x}", "{dest}"], "BUNDLE"), (["export", "{ok}", "{x}"], "OUT-DIR"),
+]
+
+
+@pytest.fixture
+def places(tmp_path, monkeypatch):
+    """A store with a bundle, a V1 bundle and a free destination; the current directory is an empty one."""
+    root = str(tmp_path / "store")
+    places = {"root": root, "ok": write_canonical(root), "v1": str(_v1(tmp_path / "v1" / "b-old", buggy=False)),
+              "dest": str(tmp_path / "dest")}
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    return places
+
+
+@pytest.mark.parametrize("typed", list(BAD_LOCATIONS))
+def test_every_command_refuses_a_location_that_names_no_store_the_same_way(places, tmp_path, typed):
+    before = _keys(places["root"])
+    for template, name in LOCATION_ARGUMENTS:
+        argv = [a.format(x=typed, **places) for a in template]
+        line = one_error_line(run(*argv), 2)
+        said = line.removeprefix("trajectory-replay: error: ")
+        expected = BAD_LOCATIONS[typed] if typed else f"{name}: {BAD_LOCATIONS[typed]}"
+        assert said == f"{expected} (see `trajectory-replay {argv[0]} --help`)", argv
+        assert "secret" not in line and "regex" not in line
+        doc = json.loads(run(*argv, "--json").stdout)
+        if argv[0] in JSON_COMMANDS:
+            assert doc == {"status": "usage", "error": said}, argv
+        else:  # a command without --json still answers a line with it in one object
+            assert doc["status"] == "usage" and "No such option: --json" in doc["error"], argv
+    assert os.listdir(tmp_path / "cwd") == []  # `demo s3://` wrote no local ./s3: directory, `demo ''` no demo
+    assert _keys(places["root"]) == before and not os.path.exists(places["dest"])
+
+
+def test_open_backend_refuses_an_invalid_bucket_before_any_request():
+    with pytest.raises(BackendError) as info:
+        open_backend("s3://BAD_bucket!/x", endpoint_url="http://127.0.0.1:9")  # nothing listens there
+    assert str(info.value) == BAD_LOCATIONS["s3://BAD_bucket!/x"]
+    assert location_problem("s3://my-bucket.v2/run-42") is None and location_problem("relative/dir") is None
+
+
+# ---- options and help ----------------------------------------------------------------------------
+
+def _commands():
+    return typer.main.get_command(app).commands
+
+
+def _value_options(command) -> list[str]:
+    return [p.opts[0] for p in command.params if p.param_type_name == "option" and not p.is_flag]
+
+
+def test_an_option_missing_its_value_does_not_swallow_json(places):
+    checked = 0
+    for name, command in _commands().items():
+        args = [places["ok"]] * sum(p.param_type_name == "argument" and p.required for p in command.params)
+        for option in _value_options(command):
+            for line in ([name, *args, option, "--json"], [name, option, "--json", *args]):
+                result = run(*line)
+                assert result.exit_code == 2, (line, result.output)
+                doc = json.loads(result.stdout)  # one object: the JSON flag was not taken as the option's value
+                assert doc["status"] == "usage" and f"{option} is missing its value (--json is an option)" in \
+                    doc["error"], line
+                assert result.stderr.strip() == f"trajectory-replay: error: {doc['error']}"
+                checked += 1
+    assert checked >= 2 * 25
+    line = one_error_line(run("replay", places["ok"], "--sample", "--stage", "reward.post_process"), 2)
+    assert "--sample is missing its value (--stage is an option): write --sample ID" in line
+    doc = json.loads(run("replay", places["ok"], "--set", "name=--json", "--json").stdout)  # a value may hold --
+    assert "unknown config field 'name'" in doc["error"] and "missing its value" not in doc["error"]
+
+
+def test_version():
+    result = run("--version")
+    assert (result.exit_code, result.stdout) == (0, f"trajectory-replay {trajectory_replay.__version__}\n")
+
+
+@pytest.mark.parametrize("name", ["", *sorted(typer.main.get_command(app).commands)])
+def test_help_reads_as_a_persons_cli(name):
+    command = _commands().get(name)
+    result = run(*([name] if name else []), "--help", env={"COLUMNS": "80", "TERMINAL_WIDTH": "80"})
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert not re.search(r"<(bool|str|int|float|list\[str\]|path)>|\{\w+\}", text), text  # no Python types
+    assert max(len(line) for line in text.splitlines()) <= 80
+    if command is None:
+        assert "--version" in text
+        return
+    assert "\n" not in (command.help or "").split("\n\n")[0]  # sentences are not broken where the source was
+    rows = {line.split()[1]: line.split()[2:] for line in text.splitlines() if re.match(r"│ --", line)}
+    for param in command.params:
+        if param.param_type_name != "option":
+            assert param.metavar and param.metavar in text.split("\n\n")[0] + text, param.name  # Usage: ... PATH
+            continue
+        words = rows[param.opts[0]]
+        if param.is_flag:
+            assert words[0] not in ("BOOL", "BOOLEAN"), (param.opts, words)
+        else:
+            assert param.metavar and words[0 if len(param.opts) == 1 else 1] == param.metavar, (param.opts, words)
+    if "--atol" in rows:
+        words = " ".join(text.replace("│", "").split())
+        defaults = re.findall(r"per stage, else (\S+)\)", words)  # --atol's, then --rtol's
+        assert [float(d) for d in defaults] == [DEFAULT_ATOL, DEFAULT_RTOL], defaults
+
+
+# ---- sizes and widths of the human reports -------------------------------------------------------
+
+def test_diff_and_html_pages_show_sizes_in_iec_units(tmp_path):
+    root = str(tmp_path / "store")
+    buggy, clean = write_canonical(root, buggy=True), write_canonical(root, name="clean")
+    for args in (["diff", buggy, clean], ["replay", buggy], ["scan", root, "--quiet", "--workers", "1"]):
+        page = tmp_path / f"{args[0]}.html"
+        result = run(*args, "--html", str(page))
+        assert result.exit_code == 1, result.output  # the buggy bundle differs / diverges
+        assert result.stderr.strip() == f"trajectory-replay: wrote {page} ({human_bytes(page.stat().st_size)})"
+        assert not re.search(r"\d ?(kB|KB|MB|GB|bytes)\b", result.stdout + result.stderr), result.output
+    fetched = run("diff", buggy, clean).stdout.splitlines()[-1]
+    assert re.fullmatch(r"fetched from the stores: \d+(\.\d)? (B|KiB|MiB)", fetched), fetched
+
+
+def _on_terminal(args: list[str], columns: int) -> str:
+    """What the CLI, as its own process whose stdout is a terminal `columns` wide (a pseudo-terminal), shows."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}  # the terminal's own width
+    proc = subprocess.Popen([sys.executable, "-m", "trajectory_replay", *args], stdout=slave,
+                            stderr=subprocess.DEVNULL, cwd=REPO, env=env)
+    os.close(slave)
+    shown = []
+    try:
+        while data := os.read(master, 65536):
+            shown.append(data)
+    except OSError:  # EIO: the process closed the terminal
+        pass
+    finally:
+        os.close(master)
+    assert proc.wait(timeout=120) in (0, 1)
+    return b"".join(shown).decode().replace("\r\n", "\n")
+
+
+def test_inspect_and_diff_fit_a_narrow_terminal(tmp_path):
+    root = str(tmp_path / ("a-store-with-a-rather-long-directory-name-" * 2))
+    long_id = "b-" + "nightly-grpo-run-with-a-descriptive-name-" * 2 + "00065"
+    buggy, clean = write_canonical(root, name=long_id, buggy=True), write_canonical(root, name="clean")
+    piped = run("inspect", buggy, env={"COLUMNS": "80"}).stdout + run("diff", buggy, clean).stdout
+    assert max(map(len, piped.splitlines())) > 80  # the case is a real one
+    assert f"bundle {long_id} [native]" in piped  # piped: whole lines for the tools reading them
+    for args in (["inspect", buggy], ["diff", buggy, clean]):
+        shown = _on_terminal(args, 80)
+        lines = shown.splitlines()
+        assert len(lines) > 10 and max(map(len, lines)) <= 80, "\n".join(line for line in lines if len(line) > 80)
+        assert long_id in "".join(shown.split())  # wrapped, not lost
+        if args[0] == "diff":
+            assert lines[0].startswith("diff ") and lines[1].startswith("  ")  # the long header wraps, indented
+            assert any(line.endswith("…") or "… " in line for line in lines)  # a long field name is cut
+            assert lines[-1].startswith("fetched from the stores: ")
+
+
+# ---- scan on Ray ---------------------------------------------------------------------------------
+
+def test_a_malformed_ray_address_is_refused_also_when_every_verdict_is_cached(tmp_path):
+    root = str(tmp_path / "store")
+    write_canonical(root)
+    first = run("scan", root, "--quiet", "--workers", "1", "--json")
+    assert json.loads(first.stdout)["status"] == "pass"  # the verdict is stored: a re-scan replays nothing
+    for address in ("nonsense", "127.0.0.1", "ray://host:99999", "host:port", ""):
+        line = one_error_line(run("scan", root, "--engine", "ray", "--ray-address", address, "--quiet"), 2)
+        assert f"--ray-address {address!r}: expected HOST:PORT, ray://HOST:PORT, auto or local" in line
+
+
+def test_an_unreachable_ray_cluster_is_an_io_error_not_a_usage_error(tmp_path):
+    root = str(tmp_path / "store")
+    write_canonical(root)
+    with socket.socket() as probe:  # a port nothing listens on: bound here, never listened on
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+        line = one_error_line(run("scan", root, "--engine", "ray", "--ray-address", address, "--quiet"), 1)
+        assert f"cannot reach the Ray cluster at {address}: " in line and "--ray-address or RAY_ADDRESS" in line
+        doc = json.loads(run("scan", root, "--engine", "ray", "--ray-address", address, "--quiet", "--json").stdout)
+    assert doc["status"] == "io" and doc["error"] == line.removeprefix("trajectory-replay: error: ")
+
+
+@pytest.mark.parametrize("typed", ["s3://", "s3:///x", "", "s3:/bucket/x"])
+def test_run_demo_refuses_a_location_that_names_no_store(typed, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError) as info:
+        run_demo(typed)
+    assert str(info.value) == BAD_LOCATIONS[typed] and os.listdir(tmp_path) == []

@@ -121,7 +121,7 @@ def test_bundles_record_versions_and_the_on_policy_first_step(runs) -> None:
             assert config.expect_on_policy == bundle.endswith("-0"), bundle
             if config.expect_on_policy:
                 policy = run.reports[bundle].stage("loss.policy")
-                assert "ratio" in policy.message and policy.status == "pass", policy
+                assert "log_probs" in policy.message and policy.status == "pass", policy
         else:
             assert not config.expect_on_policy
 
@@ -162,7 +162,7 @@ def test_stale_old_logprobs_are_caught_at_loss_policy(runs) -> None:
     report = run.reports["step-1-0"]
     assert report.first_divergent_stage == "loss.policy", _stages(report)
     policy = report.stage("loss.policy")
-    assert policy.divergences and policy.divergences[0].field == "ratio", policy
+    assert policy.divergences and policy.divergences[0].field == "log_probs", policy
     assert policy.divergences[0].sample_id.startswith("s-1-")
     config = run.sources["step-1-0"][0].index.config
     assert config.expect_on_policy and config.actor_version == 1

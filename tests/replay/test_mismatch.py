@@ -182,14 +182,15 @@ def test_staleness_alone_is_checked_without_rollout_log_probs():
     assert "rollout_log_probs" not in source.loaded_names()
 
 
-def test_the_on_policy_check_names_the_first_token_whose_ratio_is_not_one():
+def test_the_on_policy_check_names_the_first_token_whose_log_prob_moved():
     assert replay([_bundle({"expect_on_policy": True})]).passed
     moved = list(OLD)
     moved[4] += 0.5   # sample 1, token 2
     report = replay([_bundle({"expect_on_policy": True}, log_probs=moved)])
     assert report.first_divergent_stage == "loss.policy"
     first = report.stage("loss.policy").divergences[0]
-    assert (first.field, first.sample_id, first.token_offset) == ("ratio", "s-1", 2)
+    assert (first.field, first.sample_id, first.token_offset) == ("log_probs", "s-1", 2)
+    assert (first.expected, first.actual) == pytest.approx((OLD[4], OLD[4] + 0.5))  # old, then current
     masked_only = list(OLD)
     masked_only[3] += 0.5   # a masked-out token does not count
     assert replay([_bundle({"expect_on_policy": True}, log_probs=masked_only)]).passed

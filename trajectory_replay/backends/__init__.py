@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+import re
+from typing import Any, Optional
 
 from trajectory_replay.backends.base import (
     Backend, ByteRange, Capabilities, IOStats, ProbeResult, validate_key, validate_prefix,
@@ -25,6 +26,43 @@ def split_url(path_or_url: str) -> tuple[str, str]:
     return protocol, rest
 
 
+S3_BUCKET_RULE = ("3-63 characters: lowercase letters, digits, dots and hyphens, beginning and ending with a "
+                  "letter or digit")
+_S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_SLASHLESS_URL = re.compile(r"(s3|s3a|s3n|file|local|memory):(?!//)", re.IGNORECASE)
+
+
+def location_problem(path_or_url: str | os.PathLike) -> Optional[str]:
+    """What makes `path_or_url` name no store at all, as written and before any request (an empty path, a URL
+    missing its //, an unknown protocol, an S3 URL without a valid bucket name), one line naming it and what to
+    write instead; None when it can name one."""
+    text = os.fspath(path_or_url)
+    if not text.strip():
+        return "empty path: give a directory or a URL such as s3://bucket/prefix"
+    slashless = _SLASHLESS_URL.match(text)
+    if slashless:  # `s3:/bucket/x` would be a local directory named `s3:`
+        return f"{redact_url(text)}: not a URL (no // after {slashless.group(1)}:): write {slashless.group(1)}://..."
+    protocol, rest = split_url(text)
+    if protocol not in ("file", "memory", "s3"):
+        return _unsupported(text, protocol)
+    if protocol == "s3":
+        return _s3_bucket_problem(text, rest)
+    return None
+
+
+def _unsupported(url: str, protocol: str) -> str:
+    return f"{redact_url(url)}: unsupported storage protocol {protocol!r} (use a path, file://, s3:// or memory://)"
+
+
+def _s3_bucket_problem(url: str, rest: str) -> Optional[str]:
+    bucket = rest.split("/", 1)[0].rsplit("@", 1)[-1]  # after any user:password@
+    if not bucket:
+        return f"{redact_url(url)}: no bucket name: an S3 URL is s3://BUCKET/PREFIX"
+    if not _S3_BUCKET.fullmatch(bucket):
+        return f"{redact_url(url)}: invalid S3 bucket name {bucket!r}: a bucket name is {S3_BUCKET_RULE}"
+    return None
+
+
 def open_backend(path_or_url: str | os.PathLike, **storage_options: Any) -> Backend:
     """Open the backend for a local path, `file://`, `s3://bucket/prefix` or `memory://name` URL."""
     protocol, path = split_url(os.fspath(path_or_url))
@@ -39,8 +77,12 @@ def open_backend(path_or_url: str | os.PathLike, **storage_options: Any) -> Back
     if protocol == "s3":
         from trajectory_replay.backends.s3 import S3Backend
 
+        problem = _s3_bucket_problem(os.fspath(path_or_url), path)
+        if problem:  # before botocore sees it: its own message is two regular expressions
+            raise BackendError(problem)
+
         return S3Backend(path, **storage_options)
-    raise BackendError(f"{path_or_url}: unsupported storage protocol {protocol!r} (use a path, file://, s3:// or memory://)")
+    raise BackendError(_unsupported(os.fspath(path_or_url), protocol))
 
 
 def redact_url(url: str) -> str:
@@ -55,6 +97,6 @@ def redact_url(url: str) -> str:
 
 
 __all__ = [
-    "Backend", "BackendError", "ByteRange", "Capabilities", "IOStats", "ProbeResult", "open_backend",
-    "redact_url", "split_url", "validate_key", "validate_prefix",
+    "Backend", "BackendError", "ByteRange", "Capabilities", "IOStats", "ProbeResult", "S3_BUCKET_RULE",
+    "location_problem", "open_backend", "redact_url", "split_url", "validate_key", "validate_prefix",
 ]

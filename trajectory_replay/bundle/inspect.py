@@ -29,7 +29,7 @@ from trajectory_replay.bundle.status import (
 from trajectory_replay.errors import BundleError, IncompleteBundleError, StorageUnavailableError, TrajectoryReplayError
 from trajectory_replay.store import BlobRecord, ObjectStore, blob_ref_key, object_key
 from trajectory_replay.store.objectstore import RecordError
-from trajectory_replay.units import human_bytes
+from trajectory_replay.units import clip, fit, human_bytes, report_width
 
 
 @dataclass
@@ -97,7 +97,10 @@ class Inspection:
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 
-    def render_text(self) -> str:
+    def render_text(self, width: Optional[int] = None) -> str:
+        """The report; lines longer than `width` (default: the terminal's, no limit when piped) wrap under their
+        value column and a payload name too long for its column ends in an ellipsis."""
+        width = width or report_width()
         lines = [f"bundle {self.bundle_id or self.target} [{self.format}] — {self.state}"
                  + (f": {self.detail}" if self.detail else "")
                  + (f"; DAMAGED ({len(self.problems)} problem{'s' if len(self.problems) > 1 else ''})"
@@ -143,7 +146,8 @@ class Inspection:
             damage = "".join(f"  {label}: {p[key]}" for key, label in (("error", "UNREADABLE"),
                                                                          ("ref_error", "DAMAGED")) if p.get(key))
             shape = "[" + ", ".join(map(str, p["shape"])) + "]"
-            lines.append(f"  payload    {p['name']:<16} {p['role']:<8} {p['dtype']:<14} {shape:<12} "
+            name = clip(p["name"], None if width is None else 16)
+            lines.append(f"  payload    {name:<16} {p['role']:<8} {p['dtype']:<14} {shape:<12} "
                          f"{human_bytes(p['size'])}{chunks}{damage}")
         if self.payloads:
             unreadable = f" ({human_bytes(self.unreadable_bytes)} unreadable)" if self.unreadable_bytes else ""
@@ -162,7 +166,11 @@ class Inspection:
         if self.damaged:
             lines.append("  damage     run `trajectory-replay fsck` on the store root: it re-links a missing blob ref; "
                          "--repair-from URL re-fetches missing or corrupt objects from a copy")
-        return "\n".join(lines)
+        return "\n".join(part for line in lines for part in fit(line, width, VALUE_COLUMN))
+
+
+VALUE_COLUMN = len("  payload    ")
+"""Where the values of the report's `label  value` lines start: a wrapped line continues there."""
 
 
 @dataclass

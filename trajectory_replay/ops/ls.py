@@ -91,7 +91,7 @@ class ListReport:
                          human_bytes(b.logical_bytes), human_bytes(b.stored_bytes), human_age(b.age_seconds)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        lines += [f"{b.name}: {b.detail}" for b in self.bundles if b.status in (CORRUPT, FINALIZABLE, "unsupported")]
+        lines += [_about(b.name, b.detail) for b in self.bundles if b.status in (CORRUPT, FINALIZABLE, "unsupported")]
         lines += [f"{name}: finalized (every rank had landed)" for name in self.finalized]
         older = [b for b in self.bundles if b.format == "v1"]
         if len(older) < len(self.bundles):
@@ -103,6 +103,17 @@ class ListReport:
             lines.append(f"older format [v1]: {len(done)} complete bundle(s) of {len(older)}, "
                          f"{human_bytes(sum(b.logical_bytes for b in done))} of payload files")
         return "\n".join(lines)
+
+
+def _about(name: str, detail: str) -> str:
+    """`detail` as a line about bundle `name`, which names the bundle once: a detail that starts with the name, or
+    with a path through the bundle, goes on from the bundle (`b-7: COMPLETE: not valid JSON`)."""
+    first, sep, rest = detail.partition(": ")
+    if sep and (first == name or first.endswith(f"/{name}")):
+        detail = rest
+    elif sep and f"/{name}/" in first:
+        detail = f"{first.split(f'/{name}/', 1)[1]}: {rest}"
+    return f"{name}: {detail}"
 
 
 def list_bundles(root: str | os.PathLike, **storage_options: Any) -> ListReport:

@@ -70,7 +70,8 @@ def _connect(address: Optional[str], workers: int) -> bool:
     if address:
         problem = _unreachable(address)
         if problem:
-            raise UsageError(f"cannot reach the Ray cluster at {address}: {problem} (check --ray-address or RAY_ADDRESS)")
+            raise ConnectionError(f"cannot reach the Ray cluster at {address}: {problem} (check --ray-address or "
+                                  "RAY_ADDRESS)")
     try:
         if address:
             ray.init(address=address, **kwargs)
@@ -79,7 +80,7 @@ def _connect(address: Optional[str], workers: int) -> bool:
         return True
     except Exception as exc:  # noqa: BLE001 - Ray's own errors (ConnectionError, RuntimeError, ...) as one line
         where = f"Ray cluster at {address}" if address else "a local Ray cluster"
-        raise UsageError(f"cannot connect to {where}: {_one_line(exc)}") from None
+        raise ConnectionError(f"cannot connect to {where}: {_one_line(exc)}") from None
 
 
 CONNECT_TIMEOUT = 5.0

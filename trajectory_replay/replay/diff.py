@@ -26,6 +26,7 @@ from trajectory_replay.bundle.stage_io import STAGE_IO
 from trajectory_replay.replay.compare import EXACT, SampleLayout, Tolerances, compare_tensors, resolve_tolerance
 from trajectory_replay.replay.report import format_number, json_number
 from trajectory_replay.replay.source import ReplaySource, SamplesById
+from trajectory_replay.units import clip, fit, human_bytes, report_width
 
 CONFIG = "config"
 """The pseudo-stage of recompute config differences: they change what every stage computes, so they come first."""
@@ -117,7 +118,11 @@ class DiffReport:
                 "fields": [f.to_dict() for f in self.fields_in_stage_order],
                 "bytes_fetched": self.bytes_fetched, "notes": list(self.notes)}
 
-    def render_text(self) -> str:
+    def render_text(self, width: Optional[int] = None) -> str:
+        """The report; with a `width` (default: the terminal's, no limit when piped) the header and notes wrap and
+        the field column narrows, a stage or field name too long for its column ending in an ellipsis."""
+        width = width or report_width()
+        field_width = 34 if width is None else max(12, width - _OTHER_COLUMNS)
         first = self.first
         if first is None:
             head = "identical"
@@ -126,15 +131,17 @@ class DiffReport:
                 f"{k}={format_number(v) if isinstance(v, float) else v}" for k, v in first.first.items()
                 if v is not None)
             head = f"first difference at {first.stage}: {first.name}{where}"
-        lines = [f"diff {self.a} {self.b}: {self.samples} samples matched by id — {head}"]
-        lines += [f"note: {n}" for n in self.notes]
-        lines.append(f"  {'stage':<20} {'field':<34} {'compared':>9} {'differ':>7} {'max |a-b|':>11}")
+        lines = fit(f"diff {self.a} {self.b}: {self.samples} samples matched by id — {head}", width, 2)
+        lines += [part for n in self.notes for part in fit(f"note: {n}", width, 6)]
+        lines.append(f"  {'stage':<20} {'field':<{field_width}} {'compared':>9} {'differ':>7} {'max |a-b|':>11}")
         for f in self.fields_in_stage_order:
             mark = "*" if f.differs else " "
-            lines.append(f"{mark} {f.stage:<20} {f.name:<34} {f.compared:>9} {f.differing:>7} "
-                         f"{format_number(f.max_abs_diff):>11}" + (f"  ({f.note})" if f.note else ""))
+            stage = clip(f.stage, None if width is None else 20)
+            name = clip(f.name, None if width is None else field_width)
+            lines += fit(f"{mark} {stage:<20} {name:<{field_width}} {f.compared:>9} {f.differing:>7} "
+                         f"{format_number(f.max_abs_diff):>11}" + (f"  ({f.note})" if f.note else ""), width, 23)
         if self.bytes_fetched is not None:
-            lines.append(f"bytes fetched from the stores: {self.bytes_fetched}")
+            lines.append(f"fetched from the stores: {human_bytes(self.bytes_fetched)}")
         return "\n".join(lines)
 
 
@@ -345,6 +352,10 @@ def _scalar_expected(left: SamplesById, right: SamplesById, tol) -> list[FieldDi
                                        SampleLayout.per_sample([f"rank {r}" for r in ranks]), tol(stage))
             out.append(_from_comparison(f"expected.{stage}.{name}", "expected", stage, compared))
     return out
+
+
+_OTHER_COLUMNS = len("* ") + 20 + 1 + 1 + 9 + 1 + 7 + 1 + 11
+"""The width of a diff row without its field column."""
 
 
 def _bytes_fetched(sources: Sequence[ReplaySource]) -> Optional[int]:

@@ -477,14 +477,14 @@ def _run_loss_policy(ctx: StageContext) -> StageOutcome:
 
 
 def _check_on_policy(ctx: StageContext, f: Findings, loaded: dict[str, torch.Tensor]) -> None:
-    """expect_on_policy: the current log-probs equal the old ones on every masked-in token (compared as field
-    `ratio`, expected = old, actual = current); the first token where they differ is the first divergence, the
-    signature of old log-probs computed by another policy than the one being trained."""
+    """expect_on_policy: the current log-probs equal the old ones on every masked-in token (reported as field
+    `log_probs`, the one compared: expected = old, actual = current); the first token where they differ is the
+    first divergence, the signature of old log-probs computed by another policy than the one being trained."""
     inside = loaded["loss_mask"].to(torch.bool)
     zero = torch.zeros((), dtype=torch.float32)
     old = torch.where(inside, loaded["old_log_probs"].to(torch.float32), zero)
     current = torch.where(inside, loaded["log_probs"].to(torch.float32), zero)
-    f.add(ctx.compare("ratio", old, current, ctx.cohort.token_layout))
+    f.add(ctx.compare("log_probs", old, current, ctx.cohort.token_layout))
 
 
 def _run_loss_value(ctx: StageContext) -> StageOutcome:
