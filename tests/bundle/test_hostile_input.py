@@ -354,3 +354,35 @@ def test_deeply_nested_record_under_its_digest_is_corrupt_in_ls(crafted):
     assert listing.exit_code == 0 and listing.exception is None, listing.output
     (row,) = json.loads(listing.stdout)["bundles"]
     assert row["status"] == "corrupt" and digest in row["detail"] and "nested more than" in row["detail"]
+
+
+def _record_object(crafted: Crafted, kind: str) -> str:
+    """The digest of a stored object that is not a blob record: a document, a payload chunk, other JSON."""
+    if kind == "document":
+        return crafted.docs.index.digest
+    if kind == "chunk":
+        return crafted.chunk_digests("advantages")[0]
+    return crafted.store.put_object({"json-list": b"[1,2]", "json-number": b"7"}[kind])
+
+
+@pytest.mark.parametrize("kind", ["document", "chunk", "json-list", "json-number"])
+@pytest.mark.parametrize("command", ["validate", "inspect", "replay", "export"])
+def test_manifest_record_naming_an_object_that_is_not_a_record(crafted, tmp_path, kind, command):
+    """A payload's `record` names a stored object of another kind: every command names the payload and the
+    object in one line (validate and inspect in their reports), exit 1, no traceback."""
+    digest = _record_object(crafted, kind)
+    manifest = crafted.doc("manifest")
+    manifest["payloads"]["kl"]["record"] = digest
+    url = crafted.commit(manifest=manifest)
+    args = [command, url] + ([str(tmp_path / "exported")] if command == "export" else [])
+    result = cli(*args)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    if command == "inspect":
+        (line,) = [line for line in result.stdout.splitlines() if line.strip().startswith("payload    kl ")]
+        assert "UNREADABLE" in line and digest.split(":")[1] in line and "not a blob record" in line, line
+    elif command == "validate":
+        (line,) = [line for line in result.stdout.splitlines() if "problem:" in line]
+        assert "payload 'kl'" in line and digest in line and "not a blob record" in line, result.stdout
+    else:
+        error_line(result, NAME, "payload 'kl'", digest, "not a blob record")

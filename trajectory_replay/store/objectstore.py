@@ -61,9 +61,10 @@ be recognized as a record from a short ranged read."""
 class RecordError(IntegrityError):
     """An object that is not the blob record it was expected to be; `reason` says why in a few words."""
 
-    def __init__(self, message: str, reason: str) -> None:
+    def __init__(self, message: str, reason: Optional[str] = None) -> None:
+        # the reason defaults to the message: a caller that prefixes a location re-raises with the message alone
         super().__init__(message)
-        self.reason = reason
+        self.reason = reason or message
 
 
 @dataclass(frozen=True)
@@ -110,10 +111,8 @@ class BlobRecord:
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> "BlobRecord":
         """Parse and structurally check a record whose digest has already been verified."""
+        doc = _record_document(data, where)
         try:
-            doc = json.loads(data)
-            if doc.get("format") != RECORD_FORMAT:
-                raise ValueError(f"unknown record format {doc.get('format')!r}")
             size, block_size = int(doc["size"]), int(doc["block_size"])
             if block_size <= 0 or size < 0:
                 raise ValueError("non-positive block size or negative size")
@@ -132,10 +131,25 @@ class BlobRecord:
         except (ValueError, KeyError, TypeError) as exc:
             message = f"malformed blob record {where}: {exc}"
             raise RecordError(message, message) from None
-        except RecursionError:
-            message = f"malformed blob record {where}: nested too deeply"
-            raise RecordError(message, message) from None
         return cls(doc["digest"], size, block_size, tuple(chunks))
+
+
+def _record_document(data: bytes | bytearray, where: str) -> dict:
+    """The JSON object of a record; RecordError when the object is not a record at all (a chunk, a document or
+    other JSON stored under the digest a reference calls a record)."""
+    try:
+        doc = json.loads(data)
+    except ValueError:   # UnicodeDecodeError included: a binary chunk
+        doc = None
+    except RecursionError:
+        message = f"malformed blob record {where}: nested too deeply"
+        raise RecordError(message, message) from None
+    if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:
+        found = f"format {doc.get('format')!r}" if isinstance(doc, dict) else \
+            "not JSON" if doc is None else f"a JSON {type(doc).__name__}"
+        raise RecordError(f"malformed blob record {where}: the object is not a blob record ({found})",
+                          "not a blob record")
+    return doc
 
 
 def _decode_blocks(text: Any) -> bytes:
