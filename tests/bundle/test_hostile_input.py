@@ -81,6 +81,7 @@ HOSTILE_HEADERS = {
     # dimensions whose product overflows int64 (Python does not wrap; torch would)
     "product-overflows": (_entry(b"[4611686018427387904,4611686018427387904]", b"[0,32]"), "too large"),
     "empty-product-overflows": (_entry(b"[4611686018427387904,4611686018427387904,0]", b"[0,0]"), "too large"),
+    "empty-bytes-overflow": (_entry(b"[0,4611686018427387904]", b"[0,0]"), "too large"),
     "dim-past-int64": (_entry(b"[18446744073709551616,0]", b"[0,0]"), "shape[0]"),
     "dim-infinite": (_entry(b"[1e400]", b"[0,32]"), "shape[0]"),
     "dim-fractional": (_entry(b"[8.5]", b"[0,32]"), "shape[0]"),
@@ -109,7 +110,7 @@ HOSTILE_HEADERS = {
 @pytest.mark.parametrize("case", sorted(HOSTILE_HEADERS))
 def test_hostile_safetensors_header_through_the_cli(crafted, case):
     header, needle = HOSTILE_HEADERS[case]
-    data = b"" if case == "empty-product-overflows" or case == "dim-past-int64" else \
+    data = b"" if case in ("empty-product-overflows", "empty-bytes-overflow", "dim-past-int64") else \
         b"\0" * 4 if case in ("dim-bool", "too-many-dims") else b"\0" * 32
     url = _with_payload(crafted, header, data)
     line = error_line(cli("replay", url), NAME, "payload 'kl'", "safetensors", needle)
@@ -126,6 +127,19 @@ def test_hostile_safetensors_header_on_the_ranged_read_path(crafted, case):
     with pytest.raises(BundleError) as info:
         reader.load_payload("kl", samples=[0])
     assert "\n" not in str(info.value) and "payload 'kl'" in str(info.value) and needle in str(info.value)
+
+
+@pytest.mark.parametrize("shape", [[0, 1 << 62], [0, 1 << 61], [1 << 61, 0, 2]])
+def test_empty_tensor_whose_bytes_pass_the_bound_is_invalid_in_validate(crafted, shape):
+    """An empty float32 tensor of 2^61 or more columns has no byte to read, yet numpy cannot describe it: validate
+    (which decodes with numpy) reports the payload invalid in one line instead of failing with a ValueError."""
+    header = json.dumps({"data": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
+    url = _with_payload(crafted, header, b"")
+    result = cli("validate", url)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code == 1 and "INVALID" in result.stdout, result.output
+    (line,) = [line for line in result.stdout.splitlines() if "problem:" in line]
+    assert "payload 'kl'" in line and "too large" in line, line
 
 
 # ---- documents ----------------------------------------------------------------------------------------
