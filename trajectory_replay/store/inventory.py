@@ -22,12 +22,14 @@ from typing import Callable, Iterable, Optional, Sequence, TypeVar
 
 from trajectory_replay.backends import Backend
 from trajectory_replay.backends.base import WorkerPool
-from trajectory_replay.errors import IntegrityError, NotFoundError, TrajectoryReplayError
+from trajectory_replay.errors import IntegrityError, NotFoundError, TrajectoryReplayError, ValueTooLargeError
 from trajectory_replay.store.digest import (
     OBJECT, OBJECTS_DIR, REF, REFS_DIR, blob_ref_key, digest_from_key, hash_bytes, key_kind, object_key, parse_digest,
 )
 from trajectory_replay.store.liveness import GC_DIR, INFLIGHT_DIR
-from trajectory_replay.store.objectstore import RECORD_HEAD, BlobRecord, RecordError, looks_like_record, parse_record
+from trajectory_replay.store.objectstore import (
+    MAX_RECORD_BYTES, RECORD_HEAD, BlobRecord, RecordError, looks_like_record, oversized_record, parse_record,
+)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -82,16 +84,29 @@ def batched(items: Sequence[T], size: int = READ_BATCH) -> list[list[T]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def fetch(backend: Backend, keys: Iterable[str]) -> dict[str, Optional[bytes]]:
-    """The values of `keys` (None for an absent key), read in concurrent batches."""
+def fetch(backend: Backend, keys: Iterable[str], limit: Optional[int] = None) -> dict[str, Optional[bytes]]:
+    """The values of `keys` (None for an absent key), read in concurrent batches. With `limit`, a value over it
+    is read no further than that and comes back as its ValueTooLargeError."""
     keys = list(dict.fromkeys(keys))
     out: dict[str, Optional[bytes]] = {}
     for batch in batched(keys):
+        if limit is not None:
+            out.update(zip(batch, concurrently(lambda k: _read_bounded(backend, k, limit), batch, backend.max_workers)))
+            continue
         try:
             out.update(zip(batch, backend.read_many(batch)))
         except NotFoundError:  # find which ones are absent, still concurrently
             out.update(zip(batch, concurrently(lambda k: _read_or_none(backend, k), batch, backend.max_workers)))
     return out
+
+
+def _read_bounded(backend: Backend, key: str, limit: int):
+    try:
+        return backend.read(key, limit)
+    except NotFoundError:
+        return None
+    except ValueTooLargeError as exc:
+        return exc
 
 
 def _read_or_none(backend: Backend, key: str) -> Optional[bytes]:
@@ -236,10 +251,11 @@ class Inventory:
         """The raw values of `keys` (None for an absent one), unverified: `verify` or `value_problem` judge them."""
         return fetch(self.backend, keys)
 
-    def read_objects(self, digests: Iterable[str]) -> dict[str, Optional[bytes]]:
-        """The raw, unverified bytes of objects by digest (None for an absent one)."""
+    def read_objects(self, digests: Iterable[str], limit: Optional[int] = None) -> dict[str, Optional[bytes]]:
+        """The raw, unverified bytes of objects by digest (None for an absent one; with `limit`, the
+        ValueTooLargeError of one larger than that, unread)."""
         keys = {object_key(d): d for d in digests}
-        return {keys[key]: value for key, value in fetch(self.backend, keys).items()}
+        return {keys[key]: value for key, value in fetch(self.backend, keys, limit).items()}
 
     def read_refs(self, digests: Iterable[str]) -> dict[str, str | IntegrityError | None]:
         """What each blob's ref holds: the record digest, None when absent, the error when not a digest."""
@@ -257,10 +273,11 @@ class Inventory:
         """Verified, parsed records (None when absent, the RecordError when the object is not a record)."""
         digests = list(dict.fromkeys(digests))
         todo = [d for d in digests if d not in self.record_cache]
-        values = self.read_objects(todo)
+        values = self.read_objects(todo, limit=MAX_RECORD_BYTES)
         for d in todo:
             data = values[d]
-            self.record_cache[d] = None if data is None else parse_record(d, data)
+            self.record_cache[d] = None if data is None else parse_record(d, data) \
+                if not isinstance(data, ValueTooLargeError) else oversized_record(d, data)
         return {d: self.record_cache[d] for d in digests}
 
     def probe_record(self, digest: str) -> Optional[BlobRecord]:
