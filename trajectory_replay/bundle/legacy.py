@@ -336,11 +336,23 @@ def _payload_file(where: str, value: object) -> tuple[bytes, RawTensor]:
         raise BundleError(f"{where}: {exc}") from None
 
 
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
 def _safe_loader_reason(exc: BaseException) -> str:
-    """The informative line of torch's weights_only refusal (not its advice to load unsafely)."""
-    for line in str(exc).splitlines():
+    """Why torch's safe loader refused the file, in our own words. torch's message goes on to advise allowlisting
+    what it refused, or loading with its unsafe loader; a payload file is never worth either, so none of that
+    message is repeated, only the name of what the pickle asked for."""
+    import pickle
+
+    text = str(exc)
+    if isinstance(exc, pickle.UnpicklingError) or "Weights only load failed" in text:
+        found = _REFUSED_GLOBAL.search(text)
+        what = f"it calls or builds {_one_line(found.group(1), 80)}" if found else "it holds pickled objects"
+        return f"refused by the safe loader: {what}; only plain tensors are loaded from payload files"
+    for line in text.splitlines():   # a zip or format error: its first line, unless it is advice about loading
         line = line.strip()
-        if line and not line.startswith(("Weights only load failed", "Please file an issue", "Check the documentation")):
+        if line and "weights_only" not in line and not line.startswith(("Please file an issue", "Check the documentation")):
             return _one_line(line)
     return type(exc).__name__
 
