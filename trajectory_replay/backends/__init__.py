@@ -39,19 +39,33 @@ def open_backend(path_or_url: str | os.PathLike, **storage_options: Any) -> Back
     if protocol == "s3":
         from trajectory_replay.backends.s3 import S3Backend
 
+        if _userinfo_end(path):   # never handed on: the client would echo them inside its bucket-name error
+            raise BackendError(f"{redact_url(os.fspath(path_or_url))}: credentials in an S3 URL are not used; give "
+                               "them through AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, an AWS profile, or the "
+                               "key and secret storage options")
+
         return S3Backend(path, **storage_options)
     raise BackendError(f"{path_or_url}: unsupported storage protocol {protocol!r} (use a path, file://, s3:// or memory://)")
 
 
+def _userinfo_end(rest: str) -> int:
+    """Where the `user:password@` part of a URL's text after `://` ends (0 when there is none). A secret key may
+    hold '/' and '+' unencoded (AWS secret keys do), so an '@' after a '/' still ends it when the text before that
+    '@' has the ':' between user and password; a redaction errs on the side of hiding."""
+    authority = rest.split("/", 1)[0]
+    if "@" in authority:
+        return authority.rindex("@") + 1
+    head, at, _ = rest.partition("@")
+    return len(head) + 1 if at and ":" in head else 0
+
+
 def redact_url(url: str) -> str:
-    """`url` without user:password@ credentials, for anything that is written or printed."""
+    """`url` without user:password@ credentials (whatever they hold: '/', '+', '%2F'), for anything that is
+    written or printed."""
     if "://" not in url:
         return url
     protocol, rest = url.split("://", 1)
-    host, sep, tail = rest.partition("/")
-    if "@" in host:
-        host = host.rsplit("@", 1)[1]
-    return f"{protocol}://{host}{sep}{tail}"
+    return f"{protocol}://{rest[_userinfo_end(rest):]}"
 
 
 __all__ = [
