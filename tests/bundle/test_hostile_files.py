@@ -23,7 +23,7 @@ from trajectory_replay.cli import app
 from trajectory_replay.errors import IntegrityError, ValueTooLargeError
 from trajectory_replay.bundle import BundleReader
 from trajectory_replay.store import BlobRef, ObjectStore
-from trajectory_replay.store.digest import object_key
+from trajectory_replay.store.digest import blob_ref_key, object_key
 from trajectory_replay.store.objectstore import MAX_RECORD_BYTES, RecordError
 
 runner = CliRunner()
@@ -154,6 +154,24 @@ def test_record_over_the_bound_is_refused_from_its_size_unread(tmp_path):
     found = store.inventory.records([record_digest])[record_digest]
     assert isinstance(found, RecordError) and f"over the {MAX_RECORD_BYTES}-byte bound" in str(found)
     assert store.backend.stats.bytes_read < MAX_RECORD_BYTES
+
+
+def test_blob_ref_over_its_bound_is_refused_unread(tmp_path):
+    """A ref holds one digest: a sparse 1.5 GB file at a ref's key is refused from its size by replay and inspect
+    alike, and the inventory (gc, fsck, inspect) reports it as a ref that holds no digest."""
+    root = str(tmp_path / "store")
+    url, writer, marker = write_bundle(root)
+    store = writer.store
+    manifest = json.loads(store.get(marker.documents().manifest.blob_ref()))
+    digest = manifest["payloads"]["kl"]["digest"]
+    with open(os.path.join(root, blob_ref_key(digest)), "wb") as f:
+        f.truncate(SPARSE_BYTES)
+    fresh = ObjectStore.open(root)
+    with pytest.raises(ValueTooLargeError, match=f"holds {SPARSE_BYTES} bytes, over the 1024-byte bound"):
+        fresh.ref(digest)
+    found = fresh.inventory.read_refs([digest])[digest]
+    assert isinstance(found, IntegrityError) and "does not hold a digest" in str(found)
+    assert fresh.backend.stats.bytes_read < 1 << 20
 
 
 @pytest.mark.parametrize("kind, what", [("fifo", "a FIFO"), ("devzero", "a character device")])

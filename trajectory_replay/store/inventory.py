@@ -28,7 +28,7 @@ from trajectory_replay.store.digest import (
 )
 from trajectory_replay.store.liveness import GC_DIR, INFLIGHT_DIR
 from trajectory_replay.store.objectstore import (
-    MAX_RECORD_BYTES, RECORD_HEAD, BlobRecord, RecordError, looks_like_record, oversized_record, parse_record,
+    MAX_RECORD_BYTES, MAX_REF_BYTES, RECORD_HEAD, BlobRecord, RecordError, looks_like_record, oversized_record, parse_record,
 )
 
 T = TypeVar("T")
@@ -127,6 +127,8 @@ def parse_ref(value: Optional[bytes]) -> Optional[str]:
 def _ref_value(value: Optional[bytes]) -> str | IntegrityError | None:
     if value is None:
         return None
+    if isinstance(value, ValueTooLargeError):   # read with MAX_REF_BYTES and refused unread
+        return IntegrityError(f"does not hold a digest (over the {MAX_REF_BYTES}-byte bound)")
     text = value.decode("ascii", errors="replace").strip()
     try:
         parse_digest(text)
@@ -260,7 +262,7 @@ class Inventory:
     def read_refs(self, digests: Iterable[str]) -> dict[str, str | IntegrityError | None]:
         """What each blob's ref holds: the record digest, None when absent, the error when not a digest."""
         keys = {blob_ref_key(d): d for d in digests}
-        return {keys[key]: _ref_value(value) for key, value in fetch(self.backend, keys).items()}
+        return {keys[key]: _ref_value(value) for key, value in fetch(self.backend, keys, MAX_REF_BYTES).items()}
 
     def refs(self, digests: Iterable[str]) -> dict[str, Optional[str]]:
         """The record digest each blob's ref names (None when the ref is absent or does not hold a digest)."""
