@@ -201,3 +201,17 @@ def test_backend_read_with_a_limit(tmp_path):
     with pytest.raises(ValueTooLargeError, match=f"holds {SPARSE_BYTES} bytes"):
         backend.read("big", 1 << 20)
     assert backend.stats.bytes_read == before   # refused from its size, unread
+
+
+def test_inventory_read_with_a_bound_returns_the_refusal_unread(tmp_path):
+    """What gc and fsck read by key (markers) can be bounded: a sparse 1.5 GB file comes back as its refusal."""
+    from trajectory_replay.store.inventory import Inventory
+
+    backend = open_backend(str(tmp_path / "root"))
+    backend.write("b/k", b"small")
+    with open(tmp_path / "root" / "b" / "COMPLETE", "wb") as f:
+        f.truncate(SPARSE_BYTES)
+    values = Inventory(backend).read(["b/COMPLETE", "b/k", "b/absent"], limit=4 << 20)
+    assert isinstance(values["b/COMPLETE"], ValueTooLargeError) and "b/COMPLETE" in str(values["b/COMPLETE"])
+    assert values["b/k"] == b"small" and values["b/absent"] is None
+    assert backend.stats.bytes_read < 1 << 20

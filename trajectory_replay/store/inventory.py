@@ -249,9 +249,10 @@ class Inventory:
         return [name for name in LAYOUT_DIRS if self.backend.escapes_root(name)]
 
     # ---- reading ------------------------------------------------------------------------------
-    def read(self, keys: Iterable[str]) -> dict[str, Optional[bytes]]:
-        """The raw values of `keys` (None for an absent one), unverified: `verify` or `value_problem` judge them."""
-        return fetch(self.backend, keys)
+    def read(self, keys: Iterable[str], limit: Optional[int] = None) -> dict[str, Optional[bytes]]:
+        """The raw values of `keys` (None for an absent one), unverified: `verify` or `value_problem` judge them.
+        With `limit` (a marker's bound, say), a value over it is its ValueTooLargeError, read no further."""
+        return fetch(self.backend, keys, limit)
 
     def read_objects(self, digests: Iterable[str], limit: Optional[int] = None) -> dict[str, Optional[bytes]]:
         """The raw, unverified bytes of objects by digest (None for an absent one; with `limit`, the
