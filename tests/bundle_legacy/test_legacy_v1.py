@@ -439,3 +439,18 @@ def test_deeply_nested_json_is_refused(bundle: Path) -> None:
     # json raises RecursionError here, which must not escape as a traceback
     reseal(bundle, "expected.json", b"[" * 100_000)
     refused(bundle, r"b-1/expected.json: not valid JSON")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "devzero"])
+@pytest.mark.parametrize("filename", ["manifest.json", "index.json", "payloads/kl.pt"])
+def test_file_that_is_not_a_regular_file_is_refused_without_reading(bundle: Path, kind: str, filename: str) -> None:
+    """A FIFO would block the reader, /dev/zero would be read to the document bound: both are one line naming the
+    file (a reader blocked on the FIFO is let through with junk, so the test fails instead of hanging)."""
+    from tests.bundle.test_hostile_files import _replace, _unblocking
+
+    path = bundle / filename
+    _replace(str(path), kind)
+    with _unblocking(str(path), kind):
+        error = refused(bundle, rf"b-1/{filename}: ", load="kl")
+    # a payload's size is checked against the manifest first: a FIFO or device there has none to match
+    assert "not a regular file" in str(error) or filename.startswith("payloads/") and "size 0 bytes" in str(error)

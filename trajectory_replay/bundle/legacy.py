@@ -32,6 +32,7 @@ import json
 import operator
 import os
 import re
+import stat
 import sys
 import tempfile
 import warnings
@@ -258,10 +259,16 @@ class V1Manifest(_V1Model):
 
 
 def _read_bounded(path: Path, label: str, limit: int) -> bytes:
-    """The bytes of `path`, refusing a missing file or one larger than `limit` before reading it."""
+    """The bytes of `path`, refusing a missing file or one larger than `limit` before reading it. Opened without
+    blocking and read only when it is a regular file: a FIFO would block, a device (/dev/zero) never end."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)), "rb") as f:
+            info = os.fstat(f.fileno())
+            if stat.S_ISDIR(info.st_mode):
+                raise IsADirectoryError
+            if not stat.S_ISREG(info.st_mode):
+                raise BundleError(f"{label}: not a regular file (a FIFO, device or socket); replace it with the file")
+            size = info.st_size
             if size > limit:
                 raise BundleError(f"{label}: {size} bytes exceeds the limit of {limit} bytes")
             data = f.read(limit + 1)
