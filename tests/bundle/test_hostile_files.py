@@ -35,6 +35,7 @@ MUST_FAIL = {
     "marker": {"inspect", "validate", "replay", "gc", "fsck", "cp"},
     "record": set(COMMANDS),
     "chunk": {"validate", "replay", "fsck", "cp"},
+    "document": {"inspect", "validate", "replay", "fsck", "cp"},   # the index's chunk
 }
 
 
@@ -47,7 +48,8 @@ def _key(store: ObjectStore, marker, place: str) -> str:
     manifest = json.loads(store.get(marker.documents().manifest.blob_ref()))
     kl = manifest["payloads"]["kl"]
     return {"marker": f"{NAME}/COMPLETE", "record": object_key(kl["record"]),
-            "chunk": object_key(store.record(kl["digest"]).chunks[0].digest)}[place]
+            "chunk": object_key(store.record(kl["digest"]).chunks[0].digest),
+            "document": object_key(store.record(marker.documents().index.blob_ref()).chunks[0].digest)}[place]
 
 
 def _replace(path: str, kind: str) -> None:
