@@ -16,6 +16,10 @@ class IntegrityError(TrajectoryReplayError):
     """Stored bytes do not match the digest that names them."""
 
 
+class ValueTooLargeError(IntegrityError):
+    """A stored value is larger than the bound its reader allows for what is stored there; refused unread."""
+
+
 class NotFoundError(TrajectoryReplayError, KeyError):
     """A key, object, blob or bundle does not exist."""
 

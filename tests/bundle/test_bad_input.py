@@ -24,6 +24,7 @@ import torch
 from typer.testing import CliRunner
 
 from trajectory_replay.bundle import BundleReader, BundleWriter, open_native
+from trajectory_replay.bundle.codec import encode
 from trajectory_replay.bundle.documents import compact_json
 from trajectory_replay.bundle.markers import CompleteMarker, DocRef, Documents
 from trajectory_replay.cli import app
@@ -369,12 +370,54 @@ def test_payload_mismatch_through_validate(crafted):
     url = crafted.commit(manifest=manifest)
     report = validate_sources(url, open_native(url))
     assert not report.valid
-    assert len(report.problems) == 2, report.problems
+    assert len(report.problems) == 3, report.problems
     assert all("\n" not in p for p in report.problems)
     assert any("payload 'kl'" in p and "shape" in p for p in report.problems)
+    assert any("payload 'kl' has 9 elements, the responses have 8 tokens" in p for p in report.problems)
     assert any("payload 'entropy'" in p for p in report.problems)
     assert_cli_error(cli("validate", url), "payload 'kl'", "shape")
     assert_cli_error(cli("replay", url))
+
+
+def _seven_rows_of_kl(crafted: Crafted) -> dict:
+    """A manifest whose per-token payload 'kl' is a well-formed blob of 7 rows, for 8 response tokens."""
+    ref = crafted.store.put(encode(torch.zeros(7))[0])
+    manifest = crafted.doc("manifest")
+    manifest["payloads"]["kl"].update(digest=ref.digest, record=ref.record, size=ref.size, shape=[7])
+    return manifest
+
+
+def _sample_field(crafted: Crafted, field: str, value: Any) -> dict:
+    index = crafted.doc("index")
+    index["samples"][0][field] = value
+    return index
+
+
+STRUCTURE_FAULTS = {
+    "payload-rows": (lambda c: {"manifest": _seven_rows_of_kl(c)},
+                     "payload 'kl' has 7 elements, the responses have 8 tokens"),
+    "negative-response-length": (lambda c: {"index": _sample_field(c, "response_length", -5)},
+                                 "sample s-0: response_length -5"),
+    "total-below-response": (lambda c: {"index": _sample_field(c, "total_length", 1)},
+                             "sample s-0: response_length 2, total_length 1"),
+    "duplicate-ids": (lambda c: {"index": _sample_field(c, "sample_id", "s-1")}, "duplicate sample ids: s-1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STRUCTURE_FAULTS))
+def test_validate_reports_what_the_sample_stage_fails(crafted, case):
+    """A bundle validate passes must not diverge at `sample` when replayed: validate reports the same fault,
+    naming the sample or payload, and replay's sample stage fails on it."""
+    documents, needle = STRUCTURE_FAULTS[case]
+    url = crafted.commit(**documents(crafted))
+    report = validate_sources(url, open_native(url))
+    assert not report.valid and any(needle in p for p in report.problems), report.problems
+    assert all("\n" not in p for p in report.problems)
+    assert_cli_error(cli("validate", url), needle)
+    replayed = cli("replay", url, "--json")
+    assert replayed.returncode == 1, replayed.stdout + replayed.stderr
+    (sample,) = [s for s in json.loads(replayed.stdout)["stages"] if s["stage"] == "sample"]
+    assert sample["status"] == "fail" and needle in sample["message"], sample
 
 
 def test_payload_name_key_differing_from_its_spec_name_is_refused(crafted):

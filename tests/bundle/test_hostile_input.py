@@ -81,6 +81,7 @@ HOSTILE_HEADERS = {
     # dimensions whose product overflows int64 (Python does not wrap; torch would)
     "product-overflows": (_entry(b"[4611686018427387904,4611686018427387904]", b"[0,32]"), "too large"),
     "empty-product-overflows": (_entry(b"[4611686018427387904,4611686018427387904,0]", b"[0,0]"), "too large"),
+    "empty-bytes-overflow": (_entry(b"[0,4611686018427387904]", b"[0,0]"), "too large"),
     "dim-past-int64": (_entry(b"[18446744073709551616,0]", b"[0,0]"), "shape[0]"),
     "dim-infinite": (_entry(b"[1e400]", b"[0,32]"), "shape[0]"),
     "dim-fractional": (_entry(b"[8.5]", b"[0,32]"), "shape[0]"),
@@ -109,7 +110,7 @@ HOSTILE_HEADERS = {
 @pytest.mark.parametrize("case", sorted(HOSTILE_HEADERS))
 def test_hostile_safetensors_header_through_the_cli(crafted, case):
     header, needle = HOSTILE_HEADERS[case]
-    data = b"" if case == "empty-product-overflows" or case == "dim-past-int64" else \
+    data = b"" if case in ("empty-product-overflows", "empty-bytes-overflow", "dim-past-int64") else \
         b"\0" * 4 if case in ("dim-bool", "too-many-dims") else b"\0" * 32
     url = _with_payload(crafted, header, data)
     line = error_line(cli("replay", url), NAME, "payload 'kl'", "safetensors", needle)
@@ -126,6 +127,19 @@ def test_hostile_safetensors_header_on_the_ranged_read_path(crafted, case):
     with pytest.raises(BundleError) as info:
         reader.load_payload("kl", samples=[0])
     assert "\n" not in str(info.value) and "payload 'kl'" in str(info.value) and needle in str(info.value)
+
+
+@pytest.mark.parametrize("shape", [[0, 1 << 62], [0, 1 << 61], [1 << 61, 0, 2]])
+def test_empty_tensor_whose_bytes_pass_the_bound_is_invalid_in_validate(crafted, shape):
+    """An empty float32 tensor of 2^61 or more columns has no byte to read, yet numpy cannot describe it: validate
+    (which decodes with numpy) reports the payload invalid in one line instead of failing with a ValueError."""
+    header = json.dumps({"data": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
+    url = _with_payload(crafted, header, b"")
+    result = cli("validate", url)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code == 1 and "INVALID" in result.stdout, result.output
+    (line,) = [line for line in result.stdout.splitlines() if "problem:" in line]
+    assert "payload 'kl'" in line and "too large" in line, line
 
 
 # ---- documents ----------------------------------------------------------------------------------------
@@ -354,3 +368,35 @@ def test_deeply_nested_record_under_its_digest_is_corrupt_in_ls(crafted):
     assert listing.exit_code == 0 and listing.exception is None, listing.output
     (row,) = json.loads(listing.stdout)["bundles"]
     assert row["status"] == "corrupt" and digest in row["detail"] and "nested more than" in row["detail"]
+
+
+def _record_object(crafted: Crafted, kind: str) -> str:
+    """The digest of a stored object that is not a blob record: a document, a payload chunk, other JSON."""
+    if kind == "document":
+        return crafted.docs.index.digest
+    if kind == "chunk":
+        return crafted.chunk_digests("advantages")[0]
+    return crafted.store.put_object({"json-list": b"[1,2]", "json-number": b"7"}[kind])
+
+
+@pytest.mark.parametrize("kind", ["document", "chunk", "json-list", "json-number"])
+@pytest.mark.parametrize("command", ["validate", "inspect", "replay", "export"])
+def test_manifest_record_naming_an_object_that_is_not_a_record(crafted, tmp_path, kind, command):
+    """A payload's `record` names a stored object of another kind: every command names the payload and the
+    object in one line (validate and inspect in their reports), exit 1, no traceback."""
+    digest = _record_object(crafted, kind)
+    manifest = crafted.doc("manifest")
+    manifest["payloads"]["kl"]["record"] = digest
+    url = crafted.commit(manifest=manifest)
+    args = [command, url] + ([str(tmp_path / "exported")] if command == "export" else [])
+    result = cli(*args)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    if command == "inspect":
+        (line,) = [line for line in result.stdout.splitlines() if line.strip().startswith("payload    kl ")]
+        assert "UNREADABLE" in line and digest.split(":")[1] in line and "not a blob record" in line, line
+    elif command == "validate":
+        (line,) = [line for line in result.stdout.splitlines() if "problem:" in line]
+        assert "payload 'kl'" in line and digest in line and "not a blob record" in line, result.stdout
+    else:
+        error_line(result, NAME, "payload 'kl'", digest, "not a blob record")

@@ -290,7 +290,7 @@ def test_finalize_with_payloads_writes_the_bundle_in_one_batch(tmp_path):
     backend = w.store.backend
     write, read = backend.write, backend.read
     backend.write = lambda key, data, **kw: (writes.append(key), write(key, data, **kw))[1]
-    backend.read = lambda key: (lookups.append(key), read(key))[1]
+    backend.read = lambda key, *args, **kw: (lookups.append(key), read(key, *args, **kw))[1]
     w.finalize(payloads=case.payloads)
     assert writes == [f".inflight/{w.attempt}.json"]
     # every distinct payload blob and the mask looked up once, then the three documents

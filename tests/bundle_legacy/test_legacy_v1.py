@@ -280,6 +280,38 @@ def test_malicious_pickle_is_refused_without_running(bundle: Path, tmp_path: Pat
     assert "weights_only` set to `False`" not in str(error), "must not advise loading unsafely"
 
 
+class _EvalExploit:
+    """Pickles to a call of builtins.eval: torch's refusal of it advises loading with weights_only=False."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (eval, (f"open({str(self.marker)!r}, 'w')",))
+
+
+class _PlainObject:
+    """An instance of a class the safe loader does not know (its refusal advises allowlisting it, or loading
+    unsafely)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+
+@pytest.mark.parametrize("exploit", [_Exploit, _EvalExploit, _PlainObject], ids=["os-system", "eval", "class"])
+@pytest.mark.parametrize("encode", [tensor_bytes, lambda value: pickle.dumps(value, protocol=2)],
+                         ids=["torch-zip", "raw-pickle"])
+def test_refusal_of_a_pickle_is_our_own_line_and_never_advises_loading_unsafely(bundle: Path, tmp_path: Path,
+                                                                                 exploit, encode) -> None:
+    marker = tmp_path / "PWNED"
+    replace_payload(bundle, "kl", encode(exploit(marker)))
+    error = str(refused(bundle, r"b-1/payloads/kl.pt: not a loadable tensor file \(", load="kl"))
+    assert not marker.exists()
+    for advice in ("weights_only", "add_safe_globals", "safe_globals", "trusted source", "PyTorch"):
+        assert advice not in error, f"{advice!r} in {error!r}"
+    assert "only plain tensors" in error, error
+
+
 def test_garbage_payload_is_refused(bundle: Path) -> None:
     replace_payload(bundle, "kl", b"definitely not a torch file")
     refused(bundle, r"b-1/payloads/kl.pt: not a loadable tensor file", load="kl")
@@ -407,3 +439,18 @@ def test_deeply_nested_json_is_refused(bundle: Path) -> None:
     # json raises RecursionError here, which must not escape as a traceback
     reseal(bundle, "expected.json", b"[" * 100_000)
     refused(bundle, r"b-1/expected.json: not valid JSON")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "devzero"])
+@pytest.mark.parametrize("filename", ["manifest.json", "index.json", "payloads/kl.pt"])
+def test_file_that_is_not_a_regular_file_is_refused_without_reading(bundle: Path, kind: str, filename: str) -> None:
+    """A FIFO would block the reader, /dev/zero would be read to the document bound: both are one line naming the
+    file (a reader blocked on the FIFO is let through with junk, so the test fails instead of hanging)."""
+    from tests.bundle.test_hostile_files import _replace, _unblocking
+
+    path = bundle / filename
+    _replace(str(path), kind)
+    with _unblocking(str(path), kind):
+        error = refused(bundle, rf"b-1/{filename}: ", load="kl")
+    # a payload's size is checked against the manifest first: a FIFO or device there has none to match
+    assert "not a regular file" in str(error) or filename.startswith("payloads/") and "size 0 bytes" in str(error)

@@ -74,7 +74,8 @@ def test_capture_in_progress_survives_grace_zero(tmp_path):
     writer = BundleWriter(f"{root}/in-progress", case.manifest, case.index, case.expected)
     for payload, tensor in case.payloads.items():
         writer.write_payload(payload, tensor)
-    writer.write_payload("only_mine", torch.arange(5000, dtype=torch.float32))
+    # 2-D: a 1-D payload is per-token, and one of 5000 rows for 8 tokens would make the bundle invalid
+    writer.write_payload("only_mine", torch.arange(5000, dtype=torch.float32).reshape(50, 100))
     backend = open_backend(root)
     listed = [object_key(d) for d in writer.inflight.digests if backend.exists(object_key(d))]
     report = collect_garbage(root, grace="0s")

@@ -55,7 +55,12 @@ def _unsupported(url: str, protocol: str) -> str:
 
 
 def _s3_bucket_problem(url: str, rest: str) -> Optional[str]:
-    bucket = rest.split("/", 1)[0].rsplit("@", 1)[-1]  # after any user:password@
+    """What is wrong with an S3 URL (`rest`: its text after s3://) as written: credentials in it (never handed on:
+    the client would echo them inside its own bucket-name error), no bucket, an invalid bucket name."""
+    if _userinfo_end(rest):
+        return (f"{redact_url(url)}: credentials in an S3 URL are not used; give them through AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, an AWS profile, or the key and secret storage options")
+    bucket = rest.split("/", 1)[0]
     if not bucket:
         return f"{redact_url(url)}: no bucket name: an S3 URL is s3://BUCKET/PREFIX"
     if not _S3_BUCKET.fullmatch(bucket):
@@ -78,22 +83,31 @@ def open_backend(path_or_url: str | os.PathLike, **storage_options: Any) -> Back
         from trajectory_replay.backends.s3 import S3Backend
 
         problem = _s3_bucket_problem(os.fspath(path_or_url), path)
-        if problem:  # before botocore sees it: its own message is two regular expressions
+        if problem:  # before botocore sees it: its own message would echo credentials, or two regular expressions
             raise BackendError(problem)
 
         return S3Backend(path, **storage_options)
     raise BackendError(_unsupported(os.fspath(path_or_url), protocol))
 
 
+def _userinfo_end(rest: str) -> int:
+    """Where the `user:password@` part of a URL's text after `://` ends (0 when there is none). A secret key may
+    hold '/' and '+' unencoded (AWS secret keys do), so an '@' after a '/' still ends it when the text before that
+    '@' has the ':' between user and password; a redaction errs on the side of hiding."""
+    authority = rest.split("/", 1)[0]
+    if "@" in authority:
+        return authority.rindex("@") + 1
+    head, at, _ = rest.partition("@")
+    return len(head) + 1 if at and ":" in head else 0
+
+
 def redact_url(url: str) -> str:
-    """`url` without user:password@ credentials, for anything that is written or printed."""
+    """`url` without user:password@ credentials (whatever they hold: '/', '+', '%2F'), for anything that is
+    written or printed."""
     if "://" not in url:
         return url
     protocol, rest = url.split("://", 1)
-    host, sep, tail = rest.partition("/")
-    if "@" in host:
-        host = host.rsplit("@", 1)[1]
-    return f"{protocol}://{host}{sep}{tail}"
+    return f"{protocol}://{rest[_userinfo_end(rest):]}"
 
 
 __all__ = [

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from trajectory_replay.errors import BackendError, InvalidKeyError
+from trajectory_replay.errors import BackendError, InvalidKeyError, ValueTooLargeError
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,12 @@ class ProbeResult:
     create-once, so it is not remembered and runs again later."""
 
 
+def raise_too_large(url: str, key: str, limit: int, size: Optional[int] = None) -> None:
+    """Refuse the value at `key` for being over the `limit` its reader allows (`size`: its size, when known)."""
+    held = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+    raise ValueTooLargeError(f"{url}: {key!r} holds {held}, over the {limit}-byte bound for what is stored there")
+
+
 class Backend(ABC):
     """A root prefix on one storage system. Thread-safe; keys are '/'-separated relative paths."""
 
@@ -227,11 +233,29 @@ class Backend(ABC):
     def _list_dir(self, prefix: str) -> list[str]: ...
 
     # ---- public API ----------------------------------------------------------------------------
-    def read(self, key: str) -> bytes:
-        """The whole value at `key`; NotFoundError if absent."""
-        data = self._read(validate_key(key))
+    def read(self, key: str, limit: Optional[int] = None) -> bytes:
+        """The whole value at `key`; NotFoundError if absent. With `limit`, a value larger than `limit` bytes is
+        refused (ValueTooLargeError naming the key and the bound) having read no more than `limit` + 1 bytes of it:
+        a reader that knows how large a value can be passes that bound, so hostile content costs nothing."""
+        key = validate_key(key)
+        data = self._read(key) if limit is None else self._read_limited(key, limit)
         self.stats.count_read(len(data))
+        if limit is not None and len(data) > limit:
+            raise_too_large(self.url, key, limit)
         return data
+
+    def _read_limited(self, key: str, limit: int) -> bytes:
+        """The value at `key`, or its first `limit` + 1 bytes when it is larger (backends that know a value's size
+        before reading it refuse one over `limit` from the size alone)."""
+        if not self.capabilities.ranged_reads:
+            return self._read(key)
+        try:
+            return self._read_range(key, 0, limit + 1)
+        except OSError:
+            # an object store refuses every range of an empty value (416): that one case is asked by size
+            if not self.capabilities.remote or self._size(key) != 0:
+                raise
+            return b""
 
     def read_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of `key` (end exclusive; clipped at the value's end)."""

@@ -14,11 +14,19 @@ import os
 import stat
 import uuid
 from pathlib import Path
+from typing import Optional
 
-from trajectory_replay.backends.base import Backend, Capabilities, validate_key
-from trajectory_replay.errors import BackendError, NotFoundError
+from trajectory_replay.backends.base import Backend, Capabilities, raise_too_large, validate_key
+from trajectory_replay.errors import BackendError, IntegrityError, NotFoundError
 
 TMP_PREFIX = ".tmp-"
+
+_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISSOCK, "a socket"))
+
+
+def _file_kind(mode: int) -> str:
+    return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
 
 
 class LocalBackend(Backend):
@@ -58,26 +66,44 @@ class LocalBackend(Backend):
         real_root = os.path.realpath(self.root)
         return os.path.commonpath([real_root, os.path.realpath(path)]) != real_root
 
-    def _read(self, key: str) -> bytes:
+    def _open_value(self, key: str) -> tuple[int, int]:
+        """(a descriptor on the regular file that holds `key`, its size). Opened without blocking and refused
+        unless it is a regular file: a FIFO would block every reader until some writer came, and a device (a link
+        to /dev/zero) would be read without end. A directory holds no value: NotFoundError, as an absent key."""
         try:
-            with open(self._file(key), "rb") as f:
-                return f.read()
-        except (FileNotFoundError, NotADirectoryError):
+            fd = os.open(self._file(key), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise NotFoundError(f"{self.url}: no such key {key!r}") from None
-        except IsADirectoryError:
-            raise NotFoundError(f"{self.url}: {key!r} is a directory, not a value") from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            if stat.S_ISDIR(info.st_mode):
+                raise NotFoundError(f"{self.url}: {key!r} is a directory, not a value")
+            raise IntegrityError(f"{self.url}: {key!r} is {_file_kind(info.st_mode)}, not a regular file (a store "
+                                 "holds only regular files: remove it, or restore the file)")
+        return fd, info.st_size
+
+    def _read(self, key: str) -> bytes:
+        return self._read_limited(key, None)
+
+    def _read_limited(self, key: str, limit: Optional[int]) -> bytes:
+        fd, size = self._open_value(key)
+        try:
+            if limit is not None and size > limit:   # refused from the file's size: not a byte of it is read
+                raise_too_large(self.url, key, limit, size)
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                # a file that grew past the bound since its size was taken is still read no further than the bound
+                data = f.read() if limit is None else f.read(limit + 1)
+        finally:
+            os.close(fd)
+        if limit is not None and len(data) > limit:
+            raise_too_large(self.url, key, limit)
+        return data
 
     def _read_into(self, key: str, target: memoryview) -> int:
         # a read of a large payload opens thousands of chunk files: a bare descriptor, no file object
+        fd, size = self._open_value(key)
         try:
-            fd = os.open(self._file(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise NotFoundError(f"{self.url}: no such key {key!r}") from None
-        try:
-            info = os.fstat(fd)
-            if stat.S_ISDIR(info.st_mode):
-                raise NotFoundError(f"{self.url}: no such key {key!r}")
-            size = info.st_size
             if size > len(target):
                 return size
             view, done = target[:size], 0
@@ -91,12 +117,18 @@ class LocalBackend(Backend):
             os.close(fd)
 
     def _read_range(self, key: str, start: int, end: int) -> bytes:
+        fd, _ = self._open_value(key)
         try:
-            with open(self._file(key), "rb") as f:
-                f.seek(start)
-                return f.read(end - start)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise NotFoundError(f"{self.url}: no such key {key!r}") from None
+            parts, at = [], start
+            while at < end:   # one pread returns at most about 2 GiB
+                part = os.pread(fd, end - at, at)
+                if not part:
+                    break
+                parts.append(part)
+                at += len(part)
+            return b"".join(parts)
+        finally:
+            os.close(fd)
 
     def _temp_file(self, key: str, data, durable: bool = True) -> Path:
         """Write `data` to a fresh temporary file beside `key` and make it durable."""

@@ -31,9 +31,9 @@ MAX_DIMS = 64
 """Most dimensions a stored tensor may have (the payloads here have one or two)."""
 MAX_HEADER_INT = (1 << 63) - 1
 """Dimensions and offsets are int64 values in safetensors."""
-MAX_ELEMENTS = 1 << 62
-"""Bound on the product of a shape's dimensions, zeros counted as ones: past it torch cannot describe the
-tensor even when it is empty (a zero dimension would otherwise let the others be anything)."""
+MAX_TENSOR_BYTES = 1 << 62
+"""Bound on a shape's byte size with zeros counted as ones: past it numpy and torch cannot describe the tensor
+even when it is empty (a zero dimension would otherwise let the others be anything)."""
 
 _DTYPES: dict[str, tuple[str, int]] = {
     "F64": ("torch.float64", 8), "F32": ("torch.float32", 4), "F16": ("torch.float16", 2),
@@ -291,12 +291,12 @@ def parse_header(head: bytes, blob_size: int, where: str) -> Header:
     if not isinstance(offsets, list) or len(offsets) != 2:
         raise BundleError(f"{where}: malformed tensor entry in the safetensors header "
                           "(data_offsets is not a pair [start, end])")
-    if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
-        raise BundleError(f"{where}: safetensors header shape {_shape_text(raw_shape)} is too large "
-                          "(its dimensions multiply past 2^62)")
+    itemsize = _DTYPES[dtype_text][1]
+    if math.prod(max(d, 1) for d in shape) * itemsize > MAX_TENSOR_BYTES:
+        raise BundleError(f"{where}: safetensors header shape {_shape_text(raw_shape)} of {dtype_text} is too large "
+                          "(its dimensions, zeros counted as ones, times its element size pass 2^62 bytes)")
     start = _header_int(offsets[0], where, "data_offsets[0]")
     end = _header_int(offsets[1], where, "data_offsets[1]")
-    itemsize = _DTYPES[dtype_text][1]
     # Python integers do not wrap, so a product of huge dimensions is compared exactly, never overflowed
     expected_bytes = math.prod(shape) * itemsize
     data_len = blob_size - 8 - n

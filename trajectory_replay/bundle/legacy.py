@@ -32,6 +32,7 @@ import json
 import operator
 import os
 import re
+import stat
 import sys
 import tempfile
 import warnings
@@ -258,10 +259,16 @@ class V1Manifest(_V1Model):
 
 
 def _read_bounded(path: Path, label: str, limit: int) -> bytes:
-    """The bytes of `path`, refusing a missing file or one larger than `limit` before reading it."""
+    """The bytes of `path`, refusing a missing file or one larger than `limit` before reading it. Opened without
+    blocking and read only when it is a regular file: a FIFO would block, a device (/dev/zero) never end."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)), "rb") as f:
+            info = os.fstat(f.fileno())
+            if stat.S_ISDIR(info.st_mode):
+                raise IsADirectoryError
+            if not stat.S_ISREG(info.st_mode):
+                raise BundleError(f"{label}: not a regular file (a FIFO, device or socket); replace it with the file")
+            size = info.st_size
             if size > limit:
                 raise BundleError(f"{label}: {size} bytes exceeds the limit of {limit} bytes")
             data = f.read(limit + 1)
@@ -336,11 +343,23 @@ def _payload_file(where: str, value: object) -> tuple[bytes, RawTensor]:
         raise BundleError(f"{where}: {exc}") from None
 
 
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
 def _safe_loader_reason(exc: BaseException) -> str:
-    """The informative line of torch's weights_only refusal (not its advice to load unsafely)."""
-    for line in str(exc).splitlines():
+    """Why torch's safe loader refused the file, in our own words. torch's message goes on to advise allowlisting
+    what it refused, or loading with its unsafe loader; a payload file is never worth either, so none of that
+    message is repeated, only the name of what the pickle asked for."""
+    import pickle
+
+    text = str(exc)
+    if isinstance(exc, pickle.UnpicklingError) or "Weights only load failed" in text:
+        found = _REFUSED_GLOBAL.search(text)
+        what = f"it calls or builds {_one_line(found.group(1), 80)}" if found else "it holds pickled objects"
+        return f"refused by the safe loader: {what}; only plain tensors are loaded from payload files"
+    for line in text.splitlines():   # a zip or format error: its first line, unless it is advice about loading
         line = line.strip()
-        if line and not line.startswith(("Weights only load failed", "Please file an issue", "Check the documentation")):
+        if line and "weights_only" not in line and not line.startswith(("Please file an issue", "Check the documentation")):
             return _one_line(line)
     return type(exc).__name__
 

@@ -12,7 +12,6 @@ why others are skipped, is decided by `replay.plan`.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -29,6 +28,7 @@ from trajectory_replay.replay.compare import (
     EXACT, FieldComparison, Findings, SampleLayout, Tolerances, compare_scalar, compare_tensors,
 )
 from trajectory_replay.replay.report import Divergence, StageResult
+from trajectory_replay.replay.structure import payload_size_problems, record_problems
 
 Outputs = Mapping[str, torch.Tensor]
 
@@ -173,37 +173,16 @@ def _run_sample(ctx: StageContext) -> StageOutcome:
 def _finish_sample(ctx: StageContext, merged: Findings, runs: list) -> StageResult:
     """The records' own checks over the whole cohort (lengths, duplicate ids, payload sizes), then the masks'."""
     c, f = ctx.cohort, Findings()
-    for r in c.records:
-        if r.response_length < 0 or r.total_length < r.response_length:
-            f.problem(f"sample {r.sample_id}: response_length {r.response_length}, total_length {r.total_length}",
-                      Divergence("length", r.sample_id, None, float(r.total_length), float(r.response_length),
-                                 None))
-        if r.loss_mask and len(r.loss_mask) != r.response_length:
-            f.problem(f"sample {r.sample_id}: loss_mask has {len(r.loss_mask)} values, "
-                      f"response_length {r.response_length}",
-                      Divergence("loss_mask_length", r.sample_id, None, float(r.response_length),
-                                 float(len(r.loss_mask)), float(abs(len(r.loss_mask) - r.response_length))))
-    duplicates = sorted(sid for sid, count in Counter(c.sample_ids).items() if count > 1)
-    if duplicates:
-        f.problem(f"duplicate sample ids: {', '.join(duplicates[:10])}")
-    _check_payload_sizes(ctx, f)
+    for p in record_problems(c.records):
+        f.problem(p.message, Divergence(p.field, p.sample_id, None, p.expected, p.actual, p.abs_error)
+                  if p.field else None)
+    for part in c.parts:
+        for message in payload_size_problems(part.source.index.samples, part.source.manifest.payloads.values()):
+            f.problem(part.rank_prefix + message)
     f.problems += merged.problems
     f.divergences += merged.divergences
     f.comparisons += merged.comparisons
     return f.result(StageId.SAMPLE, ctx.rank, passed_message=f"{len(c.records)} samples, {c.num_tokens} tokens")
-
-
-def _check_payload_sizes(ctx: StageContext, f: Findings) -> None:
-    """Every declared per-token payload has sum(response_length) elements (from the manifest, no load)."""
-    for part in ctx.cohort.parts:
-        tokens = sum(r.response_length for r in part.source.index.samples)
-        for spec in part.source.manifest.payloads.values():
-            numel = 1
-            for dim in spec.shape:
-                numel *= dim
-            if spec.per_token and numel != tokens:
-                f.problem(f"{part.rank_prefix}payload {spec.name!r} has {numel} elements, "
-                          f"the responses have {tokens} tokens")
 
 
 def _check_record_masks(ctx: StageContext, mask: torch.Tensor, f: Findings) -> None:

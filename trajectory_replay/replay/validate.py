@@ -1,7 +1,7 @@
 """`validate`: is a bundle whole, safe and complete enough to replay?
 
-Checks the format (opening already verified COMPLETE, the documents and their schema), every
-payload's bytes (each chunk and the whole-blob digest, the safetensors header, dtype and
+Checks the format (opening already verified COMPLETE, the documents and their schema), the samples'
+structure as the `sample` stage checks it (`replay.structure`), every payload's bytes (each chunk and the whole-blob digest, the safetensors header, dtype and
 shape against the manifest), and the dependency closure: every recompute stage has the
 payloads and expected outputs `bundle.stage_io.STAGE_IO` says it reads. Non-finite values are
 warnings, not problems: they are data a replay must locate, not a broken bundle.
@@ -29,6 +29,7 @@ from trajectory_replay.errors import (
     BackendError, IncompleteBundleError, SelectionError, StorageUnavailableError, TrajectoryReplayError,
 )
 from trajectory_replay.replay.source import ReplaySource
+from trajectory_replay.replay.structure import payload_size_problems, record_problems
 from trajectory_replay.units import human_bytes
 
 if TYPE_CHECKING:
@@ -103,9 +104,18 @@ def validate_sources(target: str, sources: Sequence[ReplaySource]) -> Validation
     report = ValidationReport(target, sources[0].bundle_id if sources else None, [s.rank for s in sources])
     for source in sources:
         where = source.bundle_id + (f" rank {source.rank}" if source.rank is not None else "")
+        _check_structure(source, where, report)
         _check_payloads(source, where, report)
         _check_closure(source, where, report)
     return report
+
+
+def _check_structure(source: ReplaySource, where: str, report: ValidationReport) -> None:
+    """What the sample stage checks: a bundle that fails it would pass validate only to diverge at `sample`."""
+    samples = source.index.samples
+    report.problems += [f"{where}: {p.message}" for p in record_problems(samples)]
+    report.problems += [f"{where}: {message}"
+                        for message in payload_size_problems(samples, source.manifest.payloads.values())]
 
 
 def _check_payloads(source: ReplaySource, where: str, report: ValidationReport) -> None:

@@ -22,12 +22,14 @@ from typing import Callable, Iterable, Optional, Sequence, TypeVar
 
 from trajectory_replay.backends import Backend
 from trajectory_replay.backends.base import WorkerPool
-from trajectory_replay.errors import IntegrityError, NotFoundError, TrajectoryReplayError
+from trajectory_replay.errors import IntegrityError, NotFoundError, TrajectoryReplayError, ValueTooLargeError
 from trajectory_replay.store.digest import (
     OBJECT, OBJECTS_DIR, REF, REFS_DIR, blob_ref_key, digest_from_key, hash_bytes, key_kind, object_key, parse_digest,
 )
 from trajectory_replay.store.liveness import GC_DIR, INFLIGHT_DIR
-from trajectory_replay.store.objectstore import RECORD_HEAD, BlobRecord, RecordError, looks_like_record, parse_record
+from trajectory_replay.store.objectstore import (
+    MAX_RECORD_BYTES, MAX_REF_BYTES, RECORD_HEAD, BlobRecord, RecordError, looks_like_record, oversized_record, parse_record,
+)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -82,16 +84,29 @@ def batched(items: Sequence[T], size: int = READ_BATCH) -> list[list[T]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def fetch(backend: Backend, keys: Iterable[str]) -> dict[str, Optional[bytes]]:
-    """The values of `keys` (None for an absent key), read in concurrent batches."""
+def fetch(backend: Backend, keys: Iterable[str], limit: Optional[int] = None) -> dict[str, Optional[bytes]]:
+    """The values of `keys` (None for an absent key), read in concurrent batches. With `limit`, a value over it
+    is read no further than that and comes back as its ValueTooLargeError."""
     keys = list(dict.fromkeys(keys))
     out: dict[str, Optional[bytes]] = {}
     for batch in batched(keys):
+        if limit is not None:
+            out.update(zip(batch, concurrently(lambda k: _read_bounded(backend, k, limit), batch, backend.max_workers)))
+            continue
         try:
             out.update(zip(batch, backend.read_many(batch)))
         except NotFoundError:  # find which ones are absent, still concurrently
             out.update(zip(batch, concurrently(lambda k: _read_or_none(backend, k), batch, backend.max_workers)))
     return out
+
+
+def _read_bounded(backend: Backend, key: str, limit: int):
+    try:
+        return backend.read(key, limit)
+    except NotFoundError:
+        return None
+    except ValueTooLargeError as exc:
+        return exc
 
 
 def _read_or_none(backend: Backend, key: str) -> Optional[bytes]:
@@ -112,6 +127,8 @@ def parse_ref(value: Optional[bytes]) -> Optional[str]:
 def _ref_value(value: Optional[bytes]) -> str | IntegrityError | None:
     if value is None:
         return None
+    if isinstance(value, ValueTooLargeError):   # read with MAX_REF_BYTES and refused unread
+        return IntegrityError(f"does not hold a digest (over the {MAX_REF_BYTES}-byte bound)")
     text = value.decode("ascii", errors="replace").strip()
     try:
         parse_digest(text)
@@ -232,19 +249,21 @@ class Inventory:
         return [name for name in LAYOUT_DIRS if self.backend.escapes_root(name)]
 
     # ---- reading ------------------------------------------------------------------------------
-    def read(self, keys: Iterable[str]) -> dict[str, Optional[bytes]]:
-        """The raw values of `keys` (None for an absent one), unverified: `verify` or `value_problem` judge them."""
-        return fetch(self.backend, keys)
+    def read(self, keys: Iterable[str], limit: Optional[int] = None) -> dict[str, Optional[bytes]]:
+        """The raw values of `keys` (None for an absent one), unverified: `verify` or `value_problem` judge them.
+        With `limit` (a marker's bound, say), a value over it is its ValueTooLargeError, read no further."""
+        return fetch(self.backend, keys, limit)
 
-    def read_objects(self, digests: Iterable[str]) -> dict[str, Optional[bytes]]:
-        """The raw, unverified bytes of objects by digest (None for an absent one)."""
+    def read_objects(self, digests: Iterable[str], limit: Optional[int] = None) -> dict[str, Optional[bytes]]:
+        """The raw, unverified bytes of objects by digest (None for an absent one; with `limit`, the
+        ValueTooLargeError of one larger than that, unread)."""
         keys = {object_key(d): d for d in digests}
-        return {keys[key]: value for key, value in fetch(self.backend, keys).items()}
+        return {keys[key]: value for key, value in fetch(self.backend, keys, limit).items()}
 
     def read_refs(self, digests: Iterable[str]) -> dict[str, str | IntegrityError | None]:
         """What each blob's ref holds: the record digest, None when absent, the error when not a digest."""
         keys = {blob_ref_key(d): d for d in digests}
-        return {keys[key]: _ref_value(value) for key, value in fetch(self.backend, keys).items()}
+        return {keys[key]: _ref_value(value) for key, value in fetch(self.backend, keys, MAX_REF_BYTES).items()}
 
     def refs(self, digests: Iterable[str]) -> dict[str, Optional[str]]:
         """The record digest each blob's ref names (None when the ref is absent or does not hold a digest)."""
@@ -257,10 +276,11 @@ class Inventory:
         """Verified, parsed records (None when absent, the RecordError when the object is not a record)."""
         digests = list(dict.fromkeys(digests))
         todo = [d for d in digests if d not in self.record_cache]
-        values = self.read_objects(todo)
+        values = self.read_objects(todo, limit=MAX_RECORD_BYTES)
         for d in todo:
             data = values[d]
-            self.record_cache[d] = None if data is None else parse_record(d, data)
+            self.record_cache[d] = None if data is None else parse_record(d, data) \
+                if not isinstance(data, ValueTooLargeError) else oversized_record(d, data)
         return {d: self.record_cache[d] for d in digests}
 
     def probe_record(self, digest: str) -> Optional[BlobRecord]:

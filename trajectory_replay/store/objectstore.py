@@ -33,7 +33,7 @@ from trajectory_replay._allocator import buffer_for_read
 from trajectory_replay.backends import Backend, ByteRange, open_backend
 from trajectory_replay.backends.base import DIFFERENT, SAME, WorkerPool
 from trajectory_replay.backends.local import LocalBackend
-from trajectory_replay.errors import IntegrityError, NotFoundError, TrajectoryReplayError
+from trajectory_replay.errors import IntegrityError, NotFoundError, TrajectoryReplayError, ValueTooLargeError
 from trajectory_replay.store import readproc
 from trajectory_replay.store.cache import ReadCache
 from trajectory_replay.store.chunking import ChunkingParams, chunk_ends
@@ -53,6 +53,8 @@ SMALL_OBJECT = 64 << 10
 """Objects up to this size are written to remote stores without looking for them first."""
 MAX_RECORD_BYTES = 64 << 20
 """Records are parsed only after their digest is checked, and never when larger than this."""
+MAX_REF_BYTES = 1 << 10
+"""A blob ref holds one digest (and perhaps a newline): anything much longer is not read."""
 RECORD_HEAD = b'{"format":"' + RECORD_FORMAT.encode() + b'"'
 """The first bytes of every record: `BlobRecord.to_bytes` writes the format first, so that an object can
 be recognized as a record from a short ranged read."""
@@ -61,9 +63,10 @@ be recognized as a record from a short ranged read."""
 class RecordError(IntegrityError):
     """An object that is not the blob record it was expected to be; `reason` says why in a few words."""
 
-    def __init__(self, message: str, reason: str) -> None:
+    def __init__(self, message: str, reason: Optional[str] = None) -> None:
+        # the reason defaults to the message: a caller that prefixes a location re-raises with the message alone
         super().__init__(message)
-        self.reason = reason
+        self.reason = reason or message
 
 
 @dataclass(frozen=True)
@@ -110,10 +113,8 @@ class BlobRecord:
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> "BlobRecord":
         """Parse and structurally check a record whose digest has already been verified."""
+        doc = _record_document(data, where)
         try:
-            doc = json.loads(data)
-            if doc.get("format") != RECORD_FORMAT:
-                raise ValueError(f"unknown record format {doc.get('format')!r}")
             size, block_size = int(doc["size"]), int(doc["block_size"])
             if block_size <= 0 or size < 0:
                 raise ValueError("non-positive block size or negative size")
@@ -132,10 +133,25 @@ class BlobRecord:
         except (ValueError, KeyError, TypeError) as exc:
             message = f"malformed blob record {where}: {exc}"
             raise RecordError(message, message) from None
-        except RecursionError:
-            message = f"malformed blob record {where}: nested too deeply"
-            raise RecordError(message, message) from None
         return cls(doc["digest"], size, block_size, tuple(chunks))
+
+
+def _record_document(data: bytes | bytearray, where: str) -> dict:
+    """The JSON object of a record; RecordError when the object is not a record at all (a chunk, a document or
+    other JSON stored under the digest a reference calls a record)."""
+    try:
+        doc = json.loads(data)
+    except ValueError:   # UnicodeDecodeError included: a binary chunk
+        doc = None
+    except RecursionError:
+        message = f"malformed blob record {where}: nested too deeply"
+        raise RecordError(message, message) from None
+    if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:
+        found = f"format {doc.get('format')!r}" if isinstance(doc, dict) else \
+            "not JSON" if doc is None else f"a JSON {type(doc).__name__}"
+        raise RecordError(f"malformed blob record {where}: the object is not a blob record ({found})",
+                          "not a blob record")
+    return doc
 
 
 def _decode_blocks(text: Any) -> bytes:
@@ -163,6 +179,11 @@ def decode_record(data: bytes | bytearray, where: str) -> BlobRecord:
         reason = f"nested more than {MAX_JSON_DEPTH} levels deep"
         raise RecordError(f"malformed blob record {where}: {reason}", reason)
     return BlobRecord.from_bytes(data, where)
+
+
+def oversized_record(where: str, exc: ValueTooLargeError) -> RecordError:
+    """The RecordError of a record object the store refused, unread, for being over MAX_RECORD_BYTES."""
+    return RecordError(f"malformed blob record {where}: {exc}", f"over the {MAX_RECORD_BYTES}-byte bound")
 
 
 def parse_record(digest: str, data: bytes | bytearray) -> BlobRecord | RecordError:
@@ -457,8 +478,9 @@ class ObjectStore:
         """One immutable object, verified against its digest."""
         return self.get_objects([digest])[0]
 
-    def get_objects(self, digests: Sequence[str]) -> list[bytes]:
-        """Several objects, fetched concurrently (cache first), each verified."""
+    def get_objects(self, digests: Sequence[str], limit: Optional[int] = None) -> list[bytes]:
+        """Several objects, fetched concurrently (cache first), each verified; with `limit`, an object larger than
+        that is refused (ValueTooLargeError) before more than `limit` + 1 bytes of it are read."""
         hexes = [parse_digest(d) for d in digests]
         found: dict[int, bytes] = {}
         if self._cache_serves:
@@ -470,7 +492,8 @@ class ObjectStore:
         if missing:
             keys = [object_key(digests[i]) for i in missing]
             try:
-                values = self.backend.read_many(keys)
+                values = self.backend.read_many(keys) if limit is None else \
+                    self._map(lambda key: self.backend.read(key, limit), keys)
             except NotFoundError as exc:
                 raise NotFoundError(f"{self.url}: missing object ({exc})") from None
             for i, key, value in zip(missing, keys, values):
@@ -488,7 +511,12 @@ class ObjectStore:
             digest, record_digest = ref_or_digest.digest, ref_or_digest.record
         else:
             digest, record_digest = ref_or_digest, self._read_ref(ref_or_digest)
-        record = decode_record(self.get_object(record_digest), f"{record_digest} (blob {digest})")
+        where = f"{record_digest} (blob {digest})"
+        try:
+            data = self.get_objects([record_digest], limit=MAX_RECORD_BYTES)[0]
+        except ValueTooLargeError as exc:
+            raise oversized_record(where, exc) from None
+        record = decode_record(data, where)
         if record.digest != digest:
             raise IntegrityError(f"blob record {record_digest} describes {record.digest}, not {digest}")
         if isinstance(ref_or_digest, BlobRef) and ref_or_digest.size >= 0 and record.size != ref_or_digest.size:
@@ -746,7 +774,7 @@ class ObjectStore:
     def _read_ref(self, digest: str) -> str:
         key = blob_ref_key(digest)
         try:
-            value = self.backend.read(key).decode("ascii", errors="replace").strip()
+            value = self.backend.read(key, MAX_REF_BYTES).decode("ascii", errors="replace").strip()
         except NotFoundError:
             raise NotFoundError(f"{self.url}: no blob {digest}") from None
         try:

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 _CHILD = r"""
 import os, sys, mmap, pickle, signal, struct
+from stat import S_ISREG
 signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the replay's to handle: the helper ends when its pipe does
 if sys.path and sys.path[0] == "":   # nothing of the working directory may shadow what the helper imports
     del sys.path[0]
@@ -49,14 +50,17 @@ def read_exactly(n):
     return data if len(data) == n else None
 
 def opened(path, read):
-    # (read(fd), None) on the file at `path`, or (None, failure) for a file that is missing or cannot be read
+    # (read(fd), None) on the file at `path`, or (None, failure) for a file that is missing or cannot be read;
+    # opened without blocking and read only if it is a regular file (a FIFO would block, a device never end)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None, ("missing", 0)
     except OSError as exc:
         return None, ("error", str(exc))
     try:
+        if not S_ISREG(os.fstat(fd).st_mode):
+            return None, ("error", "not a regular file")
         return read(fd), None
     except IsADirectoryError:
         return None, ("missing", 0)
