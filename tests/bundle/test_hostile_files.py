@@ -217,3 +217,24 @@ def test_inventory_read_with_a_bound_returns_the_refusal_unread(tmp_path):
     assert isinstance(values["b/COMPLETE"], ValueTooLargeError) and "b/COMPLETE" in str(values["b/COMPLETE"])
     assert values["b/k"] == b"small" and values["b/absent"] is None
     assert backend.stats.bytes_read < 1 << 20
+
+
+def test_gc_reads_a_sparse_marker_no_further_than_the_marker_bound(tmp_path):
+    """A 1.5 GB file at a bundle's COMPLETE: gc cannot know what that bundle references, so it keeps everything and
+    names the bundle, having read no more of the file than a marker can hold."""
+    import tracemalloc
+
+    from trajectory_replay.bundle.markers import MAX_MARKER_BYTES
+    from trajectory_replay.ops.gc import collect_garbage
+
+    root, url, key = _hostile_store(tmp_path, "sparse", "marker")
+    before = sorted(os.listdir(os.path.join(root, "objects")))
+    tracemalloc.start()
+    try:
+        report = collect_garbage(root, grace="0s")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert report.kept_everything and any(NAME in p for p in report.unreadable_bundles), report.unreadable_bundles
+    assert sorted(os.listdir(os.path.join(root, "objects"))) == before
+    assert peak < 8 * MAX_MARKER_BYTES, peak   # the bound and its copies, never the 1.5 GB

@@ -93,7 +93,8 @@ class LocalBackend(Backend):
                 raise_too_large(self.url, key, limit, size)
             with os.fdopen(fd, "rb", closefd=False) as f:
                 # a file that grew past the bound since its size was taken is still read no further than the bound
-                data = f.read() if limit is None else f.read(limit + 1)
+                # (and asks for no more than its size: a read of n bytes first allocates n)
+                data = f.read() if limit is None else f.read(min(size, limit) + 1)
         finally:
             os.close(fd)
         if limit is not None and len(data) > limit:
