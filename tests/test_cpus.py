@@ -112,7 +112,7 @@ def test_the_real_host_gives_an_answer_within_its_cpus():
 def test_the_environment_replaces_the_estimate(tmp_path, monkeypatch):
     monkeypatch.setenv(THREADS_ENV, "3")
     busy = _proc(tmp_path, "50.00 50.00 50.00 60/300 99")
-    assert free_cpus(tmp_path, busy) == 3 and threads_for(1) == 3
+    assert free_cpus(tmp_path, busy) == 3 and threads_for(8) == 3 and threads_for(2) == 2
     for wrong in ("0", "-2", "two"):
         monkeypatch.setenv(THREADS_ENV, wrong)
         with pytest.raises(UsageError, match=f"{THREADS_ENV}='{wrong}': expected a positive number of threads"):

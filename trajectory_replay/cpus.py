@@ -39,10 +39,8 @@ def free_cpus(cgroup_root: Path = CGROUP_ROOT, proc: Path = PROC) -> int:
 
 
 def threads_for(default: int) -> int:
-    """The threads for CPU work that would otherwise run on `default`: $TRAJECTORY_REPLAY_THREADS if set, else
-    `default` capped by the CPUs free now."""
-    override = threads_override()
-    return override if override is not None else min(default, free_cpus())
+    """The threads for CPU work that would otherwise run on `default`: `default` capped by the CPUs free now."""
+    return min(default, free_cpus())
 
 
 def threads_override() -> Optional[int]:

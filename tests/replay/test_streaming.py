@@ -190,11 +190,19 @@ def test_the_cli_streams_a_stored_bundle_with_the_same_report(tmp_path):
 
 @pytest.fixture
 def cpus(monkeypatch):
-    """Set how many CPUs a replay takes as free ($TRAJECTORY_REPLAY_THREADS): the thread ahead runs only beside a
-    kernel thread of its own, whatever the host's load."""
+    """Set how many CPUs a replay takes as free ($TRAJECTORY_REPLAY_THREADS, and torch's threads, which cap them):
+    the thread ahead runs only beside a kernel thread of its own, whatever the host and its load."""
+    import torch
+
     from trajectory_replay.cpus import THREADS_ENV
 
-    return lambda n: monkeypatch.setenv(THREADS_ENV, str(n))
+    def given(n: int) -> None:
+        monkeypatch.setenv(THREADS_ENV, str(n))
+        torch.set_num_threads(n)
+
+    before = torch.get_num_threads()
+    yield given
+    torch.set_num_threads(before)
 
 
 def _recorded_reads(tmp_path, monkeypatch, helper: bool) -> tuple[list[str], list[str]]:
@@ -268,9 +276,11 @@ def test_with_one_cpu_free_a_streamed_replay_reads_and_computes_on_the_callers_t
 
     import torch
 
+    from trajectory_replay.cpus import THREADS_ENV
     from trajectory_replay.replay import runner
 
-    cpus(1)
+    cpus(2)
+    monkeypatch.setenv(THREADS_ENV, "1")   # torch would run two threads: one CPU is free
     seen = []   # (thread, torch's threads) of every stage computation
     compute = runner._Run._compute
     monkeypatch.setattr(runner._Run, "_compute", lambda *a: (
@@ -279,7 +289,7 @@ def test_with_one_cpu_free_a_streamed_replay_reads_and_computes_on_the_callers_t
     here, asked = _recorded_reads(tmp_path, monkeypatch, helper=True)
     assert asked == [] and here and set(here) == {threading.main_thread().name}, set(here)
     assert seen and set(seen) == {(threading.main_thread().name, 1)}, set(seen)
-    assert torch.get_num_threads() == before   # given back after the pass
+    assert torch.get_num_threads() == before == 2   # given back after the pass
 
 
 def _stage_threads(monkeypatch) -> list[tuple[str, str]]:
