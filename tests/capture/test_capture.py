@@ -15,7 +15,7 @@ from trajectory_replay.capture.config import ENV_CAPTURE, ENV_DIR, ENV_ROLLOUTS,
 from trajectory_replay.errors import TrajectoryReplayError
 from trajectory_replay.replay import replay
 from tests.capture.helpers import (
-    CONFIG, IDS, RAW, REWARDS, capture_step, loss_scalars, microbatch_kwargs, rollout_kwargs,
+    CONFIG, IDS, RAW, REWARDS, capture_step, idle_writer, loss_scalars, microbatch_kwargs, rollout_kwargs,
 )
 
 ROLLOUT_STAGES = ["sample", "reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate"]
@@ -261,52 +261,11 @@ def test_s3_requests_run_in_a_low_priority_loop(s3_root, make_manager):
     assert report.passed
 
 
-def _writer_processes() -> set[int]:
-    """The capture writer processes this process started."""
-    found = set()
-    for entry in os.scandir("/proc"):
-        try:
-            with open(f"/proc/{entry.name}/stat", encoding="ascii") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry.name}/cmdline", "rb") as cmdline:
-                command = cmdline.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == os.getpid() and b"capture.worker import main" in command:
-            found.add(int(entry.name))
-    return found
-
-
-def _idle_writer(make) -> tuple:
-    """(manager `make()` made, its writer process's pid) once that process has made itself idle (scheduled only on a
-    CPU that has nothing else to do: its first act), then given normal scheduling back where this test may (as
-    root, or with CAP_SYS_NICE). Idle, it would start, import and write only when the host has a CPU with nothing
-    else to do, and a loaded test host may have none for minutes: what it writes is checked here, not when."""
-    import time
-
-    before = _writer_processes()
-    manager = make()
-    waited = time.monotonic()
-    while time.monotonic() - waited < 120:   # its start: a few milliseconds of work at nice 10 before it is idle
-        started = [pid for pid in _writer_processes() - before if os.sched_getscheduler(pid) == os.SCHED_IDLE]
-        if started:
-            break
-        time.sleep(0.01)
-    [pid] = started
-    assert os.getpriority(os.PRIO_PROCESS, pid) >= 10
-    try:
-        os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
-        os.setpriority(os.PRIO_PROCESS, pid, 0)
-    except PermissionError:   # it writes when the host has a CPU with nothing else to do
-        pass
-    return manager, pid
-
-
 def test_writer_process_by_default(s3_root, make_manager):
     """By default bundles are written by a child process at lowered priority: none of that work holds
     training's GIL. It writes what the hooks captured, exactly as the thread writer does."""
     url, options = s3_root
-    manager, pid = _idle_writer(lambda: make_manager(url, storage_options=options, default_writer=True))
+    manager, pid = idle_writer(lambda: make_manager(url, storage_options=options, default_writer=True))
     assert manager.writer_mode == "process"
     assert capture_step(manager, 6, 0, [[0, 1], [2, 3]])
     assert manager.capture_rollout(6, **rollout_kwargs())
@@ -321,7 +280,7 @@ def test_writer_process_by_default(s3_root, make_manager):
 def test_writer_process_never_imports_torch_and_writes_what_the_thread_writer_writes(tmp_path, make_manager):
     """The child builds and encodes bundles from raw tensors: torch is never loaded in it, and every payload (the
     micro-batches joined, the loss mask) has the same digest as the thread writer's."""
-    managers = {"process": _idle_writer(lambda: make_manager(tmp_path / "process", writer="process"))[0],
+    managers = {"process": idle_writer(lambda: make_manager(tmp_path / "process", writer="process"))[0],
                 "thread": make_manager(tmp_path / "thread", writer="thread")}
     for manager in managers.values():
         assert capture_step(manager, 4, 1, [[0, 1], [2, 3]])
@@ -351,7 +310,7 @@ def test_writer_process_reports_failures(tmp_path, make_manager, caplog):
     """A record the writer process cannot write is counted and logged in the training process."""
     root = tmp_path / "cap"
     root.mkdir()
-    manager, _ = _idle_writer(lambda: make_manager(root, writer="process"))
+    manager, _ = idle_writer(lambda: make_manager(root, writer="process"))
     (root / "objects").write_text("not a directory")   # every object write fails
     with caplog.at_level(logging.ERROR, logger="trajectory_replay.capture"):
         assert manager.capture_rollout(1, **rollout_kwargs())

@@ -16,7 +16,7 @@ import pytest
 import s3fs
 
 from tests.backends.test_s3_specifics import ConditionIgnoringS3
-from tests.capture.helpers import capture_step
+from tests.capture.helpers import capture_step, idle_writer
 from tests.s3server import ACCESS_KEY, SECRET_KEY, _free_ports, start_server
 from trajectory_replay.backends import open_backend
 from trajectory_replay.backends import s3 as s3_backend
@@ -58,7 +58,8 @@ def test_capture_started_during_an_outage_completes_its_bundles_once_the_server_
 
     launcher = threading.Thread(target=start, daemon=True)
     t0 = time.monotonic()
-    manager = make_manager(url, storage_options=options, max_queue_records=4, default_writer=True)
+    manager, _ = idle_writer(lambda: make_manager(url, storage_options=options, max_queue_records=4,
+                                                  default_writer=True))
     assert manager.writer_mode == "process"   # the default for S3: it probes as soon as it has started
     try:
         watcher = open_backend(url, **options)
