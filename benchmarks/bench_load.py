@@ -1,0 +1,89 @@
+"""Load benchmark: a full replay on a host whose other cores are busy, against the same replay on a quiet host."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+from benchmarks.bench_scale import write_case
+from benchmarks.common import REPO_ROOT, Context, Row, byte_compile, fmt_secs, median, run_cli_net
+
+GROUP = "load"
+TITLE = "load: replay beside other processes"
+GOAL_PER_BUSY_CORE = 1.3
+"""The replay beside busy cores may take this much of its quiet time per core taken from it, at most."""
+HOW = f"""\
+The 8,192 x 1,024 bundle of the scale benchmarks, on local disk, replayed by `replay PATH --json` in a fresh
+process timed as the scale benchmarks do (the command's `main()`, net of the interpreter and the imports).
+**quiet**: nothing of this benchmark runs beside it. **busy**: one busy loop (`python -c 'while 1: pass'`, a
+process of its own) per core but one of those this process may run on, started just before the replay and ended
+just after it. The two alternate, round by round, medians of five rounds. Goal: the busy replay takes at most
+{GOAL_PER_BUSY_CORE}x its quiet time per busy core. **threads as before**, for reference: the busy replay with
+`TRAJECTORY_REPLAY_THREADS` set to the number of CPUs, which makes replay take every CPU as free whatever the load,
+as it did before it followed the CPUs free: its kernels then run on as many threads as torch's default, and a
+streamed pass reads ahead on one more. Needs at least two CPUs (one to take). The host runs other work as well, so
+"quiet" is only as quiet as the host was: its load average is in the run's header."""
+
+ROUNDS = 5
+
+
+@contextmanager
+def busy_loops(n: int) -> Iterator[None]:
+    """`n` processes that spin on a CPU each, for the length of the `with` block."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+@contextmanager
+def environment(name: str, value: Optional[str]) -> Iterator[None]:
+    """The variable `name` set to `value` (None: unset) for the processes started within the block."""
+    before = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def run(ctx: Context) -> list[Row]:
+    from trajectory_replay.cpus import THREADS_ENV, affinity_cpus
+
+    cpus = affinity_cpus()
+    taken = cpus - 1
+    if taken < 1:
+        return [Row(GROUP, "replay beside busy cores", "skipped", "-", None, "one CPU: no core to take")]
+    n, tokens = ctx.size(8192, 1024), 1024
+    path = ctx.path("load") / "full"
+    write_case(path, n, tokens, seed=1)
+    byte_compile(REPO_ROOT)
+    args = ["replay", str(path), "--json"]
+    times: dict[str, list[float]] = {"quiet": [], "busy": [], "before": []}
+    with environment(THREADS_ENV, None):
+        for _ in range(ctx.reps(ROUNDS)):
+            times["quiet"].append(run_cli_net("torch", args)[0])
+            with busy_loops(taken):
+                times["busy"].append(run_cli_net("torch", args)[0])
+            with busy_loops(taken), environment(THREADS_ENV, str(cpus)):
+                times["before"].append(run_cli_net("torch", args)[0])
+    quiet, busy, before = (median(times[name]) for name in ("quiet", "busy", "before"))
+    ratio = busy / quiet
+    goal = GOAL_PER_BUSY_CORE * taken
+    return [Row(GROUP, f"full replay of {n}x{tokens} beside {taken} busy core(s) of {cpus}, against quiet",
+                f"{ratio:.2f}x", f"<= {goal:.2f}x", ratio <= goal,
+                f"quiet {fmt_secs(quiet)}, busy {fmt_secs(busy)}; threads as before, busy: {fmt_secs(before)} "
+                f"({before / quiet:.2f}x); rounds: quiet {', '.join(fmt_secs(t) for t in times['quiet'])}; busy "
+                f"{', '.join(fmt_secs(t) for t in times['busy'])}; before {', '.join(fmt_secs(t) for t in times['before'])}")]
