@@ -20,14 +20,15 @@ The 8,192 x 1,024 bundle of the scale benchmarks, on local disk, replayed by `re
 process timed as the scale benchmarks do (the command's `main()`, net of the interpreter and the imports).
 **quiet**: nothing of this benchmark runs beside it. **busy**: one busy loop (`python -c 'while 1: pass'`, a
 process of its own) per core but one of those this process may run on, started just before the replay and ended
-just after it. The two alternate, round by round, medians of five rounds. Goal: the busy replay takes at most
-{GOAL_PER_BUSY_CORE}x its quiet time per busy core. **threads as before**, for reference: the busy replay with
+just after it. The two alternate, round by round, and each round's busy time is taken against its quiet one (so
+that the host's other work, which changes from minute to minute, weighs on both alike); the median of seven rounds'
+ratios. Goal: the busy replay takes at most {GOAL_PER_BUSY_CORE}x its quiet time per busy core. **threads as before**, for reference: the busy replay with
 `TRAJECTORY_REPLAY_THREADS` set to the number of CPUs, which makes replay take every CPU as free whatever the load,
 as it did before it followed the CPUs free: its kernels then run on as many threads as torch's default, and a
 streamed pass reads ahead on one more. Needs at least two CPUs (one to take). The host runs other work as well, so
 "quiet" is only as quiet as the host was: its load average is in the run's header."""
 
-ROUNDS = 5
+ROUNDS = 7
 
 
 @contextmanager
@@ -79,11 +80,14 @@ def run(ctx: Context) -> list[Row]:
                 times["busy"].append(run_cli_net("torch", args)[0])
             with busy_loops(taken), environment(THREADS_ENV, str(cpus)):
                 times["before"].append(run_cli_net("torch", args)[0])
-    quiet, busy, before = (median(times[name]) for name in ("quiet", "busy", "before"))
-    ratio = busy / quiet
+    ratio, before = (median([t / q for t, q in zip(times[name], times["quiet"])]) for name in ("busy", "before"))
     goal = GOAL_PER_BUSY_CORE * taken
+
+    def listed(name: str) -> str:
+        return f"{name} " + ", ".join(fmt_secs(t) for t in times[name])
+
     return [Row(GROUP, f"full replay of {n}x{tokens} beside {taken} busy core(s) of {cpus}, against quiet",
                 f"{ratio:.2f}x", f"<= {goal:.2f}x", ratio <= goal,
-                f"quiet {fmt_secs(quiet)}, busy {fmt_secs(busy)}; threads as before, busy: {fmt_secs(before)} "
-                f"({before / quiet:.2f}x); rounds: quiet {', '.join(fmt_secs(t) for t in times['quiet'])}; busy "
-                f"{', '.join(fmt_secs(t) for t in times['busy'])}; before {', '.join(fmt_secs(t) for t in times['before'])}")]
+                f"medians: quiet {fmt_secs(median(times['quiet']))}, busy {fmt_secs(median(times['busy']))}; "
+                f"threads as before, busy: {fmt_secs(median(times['before']))} ({before:.2f}x quiet); rounds: "
+                f"{'; '.join(listed(name) for name in times)}")]
