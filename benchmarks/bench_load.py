@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import Iterator, Optional
 
 from benchmarks.bench_scale import write_case
-from benchmarks.common import REPO_ROOT, Context, Row, byte_compile, fmt_secs, median, run_cli_net
+from benchmarks.common import REPO_ROOT, Context, Row, byte_compile, fmt_secs, median, run_cli_measured
 
 GROUP = "load"
 TITLE = "load: replay beside other processes"
@@ -22,7 +22,8 @@ process timed as the scale benchmarks do (the command's `main()`, net of the int
 process of its own) per core but one of those this process may run on, started just before the replay and ended
 just after it. The two alternate, round by round, and each round's busy time is taken against its quiet one (so
 that the host's other work, which changes from minute to minute, weighs on both alike); the median of seven rounds'
-ratios. Goal: the busy replay takes at most {GOAL_PER_BUSY_CORE}x its quiet time per busy core. **threads as before**, for reference: the busy replay with
+ratios. Goal: the busy replay takes at most {GOAL_PER_BUSY_CORE}x its quiet time per busy core. The CPU time the command used (all its threads) is given as well:
+threads that wait on each other's descheduled parts spin, and it shows as CPU time however busy the host is. **threads as before**, for reference: the busy replay with
 `TRAJECTORY_REPLAY_THREADS` set to the number of CPUs, which makes replay take every CPU as free whatever the load,
 as it did before it followed the CPUs free: its kernels then run on as many threads as torch's default, and a
 streamed pass reads ahead on one more. Needs at least two CPUs (one to take). The host runs other work as well, so
@@ -73,13 +74,20 @@ def run(ctx: Context) -> list[Row]:
     byte_compile(REPO_ROOT)
     args = ["replay", str(path), "--json"]
     times: dict[str, list[float]] = {"quiet": [], "busy": [], "before": []}
+    used: dict[str, list[float]] = {name: [] for name in times}   # CPU seconds
+
+    def measure(name: str) -> None:
+        measured = run_cli_measured("torch", args)
+        times[name].append(measured["NET"])
+        used[name].append(measured["CPU"])
+
     with environment(THREADS_ENV, None):
         for _ in range(ctx.reps(ROUNDS)):
-            times["quiet"].append(run_cli_net("torch", args)[0])
+            measure("quiet")
             with busy_loops(taken):
-                times["busy"].append(run_cli_net("torch", args)[0])
+                measure("busy")
             with busy_loops(taken), environment(THREADS_ENV, str(cpus)):
-                times["before"].append(run_cli_net("torch", args)[0])
+                measure("before")
     ratio, before = (median([t / q for t, q in zip(times[name], times["quiet"])]) for name in ("busy", "before"))
     goal = GOAL_PER_BUSY_CORE * taken
 
@@ -89,5 +97,6 @@ def run(ctx: Context) -> list[Row]:
     return [Row(GROUP, f"full replay of {n}x{tokens} beside {taken} busy core(s) of {cpus}, against quiet",
                 f"{ratio:.2f}x", f"<= {goal:.2f}x", ratio <= goal,
                 f"medians: quiet {fmt_secs(median(times['quiet']))}, busy {fmt_secs(median(times['busy']))}; "
-                f"threads as before, busy: {fmt_secs(median(times['before']))} ({before:.2f}x quiet); rounds: "
+                f"threads as before, busy: {fmt_secs(median(times['before']))} ({before:.2f}x quiet); CPU time: "
+                f"{', '.join(f'{name} {fmt_secs(median(used[name]))}' for name in used)}; rounds: "
                 f"{'; '.join(listed(name) for name in times)}")]
