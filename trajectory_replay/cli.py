@@ -473,7 +473,7 @@ def scan_cmd(
     engine: Annotated[str, typer.Option("--engine", help="local: a process pool on this machine; ray: one task "
                                                          "per bundle on a Ray cluster (the ray extra).")] = "local",
     workers: Annotated[Optional[int], typer.Option("--workers", help="Worker processes (local) or CPUs of the "
-                                                   "Ray started for the scan (default: the CPUs here).")] = None,
+                                                   "Ray started for the scan (default: the CPUs free here).")] = None,
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster to run on (default: "
                                                        "RAY_ADDRESS, else a local Ray started for the scan).")] = None,
     atol: Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance for every stage.")] = None,
