@@ -61,16 +61,16 @@ imports, args = sys.argv[1], sys.argv[2:]
 if imports == "torch":
     import torch
 import trajectory_replay.cli
-net, code = 0.0, 0
+net, cpu, code = 0.0, 0.0, 0
 if args:
     sys.argv = ["trajectory-replay", *args]
-    started = time.perf_counter()
+    started, used = time.perf_counter(), time.process_time()
     try:
         trajectory_replay.cli.main()
     except SystemExit as exc:
         code = exc.code or 0
-    net = time.perf_counter() - started
-sys.stderr.write(f"\nNET={net}\nPEAK_RSS={_peak()}\nFROM={trajectory_replay.cli.__file__}\n")
+    net, cpu = time.perf_counter() - started, time.process_time() - used
+sys.stderr.write(f"\nNET={net}\nCPU={cpu}\nPEAK_RSS={_peak()}\nFROM={trajectory_replay.cli.__file__}\n")
 sys.exit(code)
 """
 """One fresh process: import torch (when `imports` is "torch") and the CLI, then run the CLI's `main()` on the
@@ -80,7 +80,14 @@ arguments (none: imports only) and report its own time and the process's peak RS
 def run_cli_net(imports: str, args: list[str], tree: str | None = None) -> tuple[float, int]:
     """(seconds of the command's `main()`, net of the interpreter and the imports; peak RSS bytes) of one fresh
     process that imports `imports` ("torch" or "cli") and runs the CLI with `args` (none: the imports alone), with
-    the package of the source tree `tree` (default: this one).
+    the package of the source tree `tree` (default: this one): see `run_cli_measured`."""
+    measured = run_cli_measured(imports, args, tree)
+    return measured["NET"], int(measured["PEAK_RSS"])
+
+
+def run_cli_measured(imports: str, args: list[str], tree: str | None = None) -> dict[str, float]:
+    """What one fresh process that imports `imports` and runs the CLI with `args` reports: NET, the seconds of the
+    command's `main()`; CPU, the CPU seconds of all the process's threads in it; PEAK_RSS, its peak RSS bytes.
 
     The process runs in a directory of its own: `python -c` puts its working directory first on the import path,
     so run from a source tree it would import that tree's package whatever PYTHONPATH says. It reports the file
@@ -96,8 +103,7 @@ def run_cli_net(imports: str, args: list[str], tree: str | None = None) -> tuple
     found = Path(out.stderr.rsplit("FROM=", 1)[1].strip()).resolve()
     if not found.is_relative_to(root):
         raise RuntimeError(f"the process meant to run the tree at {root} imported {found}")
-    net = float(out.stderr.rsplit("NET=", 1)[1].split()[0])
-    return net, int(out.stderr.rsplit("PEAK_RSS=", 1)[1].split()[0])
+    return {name: float(out.stderr.rsplit(f"{name}=", 1)[1].split()[0]) for name in ("NET", "CPU", "PEAK_RSS")}
 
 
 def byte_compile(root: Path) -> None:

@@ -613,7 +613,7 @@ def scan_cmd(
     engine: Annotated[str, Value("--engine", "local|ray", "local: a process pool on this machine; ray: one task "
                                  "per bundle on a Ray cluster (the ray extra).")] = "local",
     workers: Annotated[Optional[int], Value("--workers", "N", "Worker processes (local) or CPUs of the Ray started "
-                                            "for the scan (default: the CPUs here).")] = None,
+                                            "for the scan (default: the CPUs free here).")] = None,
     ray_address: Annotated[Optional[str], Value("--ray-address", "ADDR", "Ray cluster to run on, HOST:PORT or "
                                                 "ray://HOST:PORT (default: RAY_ADDRESS, else a local Ray started "
                                                 "for the scan).")] = None,

@@ -250,13 +250,20 @@ def test_v1_document_over_the_size_bound_is_refused(tmp_path, monkeypatch):
 
 
 def test_large_document_under_the_bound_costs_little(crafted):
-    """The nesting scan runs on every document: a few MB of ordinary JSON stays fast."""
+    """The nesting scan runs on every document: on a few MB of ordinary JSON it costs less than parsing it, which
+    every document is anyway (each the best of three, taken in turns, so the host's load weighs on both alike)."""
     expected = crafted.doc("expected")
     expected["bulk"] = [{"id": f"s-{i}", "v": [i * 0.5] * 20, "t": 'a "quoted" [text]'} for i in range(40_000)]
     data = compact_json(expected)
-    start = time.perf_counter()
-    assert not nesting_exceeds(data)
-    assert time.perf_counter() - start < 2.0, len(data)
+    scan, parse = [], []
+    for _ in range(3):
+        start = time.perf_counter()
+        assert not nesting_exceeds(data)
+        scan.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        json.loads(data)
+        parse.append(time.perf_counter() - start)
+    assert min(scan) < min(parse), (len(data), scan, parse)
 
 
 # ---- markers ------------------------------------------------------------------------------------------
@@ -331,10 +338,16 @@ def test_rank_marker_listing_too_many_ranks_is_corrupt(crafted):
     rank = {"format": "trajectory-replay.rank/1", "bundle_id": complete["bundle_id"], "rank": 0,
             "anchor": complete["anchor"], "expected_ranks": list(range(100_001)),
             "documents": complete["shards"]["0"], "attempt": "a"}
+    # the same marker with its anchor wrong as well: read and refused without a look for any other marker
+    _write_marker(crafted, f"{NAME}/COMPLETE.0", dict(rank, anchor=5))
+    start = time.perf_counter()
+    error_line(cli("replay", f"{crafted.url}/rank-0"), f"{NAME}/COMPLETE.0", "field 'anchor'")
+    baseline = time.perf_counter() - start
     _write_marker(crafted, f"{NAME}/COMPLETE.0", rank)
     start = time.perf_counter()
     error_line(cli("replay", f"{crafted.url}/rank-0"), f"{NAME}/COMPLETE.0", "expected_ranks", f"bound of {MAX_RANKS}")
-    assert time.perf_counter() - start < 10
+    elapsed = time.perf_counter() - start
+    assert elapsed < 3 * baseline, (elapsed, baseline)   # not 100,001 more lookups
 
 
 @pytest.mark.parametrize("field, value, needle", [

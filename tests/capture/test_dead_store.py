@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.capture.helpers import capture_step
+from tests.capture.helpers import capture_step, idle_writer
 from trajectory_replay.backends.s3 import ENV_CONNECT_TIMEOUT, ENV_MAX_ATTEMPTS, ENV_READ_TIMEOUT
 from trajectory_replay.capture import manager as manager_module
 from trajectory_replay.store.cache import ENV_DIR
@@ -82,7 +82,8 @@ def test_capture_to_a_dead_store_backs_off_counts_drops_and_warns_once(endpoint,
         silent.listen(512)
         dead_env.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{silent.getsockname()[1]}")
     try:
-        manager = make_manager("s3://capture-bucket/run", max_queue_records=QUEUE, default_writer=True)
+        manager, _ = idle_writer(lambda: make_manager("s3://capture-bucket/run", max_queue_records=QUEUE,
+                                                      default_writer=True))
         assert manager.writer_mode == "process"
         taken, after = _train(manager)
         stats = manager.stats()
@@ -95,8 +96,8 @@ def test_capture_to_a_dead_store_backs_off_counts_drops_and_warns_once(endpoint,
     stats = manager.stats()
 
     # training never waited on the store: a wait would take at least the 0.5 s connect timeout (a silent endpoint:
-    # the 1 s read timeout); what is left below that is a loaded host's scheduling, not the store
-    assert stats["max_enqueue_seconds"] < 0.4, stats
+    # the 1 s read timeout)
+    assert stats["max_enqueue_seconds"] < 0.5, stats
     assert stats["written"] == 0 and stats["errors"] >= 1, stats
     # not one attempt per bundle: after the first failure the writer backs off (1 s, 2 s, ...) and drops meanwhile
     assert stats["errors"] <= 3 and stats["dropped"] >= after - 3 and after >= 10, (stats, after)
@@ -105,8 +106,8 @@ def test_capture_to_a_dead_store_backs_off_counts_drops_and_warns_once(endpoint,
     assert sum(taken) == stats["enqueued"] == stats["errors"] + stats["dropped"] - refused_at_once, (stats, taken)
     assert stats["queued_records"] == 0 and stats["bytes_in_use"] == 0, stats
     # closing waits at most for the record being written, which the timeouts bound (connect 0.5 s + read 1 s),
-    # not for each queued record in turn (QUEUE x 1.5 s = 24 s); the rest of the bound is a loaded host's scheduling
-    assert closing < 10.0, closing
+    # not for each queued record in turn (QUEUE x 1.5 s = 24 s): the bound is half of that, for a loaded host
+    assert closing < QUEUE * (0.5 + 1.0) / 2, closing
 
     warnings = _store_warnings(caplog)
     assert len(warnings) == 1, [r.getMessage() for r in warnings]   # one kind of failure: one line

@@ -11,9 +11,10 @@ import pytest
 from tests.examples.helpers import SCALARS, SMALL, STEPS_PER_ROLLOUT, run_example
 
 
-def test_two_ranks_two_steps_complete_quickly(baseline) -> None:
-    result, stdout, elapsed = baseline.result, baseline.stdout, baseline.elapsed
-    assert elapsed < 60, f"took {elapsed:.1f}s"
+def test_two_ranks_two_steps_complete(baseline) -> None:
+    # how long the run took is no promise of the example's: on a loaded host it is the host's (a hang is caught by
+    # the run's timeout)
+    result, stdout = baseline.result, baseline.stdout
     assert len(result["steps"]) == 2 * STEPS_PER_ROLLOUT
     assert [(r["rollout_id"], r["step_id"]) for r in result["steps"]] == \
         [(k, s) for k in range(2) for s in range(STEPS_PER_ROLLOUT)]

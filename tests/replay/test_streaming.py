@@ -188,6 +188,23 @@ def test_the_cli_streams_a_stored_bundle_with_the_same_report(tmp_path):
     assert bad.exit_code == 2 and "--block-tokens must be a positive number of tokens" in bad.output
 
 
+@pytest.fixture
+def cpus(monkeypatch):
+    """Set how many CPUs a replay takes as free ($TRAJECTORY_REPLAY_THREADS, and torch's threads, which cap them):
+    the thread ahead runs only beside a kernel thread of its own, whatever the host and its load."""
+    import torch
+
+    from trajectory_replay.cpus import THREADS_ENV
+
+    def given(n: int) -> None:
+        monkeypatch.setenv(THREADS_ENV, str(n))
+        torch.set_num_threads(n)
+
+    before = torch.get_num_threads()
+    yield given
+    torch.set_num_threads(before)
+
+
 def _recorded_reads(tmp_path, monkeypatch, helper: bool) -> tuple[list[str], list[str]]:
     """Replay a local bundle in blocks; the threads that read chunks in this process and those that asked the
     reading process (`readproc`) for them."""
@@ -232,21 +249,47 @@ def _recorded_reads(tmp_path, monkeypatch, helper: bool) -> tuple[list[str], lis
     return here, asked
 
 
-def test_a_local_bundle_is_read_by_the_reading_process_for_the_thread_ahead(tmp_path, monkeypatch):
+def test_a_local_bundle_is_read_by_the_reading_process_for_the_thread_ahead(tmp_path, monkeypatch, cpus):
     """A local bundle's whole chunks are read and hashed by the reading process, asked by the thread ahead alone,
     the first block's included: nothing in this process competes with the kernels for the cores or the lock."""
+    cpus(2)
     here, asked = _recorded_reads(tmp_path, monkeypatch, helper=True)
     assert asked and {name.split("_")[0] for name in asked} == {"replay-ahead"}, set(asked)
     assert here == []
 
 
-def test_without_a_reading_process_the_thread_ahead_reads_a_local_bundle_on_its_own(tmp_path, monkeypatch):
+def test_without_a_reading_process_the_thread_ahead_reads_a_local_bundle_on_its_own(tmp_path, monkeypatch, cpus):
     """Where no reading process can run, a local bundle's chunks are read and hashed on the thread ahead alone: no
     pool threads competing with the kernels for the cores."""
+    cpus(2)
     here, asked = _recorded_reads(tmp_path, monkeypatch, helper=False)
     assert asked == []
     # from the first block on: the payloads the stages may read under the config are known before any runs
     assert here and {name.split("_")[0] for name in here} == {"replay-ahead"}, set(here)
+
+
+def test_with_one_cpu_free_a_streamed_replay_reads_and_computes_on_the_callers_thread_alone(tmp_path, monkeypatch,
+                                                                                          cpus):
+    """With one CPU free, a thread ahead, a reading process or a pool of readers would only take turns with the
+    kernels on it: every chunk is read and hashed on the caller's thread, and the kernels run on one thread."""
+    import threading
+
+    import torch
+
+    from trajectory_replay.cpus import THREADS_ENV
+    from trajectory_replay.replay import runner
+
+    cpus(2)
+    monkeypatch.setenv(THREADS_ENV, "1")   # torch would run two threads: one CPU is free
+    seen = []   # (thread, torch's threads) of every stage computation
+    compute = runner._Run._compute
+    monkeypatch.setattr(runner._Run, "_compute", lambda *a: (
+        seen.append((threading.current_thread().name, torch.get_num_threads())), compute(*a))[1])
+    before = torch.get_num_threads()
+    here, asked = _recorded_reads(tmp_path, monkeypatch, helper=True)
+    assert asked == [] and here and set(here) == {threading.main_thread().name}, set(here)
+    assert seen and set(seen) == {(threading.main_thread().name, 1)}, set(seen)
+    assert torch.get_num_threads() == before == 2   # given back after the pass
 
 
 def _stage_threads(monkeypatch) -> list[tuple[str, str]]:
@@ -267,11 +310,13 @@ def _stage_threads(monkeypatch) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("slow", ["losses", "reads"])
-def test_the_thread_ahead_and_the_caller_share_each_blocks_stages_and_agree(monkeypatch, slow):
+def test_the_thread_ahead_and_the_caller_share_each_blocks_stages_and_agree(monkeypatch, slow, cpus):
     """A block's sample-level stages run on the thread ahead while the losses of the block before run on the
     caller's thread; when the reads are the slow side, the caller takes a block over mid-chain and runs the rest
     of its stages. Either way the report is the one of a single block."""
     import time
+
+    cpus(2)
 
     from trajectory_replay.replay import runner
 
@@ -301,7 +346,7 @@ def test_the_thread_ahead_and_the_caller_share_each_blocks_stages_and_agree(monk
         assert "advantage.estimate" in here
 
 
-def test_a_failure_on_the_thread_ahead_surfaces_in_the_replay_and_leaves_no_thread(tmp_path):
+def test_a_failure_on_the_thread_ahead_surfaces_in_the_replay_and_leaves_no_thread(tmp_path, cpus):
     """A chunk damaged in the last block of a stored bundle: the thread ahead (through the reading process) meets it,
     the replay raises the integrity error a one-block replay raises, and no thread or process of the replay is left
     running."""
@@ -313,6 +358,7 @@ def test_a_failure_on_the_thread_ahead_surfaces_in_the_replay_and_leaves_no_thre
     from trajectory_replay.store import readproc
     from trajectory_replay.store.digest import object_key
 
+    cpus(2)
     write_case(tmp_path / "b", 256, 2048)
     sources, rank = open_for_replay(str(tmp_path / "b"))
     store = sources[0].store

@@ -43,6 +43,7 @@ from trajectory_replay import __version__
 from trajectory_replay.backends import Backend, redact_url, split_url
 from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.bundle.status import COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, scan_bundles
+from trajectory_replay.cpus import free_cpus
 from trajectory_replay.errors import NoMatchingBundleError, UsageError
 from trajectory_replay.ops.walk import open_root
 from trajectory_replay.store.digest import hash_bytes
@@ -398,7 +399,7 @@ def run_local(url: str, storage_options: dict[str, Any], names: Sequence[str], o
     attempts: dict[str, int] = {}
     last_failure: dict[str, str] = {}
     ctx = _context()
-    args = (url, storage_options, options, hooks, storage_env(), max(1, available_cpus() // max(1, workers)))
+    args = (url, storage_options, options, hooks, storage_env(), max(1, free_cpus() // max(1, workers)))
     pool: list[_Worker] = []
 
     def feed(worker: _Worker) -> None:
@@ -621,18 +622,10 @@ class ScanReport:
         return "\n".join(lines)
 
 
-def available_cpus() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
-
-
 def check_workers(workers: Optional[int]) -> int:
-    """`--workers`: at least 1 (default: the CPUs this process may use)."""
+    """`--workers`: at least 1 (default: the CPUs free for this process now)."""
     if workers is None:
-        return available_cpus()
+        return free_cpus()
     if workers < 1:
         raise UsageError(f"--workers {workers}: must be at least 1")
     return workers

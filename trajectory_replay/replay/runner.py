@@ -6,8 +6,9 @@ verdict is reported for the ranks the plan names. Loaded payloads and stage outp
 soon as no later stage reads them.
 
 A large pass streams (`replay.blocks`): every stage runs over one block of whole groups, then over the
-next, while a second thread reads the next block's payloads and runs its sample-level stages; each stage's
-verdict is made once, from its runs over the blocks, and equals that of one run over the whole cohort.
+next, while a second thread reads the next block's payloads and runs its sample-level stages (when a CPU is
+free for it: `cpus.free_cpus`); each stage's verdict is made once, from its runs over the blocks, and equals
+that of one run over the whole cohort.
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ import functools
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
 from trajectory_replay._allocator import reuse_block_buffers
 from trajectory_replay.backends.base import one_core_for_cpu_work
 from trajectory_replay.bundle.schema import STAGE_ORDER, RecomputeConfig, StageId
+from trajectory_replay.cpus import threads_for
 from trajectory_replay.replay.blocks import BLOCK_TOKENS, STREAM_TOKENS, Block, Merged, plan_blocks, whole_block
 from trajectory_replay.replay.cohort import Cohort, PayloadCache
 from trajectory_replay.replay.compare import Findings, resolve_tolerance
@@ -129,18 +132,23 @@ class _Run:
 
     def one_pass(self, plan: Pass) -> list[StageResult]:
         """The verdicts of one pass: sample-level stages over all its rows, then cohort-level ones per part; in
-        blocks of whole groups when the pass streams (every stage over one block, then the next, with local chunk
-        files read by a helper process: see `readproc`)."""
+        blocks of whole groups when the pass streams (every stage over one block, then the next, with the next
+        block read ahead, its local chunk files by a helper process (see `readproc`), when there is a CPU free
+        for that). Torch's kernels run on the CPUs free now (`cpus.threads_for`), less the one reading ahead."""
         whole = Cohort(plan.parts, self.cache)
         blocks = self.blocks(whole)
-        # a native bundle's source reads through its ObjectStore: only one on local disk has use for a helper
-        local = any(getattr(getattr(p.source, "store", None), "reads_local_files", False) for p in plan.parts)
-        if len(blocks) == 1 or not local:
-            return self._pass(plan, whole, blocks)
-        with readproc.reading_process(_arena_bytes(blocks, plan, self._block_payloads(plan))):
-            return self._pass(plan, whole, blocks)
+        cpus = threads_for(torch.get_num_threads())
+        # reading ahead on the CPU the kernels run on would only take turns with them (and their interpreter lock)
+        ahead = len(blocks) > 1 and cpus >= 2
+        with _kernel_threads(cpus - 1 if ahead else cpus), one_core_for_cpu_work() if cpus == 1 else nullcontext():
+            # a native bundle's source reads through its ObjectStore: only one on local disk has use for a helper
+            local = any(getattr(getattr(p.source, "store", None), "reads_local_files", False) for p in plan.parts)
+            if not ahead or not local:
+                return self._pass(plan, whole, blocks, ahead)
+            with readproc.reading_process(_arena_bytes(blocks, plan, self._block_payloads(plan))):
+                return self._pass(plan, whole, blocks, ahead)
 
-    def _pass(self, plan: Pass, whole: Cohort, blocks: list[Block]) -> list[StageResult]:
+    def _pass(self, plan: Pass, whole: Cohort, blocks: list[Block], read_ahead: bool) -> list[StageResult]:
         streamed = len(blocks) > 1
         results: list[StageResult] = []
         runs: dict[StageId, Runs] = {}
@@ -167,9 +175,8 @@ class _Run:
 
             return outputs, [functools.partial(step, i, planned) for i, planned in enumerate(self.sample_level)]
 
-        ahead = _Ahead(blocks, sample_steps, self._block_payloads(plan)) if streamed else None
+        ahead = _Ahead(blocks, sample_steps, self._block_payloads(plan)) if read_ahead else None
         position = {id(block): b for b, block in enumerate(blocks)}
-        threads = _leave_a_core_for_reading() if streamed else None
         heap = reuse_block_buffers() if streamed else None
         try:
             for b, block in enumerate(blocks):
@@ -184,16 +191,15 @@ class _Run:
                 for planned in self.cohort_level:
                     if planned.action == "run" and not plan.cohort_skip:
                         self._per_part(planned, plan, whole, block, outputs, part_runs, streamed)
-                if ahead is not None:
+                if streamed:
                     block.cohort.cache.retain(set())
+                if ahead is not None:
                     ahead.done(b, block.cohort.cache.names)
                 if heap is not None:
                     heap.between_blocks()
         finally:   # a read or a stage that fails leaves no thread behind
             if ahead is not None:
                 ahead.close()
-            if threads is not None:
-                torch.set_num_threads(threads)
             if heap is not None:
                 heap.end()
         for planned in self.sample_level:
@@ -396,7 +402,7 @@ class _Ahead:
 
     @staticmethod
     def _ahead(job: _Job) -> None:
-        with one_core_for_cpu_work():   # the core `_leave_a_core_for_reading` left: local reads stay on it
+        with one_core_for_cpu_work():   # the core `_kernel_threads` left: local reads stay on it
             job.run_ahead()
 
     def close(self) -> None:
@@ -430,14 +436,17 @@ MAX_ARENA = 4 << 30
 """The largest arena a streamed pass asks for (blocks beyond it are read into memory of their own)."""
 
 
-def _leave_a_core_for_reading() -> int:
-    """Run torch's kernels on one thread fewer while the reading thread reads and hashes the next block; the
-    number of threads before, to restore. On a host with two cores, two kernel threads and a busy reader fight
-    over them: each parallel kernel then waits for its descheduled half, and a streamed replay took several times
-    longer than with one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads - 1))
-    return threads
+@contextmanager
+def _kernel_threads(threads: int) -> Iterator[None]:
+    """Torch's kernels on `threads` threads within it. A parallel kernel waits for its slowest part: on more
+    threads than there are CPUs free (a busy reader beside them on a host with two cores, or another process),
+    each call waits for a descheduled part, and a replay took several times longer than on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 WHITENED_PART = "advantages whitened over the whole cohort are not replayable on part of it"
