@@ -43,7 +43,7 @@ from trajectory_replay import __version__
 from trajectory_replay.backends import Backend, redact_url, split_url
 from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.bundle.status import COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, scan_bundles
-from trajectory_replay.errors import NoMatchingBundleError, UsageError
+from trajectory_replay.errors import NoMatchingBundleError, StorageUnavailableError, UsageError
 from trajectory_replay.ops.walk import open_root
 from trajectory_replay.store.digest import hash_bytes
 from trajectory_replay.store.inventory import fetch
@@ -330,6 +330,8 @@ def _local_worker(conn, url: str, storage_options: dict[str, Any], options: Scan
             continue
         try:
             conn.send(("done", name, replayer.replay_one(name, hooks)))
+        except StorageUnavailableError as exc:  # the store, not the bundle: the driver ends the scan with it
+            conn.send(("storage", name, _one_line(exc)))
         except Exception as exc:  # noqa: BLE001 - reported to the driver, which retries, then reports
             conn.send(("failed", name, _one_line(f"{type(exc).__name__}: {exc}")))
 
@@ -388,7 +390,9 @@ def run_local(url: str, storage_options: dict[str, Any], names: Sequence[str], o
 
     Each worker holds at most PREFETCH names and answers them in order, so when one dies the bundle it was
     replaying is its first unanswered name: that bundle is retried once on a fresh worker and then reported as
-    an error; the others it held go back to the queue untouched."""
+    an error; the others it held go back to the queue untouched. A worker that cannot use the store
+    (`StorageUnavailableError`: no answer, credentials, ...) ends the scan with that error: it says nothing about
+    the bundle, and the next bundles would meet it too."""
     from multiprocessing.connection import wait
 
     pending = list(names)
@@ -415,6 +419,8 @@ def run_local(url: str, storage_options: dict[str, Any], names: Sequence[str], o
     def answer(worker: _Worker, message: tuple) -> None:
         kind, name, payload = message
         worker.assigned.remove(name)
+        if kind == "storage":  # no other bundle can be judged either: the scan ends with the store's failure
+            raise StorageUnavailableError(payload)
         if kind == "done":
             payload["attempts"] = attempts[name]
             on_verdict(payload)
@@ -422,6 +428,7 @@ def run_local(url: str, storage_options: dict[str, Any], names: Sequence[str], o
             failed(name, payload)
         feed(worker)
 
+    grace = 5.0
     try:
         for _ in range(min(workers, len(pending))):
             pool.append(_Worker(ctx, args))
@@ -461,9 +468,12 @@ def run_local(url: str, storage_options: dict[str, Any], names: Sequence[str], o
                     pool.append(fresh)
                 for other in pool:
                     feed(other)
+    except StorageUnavailableError:
+        grace = 0.1   # the other workers wait for the same store: nothing of theirs is worth waiting for
+        raise
     finally:
         for worker in pool:
-            worker.stop()
+            worker.stop(grace)
 
 
 # ---- the driver -------------------------------------------------------------------------------------
