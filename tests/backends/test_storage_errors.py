@@ -227,6 +227,50 @@ def test_a_silent_endpoint_is_bounded_by_the_timeouts_and_the_deadline(s3_server
     assert 1.2 <= time.monotonic() - started < 6.0
 
 
+def test_reads_queued_behind_the_connection_pool_wait_one_attempt_not_one_per_pool_full(s3_server, s3_bucket,
+                                                                                     silent_port, monkeypatch):
+    """botocore's timeouts leave the wait for one of the client's 10 connections unbounded: 40 reads of a silent
+    endpoint waited 4 read timeouts, one per pool-full. They fail together once the endpoint has answered none of
+    them for one attempt's limit (connect + read)."""
+    _use_env(monkeypatch, _env(s3_server, AWS_ENDPOINT_URL=f"http://127.0.0.1:{silent_port}"))
+    monkeypatch.setenv(ENV_CONNECT_TIMEOUT, "0.2")
+    monkeypatch.setenv(ENV_READ_TIMEOUT, "1")
+    monkeypatch.setenv(ENV_MAX_ATTEMPTS, "1")
+    backend = open_backend(f"s3://{s3_bucket}/queued")
+    limit = backend.policy.attempt_limit()
+    started = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match="no answer within the 1s read timeout"):
+        backend.read_many([f"k{i}" for i in range(40)])
+    assert time.monotonic() - started < 2 * limit   # 4 read timeouts before; one attempt's limit now
+
+
+def test_after_an_outage_no_request_waits_past_its_deadline(s3_server, s3_bucket, silent_port, monkeypatch):
+    """An endpoint that failed to answer was asked again once its 5 s of memory were over, each request waiting
+    its timeouts again: a command that went on (a listing skipping what it could not read) waited without end.
+    During an outage, a request that could not end within the deadline of the moment the endpoint went silent
+    fails at once; one that could is made."""
+    _use_env(monkeypatch, _env(s3_server, AWS_ENDPOINT_URL=f"http://127.0.0.1:{silent_port}"))
+    monkeypatch.setenv(ENV_CONNECT_TIMEOUT, "0.1")
+    monkeypatch.setenv(ENV_READ_TIMEOUT, "0.5")
+    monkeypatch.setenv(ENV_RETRY_DEADLINE, "2.5")
+    monkeypatch.setattr(s3_backend, "OUTAGE_MEMORY", 0.1)
+    backend = open_backend(f"s3://{s3_bucket}/outage")
+    started = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match=r"\((\d) attempts? in"):
+        backend.read("k")
+    made, deadline = 0, backend.policy.deadline
+    while time.monotonic() < started + 2 * deadline:
+        time.sleep(0.15)
+        asked = time.monotonic()
+        with pytest.raises(StoreUnreachableError):
+            backend.exists("k")
+        ended = time.monotonic()
+        if ended - asked > 0.3:   # the endpoint was asked: only while a whole attempt fitted within the deadline
+            made += 1
+            assert ended <= started + deadline * 1.25, (ended - started, deadline)   # slack for a loaded machine
+    assert made <= 2, made
+
+
 def _worst_case(policy: RequestPolicy, attempt_seconds: float) -> tuple[int, float]:
     """(attempts, seconds) of one request whose every attempt fails after `attempt_seconds`, with the longest
     backoffs, following the backend's own retry rule."""
