@@ -344,8 +344,9 @@ class _Silence:
 
     def silent_since(self, started: float) -> float:
         """When the endpoint went silent for a request started at `started` that got no answer: the start of the
-        requests' wait (or this request's start, if earlier), but never before its last answer."""
-        return max(self.last_answer, min(started, self.quiet_since))
+        wait of the requests still waiting (or this request's start, if earlier), but never before its last
+        answer."""
+        return max(self.last_answer, min(started, self.quiet_since) if self.waiting else started)
 
 
 _DOWN: dict[str, _Outage] = {}
@@ -456,9 +457,11 @@ class S3Backend(Backend):
             _DOWN.pop(self.endpoint(), None)
 
     async def _watched(self, endpoint: str, coro, silence_limit: Optional[float]) -> Any:
-        """Await `coro`, counted among the requests waiting for `endpoint`; with `silence_limit`, fail it (`_Silent`)
-        once the endpoint has answered none of them for that many seconds, wherever they wait (a connection of
-        the pool, a read)."""
+        """Await `coro`; with `silence_limit`, counted among the requests waiting for `endpoint`, and failed
+        (`_Silent`) once the endpoint has answered none of them for that many seconds, wherever they wait (a
+        connection of the pool, a read)."""
+        if silence_limit is None:
+            return await coro
         state = _silence(endpoint)
         with _DOWN_LOCK:
             if state.waiting == 0:
@@ -467,12 +470,10 @@ class S3Backend(Backend):
         task = asyncio.ensure_future(coro)
         try:
             while True:
-                left = None
-                if silence_limit is not None:
-                    with _DOWN_LOCK:
-                        left = state.quiet_since + silence_limit - time.monotonic()
-                    if left <= 0:
-                        raise _Silent(f"no answer for {silence_limit:g}s")
+                with _DOWN_LOCK:
+                    left = state.quiet_since + silence_limit - time.monotonic()
+                if left <= 0:
+                    raise _Silent(f"no answer for {silence_limit:g}s")
                 done, _ = await asyncio.wait({task}, timeout=left)
                 if done:
                     return task.result()
@@ -483,8 +484,8 @@ class S3Backend(Backend):
                 task.cancel()
 
     def _sync(self, coro, *, upload: bool = False) -> Any:
-        """Run a request's coroutine in s3fs's event loop, watched (an upload is counted, not cut short: it gets
-        no answer until its body is sent, and is bounded by its own limit)."""
+        """Run a request's coroutine in s3fs's event loop, watched (an upload is not: it gets no answer until its
+        body is sent, which may take long, and is bounded by its own limit)."""
         return sync(self.fs.loop, self._watched, self.endpoint(), coro,
                     None if upload else self.policy.attempt_limit())
 
