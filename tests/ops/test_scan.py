@@ -352,3 +352,17 @@ def test_only_verdicts_this_users_scans_wrote_are_trusted(tmp_path, monkeypatch)
     other = scan_store(str(root), workers=1)
     assert (other.replayed, other.cached) == (2, 0)
     assert [v.status for v in other.verdicts] == ["pass", "diverged"]
+
+
+def test_without_a_key_for_verdicts_every_bundle_is_replayed_and_none_kept(tmp_path, monkeypatch):
+    """A cache directory where the key can be neither read nor made (here: a file in its place): the scan still
+    judges every bundle, says why no verdict was kept, and trusts none of the stored ones."""
+    root = tmp_path / "store"
+    write_step(str(root), "s-0-0", 0, 0)
+    monkeypatch.setenv("TRAJECTORY_REPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    assert scan_store(str(root), workers=1).replayed == 1   # a verdict kept under a key
+    (tmp_path / "not-a-dir").write_bytes(b"")
+    monkeypatch.setenv("TRAJECTORY_REPLAY_CACHE_DIR", str(tmp_path / "not-a-dir" / "cache"))
+    report = scan_store(str(root), workers=1)
+    assert (report.replayed, report.cached, report.counts["pass"]) == (1, 0, 1)
+    assert len(report.unkept) == 1 and report.unkept[0].startswith("s-0-0: no key for verdicts: ")

@@ -302,7 +302,8 @@ class Replayer:
             verdict.expected_ranks = list(marker.expected_ranks)
             # taken before the replay reads anything: what changes after it changes the stamp, and the verdict
             # is not trusted for it
-            objects = object_stamps(self.store.backend, [bundle_status(self.store.backend, name)])[name]
+            state = bundle_status(self.store.backend, name)
+            objects = None if state is None else object_stamps(self.store.backend, [state])[name]
             report = replay(native_readers(self.store, name, marker=marker), atol=self.options.atol,
                             rtol=self.options.rtol)
             _judge(verdict, report)
@@ -754,10 +755,10 @@ def scan_store(root: str | os.PathLike, *, engine: str = "local", workers: Optio
             verdict.digest = bundle_digest(data)
             todo.append(state.name)
     try:
-        secret: Optional[bytes] = verdict_secret()
+        secret: bytes | str = verdict_secret()
     except OSError as exc:  # no key: no verdict can be trusted or kept, every bundle is replayed
-        secret, no_secret = None, f"no key for verdicts: {_one_line(exc)}"
-    if not force and todo and secret is not None:
+        secret = f"no key for verdicts: {_one_line(exc)}"
+    if not force and todo and isinstance(secret, bytes):
         todo = _reuse_verdicts(backend, {s.name: s for s in states}, todo, by_name, options, secret)
     progress.start(len(states))
     for verdict in by_name.values():
@@ -767,7 +768,7 @@ def scan_store(root: str | os.PathLike, *, engine: str = "local", workers: Optio
     lock = threading.Lock()
 
     def on_verdict(result: dict[str, Any]) -> None:
-        unkept = _keep(backend, result, options, secret) if secret is not None else no_secret
+        unkept = _keep(backend, result, options, secret)
         with lock:
             old = by_name[result["name"]]
             new = Verdict(**{k: result[k] for k in Verdict.__dataclass_fields__ if k in result})
@@ -823,11 +824,14 @@ def _reuse_verdicts(backend: Backend, states: dict[str, BundleState], names: lis
     return remaining
 
 
-def _keep(backend: Backend, result: dict[str, Any], options: ScanOptions, secret: bytes) -> Optional[str]:
-    """Write the verdict of one replayed bundle to the store when it can be reused; why not, when it could not."""
+def _keep(backend: Backend, result: dict[str, Any], options: ScanOptions, secret: bytes | str) -> Optional[str]:
+    """Write the verdict of one replayed bundle to the store when it can be reused; why not, when it could not
+    (`secret`: the key of verdicts, or why there is none)."""
     verdict = Verdict(**{k: result[k] for k in Verdict.__dataclass_fields__ if k in result})
     if verdict.status not in CACHEABLE or verdict.digest is None or not result.get("objects"):
         return None
+    if isinstance(secret, str):
+        return secret
     try:
         # a whole-value replace, not flushed to disk: a verdict is a cache, and the fsync of every verdict
         # serialized a local scan on the file system's journal (see docs/scan.md)
