@@ -572,7 +572,8 @@ def test_a_server_that_stops_answering_midway_ends_every_command_within_the_dead
     within the deadline of the moment the server stopped (plus a quarter of it for a loaded machine)."""
     proxy = StallingProxy(s3_server.endpoint, STALLED_COMMANDS[command])
     argv = {"ls": ["ls", stall_store], "stats": ["stats", stall_store], "inspect": ["inspect", f"{stall_store}/s-1"],
-            "cp": ["cp", stall_store, str(tmp_path / "copy"), "--all", "--quiet"], "fsck": ["fsck", stall_store, "--quiet"],
+            "cp": ["cp", stall_store, str(tmp_path / "copy"), "--all", "--quiet"],
+            "fsck": ["fsck", stall_store, "--quiet"],
             "scan": ["scan", stall_store, "--force", "--quiet", "--workers", "2"],
             "gc": ["gc", stall_store, "--grace", "0s", "--quiet"]}[command]
     env = {k: v for k, v in _env(s3_server, AWS_ENDPOINT_URL=proxy.endpoint, **STALL).items() if v is not None}

@@ -497,7 +497,8 @@ class S3Backend(Backend):
         if outage is None:
             return
         now = time.monotonic()
-        if now < outage.failed + OUTAGE_MEMORY or now + self.policy.attempt_limit() > outage.began + self.policy.deadline:
+        past_deadline = now + self.policy.attempt_limit() > outage.began + self.policy.deadline
+        if now < outage.failed + OUTAGE_MEMORY or past_deadline:
             raise self._error(outage.failure, outage.note)
 
     def _error(self, failure: _Failure, note: str = "") -> StorageUnavailableError:

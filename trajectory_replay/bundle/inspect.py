@@ -6,7 +6,8 @@ the payloads of one rank (the first) and the damage of all.
 
 The markers, documents, blob records and blob refs are read from the backend itself, not the read
 cache (which only gets filled), so one deleted or altered in the store shows as damage (per payload,
-in the human report too) even where an earlier command left a sound copy in the cache. Chunks are not read here; `validate` verifies them.
+in the human report too) even where an earlier command left a sound copy in the cache. Chunks are
+not read here; `validate` verifies them.
 An unreadable payload's bytes are left out of the dedup figure: it describes what is stored.
 """
 

@@ -27,10 +27,11 @@ objects and blob refs, so it keeps verdicts, and `cp` copies bundles, not verdic
 
 Engines: `local` (a pool of worker processes on this machine; `workers` of them) and `ray` (one task per
 bundle on a Ray cluster: `ops/scan_ray.py`). Either way a worker gets the store's URL, its storage options
-and bundle names, never bundle data, and answers the verdict (the driver keeps it). The driver (this process) never imports
-torch; the workers do, once each, and replay many bundles. A worker that dies while replaying a bundle (a
-crash, the OOM killer) is replaced and the bundle is tried once more on a fresh worker, then reported as
-`error` with the reason: a bundle is never silently dropped.
+and bundle names, never bundle data, and answers the verdict (the driver keeps it). The driver (this
+process) never imports torch; the workers do, once each, and replay many bundles. A worker that dies while
+replaying a bundle (a crash, the OOM killer) is replaced and the bundle is tried once more on a fresh worker,
+then reported as `error` with the reason: a bundle is never silently dropped. A worker that cannot use the
+store ends the scan with the store's error (`io`): that says nothing about any bundle.
 """
 
 from __future__ import annotations
