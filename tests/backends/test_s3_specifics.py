@@ -90,3 +90,34 @@ def test_listing_pages_and_prefixes(s3_root):
     assert backend.list("objects/01") == sorted(k for k in keys if k.startswith("objects/01/"))
     calls.clear()
     assert backend.list(".gc/lease-") == [] and calls == ["list_objects_v2"]
+
+
+@pytest.mark.parametrize("document", ["manifest", "index"])
+def test_inspect_with_a_warm_read_cache_sees_a_document_damaged_on_the_server(document, s3_root, s3_env, tmp_path,
+                                                                              monkeypatch):
+    """inspect read a bundle's documents through the read cache: once a first inspect had warmed it, a document
+    damaged on the server (other bytes of its size in its chunk) passed, where validate, fsck and scan found it.
+    inspect reads the server's copy of what it checks (markers, documents, records) every time."""
+    from typer.testing import CliRunner
+
+    from tests.bundle.helpers import write_canonical
+    from trajectory_replay.backends import open_backend
+    from trajectory_replay.bundle.status import bundle_status
+    from trajectory_replay.cli import app
+    from trajectory_replay.ops.walk import Walker
+    from trajectory_replay.store.digest import object_key
+
+    monkeypatch.setenv("TRAJECTORY_REPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    url, options = s3_root
+    write_canonical(url, storage_options=options)
+    runner = CliRunner()
+    assert runner.invoke(app, ["inspect", f"{url}/b-00001", "--json"]).exit_code == 0   # warms the cache
+    backend = open_backend(url, **options)
+    tree = Walker(backend).trees([bundle_status(backend, "b-00001")])["b-00001"]
+    node = tree.documents[["manifest", "index", "expected"].index(document)]
+    for digest, size in node.chunks:
+        backend.write(object_key(digest), b"\x5a" * size)
+    result = runner.invoke(app, ["inspect", f"{url}/b-00001", "--json"])
+    assert result.exit_code == 1, result.stdout[-1500:]
+    assert document in result.stdout and '"status": "invalid"' in result.stdout, result.stdout[-1500:]
+    assert runner.invoke(app, ["validate", f"{url}/b-00001"]).exit_code == 1

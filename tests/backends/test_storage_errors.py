@@ -6,7 +6,8 @@ answers; a host name that does not resolve), exits 1 with one line that names th
 traceback. The silent socket runs with small timeouts set through the documented variables, and the bound they
 promise is measured (uploads included). A store that fails in the middle of a command (a proxy in front of the
 real server that resets connections) ends the command the same way: it is not reported as a corrupt or invalid
-bundle.
+bundle. A server that stops answering in the middle of a command (a proxy that stops forwarding after a number of
+requests) ends every command within the documented deadline, counted from the moment it stopped.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.bundle.helpers import write_canonical
+from tests.ops.scan_helpers import write_step
 from trajectory_replay.backends import open_backend
 from trajectory_replay.backends import s3 as s3_backend
 from trajectory_replay.backends.s3 import (
@@ -268,6 +270,50 @@ def _refused_backend(monkeypatch, bucket: str, closed_port: int) -> S3Backend:
     return backend
 
 
+def test_reads_queued_behind_the_connection_pool_wait_one_attempt_not_one_per_pool_full(s3_server, s3_bucket,
+                                                                                     silent_port, monkeypatch):
+    """botocore's timeouts leave the wait for one of the client's 10 connections unbounded: 40 reads of a silent
+    endpoint waited 4 read timeouts, one per pool-full. They fail together once the endpoint has answered none of
+    them for one attempt's limit (connect + read)."""
+    _use_env(monkeypatch, _env(s3_server, AWS_ENDPOINT_URL=f"http://127.0.0.1:{silent_port}"))
+    monkeypatch.setenv(ENV_CONNECT_TIMEOUT, "0.2")
+    monkeypatch.setenv(ENV_READ_TIMEOUT, "1")
+    monkeypatch.setenv(ENV_MAX_ATTEMPTS, "1")
+    backend = open_backend(f"s3://{s3_bucket}/queued")
+    limit = backend.policy.attempt_limit()
+    started = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match="no answer within the 1s read timeout"):
+        backend.read_many([f"k{i}" for i in range(40)])
+    assert time.monotonic() - started < 2 * limit   # 4 read timeouts before; one attempt's limit now
+
+
+def test_after_an_outage_no_request_waits_past_its_deadline(s3_server, s3_bucket, silent_port, monkeypatch):
+    """An endpoint that failed to answer was asked again once its 5 s of memory were over, each request waiting
+    its timeouts again: a command that went on (a listing skipping what it could not read) waited without end.
+    During an outage, a request that could not end within the deadline of the moment the endpoint went silent
+    fails at once; one that could is made."""
+    _use_env(monkeypatch, _env(s3_server, AWS_ENDPOINT_URL=f"http://127.0.0.1:{silent_port}"))
+    monkeypatch.setenv(ENV_CONNECT_TIMEOUT, "0.1")
+    monkeypatch.setenv(ENV_READ_TIMEOUT, "0.5")
+    monkeypatch.setenv(ENV_RETRY_DEADLINE, "2.5")
+    monkeypatch.setattr(s3_backend, "OUTAGE_MEMORY", 0.1)
+    backend = open_backend(f"s3://{s3_bucket}/outage")
+    started = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match=r"\((\d) attempts? in"):
+        backend.read("k")
+    made, deadline = 0, backend.policy.deadline
+    while time.monotonic() < started + 2 * deadline:
+        time.sleep(0.15)
+        asked = time.monotonic()
+        with pytest.raises(StoreUnreachableError):
+            backend.exists("k")
+        ended = time.monotonic()
+        if ended - asked > 0.3:   # the endpoint was asked: only while a whole attempt fitted within the deadline
+            made += 1
+            assert ended <= started + deadline * 1.25, (ended - started, deadline)   # slack for a loaded machine
+    assert made <= 2, made
+
+
 def _worst_case(policy: RequestPolicy, attempt_seconds: float) -> tuple[int, float]:
     """(attempts, seconds) of one request whose every attempt fails after `attempt_seconds`, with the longest
     backoffs, following the backend's own retry rule."""
@@ -452,3 +498,139 @@ def test_a_store_failing_in_the_middle_of_validate_gives_no_verdict(proxied):
     proxy.cut = lambda line: True
     with pytest.raises(StoreUnreachableError, match="the connection failed"):
         validate_sources(f"{url}/b-00001", sources)
+
+
+class StallingProxy:
+    """A TCP proxy in front of the real S3 server that forwards every byte until `stall_after` requests have
+    gone through; from then on it forwards nothing either way and leaves every connection open, old and new:
+    a server that stops answering in the middle of a command (as one stopped with SIGSTOP does)."""
+
+    def __init__(self, endpoint: str, stall_after: int) -> None:
+        host, port = endpoint.rsplit("/", 1)[-1].rsplit(":", 1)
+        self.target = (host, int(port))
+        self.stall_after = stall_after
+        self.requests = 0
+        self.stalled_at = None
+        self._stalled = threading.Event()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._sockets = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self.listener.close()
+        with self._lock:
+            for s in self._sockets:
+                s.close()
+
+    def _hold(self) -> None:
+        self._closed.wait()
+
+    def _request(self) -> bool:
+        with self._lock:
+            if self.requests >= self.stall_after and not self._stalled.is_set():
+                self.stalled_at = time.monotonic()
+                self._stalled.set()
+            if self._stalled.is_set():
+                return False
+            self.requests += 1
+            return True
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._sockets.append(client)
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        if self._stalled.is_set():
+            return self._hold()
+        upstream = socket.create_connection(self.target)
+        with self._lock:
+            self._sockets.append(upstream)
+        threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
+        pending, body_left = b"", 0
+        try:
+            while data := client.recv(1 << 16):
+                pending += data
+                while pending:
+                    if body_left:
+                        part, pending = pending[:body_left], pending[body_left:]
+                        body_left -= len(part)
+                        upstream.sendall(part)
+                        continue
+                    if b"\r\n\r\n" not in pending:
+                        break
+                    head, pending = pending.split(b"\r\n\r\n", 1)
+                    if not self._request():
+                        return self._hold()
+                    for line in head.split(b"\r\n")[1:]:
+                        name, _, value = line.partition(b":")
+                        if name.strip().lower() == b"content-length":
+                            body_left = int(value)
+                    upstream.sendall(head + b"\r\n\r\n")
+        except OSError:
+            pass
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                if self._stalled.is_set():
+                    return self._hold()
+                sink.sendall(data)
+        except OSError:
+            pass
+
+
+STALL = {ENV_CONNECT_TIMEOUT: "1", ENV_READ_TIMEOUT: "10", ENV_RETRY_DEADLINE: "13"}
+"""The defaults scaled down (an attempt's limit of 11 s, a deadline of 13 s): one attempt fits the deadline, a second
+does not, and the 5 s during which a failed endpoint is not asked again are short next to a read timeout."""
+STALLED_COMMANDS = {"ls": 35, "stats": 36, "inspect": 8, "cp": 30, "fsck": 5, "scan": 80, "gc": 30}
+"""Each command, and the number of requests after which the server stops answering (of the 16 to 164 it makes on
+the store of `stall_store`): where its reads wait in a batch (gc last: it may leave its lease behind)."""
+
+
+@pytest.fixture(scope="module")
+def stall_store(s3_server, s3_bucket) -> str:
+    """Six step bundles on the real server."""
+    url = f"s3://{s3_bucket}/t-{uuid.uuid4().hex[:12]}/stall"
+    for i in range(6):
+        write_step(url, f"s-{i}", i, 0, storage_options=s3_server.storage_options())
+    return url
+
+
+@pytest.mark.parametrize("command", STALLED_COMMANDS)
+def test_a_server_that_stops_answering_midway_ends_every_command_within_the_deadline(command, s3_server, stall_store,
+                                                                                    tmp_path):
+    """The server answered 2 minutes' worth of requests at once and then stopped: reads queued behind the client's
+    pool of connections waited one read timeout per pool-full (gc 721 s, fsck 180 s, ls 122 s with the defaults),
+    and scan reported every bundle `error` and the store `invalid`. Now each command ends with one line, exit 1,
+    within the deadline of the moment the server stopped (plus a quarter of it for a loaded machine)."""
+    proxy = StallingProxy(s3_server.endpoint, STALLED_COMMANDS[command])
+    argv = {"ls": ["ls", stall_store], "stats": ["stats", stall_store], "inspect": ["inspect", f"{stall_store}/s-1"],
+            "cp": ["cp", stall_store, str(tmp_path / "copy"), "--all", "--quiet"],
+            "fsck": ["fsck", stall_store, "--quiet"],
+            "scan": ["scan", stall_store, "--force", "--quiet", "--workers", "2"],
+            "gc": ["gc", stall_store, "--grace", "0s", "--quiet"]}[command]
+    env = {k: v for k, v in _env(s3_server, AWS_ENDPOINT_URL=proxy.endpoint, **STALL).items() if v is not None}
+    env = {**{k: v for k, v in os.environ.items() if k not in _env(s3_server)}, **env}
+    deadline = float(STALL[ENV_RETRY_DEADLINE])
+    try:
+        out = subprocess.run([sys.executable, "-m", "trajectory_replay", *argv, "--json"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=600)
+        ended = time.monotonic()
+    finally:
+        proxy.close()
+    assert proxy.stalled_at is not None, f"{command} ended before the server stopped: {out.stdout[-500:]}"
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1, (out.returncode, out.stderr[-2000:])
+    assert lines[0].startswith(f"trajectory-replay: error: {stall_store}") and "no answer" in lines[0], lines
+    assert '"status": "io"' in out.stdout, out.stdout[-500:]
+    assert ended - proxy.stalled_at <= deadline * 1.25, (ended - proxy.stalled_at, lines[0])

@@ -278,3 +278,91 @@ def test_an_unreachable_ray_cluster_is_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "trajectory-replay: error: cannot reach the Ray cluster at 127.0.0.1:1: Connection refused (check "
         "--ray-address or RAY_ADDRESS)"]
+
+
+def _verdict_files(root: Path) -> dict[str, Path]:
+    """Stored verdict files by bundle name (each holds the digest of its bundle's COMPLETE)."""
+    from trajectory_replay.bundle.markers import complete_key
+    from trajectory_replay.ops.scan import ScanOptions, bundle_digest, verdict_key
+
+    backend = open_backend(str(root))
+    names = [p.name for p in root.iterdir() if not p.name.startswith(".") and p.is_dir() and p.name != "objects"]
+    out = {}
+    for name in names:
+        if backend.exists(complete_key(name)):
+            key = verdict_key(bundle_digest(backend.read(complete_key(name))), ScanOptions())
+            if backend.exists(key):
+                out[name] = root / key
+    return out
+
+
+def test_a_stored_pass_is_not_reused_for_a_bundle_damaged_after_the_scan(tmp_path, monkeypatch):
+    """A payload's chunk rewritten with other bytes of its size, or removed, after a scan passed the bundle: the
+    next scan without --force replayed nothing and reported `pass` from the stored verdict. The verdict holds the
+    stamp of the bundle's objects, and a bundle whose objects changed is replayed (and found invalid)."""
+    from tests.ops.scan_helpers import corrupt_payload
+    from trajectory_replay.bundle.status import bundle_status
+    from trajectory_replay.ops.walk import Walker
+    from trajectory_replay.store.digest import object_key
+
+    monkeypatch.setenv("TRAJECTORY_REPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "store"
+    for i in range(3):
+        write_step(str(root), f"s-{i}-0", i, 0, current_logprob=0.31 + 0.01 * i)  # log-probs of their own
+    first = scan_store(str(root), workers=1)
+    assert (first.replayed, first.counts["pass"]) == (3, 3)
+    corrupt_payload(str(root), "s-0-0", "log_probs")
+    backend = open_backend(str(root))
+    tree = Walker(backend).trees([bundle_status(backend, "s-1-0")])["s-1-0"]
+    chunk = next(c for _, spec, node in tree.payloads if spec.name == "log_probs" for c, _ in node.chunks)
+    backend.delete(object_key(chunk))
+    again = scan_store(str(root), workers=1)
+    by_name = {v.name: v for v in again.verdicts}
+    assert (again.replayed, again.cached) == (2, 1)
+    assert by_name["s-0-0"].status == "invalid" and not by_name["s-0-0"].cached
+    assert by_name["s-1-0"].status == "invalid" and not by_name["s-1-0"].cached
+    assert by_name["s-2-0"].status == "pass" and by_name["s-2-0"].cached
+    assert again.status == "invalid" and again.exit_code == 1
+
+
+def test_only_verdicts_this_users_scans_wrote_are_trusted(tmp_path, monkeypatch):
+    """A verdict rewritten to `pass` in the store was reported as the bundle's outcome. Verdicts carry a MAC
+    under a key kept in the user's cache directory (mode 0600): one edited in the store, or written by a scan
+    with another key, is not trusted and its bundle is replayed."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TRAJECTORY_REPLAY_CACHE_DIR", str(cache))
+    root = tmp_path / "store"
+    write_step(str(root), "s-0-0", 0, 0)
+    write_step(str(root), "s-1-0", 1, 0, buggy=True)
+    assert scan_store(str(root), workers=1).counts["diverged"] == 1
+    key_file = cache / "scan-verdicts.key"
+    assert key_file.stat().st_mode & 0o777 == 0o600 and len(key_file.read_bytes()) == 32
+    files = _verdict_files(root)
+    forged = json.loads(files["s-1-0"].read_bytes())
+    forged["verdict"].update(status="pass", first_divergent_stage=None, rank=None, sample_id=None, field=None,
+                             token_offset=None, detail="")
+    files["s-1-0"].write_text(json.dumps(forged))
+    again = scan_store(str(root), workers=1)
+    by_name = {v.name: v for v in again.verdicts}
+    assert (again.replayed, again.cached) == (1, 1)
+    assert by_name["s-1-0"].status == "diverged" and not by_name["s-1-0"].cached
+    assert by_name["s-0-0"].status == "pass" and by_name["s-0-0"].cached
+
+    monkeypatch.setenv("TRAJECTORY_REPLAY_CACHE_DIR", str(tmp_path / "other-user"))   # another key
+    other = scan_store(str(root), workers=1)
+    assert (other.replayed, other.cached) == (2, 0)
+    assert [v.status for v in other.verdicts] == ["pass", "diverged"]
+
+
+def test_without_a_key_for_verdicts_every_bundle_is_replayed_and_none_kept(tmp_path, monkeypatch):
+    """A cache directory where the key can be neither read nor made (here: a file in its place): the scan still
+    judges every bundle, says why no verdict was kept, and trusts none of the stored ones."""
+    root = tmp_path / "store"
+    write_step(str(root), "s-0-0", 0, 0)
+    monkeypatch.setenv("TRAJECTORY_REPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    assert scan_store(str(root), workers=1).replayed == 1   # a verdict kept under a key
+    (tmp_path / "not-a-dir").write_bytes(b"")
+    monkeypatch.setenv("TRAJECTORY_REPLAY_CACHE_DIR", str(tmp_path / "not-a-dir" / "cache"))
+    report = scan_store(str(root), workers=1)
+    assert (report.replayed, report.cached, report.counts["pass"]) == (1, 0, 1)
+    assert len(report.unkept) == 1 and report.unkept[0].startswith("s-0-0: no key for verdicts: ")

@@ -16,9 +16,16 @@ botocore (five s3fs attempts of five botocore attempts each, 15 s read timeout) 
 waiting about 7 minutes on a server that accepted connections and never answered. Retries
 happen here, once, and a failure that means "the store cannot be used" (no answer,
 credentials, access, unknown bucket) becomes a `StorageUnavailableError` whose one-line
-message names the URL, the endpoint and what to check. An endpoint that just failed to answer
-is not asked again for OUTAGE_MEMORY seconds: the requests that follow fail at once instead of
-each waiting out the same timeouts.
+message names the URL, the endpoint and what to check.
+
+The bound holds for a whole command, not only for one request, when the endpoint stops answering
+in the middle of it (`_Silence`): requests queued behind the client's pool of connections
+(botocore's connect and read timeouts leave that wait unbounded, so a batch of N reads waited
+N / 10 read timeouts) fail together once the endpoint has answered none of the waiting requests
+for one attempt's limit, and once it failed to answer, no request starts that could end more
+than `deadline` seconds after it went silent: the requests that follow fail at once. An answer
+to any request ends the outage; a process that outlives one and wants to ask again sooner
+(capture) calls `forget_outage`.
 """
 
 from __future__ import annotations
@@ -68,7 +75,8 @@ MAX_SINGLE_PUT = 100 << 20
 """Bodies up to this size go up as one PUT, bounded in time by RequestPolicy.attempt_limit; larger ones as
 s3fs's multipart upload."""
 OUTAGE_MEMORY = 5.0
-"""Seconds during which an endpoint that gave no answer (after its retries) fails every request at once."""
+"""Seconds during which an endpoint that gave no answer (after its retries) fails every request at once (after
+them, only requests that could end within the deadline of the outage are made)."""
 RETRY_FIRST, RETRY_MAX = 0.5, 8.0
 """Backoff (seconds) between attempts of one request: doubling from the first to the max, with jitter."""
 
@@ -310,9 +318,55 @@ def _classify(exc: BaseException, sources: _Sources, policy: RequestPolicy) -> O
     return None
 
 
-_DOWN: dict[str, tuple[float, _Failure, str]] = {}
-"""Endpoint -> (until when it is not asked again, its failure, the note of how that failure came about)."""
+class _Silent(TimeoutError):
+    """The endpoint answered none of the waiting requests for one attempt's limit (a read timeout, for the
+    requests still queued for a connection)."""
+
+
+@dataclass(frozen=True)
+class _Outage:
+    """An endpoint that gave no answer: when it went silent, when its last request failed, how, and the note."""
+
+    began: float
+    failed: float
+    failure: _Failure
+    note: str
+
+
+class _Silence:
+    """What one endpoint answered lately, seen by every request to it: how many requests wait for it, since
+    when none of them got an answer, and its last answer."""
+
+    def __init__(self) -> None:
+        self.waiting = 0
+        self.quiet_since = 0.0
+        self.last_answer = 0.0
+
+    def silent_since(self, started: float) -> float:
+        """When the endpoint went silent for a request started at `started` that got no answer: the start of the
+        wait of the requests still waiting (or this request's start, if earlier), but never before its last
+        answer."""
+        return max(self.last_answer, min(started, self.quiet_since) if self.waiting else started)
+
+
+_DOWN: dict[str, _Outage] = {}
+"""Endpoint -> its outage, until it answers again (or `forget_outage`)."""
+_SILENCE: dict[str, _Silence] = {}
 _DOWN_LOCK = threading.Lock()
+
+
+def _silence(endpoint: str) -> _Silence:
+    with _DOWN_LOCK:
+        return _SILENCE.setdefault(endpoint, _Silence())
+
+
+def _answered(endpoint: str, **_event: Any) -> None:
+    """The endpoint answered a request (botocore's after-call, whatever the answer): it is not silent."""
+    now = time.monotonic()
+    with _DOWN_LOCK:
+        state = _SILENCE.setdefault(endpoint, _Silence())
+        state.quiet_since = state.last_answer = now
+        _DOWN.pop(endpoint, None)
 _PREPARED_CLIENTS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
@@ -402,6 +456,51 @@ class S3Backend(Backend):
         with _DOWN_LOCK:
             _DOWN.pop(self.endpoint(), None)
 
+    async def _watched(self, endpoint: str, coro, silence_limit: Optional[float]) -> Any:
+        """Await `coro`; with `silence_limit`, counted among the requests waiting for `endpoint`, and failed
+        (`_Silent`) once the endpoint has answered none of them for that many seconds, wherever they wait (a
+        connection of the pool, a read)."""
+        if silence_limit is None:
+            return await coro
+        state = _silence(endpoint)
+        with _DOWN_LOCK:
+            if state.waiting == 0:
+                state.quiet_since = time.monotonic()
+            state.waiting += 1
+        task = asyncio.ensure_future(coro)
+        try:
+            while True:
+                with _DOWN_LOCK:
+                    left = state.quiet_since + silence_limit - time.monotonic()
+                if left <= 0:
+                    raise _Silent(f"no answer for {silence_limit:g}s")
+                done, _ = await asyncio.wait({task}, timeout=left)
+                if done:
+                    return task.result()
+        finally:
+            with _DOWN_LOCK:
+                state.waiting -= 1
+            if not task.done():
+                task.cancel()
+
+    def _sync(self, coro, *, upload: bool = False) -> Any:
+        """Run a request's coroutine in s3fs's event loop, watched (an upload is not: it gets no answer until its
+        body is sent, which may take long, and is bounded by its own limit)."""
+        return sync(self.fs.loop, self._watched, self.endpoint(), coro,
+                    None if upload else self.policy.attempt_limit())
+
+    def _refuse_during_outage(self) -> None:
+        """Fail at once while the endpoint is in an outage and asking it could not end within the outage's
+        deadline (or it failed moments ago)."""
+        with _DOWN_LOCK:
+            outage = _DOWN.get(self.endpoint())
+        if outage is None:
+            return
+        now = time.monotonic()
+        past_deadline = now + self.policy.attempt_limit() > outage.began + self.policy.deadline
+        if now < outage.failed + OUTAGE_MEMORY or past_deadline:
+            raise self._error(outage.failure, outage.note)
+
     def _error(self, failure: _Failure, note: str = "") -> StorageUnavailableError:
         return failure.error(f"{self.url}: S3 endpoint {self.endpoint()}: {failure.what}{note}: {failure.check}")
 
@@ -412,6 +511,7 @@ class S3Backend(Backend):
         if client is None or client not in _PREPARED_CLIENTS:
             client = self.fs.s3
             client.meta.events.unregister("before-call.s3", add_expect_header)
+            client.meta.events.register("after-call.s3", functools.partial(_answered, self.endpoint()))
             _PREPARED_CLIENTS.add(client)
 
     def _attempts(self, method, args: tuple, kwargs: dict) -> Any:
@@ -421,11 +521,7 @@ class S3Backend(Backend):
             attempt += 1
             try:
                 self._prepare_client()
-                endpoint = self.endpoint()
-                with _DOWN_LOCK:
-                    down = _DOWN.get(endpoint)
-                if down is not None and time.monotonic() < down[0]:
-                    raise self._error(down[1], down[2])
+                self._refuse_during_outage()
                 return method(self, *args, **kwargs)
             except StorageUnavailableError:
                 raise
@@ -433,9 +529,12 @@ class S3Backend(Backend):
                 failure = _classify(exc, self._sources, self.policy)
                 if failure is None:
                     raise
+                silent_since = _silence(self.endpoint()).silent_since(started)
                 if failure.error.transient:
                     delay = self.policy.backoff(attempt)
-                    if self.policy.retry_allowed(attempt, time.monotonic() - started, delay):
+                    now = time.monotonic()
+                    if (self.policy.retry_allowed(attempt, now - started, delay)
+                            and now + delay + self.policy.attempt_limit() <= silent_since + self.policy.deadline):
                         log.debug("%s: attempt %d failed (%s); retrying in %.1fs", self.url, attempt, failure.what,
                                   delay)
                         time.sleep(delay)
@@ -445,7 +544,9 @@ class S3Backend(Backend):
                     elapsed = time.monotonic() - started
                     note = f" ({attempt} attempt{'s' if attempt > 1 else ''} in {elapsed:.1f}s)"
                     with _DOWN_LOCK:
-                        _DOWN[self.endpoint()] = (time.monotonic() + OUTAGE_MEMORY, failure, note)
+                        known = _DOWN.get(self.endpoint())
+                        began = silent_since if known is None else min(known.began, silent_since)
+                        _DOWN[self.endpoint()] = _Outage(began, time.monotonic(), failure, note)
                 raise self._error(failure, note) from exc
 
     def _missing(self, exc: BaseException) -> None:
@@ -468,9 +569,11 @@ class S3Backend(Backend):
         async def call_and_read() -> bytes:
             resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=obj_key)
             try:
-                return await resp["Body"].read()
+                body = await resp["Body"].read()
             finally:
                 resp["Body"].close()
+            _answered(self.endpoint())   # the body came too: a long one is no silence
+            return body
 
         return await _s3_retrying(call_and_read, retries=self.fs.retries)
 
@@ -482,7 +585,7 @@ class S3Backend(Backend):
     @_storage_call
     def _read(self, key: str) -> bytes:
         try:
-            return sync(self.fs.loop, self._get, self._path(key))
+            return self._sync(self._get(self._path(key)))
         except FileNotFoundError as exc:
             self._missing(exc)
             raise self._not_found(key) from None
@@ -490,7 +593,7 @@ class S3Backend(Backend):
     @_storage_call
     def _read_range(self, key: str, start: int, end: int) -> bytes:
         try:
-            return self.fs.cat_file(self._path(key), start=start, end=end)
+            return self._sync(self.fs._cat_file(self._path(key), start=start, end=end))
         except FileNotFoundError as exc:
             self._missing(exc)
             raise self._not_found(key) from None
@@ -501,8 +604,8 @@ class S3Backend(Backend):
         paths = [self._path(validate_key(k)) for k in keys]
         if not paths:
             return []
-        results = sync(self.fs.loop, _run_coros_in_chunks, [self._get(p) for p in paths],
-                       batch_size=self.max_workers * 4, return_exceptions=True)
+        results = self._sync(_run_coros_in_chunks([self._get(p) for p in paths], batch_size=self.max_workers * 4,
+                                                  return_exceptions=True))
         for value in results:   # a storage failure of any request is the whole call's
             if isinstance(value, BaseException) and not isinstance(value, FileNotFoundError):
                 raise value
@@ -522,8 +625,8 @@ class S3Backend(Backend):
             return []
         paths = [self._path(validate_key(r.key)) for r in ranges]
         try:
-            values = self.fs.cat_ranges(paths, [r.start for r in ranges], [r.end for r in ranges],
-                                        on_error="return")
+            values = self._sync(self.fs._cat_ranges(paths, [r.start for r in ranges], [r.end for r in ranges],
+                                                    on_error="return"))
         except FileNotFoundError as exc:
             self._missing(exc)
             raise self._not_found(ranges[0].key) from None
@@ -542,16 +645,16 @@ class S3Backend(Backend):
         # one PUT (or a multipart upload completed in one call) replaces the object atomically
         body = bytes(data)
         if len(body) <= MAX_SINGLE_PUT:
-            sync(self.fs.loop, self._put, self._path(key), body)
+            self._sync(self._put(self._path(key), body), upload=True)
         else:
-            self.fs.pipe_file(self._path(key), body)
+            self._sync(self.fs._pipe_file(self._path(key), body), upload=True)
 
     @_storage_call
     def _create(self, key: str, data) -> bool:
         body = bytes(data)
         for attempt in range(8):
             try:
-                sync(self.fs.loop, self._put, self._path(key), body, IfNoneMatch="*")
+                self._sync(self._put(self._path(key), body, IfNoneMatch="*"), upload=True)
                 return True
             except FileExistsError:
                 return False
@@ -571,7 +674,7 @@ class S3Backend(Backend):
         bucket, obj_key, _ = self.fs.split_path(self._path(key))
 
         try:
-            return sync(self.fs.loop, self.fs._call_s3, "head_object", Bucket=bucket, Key=obj_key)
+            return self._sync(self.fs._call_s3("head_object", Bucket=bucket, Key=obj_key))
         except FileNotFoundError:
             return None
         except Exception as exc:  # s3fs wraps ClientError; a 404 is "absent" (a HEAD has no body to say "no bucket")
@@ -613,7 +716,7 @@ class S3Backend(Backend):
                     return keys
 
         try:
-            found = sync(self.fs.loop, pages)
+            found = self._sync(pages())
         except FileNotFoundError as exc:
             self._missing(exc)
             return []
@@ -623,7 +726,7 @@ class S3Backend(Backend):
     @_storage_call
     def _delete(self, key: str) -> None:
         try:
-            self.fs.rm_file(self._path(key))
+            self._sync(self.fs._rm_file(self._path(key)))
         except FileNotFoundError:
             pass
 
@@ -631,8 +734,8 @@ class S3Backend(Backend):
     def _list_dir(self, prefix: str) -> list[str]:
         base = self._path(prefix) if prefix else self.path
         try:
-            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False, refresh=True)
-                    if p.rstrip("/") != base]
+            return [p.rstrip("/").rsplit("/", 1)[-1]
+                    for p in self._sync(self.fs._ls(base, detail=False, refresh=True)) if p.rstrip("/") != base]
         except FileNotFoundError as exc:
             self._missing(exc)
             return []

@@ -4,9 +4,10 @@ A bundle whose every rank landed but whose COMPLETE is missing is finalized firs
 (docs/format.md). A multi-rank bundle is shown as its cohort: the samples of every rank, each rank's count,
 the payloads of one rank (the first) and the damage of all.
 
-Each payload's blob record and blob ref are read from the backend itself, not the read cache, so a
-record deleted or altered in the store shows as damage (per payload, in the human report too)
-rather than as a payload without chunks. Chunks are not read here; `validate` verifies them.
+The markers, documents, blob records and blob refs are read from the backend itself, not the read
+cache (which only gets filled), so one deleted or altered in the store shows as damage (per payload,
+in the human report too) even where an earlier command left a sound copy in the cache. Chunks are
+not read here; `validate` verifies them.
 An unreadable payload's bytes are left out of the dedup figure: it describes what is stored.
 """
 
@@ -331,6 +332,9 @@ def inspect_bundle(path_or_url: str | os.PathLike, *, step: Optional[str] = None
                    **storage_options: Any) -> Inspection:
     """Inspect the native or older-format bundle an address designates (`open_bundle` without choosing among a
     store root's bundles); one that is not complete is described, not refused."""
+    # the server's copy of every marker, document and record (all small), never this host's read cache: a
+    # cached copy is right for its digest and would hide the same object damaged in the store
+    storage_options.setdefault("trust_cache", False)
     bundle = open_bundle(path_or_url, step=step, rollout=rollout, choose=False, **storage_options)
     if bundle.format == V1:
         return _inspect_older(bundle)

@@ -11,27 +11,33 @@ object written create-once under
 The COMPLETE marker pins the bundle's documents by digest, and through them every payload, so the digest of
 its bytes names the bundle's content: a bundle re-written with other content gets a new key, a new replay
 version (a new package version or a change of replay semantics) or other options (`--atol`, `--rtol`) too.
-A later scan reads the verdicts it finds and replays only the bundles that have none (`force` replays all);
+Each verdict also holds the stamp of the bundle's objects (`object_stamps`: their keys, sizes and modification
+times, taken before the replay) and an HMAC under this user's key (`verdict_secret`, kept outside the store). A
+later scan reuses a stored verdict only when its MAC holds and the stamp still matches, and replays only the
+bundles that have no such verdict (`force` replays all);
 a scan that was interrupted therefore resumes where it stopped, and one run after new bundles landed
 replays only them. Only outcomes that are a function of the bundle's content are kept: `pass`, `diverged`
 and `unsupported`. `invalid` (a payload that does not match its digest, a missing object: `fsck
 --repair-from` may mend it), `incomplete` and `error` are looked at again by every scan.
 
-Verdicts are written with the backend's create-once write: concurrent scans of one root write identical
-bytes for one key (the stored content has no times or names of hosts), and neither can damage the other's.
+The driver writes each verdict whole as its worker answers: concurrent scans of one root by one user write
+identical bytes for one key (the stored content has no names of hosts), and neither can damage the other's.
 The `.verdicts/` prefix is a dot-name, which no command takes for a bundle; `gc` removes only the store's
 objects and blob refs, so it keeps verdicts, and `cp` copies bundles, not verdicts (docs/scan.md).
 
 Engines: `local` (a pool of worker processes on this machine; `workers` of them) and `ray` (one task per
 bundle on a Ray cluster: `ops/scan_ray.py`). Either way a worker gets the store's URL, its storage options
-and bundle names, never bundle data, and writes the verdict itself. The driver (this process) never imports
-torch; the workers do, once each, and replay many bundles. A worker that dies while replaying a bundle (a
-crash, the OOM killer) is replaced and the bundle is tried once more on a fresh worker, then reported as
-`error` with the reason: a bundle is never silently dropped.
+and bundle names, never bundle data, and answers the verdict (the driver keeps it). The driver (this
+process) never imports torch; the workers do, once each, and replay many bundles. A worker that dies while
+replaying a bundle (a crash, the OOM killer) is replaced and the bundle is tried once more on a fresh worker,
+then reported as `error` with the reason: a bundle is never silently dropped. A worker that cannot use the
+store ends the scan with the store's error (`io`): that says nothing about any bundle.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import threading
@@ -42,16 +48,22 @@ from typing import Any, Callable, Optional, Sequence
 from trajectory_replay import __version__
 from trajectory_replay.backends import Backend, redact_url, split_url
 from trajectory_replay.bundle.markers import complete_key
-from trajectory_replay.bundle.status import COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, scan_bundles
+from trajectory_replay.bundle.status import (
+    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, bundle_status, scan_bundles,
+)
 from trajectory_replay.cpus import free_cpus
-from trajectory_replay.errors import NoMatchingBundleError, UsageError
+from trajectory_replay.errors import BackendError, NoMatchingBundleError, StorageUnavailableError, UsageError
 from trajectory_replay.ops.walk import open_root
+from trajectory_replay.store.cache import default_cache_dir
 from trajectory_replay.store.digest import hash_bytes
 from trajectory_replay.store.inventory import fetch
 
 VERDICTS_DIR = ".verdicts"
 """Top-level prefix of a store root holding scan verdicts (a dot-name: never taken for a bundle)."""
-VERDICT_FORMAT = "trajectory-replay.verdict/1"
+VERDICT_FORMAT = "trajectory-replay.verdict/2"
+"""Version 2 holds the stamp of the bundle's objects and the scan's MAC; verdicts of version 1 are replayed."""
+KEY_FILE = "scan-verdicts.key"
+"""This user's key for the MAC of verdicts, in the read cache's directory (TRAJECTORY_REPLAY_CACHE_DIR)."""
 SCAN_SEMANTICS = 3
 """Bumped whenever what a scan replays or how it judges changes without a package version change."""
 REPLAY_VERSION = f"{__version__}+scan.{SCAN_SEMANTICS}"
@@ -166,24 +178,87 @@ class Verdict:
                                                "token_offset", "detail")}
 
 
-def verdict_document(verdict: Verdict, options: ScanOptions) -> bytes:
-    return json.dumps({"format": VERDICT_FORMAT, "bundle": verdict.digest, "replay": REPLAY_VERSION,
-                       "options": options.key(), "verdict": verdict.outcome()}, sort_keys=True,
-                      separators=(",", ":"), allow_nan=False).encode()
+def verdict_secret() -> bytes:
+    """This user's key for the MAC of verdicts: 32 random bytes in KEY_FILE, made (mode 0600) by the first scan.
+    OSError when it can neither be read nor made."""
+    path = default_cache_dir() / KEY_FILE
+    try:
+        secret = path.read_bytes()
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{KEY_FILE}.{os.getpid()}.{threading.get_ident()}")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, os.urandom(32))
+        finally:
+            os.close(fd)
+        try:
+            os.link(temporary, path)   # whole or absent, and the first of concurrent scans wins
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(temporary)
+        secret = path.read_bytes()
+    if len(secret) < 16:
+        raise OSError(f"{path}: too short for a key (remove it: the next scan makes a new one)")
+    return secret
 
 
-def parse_verdict(data: bytes, digest: str, options: ScanOptions) -> Optional[dict[str, Any]]:
-    """The outcome a stored verdict holds, or None when it is not one for (digest, version, options)."""
+def _mac(secret: bytes, document: dict[str, Any]) -> str:
+    body = json.dumps(document, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    return hmac.new(secret, body, hashlib.sha256).hexdigest()
+
+
+def verdict_document(verdict: Verdict, options: ScanOptions, objects: str, secret: bytes) -> bytes:
+    """A stored verdict: the outcome, what it was reached for (bundle, replay version, options, the stamp of the
+    bundle's objects), and the MAC of all that under this user's key."""
+    document = {"format": VERDICT_FORMAT, "bundle": verdict.digest, "replay": REPLAY_VERSION,
+                "options": options.key(), "objects": objects, "verdict": verdict.outcome()}
+    return json.dumps({**document, "mac": _mac(secret, document)}, sort_keys=True, separators=(",", ":"),
+                      allow_nan=False).encode()
+
+
+def parse_verdict(data: bytes, digest: str, options: ScanOptions, secret: bytes) -> Optional[tuple[dict, str]]:
+    """(outcome, stamp of the bundle's objects) of a stored verdict, or None when it is not one for (digest,
+    version, options) or was not written by a scan holding `secret`."""
     try:
         doc = json.loads(data)
+        mac = doc.pop("mac")
         outcome = doc["verdict"]
         if (doc.get("format") != VERDICT_FORMAT or doc.get("bundle") != digest or doc.get("replay") != REPLAY_VERSION
-                or doc.get("options") != options.key() or outcome.get("status") not in CACHEABLE):
+                or doc.get("options") != options.key() or outcome.get("status") not in CACHEABLE
+                or not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(secret, doc))):
             return None
-        return {k: outcome.get(k) for k in ("status", "first_divergent_stage", "rank", "sample_id", "field",
-                                            "token_offset", "detail")}
+        return ({k: outcome.get(k) for k in ("status", "first_divergent_stage", "rank", "sample_id", "field",
+                                             "token_offset", "detail")}, doc["objects"])
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def object_stamps(backend: Backend, states: Sequence[BundleState]) -> dict[str, Optional[str]]:
+    """Per bundle, the stamp of every object its markers reach (records, documents, chunks): a digest of their
+    keys, sizes and modification times. An object rewritten, removed or truncated changes it; None when the walk
+    already finds something missing or damaged. Costs the walk's reads of the small records and one look at
+    each object's size and time, never its bytes."""
+    from trajectory_replay.errors import NotFoundError
+    from trajectory_replay.ops.walk import Walker
+
+    trees = Walker(backend).trees(states)
+    keys = sorted({k for tree in trees.values() for k in tree.keys})
+
+    def stamp(key: str) -> Optional[tuple[int, float]]:
+        try:
+            return backend.size(key), backend.mtime(key)
+        except NotFoundError:
+            return None
+
+    stamps = dict(zip(keys, backend._map(stamp, keys)))
+    out: dict[str, Optional[str]] = {}
+    for name, tree in trees.items():
+        mine = [[k, *stamps[k]] for k in sorted(tree.keys) if stamps[k] is not None]
+        sound = not (tree.problems or tree.missing or tree.corrupt) and len(mine) == len(tree.keys)
+        out[name] = hash_bytes(json.dumps(mine, separators=(",", ":")).encode()) if sound else None
+    return out
 
 
 # ---- the worker side: one bundle --------------------------------------------------------------------
@@ -200,9 +275,9 @@ class Replayer:
         self.store = ObjectStore.open(url, **{"trust_cache": False, **storage_options})
 
     def replay_one(self, name: str, hooks: Hooks = Hooks()) -> dict[str, Any]:
-        """The verdict of bundle `name` as a dict (written to the store when CACHEABLE). Errors that say
-        something about the bundle are verdicts; any other exception (the storage, a bug) is raised, for the
-        engine to retry and then report."""
+        """The verdict of bundle `name` as a dict, with the stamp of its objects (`objects`) taken before the
+        replay, for the driver to keep it. Errors that say something about the bundle are verdicts; any other
+        exception (the storage, a bug) is raised, for the engine to retry and then report."""
         if hooks.sleep:
             time.sleep(hooks.sleep)
         if hooks.die_on == name:  # TEST_DIE_ENV: die as a worker killed mid-replay would
@@ -216,6 +291,7 @@ class Replayer:
 
         started = time.perf_counter()
         verdict = Verdict(name, ERROR)
+        objects = None
         try:
             try:
                 complete = self.store.backend.read(complete_key(name))
@@ -226,6 +302,10 @@ class Replayer:
             anchor = marker.anchor
             verdict.rollout_id, verdict.step_id = anchor.rollout_id, anchor.step_id
             verdict.expected_ranks = list(marker.expected_ranks)
+            # taken before the replay reads anything: what changes after it changes the stamp, and the verdict
+            # is not trusted for it
+            state = bundle_status(self.store.backend, name)
+            objects = None if state is None else object_stamps(self.store.backend, [state])[name]
             report = replay(native_readers(self.store, name, marker=marker), atol=self.options.atol,
                             rtol=self.options.rtol)
             _judge(verdict, report)
@@ -238,16 +318,7 @@ class Replayer:
         except TrajectoryReplayError as exc:  # a digest mismatch, a missing object, a document that does not parse
             verdict.status, verdict.detail = INVALID, _one_line(exc)
         verdict.seconds = time.perf_counter() - started
-        result = verdict.to_dict()
-        if verdict.status in CACHEABLE and verdict.digest is not None:
-            try:
-                # a whole-value replace, not flushed to disk: a verdict is a cache, and the fsync of every
-                # verdict serialized the workers of a local scan on the file system's journal (see docs/scan.md)
-                self.store.backend.write(verdict_key(verdict.digest, self.options),
-                                         verdict_document(verdict, self.options), durable=False)
-            except (BackendError, OSError) as exc:  # a store this user may read but not write: still a verdict
-                result["unkept"] = _one_line(exc)
-        return result
+        return {**verdict.to_dict(), "objects": objects}
 
 
 def _judge(verdict: Verdict, report) -> None:
@@ -334,6 +405,8 @@ def _local_worker(conn, url: str, storage_options: dict[str, Any], options: Scan
             continue
         try:
             conn.send(("done", name, replayer.replay_one(name, hooks)))
+        except StorageUnavailableError as exc:  # the store, not the bundle: the driver ends the scan with it
+            conn.send(("storage", name, _one_line(exc)))
         except Exception as exc:  # noqa: BLE001 - reported to the driver, which retries, then reports
             conn.send(("failed", name, _one_line(f"{type(exc).__name__}: {exc}")))
 
@@ -392,7 +465,9 @@ def run_local(url: str, storage_options: dict[str, Any], names: Sequence[str], o
 
     Each worker holds at most PREFETCH names and answers them in order, so when one dies the bundle it was
     replaying is its first unanswered name: that bundle is retried once on a fresh worker and then reported as
-    an error; the others it held go back to the queue untouched."""
+    an error; the others it held go back to the queue untouched. A worker that cannot use the store
+    (`StorageUnavailableError`: no answer, credentials, ...) ends the scan with that error: it says nothing about
+    the bundle, and the next bundles would meet it too."""
     from multiprocessing.connection import wait
 
     pending = list(names)
@@ -419,6 +494,8 @@ def run_local(url: str, storage_options: dict[str, Any], names: Sequence[str], o
     def answer(worker: _Worker, message: tuple) -> None:
         kind, name, payload = message
         worker.assigned.remove(name)
+        if kind == "storage":  # no other bundle can be judged either: the scan ends with the store's failure
+            raise StorageUnavailableError(payload)
         if kind == "done":
             payload["attempts"] = attempts[name]
             on_verdict(payload)
@@ -426,6 +503,7 @@ def run_local(url: str, storage_options: dict[str, Any], names: Sequence[str], o
             failed(name, payload)
         feed(worker)
 
+    grace = 5.0
     try:
         for _ in range(min(workers, len(pending))):
             pool.append(_Worker(ctx, args))
@@ -465,9 +543,12 @@ def run_local(url: str, storage_options: dict[str, Any], names: Sequence[str], o
                     pool.append(fresh)
                 for other in pool:
                     feed(other)
+    except StorageUnavailableError:
+        grace = 0.1   # the other workers wait for the same store: nothing of theirs is worth waiting for
+        raise
     finally:
         for worker in pool:
-            worker.stop()
+            worker.stop(grace)
 
 
 # ---- the driver -------------------------------------------------------------------------------------
@@ -670,21 +751,12 @@ def scan_store(root: str | os.PathLike, *, engine: str = "local", workers: Optio
                 continue
             verdict.digest = bundle_digest(data)
             todo.append(state.name)
-    if not force and todo:
-        keys = {name: verdict_key(by_name[name].digest, options) for name in todo}  # type: ignore[arg-type]
-        stored = fetch(backend, keys.values())
-        remaining = []
-        for name in todo:
-            data = stored.get(keys[name])
-            outcome = None if data is None else parse_verdict(data, by_name[name].digest, options)  # type: ignore
-            if outcome is None:
-                remaining.append(name)
-                continue
-            verdict = by_name[name]
-            for k, value in outcome.items():
-                setattr(verdict, k, value)
-            verdict.cached = True
-        todo = remaining
+    try:
+        secret: bytes | str = verdict_secret()
+    except OSError as exc:  # no key: no verdict can be trusted or kept, every bundle is replayed
+        secret = f"no key for verdicts: {_one_line(exc)}"
+    if not force and todo and isinstance(secret, bytes):
+        todo = _reuse_verdicts(backend, {s.name: s for s in states}, todo, by_name, options, secret)
     progress.start(len(states))
     for verdict in by_name.values():
         if verdict.name not in todo:
@@ -693,6 +765,7 @@ def scan_store(root: str | os.PathLike, *, engine: str = "local", workers: Optio
     lock = threading.Lock()
 
     def on_verdict(result: dict[str, Any]) -> None:
+        unkept = _keep(backend, result, options, secret)
         with lock:
             old = by_name[result["name"]]
             new = Verdict(**{k: result[k] for k in Verdict.__dataclass_fields__ if k in result})
@@ -702,8 +775,8 @@ def scan_store(root: str | os.PathLike, *, engine: str = "local", workers: Optio
             new.expected_ranks = new.expected_ranks or old.expected_ranks
             by_name[new.name] = new
             report.replayed += 1
-            if result.get("unkept"):
-                report.unkept.append(f"{new.name}: {result['unkept']}")
+            if unkept:
+                report.unkept.append(f"{new.name}: {unkept}")
         progress.done(new)
 
     if todo:
@@ -721,6 +794,51 @@ def scan_store(root: str | os.PathLike, *, engine: str = "local", workers: Optio
     report.verdicts = sorted(by_name.values(), key=lambda v: v.order)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _reuse_verdicts(backend: Backend, states: dict[str, BundleState], names: list[str], by_name: dict[str, Verdict],
+                    options: ScanOptions, secret: bytes) -> list[str]:
+    """Fill in the stored verdicts of `names` that this user's scans wrote (their MAC holds) for the bundle's
+    objects as they are now (the stamp matches); return the names still to replay."""
+    keys = {name: verdict_key(by_name[name].digest, options) for name in names}  # type: ignore[arg-type]
+    stored = fetch(backend, keys.values())
+    claims = {}
+    for name in names:
+        data = stored.get(keys[name])
+        parsed = None if data is None else parse_verdict(data, by_name[name].digest, options, secret)  # type: ignore
+        if parsed is not None:
+            claims[name] = parsed
+    stamps = object_stamps(backend, [states[name] for name in claims]) if claims else {}
+    remaining = []
+    for name in names:
+        if name not in claims or stamps.get(name) is None or stamps[name] != claims[name][1]:
+            remaining.append(name)
+            continue
+        verdict = by_name[name]
+        for k, value in claims[name][0].items():
+            setattr(verdict, k, value)
+        verdict.cached = True
+    return remaining
+
+
+def _keep(backend: Backend, result: dict[str, Any], options: ScanOptions, secret: bytes | str) -> Optional[str]:
+    """Write the verdict of one replayed bundle to the store when it can be reused; why not, when it could not
+    (`secret`: the key of verdicts, or why there is none)."""
+    verdict = Verdict(**{k: result[k] for k in Verdict.__dataclass_fields__ if k in result})
+    if verdict.status not in CACHEABLE or verdict.digest is None or not result.get("objects"):
+        return None
+    if isinstance(secret, str):
+        return secret
+    try:
+        # a whole-value replace, not flushed to disk: a verdict is a cache, and the fsync of every verdict
+        # serialized a local scan on the file system's journal (see docs/scan.md)
+        backend.write(verdict_key(verdict.digest, options),
+                      verdict_document(verdict, options, result["objects"], secret), durable=False)
+    except (BackendError, OSError) as exc:  # a store this user may read but not write: still a verdict
+        if isinstance(exc, StorageUnavailableError) and getattr(exc, "transient", False):
+            raise   # no answer: the scan ends with it, as when a worker meets it
+        return _one_line(exc)
+    return None
 
 
 def _finalize_landed(backend: Backend, states: list[BundleState]) -> tuple[list[BundleState], list[str]]:

@@ -7,7 +7,8 @@ verdict there itself, so no bundle data passes through the driver. A Ray worker 
 and its imported torch between tasks (`_REPLAYERS`), as the local engine's workers do.
 
 A task that raises, or whose worker process dies, is retried once by Ray (`max_retries`, `retry_exceptions`);
-after that the bundle is reported as `error` with Ray's reason, never dropped.
+after that the bundle is reported as `error` with Ray's reason, never dropped. A task that cannot use the store
+(`StorageUnavailableError`) ends the scan with that error, as in the local engine.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from trajectory_replay.errors import UsageError
+from trajectory_replay.errors import StorageUnavailableError, UsageError
 from trajectory_replay.ops.scan import ATTEMPTS, ERROR, Hooks, Replayer, ScanOptions, Verdict, _one_line
 
 _REPLAYERS: dict[tuple, Replayer] = {}
@@ -126,6 +127,10 @@ def run_ray(url: str, storage_options: dict[str, Any], names: Sequence[str], opt
                     result = ray.get(ref)
                     result["attempts"] = result.get("attempts") or 1
                 except Exception as exc:  # noqa: BLE001 - the task failed or its worker died, retries spent
+                    if isinstance(getattr(exc, "cause", None), StorageUnavailableError):  # the store, not the bundle
+                        for other in waiting:
+                            ray.cancel(other, force=True)
+                        raise StorageUnavailableError(_one_line(exc.cause)) from None
                     result = Verdict(name, ERROR, detail=f"{_ray_reason(exc)} (tried {ATTEMPTS} times)",
                                      attempts=ATTEMPTS).to_dict()
                 on_verdict(result)
