@@ -238,3 +238,14 @@ def test_gc_reads_a_sparse_marker_no_further_than_the_marker_bound(tmp_path):
     assert report.kept_everything and any(NAME in p for p in report.unreadable_bundles), report.unreadable_bundles
     assert sorted(os.listdir(os.path.join(root, "objects"))) == before
     assert peak < 8 * MAX_MARKER_BYTES, peak   # the bound and its copies, never the 1.5 GB
+
+
+@pytest.mark.parametrize("kind, what", [("fifo", "a FIFO"), ("devzero", "a character device")])
+def test_ls_lists_a_bundle_whose_marker_is_not_a_regular_file_as_corrupt(tmp_path, kind, what):
+    """Something is at the key: the bundle is not passed over as if its marker were absent."""
+    root, url, key = _hostile_store(tmp_path, kind, "marker")
+    with _unblocking(os.path.join(root, key), kind):
+        result = runner.invoke(app, ["ls", root, "--json"])
+    assert result.exit_code == 0, result.output
+    (entry,) = json.loads(result.stdout)["bundles"]
+    assert entry["name"] == NAME and entry["status"] == "corrupt" and f"is {what}" in entry["detail"]

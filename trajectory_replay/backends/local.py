@@ -175,8 +175,10 @@ class LocalBackend(Backend):
             tmp.unlink(missing_ok=True)
 
     def _exists(self, key: str) -> bool:
+        # a FIFO or a device at a key is something there (reading it is refused, naming it), not an absent key
+        # that every listing would pass over in silence; only a directory holds no value
         try:
-            return stat.S_ISREG(os.stat(self._file(key)).st_mode)
+            return not stat.S_ISDIR(os.stat(self._file(key)).st_mode)
         except OSError as exc:   # as Path.is_file: absent is False, anything else (a permission) is an error
             if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP):
                 return False
