@@ -39,7 +39,7 @@ from trajectory_replay.bundle.documents import parse_json
 from trajectory_replay.errors import BackendError, BundleError, NotFoundError, UsageError
 from trajectory_replay.ops.progress import Progress
 from trajectory_replay.bundle.markers import (
-    ABANDONED, FINALIZER, RANK_MARKER, abandoned_key, abandoned_note, finalizer_key,
+    ABANDONED, FINALIZER, MAX_MARKER_BYTES, RANK_MARKER, abandoned_key, abandoned_note, finalizer_key,
 )
 from trajectory_replay.bundle.status import (
     COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, bundle_names, bundle_status, scan_bundles,
@@ -338,9 +338,13 @@ class _Collector:
         Every `blake3:` digest in the markers is kept as an object and as a blob (ref, record, chunks);
         a blob that is a JSON document is read for the digests it names in turn (markers -> documents
         -> payloads). When that cannot be done completely, no object or ref is deleted."""
-        raw = self.inventory.read(state.marker_keys)
+        raw = self.inventory.read(state.marker_keys, MAX_MARKER_BYTES)   # a marker larger than that is none
         seeds: set[str] = set()
         for key, data in raw.items():
+            if isinstance(data, Exception):
+                self._unknowable(state.name, f"marker {key} cannot be a marker ({data}), so what it names cannot "
+                                             "be known")
+                return
             if data is not None and not _whole_json(data):
                 # cut short (or not JSON at all): the digests it still holds need not be all it named
                 self._unknowable(state.name, f"marker {key} is not whole JSON (truncated?), so what it names "
