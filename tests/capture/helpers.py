@@ -106,9 +106,19 @@ def idle_writer(make) -> tuple:
         time.sleep(0.01)
     [pid] = started
     assert os.getpriority(os.PRIO_PROCESS, pid) >= 10
-    try:
-        os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
-        os.setpriority(os.PRIO_PROCESS, pid, 0)
-    except PermissionError:   # it writes when the host has a CPU with nothing else to do
-        pass
+    normal_scheduling(pid)
     return manager, pid
+
+
+def normal_scheduling(pid: int) -> None:
+    """Give every thread of process `pid` normal scheduling where this test may (as root, or with CAP_SYS_NICE);
+    scheduling is per thread, and the threads it started while idle are idle too. Elsewhere it writes when the
+    host has a CPU with nothing else to do."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, int(tid), 0)
+        except ProcessLookupError:   # a thread that just ended
+            continue
+        except PermissionError:
+            return

@@ -339,3 +339,31 @@ def test_writer_choice_is_checked(tmp_path):
         CaptureManager(tmp_path, writer_priority="high", start=False)
     assert CaptureManager("memory://w", start=False).writer_mode == "thread"
     assert CaptureManager(tmp_path, start=False).writer_mode == "process"
+
+
+def _threads_scheduling(pid: int) -> set[tuple[int, int]]:
+    """(policy, nice) of every thread of process `pid`."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.add((os.sched_getscheduler(int(tid)), os.getpriority(os.PRIO_PROCESS, int(tid))))
+        except ProcessLookupError:
+            continue
+    return out
+
+
+def test_a_waited_for_writer_runs_normally_and_goes_back_to_idle(tmp_path, make_manager):
+    """While the program waits (flush, close) the writer process gets normal scheduling where that is permitted
+    (here: as root), every thread of it; when the flush returns, every thread is idle again."""
+    manager = make_manager(tmp_path / "cap", writer="process")
+    assert manager.capture_rollout(3, **rollout_kwargs()) and manager.flush(120)
+    writer = manager._writer
+    pid = writer.proc.pid
+    assert _threads_scheduling(pid) == {(os.SCHED_IDLE, 10)} or _threads_scheduling(pid) == {(os.SCHED_IDLE, 0)}
+    raised = writer.hurry()
+    assert raised == (os.geteuid() == 0), "root may raise a priority"
+    if raised:
+        assert _threads_scheduling(pid) == {(os.SCHED_OTHER, 0)}
+    writer.relax()
+    assert {policy for policy, _ in _threads_scheduling(pid)} == {os.SCHED_IDLE}
+    _replayed(str(tmp_path / "cap" / "rollout-3"))

@@ -18,7 +18,7 @@ import pytest
 from trajectory_replay.bundle import open_native
 from trajectory_replay.errors import BundleError, TrajectoryReplayError
 from trajectory_replay.replay import replay
-from tests.capture.helpers import capture_step, rollout_kwargs
+from tests.capture.helpers import capture_step, normal_scheduling, rollout_kwargs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -221,7 +221,7 @@ PROCESS_CHILD = textwrap.dedent("""
         for name in ("old_log_probs", "ref_log_probs", "kl", "advantages"):
             kwargs[name] = big + r
         assert manager.capture_rollout(r, **kwargs)
-    while manager._writer is None:   # set once the writer process has started
+    while getattr(manager._writer, "proc", None) is None:   # set once the writer process is started
         time.sleep(0.01)
     print("captured", manager._writer.proc.pid, flush=True)
     time.sleep(120)
@@ -237,6 +237,7 @@ def test_killed_training_process_takes_its_writer_process_along(tmp_path):
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         writer_pid = int(child.stdout.readline().split()[1])
+        normal_scheduling(writer_pid)   # idle, it may not write at all while a loaded host has no CPU to spare
         # Freeze the writer while it is busy with a bundle after the first, so that this bundle cannot finish
         # between this look and the kill (on a loaded machine it may otherwise complete in that gap); a stopped
         # process still dies of the SIGKILL its parent's death sends it.

@@ -108,6 +108,8 @@ class CaptureManager:
         self.writer_mode = choose_writer(writer, writer_priority, self.capture_dir, store is not None)
         self.writer_priority = writer_priority
         self._writer: Optional[Writer] = None
+        self._scheduling = threading.Lock()   # the writer's scheduling: hurried while the program waits for it
+        self._hurry_wanted = False
         self.rank = int(rank)
         self.expected_ranks = producer_ranks(self.rank, expected_ranks)
         self.multi_producer = len(self.expected_ranks) > 1
@@ -159,15 +161,45 @@ class CaptureManager:
 
         Micro-batches of a step not yet ended are not records yet and are not waited for."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._queue or self._active is not None:
-                if not self.running:
-                    return False
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining if remaining is not None else 1.0)
-        return True
+        self._hurry_writer()
+        try:
+            with self._cond:
+                while self._queue or self._active is not None:
+                    if not self.running:
+                        return False
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    self._cond.wait(remaining if remaining is not None else 1.0)
+            return True
+        finally:
+            if not self._closing:
+                self._relax_writer()
+
+    def _hurry_writer(self) -> None:
+        """While the program waits for the writer (flush, close), a writer process runs at normal priority where
+        that is permitted: its usual idle priority, which keeps it off training's CPUs, could starve it of every
+        CPU on a busy host, and nothing it could take CPU from runs now. A process still starting is hurried as
+        soon as it exists (and one restarted later starts hurried)."""
+        with self._scheduling:
+            self._hurry_wanted = True
+            hurry = getattr(self._writer, "hurry", None)
+            if hurry is not None:
+                hurry()
+
+    def _relax_writer(self) -> None:
+        with self._scheduling:
+            self._hurry_wanted = False
+            relax = getattr(self._writer, "relax", None)
+            if relax is not None:
+                relax()
+
+    def _writer_made(self, writer: Writer) -> None:
+        """A writer process made, not started yet: the manager's until it has started (so a flush can hurry it)."""
+        with self._scheduling:
+            self._writer = writer
+            if self._hurry_wanted:
+                writer.hurry()   # type: ignore[union-attr]
 
     def close(self, timeout: Optional[float] = None) -> bool:
         """Stop accepting records, write what is queued (up to `timeout`), stop the thread. True if all done.
@@ -189,6 +221,7 @@ class CaptureManager:
         forget_at_exit(self)
         if self._thread is None:
             return not self._queue
+        self._hurry_writer()
         self._thread.join(timeout)
         with self._cond:
             left = len(self._queue) + (self._active is not None)
@@ -461,8 +494,9 @@ class CaptureManager:
         lower_thread_priority()
         # started from this thread, so that a writer process dies with it (it lowers its own priority)
         writer, failure = start_writer(self.writer_mode, self.store, self.capture_dir, self._storage_options,
-                                       self.writer_priority)
-        self._writer, self.writer_mode = writer, writer.mode
+                                       self.writer_priority, made=self._writer_made)
+        with self._scheduling:
+            self._writer, self.writer_mode = writer, writer.mode
         if failure is not None:   # said now; the first record still tries (the store may be back by then)
             self._store_failed(failure, "the writer's first contact with the store", back_off=False)
         try:

@@ -30,15 +30,19 @@ Writer = Union[InThreadWriter, WriterProcess]
 """What the manager's writer thread hands jobs to: `write(job) -> url`, `stop()`, and its `mode`."""
 
 
-def start_writer(mode: str, store: ObjectStore, capture_dir: str, storage_options: Mapping[str, Any], priority: str
-                 ) -> tuple[Writer, Optional[StorageUnavailableError]]:
+def start_writer(mode: str, store: ObjectStore, capture_dir: str, storage_options: Mapping[str, Any], priority: str,
+                 made: Optional[Callable[[Writer], None]] = None) -> tuple[Writer, Optional[StorageUnavailableError]]:
     """The writer for `mode` ("process" or "thread"), started, and the storage failure its first contact with the
     store met, if any (it still serves: the store may be back by the first job). The in-thread writer uses
     `store`; a writer process opens a store of its own, on `capture_dir` with `storage_options`.
 
-    Call it from the manager's writer thread: the writer process dies with the thread that started it."""
+    Call it from the manager's writer thread: the writer process dies with the thread that started it. `made` is
+    handed a writer process before it starts (its start, at idle priority, may take long on a busy host: a flush
+    meanwhile can hurry it)."""
     if mode == "process":
         process = WriterProcess(WriterSettings(capture_dir, dict(storage_options)), priority=priority)
+        if made is not None:
+            made(process)
         try:
             return process, process.start()
         except Exception as exc:  # noqa: BLE001 - capture goes on in this thread rather than not at all

@@ -26,6 +26,7 @@ import pickle
 import signal
 import struct
 import subprocess
+import threading
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -137,6 +138,8 @@ class WriterProcess:
         self.priority = priority
         self.proc: Optional[subprocess.Popen] = None
         self._seq = 0
+        self._scheduling = threading.Lock()
+        self._hurried = False
 
     def start(self) -> Optional[WriterStorageError]:
         """Start the process and wait until it has opened the store (and probed it: create-once markers).
@@ -146,9 +149,13 @@ class WriterProcess:
         # the child must import this package exactly as the parent did
         paths = [p for p in sys.path if p]
         env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        self.proc = subprocess.Popen([sys.executable, "-c", "from trajectory_replay.capture.worker import main; main()",
-                                      self.priority],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        proc = subprocess.Popen([sys.executable, "-c", "from trajectory_replay.capture.worker import main; main()"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        # its scheduling is set here, at once (before its imports), and only here: a flush waiting meanwhile may
+        # have asked for it to run normally, which the process itself could not know
+        with self._scheduling:
+            self._schedule(proc)
+            self.proc = proc
         send(self.proc.stdin, self.settings)
         answer = receive(self.proc.stdout)
         if not (isinstance(answer, tuple) and answer and answer[0] == READY):
@@ -159,6 +166,41 @@ class WriterProcess:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def hurry(self) -> bool:
+        """Give the process normal scheduling while the program waits for it (a flush, the close at exit): then it
+        takes no CPU from training, and idle it may get none at all on a host whose CPUs never idle. Raising a
+        priority needs privilege (root, CAP_SYS_NICE, or an RLIMIT_NICE that allows it): True when it was raised,
+        False when it could not be (it goes on at its own priority). A process started while the program waits
+        starts at normal scheduling too."""
+        with self._scheduling:
+            self._hurried = True
+            return self._schedule(self.proc)
+
+    def relax(self) -> None:
+        """Back to the priority it was started with, once the program no longer waits (always permitted)."""
+        with self._scheduling:
+            self._hurried = False
+            self._schedule(self.proc)
+
+    def _schedule(self, proc: Optional[subprocess.Popen]) -> bool:
+        """Set the scheduling of `proc`, this writer's process (the caller holds `_scheduling`): normal while hurried
+        where permitted, else its priority (idle: only a CPU with nothing else to run; low: nice 10). True when it
+        runs normally."""
+        if proc is None:
+            return False
+        threads = _threads(proc.pid)
+        if self._hurried:
+            try:
+                for tid in threads:
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                    os.setpriority(os.PRIO_PROCESS, tid, 0)
+                return True
+            except (AttributeError, OSError):   # not permitted, not Linux, or the process just ended
+                pass
+        for tid in threads:
+            _lower(tid, self.priority)
+        return False
 
     def write(self, job: BundleJob) -> str:
         """Have the process commit one bundle; its URL. Raises with the process's error if it failed."""
@@ -212,23 +254,32 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _yield_cpu(priority: str) -> None:
-    """Lower this process's priority before it does any work (its imports included). Best effort."""
+def _threads(pid: int) -> list[int]:
+    """The threads of process `pid` (scheduling is per thread on Linux, and a new thread takes its creator's): its
+    main thread alone where they cannot be listed."""
+    try:
+        return sorted(int(tid) for tid in os.listdir(f"/proc/{pid}/task"))
+    except (OSError, ValueError):
+        return [pid]
+
+
+def _lower(pid: int, priority: str) -> None:
+    """Lower thread (or process) `pid`'s priority: "idle", scheduled only when a CPU has nothing else to run (Linux), else (or
+    where that is refused) nice 10 at least. Best effort."""
     if priority == "idle":
-        try:   # Linux: scheduled only when a CPU has nothing else to run
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        try:
+            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
             return
         except (AttributeError, OSError):
             pass
-    try:   # the writer thread that started this process ran at nice 10 already
-        os.setpriority(os.PRIO_PROCESS, 0, max(10, os.getpriority(os.PRIO_PROCESS, 0)))
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, max(10, os.getpriority(os.PRIO_PROCESS, pid)))
     except (AttributeError, OSError):
         pass
 
 
 def main() -> None:
-    _die_with_parent()
-    _yield_cpu(sys.argv[1] if len(sys.argv) > 1 else "low")
+    _die_with_parent()   # its priority is set by the parent that started it (WriterProcess.start)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the training program's to handle
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr   # nothing else may write to the protocol stream
