@@ -92,9 +92,9 @@ def writer_processes() -> set[int]:
 
 
 def idle_writer(make) -> tuple:
-    """(manager `make()` made, its writer process's pid) once that process has made itself idle (scheduled only on a
-    CPU that has nothing else to do: its first act), then given normal scheduling back where this test may (as
-    root, or with CAP_SYS_NICE). Idle, it would start, import and write only when the host has a CPU with nothing
+    """(manager `make()` made, its writer process's pid) once that process is idle (scheduled only on a CPU that has
+    nothing else to do: set as it starts), then given normal scheduling back where this test may (as root, or with
+    CAP_SYS_NICE). Idle, it would start, import and write only when the host has a CPU with nothing
     else to do, and a loaded test host may have none for minutes: what it writes is checked here, not when."""
     before = writer_processes()
     manager = make()

@@ -492,7 +492,7 @@ class CaptureManager:
     # ---- writer thread -------------------------------------------------------------------------
     def _run(self) -> None:
         lower_thread_priority()
-        # started from this thread, so that a writer process dies with it (it lowers its own priority)
+        # started from this thread, so that a writer process dies with it (WriterProcess.start sets its priority)
         writer, failure = start_writer(self.writer_mode, self.store, self.capture_dir, self._storage_options,
                                        self.writer_priority, made=self._writer_made)
         with self._scheduling:

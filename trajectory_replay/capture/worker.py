@@ -264,8 +264,8 @@ def _threads(pid: int) -> list[int]:
 
 
 def _lower(pid: int, priority: str) -> None:
-    """Lower thread (or process) `pid`'s priority: "idle", scheduled only when a CPU has nothing else to run (Linux), else (or
-    where that is refused) nice 10 at least. Best effort."""
+    """Lower thread (or process) `pid`'s priority: "idle", scheduled only when a CPU has nothing else to run
+    (Linux), else (or where that is refused) nice 10 at least. Best effort."""
     if priority == "idle":
         try:
             os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
