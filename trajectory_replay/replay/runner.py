@@ -29,7 +29,7 @@ from trajectory_replay.bundle.schema import STAGE_ORDER, RecomputeConfig, StageI
 from trajectory_replay.cpus import threads_for
 from trajectory_replay.replay.blocks import BLOCK_TOKENS, STREAM_TOKENS, Block, Merged, plan_blocks, whole_block
 from trajectory_replay.replay.cohort import Cohort, PayloadCache
-from trajectory_replay.replay.compare import Findings, resolve_tolerance
+from trajectory_replay.replay.compare import StageChecks, resolve_tolerance
 from trajectory_replay.replay.estimators import Whitening
 from trajectory_replay.replay.kernels import Moments, sample_moments, whiten, whitening_stats
 from trajectory_replay.replay.plan import Pass, PlannedStage, ReplayPlan, plan_replay
@@ -457,7 +457,7 @@ def _block_outputs(shared: dict, block: Block) -> dict:
     return {stage: {key: value[block.index] for key, value in produced.items()} for stage, produced in shared.items()}
 
 
-def _merged(runs: Runs, whole: Cohort) -> Findings:
+def _merged(runs: Runs, whole: Cohort) -> StageChecks:
     """The findings of a stage's runs over blocks, as over the whole cohort."""
     merged = Merged()
     for outcome, block in runs:
