@@ -134,11 +134,11 @@ class _Run:
         """The verdicts of one pass: sample-level stages over all its rows, then cohort-level ones per part; in
         blocks of whole groups when the pass streams (every stage over one block, then the next, with the next
         block read ahead, its local chunk files by a helper process (see `readproc`), when there is a CPU free
-        for that). Torch's kernels run on the CPUs free now (`cpus.threads_for`), less the one reading ahead."""
+        for that). Torch's operations run on the CPUs free now (`cpus.threads_for`), less the one reading ahead."""
         whole = Cohort(plan.parts, self.cache)
         blocks = self.blocks(whole)
         cpus = threads_for(torch.get_num_threads())
-        # reading ahead on the CPU the kernels run on would only take turns with them (and their interpreter lock)
+        # reading ahead on the CPU torch's threads run on would only take turns with them (and their interpreter lock)
         ahead = len(blocks) > 1 and cpus >= 2
         with _kernel_threads(cpus - 1 if ahead else cpus), one_core_for_cpu_work() if cpus == 1 else nullcontext():
             # a native bundle's source reads through its ObjectStore: only one on local disk has use for a helper
@@ -438,7 +438,7 @@ MAX_ARENA = 4 << 30
 
 @contextmanager
 def _kernel_threads(threads: int) -> Iterator[None]:
-    """Torch's kernels on `threads` threads within it. A parallel kernel waits for its slowest part: on more
+    """Torch's operations on `threads` threads within it. A parallel operation waits for its slowest part: on more
     threads than there are CPUs free (a busy reader beside them on a host with two cores, or another process),
     each call waits for a descheduled part, and a replay took several times longer than on one thread."""
     before = torch.get_num_threads()
