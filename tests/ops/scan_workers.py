@@ -1,5 +1,6 @@
-"""Replayers for the scan tests, which the workers of a scan import by name: one whose worker dies on a chosen
-bundle, one that is slow; and the CLI whose scans replay with one of them. Nothing here imports torch."""
+"""Replayers for the scan tests, which the workers of a scan import by name: ones whose worker dies on a chosen
+bundle (every time, or once), one that is slow; and the CLI whose scans replay with one of them. Nothing here
+imports torch."""
 
 from __future__ import annotations
 
@@ -19,6 +20,19 @@ class DyingReplayer(Replayer):
     def replay_one(self, name: str) -> dict[str, Any]:
         if name == self.DIE_ON:
             os._exit(17)
+        return super().replay_one(name)
+
+
+class DiesOnceReplayer(DyingReplayer):
+    """Dies as DyingReplayer does, the first time only: it leaves a file next to the store root (a local path) as
+    it goes, and replays the bundle when the file is there."""
+
+    def replay_one(self, name: str) -> dict[str, Any]:
+        if name == self.DIE_ON:
+            try:
+                os.close(os.open(f"{self.url}.died-{name}", os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return Replayer.replay_one(self, name)
         return super().replay_one(name)
 
 

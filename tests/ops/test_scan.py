@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.ops.scan_helpers import CLEAN, DIVERGED, INCOMPLETE, check_summary, cli, cli_json, populate, write_step
-from tests.ops.scan_workers import DyingReplayer
+from tests.ops.scan_workers import DiesOnceReplayer, DyingReplayer
 from trajectory_replay.backends import open_backend
 from trajectory_replay.ops.scan import VERDICTS_DIR, scan_store
 
@@ -131,6 +131,20 @@ def test_worker_that_dies_is_retried_then_reported(tmp_path):
     assert report.counts["error"] == 1 and report.exit_code == 1 and report.status == "diverged"
     after = scan_store(root, workers=2)
     assert after.replayed == 1 and after.counts["error"] == 0, "an error is not kept: it is replayed again"
+
+
+def test_bundle_whose_worker_died_once_passes_on_a_fresh_worker(tmp_path):
+    """One worker holding two bundles dies replaying the first: that one is replayed again on a fresh worker (its
+    second try), the other goes back to the queue with no try spent, and nothing is reported as an error."""
+    root = str(tmp_path / "store")
+    populate(root, corrupt=False)
+    report = scan_store(root, workers=1, replayer=DiesOnceReplayer)  # dies on s-1-1, the first time
+    by_name = {v.name: v for v in report.verdicts}
+    assert Path(f"{root}.died-s-1-1").exists()
+    assert (by_name["s-1-1"].status, by_name["s-1-1"].attempts) == ("pass", 2)
+    assert (by_name["s-2-1"].status, by_name["s-2-1"].attempts) == ("diverged", 1)  # held behind s-1-1
+    assert all(v.attempts == 1 for v in report.verdicts if v.name != "s-1-1" and v.status != "incomplete")
+    assert report.counts["error"] == 0 and report.status == "diverged"
 
 
 def test_bad_input_is_one_line(tmp_path, monkeypatch):
