@@ -639,7 +639,7 @@ def scan_cmd(
     check_workers(workers)
     atol, rtol = check_tolerance("--atol", atol), check_tolerance("--rtol", rtol)
     if engine == "ray":
-        from trajectory_replay.ops.scan_ray import require_ray
+        from trajectory_replay.ops.scan.ray_engine import require_ray
 
         require_ray()
     kwargs = dict(engine=engine, workers=workers, ray_address=ray_address, atol=atol, rtol=rtol, force=force)

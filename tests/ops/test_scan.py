@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 
 from tests.ops.scan_helpers import CLEAN, DIVERGED, INCOMPLETE, check_summary, cli, cli_json, populate, write_step
+from tests.ops.scan_workers import DiesOnceReplayer, DyingReplayer
 from trajectory_replay.backends import open_backend
-from trajectory_replay.ops.scan import TEST_DIE_ENV, TEST_SLEEP_ENV, VERDICTS_DIR, scan_store
+from trajectory_replay.ops.scan import VERDICTS_DIR, scan_store
 
 REPO = Path(__file__).resolve().parents[2]
-NO_TORCH_CLI = "import sys; sys.modules['torch'] = None; from trajectory_replay.cli import main; main()"
-"""The CLI in a process that cannot import torch: the scan driver never does (its worker processes do)."""
+SLOW_NO_TORCH_CLI = "import sys; sys.modules['torch'] = None; from tests.ops.scan_workers import slow_cli; slow_cli()"
+"""The CLI, whose workers replay slowly, in a process that cannot import torch: the scan driver never does (its
+worker processes do)."""
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +96,9 @@ def test_killed_scan_is_resumed(tmp_path):
     names = [f"s-{i}-0" for i in range(10)]
     for i, name in enumerate(names):
         write_step(root, name, i, 0)
-    env = {**os.environ, TEST_SLEEP_ENV: "0.4", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     # the command as a user runs it, where the driver cannot import torch (only its workers do)
-    proc = subprocess.Popen([sys.executable, "-c", NO_TORCH_CLI, "scan", root, "--workers", "1"], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_NO_TORCH_CLI, "scan", root, "--workers", "1"], cwd=REPO,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
@@ -116,11 +118,10 @@ def test_killed_scan_is_resumed(tmp_path):
     assert resumed.counts["pass"] == len(names) and resumed.exit_code == 0
 
 
-def test_worker_that_dies_is_retried_then_reported(tmp_path, monkeypatch):
+def test_worker_that_dies_is_retried_then_reported(tmp_path):
     root = str(tmp_path / "store")
     populate(root, corrupt=False)
-    monkeypatch.setenv(TEST_DIE_ENV, "s-1-1")
-    report = scan_store(root, workers=2)
+    report = scan_store(root, workers=2, replayer=DyingReplayer)  # dies on s-1-1
     by_name = {v.name: v for v in report.verdicts}
     dead = by_name["s-1-1"]
     assert dead.status == "error" and dead.attempts == 2
@@ -128,9 +129,22 @@ def test_worker_that_dies_is_retried_then_reported(tmp_path, monkeypatch):
     assert dead.anchor == "step 1:1"
     assert by_name["s-1-0"].status == "pass" and by_name["s-2-1"].status == "diverged"
     assert report.counts["error"] == 1 and report.exit_code == 1 and report.status == "diverged"
-    monkeypatch.delenv(TEST_DIE_ENV)
     after = scan_store(root, workers=2)
     assert after.replayed == 1 and after.counts["error"] == 0, "an error is not kept: it is replayed again"
+
+
+def test_bundle_whose_worker_died_once_passes_on_a_fresh_worker(tmp_path):
+    """One worker holding two bundles dies replaying the first: that one is replayed again on a fresh worker (its
+    second try), the other goes back to the queue with no try spent, and nothing is reported as an error."""
+    root = str(tmp_path / "store")
+    populate(root, corrupt=False)
+    report = scan_store(root, workers=1, replayer=DiesOnceReplayer)  # dies on s-1-1, the first time
+    by_name = {v.name: v for v in report.verdicts}
+    assert Path(f"{root}.died-s-1-1").exists()
+    assert (by_name["s-1-1"].status, by_name["s-1-1"].attempts) == ("pass", 2)
+    assert (by_name["s-2-1"].status, by_name["s-2-1"].attempts) == ("diverged", 1)  # held behind s-1-1
+    assert all(v.attempts == 1 for v in report.verdicts if v.name != "s-1-1" and v.status != "incomplete")
+    assert report.counts["error"] == 0 and report.status == "diverged"
 
 
 def test_bad_input_is_one_line(tmp_path, monkeypatch):
@@ -150,7 +164,8 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch):
     assert code == 2 and out["status"] == "usage"
     monkeypatch.setitem(sys.modules, "ray", None)  # as where ray is not installed
     noray = cli("scan", str(tmp_path), "--engine", "ray")
-    assert noray.exit_code == 2 and "--engine ray needs ray" in noray.stderr and "trajectory-replay[ray]" in noray.stderr
+    assert noray.exit_code == 2
+    assert "--engine ray needs ray" in noray.stderr and "trajectory-replay[ray]" in noray.stderr
     empty = tmp_path / "empty-root"
     write_step(str(empty), "x", 1, 0)
     open_backend(str(empty)).delete("x/COMPLETE")  # a directory, but no bundle in it

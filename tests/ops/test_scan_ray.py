@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.ops.scan_helpers import CLEAN, DIVERGED, check_summary, cli_json, populate
-from trajectory_replay.ops.scan import TEST_DIE_ENV, scan_store
+from tests.ops.scan_workers import DyingReplayer
+from trajectory_replay.ops.scan import scan_store
 
 ray = pytest.importorskip("ray")  # the test extra installs it: CI always runs these
 
@@ -43,9 +44,8 @@ def test_ray_engine_gives_the_local_summary(cluster, store):
     assert (again.replayed, again.cached) == (1, len(CLEAN) + len(DIVERGED))  # the invalid one only
 
 
-def test_ray_task_whose_worker_dies_is_retried_then_reported(cluster, store, monkeypatch):
-    monkeypatch.setenv(TEST_DIE_ENV, "s-1-1")
-    report = scan_store(store, engine="ray", force=True)
+def test_ray_task_whose_worker_dies_is_retried_then_reported(cluster, store):
+    report = scan_store(store, engine="ray", force=True, replayer=DyingReplayer)  # dies on s-1-1
     by_name = {v.name: v for v in report.verdicts}
     dead = by_name["s-1-1"]
     assert dead.status == "error" and dead.attempts == 2, dead

@@ -1,10 +1,11 @@
 """`scan --engine ray`: one Ray task per bundle (ray is the optional extra `trajectory-replay[ray]`).
 
 The cluster is the one at `--ray-address` (or `RAY_ADDRESS`), else the one this process is already connected to,
-else a local Ray started for the scan (with `--workers` CPUs) and stopped after it. Each task gets the store's URL,
-its storage options and one bundle name; the worker reads the bundle straight from the store and writes the
-verdict there itself, so no bundle data passes through the driver. A Ray worker process keeps its opened store
-and its imported torch between tasks (`_REPLAYERS`), as the local engine's workers do.
+else a local Ray started for the scan (with `--workers` CPUs) and stopped after it. Each task gets the scan's job
+(`ScanJob`: the store's URL, its storage options) and one bundle name; the worker reads the bundle straight from the
+store and answers its verdict, which the driver keeps, so no bundle data passes through the driver. A Ray worker
+process keeps its opened store and its imported torch between tasks (`_REPLAYERS`), as the local engine's workers
+do.
 
 A task that raises, or whose worker process dies, is retried once by Ray (`max_retries`, `retry_exceptions`);
 after that the bundle is reported as `error` with Ray's reason, never dropped. A task that cannot use the store
@@ -15,13 +16,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from trajectory_replay.errors import StorageUnavailableError, UsageError
-from trajectory_replay.ops.scan import ATTEMPTS, ERROR, Hooks, Replayer, ScanOptions, Verdict, _one_line
+from trajectory_replay.ops.scan.engine import ATTEMPTS, OnVerdict, ScanJob, given_up
+from trajectory_replay.ops.scan.replayer import Replayer, prepare_worker
+from trajectory_replay.ops.scan.verdicts import one_line
 
 _REPLAYERS: dict[tuple, Replayer] = {}
-"""Per Ray worker process: one Replayer per (url, storage options, options)."""
+"""Per Ray worker process: one Replayer per job identity (`ScanJob.identity`)."""
 
 
 def require_ray() -> None:
@@ -33,17 +37,13 @@ def require_ray() -> None:
             from None
 
 
-def replay_task(url: str, storage_options: dict[str, Any], name: str, options: ScanOptions,
-                hooks: Hooks) -> dict[str, Any]:
+def replay_task(job: ScanJob, name: str) -> dict[str, Any]:
     """The body of one Ray task: the verdict of bundle `name` (see `Replayer.replay_one`)."""
-    key = (url, repr(sorted(storage_options.items())), options)
-    replayer = _REPLAYERS.get(key)
+    replayer = _REPLAYERS.get(job.identity)
     if replayer is None:
-        from trajectory_replay.ops.scan import _import_torch
-
-        _import_torch()
-        replayer = _REPLAYERS[key] = Replayer(url, storage_options, options)
-    return replayer.replay_one(name, hooks)
+        prepare_worker()
+        replayer = _REPLAYERS[job.identity] = job.open()
+    return replayer.replay_one(name)
 
 
 _REMOTE: list = []
@@ -81,7 +81,7 @@ def _connect(address: Optional[str], workers: int) -> bool:
         return True
     except Exception as exc:  # noqa: BLE001 - Ray's own errors (ConnectionError, RuntimeError, ...) as one line
         where = f"Ray cluster at {address}" if address else "a local Ray cluster"
-        raise ConnectionError(f"cannot connect to {where}: {_one_line(exc)}") from None
+        raise ConnectionError(f"cannot connect to {where}: {one_line(exc)}") from None
 
 
 CONNECT_TIMEOUT = 5.0
@@ -101,43 +101,52 @@ def _unreachable(address: str) -> Optional[str]:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT):
             return None
     except OSError as exc:
-        return _one_line(exc.strerror or exc) or type(exc).__name__
+        return one_line(exc.strerror or exc) or type(exc).__name__
 
 
-def run_ray(url: str, storage_options: dict[str, Any], names: Sequence[str], options: ScanOptions, *,
-            workers: int, address: Optional[str], hooks: Hooks,
-            on_verdict: Callable[[dict[str, Any]], None]) -> float:
-    """Replay `names` as Ray tasks; `on_verdict` gets every verdict as it comes. Returns the seconds the cluster
-    took to connect to or start."""
-    require_ray()
-    import ray
+class RayEngine:
+    """One Ray task per bundle on the cluster at `address` (see the module docstring)."""
 
-    started = time.perf_counter()
-    stop = _connect(address, workers)
-    start_seconds = time.perf_counter() - started
+    def __init__(self, workers: int, address: str | None) -> None:
+        self.workers, self.address = workers, address
+
+    def run(self, job: ScanJob, names: Sequence[str], on_verdict: OnVerdict) -> float:
+        """Replay `names` as Ray tasks; `on_verdict` gets every verdict as it comes. Returns the seconds the
+        cluster took to connect to or start."""
+        require_ray()
+        import ray
+
+        started = time.perf_counter()
+        stop = _connect(self.address, self.workers)
+        start_seconds = time.perf_counter() - started
+        try:
+            task = _remote()
+            refs = {task.remote(job, name): name for name in names}
+            waiting = list(refs)
+            while waiting:
+                ready, waiting = ray.wait(waiting, num_returns=min(len(waiting), 16), timeout=0.5)
+                for ref in ready:
+                    on_verdict(_result(ray, ref, refs[ref], waiting))
+        finally:
+            if stop:
+                ray.shutdown()
+        return start_seconds
+
+
+def _result(ray, ref, name: str, waiting: list) -> dict[str, Any]:
+    """The verdict of the task `ref` (bundle `name`), or `error` when it failed on every try; a task that could
+    not use the store cancels the `waiting` ones and ends the scan with the store's error."""
     try:
-        task = _remote()
-        refs = {task.remote(url, storage_options, name, options, hooks): name for name in names}
-        waiting = list(refs)
-        while waiting:
-            ready, waiting = ray.wait(waiting, num_returns=min(len(waiting), 16), timeout=0.5)
-            for ref in ready:
-                name = refs[ref]
-                try:
-                    result = ray.get(ref)
-                    result["attempts"] = result.get("attempts") or 1
-                except Exception as exc:  # noqa: BLE001 - the task failed or its worker died, retries spent
-                    if isinstance(getattr(exc, "cause", None), StorageUnavailableError):  # the store, not the bundle
-                        for other in waiting:
-                            ray.cancel(other, force=True)
-                        raise StorageUnavailableError(_one_line(exc.cause)) from None
-                    result = Verdict(name, ERROR, detail=f"{_ray_reason(exc)} (tried {ATTEMPTS} times)",
-                                     attempts=ATTEMPTS).to_dict()
-                on_verdict(result)
-    finally:
-        if stop:
-            ray.shutdown()
-    return start_seconds
+        result = ray.get(ref)
+        result["attempts"] = result.get("attempts") or 1
+        return result
+    except Exception as exc:  # noqa: BLE001 - the task failed or its worker died, retries spent
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, StorageUnavailableError):  # the store, not the bundle
+            for other in waiting:
+                ray.cancel(other, force=True)
+            raise StorageUnavailableError(one_line(cause)) from None
+        return given_up(name, _ray_reason(exc), ATTEMPTS)
 
 
 def _ray_reason(exc: BaseException) -> str:
@@ -147,8 +156,8 @@ def _ray_reason(exc: BaseException) -> str:
         return f"its Ray worker died while replaying it ({kind})"
     cause = getattr(exc, "cause", None)
     if cause is not None:
-        return f"its Ray task failed: {type(cause).__name__}: {_one_line(cause)}"[:500]
-    return f"its Ray task failed: {kind}: {_one_line(exc)}"[:500]
+        return f"its Ray task failed: {type(cause).__name__}: {one_line(cause)}"[:500]
+    return f"its Ray task failed: {kind}: {one_line(exc)}"[:500]
 
 
-__all__ = ["replay_task", "require_ray", "run_ray"]
+__all__ = ["RayEngine", "replay_task", "require_ray"]
