@@ -32,7 +32,8 @@ from trajectory_replay.errors import (
     UsageError,
 )
 from trajectory_replay.store import ObjectStore
-from trajectory_replay.store.inventory import LAYOUT_DIRS, concurrently
+from trajectory_replay.store.inventory import concurrently
+from trajectory_replay.store.layout import is_bundle_dir
 from trajectory_replay.store.liveness import read_inflight
 
 COMPLETE_STATUS, INCOMPLETE, FINALIZABLE, CORRUPT = "complete", "incomplete", "finalizable", "corrupt"
@@ -91,9 +92,9 @@ class BundleState:
 
 
 def bundle_names(backend: Backend) -> list[str]:
-    """Children of the root that may be bundles (the store's own and dot names excluded, and on a local disk the
-    directories of the older format, whose COMPLETE is not a native marker: `ls` lists those itself)."""
-    names = [n for n in backend.list_dir() if n not in LAYOUT_DIRS and not n.startswith(".")]
+    """Children of the root that may be bundles (`layout.is_bundle_dir`; on a local disk not the directories of the
+    older format, whose COMPLETE is not a native marker: `ls` lists those itself)."""
+    names = [n for n in backend.list_dir() if is_bundle_dir(n)]
     root = getattr(backend, "root", None)
     if not isinstance(root, os.PathLike):
         return names
