@@ -7,7 +7,7 @@ no marker and no live in-flight record names) and incomplete bundles are reporte
 damage: gc removes the first, and the second may be a capture in progress. Rank markers of a
 bundle without COMPLETE are checked against their documents (`markers.rank_marker_problems`);
 a finalizable bundle (every rank landed, each marker agreeing with its documents and with the
-others, COMPLETE missing) is finalized with `markers.try_finalize`.
+others, COMPLETE missing) is finalized as every reader does (`status.finalize`).
 
 Damage is charged to the key that is wrong, never to a healthy one: a ref naming a verified
 record of another blob is a corrupt ref (its record is fine), and a rank marker that
@@ -32,12 +32,12 @@ from typing import Any, Optional
 
 from trajectory_replay.backends import Backend, redact_url
 from trajectory_replay.bundle.markers import (
-    MarkerProblem, complete_disagreements, rank_marker_problems, ranks_brief, try_finalize,
+    MarkerProblem, complete_disagreements, rank_marker_problems, ranks_brief,
 )
 from trajectory_replay.errors import BundleError, NoSuchTargetError
 from trajectory_replay.ops.progress import Progress
 from trajectory_replay.bundle.status import (
-    CORRUPT, FINALIZABLE, INCOMPLETE, BundleState, anchor_problems, scan_bundles,
+    COMPLETE_STATUS, CORRUPT, FINALIZABLE, INCOMPLETE, BundleState, anchor_problems, finalize, scan_bundles,
 )
 from trajectory_replay.ops.walk import BundleTree, Walker, open_root
 from trajectory_replay.store import BlobRecord
@@ -231,12 +231,12 @@ def _relink(inventory: Inventory, trees, missing: set[str], report: FsckReport) 
 
 
 def _finalize(backend: Backend, state: BundleState, report: FsckReport) -> Optional[str]:
-    """Finalize a finalizable bundle (try_finalize checks its markers again); why it failed, if it did."""
+    """Finalize a finalizable bundle (`status.finalize` checks its markers again); why it failed, if it did."""
     if state.status != FINALIZABLE:
         return None
     report.finalizable.append(state.name)
     try:
-        if try_finalize(backend, state.name, state.expected_ranks) is not None:
+        if finalize(backend, state, raising=True).status == COMPLETE_STATUS:
             report.finalized.append(state.name)
     except BundleError as exc:
         return str(exc)
