@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum
 from typing import Iterable, Optional
 
 from trajectory_replay.backends import Backend, redact_url
@@ -43,9 +43,9 @@ from trajectory_replay.store.liveness import read_inflight
 
 
 
-class BundleStatus(StrEnum):
-    """The state of a bundle of either format (see the module docstring); its value is the word every report
-    shows."""
+class BundleStatus(str, Enum):
+    """The state of a bundle of either format (see the module docstring); a string, its value, the word every
+    report shows."""
 
     COMPLETE = "complete"
     INCOMPLETE = "incomplete"
@@ -53,9 +53,14 @@ class BundleStatus(StrEnum):
     CORRUPT = "corrupt"
     UNSUPPORTED = "unsupported"
 
+    def __str__(self) -> str:
+        return self.value
 
-COMPLETE_STATUS, INCOMPLETE, FINALIZABLE, CORRUPT, UNSUPPORTED = BundleStatus
-"""The members by the names the commands compare with (COMPLETE is the marker's file name)."""
+
+COMPLETE_STATUS = BundleStatus.COMPLETE
+"""`BundleStatus.COMPLETE` (COMPLETE is the marker's file name); the others by their member names:"""
+INCOMPLETE, FINALIZABLE = BundleStatus.INCOMPLETE, BundleStatus.FINALIZABLE
+CORRUPT, UNSUPPORTED = BundleStatus.CORRUPT, BundleStatus.UNSUPPORTED
 
 
 @dataclass
