@@ -29,6 +29,7 @@ from trajectory_replay.bundle.status import (
 from trajectory_replay.cli import app
 from trajectory_replay.errors import BundleError, NoSuchTargetError, SelectionError, UsageError
 from trajectory_replay.replay import canonical_case
+from trajectory_replay.bundle.markers import complete_key
 
 runner = CliRunner()
 
@@ -73,9 +74,9 @@ def test_marker_form_round_trips_and_names_what_is_wrong():
 
 def test_identity_and_markers_carry_the_same_anchor(tmp_path):
     url = write_canonical(str(tmp_path / "store"))
-    marker = read_marker(open_backend(str(tmp_path / "store")), "b-00001/COMPLETE", CompleteMarker)
+    marker = read_marker(open_backend(str(tmp_path / "store")), complete_key("b-00001"), CompleteMarker)
     assert marker.anchor == Anchor.of(canonical_case(False).index.identity) == Anchor(120, 0)
-    assert json.loads(open_backend(url.rsplit("/", 1)[0]).read("b-00001/COMPLETE"))["anchor"] == \
+    assert json.loads(open_backend(url.rsplit("/", 1)[0]).read(complete_key("b-00001")))["anchor"] == \
         {"actor_step_id": {"rollout_id": 120, "step_id": 0}}  # the stored form is unchanged
     assert Identity(rollout_id=9).anchor() == "rollout 9"
 
@@ -131,13 +132,13 @@ def test_status_of_each_kind_of_bundle(tmp_path):
     write_canonical(root)
     write_ranks(root, "partial", land=[1], expected_ranks=[0, 1])
     write_ranks(root, "landed", land=[0, 1], expected_ranks=[0, 1])
-    backend.delete("landed/COMPLETE")  # the last rank died after landing
+    backend.delete(complete_key("landed"))  # the last rank died after landing
     write_ranks(root, "disagrees", land=[0, 1], expected_ranks=[0, 1])
-    backend.delete("disagrees/COMPLETE")
+    backend.delete(complete_key("disagrees"))
     marker = json.loads(backend.read(rank_key("disagrees", 1)))
     backend.write(rank_key("disagrees", 1), compact_json({**marker, "anchor": {"rollout_id": 120}}))
     write_canonical(root, name="garbled")
-    backend.write("garbled/COMPLETE", b'{"bundle_id": ')
+    backend.write(complete_key("garbled"), b'{"bundle_id": ')
 
     states = {s.name: s for s in scan_bundles(backend)}
     assert {n: s.status for n, s in states.items()} == {
@@ -150,14 +151,14 @@ def test_status_of_each_kind_of_bundle(tmp_path):
     assert "disagrees/COMPLETE.1: corrupt rank marker: anchor rollout 120 differs from step 120:0" in \
         states["disagrees"].detail
     assert not states["disagrees"].markers_unreadable and states["garbled"].markers_unreadable
-    assert "garbled/COMPLETE" in states["garbled"].detail and states["garbled"].anchor is None
-    with pytest.raises(BundleError, match="garbled/COMPLETE"):
+    assert complete_key("garbled") in states["garbled"].detail and states["garbled"].anchor is None
+    with pytest.raises(BundleError, match=complete_key("garbled")):
         describe_missing(backend, "garbled", states["garbled"])
 
     assert finalize(backend, states["partial"]) is states["partial"]  # nothing to do for other states
     done = finalize(backend, states["landed"])
-    assert done.status == COMPLETE_STATUS and done.complete.multi_rank and backend.exists("landed/COMPLETE")
-    assert finalize(backend, states["disagrees"]).status == CORRUPT and not backend.exists("disagrees/COMPLETE")
+    assert done.status == COMPLETE_STATUS and done.complete.multi_rank and backend.exists(complete_key("landed"))
+    assert finalize(backend, states["disagrees"]).status == CORRUPT and not backend.exists(complete_key("disagrees"))
 
 
 def test_no_marker_is_no_status_and_says_why(tmp_path):
@@ -178,7 +179,7 @@ def test_inspect_shows_unfinalizable_markers_as_damage(tmp_path):
     root = str(tmp_path / "store")
     write_ranks(root, "disagrees", land=[0, 1], expected_ranks=[0, 1])
     backend = open_backend(root)
-    backend.delete("disagrees/COMPLETE")
+    backend.delete(complete_key("disagrees"))
     marker = read_marker(backend, rank_key("disagrees", 1), RankMarker)
     backend.write(rank_key("disagrees", 1), compact_json({**marker.model_dump(mode="json"), "bundle_id": "other"}))
     result = runner.invoke(app, ["inspect", f"{root}/disagrees", "--json"])
@@ -187,7 +188,7 @@ def test_inspect_shows_unfinalizable_markers_as_damage(tmp_path):
     assert doc["state"] == "finalizable" and "cannot be finalized" in doc["detail"]
     assert len(doc["problems"]) == 1 and "disagrees/COMPLETE.1: corrupt rank marker" in doc["problems"][0]
     assert doc["ranks"] == [0, 1] and doc["samples"] == 2 * len(canonical_case(False).index.samples)
-    assert not backend.exists("disagrees/COMPLETE")
+    assert not backend.exists(complete_key("disagrees"))
 
 
 # ---- every command picks the same bundle ----------------------------------------------------------

@@ -37,6 +37,7 @@ from trajectory_replay.replay.fixtures import canonical_case
 from trajectory_replay.replay.validate import validate_sources
 from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.digest import object_key
+from trajectory_replay.bundle.markers import complete_key
 
 NAME = "b-00001"
 DOCS = ("manifest", "index", "expected")
@@ -97,7 +98,7 @@ class Crafted:
                 refs[label] = getattr(self.docs, label)
         marker = CompleteMarker(bundle_id=bundle_id or self.marker.bundle_id, anchor=self.marker.anchor,
                                 expected_ranks=[0], multi_rank=False, shards={"0": Documents(**refs)})
-        self.store.backend.write(f"{name}/COMPLETE", compact_json(marker.model_dump(mode="json")))
+        self.store.backend.write(complete_key(name), compact_json(marker.model_dump(mode="json")))
         return self.url.rsplit("/", 1)[0] + f"/{name}"
 
     def payload(self, name: str) -> dict:
@@ -587,7 +588,7 @@ def test_writer_refuses_bad_bundle_id_in_unvalidated_models(tmp_path, bad):
                               case.index.model_copy(update={"bundle_id": bad}), case.expected)
         writer.finalize()
     assert_one_line(info.value, repr(bad))
-    assert not (tmp_path / NAME / "COMPLETE").exists()
+    assert not (tmp_path / complete_key(NAME)).exists()
 
 
 @pytest.mark.parametrize("url", ["memory://tr-trav/..", "memory://tr-trav/.", "memory://tr-trav/objects",
@@ -654,7 +655,7 @@ def test_complete_missing(tmp_path):
     """The writer stored every payload and document, then died before COMPLETE."""
     url, writer, _ = write_bundle(str(tmp_path / "store"), finalize=False)
     writer._write_documents()  # what finalize does before the marker
-    assert not writer.store.backend.exists(f"{NAME}/COMPLETE")
+    assert not writer.store.backend.exists(complete_key(NAME))
     with pytest.raises(BundleError) as info:
         BundleReader.open(url)
     assert_one_line(info.value, NAME, "incomplete", "COMPLETE")

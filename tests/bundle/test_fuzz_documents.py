@@ -29,6 +29,7 @@ from trajectory_replay.bundle.markers import CompleteMarker, DocRef, Documents
 from trajectory_replay.errors import TrajectoryReplayError
 from trajectory_replay.replay.fixtures import canonical_case
 from trajectory_replay.store import ObjectStore
+from trajectory_replay.bundle.markers import complete_key
 
 DOCS = ("manifest", "index", "expected")
 NAME = "b-00001"
@@ -173,7 +174,7 @@ def check(label: str, mutations: list[tuple]) -> tuple[Optional[str], list[tuple
         refs[label] = DocRef.of(store.put(data))
         crafted = CompleteMarker(bundle_id=NAME, anchor=marker.anchor, expected_ranks=[0], multi_rank=False,
                                  shards={"0": Documents(**refs)})
-        store.backend.write(f"{NAME}/COMPLETE", compact_json(crafted.model_dump(mode="json")))
+        store.backend.write(complete_key(NAME), compact_json(crafted.model_dump(mode="json")))
         url = f"{root}/{NAME}"
         loaded: list[tuple[str, str]] = []
         try:

@@ -25,6 +25,7 @@ from trajectory_replay.bundle import BundleReader
 from trajectory_replay.store import BlobRef, ObjectStore
 from trajectory_replay.store.digest import blob_ref_key, object_key
 from trajectory_replay.store.objectstore import MAX_RECORD_BYTES, RecordError
+from trajectory_replay.bundle.markers import complete_key
 
 runner = CliRunner()
 SPARSE_BYTES = 1536 << 20
@@ -47,7 +48,7 @@ def _private_cache(tmp_path, monkeypatch):
 def _key(store: ObjectStore, marker, place: str) -> str:
     manifest = json.loads(store.get(marker.documents().manifest.blob_ref()))
     kl = manifest["payloads"]["kl"]
-    return {"marker": f"{NAME}/COMPLETE", "record": object_key(kl["record"]),
+    return {"marker": complete_key(NAME), "record": object_key(kl["record"]),
             "chunk": object_key(store.record(kl["digest"]).chunks[0].digest),
             "document": object_key(store.record(marker.documents().index.blob_ref()).chunks[0].digest)}[place]
 
@@ -211,10 +212,11 @@ def test_inventory_read_with_a_bound_returns_the_refusal_unread(tmp_path):
 
     backend = open_backend(str(tmp_path / "root"))
     backend.write("b/k", b"small")
-    with open(tmp_path / "root" / "b" / "COMPLETE", "wb") as f:
+    with open(tmp_path / "root" / complete_key("b"), "wb") as f:
         f.truncate(SPARSE_BYTES)
-    values = Inventory(backend).read(["b/COMPLETE", "b/k", "b/absent"], limit=4 << 20)
-    assert isinstance(values["b/COMPLETE"], ValueTooLargeError) and "b/COMPLETE" in str(values["b/COMPLETE"])
+    marker = complete_key("b")
+    values = Inventory(backend).read([marker, "b/k", "b/absent"], limit=4 << 20)
+    assert isinstance(values[marker], ValueTooLargeError) and marker in str(values[marker])
     assert values["b/k"] == b"small" and values["b/absent"] is None
     assert backend.stats.bytes_read < 1 << 20
 

@@ -30,6 +30,7 @@ from trajectory_replay.cli import app
 from trajectory_replay.errors import BundleError
 from trajectory_replay.replay import canonical_case
 from trajectory_replay.store.digest import hash_bytes, object_key
+from trajectory_replay.bundle.markers import complete_key, rank_key
 
 runner = CliRunner()
 
@@ -269,7 +270,7 @@ def test_large_document_under_the_bound_costs_little(crafted):
 # ---- markers ------------------------------------------------------------------------------------------
 
 def _complete(crafted: Crafted) -> dict:
-    return json.loads(crafted.store.backend.read(f"{NAME}/COMPLETE"))
+    return json.loads(crafted.store.backend.read(complete_key(NAME)))
 
 
 def _write_marker(crafted: Crafted, key: str, marker: dict) -> None:
@@ -287,11 +288,11 @@ def _multi_rank(crafted: Crafted, shards: dict | None = None) -> dict:
 def test_non_integer_shard_key_makes_the_marker_corrupt(crafted, key):
     marker = _multi_rank(crafted)
     marker["shards"] = {"0": marker["shards"]["0"], key: marker["shards"]["0"]}
-    _write_marker(crafted, f"{NAME}/COMPLETE", marker)
+    _write_marker(crafted, complete_key(NAME), marker)
     rank0 = f"{crafted.url}/rank-0"
     for command in (("replay", rank0), ("inspect", crafted.url), ("validate", rank0)):
         result = cli(*command)
-        text = error_line(result, f"{NAME}/COMPLETE", "shards", "not a rank number") if result.stderr.strip() \
+        text = error_line(result, complete_key(NAME), "shards", "not a rank number") if result.stderr.strip() \
             else result.stdout
         assert "Traceback" not in result.output and result.exit_code == 1, result.output
         assert "shards" in text and "not a rank number" in text
@@ -314,9 +315,9 @@ def test_non_integer_shard_key_makes_the_marker_corrupt(crafted, key):
 def test_anchor_of_the_wrong_type_makes_the_marker_corrupt(crafted, anchor, needle):
     marker = _complete(crafted)
     marker["anchor"] = anchor
-    _write_marker(crafted, f"{NAME}/COMPLETE", marker)
+    _write_marker(crafted, complete_key(NAME), marker)
     root = crafted.url.rsplit("/", 1)[0]
-    error_line(cli("replay", crafted.url), f"{NAME}/COMPLETE", "field 'anchor'", needle)
+    error_line(cli("replay", crafted.url), complete_key(NAME), "field 'anchor'", needle)
     error_line(cli("replay", root, "--rollout", "7"), NAME, "field 'anchor'", needle)
     listing = cli("ls", root, "--json")
     assert listing.exit_code == 0 and listing.exception is None, listing.output
@@ -327,25 +328,25 @@ def test_anchor_of_the_wrong_type_makes_the_marker_corrupt(crafted, anchor, need
 def test_marker_listing_too_many_ranks_is_corrupt(crafted):
     marker = _complete(crafted)
     marker["expected_ranks"] = list(range(MAX_RANKS + 1))
-    _write_marker(crafted, f"{NAME}/COMPLETE", marker)
-    error_line(cli("replay", crafted.url), f"{NAME}/COMPLETE", "expected_ranks", f"bound of {MAX_RANKS}")
+    _write_marker(crafted, complete_key(NAME), marker)
+    error_line(cli("replay", crafted.url), complete_key(NAME), "expected_ranks", f"bound of {MAX_RANKS}")
 
 
 def test_rank_marker_listing_too_many_ranks_is_corrupt(crafted):
     """Without the bound a reader would look for 100,001 rank markers, one request each."""
     complete = _complete(crafted)
-    crafted.store.backend.delete(f"{NAME}/COMPLETE")
+    crafted.store.backend.delete(complete_key(NAME))
     rank = {"format": "trajectory-replay.rank/1", "bundle_id": complete["bundle_id"], "rank": 0,
             "anchor": complete["anchor"], "expected_ranks": list(range(100_001)),
             "documents": complete["shards"]["0"], "attempt": "a"}
     # the same marker with its anchor wrong as well: read and refused without a look for any other marker
-    _write_marker(crafted, f"{NAME}/COMPLETE.0", dict(rank, anchor=5))
+    _write_marker(crafted, rank_key(NAME, 0), dict(rank, anchor=5))
     start = time.perf_counter()
-    error_line(cli("replay", f"{crafted.url}/rank-0"), f"{NAME}/COMPLETE.0", "field 'anchor'")
+    error_line(cli("replay", f"{crafted.url}/rank-0"), rank_key(NAME, 0), "field 'anchor'")
     baseline = time.perf_counter() - start
-    _write_marker(crafted, f"{NAME}/COMPLETE.0", rank)
+    _write_marker(crafted, rank_key(NAME, 0), rank)
     start = time.perf_counter()
-    error_line(cli("replay", f"{crafted.url}/rank-0"), f"{NAME}/COMPLETE.0", "expected_ranks", f"bound of {MAX_RANKS}")
+    error_line(cli("replay", f"{crafted.url}/rank-0"), rank_key(NAME, 0), "expected_ranks", f"bound of {MAX_RANKS}")
     elapsed = time.perf_counter() - start
     assert elapsed < 3 * baseline, (elapsed, baseline)   # not 100,001 more lookups
 
@@ -358,13 +359,13 @@ def test_rank_marker_listing_too_many_ranks_is_corrupt(crafted):
 def test_unparsable_document_reference_makes_the_marker_corrupt(crafted, field, value, needle):
     marker = _complete(crafted)
     marker["shards"]["0"]["index"][field] = value
-    _write_marker(crafted, f"{NAME}/COMPLETE", marker)
-    error_line(cli("replay", crafted.url), f"{NAME}/COMPLETE", needle)
+    _write_marker(crafted, complete_key(NAME), marker)
+    error_line(cli("replay", crafted.url), complete_key(NAME), needle)
 
 
 def test_deeply_nested_marker_is_corrupt(crafted):
-    crafted.store.backend.write(f"{NAME}/COMPLETE", b'{"anchor":' + nested(MAX_JSON_DEPTH + 1) + b"}")
-    error_line(cli("replay", crafted.url), f"{NAME}/COMPLETE", "nested more than")
+    crafted.store.backend.write(complete_key(NAME), b'{"anchor":' + nested(MAX_JSON_DEPTH + 1) + b"}")
+    error_line(cli("replay", crafted.url), complete_key(NAME), "nested more than")
 
 
 # ---- blob records ---------------------------------------------------------------------------------------
@@ -376,7 +377,7 @@ def test_deeply_nested_record_under_its_digest_is_corrupt_in_ls(crafted):
     crafted.store.backend.write(object_key(digest), record)
     marker = _complete(crafted)
     marker["shards"]["0"]["index"]["record"] = digest
-    _write_marker(crafted, f"{NAME}/COMPLETE", marker)
+    _write_marker(crafted, complete_key(NAME), marker)
     listing = cli("ls", crafted.url.rsplit("/", 1)[0], "--json")
     assert listing.exit_code == 0 and listing.exception is None, listing.output
     (row,) = json.loads(listing.stdout)["bundles"]

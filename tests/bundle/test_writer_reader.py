@@ -14,6 +14,8 @@ from trajectory_replay.bundle.markers import COMPLETE, complete_key, rank_key
 from trajectory_replay.bundle.schema import SampleRecord
 from trajectory_replay.errors import BundleError
 from trajectory_replay.replay import canonical_case, replay
+from trajectory_replay.store.layout import OBJECTS_DIR, REFS_DIR
+from trajectory_replay.store.liveness import INFLIGHT_PREFIX
 
 
 @pytest.fixture(params=["memory", "local", "s3"])
@@ -53,9 +55,9 @@ def test_roundtrip_and_layout(root):
 def test_sibling_bundles_share_objects(tmp_path):
     root = str(tmp_path / "store")
     write_canonical(root)
-    objects_before = set(open_backend(root).list("objects/"))
+    objects_before = set(open_backend(root).list(f"{OBJECTS_DIR}/"))
     write_canonical(root, name="b-copy")
-    new = set(open_backend(root).list("objects/")) - objects_before
+    new = set(open_backend(root).list(f"{OBJECTS_DIR}/")) - objects_before
     # identical payloads are stored once: only the index/manifest documents (they name the bundle) are new
     assert 0 < len(new) <= 4
 
@@ -95,15 +97,15 @@ def test_inflight_record_lists_objects_before_they_are_written(tmp_path):
     w = BundleWriter(f"{root}/b-00001", case.manifest, case.index, case.expected)
     w.write_payload("old_log_probs", case.payloads["old_log_probs"])
     backend = open_backend(root)
-    records = backend.list(".inflight/")
-    assert records == [f".inflight/{w.attempt}.json"]
+    records = backend.list(INFLIGHT_PREFIX)
+    assert records == [w.inflight.key]
     import json
 
     listed = set(json.loads(backend.read(records[0]))["digests"])
-    stored = {"blake3:" + k.rsplit("/", 1)[1] for k in backend.list("objects/")}
+    stored = {"blake3:" + k.rsplit("/", 1)[1] for k in backend.list(f"{OBJECTS_DIR}/")}
     assert stored <= listed  # every object written so far was listed first
     w.abort()
-    assert backend.list(".inflight/") == []
+    assert backend.list(INFLIGHT_PREFIX) == []
 
 
 def test_multi_rank_completion(root):
@@ -275,9 +277,9 @@ def test_write_payloads_lists_in_flight_once(tmp_path):
     original = w.store.backend.write
     w.store.backend.write = lambda key, data, **kw: (writes.append(key), original(key, data, **kw))[1]
     w.write_payloads(case.payloads)
-    assert writes == [f".inflight/{w.attempt}.json"]  # one listing for every payload
+    assert writes == [w.inflight.key]  # one listing for every payload
     w.finalize()
-    assert writes.count(f".inflight/{w.attempt}.json") == 2  # and one for the documents and the mask
+    assert writes.count(w.inflight.key) == 2  # and one for the documents and the mask
     assert replay(open_native(f"{root}/b-00001")).passed
 
 
@@ -292,9 +294,9 @@ def test_finalize_with_payloads_writes_the_bundle_in_one_batch(tmp_path):
     backend.write = lambda key, data, **kw: (writes.append(key), write(key, data, **kw))[1]
     backend.read = lambda key, *args, **kw: (lookups.append(key), read(key, *args, **kw))[1]
     w.finalize(payloads=case.payloads)
-    assert writes == [f".inflight/{w.attempt}.json"]
+    assert writes == [w.inflight.key]
     # every distinct payload blob and the mask looked up once, then the three documents
-    blobs = [k for k in lookups if k.startswith("blobs/")]
+    blobs = [k for k in lookups if k.startswith(f"{REFS_DIR}/")]
     distinct = len({t.numpy().tobytes() for t in case.payloads.values()})
     assert len(blobs) == len(set(blobs)) == distinct + 1 + 3
     two = write_canonical(str(tmp_path / "two"))

@@ -24,6 +24,7 @@ from trajectory_replay.cli import app
 from trajectory_replay.bundle.status import COMPLETE_STATUS, CORRUPT, scan_bundles
 from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.digest import hash_bytes, object_key
+from trajectory_replay.bundle.markers import complete_key, rank_key
 
 runner = CliRunner()
 
@@ -40,10 +41,10 @@ def nested(depth: int) -> bytes:
 
 
 def _marker(backend, name: str = "bad") -> dict:
-    return json.loads(backend.read(f"{name}/COMPLETE"))
+    return json.loads(backend.read(complete_key(name)))
 
 
-def _set_marker(backend, marker: dict | bytes, key: str = "bad/COMPLETE") -> None:
+def _set_marker(backend, marker: dict | bytes, key: str = complete_key("bad")) -> None:
     backend.write(key, marker if isinstance(marker, bytes) else compact_json(marker))
 
 
@@ -77,26 +78,26 @@ def _hostile_record(backend) -> None:
 
 
 def _rank_marker_only(backend, data: bytes) -> None:
-    backend.delete("bad/COMPLETE")
-    _set_marker(backend, data, "bad/COMPLETE.0")
+    backend.delete(complete_key("bad"))
+    _set_marker(backend, data, rank_key("bad", 0))
 
 
 CORRUPTIONS = {
-    "complete-not-json": (lambda b: _set_marker(b, b'{"bundle_id": "bad", '), ["bad/COMPLETE", "not valid JSON"]),
-    "complete-not-utf8": (lambda b: _set_marker(b, b"\xff\xfe\x00"), ["bad/COMPLETE", "not UTF-8"]),
-    "complete-nested": (lambda b: _set_marker(b, nested(100_000)), ["bad/COMPLETE", "nested more than"]),
+    "complete-not-json": (lambda b: _set_marker(b, b'{"bundle_id": "bad", '), [complete_key("bad"), "not valid JSON"]),
+    "complete-not-utf8": (lambda b: _set_marker(b, b"\xff\xfe\x00"), [complete_key("bad"), "not UTF-8"]),
+    "complete-nested": (lambda b: _set_marker(b, nested(100_000)), [complete_key("bad"), "nested more than"]),
     "shard-key-traversal": (lambda b: _edit(b, lambda m: _multi_rank_with_key(m, "../../x")),
-                            ["bad/COMPLETE", "field 'shards'", "'../../x'"]),
-    "anchor-int": (lambda b: _edit(b, lambda m: m.update(anchor=5)), ["bad/COMPLETE", "field 'anchor'"]),
+                            [complete_key("bad"), "field 'shards'", "'../../x'"]),
+    "anchor-int": (lambda b: _edit(b, lambda m: m.update(anchor=5)), [complete_key("bad"), "field 'anchor'"]),
     "anchor-step-string": (lambda b: _edit(b, lambda m: m.update(anchor={"actor_step_id": "x"})),
-                           ["bad/COMPLETE", "field 'anchor'", "actor_step_id"]),
+                           [complete_key("bad"), "field 'anchor'", "actor_step_id"]),
     "anchor-rollout-list": (lambda b: _edit(b, lambda m: m.update(anchor={"rollout_id": [1]})),
-                            ["bad/COMPLETE", "field 'anchor'", "rollout_id"]),
+                            [complete_key("bad"), "field 'anchor'", "rollout_id"]),
     "digest-unparsable": (lambda b: _edit(b, lambda m: m["shards"]["0"]["manifest"].update(digest="blake3:no")),
-                          ["bad/COMPLETE", "shards.0.manifest.digest"]),
+                          [complete_key("bad"), "shards.0.manifest.digest"]),
     "too-many-ranks": (lambda b: _edit(b, lambda m: m.update(expected_ranks=list(range(MAX_RANKS + 1)))),
-                       ["bad/COMPLETE", "expected_ranks", str(MAX_RANKS)]),
-    "rank-marker-garbage": (lambda b: _rank_marker_only(b, b"\x00garbage"), ["bad/COMPLETE.0", "not"]),
+                       [complete_key("bad"), "expected_ranks", str(MAX_RANKS)]),
+    "rank-marker-garbage": (lambda b: _rank_marker_only(b, b"\x00garbage"), [rank_key("bad", 0), "not"]),
     "manifest-nested": (_hostile_manifest, ["manifest", "nested more than"]),
     "record-nested": (_hostile_record, ["malformed blob record", "nested more than"]),
 }
@@ -160,7 +161,7 @@ def test_shared_walk_reports_the_corrupt_bundle_instead_of_raising(root, case):
     if case == "record-nested":  # markers are fine; the tree is what is damaged
         assert states["bad"].status == COMPLETE_STATUS
     else:
-        assert states["bad"].status == CORRUPT and "bad/COMPLETE" in states["bad"].detail
+        assert states["bad"].status == CORRUPT and complete_key("bad") in states["bad"].detail
 
 
 def test_cp_without_a_selector_counts_the_corrupt_bundle(root, tmp_path):

@@ -20,6 +20,8 @@ from trajectory_replay.cli import app
 from trajectory_replay.errors import IntegrityError, SelectionError, UsageError
 from trajectory_replay.ops.cp import copy_bundles
 from trajectory_replay.replay import replay
+from trajectory_replay.bundle.markers import complete_key
+from trajectory_replay.store.layout import OBJECTS_DIR
 
 NAMES = ("b-00001", "b-00065")
 
@@ -68,14 +70,14 @@ def test_corrupt_source_object_is_not_copied(tmp_path):
     src, dest = str(tmp_path / "src"), str(tmp_path / "dest")
     path = write_canonical(src)
     backend = open_backend(src)
-    chunk = next(k for k in sorted(reachable(src, "b-00001")) if k.startswith("objects/")
+    chunk = next(k for k in sorted(reachable(src, "b-00001")) if k.startswith(f"{OBJECTS_DIR}/")
                  and backend.size(k) > 100)
     data = bytearray(backend.read(chunk))
     data[50] ^= 0xFF
     backend.write(chunk, bytes(data))
     with pytest.raises(IntegrityError):
         copy_bundles(path, dest)
-    assert not open_backend(dest).exists("b-00001/COMPLETE")
+    assert not open_backend(dest).exists(complete_key("b-00001"))
 
 
 def test_killed_copy_resumes_and_then_transfers_nothing(tmp_path):
@@ -96,10 +98,10 @@ def test_killed_copy_resumes_and_then_transfers_nothing(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     backend = open_backend(dest)
-    assert not backend.exists("big-a/COMPLETE") and not backend.exists("big-b/COMPLETE")
+    assert not backend.exists(complete_key("big-a")) and not backend.exists(complete_key("big-b"))
     with pytest.raises(Exception):
         open_sources(f"{dest}/big-a")  # not visible: no COMPLETE
-    partial = len(backend.list("objects/"))
+    partial = len(backend.list(f"{OBJECTS_DIR}/"))
     assert partial >= 100
 
     second = copy_bundles(src, dest, all_bundles=True)

@@ -12,6 +12,8 @@ from trajectory_replay.ops.ls import list_bundles
 from trajectory_replay.bundle.status import scan_bundles
 from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.digest import blob_ref_key
+from trajectory_replay.bundle.markers import complete_key
+from trajectory_replay.store.digest import object_key
 
 
 def _payload_chunk(root: str, name: str, options: dict | None = None) -> str:
@@ -22,7 +24,7 @@ def _payload_chunk(root: str, name: str, options: dict | None = None) -> str:
     backend = open_backend(root, **(options or {}))
     tree = Walker(backend).trees([bundle_status(backend, name)])[name]
     node = next(n for _, spec, n in tree.payloads if spec.name == "advantages")
-    return f"objects/{node.chunks[0][0][7:9]}/{node.chunks[0][0][7:]}"
+    return object_key(node.chunks[0][0])
 
 
 def test_fsck_finds_damage_finalizes_and_repairs_from_a_copy(tmp_path, s3_root):
@@ -43,8 +45,8 @@ def test_fsck_finds_damage_finalizes_and_repairs_from_a_copy(tmp_path, s3_root):
     assert deleted != flipped
     backend.delete(deleted)
     orphan_digest = ObjectStore(backend).put_object(b"nobody references me")
-    orphan = f"objects/{orphan_digest[7:9]}/{orphan_digest[7:]}"
-    backend.delete("cohort/COMPLETE")
+    orphan = object_key(orphan_digest)
+    backend.delete(complete_key("cohort"))
     assert [b.status for b in scan_bundles(backend)] == ["complete", "complete", "finalizable"]
 
     report = check_store(root)
@@ -52,7 +54,7 @@ def test_fsck_finds_damage_finalizes_and_repairs_from_a_copy(tmp_path, s3_root):
     assert report.corrupt == [flipped] and report.missing == [deleted]
     assert orphan in report.orphaned and len(report.orphaned) == 1
     assert report.finalizable == ["cohort"] and report.finalized == ["cohort"]
-    assert backend.exists("cohort/COMPLETE")  # it shares the flipped chunk: validated after the repair
+    assert backend.exists(complete_key("cohort"))  # it shares the flipped chunk: validated after the repair
     as_dict = report.to_dict()
     assert as_dict["healthy"] is False and as_dict["corrupt"] == [flipped]
 
@@ -62,7 +64,7 @@ def test_fsck_finds_damage_finalizes_and_repairs_from_a_copy(tmp_path, s3_root):
     assert validates(f"{root}/b-00001") and validates(f"{root}/b-00065") and validates(f"{root}/cohort")
     s3 = open_backend(url, **options)
     for name in ("b-00001", "b-00065", "cohort"):
-        for key in reachable(root, name) - {"cohort/COMPLETE"}:
+        for key in reachable(root, name) - {complete_key("cohort")}:
             assert backend.read(key) == s3.read(key)
     assert check_store(root).healthy
 
@@ -77,8 +79,8 @@ def test_missing_record_repairs_in_rounds_and_missing_ref_is_relinked(tmp_path):
     backend = open_backend(root)
     tree = Walker(backend).trees([bundle_status(backend, "b-00001")])["b-00001"]
     node = next(n for _, spec, n in tree.payloads if spec.name == "log_probs")
-    record_key = f"objects/{node.record[7:9]}/{node.record[7:]}"
-    chunk_keys = [f"objects/{c[7:9]}/{c[7:]}" for c, _ in node.chunks]
+    record_key = object_key(node.record)
+    chunk_keys = [object_key(c) for c, _ in node.chunks]
     for key in [record_key, *chunk_keys]:
         backend.delete(key)
     damaged = check_store(root)

@@ -24,6 +24,7 @@ from trajectory_replay.bundle.status import bundle_status
 from trajectory_replay.ops.walk import Walker
 from trajectory_replay.store.inventory import BlobNode
 from trajectory_replay.store.digest import blob_ref_key, object_key
+from trajectory_replay.bundle.markers import complete_key, rank_key
 
 
 def _payload(backend, bundle: str, payload: str) -> BlobNode:
@@ -83,27 +84,27 @@ def test_a_ref_naming_another_blobs_record_is_the_culprit_s3(tmp_path, s3_root):
 # ---- rank markers checked against their documents -------------------------------------------------
 
 def _rank_shifted(backend, root, options):
-    _edit_marker(backend, "cohort/COMPLETE.1", rank=0)
-    return ["cohort/COMPLETE.1"], "holds rank 0"
+    _edit_marker(backend, rank_key("cohort", 1), rank=0)
+    return [rank_key("cohort", 1)], "holds rank 0"
 
 
 def _anchor_moved(backend, root, options):
-    for key in ("cohort/COMPLETE.0", "cohort/COMPLETE.1"):
+    for key in (rank_key("cohort", 0), rank_key("cohort", 1)):
         _edit_marker(backend, key, anchor={"actor_step_id": {"rollout_id": 7, "step_id": 3}})
-    return ["cohort/COMPLETE.0", "cohort/COMPLETE.1"], "anchor"
+    return [rank_key("cohort", 0), rank_key("cohort", 1)], "anchor"
 
 
 def _documents_of_another_bundle(backend, root, options):
     write_ranks(root, "other", land=[1], expected_ranks=[0, 1], **options)
-    other = json.loads(backend.read("other/COMPLETE.1"))
-    _edit_marker(backend, "cohort/COMPLETE.1", documents=other["documents"])
-    return ["cohort/COMPLETE.1"], "bundle_id 'cohort' differs from 'other' in its manifest"
+    other = json.loads(backend.read(rank_key("other", 1)))
+    _edit_marker(backend, rank_key("cohort", 1), documents=other["documents"])
+    return [rank_key("cohort", 1)], "bundle_id 'cohort' differs from 'other' in its manifest"
 
 
 def _marker_case(tmp_path, root: str, options: dict, damage) -> None:
     write_ranks(root, "cohort", land=[0, 1], expected_ranks=[0, 1], **options)
     backend = open_backend(root, **options)
-    backend.delete("cohort/COMPLETE")
+    backend.delete(complete_key("cohort"))
     bad_keys, why = damage(backend, root, options)
 
     listing = {b.name: b for b in list_bundles(root, **options).bundles}["cohort"]
@@ -123,8 +124,8 @@ def _marker_case(tmp_path, root: str, options: dict, damage) -> None:
     damaged = {b["name"]: b["detail"] for b in report.damaged_bundles}
     assert bad_keys[0] in damaged["cohort"] and why in damaged["cohort"]
     assert f"corrupt: {bad_keys[0]}" in report.render_text()
-    assert not backend.exists("cohort/COMPLETE")  # nobody finalized from it
-    assert not open_backend(str(tmp_path / "dest")).exists("cohort/COMPLETE")
+    assert not backend.exists(complete_key("cohort"))  # nobody finalized from it
+    assert not open_backend(str(tmp_path / "dest")).exists(complete_key("cohort"))
 
 
 @pytest.mark.parametrize("damage", [_rank_shifted, _anchor_moved, _documents_of_another_bundle])
@@ -141,9 +142,9 @@ def test_an_incomplete_bundles_corrupt_rank_marker_is_reported(tmp_path):
     root = str(tmp_path / "store")
     write_ranks(root, "cohort", land=[0], expected_ranks=[0, 1])
     backend = open_backend(root)
-    _edit_marker(backend, "cohort/COMPLETE.0", bundle_id="someone-else")
+    _edit_marker(backend, rank_key("cohort", 0), bundle_id="someone-else")
     report = check_store(root)
-    assert report.corrupt == ["cohort/COMPLETE.0"] and not report.healthy
+    assert report.corrupt == [rank_key("cohort", 0)] and not report.healthy
     assert report.damaged_bundles == [{"name": "cohort", "detail": "cohort/COMPLETE.0: corrupt rank marker: bundle_id "
                                                             "'someone-else' differs from 'cohort' in its manifest"}]
     assert report.incomplete == []  # a capture in progress is no damage; this marker is
@@ -155,7 +156,7 @@ def test_unreadable_rank_documents_block_finalizing_until_repaired(tmp_path):
     write_ranks(root, "cohort", land=[0, 1], expected_ranks=[0, 1])
     copy_bundles(f"{root}/cohort", copy)
     backend = open_backend(root)
-    backend.delete("cohort/COMPLETE")
+    backend.delete(complete_key("cohort"))
     index = _document(backend, "cohort", 1, "index")
     chunk = object_key(index.chunks[0][0])
     backend.delete(chunk)
@@ -166,7 +167,7 @@ def test_unreadable_rank_documents_block_finalizing_until_repaired(tmp_path):
     assert f"missing chunk {chunk}" in str(exc.value) and "(and 1 more)" in str(exc.value)
     found = check_store(root)
     assert found.missing == [chunk] and found.corrupt == [] and found.finalized == []
-    assert not backend.exists("cohort/COMPLETE")
+    assert not backend.exists(complete_key("cohort"))
 
     fixed = check_store(root, repair_from=copy)
     assert fixed.repaired == [chunk] and fixed.finalized == ["cohort"] and fixed.healthy
@@ -181,7 +182,7 @@ def test_repairable_damage_leaves_a_healthy_store(tmp_path):
     write_ranks(root, "cohort", land=[0, 1], expected_ranks=[0, 1])
     copy_bundles(root, copy, all_bundles=True)
     backend = open_backend(root)
-    backend.delete("cohort/COMPLETE")
+    backend.delete(complete_key("cohort"))
     ref, _ = _point_ref_at_other_record(backend)
     entropy = _payload(backend, "b-00001", "entropy")
     record = object_key(entropy.record)

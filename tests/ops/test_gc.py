@@ -17,6 +17,8 @@ from trajectory_replay.ops.fsck import check_store
 from trajectory_replay.ops.gc import collect_garbage, parse_duration
 from trajectory_replay.ops.ls import list_bundles
 from trajectory_replay.store.digest import object_key
+from trajectory_replay.bundle.markers import complete_key
+from trajectory_replay.store.digest import blob_ref_key
 
 
 def test_parse_duration():
@@ -49,7 +51,7 @@ def test_crashed_capture_is_collected_and_other_bundles_stay_valid(tmp_path, how
     keep = reachable(root, "b-00001") | reachable(root, "b-00065")
     writer = _crashed_capture(root, how)
     backend = open_backend(root)
-    unshared = {k for d in writer.inflight.digests for k in (object_key(d), f"blobs/{d[7:9]}/{d[7:]}")
+    unshared = {k for d in writer.inflight.digests for k in (object_key(d), blob_ref_key(d))
                 if backend.exists(k)} - keep
     assert unshared
     dry = collect_garbage(root, grace="0s", dry_run=True)
@@ -148,7 +150,7 @@ def test_gc_loop_with_grace_zero_races_a_multirank_capture(tmp_path):
         stop.clear()
         assert not errors, errors
         assert orphan is not None
-        if open_backend(root).exists(f"{name}/COMPLETE"):
+        if open_backend(root).exists(complete_key(name)):
             completed.append(name)
     assert len(runs) >= 3 and sum(len(r.removed) for r in runs) > 0
     assert completed, "no cohort completed"
@@ -241,7 +243,7 @@ def test_writer_refuses_to_commit_when_a_sweep_removed_what_it_no_longer_holds(t
         backend.delete(object_key(writer.payloads["kl"].record))
     with pytest.raises(BundleError, match="removed by a concurrent gc"):
         writer.finalize()
-    assert not backend.exists("b-00001/COMPLETE")
+    assert not backend.exists(complete_key("b-00001"))
 
 
 def test_writer_waits_for_a_running_sweep_before_committing(tmp_path, caplog):
@@ -262,7 +264,7 @@ def test_writer_waits_for_a_running_sweep_before_committing(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         write_canonical(root)
     assert _time.monotonic() - started >= 0.5
-    assert backend.exists("b-00001/COMPLETE")
+    assert backend.exists(complete_key("b-00001"))
     waits = [r.getMessage() for r in caplog.records if "waiting for gc sweep" in r.getMessage()]
     assert len(waits) == 1 and lease in waits[0] and "until" in waits[0]
 
@@ -276,7 +278,7 @@ def test_writer_waits_for_a_running_sweep_before_committing(tmp_path, caplog):
     elapsed = writing("b-2")  # an expired lease (its gc died) is not waited for
     backend.delete(f"{LEASE_PREFIX}{'d' * 32}")
     baseline = max(before, writing("b-3"))
-    assert backend.exists("b-2/COMPLETE") and elapsed < 3 * baseline, (elapsed, baseline)
+    assert backend.exists(complete_key("b-2")) and elapsed < 3 * baseline, (elapsed, baseline)
 
 
 def test_leftover_temporary_files_go_once_old_and_never_through_a_link(tmp_path):

@@ -29,6 +29,9 @@ from trajectory_replay.bundle.status import scan_bundles
 from trajectory_replay.replay.validate import validate_sources
 from trajectory_replay.store import ObjectStore, object_key
 from trajectory_replay.store.liveness import DEAD_LEASE_AGE, LEASE_PREFIX, SweepLease
+from trajectory_replay.bundle.markers import complete_key
+from trajectory_replay.store.digest import blob_ref_key
+from trajectory_replay.store.layout import OBJECTS_DIR, REFS_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 STRESS_SECONDS = 8.0
@@ -62,7 +65,7 @@ def test_a_reused_blob_whose_chunks_are_gone_is_stored_again(tmp_path):
         for chunk in store.record(spec.digest).chunks:
             backend.delete(object_key(chunk.digest))
             removed.append(object_key(chunk.digest))
-    assert all(backend.exists(f"blobs/{s.digest[7:9]}/{s.digest[7:]}") for s in writer.payloads.values())
+    assert all(backend.exists(blob_ref_key(s.digest)) for s in writer.payloads.values())
     url = write_canonical(root, name="second")
     assert validates(url)
     assert all(backend.exists(k) for k in removed)
@@ -76,7 +79,7 @@ def test_commit_re_stores_what_an_overlapping_sweep_removed(tmp_path, caplog):
     backend = open_backend(root)
     expected_doc = next(iter(scan_bundles(backend))).complete.documents().expected
     victim = object_key(ObjectStore(backend).record(expected_doc.digest).chunks[0].digest)
-    backend.delete("old/COMPLETE")  # now garbage, as the sweep sees it
+    backend.delete(complete_key("old"))  # now garbage, as the sweep sees it
     case = renamed_case("new")
     writer = BundleWriter(f"{root}/new", case.manifest, case.index, case.expected)
     lease = SweepLease(backend)
@@ -279,7 +282,7 @@ def test_dry_run_lists_what_it_would_delete(tmp_path):
     write_canonical(root)
     writer = _crashed(root)
     backend = open_backend(root)
-    garbage = {k for d in writer.inflight.digests for k in (object_key(d), f"blobs/{d[7:9]}/{d[7:]}")
+    garbage = {k for d in writer.inflight.digests for k in (object_key(d), blob_ref_key(d))
                if backend.exists(k)} - reachable(root, "b-00001")
     result = CliRunner().invoke(app, ["gc", root, "--grace", "0s", "--dry-run"])
     assert result.exit_code == 0, result.output
@@ -288,7 +291,7 @@ def test_dry_run_lists_what_it_would_delete(tmp_path):
 
 
 def _damage_marker(root: str, name: str, text: bytes) -> None:
-    path = Path(root) / name / "COMPLETE"
+    path = Path(root) / complete_key(name)
     path.chmod(0o644)
     path.write_bytes(text)
 
@@ -296,9 +299,9 @@ def _damage_marker(root: str, name: str, text: bytes) -> None:
 def test_an_unparsable_bundle_keeps_what_it_names_and_the_sweep_goes_on(tmp_path):
     root = str(tmp_path / "store")
     write_canonical(root)
-    damaged = write_canonical(root, name="damaged", buggy=True)
-    needed = reachable(root, "damaged") - {"damaged/COMPLETE"}
-    raw = (Path(damaged) / "COMPLETE").read_bytes()
+    write_canonical(root, name="damaged", buggy=True)
+    needed = reachable(root, "damaged") - {complete_key("damaged")}
+    raw = (Path(root) / complete_key("damaged")).read_bytes()
     _damage_marker(root, "damaged", raw.replace(b'"shards"', b'"shards":"../../x","x"'))
     writer = _crashed(root)
     backend = open_backend(root)
@@ -320,10 +323,10 @@ def test_a_bundle_whose_references_cannot_be_known_keeps_every_object(tmp_path):
     _damage_marker(root, "damaged", b"\x00garbage, not a marker")
     writer = _crashed(root)
     backend = open_backend(root)
-    keys = set(backend.list("objects/")) | set(backend.list("blobs/"))
+    keys = set(backend.list(f"{OBJECTS_DIR}/")) | set(backend.list(f"{REFS_DIR}/"))
     report = collect_garbage(root, grace="0s")
     assert report.kept_everything and report.objects_removed == 0 and report.refs_removed == 0
-    assert set(backend.list("objects/")) | set(backend.list("blobs/")) == keys
+    assert set(backend.list(f"{OBJECTS_DIR}/")) | set(backend.list(f"{REFS_DIR}/")) == keys
     assert any(p.startswith("damaged: ") for p in report.unreadable_bundles)
     assert writer.inflight.key  # the crashed capture's garbage waits for the damage to be dealt with
 
@@ -348,17 +351,17 @@ def test_a_truncated_complete_keeps_every_object(tmp_path, cut):
     """A COMPLETE cut short still holds some of its digests, never surely all: what it named cannot be known."""
     root = str(tmp_path / "store")
     write_canonical(root)
-    damaged = write_canonical(root, name="damaged", buggy=True)
-    needed = reachable(root, "damaged") - {"damaged/COMPLETE"}
-    raw = (Path(damaged) / "COMPLETE").read_bytes()
+    write_canonical(root, name="damaged", buggy=True)
+    needed = reachable(root, "damaged") - {complete_key("damaged")}
+    raw = (Path(root) / complete_key("damaged")).read_bytes()
     _damage_marker(root, "damaged", raw[:int(len(raw) * cut)])
     _crashed(root)
     backend = open_backend(root)
-    keys = set(backend.list("objects/")) | set(backend.list("blobs/"))
+    keys = set(backend.list(f"{OBJECTS_DIR}/")) | set(backend.list(f"{REFS_DIR}/"))
     report = collect_garbage(root, grace="0s")
     assert report.kept_everything and report.objects_removed == 0 and report.refs_removed == 0
     assert all(backend.exists(k) for k in needed), "a key the damaged bundle names was removed"
-    assert set(backend.list("objects/")) | set(backend.list("blobs/")) == keys
+    assert set(backend.list(f"{OBJECTS_DIR}/")) | set(backend.list(f"{REFS_DIR}/")) == keys
     [named] = [p for p in report.unreadable_bundles if p.startswith("damaged: ")]
     assert "damaged/COMPLETE: not valid JSON" in named
     assert "kept every object and ref: an unreadable bundle might reference any of them" in report.render_text()

@@ -19,6 +19,7 @@ from trajectory_replay.ops.importer import import_v1
 from trajectory_replay.ops.ls import list_bundles
 from trajectory_replay.ops.stats import store_stats
 from trajectory_replay.replay import replay
+from trajectory_replay.bundle.markers import complete_key
 
 runner = CliRunner()
 
@@ -32,7 +33,7 @@ def test_ls_statuses_sizes_and_age(tmp_path):
     write_canonical(root)
     write_ranks(root, "partial", land=[0, 2], expected_ranks=[0, 1, 2])
     write_ranks(root, "lastdied", land=[0, 1], expected_ranks=[0, 1])
-    open_backend(root).delete("lastdied/COMPLETE")
+    open_backend(root).delete(complete_key("lastdied"))
     report = list_bundles(root)
     by_name = {b.name: b for b in report.bundles}
     assert [b.name for b in report.bundles] == ["b-00001", "lastdied", "partial"]
@@ -41,7 +42,7 @@ def test_ls_statuses_sizes_and_age(tmp_path):
     assert by_name["partial"].ranks == [0, 2]
     # every rank of lastdied landed: ls finalizes it, as any reader does
     assert by_name["lastdied"].status == "complete" and by_name["lastdied"].ranks == [0, 1]
-    assert report.finalized == ["lastdied"] and open_backend(root).exists("lastdied/COMPLETE")
+    assert report.finalized == ["lastdied"] and open_backend(root).exists(complete_key("lastdied"))
     one = by_name["b-00001"]
     assert one.logical_bytes == sum(s.size for s in open_sources(f"{root}/b-00001")[0].manifest.payloads.values())
     assert one.stored_bytes > 0 and 0 <= one.age_seconds < 60

@@ -26,6 +26,9 @@ from trajectory_replay.errors import TrajectoryReplayError
 from trajectory_replay.ops.gc import TEMPORARY_MIN_AGE, collect_garbage
 from trajectory_replay.store import ObjectStore, hash_bytes, object_key
 from trajectory_replay.store.digest import blob_ref_key
+from trajectory_replay.bundle.markers import complete_key
+from trajectory_replay.store.layout import OBJECTS_DIR, REFS_DIR
+from trajectory_replay.store.liveness import GC_PREFIX, INFLIGHT_PREFIX
 
 REPO = Path(__file__).resolve().parents[2]
 BUNDLE = "b-crash"
@@ -123,7 +126,7 @@ def temp_files(root: Path) -> list[Path]:
 def assert_whole(root: Path, keys: set[str]) -> None:
     """Every object key holds bytes that hash to its name."""
     for key in keys:
-        if key.startswith("objects/"):
+        if key.startswith(f"{OBJECTS_DIR}/"):
             assert key == object_key(hash_bytes((root / key).read_bytes())), key
 
 
@@ -142,7 +145,7 @@ def put_plan(tmp_path_factory):
 def _gc_empties(root: Path) -> None:
     report = collect_garbage(str(root), grace=0)
     assert report.kept_everything is False and report.unreadable_bundles == []
-    assert {k for k in keys_of(root) if not k.startswith(".gc/")} == set()
+    assert {k for k in keys_of(root) if not k.startswith(GC_PREFIX)} == set()
 
 
 def test_killed_while_writing_a_chunk_leaves_only_an_unlisted_temporary_file(tmp_path, put_plan):
@@ -231,7 +234,7 @@ def crashed_bundle(bundle_writers, name: str) -> tuple[Path, str]:
 
 
 def _inflight(root: Path) -> dict:
-    [key] = [k for k in keys_of(root) if k.startswith(".inflight/")]
+    [key] = [k for k in keys_of(root) if k.startswith(INFLIGHT_PREFIX)]
     doc = json.loads((root / key).read_bytes())
     assert doc["bundle"] == BUNDLE
     return doc
@@ -250,8 +253,8 @@ def _assert_not_complete(root: Path) -> None:
 
 
 def _split(keys: set[str]) -> tuple[set[str], set[str], set[str]]:
-    return ({k for k in keys if k.startswith("objects/")}, {k for k in keys if k.startswith("blobs/")},
-            {k for k in keys if not k.startswith(("objects/", "blobs/"))})
+    return ({k for k in keys if k.startswith(f"{OBJECTS_DIR}/")}, {k for k in keys if k.startswith(f"{REFS_DIR}/")},
+            {k for k in keys if not k.startswith((f"{OBJECTS_DIR}/", f"{REFS_DIR}/"))})
 
 
 def test_bundle_killed_after_listing_its_objects_has_written_none(bundle_writers):
@@ -260,19 +263,19 @@ def test_bundle_killed_after_listing_its_objects_has_written_none(bundle_writers
     objects, refs, other = _split(keys_of(tmp_path))
     assert objects == refs == set() and temp_files(tmp_path) == []
     doc = _inflight(tmp_path)
-    assert other == {f".inflight/{doc['attempt']}.json"} and doc["digests"]
+    assert other == {f"{INFLIGHT_PREFIX}{doc['attempt']}.json"} and doc["digests"]
     _assert_not_complete(tmp_path)
     report = collect_garbage(str(tmp_path), grace=0)      # a live record: gc leaves it alone
     assert report.active_captures == 1 and report.inflight_removed == 0
-    assert keys_of(tmp_path) - {k for k in keys_of(tmp_path) if k.startswith(".gc/")} == other
+    assert keys_of(tmp_path) - {k for k in keys_of(tmp_path) if k.startswith(GC_PREFIX)} == other
 
 
 def test_bundle_killed_before_its_first_ref_leaves_only_listed_objects_which_gc_spares(bundle_writers):
     tmp_path, key = crashed_bundle(bundle_writers, "before ref")
-    assert key.startswith("blobs/")
+    assert key.startswith(f"{REFS_DIR}/")
     objects, refs, other = _split(keys_of(tmp_path))
     doc = _inflight(tmp_path)
-    assert objects and refs == set() and other == {f".inflight/{doc['attempt']}.json"}
+    assert objects and refs == set() and other == {f"{INFLIGHT_PREFIX}{doc['attempt']}.json"}
     assert objects <= _named_keys(doc)                    # nothing is written before it is listed
     assert_whole(tmp_path, objects)
     _assert_not_complete(tmp_path)
@@ -280,35 +283,35 @@ def test_bundle_killed_before_its_first_ref_leaves_only_listed_objects_which_gc_
     report = collect_garbage(str(tmp_path), grace=0)
     assert report.objects_removed == report.refs_removed == report.inflight_removed == 0
     assert report.protected_by_inflight == len(objects)
-    assert {k for k in keys_of(tmp_path) if not k.startswith(".gc/")} == before
+    assert {k for k in keys_of(tmp_path) if not k.startswith(GC_PREFIX)} == before
 
 
 def test_bundle_killed_before_complete_is_garbage_once_its_record_expires(bundle_writers):
     tmp_path, key = crashed_bundle(bundle_writers, "before complete")
-    assert key == f"{BUNDLE}/COMPLETE"
+    assert key == complete_key(BUNDLE)
     objects, refs, other = _split(keys_of(tmp_path))
     doc = _inflight(tmp_path)
-    assert objects and refs and other == {f".inflight/{doc['attempt']}.json"}
+    assert objects and refs and other == {f"{INFLIGHT_PREFIX}{doc['attempt']}.json"}
     assert objects | refs <= _named_keys(doc) | {blob_ref_key(d) for d in doc["digests"]}
     assert_whole(tmp_path, objects)
     _assert_not_complete(tmp_path)
     report = collect_garbage(str(tmp_path), grace=0)      # the record expired: nothing protects the objects
     assert report.inflight_removed == 1
     assert report.objects_removed == len(objects) and report.refs_removed == len(refs)
-    assert {k for k in keys_of(tmp_path) if not k.startswith(".gc/")} == set()
+    assert {k for k in keys_of(tmp_path) if not k.startswith(GC_PREFIX)} == set()
 
 
 def test_bundle_killed_after_complete_opens_and_gc_removes_only_its_record(bundle_writers):
     tmp_path, key = crashed_bundle(bundle_writers, "after complete")
-    assert key.startswith(".inflight/")
+    assert key.startswith(INFLIGHT_PREFIX)
     objects, refs, other = _split(keys_of(tmp_path))
     doc = _inflight(tmp_path)
-    assert other == {f".inflight/{doc['attempt']}.json", f"{BUNDLE}/COMPLETE"}
+    assert other == {f"{INFLIGHT_PREFIX}{doc['attempt']}.json", complete_key(BUNDLE)}
     [reader] = open_native(str(tmp_path / BUNDLE))
     for payload in reader.manifest.payloads:
         reader.load_payload(payload)
     report = collect_garbage(str(tmp_path), grace=0)      # the bundle names every object: only the record goes
     assert report.inflight_removed == 1 and report.objects_removed == report.refs_removed == 0
-    assert {k for k in keys_of(tmp_path) if not k.startswith(".gc/")} == objects | refs | {f"{BUNDLE}/COMPLETE"}
+    assert {k for k in keys_of(tmp_path) if not k.startswith(GC_PREFIX)} == objects | refs | {complete_key(BUNDLE)}
     [reader] = open_native(str(tmp_path / BUNDLE))
     assert set(reader.manifest.payloads)

@@ -11,6 +11,7 @@ from trajectory_replay.store import ChunkingParams, ObjectStore, blob_ref_key, h
 from trajectory_replay.store.digest import OBJECT, REF
 from trajectory_replay.store.inventory import Inventory, write_layers
 from trajectory_replay.store.objectstore import RecordError
+from trajectory_replay.store.layout import OBJECTS_DIR
 
 SMALL = ChunkingParams(chunk_size=64 << 10, min_size=16 << 10, target_size=32 << 10)
 
@@ -34,12 +35,12 @@ def _blob(store: ObjectStore, size: int = 200_000):
 def test_lists_objects_and_refs_by_digest(store):
     ref, record = _blob(store)
     plain = store.put_object(b"a plain object")
-    store.backend.write("objects/zz/not-a-digest", b"x")  # named the way no store names an object
+    store.backend.write(f"{OBJECTS_DIR}/zz/not-a-digest", b"x")  # named the way no store names an object
     inventory = store.inventory
     chunks = {c.digest for c in record.chunks}
     assert set(inventory.object_digests()) == chunks | {ref.record, plain}
     assert inventory.ref_digests() == [ref.digest]
-    assert "objects/zz/not-a-digest" in inventory.object_keys()
+    assert f"{OBJECTS_DIR}/zz/not-a-digest" in inventory.object_keys()
     assert len(inventory.object_keys()) == len(chunks) + 3
     assert inventory.ref_keys() == [blob_ref_key(ref.digest)]
 

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from trajectory_replay.backends.base import ProbeResult
+from trajectory_replay.store.layout import PROBE_DIR
 
 if TYPE_CHECKING:
     from trajectory_replay.backends.base import Backend
@@ -29,8 +30,8 @@ CONCURRENT_WRITERS = 8
 def run_probe(backend: "Backend") -> ProbeResult:
     """Run the create-once checks against `backend` and clean up after them."""
     token = uuid.uuid4().hex
-    seq_key = f".probe/{token}-seq"
-    con_key = f".probe/{token}-con"
+    seq_key = f"{PROBE_DIR}/{token}-seq"
+    con_key = f"{PROBE_DIR}/{token}-con"
     checks: dict[str, bool] = {}
     detail = []
     transient = False

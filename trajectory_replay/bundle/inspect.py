@@ -25,7 +25,7 @@ from trajectory_replay.bundle.redaction import unknown_fields
 from trajectory_replay.bundle.resolve import V1, Bundle, open_bundle
 from trajectory_replay.bundle.schema import STAGE_ORDER, PayloadSpec, RecomputeConfig
 from trajectory_replay.bundle.status import (
-    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, bundle_status, describe_missing, finalize,
+    COMPLETE_STATUS, CORRUPT, FINALIZABLE, INCOMPLETE, BundleState, bundle_status, describe_missing, finalize,
 )
 from trajectory_replay.errors import BundleError, IncompleteBundleError, StorageUnavailableError, TrajectoryReplayError
 from trajectory_replay.store import BlobRecord, ObjectStore, blob_ref_key, object_key
@@ -89,7 +89,7 @@ class Inspection:
         """The `--json` status: pass, incomplete or invalid."""
         if self.damaged or self.state == "invalid":
             return "invalid"
-        return "incomplete" if self.state in ("incomplete", "finalizable") else "pass"
+        return "incomplete" if self.state in (INCOMPLETE, FINALIZABLE) else "pass"
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as data (the CLI adds the top-level `status`: see `outcome`)."""
@@ -371,7 +371,7 @@ def inspect_bundle(path_or_url: str | os.PathLike, *, step: Optional[str] = None
         return _inspect_older(bundle)
     store, name = bundle.store, bundle.name
     assert store is not None
-    out = Inspection(redact_url(bundle.target), "complete", bundle_id=name)
+    out = Inspection(redact_url(bundle.target), COMPLETE_STATUS, bundle_id=name)
     state = bundle_status(store.backend, name)
     if state is not None and state.status == FINALIZABLE:
         state = finalize(store.backend, state)
@@ -393,11 +393,11 @@ def inspect_bundle(path_or_url: str | os.PathLike, *, step: Optional[str] = None
 
 
 def _inspect_older(bundle: Bundle) -> Inspection:
-    out = Inspection(redact_url(bundle.target), "complete", format=V1)
+    out = Inspection(redact_url(bundle.target), COMPLETE_STATUS, format=V1)
     try:
         sources = bundle.readers()
     except BundleError as exc:
-        out.state = "incomplete" if isinstance(exc, IncompleteBundleError) else "invalid"
+        out.state = INCOMPLETE if isinstance(exc, IncompleteBundleError) else "invalid"
         out.detail = str(exc)
         return out
     _fill_from_source(out, sources[0], None)
@@ -412,13 +412,13 @@ def _inspect_unfinished(out: Inspection, store: ObjectStore, name: str, state: O
     reader would see them (documents are committed before a rank marker)."""
     out.detail = describe_missing(store.backend, name, state)  # NoSuchTargetError when it is no bundle at all
     if state is None or not state.rank_markers:
-        out.state = "incomplete"
+        out.state = INCOMPLETE
         return out
     out.ranks, out.expected_ranks = state.landed_ranks, state.expected_ranks
     if state.missing_ranks:
-        out.state = "incomplete"
+        out.state = INCOMPLETE
     else:  # every rank landed, yet it is not finalized (here): say why
-        out.state = "finalizable"
+        out.state = FINALIZABLE
         if state.status == CORRUPT:
             out.problems.append(state.detail)
             out.detail = "every rank landed and COMPLETE is missing; the rank markers cannot be finalized"

@@ -49,9 +49,11 @@ from trajectory_replay.bundle.documents import DEFAULT_MAX_DOCUMENT_BYTES, check
 from trajectory_replay.bundle.documents import one_line as _one_line
 from trajectory_replay.bundle.documents import parse_json as _parse_json
 from trajectory_replay.bundle.documents import validate_document as _validate
+from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.codec import manifest_dtype
 from trajectory_replay.bundle.markers import MAX_RANK, MAX_RANKS
 from trajectory_replay.bundle.paths import check_directory, find_v1_bundles, is_v1_bundle, rank_of_dir
+from trajectory_replay.bundle.status import BundleStatus
 from trajectory_replay.bundle.torchsave import RawTensor, encode_pt, raw_tensor
 from trajectory_replay.errors import (
     BundleError, IncompleteBundleError, NoSuchTargetError, NotFoundError, TrajectoryReplayError, UnsupportedError,
@@ -855,12 +857,12 @@ def open_v1(path: PathLike) -> list[LegacyBundle]:
 
 @dataclass(frozen=True)
 class V1Status:
-    """What a listing shows of one V1 bundle directory."""
+    """What a listing shows of one V1 bundle directory, in the states of `status.BundleStatus`."""
 
     path: Path
-    status: str
-    """complete | incomplete | finalizable (every rank landed, the parent COMPLETE missing) | corrupt |
-    unsupported (the older tool's format 2)"""
+    status: BundleStatus
+    """complete | incomplete | finalizable (every rank landed, the parent COMPLETE missing; no reader writes it) |
+    corrupt | unsupported (the older tool's format 2)"""
     rollout_id: Optional[int] = None
     step_id: Optional[int] = None
     """The identity anchor (step level when step_id is set), when known."""
@@ -871,6 +873,19 @@ class V1Status:
     """Sum of the payload file sizes of every rank (the format stores each payload whole, once per rank)."""
     mtime: Optional[float] = None
     detail: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def anchor(self) -> Optional[Anchor]:
+        """The identity's anchor, read as a native bundle's `BundleState.anchor` (None when unknown)."""
+        return None if self.rollout_id is None else Anchor(self.rollout_id, self.step_id)
+
+    @property
+    def landed_ranks(self) -> list[int]:
+        return list(self.ranks)
 
 
 def v1_status(path: PathLike) -> V1Status:
@@ -885,14 +900,14 @@ def v1_status(path: PathLike) -> V1Status:
     except IncompleteBundleError as exc:
         return _unfinished_status(directory, str(exc))
     except UnsupportedError as exc:
-        return V1Status(directory, "unsupported", detail=_one_line(str(exc)))
+        return V1Status(directory, BundleStatus.UNSUPPORTED, detail=_one_line(str(exc)))
     except (TrajectoryReplayError, OSError) as exc:
-        return V1Status(directory, "corrupt", detail=_one_line(str(exc)))
+        return V1Status(directory, BundleStatus.CORRUPT, detail=_one_line(str(exc)))
     ident = sources[0].index.identity
     step = ident.actor_step_id
     ranks = sorted(int(r) for r in complete.get("ranks", [])) or [0]
     expected = sorted(complete.get("expected_ranks") or ranks)
-    return V1Status(directory, "complete", ident.rollout_id if step is None else step.rollout_id,
+    return V1Status(directory, BundleStatus.COMPLETE, ident.rollout_id if step is None else step.rollout_id,
                     None if step is None else step.step_id, tuple(ranks), tuple(expected), (),
                     sum(spec.size for s in sources for spec in s.manifest.payloads.values()), mtime)
 
@@ -908,15 +923,16 @@ def _unfinished_status(directory: Path, reason: str) -> V1Status:
                                                          V1Shard)
         mtimes = [p.stat().st_mtime for p in directory.glob("COMPLETE.*")]
     except (TrajectoryReplayError, OSError) as exc:
-        return V1Status(directory, "corrupt", detail=_one_line(str(exc)))
+        return V1Status(directory, BundleStatus.CORRUPT, detail=_one_line(str(exc)))
     if not markers:
-        return V1Status(directory, "incomplete", detail=reason)
+        return V1Status(directory, BundleStatus.INCOMPLETE, detail=reason)
     first = markers[min(markers)]
     step = first.actor_step_id
     expected = sorted(first.expected_ranks)
     missing = tuple(r for r in expected if r not in markers)
-    status, detail = ("incomplete", f"missing ranks {list(missing)} of {expected}") if missing else \
-        ("finalizable", "every rank landed; the parent COMPLETE is missing (older format: readers do not write it)")
+    status, detail = (BundleStatus.INCOMPLETE, f"missing ranks {list(missing)} of {expected}") if missing else \
+        (BundleStatus.FINALIZABLE,
+         "every rank landed; the parent COMPLETE is missing (older format: readers do not write it)")
     return V1Status(directory, status, first.rollout_id if step is None else step.rollout_id,
                     None if step is None else step.step_id, tuple(sorted(markers)), tuple(expected), missing,
                     mtime=max(mtimes) if mtimes else None, detail=detail)

@@ -23,10 +23,10 @@ from trajectory_replay.backends import redact_url
 from trajectory_replay.bundle import codec
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.documents import check_document_size, parse_document, parse_json, validate_document
-from trajectory_replay.bundle.markers import CompleteMarker, Documents, read_complete, try_finalize
+from trajectory_replay.bundle.markers import CompleteMarker, Documents, read_complete
 from trajectory_replay.bundle.paths import split_bundle_path
 from trajectory_replay.bundle.schema import BundleIndex, Expected, Manifest, PayloadSpec
-from trajectory_replay.bundle.status import bundle_status, describe_missing
+from trajectory_replay.bundle.status import bundle_status, describe_missing, finalize
 from trajectory_replay.bundle.writer import LOSS_MASK
 from trajectory_replay.errors import BundleError, IncompleteBundleError, TrajectoryReplayError
 from trajectory_replay.store import BlobRecord, BlobRef, ObjectStore
@@ -303,10 +303,12 @@ def native_readers(store: ObjectStore, name: str, rank: Optional[int] = None,
     if marker is None:
         marker = read_complete(store.backend, name)
     if marker is None:
-        marker = try_finalize(store.backend, name)
+        state = bundle_status(store.backend, name)
+        state = None if state is None else finalize(store.backend, state, raising=True)
+        marker = None if state is None else state.complete
     if marker is None:
         where = f"{redact_url(store.url)}/{name}"
-        reason = describe_missing(store.backend, name, bundle_status(store.backend, name))
+        reason = describe_missing(store.backend, name, state)
         if rank is not None:
             raise IncompleteBundleError(f"{where}/rank-{rank}: refused until the bundle's final COMPLETE exists "
                                         f"({reason})")

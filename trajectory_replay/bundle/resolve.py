@@ -27,7 +27,9 @@ from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.markers import COMPLETE, RANK_MARKER
 from trajectory_replay.bundle.paths import find_v1_bundles, is_v1_bundle, split_bundle_path
 from trajectory_replay.bundle.reader import BundleReader, native_readers
-from trajectory_replay.bundle.status import CORRUPT, FINALIZABLE, BundleState, bundle_status, finalize, scan_bundles
+from trajectory_replay.bundle.status import (
+    CORRUPT, FINALIZABLE, BundleState, bundle_status, finalize_landed, scan_bundles,
+)
 from trajectory_replay.errors import BundleError, NoMatchingBundleError, SelectionError, TrajectoryReplayError
 from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.liveness import read_inflight
@@ -277,7 +279,7 @@ def _designated(text: str, local: Optional[Path], want: Optional[Anchor], option
             Selection(shown, want, [Candidate.of(state, text)], direct=True).one()
         return native  # without COMPLETE, opening says what is missing
     store = ObjectStore.open(text, **options)
-    states = [finalize(store.backend, s) for s in scan_bundles(store.backend)]
+    states, _ = finalize_landed(store.backend, scan_bundles(store.backend))
     found = [Candidate.of(s, f"{text.rstrip('/')}/{s.name}") for s in states if s.complete is not None]
     unreadable = [Candidate.of(s, f"{text.rstrip('/')}/{s.name}") for s in states
                   if s.complete is None and s.status in (CORRUPT, FINALIZABLE)]

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from trajectory_replay.bundle import profiles
 from trajectory_replay.bundle.anchor import Anchor
-from trajectory_replay.store.digest import OBJECTS_DIR, REFS_DIR
+from trajectory_replay.store.layout import RESERVED_NAMES
 
 FORMAT_VERSION = "1.1.0"
 """Manifest format written by this package. Major 1 is shared with the older directory format."""
@@ -40,7 +40,7 @@ class SchemaWarning(UserWarning):
 
 def check_name(value: str, what: str) -> str:
     """Return `value` if it is a valid bundle id / payload name, else raise ValueError naming `what`."""
-    if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value) or value in (OBJECTS_DIR, REFS_DIR):
+    if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value) or value in RESERVED_NAMES:
         raise ValueError(f"invalid {what} {value!r}: must match [A-Za-z0-9][A-Za-z0-9._-]* "
                          "and not be a reserved name (objects, blobs)")
     if ".." in value:

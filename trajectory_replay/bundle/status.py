@@ -1,11 +1,15 @@
-"""What state a native bundle is in, decided in one place from its markers: every command that shows,
-picks, copies, keeps or repairs bundles (inspect, ls, replay's resolution, cp, gc, fsck, stats) asks here.
+"""What state a bundle is in: the states of both formats (`BundleStatus`), a native bundle's decided in one place
+from its markers, and finalizing, which every reader does through here. Every command that shows, picks, copies,
+keeps or repairs bundles (inspect, ls, replay's resolution, cp, gc, fsck, stats) asks here; the older format's
+reader (`legacy.v1_status`) states its bundles in the same terms.
 
     complete     COMPLETE exists and reads
     incomplete   some expected rank has not landed (or a writer has not committed yet)
     finalizable  every expected rank landed, the markers agree with each other and with their documents,
-                 and COMPLETE is missing: any reader may write it (`finalize`)
+                 and COMPLETE is missing: any reader of a native bundle writes it (`finalize`), none of an
+                 older-format one
     corrupt      a marker cannot be read, or the landed markers cannot be finalized (named in `detail`)
+    unsupported  an older-format bundle of the older tool's format 2
 
 A bundle directory without any marker has no state (`bundle_status` returns None): `describe_missing`
 tells a writer still at work (or one that died before its marker) from a directory that is no bundle.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Iterable, Optional
 
 from trajectory_replay.backends import Backend, redact_url
@@ -32,10 +37,30 @@ from trajectory_replay.errors import (
     UsageError,
 )
 from trajectory_replay.store import ObjectStore
-from trajectory_replay.store.inventory import LAYOUT_DIRS, concurrently
+from trajectory_replay.store.inventory import concurrently
+from trajectory_replay.store.layout import is_bundle_dir
 from trajectory_replay.store.liveness import read_inflight
 
-COMPLETE_STATUS, INCOMPLETE, FINALIZABLE, CORRUPT = "complete", "incomplete", "finalizable", "corrupt"
+
+
+class BundleStatus(str, Enum):
+    """The state of a bundle of either format (see the module docstring); a string, its value, the word every
+    report shows."""
+
+    COMPLETE = "complete"
+    INCOMPLETE = "incomplete"
+    FINALIZABLE = "finalizable"
+    CORRUPT = "corrupt"
+    UNSUPPORTED = "unsupported"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMPLETE_STATUS = BundleStatus.COMPLETE
+"""`BundleStatus.COMPLETE` (COMPLETE is the marker's file name); the others by their member names:"""
+INCOMPLETE, FINALIZABLE = BundleStatus.INCOMPLETE, BundleStatus.FINALIZABLE
+CORRUPT, UNSUPPORTED = BundleStatus.CORRUPT, BundleStatus.UNSUPPORTED
 
 
 @dataclass
@@ -43,7 +68,7 @@ class BundleState:
     """One bundle directory of a root: its markers and what they say."""
 
     name: str
-    status: str
+    status: BundleStatus
     """complete | incomplete (ranks missing) | finalizable (all ranks landed, COMPLETE missing) | corrupt"""
     complete: Optional[CompleteMarker] = None
     rank_markers: dict[int, RankMarker] = field(default_factory=dict)
@@ -91,9 +116,9 @@ class BundleState:
 
 
 def bundle_names(backend: Backend) -> list[str]:
-    """Children of the root that may be bundles (the store's own and dot names excluded, and on a local disk the
-    directories of the older format, whose COMPLETE is not a native marker: `ls` lists those itself)."""
-    names = [n for n in backend.list_dir() if n not in LAYOUT_DIRS and not n.startswith(".")]
+    """Children of the root that may be bundles (`layout.is_bundle_dir`; on a local disk not the directories of the
+    older format, whose COMPLETE is not a native marker: `ls` lists those itself)."""
+    names = [n for n in backend.list_dir() if is_bundle_dir(n)]
     root = getattr(backend, "root", None)
     if not isinstance(root, os.PathLike):
         return names
@@ -172,24 +197,43 @@ def anchor_problems(backend: Backend, states: Iterable[BundleState]) -> dict[str
     return {s.name: why for s, why in zip(complete, found) if why is not None}
 
 
-def finalize(backend: Backend, state: BundleState) -> BundleState:
+def finalize(backend: Backend, state: BundleState, *, raising: bool = False) -> BundleState:
     """A finalizable bundle after writing its final COMPLETE, as every reader does (docs/format.md): complete;
     still finalizable, `detail` saying why, where this store or user cannot write markers; corrupt when its
-    markers turn out not to be finalizable. Any other state is returned as it is."""
-    if state.status != FINALIZABLE:
+    markers turn out not to be finalizable. Any other state is returned as it is.
+
+    With `raising` (a reader that cannot go on without COMPLETE: opening a bundle, fsck), what keeps the bundle
+    from being finalized is raised instead: BackendError where this store or user cannot write markers, and
+    `markers.try_finalize`'s BundleError naming the bad marker where every rank landed but the markers cannot be
+    finalized (a corrupt state is then tried too, for that error)."""
+    landed = state.status == FINALIZABLE or (
+        raising and state.status == CORRUPT and bool(state.expected_ranks) and not state.missing_ranks)
+    if not landed:
         return state
     try:
         try_finalize(backend, state.name, state.expected_ranks)
     except StorageUnavailableError:
         raise
     except (BackendError, OSError) as exc:  # this store or this user cannot write markers: say so
+        if raising:
+            raise
         state.detail = f"every rank landed; not finalized here: {exc}"
         return state
     except TrajectoryReplayError as exc:
+        if raising:
+            raise
         state.status, state.detail = CORRUPT, str(exc)
         return state
     again = bundle_status(backend, state.name)
     return again if again is not None and again.status == COMPLETE_STATUS else state
+
+
+def finalize_landed(backend: Backend, states: list[BundleState]) -> tuple[list[BundleState], list[str]]:
+    """`finalize` each of `states`, as a reader of a whole root does (ls, stats, scan, replay's resolution): (the
+    states after that, the names finalized now)."""
+    landed = [s.name for s in states if s.status == FINALIZABLE]
+    after = [finalize(backend, s) for s in states]
+    return after, [s.name for s in after if s.name in landed and s.status == COMPLETE_STATUS]
 
 
 def describe_missing(backend: Backend, name: str, state: Optional[BundleState]) -> str:
@@ -213,7 +257,7 @@ def describe_missing(backend: Backend, name: str, state: Optional[BundleState]) 
 
 
 __all__ = [
-    "BundleState", "COMPLETE_STATUS", "CORRUPT", "FINALIZABLE", "INCOMPLETE", "anchor_problems", "bundle_names",
-    "bundle_status",
-    "describe_missing", "finalize", "scan_bundles",
+    "BundleState", "BundleStatus", "COMPLETE_STATUS", "CORRUPT", "FINALIZABLE", "INCOMPLETE", "UNSUPPORTED",
+    "anchor_problems", "bundle_names", "bundle_status", "describe_missing", "finalize", "finalize_landed",
+    "scan_bundles",
 ]

@@ -37,6 +37,7 @@ from trajectory_replay.capture.commit import BundleJob, commit_bundle, storage_f
 from trajectory_replay.capture.records import check_fields
 from trajectory_replay.errors import StorageUnavailableError
 from trajectory_replay.store import ObjectStore
+from trajectory_replay.store.layout import PROBE_DIR
 
 log = logging.getLogger("trajectory_replay.capture")
 
@@ -300,7 +301,7 @@ def main() -> None:
         if store.backend.capabilities.atomic_create and store.backend.probe().transient:
             # what kept the probe from the store, for the parent's backoff: the backend remembers an endpoint
             # that just gave no answer, so this fails at once
-            store.backend.exists(".probe/ready")
+            store.backend.exists(f"{PROBE_DIR}/ready")
     except Exception as exc:  # noqa: BLE001
         failure = storage_failure(exc)
     finally:

@@ -7,7 +7,7 @@ no marker and no live in-flight record names) and incomplete bundles are reporte
 damage: gc removes the first, and the second may be a capture in progress. Rank markers of a
 bundle without COMPLETE are checked against their documents (`markers.rank_marker_problems`);
 a finalizable bundle (every rank landed, each marker agreeing with its documents and with the
-others, COMPLETE missing) is finalized with `markers.try_finalize`.
+others, COMPLETE missing) is finalized as every reader does (`status.finalize`).
 
 Damage is charged to the key that is wrong, never to a healthy one: a ref naming a verified
 record of another blob is a corrupt ref (its record is fine), and a rank marker that
@@ -32,18 +32,18 @@ from typing import Any, Optional
 
 from trajectory_replay.backends import Backend, redact_url
 from trajectory_replay.bundle.markers import (
-    MarkerProblem, complete_disagreements, rank_marker_problems, ranks_brief, try_finalize,
+    MarkerProblem, complete_disagreements, rank_marker_problems, ranks_brief,
 )
 from trajectory_replay.errors import BundleError, NoSuchTargetError
 from trajectory_replay.ops.progress import Progress
 from trajectory_replay.bundle.status import (
-    CORRUPT, FINALIZABLE, INCOMPLETE, BundleState, anchor_problems, scan_bundles,
+    COMPLETE_STATUS, CORRUPT, FINALIZABLE, INCOMPLETE, BundleState, anchor_problems, finalize, scan_bundles,
 )
 from trajectory_replay.ops.walk import BundleTree, Walker, open_root
 from trajectory_replay.store import BlobRecord
 from trajectory_replay.store.digest import REF, blob_ref_key, digest_from_key, key_kind
 from trajectory_replay.store.inventory import Inventory, batched, digest_keys, parse_ref, value_problem
-from trajectory_replay.store.liveness import read_inflight
+from trajectory_replay.store.liveness import InflightState, read_inflight
 from trajectory_replay.units import human_bytes
 
 VERIFY_BATCH = 32
@@ -132,6 +132,35 @@ def check_store(root: str | os.PathLike, *, repair_from: Optional[str] = None,
     inflight = read_inflight(backend)
     progress.phase("fsck: verifying objects", objects=len(listed))
     unsound = _verify_all(inventory, listed, report, progress)
+    walk = _walk_and_repair(inventory, source, listed, unsound, report, progress)
+    marker_problems = {s.name: rank_marker_problems(backend, s.name, s.rank_markers) if s.complete is None
+                       else complete_disagreements(s.name, s.complete, s.rank_markers)
+                       for s in walk.states if s.rank_markers}
+    _report_keys(report, walk, marker_problems, source)
+    _report_orphans(report, listed, walk, inflight)
+    _report_bundles(backend, report, walk, marker_problems)
+    return report
+
+
+@dataclass
+class _Walk:
+    """What the last walk of the bundles' trees found (after repairs, when any were made)."""
+
+    states: list[BundleState]
+    trees: dict[str, BundleTree]
+    needed: set[str]
+    """Every key some tree reaches."""
+    missing: set[str]
+    corrupt: set[str]
+    attempted: set[str]
+    """Keys a repair was tried for."""
+
+
+def _walk_and_repair(inventory: Inventory, source: Optional[Backend], listed: list[str], unsound: set[str],
+                     report: FsckReport, progress: Progress) -> _Walk:
+    """Walk every bundle's tree; with a `source`, repair what is missing or corrupt from it and walk again, until
+    nothing changes (restoring a record can reveal chunks the walk could not see before)."""
+    backend = inventory.backend
     present = set(listed)
     attempted: set[str] = set()
     for round_ in range(MAX_REPAIR_ROUNDS + 1):
@@ -153,39 +182,53 @@ def check_store(root: str | os.PathLike, *, repair_from: Optional[str] = None,
         unsound -= fixed
         if not fixed:
             break
-    marker_problems = {s.name: rank_marker_problems(backend, s.name, s.rank_markers) if s.complete is None
-                       else complete_disagreements(s.name, s.complete, s.rank_markers)
-                       for s in states if s.rank_markers}
+    return _Walk(states, trees, needed, missing, corrupt, attempted)
+
+
+def _report_keys(report: FsckReport, walk: _Walk, marker_problems: dict[str, list[MarkerProblem]],
+                 source: Optional[Backend]) -> None:
+    """The missing and corrupt keys (objects, refs, rank markers that contradict their documents), and why each
+    one a repair was asked for is still bad."""
+    missing, corrupt = walk.missing, walk.corrupt
     bad_markers = sorted(p.key for problems in marker_problems.values() for p in problems if p.corrupt)
     report.missing = sorted(missing)
     report.corrupt = sorted(corrupt | set(bad_markers))
-    if source is not None:
-        for key in sorted((missing | corrupt) & set(report.repaired)):
-            report.not_repaired(key, f"copied from {redact_url(source.url)}, still {_state(key, missing)} after it")
-        for key in sorted((missing | corrupt) - attempted):
-            report.not_repaired(key, f"repair stopped after {MAX_REPAIR_ROUNDS} rounds")
-        complete = {s.name for s in states if s.complete is not None}
-        for key in bad_markers:
-            report.not_repaired(key, "a rank marker is not restored from another store" + (
-                "" if key.rpartition("/")[0] in complete else "; the bundle is not finalized"))
-    report.bundles = len(states)
+    if source is None:
+        return
+    for key in sorted((missing | corrupt) & set(report.repaired)):
+        report.not_repaired(key, f"copied from {redact_url(source.url)}, still {_state(key, missing)} after it")
+    for key in sorted((missing | corrupt) - walk.attempted):
+        report.not_repaired(key, f"repair stopped after {MAX_REPAIR_ROUNDS} rounds")
+    complete = {s.name for s in walk.states if s.complete is not None}
+    for key in bad_markers:
+        report.not_repaired(key, "a rank marker is not restored from another store" + (
+            "" if key.rpartition("/")[0] in complete else "; the bundle is not finalized"))
+
+
+def _report_orphans(report: FsckReport, listed: list[str], walk: _Walk, inflight: list[InflightState]) -> None:
+    """The keys no bundle and no live in-flight record names, and the bundles that make gc keep them all."""
     live_digests = {d for r in inflight if r.live(time.time()) for d in r.digests}
     in_flight = {k for d in live_digests for k in digest_keys(d)}
-    report.orphaned = sorted(k for k in listed if k not in needed and k not in in_flight)
+    report.orphaned = sorted(k for k in listed if k not in walk.needed and k not in in_flight)
     # gc walks the same trees: one it cannot read whole makes it keep every object and ref (ops/gc.py)
-    walked = {s.name for s in states if s.status != INCOMPLETE}
-    report.orphans_kept_by = sorted(name for name, tree in trees.items() if tree.problems and name in walked)
-    anchors = anchor_problems(backend, states)
-    for s in states:
+    walked = {s.name for s in walk.states if s.status != INCOMPLETE}
+    report.orphans_kept_by = sorted(name for name, tree in walk.trees.items() if tree.problems and name in walked)
+
+
+def _report_bundles(backend: Backend, report: FsckReport, walk: _Walk,
+                    marker_problems: dict[str, list[MarkerProblem]]) -> None:
+    """Finalize the finalizable bundles; name each damaged or incomplete one."""
+    report.bundles = len(walk.states)
+    anchors = anchor_problems(backend, walk.states)
+    for s in walk.states:
         finalize_error = _finalize(backend, s, report)
-        damage = _damage(s, trees.get(s.name), marker_problems.get(s.name, []), finalize_error)
+        damage = _damage(s, walk.trees.get(s.name), marker_problems.get(s.name, []), finalize_error)
         detail = "; ".join(filter(None, [anchors.get(s.name), damage]))
         if detail:
             report.damaged_bundles.append({"name": s.name, "detail": detail})
         elif s.status == INCOMPLETE:
             report.incomplete.append({"name": s.name, "missing_ranks": s.missing_ranks,
                                       "expected_ranks": s.expected_ranks})
-    return report
 
 
 def _repair_source(url: str, options: dict) -> Backend:
@@ -231,12 +274,12 @@ def _relink(inventory: Inventory, trees, missing: set[str], report: FsckReport) 
 
 
 def _finalize(backend: Backend, state: BundleState, report: FsckReport) -> Optional[str]:
-    """Finalize a finalizable bundle (try_finalize checks its markers again); why it failed, if it did."""
+    """Finalize a finalizable bundle (`status.finalize` checks its markers again); why it failed, if it did."""
     if state.status != FINALIZABLE:
         return None
     report.finalizable.append(state.name)
     try:
-        if try_finalize(backend, state.name, state.expected_ranks) is not None:
+        if finalize(backend, state, raising=True).status == COMPLETE_STATUS:
             report.finalized.append(state.name)
     except BundleError as exc:
         return str(exc)

@@ -22,13 +22,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from trajectory_replay.backends import Backend
 from trajectory_replay.bundle import legacy
-from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.markers import RANKS_SHOWN, ranks_brief
 from trajectory_replay.bundle.resolve import older_bundles
 from trajectory_replay.bundle.status import (
-    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, anchor_problems, finalize, scan_bundles,
+    COMPLETE_STATUS, CORRUPT, FINALIZABLE, UNSUPPORTED, BundleState, anchor_problems, finalize_landed, scan_bundles,
 )
 from trajectory_replay.ops.walk import BundleTree, Walker, open_root
 from trajectory_replay.units import human_bytes
@@ -91,7 +89,7 @@ class ListReport:
                          human_bytes(b.logical_bytes), human_bytes(b.stored_bytes), human_age(b.age_seconds)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        lines += [_about(b.name, b.detail) for b in self.bundles if b.status in (CORRUPT, FINALIZABLE, "unsupported")]
+        lines += [_about(b.name, b.detail) for b in self.bundles if b.status in (CORRUPT, FINALIZABLE, UNSUPPORTED)]
         lines += [f"{name}: finalized (every rank had landed)" for name in self.finalized]
         older = [b for b in self.bundles if b.format == "v1"]
         if len(older) < len(self.bundles):
@@ -136,16 +134,13 @@ def list_bundles(root: str | os.PathLike, **storage_options: Any) -> ListReport:
     return report
 
 
-def _older_listing(status: legacy.V1Status, now: float) -> BundleListing:
-    anchor = None if status.rollout_id is None else Anchor(status.rollout_id, status.step_id)
+def _older_listing(state: legacy.V1Status, now: float) -> BundleListing:
+    anchor = state.anchor
     return BundleListing(
-        name=status.path.name, anchor=str(anchor) if anchor else None, rollout_id=status.rollout_id,
-        step_id=status.step_id,
-        status=status.status, ranks=list(status.ranks), expected_ranks=list(status.expected_ranks),
-        missing_ranks=list(status.missing_ranks), logical_bytes=status.payload_bytes,
-        stored_bytes=status.payload_bytes,
-        age_seconds=None if status.mtime is None else max(0.0, now - status.mtime), detail=status.detail,
-        format="v1")
+        name=state.name, anchor=str(anchor) if anchor else None, rollout_id=state.rollout_id, step_id=state.step_id,
+        status=state.status, ranks=state.landed_ranks, expected_ranks=list(state.expected_ranks),
+        missing_ranks=list(state.missing_ranks), logical_bytes=state.payload_bytes, stored_bytes=state.payload_bytes,
+        age_seconds=None if state.mtime is None else max(0.0, now - state.mtime), detail=state.detail, format="v1")
 
 
 def payload_totals(trees: list[BundleTree]) -> tuple[int, int]:
@@ -154,14 +149,6 @@ def payload_totals(trees: list[BundleTree]) -> tuple[int, int]:
     for tree in trees:
         chunks.update(tree.payload_chunks())
     return sum(t.logical_bytes for t in trees), sum(chunks.values())
-
-
-def finalize_landed(backend: Backend, states: list[BundleState]) -> tuple[list[BundleState], list[str]]:
-    """Write the final COMPLETE of each finalizable bundle, as a reader would (`status.finalize`): (the states after
-    that, the names finalized)."""
-    landed = [s.name for s in states if s.status == FINALIZABLE]
-    after = [finalize(backend, s) for s in states]
-    return after, [s.name for s in after if s.name in landed and s.status == COMPLETE_STATUS]
 
 
 def _listing(state: BundleState, tree, now: float, anchor_problem: Optional[str] = None) -> BundleListing:
@@ -200,5 +187,5 @@ def human_age(seconds: Optional[float]) -> str:
     return f"{int(seconds)}s"
 
 
-__all__ = ["BundleListing", "ListReport", "finalize_landed", "human_age", "human_bytes", "list_bundles",
+__all__ = ["BundleListing", "ListReport", "human_age", "human_bytes", "list_bundles",
            "payload_totals"]

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trajectory_replay.backends import redact_url
-from trajectory_replay.ops.ls import finalize_landed, payload_totals
+from trajectory_replay.ops.ls import payload_totals
 from trajectory_replay.units import human_bytes
-from trajectory_replay.bundle.status import COMPLETE_STATUS, scan_bundles
+from trajectory_replay.bundle.status import COMPLETE_STATUS, finalize_landed, scan_bundles
 from trajectory_replay.ops.walk import Walker, open_root
 from trajectory_replay.store.inventory import Inventory
 

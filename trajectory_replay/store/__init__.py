@@ -1,5 +1,6 @@
-"""The BLAKE3 content-addressed object store over a backend: blobs (`objectstore`), the whole root in bulk
-(`inventory`), and the protocol that keeps objects alive between writers and gc (`liveness`)."""
+"""The BLAKE3 content-addressed object store over a backend: the names at a root (`layout`), blobs
+(`objectstore`), the whole root in bulk (`inventory`), and the protocol that keeps objects alive between writers
+and gc (`liveness`)."""
 
 from trajectory_replay.store.cache import ReadCache, default_cache_dir
 from trajectory_replay.store.chunking import ChunkingParams, chunk_ends

@@ -1,9 +1,10 @@
 """BLAKE3 digests as written everywhere: `blake3:<64 lowercase hex>`, and the keys derived from them.
 
-This module and `liveness` are the only code that spells the store's layout: an object (chunk,
-blob record, JSON document) lives under `objects/<2 hex>/<64 hex>`, the create-once ref from a
-blob to its record under `blobs/<2 hex>/<64 hex>`. Everything above the store treats keys as
-opaque names it gets from here (to report them, or to keep sets of them).
+This module and `liveness` are the only code that builds the store's keys (the names at a root are
+declared in `layout`): an object (chunk, blob record, JSON document) lives under
+`objects/<2 hex>/<64 hex>`, the create-once ref from a blob to its record under
+`blobs/<2 hex>/<64 hex>`. Everything above the store treats keys as opaque names it gets from here
+(to report them, or to keep sets of them).
 """
 
 from __future__ import annotations
@@ -13,13 +14,12 @@ import re
 import blake3
 
 from trajectory_replay.errors import InvalidKeyError
+from trajectory_replay.store.layout import OBJECTS_DIR, REFS_DIR
 
 PREFIX = "blake3:"
 _HEX = re.compile(r"[0-9a-f]{64}")
 _DIGEST = re.compile(PREFIX + r"[0-9a-f]{64}")
 _DIGEST_TEXT = re.compile(rb"blake3:[0-9a-f]{64}")
-OBJECTS_DIR, REFS_DIR = "objects", "blobs"
-"""The top-level directories of a store root that hold objects and blob refs (never bundle names)."""
 OBJECT, REF = "object", "ref"
 """The kinds of key `key_kind` tells apart."""
 _PARALLEL_THRESHOLD = 8 << 20  # below this, threads cost more than they save

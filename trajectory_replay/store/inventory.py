@@ -24,9 +24,9 @@ from trajectory_replay.backends import Backend
 from trajectory_replay.backends.base import WorkerPool
 from trajectory_replay.errors import IntegrityError, NotFoundError, TrajectoryReplayError, ValueTooLargeError
 from trajectory_replay.store.digest import (
-    OBJECT, OBJECTS_DIR, REF, REFS_DIR, blob_ref_key, digest_from_key, hash_bytes, key_kind, object_key, parse_digest,
+    OBJECT, REF, blob_ref_key, digest_from_key, hash_bytes, key_kind, object_key, parse_digest,
 )
-from trajectory_replay.store.liveness import GC_DIR, INFLIGHT_DIR
+from trajectory_replay.store.layout import GC, OBJECTS_DIR, REFS_DIR, touched_by
 from trajectory_replay.store.objectstore import (
     MAX_RECORD_BYTES, MAX_REF_BYTES, RECORD_HEAD, BlobRecord, RecordError, looks_like_record, oversized_record, parse_record,
 )
@@ -36,8 +36,6 @@ R = TypeVar("R")
 
 READ_BATCH = 256
 """Keys per `read_many` call: big enough to keep every connection busy, small enough to bound memory."""
-LAYOUT_DIRS = (OBJECTS_DIR, REFS_DIR, INFLIGHT_DIR, GC_DIR)
-"""The top-level directories of a root that the store owns."""
 
 
 # ---- concurrency ------------------------------------------------------------------------------------
@@ -244,9 +242,9 @@ class Inventory:
         return [d for d in map(digest_from_key, self.ref_keys()) if d is not None]
 
     def links_out(self) -> list[str]:
-        """The store's directories that are symbolic links out of the root (local disk only): deleting
-        through one would delete foreign files."""
-        return [name for name in LAYOUT_DIRS if self.backend.escapes_root(name)]
+        """The directories gc deletes under (`layout.touched_by(GC)`) that are symbolic links out of the root
+        (local disk only): deleting through one would delete foreign files."""
+        return [name for name in touched_by(GC) if self.backend.escapes_root(name)]
 
     # ---- reading ------------------------------------------------------------------------------
     def read(self, keys: Iterable[str], limit: Optional[int] = None) -> dict[str, Optional[bytes]]:
@@ -409,6 +407,6 @@ class Inventory:
 
 
 __all__ = [
-    "BlobContent", "BlobNode", "Checked", "Inventory", "LAYOUT_DIRS", "READ_BATCH", "batched", "concurrently",
+    "BlobContent", "BlobNode", "Checked", "Inventory", "READ_BATCH", "batched", "concurrently",
     "digest_keys", "fetch", "parse_ref", "record_keys", "value_problem", "write_layers",
 ]

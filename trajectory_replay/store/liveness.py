@@ -44,22 +44,21 @@ from typing import Any, Optional, Sequence
 from trajectory_replay.backends import Backend
 from trajectory_replay.errors import NotFoundError, TrajectoryReplayError
 from trajectory_replay.store.digest import parse_digest
+from trajectory_replay.store.layout import GC_DIR, INFLIGHT_DIR
 
 log = logging.getLogger(__name__)
 
-INFLIGHT_DIR, GC_DIR = ".inflight", ".gc"
-"""The top-level directories of a store root that carry the protocol (never bundle names)."""
 INFLIGHT_PREFIX = f"{INFLIGHT_DIR}/"
 INFLIGHT_FORMAT = "trajectory-replay.inflight/1"
-INFLIGHT_KEY = re.compile(r"\.inflight/[0-9a-f]{32}\.json")
+INFLIGHT_KEY = re.compile(re.escape(INFLIGHT_PREFIX) + r"[0-9a-f]{32}\.json")
 """The only in-flight keys gc removes: those a writer of this store names itself."""
 DEFAULT_INFLIGHT_TTL = 24 * 3600.0
 
 GC_PREFIX = f"{GC_DIR}/"
 LEASE_PREFIX = f"{GC_PREFIX}lease-"
 EPOCH_PREFIX = f"{GC_PREFIX}epoch-"
-LEASE_KEY = re.compile(r"\.gc/lease-[0-9a-f]{32}")
-EPOCH_KEY = re.compile(r"\.gc/epoch-[0-9a-f]{32}")
+LEASE_KEY = re.compile(re.escape(LEASE_PREFIX) + r"[0-9a-f]{32}")
+EPOCH_KEY = re.compile(re.escape(EPOCH_PREFIX) + r"[0-9a-f]{32}")
 LEASE_SECONDS = 30.0
 """A lease expires this long after its last renewal."""
 LEASE_RENEW_SECONDS = 5.0
@@ -301,7 +300,7 @@ class GcWatch:
 
 
 __all__ = [
-    "DEFAULT_INFLIGHT_TTL", "GC_DIR", "GcWatch", "INFLIGHT_DIR", "INFLIGHT_FORMAT", "INFLIGHT_KEY", "INFLIGHT_PREFIX",
+    "DEFAULT_INFLIGHT_TTL", "GcWatch", "INFLIGHT_FORMAT", "INFLIGHT_KEY", "INFLIGHT_PREFIX",
     "InflightRecord", "InflightState", "LEASE_KEY", "LEASE_PREFIX", "LEASE_SECONDS", "LeaseLost", "SweepLease",
     "is_inflight_key", "lease_expiries", "read_inflight", "remove_dead_leases",
 ]
