@@ -23,7 +23,7 @@ from typing import Any
 from trajectory_replay.backends import Backend, redact_url, split_url
 from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.bundle.status import (
-    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, scan_bundles,
+    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, finalize_landed, scan_bundles,
 )
 from trajectory_replay.cpus import free_cpus
 from trajectory_replay.errors import BackendError, NoMatchingBundleError, StorageUnavailableError, UsageError
@@ -71,7 +71,7 @@ def scan_store(root: str | os.PathLike, *, engine: str = "local", workers: int |
                          "processes: scan a path or an s3:// URL")
     backend = open_root(url, **storage_options)
     shown = redact_url(url)
-    states, finalized = _finalize_landed(backend, scan_bundles(backend))
+    states, finalized = finalize_landed(backend, scan_bundles(backend))
     if not states:
         raise NoMatchingBundleError(f"{shown}: no bundles found")
     report = ScanReport(shown, engine, workers, REPLAY_VERSION, options.key(), finalized=finalized, forced=force)
@@ -202,12 +202,6 @@ def _keep(backend: Backend, result: dict[str, Any], options: ScanOptions, secret
             raise   # no answer: the scan ends with it, as when a worker meets it
         return one_line(exc)
     return None
-
-
-def _finalize_landed(backend: Backend, states: list[BundleState]) -> tuple[list[BundleState], list[str]]:
-    from trajectory_replay.ops.ls import finalize_landed
-
-    return finalize_landed(backend, states)
 
 
 def _listed(state: BundleState) -> Verdict:

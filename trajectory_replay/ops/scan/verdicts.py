@@ -34,9 +34,7 @@ from trajectory_replay.backends import Backend
 from trajectory_replay.bundle.status import BundleState
 from trajectory_replay.store.cache import default_cache_dir
 from trajectory_replay.store.digest import hash_bytes
-
-VERDICTS_DIR = ".verdicts"
-"""Top-level prefix of a store root holding scan verdicts (a dot-name: never taken for a bundle)."""
+from trajectory_replay.store.layout import VERDICTS_DIR
 VERDICT_FORMAT = "trajectory-replay.verdict/2"
 """Version 2 holds the stamp of the bundle's objects and the scan's MAC; verdicts of version 1 are replayed."""
 KEY_FILE = "scan-verdicts.key"
