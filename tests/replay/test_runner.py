@@ -663,6 +663,7 @@ def test_after_advantage_kl_the_payloads_no_later_stage_reads_under_the_config_a
     config (a KL loss term; the KL in the token rewards), not whenever some config could."""
     from trajectory_replay.bundle.schema import RecomputeConfig
     from trajectory_replay.replay.cohort import PayloadCache
+    from trajectory_replay.replay.flags import setting
     from trajectory_replay.replay.runner import _release
     from trajectory_replay.replay.stages import STAGES
 
@@ -670,5 +671,5 @@ def test_after_advantage_kl_the_payloads_no_later_stage_reads_under_the_config_a
     loaded = ("old_log_probs", "ref_log_probs", "kl", "log_probs", "entropy", "advantages", "loss_mask", "values")
     cache._loaded = {(0, name, None): torch.zeros(1) for name in loaded}
     later = [STAGES[StageId.ADVANTAGE_ESTIMATE], STAGES[StageId.LOSS_POLICY]]
-    _release({}, cache, later, RecomputeConfig(**config))
+    _release({}, cache, later, setting(RecomputeConfig(**config)))
     assert {name for _, name, _ in cache._loaded} == kept

@@ -52,6 +52,7 @@ from trajectory_replay.bundle.documents import validate_document as _validate
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.codec import manifest_dtype
 from trajectory_replay.bundle.markers import MAX_RANK, MAX_RANKS
+from trajectory_replay.bundle.stage_io import LOSS_MASK, RECORDED_PAYLOADS
 from trajectory_replay.bundle.paths import check_directory, find_v1_bundles, is_v1_bundle, rank_of_dir
 from trajectory_replay.bundle.status import BundleStatus
 from trajectory_replay.bundle.torchsave import RawTensor, encode_pt, raw_tensor
@@ -69,9 +70,6 @@ Payload = Union["torch.Tensor", RawTensor]
 V1_FORMAT_VERSION = "1.0.0"
 V1_CODEC = "torch-pt"
 """Codec name given to V1 payloads in our PayloadSpec."""
-V1_EXPECTED_PAYLOADS = frozenset({"kl", "advantages"})
-"""Payloads V1 always treats as expected outputs, whatever the contracts list."""
-LOSS_MASK = "loss_mask"
 MAX_DOCUMENT_BYTES = DEFAULT_MAX_DOCUMENT_BYTES
 """The default bound on a JSON document; the bound in force is `documents.max_document_bytes()`."""
 
@@ -237,8 +235,9 @@ class V1Manifest(_V1Model):
         return self
 
     def manifest_data(self) -> dict[str, Any]:
-        """Input for our Manifest model; a payload is `expected` when a contract (or V1 itself) says so."""
-        expected_names = set(V1_EXPECTED_PAYLOADS)
+        """Input for our Manifest model; a payload is `expected` when a contract says so, or it is one that always
+        holds recorded outputs (`stage_io.RECORDED_PAYLOADS`)."""
+        expected_names = set(RECORDED_PAYLOADS)
         for contract in self.stage_contracts.values():
             expected_names.update(contract.expected_outputs)
         payloads = {

@@ -1,37 +1,73 @@
 """What each stage reads from a bundle and what it produces: the one table of stage inputs and outputs.
 
-Capture declares it in the stage contracts it writes, `validate` checks that a bundle holds it, and replay
-loads it and hands outputs downstream by it; all three read it here, so a stage's inputs or outputs change in
-one place. Pure data (no torch): the commands that only look at bundles import it.
+Capture declares it in the stage contracts it writes (and takes the payloads to write from it), the writers mark
+the payloads that hold recorded outputs by it, `validate` checks that a bundle holds it, and replay plans, loads,
+reads ahead, releases and hands outputs downstream by it; all of them read it here, so adding a payload is one
+entry of `STAGE_IO` (plus the kernel that reads it). Pure data (no torch): the commands that only look at bundles
+import it.
+
+Some entries exist only under some settings (`StageIO.only_when`): the reference log-probs when kl_coef is not 0,
+the old values and returns of an estimator that reads values. Those conditions ask the recompute config and the
+flags of the advantage estimator it names (`EstimatorFlags`: does it read the `values` payload, does it take the
+reward-side KL), handed in together as a `Setting`. The built-in estimators' flags are declared here
+(`BUILTIN_ESTIMATOR_FLAGS`; the registry's built-in kernels take theirs from it), so a torch-free command answers for
+them without loading a kernel; a plugin estimator's flags are those of its registered kernel, which the caller
+resolves (`replay.flags`) and hands in. The table never looks a kernel up itself: bundle code does not import replay.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Mapping, Optional
+from typing import Callable, Literal, Mapping
 
 from trajectory_replay.bundle.schema import RecomputeConfig, StageId
 
+LOSS_MASK = "loss_mask"
+"""The payload of every sample's loss mask (the writers make it from the records)."""
 
-Needed = Callable[[RecomputeConfig], bool]
-"""When a conditional input or output exists, as a predicate of the recompute config."""
+@dataclass(frozen=True)
+class EstimatorFlags:
+    """What the stage table asks of an advantage estimator."""
+
+    needs_values: bool = False
+    """Its advantages read the `values` payload (and it produces returns)."""
+    reads_kl: bool = False
+    """With kl_in_reward (and kl_coef != 0) its token rewards take the reward-side KL."""
 
 
-def _kl_used(config: RecomputeConfig) -> bool:
-    return config.kl_coef != 0
+BUILTIN_ESTIMATOR_FLAGS: dict[str, EstimatorFlags] = {
+    "grpo": EstimatorFlags(),
+    "dr_grpo": EstimatorFlags(),
+    "rloo": EstimatorFlags(),
+    "reinforce_plus_plus": EstimatorFlags(reads_kl=True),
+    "reinforce_plus_plus_baseline": EstimatorFlags(),
+    "gae": EstimatorFlags(needs_values=True, reads_kl=True),
+}
+"""The flags of every built-in estimator, by name."""
 
 
-def _gae(config: RecomputeConfig) -> bool:
-    return config.advantage_estimator == "gae"
+@dataclass(frozen=True)
+class Setting:
+    """What decides a stage's conditional inputs and outputs: the recompute config and the flags of the estimator
+    it names."""
+
+    config: RecomputeConfig
+    estimator: EstimatorFlags = EstimatorFlags()
 
 
-def kl_in_reward(config: RecomputeConfig) -> bool:
+@dataclass(frozen=True)
+class When:
+    """A condition under which a conditional entry exists, and the config fields that meet it, as an error names
+    them ("kl_loss_coef=0.1 needs payload 'ref_log_probs'")."""
+
+    holds: Callable[[Setting], bool]
+    named: Callable[[Setting], str]
+
+
+def kl_in_reward(setting: Setting) -> bool:
     """True when the config puts the reward-side KL into the token rewards of its estimator."""
-    return config.kl_in_reward and config.kl_coef != 0 and config.advantage_estimator in KL_REWARD_ESTIMATORS
-
-
-def _kl_loss(config: RecomputeConfig) -> bool:
-    return config.kl_loss_coef != 0
+    config = setting.config
+    return config.kl_in_reward and config.kl_coef != 0 and setting.estimator.reads_kl
 
 
 def rollout_correction(config: RecomputeConfig) -> bool:
@@ -39,48 +75,64 @@ def rollout_correction(config: RecomputeConfig) -> bool:
     return config.rollout_is != "none" or config.rollout_rs != "none"
 
 
-KL_REWARD_ESTIMATORS = ("reinforce_plus_plus", "gae")
-"""The estimators whose token rewards take the reward-side KL penalty when kl_in_reward is set."""
+KL_USED = When(lambda s: s.config.kl_coef != 0, lambda s: f"kl_coef={s.config.kl_coef}")
+KL_IN_REWARD = When(kl_in_reward, lambda s: f"kl_in_reward with advantage_estimator={s.config.advantage_estimator}")
+NEEDS_VALUES = When(lambda s: s.estimator.needs_values, lambda s: f"advantage_estimator={s.config.advantage_estimator}")
+KL_LOSS = When(lambda s: s.config.kl_loss_coef != 0, lambda s: f"kl_loss_coef={s.config.kl_loss_coef}")
+CORRECTED = When(lambda s: rollout_correction(s.config),
+                 lambda s: f"rollout_is={s.config.rollout_is!r}, rollout_rs={s.config.rollout_rs!r}")
 
 
 @dataclass(frozen=True)
 class StageIO:
-    """The inputs and outputs of one stage. A name listed in `only_when` exists only under configs for which its
-    predicate holds (the reference log-probs when kl_coef is 0, the returns of an estimator that has none)."""
+    """The inputs and outputs of one stage. A name listed in `only_when` exists only under settings for which its
+    condition holds (the reference log-probs when kl_coef is 0, the returns of an estimator that has none)."""
 
     payloads: tuple[str, ...] = ()
     """Per-token payloads the stage reads as inputs."""
     fields: tuple[str, ...] = ()
     """Sample-record fields the stage reads."""
     upstream: tuple[tuple[StageId, str], ...] = ()
-    """Outputs of earlier stages the stage consumes, as (stage, output name)."""
+    """Outputs of earlier stages the stage consumes, as (stage, output name). A name that is also one of `payloads`
+    is taken from the earlier stage when the bundle contracts it, else from the payload."""
     outputs: tuple[str, ...] = ()
     """What the stage produces, named as production's recorded values of it are."""
-    recorded_as: Literal["payload", "expected"] = "expected"
-    """Where production's values of `outputs` are stored: per-token payloads of the same names, or fields of
-    the stage's entry in the expected document."""
-    only_when: Mapping[str, Needed] = field(default_factory=dict)
-    """Conditional payloads, upstream outputs and outputs, with the configs under which they exist."""
+    per: Literal["token", "sample", "cohort"] = "cohort"
+    """How many values each output has: "token" (production's are per-token payloads of the same names), "sample"
+    (lists in the stage's entry of the expected document) or "cohort" (scalars there)."""
+    in_records: Mapping[str, str] = field(default_factory=dict)
+    """Per-sample outputs whose recorded values the sample records also carry: output -> record field."""
+    only_when: Mapping[str, When] = field(default_factory=dict)
+    """Conditional payloads, upstream outputs and outputs, with the settings under which they exist."""
     optional: tuple[str, ...] = ()
     """Payloads and outputs a bundle may leave out: the stage uses or compares each one that is there."""
+    planned: tuple[str, ...] = ()
+    """Payloads whose absence makes the stage unsupported, found before replay reads anything (`replay.plan`),
+    rather than a divergence of the stage."""
 
-    def _present(self, names: tuple[str, ...], config: Optional[RecomputeConfig]) -> tuple[str, ...]:
-        if config is None:
+    def _present(self, names: tuple[str, ...], setting: Setting | None) -> tuple[str, ...]:
+        if setting is None:
             return names
-        return tuple(n for n in names if n not in self.only_when or self.only_when[n](config))
+        return tuple(n for n in names if n not in self.only_when or self.only_when[n].holds(setting))
+
+    @property
+    def recorded_as(self) -> Literal["payload", "expected"]:
+        """Where production's values of `outputs` are stored: "payload" (per-token payloads of the same names) or
+        "expected" (fields of the stage's entry in the expected document)."""
+        return "payload" if self.per == "token" else "expected"
 
     @property
     def upstream_stages(self) -> tuple[StageId, ...]:
         """The earlier stages whose outputs this one may consume, each once."""
         return tuple(dict.fromkeys(stage for stage, _ in self.upstream))
 
-    def consumes(self, config: RecomputeConfig) -> tuple[tuple[StageId, str], ...]:
-        """The upstream outputs the stage consumes under `config`."""
-        return tuple((s, n) for s, n in self.upstream if n in self._present((n,), config))
+    def consumes(self, setting: Setting) -> tuple[tuple[StageId, str], ...]:
+        """The upstream outputs the stage consumes under `setting`."""
+        return tuple((s, n) for s, n in self.upstream if n in self._present((n,), setting))
 
-    def outputs_for(self, config: Optional[RecomputeConfig] = None) -> tuple[str, ...]:
-        """What the stage produces under `config` (every output it may produce when None)."""
-        return self._present(self.outputs, config)
+    def outputs_for(self, setting: Setting | None = None) -> tuple[str, ...]:
+        """What the stage produces under `setting` (every output it may produce when None)."""
+        return self._present(self.outputs, setting)
 
     @property
     def payloads_read(self) -> tuple[str, ...]:
@@ -88,25 +140,39 @@ class StageIO:
         recorded = self.outputs if self.recorded_as == "payload" else ()
         return tuple(dict.fromkeys(self.payloads + recorded))
 
-    def payloads_read_under(self, config: RecomputeConfig) -> tuple[str, ...]:
-        """The payloads the stage may load under `config`: `payloads_read` without those the config rules out (the
+    def payloads_read_under(self, setting: Setting) -> tuple[str, ...]:
+        """The payloads the stage may load under `setting`: `payloads_read` without those the setting rules out (the
         optional ones stay: the stage reads each one the bundle holds)."""
-        return self._present(self.payloads_read, config)
+        return self._present(self.payloads_read, setting)
 
-    def declared_inputs(self, config: Optional[RecomputeConfig] = None) -> tuple[str, ...]:
+    def declared_inputs(self, setting: Setting | None = None) -> tuple[str, ...]:
         """The `inputs` of the stage's contract: its payloads, the upstream outputs it consumes, its fields."""
         names = self.payloads + tuple(name for _, name in self.upstream) + self.fields
-        return tuple(dict.fromkeys(self._present(names, config)))
+        return tuple(dict.fromkeys(self._present(names, setting)))
 
-    def needed_payloads(self, config: RecomputeConfig) -> tuple[str, ...]:
-        """The payloads a bundle must hold for the stage to be replayed under `config`."""
-        return tuple(n for n in self._present(self.payloads_read, config) if n not in self.optional)
+    def needed_payloads(self, setting: Setting) -> tuple[str, ...]:
+        """The payloads a bundle must hold for the stage to be replayed under `setting`."""
+        return tuple(n for n in self._present(self.payloads_read, setting) if n not in self.optional)
 
-    def needed_expected(self, stage: StageId, config: Optional[RecomputeConfig] = None) -> tuple[tuple[str, str], ...]:
+    def needed_expected(self, stage: StageId, setting: Setting | None = None) -> tuple[tuple[str, str], ...]:
         """The (stage entry, field) pairs of the expected document the stage compares with."""
         if self.recorded_as != "expected":
             return ()
-        return tuple((stage.value, name) for name in self.outputs_for(config) if name not in self.optional)
+        return tuple((stage.value, name) for name in self.outputs_for(setting) if name not in self.optional)
+
+    def planned_payloads(self, setting: Setting, contracted: frozenset[StageId] | set[StageId],
+                         stage: StageId) -> tuple[tuple[str, str], ...]:
+        """(payload, what needs it) for each of `planned` the stage needs under `setting`, given the stages the
+        bundle contracts: a payload that an upstream stage produces is needed only when that stage is not there."""
+        from_stage = {name: s for s, name in self.upstream}
+        needs = []
+        for name in self._present(self.planned, setting):
+            if name in from_stage:
+                if from_stage[name] not in contracted:
+                    needs.append((name, f"{stage} without {from_stage[name]}"))
+            else:
+                needs.append((name, self.only_when[name].named(setting) if name in self.only_when else stage.value))
+        return tuple(needs)
 
 
 LOSS_FIELDS = ("loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl")
@@ -119,7 +185,7 @@ MISMATCH_FIELDS = ("kl_k1", "kl_k3", "log_ratio_max_abs", "seq_log_ratio_max_abs
 """The rollout.mismatch metrics; production's values of any of them are compared when recorded."""
 
 STAGE_IO: dict[StageId, StageIO] = {
-    StageId.SAMPLE: StageIO(payloads=("loss_mask",), fields=("sample_id", "response_length", "total_length")),
+    StageId.SAMPLE: StageIO(payloads=(LOSS_MASK,), fields=("sample_id", "response_length", "total_length")),
     # the inference engine's log-probs against the trainer's old ones, and each sample's weights version; the
     # importance weights are compared when the bundle holds production's (`rollout_is_weights`)
     StageId.ROLLOUT_MISMATCH: StageIO(payloads=("rollout_log_probs", "old_log_probs", "loss_mask",
@@ -127,30 +193,47 @@ STAGE_IO: dict[StageId, StageIO] = {
                                       fields=("policy_version",), outputs=MISMATCH_FIELDS,
                                       optional=("rollout_log_probs", "old_log_probs", "rollout_is_weights")
                                       + MISMATCH_FIELDS),
-    StageId.REWARD_RAW: StageIO(fields=("raw_reward",), outputs=("raw_rewards",)),
+    StageId.REWARD_RAW: StageIO(fields=("raw_reward",), outputs=("raw_rewards",), per="sample",
+                                in_records={"raw_rewards": "raw_reward"}),
     StageId.REWARD_POST_PROCESS: StageIO(fields=("group_index",), upstream=((StageId.REWARD_RAW, "raw_rewards"),),
-                                         outputs=("rewards",)),
-    StageId.ADVANTAGE_KL: StageIO(payloads=("old_log_probs", "ref_log_probs"), outputs=("kl",),
-                                  recorded_as="payload",
-                                  only_when={"old_log_probs": _kl_used, "ref_log_probs": _kl_used}),
+                                         outputs=("rewards",), per="sample", in_records={"rewards": "reward"}),
+    StageId.ADVANTAGE_KL: StageIO(payloads=("old_log_probs", "ref_log_probs"), outputs=("kl",), per="token",
+                                  only_when={"old_log_probs": KL_USED, "ref_log_probs": KL_USED}),
     # the reward-side KL comes from advantage.kl when it is contracted, else from the recorded `kl` payload
     StageId.ADVANTAGE_ESTIMATE: StageIO(payloads=("loss_mask", "values", "kl"),
                                         upstream=((StageId.REWARD_POST_PROCESS, "rewards"),
                                                   (StageId.ADVANTAGE_KL, "kl")),
-                                        outputs=("advantages", "returns"), recorded_as="payload",
-                                        only_when={"values": _gae, "returns": _gae, "kl": kl_in_reward}),
+                                        outputs=("advantages", "returns"), per="token",
+                                        only_when={"values": NEEDS_VALUES, "returns": NEEDS_VALUES,
+                                                   "kl": KL_IN_REWARD},
+                                        planned=("values",)),
     # `advantages` is both: the recomputed ones when advantage.estimate is contracted, else the payload
     StageId.LOSS_POLICY: StageIO(payloads=("old_log_probs", "log_probs", "entropy", "advantages", "loss_mask",
                                            "ref_log_probs", "rollout_log_probs"),
                                  upstream=((StageId.ADVANTAGE_ESTIMATE, "advantages"),),
                                  outputs=LOSS_FIELDS + ("kl_loss",),
-                                 only_when={"ref_log_probs": _kl_loss, "kl_loss": _kl_loss,
-                                            "rollout_log_probs": rollout_correction}),
-    # `returns` likewise: recomputed by a gae advantage.estimate when contracted, else the payload
+                                 only_when={"ref_log_probs": KL_LOSS, "kl_loss": KL_LOSS,
+                                            "rollout_log_probs": CORRECTED},
+                                 planned=("rollout_log_probs", "ref_log_probs")),
+    # `returns` likewise: recomputed by an advantage.estimate whose estimator reads values when contracted, else
+    # the payload
     StageId.LOSS_VALUE: StageIO(payloads=("values", "vpreds", "returns", "loss_mask"),
-                                upstream=((StageId.ADVANTAGE_ESTIMATE, "returns"),), outputs=VALUE_LOSS_FIELDS),
+                                upstream=((StageId.ADVANTAGE_ESTIMATE, "returns"),), outputs=VALUE_LOSS_FIELDS,
+                                planned=("values", "vpreds", "returns")),
 }
 """Every stage's inputs and outputs, in stage order."""
 
+RECORDED_PAYLOADS = frozenset(name for io in STAGE_IO.values() if io.recorded_as == "payload"
+                              for name in io.outputs if name not in io.only_when)
+"""The payloads that hold production's values of a stage output under every setting (`kl`, `advantages`): a
+writer marks them `expected` whatever the contracts list."""
 
-__all__ = ["KL_REWARD_ESTIMATORS", "kl_in_reward", "LOSS_FIELDS", "MISMATCH_FIELDS", "rollout_correction", "STAGE_IO", "StageIO", "VALUE_LOSS_FIELDS"]
+
+def payloads_of(stages: tuple[StageId, ...] | list[StageId]) -> tuple[str, ...]:
+    """Every payload the stages may read under any setting, in stage order, each once."""
+    return tuple(dict.fromkeys(name for stage in stages for name in STAGE_IO[stage].payloads_read))
+
+
+__all__ = ["BUILTIN_ESTIMATOR_FLAGS", "EstimatorFlags", "kl_in_reward", "LOSS_FIELDS", "LOSS_MASK", "MISMATCH_FIELDS",
+           "payloads_of", "RECORDED_PAYLOADS", "rollout_correction", "Setting", "STAGE_IO", "StageIO",
+           "VALUE_LOSS_FIELDS", "When"]

@@ -37,6 +37,7 @@ from trajectory_replay.bundle.redaction import check_policy, redact_samples
 from trajectory_replay.bundle.schema import (
     BundleIndex, ConventionsRecord, Expected, Manifest, PayloadSpec, SchemaWarning, check_name,
 )
+from trajectory_replay.bundle.stage_io import LOSS_MASK, RECORDED_PAYLOADS
 from trajectory_replay.errors import BundleError, StorageUnavailableError, TrajectoryReplayError
 from trajectory_replay.store import BlobRef, ObjectStore, PutPlan
 from trajectory_replay.store.liveness import DEFAULT_INFLIGHT_TTL, GcWatch, InflightRecord
@@ -46,8 +47,57 @@ if TYPE_CHECKING:   # the reader imports this module; commands that only read mu
 
 log = logging.getLogger(__name__)
 
-LOSS_MASK = "loss_mask"
-EXPECTED_PAYLOADS = frozenset({"kl", "advantages"})
+
+
+def _documents(name: str, manifest: Manifest | Mapping, index: BundleIndex | Mapping) -> tuple[Manifest, BundleIndex]:
+    """The manifest and index of bundle `name`, validated and agreeing on the bundle id; a manifest of a config built
+    from a convention profile records which."""
+    manifest = manifest if isinstance(manifest, Manifest) else validate_document(Manifest, manifest, "manifest")
+    index = index if isinstance(index, BundleIndex) else validate_document(BundleIndex, index, "index")
+    if manifest.conventions is None and index.config.profile is not None:
+        # a config built from a convention profile: the manifest says which, and at which framework version
+        manifest = manifest.model_copy(update={"conventions": ConventionsRecord.of_profile(index.config.profile)})
+    # models built with model_copy skip validation: check the names they carry here
+    check_or_raise(manifest.bundle_id, "bundle_id")
+    check_policy(manifest.redaction, name)
+    if manifest.bundle_id != index.bundle_id:
+        raise BundleError(f"{name}: bundle_id differs between manifest ({manifest.bundle_id!r}) "
+                          f"and index ({index.bundle_id!r})")
+    return manifest, index
+
+
+def _expected_document(name: str, expected: Mapping[str, Any]) -> tuple[dict[str, Any], bytes]:
+    """The expected document of bundle `name` and its compact JSON, refused when readers would refuse it (schema
+    warnings are logged: a bundle that reproduces a broken step must be writable)."""
+    if not isinstance(expected, Mapping):
+        raise BundleError(f"{name}: expected must be a mapping of stage -> outputs, got {type(expected).__name__}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SchemaWarning)
+        validate_document(Expected, dict(expected), f"{name}: expected")
+    for w in caught:
+        log.warning("%s: %s", name, w.message)
+    document = dict(expected)
+    try:
+        encoded = compact_json(document)
+    except (TypeError, ValueError) as exc:
+        raise BundleError(f"{name}: expected is not JSON-serializable ({exc})") from None
+    if nesting_exceeds(encoded):  # readers refuse it: refuse it before anything is written
+        raise BundleError(f"{name}: expected is nested more than {MAX_JSON_DEPTH} levels deep")
+    return document, encoded
+
+
+def _expected_ranks(name: str, rank: Optional[int], expected_ranks: Optional[Sequence[int]]) -> Optional[list[int]]:
+    """The sorted ranks of a multi-producer bundle, which include `rank`; None for a bundle of one producer."""
+    if rank is None:
+        if expected_ranks is not None:
+            raise BundleError(f"{name}: expected_ranks given without rank")
+        return None
+    ranks = sorted(set(check_rank_list(list(expected_ranks), name))) if expected_ranks is not None else None
+    if not ranks:
+        raise BundleError(f"{name}: rank={rank} needs expected_ranks")
+    if rank not in ranks:
+        raise BundleError(f"{name}: rank {rank} is not among expected ranks {ranks}")
+    return ranks
 
 
 class BundleWriter:
@@ -65,42 +115,10 @@ class BundleWriter:
         if addressed_rank is not None:
             raise BundleError(f"{path_or_url}: write to the bundle path and pass rank={addressed_rank} instead")
         self.name = check_or_raise(name, "bundle id")
-        self.manifest = manifest if isinstance(manifest, Manifest) else validate_document(Manifest, manifest, "manifest")
-        self.index = index if isinstance(index, BundleIndex) else validate_document(BundleIndex, index, "index")
-        if self.manifest.conventions is None and self.index.config.profile is not None:
-            # a config built from a convention profile: the manifest says which, and at which framework version
-            self.manifest = self.manifest.model_copy(
-                update={"conventions": ConventionsRecord.of_profile(self.index.config.profile)})
-        # models built with model_copy skip validation: check the names they carry here
-        check_or_raise(self.manifest.bundle_id, "bundle_id")
-        check_policy(self.manifest.redaction, name)
-        if self.manifest.bundle_id != self.index.bundle_id:
-            raise BundleError(f"{name}: bundle_id differs between manifest ({self.manifest.bundle_id!r}) "
-                              f"and index ({self.index.bundle_id!r})")
-        if not isinstance(expected, Mapping):
-            raise BundleError(f"{name}: expected must be a mapping of stage -> outputs, got {type(expected).__name__}")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", SchemaWarning)
-            validate_document(Expected, dict(expected), f"{name}: expected")
-        for w in caught:
-            log.warning("%s: %s", name, w.message)
-        self.expected = dict(expected)
-        try:
-            self._expected_bytes = compact_json(self.expected)
-        except (TypeError, ValueError) as exc:
-            raise BundleError(f"{name}: expected is not JSON-serializable ({exc})") from None
-        if nesting_exceeds(self._expected_bytes):  # readers refuse it: refuse it before anything is written
-            raise BundleError(f"{name}: expected is nested more than {MAX_JSON_DEPTH} levels deep")
-        if rank is None and expected_ranks is not None:
-            raise BundleError(f"{name}: expected_ranks given without rank")
+        self.manifest, self.index = _documents(name, manifest, index)
+        self.expected, self._expected_bytes = _expected_document(name, expected)
         self.rank = rank
-        self.expected_ranks = sorted(set(check_rank_list(list(expected_ranks), name))) \
-            if expected_ranks is not None else None
-        if rank is not None:
-            if not self.expected_ranks:
-                raise BundleError(f"{name}: rank={rank} needs expected_ranks")
-            if rank not in self.expected_ranks:
-                raise BundleError(f"{name}: rank {rank} is not among expected ranks {self.expected_ranks}")
+        self.expected_ranks = _expected_ranks(name, rank, expected_ranks)
         self.store = store or ObjectStore.open(root, **storage_options)
         self.unsafe_markers = unsafe_markers
         self.attempt = uuid.uuid4().hex
@@ -147,7 +165,7 @@ class BundleWriter:
 
     def _role(self, name: str) -> str:
         expected = {o for c in self.manifest.stage_contracts.values() for o in c.expected_outputs}
-        return "expected" if name in expected or name in EXPECTED_PAYLOADS else "input"
+        return "expected" if name in expected or name in RECORDED_PAYLOADS else "input"
 
     def _encode(self, name: str, tensor: torch.Tensor, role: str) -> "_Encoded":
         blob, data_start = codec.encode(tensor)

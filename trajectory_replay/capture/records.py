@@ -19,7 +19,10 @@ record names the rollout-level bundle it came from (`rollout_id` = R), which a c
 entropy_loss, pg_clipfrac, ppo_kl} (+ kl_loss when the config's kl_loss_coef is not 0) and loss.value
 {vf_loss, vf_clipfrac}.
 
-Each stage contract's inputs and expected outputs come from `bundle.stage_io.STAGE_IO` under the record's config.
+Each stage contract's inputs and expected outputs come from `bundle.stage_io.STAGE_IO` under the record's config
+and the flags of the estimator it names (`replay.flags`: a built-in's without loading anything, a plugin's from its
+kernel, which loads it where the bundle is built), and so do the payloads a step-level bundle takes from its
+micro-batches and those that contract loss.value.
 """
 
 from __future__ import annotations
@@ -33,8 +36,11 @@ from trajectory_replay.bundle.schema import (
     ActorStepId, BundleIndex, ComparisonPolicy, Identity, Manifest, ProducerInfo, RankTopology, RecomputeConfig,
     SampleRecord, StageCapability, StageContract, StageId, WeightLineage,
 )
-from trajectory_replay.bundle.stage_io import LOSS_FIELDS, MISMATCH_FIELDS, STAGE_IO, VALUE_LOSS_FIELDS
+from trajectory_replay.bundle.stage_io import (
+    LOSS_FIELDS, LOSS_MASK, MISMATCH_FIELDS, STAGE_IO, VALUE_LOSS_FIELDS, Setting, payloads_of,
+)
 from trajectory_replay.capture.values import materialize_float, materialize_list, materialize_masks
+from trajectory_replay.replay.flags import setting as setting_of
 
 if TYPE_CHECKING:   # the capture writer process builds bundles from these records without importing torch
     import torch
@@ -43,16 +49,14 @@ if TYPE_CHECKING:   # the capture writer process builds bundles from these recor
 
 ROLLOUT_STAGES = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCESS, StageId.ADVANTAGE_KL,
                   StageId.ADVANTAGE_ESTIMATE)
+"""The stages a rollout-level bundle always contracts (rollout.mismatch follows sample when its inputs are given)."""
 STEP_STAGES = (StageId.SAMPLE, StageId.LOSS_POLICY)
-ROLLOUT_PAYLOADS = ("old_log_probs", "ref_log_probs", "kl", "advantages")
-ROLLOUT_OPTIONAL_PAYLOADS = ("values", "returns", "rollout_log_probs", "rollout_is_weights")
-"""gae's old values and returns, the inference engine's log-probs and production's importance weights, written
-when given."""
-STEP_PAYLOADS = ("old_log_probs", "log_probs", "entropy", "advantages")
-VALUE_LOSS_PAYLOADS = ("values", "vpreds", "returns")
-STEP_OPTIONAL_PAYLOADS = ("ref_log_probs",) + VALUE_LOSS_PAYLOADS + ("rollout_log_probs",)
-"""The reference log-probs of a KL loss, the value-loss inputs and the inference engine's log-probs, written when
-every micro-batch gives them."""
+"""The stages a step-level bundle always contracts (+ rollout.mismatch as above, + loss.value when given)."""
+STEP_PAYLOADS = tuple(n for n in payloads_of(STEP_STAGES + (StageId.ROLLOUT_MISMATCH, StageId.LOSS_VALUE))
+                      if n != LOSS_MASK)
+"""The payloads a step-level bundle takes from its micro-batches, each written when every micro-batch gives it."""
+VALUE_LOSS_PAYLOADS = tuple(n for n in payloads_of((StageId.LOSS_VALUE,)) if n != LOSS_MASK)
+"""The loss.value inputs: any of them given contracts the stage."""
 
 
 def _torch_version() -> str:
@@ -197,10 +201,10 @@ def _lineage(weight_lineage: Any) -> WeightLineage:
     raise TypeError(f"weight_lineage: expected a WeightLineage or a mapping, got {type(weight_lineage).__name__}")
 
 
-def _manifest(bundle_id: str, stages: Sequence[StageId], prov: Provenance, config: RecomputeConfig) -> Manifest:
+def _manifest(bundle_id: str, stages: Sequence[StageId], prov: Provenance, setting: Setting) -> Manifest:
     contracts = {s: StageContract(stage=s, capability=StageCapability.RECOMPUTE, implementation="reimplemented",
-                                  inputs=list(STAGE_IO[s].declared_inputs(config)),
-                                  expected_outputs=list(STAGE_IO[s].outputs_for(config))) for s in stages}
+                                  inputs=list(STAGE_IO[s].declared_inputs(setting)),
+                                  expected_outputs=list(STAGE_IO[s].outputs_for(setting))) for s in stages}
     return Manifest(bundle_id=bundle_id, producer=prov.producer, stage_contracts=contracts,
                     comparison_policy=ComparisonPolicy(exact_fields=list(EXACT_FIELDS)))
 
@@ -249,7 +253,7 @@ class RolloutRecord:
         if self.mismatch_metrics:
             expected["rollout.mismatch"] = {k: materialize_float(v) for k, v in self.mismatch_metrics.items()}
         stages = ROLLOUT_STAGES[:1] + _mismatch_stage(records, tensors) + ROLLOUT_STAGES[1:]
-        return BundleParts(_manifest(bundle_id, stages, prov, index.config), index, expected, tensors)
+        return BundleParts(_manifest(bundle_id, stages, prov, setting_of(index.config)), index, expected, tensors)
 
 
 @dataclass(frozen=True)
@@ -296,17 +300,18 @@ class StepRecord:
                             semantic_group_ids=_group_ids(records))
         index = BundleIndex(bundle_id=bundle_id, identity=identity, samples=records, config=_config(self.config))
         tensors: dict[str, torch.Tensor] = {}
-        for name in STEP_PAYLOADS + STEP_OPTIONAL_PAYLOADS:
+        for name in STEP_PAYLOADS:
             parts = [mb.payloads.get(name) for mb in micro_batches]
             if any(p is None for p in parts):
                 continue  # written as given: a payload missing in any micro-batch is left out (replay reports it)
             tensors[name] = _concat([p.reshape(-1) for p in parts]) if len(parts) != 1 else parts[0]
         stages = STEP_STAGES[:1] + _mismatch_stage(records, tensors) + STEP_STAGES[1:] \
             + ((StageId.LOSS_VALUE,) if self.has_value_loss else ())
+        setting = setting_of(index.config)
         expected = {stage.value: {k: materialize_float(self.scalars.get(k))
-                                  for k in STAGE_IO[stage].outputs_for(index.config)}
+                                  for k in STAGE_IO[stage].outputs_for(setting)}
                     for stage in stages if stage not in (StageId.SAMPLE, StageId.ROLLOUT_MISMATCH)}
-        return BundleParts(_manifest(bundle_id, stages, prov, index.config), index, expected, tensors)
+        return BundleParts(_manifest(bundle_id, stages, prov, setting), index, expected, tensors)
 
     @property
     def has_value_loss(self) -> bool:
@@ -321,6 +326,6 @@ CAPTURE_RECORDS = (RolloutRecord, StepRecord)
 
 
 __all__ = ["BundleParts", "CAPTURE_RECORDS", "CaptureRecord", "Columns", "EXACT_FIELDS", "LOSS_FIELDS", "MicroBatch",
-           "Provenance", "ROLLOUT_OPTIONAL_PAYLOADS", "ROLLOUT_PAYLOADS", "ROLLOUT_STAGES", "RolloutRecord",
-           "STEP_OPTIONAL_PAYLOADS", "STEP_PAYLOADS", "STEP_STAGES", "StepRecord", "VALUE_LOSS_PAYLOADS",
+           "Provenance", "ROLLOUT_STAGES", "RolloutRecord", "STEP_PAYLOADS", "STEP_STAGES", "StepRecord",
+           "VALUE_LOSS_PAYLOADS",
            "check_fields", "check_mismatch_metrics", "rollout_bundle_id", "step_bundle_id"]

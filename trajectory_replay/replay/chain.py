@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from trajectory_replay.bundle.schema import StageId
+from trajectory_replay.bundle.stage_io import STAGE_IO
 from trajectory_replay.replay.compare import StageChecks, SampleLayout, compare_tensors, resolve_tolerance
 from trajectory_replay.replay.report import Divergence, ReplayReport, StageResult, Verdict, divergence_place
 from trajectory_replay.replay.source import ReplaySource, SamplesById
@@ -27,9 +28,12 @@ from trajectory_replay.replay.source import ReplaySource, SamplesById
 LINK = "link"
 """The report entry of the check between a rollout bundle's recomputed outputs and a step's inputs."""
 
-LINKED_TOKENS = ("advantages", "returns")
-"""Per-token step inputs that advantage.estimate recomputes in the rollout bundle."""
-LINKED_SAMPLE = (("reward", "rewards"),)
+STEP_STAGES = (StageId.LOSS_POLICY, StageId.LOSS_VALUE)
+"""The stages of a step-level bundle that take inputs a rollout-level bundle recomputes."""
+LINKED_TOKENS = tuple(dict.fromkeys(name for stage in STEP_STAGES for upstream, name in STAGE_IO[stage].upstream
+                                    if STAGE_IO[upstream].per == "token"))
+"""Per-token step inputs that a rollout stage recomputes (advantage.estimate's advantages and returns)."""
+LINKED_SAMPLE = tuple((field, output) for output, field in STAGE_IO[StageId.REWARD_POST_PROCESS].in_records.items())
 """Per-sample step record fields that a rollout stage recomputes (reward.post_process): (record field, output)."""
 
 Recomputed = dict[str, dict[str, torch.Tensor]]

@@ -10,7 +10,7 @@ the end; the result does not depend on the blocking.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -18,9 +18,6 @@ from trajectory_replay.bundle.schema import RecomputeConfig
 from trajectory_replay.bundle.stage_io import rollout_correction
 from trajectory_replay.replay.kernels import Workspace, kl_estimate, sample_blocks, stacked_sample_sums
 from trajectory_replay.replay.mismatch import correction, log_ratio
-
-if TYPE_CHECKING:
-    from trajectory_replay.replay.registry import Kernels
 
 BLOCK_TOKENS = 1 << 16
 SEQ_MEAN_EPS = 1e-8
@@ -150,6 +147,27 @@ def seq_mean_token_sum_norm_weights(tokens: torch.Tensor, config: RecomputeConfi
 
 # --------------------------------------------------------------------------- the stage outputs
 
+class _TokensKernel(Protocol):
+    @property
+    def tokens(self) -> Callable[[PolicyInputs], PolicyLossTokens]: ...
+
+
+class _WeightsKernel(Protocol):
+    @property
+    def weights(self) -> Callable[[torch.Tensor, RecomputeConfig], torch.Tensor]: ...
+
+
+class LossKernels(Protocol):
+    """What the losses compute with: a policy loss's per-token terms and an aggregation's sample weights (the
+    kernels a replay resolved, `replay.registry.Kernels`, are one)."""
+
+    @property
+    def policy_loss(self) -> _TokensKernel: ...
+
+    @property
+    def aggregation(self) -> _WeightsKernel: ...
+
+
 @dataclass(frozen=True)
 class PolicyLossData:
     """The per-token inputs of loss.policy over a whole cohort (ref_log_probs only with a KL loss)."""
@@ -184,7 +202,7 @@ class LossSums:
         self.counts[at] = part.counts
 
 
-def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: "Kernels") -> LossSums:
+def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: LossKernels) -> LossSums:
     """The per-sample masked sums of every loss.policy term (kl_loss only with kl_loss_coef), over blocks of
     whole samples; rejection (rollout_rs) changes the mask every term and count is taken over."""
     lengths = data.lengths.to(torch.int64)
@@ -222,7 +240,7 @@ _INDICATOR_CLIPFRAC = (ppo_clip_tokens, gspo_tokens, cispo_tokens)
 """The policy losses whose clipfrac is a 0/1 indicator per token (its sums are counts: see `stacked_sample_sums`)."""
 
 
-def policy_loss_scalars(sums: LossSums, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
+def policy_loss_scalars(sums: LossSums, config: RecomputeConfig, kernels: LossKernels) -> dict[str, float]:
     """The loss.policy scalars from the per-sample sums of the whole cohort: each term aggregated by the config's
     mode, loss_scale on the loss terms, loss = pg - ec ent + klc kl."""
     out = _aggregate(sums, config, kernels)
@@ -235,7 +253,7 @@ def policy_loss_scalars(sums: LossSums, config: RecomputeConfig, kernels: "Kerne
     return out
 
 
-def policy_loss_outputs(data: PolicyLossData, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
+def policy_loss_outputs(data: PolicyLossData, config: RecomputeConfig, kernels: LossKernels) -> dict[str, float]:
     """The loss.policy scalars: pg_loss, pg_clipfrac, ppo_kl, entropy_loss (and kl_loss with kl_loss_coef),
     each aggregated by the config's mode; loss_scale on the loss terms; loss = pg - ec ent + klc kl."""
     return policy_loss_scalars(policy_loss_sums(data, config, kernels), config, kernels)
@@ -270,26 +288,27 @@ def value_loss_sums(data: ValueLossData, config: RecomputeConfig) -> LossSums:
     return LossSums({"vf_loss": table[0], "vf_clipfrac": table[1]}, table[2])
 
 
-def value_loss_scalars(sums: LossSums, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
+def value_loss_scalars(sums: LossSums, config: RecomputeConfig, kernels: LossKernels) -> dict[str, float]:
     """vf_loss = 0.5 Agg(vf) (times loss_scale), vf_clipfrac = Agg(clipped), from the whole cohort's sums."""
     out = _aggregate(sums, config, kernels)
     out["vf_loss"] *= 0.5 * config.loss_scale
     return out
 
 
-def value_loss_outputs(data: ValueLossData, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
+def value_loss_outputs(data: ValueLossData, config: RecomputeConfig, kernels: LossKernels) -> dict[str, float]:
     """Clipped value loss: vf = max((v' - R)^2, (clip(v', v - c, v + c) - R)^2), vf_loss = 0.5 Agg(vf) (times
     loss_scale), vf_clipfrac = Agg(clipped term strictly larger)."""
     return value_loss_scalars(value_loss_sums(data, config), config, kernels)
 
 
-def _aggregate(sums: LossSums, config: RecomputeConfig, kernels: "Kernels") -> dict[str, float]:
+def _aggregate(sums: LossSums, config: RecomputeConfig, kernels: LossKernels) -> dict[str, float]:
     """Each field's per-sample masked sums weighted by the aggregation mode, as a Python float."""
     weights = kernels.aggregation.weights(sums.counts, config).to(torch.float64)
     return {name: float(values.mul(weights).sum()) for name, values in sums.sums.items()}
 
 
-__all__ = ["BLOCK_TOKENS", "LossSums", "PolicyInputs", "PolicyLossData", "PolicyLossTokens", "ValueLossData",
+__all__ = ["BLOCK_TOKENS", "LossKernels", "LossSums", "PolicyInputs", "PolicyLossData", "PolicyLossTokens",
+           "ValueLossData",
            "cispo_tokens", "gspo_tokens", "policy_loss_outputs", "policy_loss_scalars", "policy_loss_sums",
            "ppo_clip_tokens", "seq_mean_token_mean_weights", "seq_mean_token_sum_norm_weights",
            "seq_mean_token_sum_weights", "sum_of_sample_means_weights", "token_mean_weights", "value_loss_outputs",

@@ -49,9 +49,10 @@ from pydantic import ValidationError
 from trajectory_replay.bundle.schema import (
     STAGE_ORDER, BundleIndex, Manifest, RecomputeConfig, SampleRecord, StageCapability, StageId,
 )
-from trajectory_replay.bundle.stage_io import rollout_correction
+from trajectory_replay.bundle.stage_io import STAGE_IO, Setting
 from trajectory_replay.errors import BundleError, SelectionError, UnsupportedError, UsageError
 from trajectory_replay.replay import kernels as kernels_mod
+from trajectory_replay.replay.flags import setting as setting_of
 from trajectory_replay.replay.mismatch import CORRECTION_MODES, rs_bounds
 from trajectory_replay.replay.registry import Kernels, resolve_kernels
 from trajectory_replay.replay.cohort import CohortPart
@@ -137,6 +138,11 @@ class ReplayPlan:
     kernels: Kernels
     overrides: tuple[tuple[str, Any], ...] = ()
     """(field, value) of every config field overridden, in the order given."""
+
+    @property
+    def setting(self) -> Setting:
+        """What the stage table's conditions ask: the config and the flags of the estimator the plan computes with."""
+        return Setting(self.config, self.kernels.estimator.flags)
 
     def describe(self) -> str:
         """The plan in a few lines of text."""
@@ -268,44 +274,59 @@ def check_algorithm(config: RecomputeConfig, manifest: Manifest, running: set[St
     """The kernels the config names for the stages that run, after checking the config can be recomputed there:
     UnsupportedError naming the field (and value, or the payload it needs) otherwise."""
     kernels = resolve_kernels(config, manifest, running)
-    for field, allowed in _CHOICES.items():
-        if getattr(config, field) not in allowed:
-            raise UnsupportedError(f"unsupported {field} {getattr(config, field)!r}: one of {', '.join(allowed)}")
-    if StageId.ADVANTAGE_KL in running and config.kl_coef != 0:
-        kernels_mod.check_kl_type(config.kl_loss_type, "kl_loss_type")
-    losses_run = running & {StageId.LOSS_POLICY, StageId.LOSS_VALUE}
-    if StageId.LOSS_POLICY in running and config.kl_loss_coef != 0:
-        kernels_mod.check_kl_type(config.kl_loss_estimator, "kl_loss_estimator")
-    if losses_run and config.loss_agg_mode == "seq_mean_token_sum_norm" and config.loss_scale_factor is None:
-        raise UnsupportedError("loss_agg_mode 'seq_mean_token_sum_norm' needs loss_scale_factor (the padded width "
-                               "production divided by), which the config does not record")
-    for field in ("loss_denominator", "loss_scale_factor"):
-        value = getattr(config, field)
-        if losses_run and value is not None and not value > 0:
-            raise UnsupportedError(f"unsupported {field} {value!r}: must be a positive count")
-    if StageId.LOSS_POLICY in running and config.policy_loss == "ppo_clip" and config.eps_clip_c is not None \
-            and not config.eps_clip_c > 1.0:
-        raise UnsupportedError(f"unsupported eps_clip_c {config.eps_clip_c!r}: the dual clip must be greater than 1")
+    _check_choices(config)
+    _check_kl_types(config, running)
+    if running & {StageId.LOSS_POLICY, StageId.LOSS_VALUE}:
+        _check_loss_config(config, running)
     if StageId.LOSS_POLICY in running or StageId.ROLLOUT_MISMATCH in running:
         _check_rollout_correction(config)
     if StageId.ROLLOUT_MISMATCH in running and config.max_staleness is not None and config.actor_version is None:
         raise UnsupportedError(f"max_staleness {config.max_staleness} needs actor_version, which the config does "
                                "not record")
-    needs: list[tuple[str, str]] = []
-    if StageId.LOSS_POLICY in running and rollout_correction(config):
-        needs += [("rollout_log_probs", f"rollout_is={config.rollout_is!r}, rollout_rs={config.rollout_rs!r}")]
-    if StageId.ADVANTAGE_ESTIMATE in running and kernels.estimator.needs_values:
-        needs += [("values", f"advantage_estimator={kernels.estimator.name}")]
-    if StageId.LOSS_POLICY in running and config.kl_loss_coef != 0:
-        needs += [("ref_log_probs", f"kl_loss_coef={config.kl_loss_coef}")]
-    if StageId.LOSS_VALUE in running:
-        needs += [(p, "loss.value") for p in ("values", "vpreds")]
-        if StageId.ADVANTAGE_ESTIMATE not in manifest.stage_contracts:
-            needs += [("returns", "loss.value without advantage.estimate")]
-    for payload, why in needs:
-        if not has_payload(payload):
-            raise UnsupportedError(f"{why} needs payload {payload!r}, which bundle {manifest.bundle_id} does not hold")
+    _check_planned_payloads(Setting(config, kernels.estimator.flags), manifest, running, has_payload)
     return kernels
+
+
+def _check_choices(config: RecomputeConfig) -> None:
+    """Every field of a closed set of choices holds one replay implements."""
+    for field, allowed in _CHOICES.items():
+        if getattr(config, field) not in allowed:
+            raise UnsupportedError(f"unsupported {field} {getattr(config, field)!r}: one of {', '.join(allowed)}")
+
+
+def _check_kl_types(config: RecomputeConfig, running: set[StageId]) -> None:
+    """The KL estimators the running stages compute with are ones replay implements."""
+    if StageId.ADVANTAGE_KL in running and config.kl_coef != 0:
+        kernels_mod.check_kl_type(config.kl_loss_type, "kl_loss_type")
+    if StageId.LOSS_POLICY in running and config.kl_loss_coef != 0:
+        kernels_mod.check_kl_type(config.kl_loss_estimator, "kl_loss_estimator")
+
+
+def _check_loss_config(config: RecomputeConfig, running: set[StageId]) -> None:
+    """The losses' denominators are recorded and positive, and a dual clip is above 1."""
+    if config.loss_agg_mode == "seq_mean_token_sum_norm" and config.loss_scale_factor is None:
+        raise UnsupportedError("loss_agg_mode 'seq_mean_token_sum_norm' needs loss_scale_factor (the padded width "
+                               "production divided by), which the config does not record")
+    for field in ("loss_denominator", "loss_scale_factor"):
+        value = getattr(config, field)
+        if value is not None and not value > 0:
+            raise UnsupportedError(f"unsupported {field} {value!r}: must be a positive count")
+    if StageId.LOSS_POLICY in running and config.policy_loss == "ppo_clip" and config.eps_clip_c is not None \
+            and not config.eps_clip_c > 1.0:
+        raise UnsupportedError(f"unsupported eps_clip_c {config.eps_clip_c!r}: the dual clip must be greater than 1")
+
+
+def _check_planned_payloads(setting: Setting, manifest: Manifest, running: set[StageId],
+                            has_payload: Callable[[str], bool]) -> None:
+    """Every payload a running stage cannot be replayed without under `setting` (`StageIO.planned`) is there."""
+    contracted = set(manifest.stage_contracts)
+    for stage in STAGE_ORDER:
+        if stage not in running:
+            continue
+        for payload, why in STAGE_IO[stage].planned_payloads(setting, contracted, stage):
+            if not has_payload(payload):
+                raise UnsupportedError(f"{why} needs payload {payload!r}, which bundle {manifest.bundle_id} "
+                                       "does not hold")
 
 
 def _check_rollout_correction(config: RecomputeConfig) -> None:
@@ -345,7 +366,7 @@ def parse_stage(name: str | StageId) -> StageId:
 def plan_stages(manifest: Manifest, requested: Optional[Sequence[str | StageId]] = None,
                 config: Optional[RecomputeConfig] = None) -> list[PlannedStage]:
     """The contracted stages to replay, in stage order: all, or `requested` and their contracted dependencies
-    under `config` (default: the recorded defaults)."""
+    under `config` (default: the recorded defaults), with the flags of the estimator it names for this bundle."""
     contracted = set(manifest.stage_contracts)
     if isinstance(requested, (str, StageId)):
         requested = [requested]  # one stage name, not a sequence of characters
@@ -357,12 +378,13 @@ def plan_stages(manifest: Manifest, requested: Optional[Sequence[str | StageId]]
                                  f"(contracted: {', '.join(s.value for s in STAGE_ORDER if s in contracted)})")
         selected: set[StageId] = set()
         named = set(wanted)
+        setting = setting_of(config or RecomputeConfig(), manifest)
         pending = list(wanted)
         while pending:  # transitive dependencies, only among contracted stages
             stage_id = pending.pop()
             if stage_id in contracted and stage_id not in selected:
                 selected.add(stage_id)
-                pending.extend(STAGES[stage_id].dependencies(config or RecomputeConfig()))
+                pending.extend(STAGES[stage_id].dependencies(setting))
     else:
         selected, named = contracted, set()
     return [_plan_one(manifest, STAGES[s], s in named) for s in STAGE_ORDER if s in selected]

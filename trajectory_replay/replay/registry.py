@@ -19,6 +19,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from trajectory_replay.bundle.schema import KernelRef, Manifest, RecomputeConfig, StageId
+from trajectory_replay.bundle.stage_io import BUILTIN_ESTIMATOR_FLAGS, EstimatorFlags
 from trajectory_replay.errors import UnsupportedError
 from trajectory_replay.replay import estimators, losses
 
@@ -42,6 +43,20 @@ class EstimatorKernel:
     reads_kl: bool = False
     """With kl_in_reward (and kl_coef != 0) the token rewards take the reward-side KL (`AdvantageInputs.kl`)."""
 
+    @property
+    def flags(self) -> EstimatorFlags:
+        """What the stage table asks of it (`bundle.stage_io`)."""
+        return EstimatorFlags(needs_values=self.needs_values, reads_kl=self.reads_kl)
+
+
+def _builtin_estimator(name: str, post_process: Callable[[estimators.RewardInputs], torch.Tensor],
+                       advantages: Callable[[estimators.AdvantageInputs], estimators.AdvantageOutputs],
+                       grouped: bool = True, whitened: bool = False) -> EstimatorKernel:
+    """A built-in estimator, with the flags the stage table declares for it."""
+    flags = BUILTIN_ESTIMATOR_FLAGS[name]
+    return EstimatorKernel(name, post_process, advantages, grouped=grouped, needs_values=flags.needs_values,
+                           whitened=whitened, reads_kl=flags.reads_kl)
+
 
 @dataclass(frozen=True)
 class PolicyLossKernel:
@@ -62,15 +77,14 @@ class AggregationKernel:
 Kernel = Union[EstimatorKernel, PolicyLossKernel, AggregationKernel]
 
 BUILTIN: dict[str, Kernel] = {k.name: k for k in (
-    EstimatorKernel("grpo", estimators.grpo_rewards, estimators.outcome_advantages),
-    EstimatorKernel("dr_grpo", estimators.mean_baseline_rewards, estimators.outcome_advantages),
-    EstimatorKernel("rloo", estimators.rloo_rewards, estimators.outcome_advantages),
-    EstimatorKernel("reinforce_plus_plus", estimators.raw_rewards, estimators.reinforce_plus_plus_advantages,
-                    grouped=False, whitened=True, reads_kl=True),
-    EstimatorKernel("reinforce_plus_plus_baseline", estimators.mean_baseline_rewards,
-                    estimators.reinforce_plus_plus_baseline_advantages, whitened=True),
-    EstimatorKernel("gae", estimators.raw_rewards, estimators.gae_advantages, grouped=False, needs_values=True,
-                    whitened=True, reads_kl=True),
+    _builtin_estimator("grpo", estimators.grpo_rewards, estimators.outcome_advantages),
+    _builtin_estimator("dr_grpo", estimators.mean_baseline_rewards, estimators.outcome_advantages),
+    _builtin_estimator("rloo", estimators.rloo_rewards, estimators.outcome_advantages),
+    _builtin_estimator("reinforce_plus_plus", estimators.raw_rewards, estimators.reinforce_plus_plus_advantages,
+                       grouped=False, whitened=True),
+    _builtin_estimator("reinforce_plus_plus_baseline", estimators.mean_baseline_rewards,
+                       estimators.reinforce_plus_plus_baseline_advantages, whitened=True),
+    _builtin_estimator("gae", estimators.raw_rewards, estimators.gae_advantages, grouped=False, whitened=True),
     PolicyLossKernel("ppo_clip", losses.ppo_clip_tokens),
     PolicyLossKernel("gspo", losses.gspo_tokens),
     PolicyLossKernel("cispo", losses.cispo_tokens),

@@ -25,7 +25,8 @@ import torch
 
 from trajectory_replay._allocator import reuse_block_buffers
 from trajectory_replay.backends.base import one_core_for_cpu_work
-from trajectory_replay.bundle.schema import STAGE_ORDER, RecomputeConfig, StageId
+from trajectory_replay.bundle.schema import STAGE_ORDER, StageId
+from trajectory_replay.bundle.stage_io import STAGE_IO, Setting
 from trajectory_replay.cpus import threads_for
 from trajectory_replay.replay.blocks import BLOCK_TOKENS, STREAM_TOKENS, Block, Merged, plan_blocks, whole_block
 from trajectory_replay.replay.cohort import Cohort, PayloadCache
@@ -61,8 +62,8 @@ def execute(plan: ReplayPlan, *, atol: Optional[float] = None, rtol: Optional[fl
     return execute_keeping(plan, (), atol=atol, rtol=rtol, block_tokens=block_tokens)[0]
 
 
-PER_SAMPLE_OUTPUTS = ("raw_rewards", "rewards")
-"""Stage outputs with one value per sample; every other output has one per token."""
+PER_SAMPLE_OUTPUTS = tuple(name for io in STAGE_IO.values() if io.per == "sample" for name in io.outputs)
+"""Stage outputs with one value per sample; every other output a stage hands on has one per token."""
 
 
 def execute_keeping(plan: ReplayPlan, keep: Sequence[str], *, atol: Optional[float] = None,
@@ -171,7 +172,7 @@ class _Run:
                                        block if streamed else None, whitening)
                     self._compute(planned, ctx, outputs, runs, block)
                 later = [p.stage for p in self.sample_level[i + 1:] + self.cohort_level]
-                _release(outputs, block.cohort.cache, later, self.plan.config)
+                _release(outputs, block.cohort.cache, later, self.plan.setting)
 
             return outputs, [functools.partial(step, i, planned) for i, planned in enumerate(self.sample_level)]
 
@@ -234,7 +235,7 @@ class _Run:
         blocks after)."""
         running = [p for p in self.sample_level if p.stage.per_block and self._runs(p, plan)]
         running += [p for p in self.cohort_level if p.action == "run" and not plan.cohort_skip]
-        return {name for p in running for name in p.stage.io.payloads_read_under(self.plan.config)}
+        return {name for p in running for name in p.stage.io.payloads_read_under(self.plan.setting)}
 
     def _runs(self, planned: PlannedStage, plan: Pass) -> bool:
         """True when the stage computes (or hands recorded outputs downstream) in this pass."""
@@ -472,13 +473,13 @@ def _with_copies(result: StageResult, source_rank: Optional[int],
     return [result] + [replace(result, rank=r, message=message) for r in replicas]
 
 
-def _release(outputs: dict, cache: PayloadCache, later: Sequence[Stage], config: RecomputeConfig) -> None:
-    """Drop stage outputs and loaded payloads that no later stage reads under `config`, so peak memory stays near the
-    inputs (the reference log-probs go once advantage.kl ran, unless the loss takes a KL term)."""
-    needed_outputs = {dep for stage in later for dep in stage.dependencies(config)}
+def _release(outputs: dict, cache: PayloadCache, later: Sequence[Stage], setting: Setting) -> None:
+    """Drop stage outputs and loaded payloads that no later stage reads under `setting`, so peak memory stays near
+    the inputs (the reference log-probs go once advantage.kl ran, unless the loss takes a KL term)."""
+    needed_outputs = {dep for stage in later for dep in stage.dependencies(setting)}
     for stage_id in [s for s in outputs if s not in needed_outputs]:
         del outputs[stage_id]
-    cache.retain({name for stage in later for name in stage.io.payloads_read_under(config)})
+    cache.retain({name for stage in later for name in stage.io.payloads_read_under(setting)})
 
 
 __all__ = ["PER_SAMPLE_OUTPUTS", "execute", "execute_keeping", "replay"]

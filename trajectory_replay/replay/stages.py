@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from trajectory_replay.bundle.schema import RecomputeConfig, StageId
-from trajectory_replay.bundle.stage_io import LOSS_FIELDS, MISMATCH_FIELDS, STAGE_IO, StageIO, rollout_correction
+from trajectory_replay.bundle.stage_io import LOSS_FIELDS, MISMATCH_FIELDS, STAGE_IO, Setting, StageIO, kl_in_reward
 from trajectory_replay.replay import kernels, losses, mismatch
 from trajectory_replay.replay.blocks import Block
 from trajectory_replay.replay.estimators import AdvantageInputs, RewardInputs, Whitening
@@ -50,6 +50,11 @@ class StageContext:
     """The rows computed, and where they lie in the whole cohort (None: the cohort is the whole)."""
     whitening: Optional[Whitening] = None
     """How whitened advantages are whitened (None: over this cohort's own tokens)."""
+
+    @property
+    def setting(self) -> Setting:
+        """What the stage table's conditions ask: the config and the flags of the estimator replay computes with."""
+        return Setting(self.config, self.kernels.estimator.flags)
 
     @property
     def streamed(self) -> bool:
@@ -116,12 +121,17 @@ class Stage:
     def outputs(self) -> tuple[str, ...]:
         return self.io.outputs
 
-    def dependencies(self, config: RecomputeConfig) -> tuple[StageId, ...]:
-        """The stages that must be planned before it under `config`: the sample check (every stage lays values out
-        by the records it checks) and the stages whose outputs it consumes under that config."""
+    def dependencies(self, setting: Setting) -> tuple[StageId, ...]:
+        """The stages that must be planned before it under `setting`: the sample check (every stage lays values out
+        by the records it checks) and the stages whose outputs it consumes under that setting."""
         if self.id == StageId.SAMPLE:
             return ()
-        return (StageId.SAMPLE,) + tuple(dict.fromkeys(stage for stage, _ in self.io.consumes(config)))
+        return (StageId.SAMPLE,) + tuple(dict.fromkeys(stage for stage, _ in self.io.consumes(setting)))
+
+    def loaded(self, setting: Setting, *elsewhere: str) -> tuple[str, ...]:
+        """The payloads the stage loads itself under `setting`: those it needs, less the ones it takes `elsewhere`
+        (from an upstream stage, or only when the bundle holds them)."""
+        return tuple(n for n in self.io.needed_payloads(setting) if n not in elsewhere)
 
 
 def _load_payloads(ctx: StageContext, findings: StageChecks, names: Sequence[str]) -> Optional[dict[str, torch.Tensor]]:
@@ -148,9 +158,10 @@ def _upstream(ctx: StageContext, findings: StageChecks, stage: StageId, key: str
     return produced
 
 
-def _compare_per_sample(ctx: StageContext, f: StageChecks, stage: StageId, key: str, field_name: str,
-                        actual: torch.Tensor) -> None:
-    """Compare `actual` with the expected per-sample list `stage.key` (length-checked, indexed down)."""
+def _compare_per_sample(ctx: StageContext, f: StageChecks, stage: StageId, key: str, actual: torch.Tensor) -> None:
+    """Compare `actual` with the expected per-sample list `stage.key` (length-checked, indexed down), reported as
+    the record field that carries it."""
+    field_name = STAGE_IO[stage].in_records[key]
     expected, problems = ctx.cohort.expected_list(stage.value, key)
     for p in problems:
         f.problem(p)
@@ -325,13 +336,15 @@ def _check_staleness(cfg: RecomputeConfig, f: StageChecks, c: Cohort) -> Optiona
 
 def _run_reward_raw(ctx: StageContext) -> StageOutcome:
     f = StageChecks()
-    actual = _recorded_raw_rewards(ctx)  # V1 supports scalar rewards only: the recorded one is the recompute
-    _compare_per_sample(ctx, f, StageId.REWARD_RAW, "raw_rewards", "raw_reward", actual)
+    actual = _in_records(ctx, StageId.REWARD_RAW, "raw_rewards")  # scalar rewards: the recorded one is the recompute
+    _compare_per_sample(ctx, f, StageId.REWARD_RAW, "raw_rewards", actual)
     return StageOutcome(f, {"raw_rewards": actual})
 
 
-def _recorded_raw_rewards(ctx: StageContext) -> torch.Tensor:
-    return torch.tensor([r.raw_reward for r in ctx.cohort.records], dtype=torch.float32)
+def _in_records(ctx: StageContext, stage: StageId, output: str) -> torch.Tensor:
+    """Production's values of a per-sample output, as the sample records carry them."""
+    record_field = STAGE_IO[stage].in_records[output]
+    return torch.tensor([getattr(r, record_field) for r in ctx.cohort.records], dtype=torch.float32)
 
 
 def _run_reward_post_process(ctx: StageContext) -> StageOutcome:
@@ -353,22 +366,22 @@ def _run_reward_post_process(ctx: StageContext) -> StageOutcome:
         if f.failed:
             return StageOutcome(f)
     raw = ctx.outputs.get(StageId.REWARD_RAW, {}).get("raw_rewards")
-    rewards = estimator.post_process(RewardInputs(raw if raw is not None else _recorded_raw_rewards(ctx), group_ids,
-                                                  len(keys), cfg))
-    _compare_per_sample(ctx, f, StageId.REWARD_POST_PROCESS, "rewards", "reward", rewards)
+    raw = raw if raw is not None else _in_records(ctx, StageId.REWARD_RAW, "raw_rewards")
+    rewards = estimator.post_process(RewardInputs(raw, group_ids, len(keys), cfg))
+    _compare_per_sample(ctx, f, StageId.REWARD_POST_PROCESS, "rewards", rewards)
     passed = (f"{len(keys)} groups" + (f" of {cfg.n_samples_per_prompt}" if cfg.group_size_check == "exact" else "")
               if estimator.grouped else f"{len(c.records)} samples, {estimator.name} keeps raw rewards")
     return StageOutcome(f, {"rewards": rewards}, passed=passed)
 
 
 def _recorded_rewards(ctx: StageContext) -> Outputs:
-    return {"rewards": torch.tensor([r.reward for r in ctx.cohort.records], dtype=torch.float32)}
+    return {"rewards": _in_records(ctx, StageId.REWARD_POST_PROCESS, "rewards")}
 
 
 def _run_advantage_kl(ctx: StageContext) -> StageOutcome:
     c, f, cfg = ctx.cohort, StageChecks(), ctx.config
     # kl_coef == 0: the reward-side KL is zeros and the log-probs are not needed (not loaded)
-    loaded = _load_payloads(ctx, f, STAGE_IO[StageId.ADVANTAGE_KL].needed_payloads(cfg))
+    loaded = _load_payloads(ctx, f, STAGES[StageId.ADVANTAGE_KL].loaded(ctx.setting))
     if loaded is None:
         return StageOutcome(f)
     if cfg.kl_coef == 0:
@@ -392,10 +405,9 @@ def _reward_kl(ctx: StageContext, f: StageChecks) -> Optional[torch.Tensor]:
 def _run_advantage_estimate(ctx: StageContext) -> StageOutcome:
     c, f, cfg, estimator = ctx.cohort, StageChecks(), ctx.config, ctx.kernels.estimator
     rewards = _upstream(ctx, f, StageId.REWARD_POST_PROCESS, "rewards")
-    # a plugin estimator declares whether it reads values (and so produces returns); gae does
-    names = ("loss_mask", "advantages") + (("values", "returns") if estimator.needs_values else ())
-    loaded = _load_payloads(ctx, f, names)
-    kl = _reward_kl(ctx, f) if cfg.kl_in_reward and cfg.kl_coef != 0 and estimator.reads_kl else None
+    # the estimator's flags decide whether it reads values (and so produces returns) and takes the reward-side KL
+    loaded = _load_payloads(ctx, f, STAGES[StageId.ADVANTAGE_ESTIMATE].loaded(ctx.setting, "kl"))
+    kl = _reward_kl(ctx, f) if kl_in_reward(ctx.setting) else None
     if rewards is None or loaded is None or f.failed:
         return StageOutcome(f)
     actual = estimator.advantages(AdvantageInputs(rewards, c.lengths, loaded["loss_mask"], cfg, kl=kl,
@@ -430,7 +442,7 @@ def _compare_scalars(ctx: StageContext, f: StageChecks, stage: StageId, actual: 
     if expected is None:
         f.problem(f"expected has no {stage} map")
         return
-    for name in STAGE_IO[stage].outputs_for(ctx.config):
+    for name in STAGE_IO[stage].outputs_for(ctx.setting):
         if expected.get(name) is None:
             f.problem(f"expected {stage} has no field {name!r}")
         else:
@@ -440,8 +452,7 @@ def _compare_scalars(ctx: StageContext, f: StageChecks, stage: StageId, actual: 
 def _run_loss_policy(ctx: StageContext) -> StageOutcome:
     """The rows' per-sample sums of every loss.policy term (and the on-policy check, when asked for)."""
     c, f, cfg = ctx.cohort, StageChecks(), ctx.config
-    names = ("old_log_probs", "log_probs", "entropy", "loss_mask") + (("ref_log_probs",) if cfg.kl_loss_coef else ()) \
-        + (("rollout_log_probs",) if rollout_correction(cfg) else ())
+    names = STAGES[StageId.LOSS_POLICY].loaded(ctx.setting, "advantages")
     advantages, loaded = _upstream_or_payload(ctx, f, StageId.ADVANTAGE_ESTIMATE, "advantages", names)
     if ctx.cohort.expected_map(StageId.LOSS_POLICY.value) is None:
         f.problem("expected has no loss.policy map")
@@ -470,7 +481,7 @@ def _run_loss_value(ctx: StageContext) -> StageOutcome:
     """The rows' per-sample sums of the clipped value loss and its clip indicator."""
     c, f, cfg = ctx.cohort, StageChecks(), ctx.config
     returns, loaded = _upstream_or_payload(ctx, f, StageId.ADVANTAGE_ESTIMATE, "returns",
-                                           ("values", "vpreds", "loss_mask"))
+                                           STAGES[StageId.LOSS_VALUE].loaded(ctx.setting, "returns"))
     if ctx.cohort.expected_map(StageId.LOSS_VALUE.value) is None:
         f.problem("expected has no loss.value map")
     if returns is None or loaded is None or f.failed:

@@ -3,7 +3,8 @@
 Checks the format (opening already verified COMPLETE, the documents and their schema), the samples'
 structure as the `sample` stage checks it (`replay.structure`), every payload's bytes (each chunk and the whole-blob digest, the safetensors header, dtype and
 shape against the manifest), and the dependency closure: every recompute stage has the
-payloads and expected outputs `bundle.stage_io.STAGE_IO` says it reads. Non-finite values are
+payloads and expected outputs `bundle.stage_io.STAGE_IO` says it reads under the bundle's config and estimator
+(`replay.flags`: a plugin estimator's flags are its kernel's). Non-finite values are
 warnings, not problems: they are data a replay must locate, not a broken bundle.
 
 A native bundle is validated without torch (its payloads are decoded with numpy), so `validate`
@@ -25,6 +26,7 @@ import numpy
 
 from trajectory_replay.bundle.schema import StageCapability
 from trajectory_replay.bundle.stage_io import STAGE_IO
+from trajectory_replay.replay.flags import setting as setting_of
 from trajectory_replay.errors import (
     BackendError, IncompleteBundleError, SelectionError, StorageUnavailableError, TrajectoryReplayError,
 )
@@ -159,17 +161,17 @@ def _locate(position: int, offsets: list[int], ids: list[str]) -> str:
 
 
 def _check_closure(source: ReplaySource, where: str, report: ValidationReport) -> None:
-    config = source.index.config
+    setting = setting_of(source.index.config, source.manifest)
     for stage_id, contract in source.manifest.stage_contracts.items():
         if contract.capability != StageCapability.RECOMPUTE:
             report.warnings.append(f"{where}: stage {stage_id} is declared {contract.capability.value} by the "
                                    "bundle; replay skips it")
             continue
         io = STAGE_IO[stage_id]
-        for name in io.needed_payloads(config):
+        for name in io.needed_payloads(setting):
             if not source.has_payload(name):
                 report.problems.append(f"{where}: stage {stage_id} needs payload {name!r}, which is missing")
-        expected = io.needed_expected(stage_id, config)
+        expected = io.needed_expected(stage_id, setting)
         for stage_key, field_name in expected:
             value = source.expected.get(stage_key)
             if not isinstance(value, dict) or field_name not in value:
