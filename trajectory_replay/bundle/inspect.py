@@ -25,7 +25,7 @@ from trajectory_replay.bundle.redaction import unknown_fields
 from trajectory_replay.bundle.resolve import V1, Bundle, open_bundle
 from trajectory_replay.bundle.schema import STAGE_ORDER, PayloadSpec, RecomputeConfig
 from trajectory_replay.bundle.status import (
-    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, bundle_status, describe_missing, finalize,
+    COMPLETE_STATUS, CORRUPT, FINALIZABLE, INCOMPLETE, BundleState, bundle_status, describe_missing, finalize,
 )
 from trajectory_replay.errors import BundleError, IncompleteBundleError, StorageUnavailableError, TrajectoryReplayError
 from trajectory_replay.outcome import Outcome, Status
@@ -88,7 +88,7 @@ class Inspection(Outcome):
         the same, see `explains_incomplete`) or pass."""
         if self.damaged or self.state == "invalid":
             return Status.INVALID
-        return Status.INCOMPLETE if self.state in ("incomplete", "finalizable") else Status.PASS
+        return Status.INCOMPLETE if self.state in (INCOMPLETE, FINALIZABLE) else Status.PASS
 
     def failures(self) -> list[str]:
         """The damage of an invalid bundle (else why it does not open); nothing for a healthy one."""
