@@ -33,7 +33,7 @@ the keyword arguments the example passes, best of 5 runs of 200,000 calls; also 
 per rollout, 4 optimizer steps per rollout, 2 micro-batches per rank and step) in fresh processes, with one training rank (the goal: this machine has
 2 CPUs, and one rank leaves a core for the capture writer, as training on a GPU host leaves its CPUs
 free) and with two ranks (informational: training then holds both cores and the writer competes with it), capture off / on to a local directory / on
-to the S3 server (`RELAX_REPLAY_CAPTURE=1`, a fresh `RELAX_REPLAY_CAPTURE_DIR` per run, AWS_* variables
+to the S3 server (`TRAJECTORY_REPLAY_CAPTURE=1`, a fresh `TRAJECTORY_REPLAY_CAPTURE_DIR` per run, AWS_* variables
 for the server), the modes interleaved (their order rotating from one round to the next), twelve runs each at W=1
 (two at W=2; identical runs of one mode differ by several percent here). Every step of rank 0's
 training thread is timed by the example (`timing` in `--out-json`: wall time of the step from receiving the
@@ -379,10 +379,11 @@ def _step_time_rows_inner(ctx: Context, world: int, steps: int, reps: int, bucke
         for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
             env: dict[str, str] = {}
             if mode == "local":
-                env = {"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": str(ctx.path("capture-local") / "run")}
+                env = {"TRAJECTORY_REPLAY_CAPTURE": "1",
+                       "TRAJECTORY_REPLAY_CAPTURE_DIR": str(ctx.path("capture-local") / "run")}
             elif mode == "s3":
-                env = {**s3_env, "RELAX_REPLAY_CAPTURE": "1",
-                       "RELAX_REPLAY_CAPTURE_DIR": f"s3://{bucket}/run-{world}-{rep}"}
+                env = {**s3_env, "TRAJECTORY_REPLAY_CAPTURE": "1",
+                       "TRAJECTORY_REPLAY_CAPTURE_DIR": f"s3://{bucket}/run-{world}-{rep}"}
             times[mode].add(run_example(ctx, mode, steps, env, world=world, model=STEP_TIME_MODEL))
             ctx.log(f"W={world} rep {rep} {mode}: median step {_ms(times[mode].run_medians[-1])}")
     off = times["off"]
@@ -427,10 +428,12 @@ def run(ctx: Context) -> list[Row]:
                                 bucket, s3_env, goal=world == STEP_TIME_WORLD,
                                 modes=("off", "local", "s3") if world == STEP_TIME_WORLD else ("off", "local"))
     long_rows = str(ctx.path("capture-bytes-long") / "run")
-    run_example(ctx, "bytes-long", steps, {"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": long_rows},
+    run_example(ctx, "bytes-long", steps,
+                {"TRAJECTORY_REPLAY_CAPTURE": "1", "TRAJECTORY_REPLAY_CAPTURE_DIR": long_rows},
                 model=BYTES_TASK)
     default_rows = str(ctx.path("capture-bytes") / "run")
-    run_example(ctx, "bytes", steps, {"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": default_rows})
+    run_example(ctx, "bytes", steps,
+                {"TRAJECTORY_REPLAY_CAPTURE": "1", "TRAJECTORY_REPLAY_CAPTURE_DIR": default_rows})
     rows.append(_writer_cost_row(ctx))
     rows += _bytes_rows(ctx, long_rows, f"example run ({steps} rollouts, W=2, {' '.join(BYTES_TASK)})", goal=True)
     rows += _bytes_rows(ctx, default_rows, f"example run ({steps} rollouts, W=2, default 4-digit task)", goal=False)

@@ -47,8 +47,8 @@ rollout 1 on). `--fault future-version` stamps the first sample of each rollout 
 of the actor consuming it (replay: rollout.mismatch). `--fault-from-step N` injects the fault from rollout N on only
 (the rollouts before it are clean), as a bug that a change brought in mid-run.
 
-Capture (trajectory_replay.capture) is off unless RELAX_REPLAY_CAPTURE=1 and RELAX_REPLAY_CAPTURE_DIR are set
-(`--capture-dir URL` sets both for the run). Every trainer rank then writes its own shard of a rollout-level
+Capture (trajectory_replay.capture) is off unless TRAJECTORY_REPLAY_CAPTURE=1 and TRAJECTORY_REPLAY_CAPTURE_DIR are
+set (`--capture-dir URL` sets both for the run). Every trainer rank then writes its own shard of a rollout-level
 bundle `rollout-<R>` per rollout and of a step-level bundle `step-<R>-<S>` per optimizer step, and flushes its
 writer at the end. Besides torch and the standard library, only trajectory_replay is used.
 """
@@ -74,6 +74,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trajectory_replay import capture
+from trajectory_replay.capture.config import ENV_CAPTURE, ENV_DIR, OLDER_NAMES
 
 SEP, EOS, PAD, VOCAB = 10, 11, 12, 16
 N_DIGITS = 4                    # the default task size (--digits)
@@ -101,9 +102,9 @@ def task_shape(digits: int) -> tuple[int, int, int]:
     return prompt_len, max_response, max(MIN_CONTEXT, prompt_len + max_response)
 
 # --------------------------------------------------------------------------- capture hooks
-# Capture is configured only by the RELAX_REPLAY_CAPTURE* environment variables (read by
+# Capture is configured only by the TRAJECTORY_REPLAY_CAPTURE* environment variables (read by
 # trajectory_replay.capture.maybe_enable_for_actor); `--capture-dir URL` is a shortcut that sets
-# RELAX_REPLAY_CAPTURE=1 and RELAX_REPLAY_CAPTURE_DIR=URL for this run only (os.environ is not changed).
+# TRAJECTORY_REPLAY_CAPTURE=1 and TRAJECTORY_REPLAY_CAPTURE_DIR=URL for this run only (os.environ is not changed).
 # While capture is off every hook below returns after one check; nothing is imported lazily, nothing is
 # started. The hooks only snapshot (copy) what training already computed, so numerics never change.
 _CAPTURE: dict[str, Any] = {"manager": None, "config": None, "seconds": 0.0}
@@ -114,8 +115,10 @@ def capture_environ(capture_dir: str | None, run_id: str | None = None) -> dict[
     """The environment capture is configured from: os.environ, plus what --capture-dir implies, plus this launch's
     identity (made once by the launching process, so every rank has the same one and a rerun another)."""
     env = dict(os.environ)
-    if capture_dir:
-        env.update(RELAX_REPLAY_CAPTURE="1", RELAX_REPLAY_CAPTURE_DIR=capture_dir)
+    if capture_dir:   # replaces the switch and directory however the environment spells them
+        for name in (ENV_CAPTURE, ENV_DIR):
+            env.pop(OLDER_NAMES[name], None)
+        env.update({ENV_CAPTURE: "1", ENV_DIR: capture_dir})
     if run_id and not env.get("TRAJECTORY_REPLAY_RUN_ID"):
         env["TRAJECTORY_REPLAY_RUN_ID"] = run_id
     return env
@@ -856,8 +859,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4, help="rollouts to train on")
     p.add_argument("--world-size", type=int, default=1, help="data-parallel trainer processes (gloo)")
     p.add_argument("--capture-dir", default=None,
-                   help="capture to this path or URL: sets RELAX_REPLAY_CAPTURE=1 and RELAX_REPLAY_CAPTURE_DIR for "
-                        "this run (capture is otherwise configured by the RELAX_REPLAY_CAPTURE* variables)")
+                   help="capture to this path or URL: sets TRAJECTORY_REPLAY_CAPTURE=1 and "
+                        "TRAJECTORY_REPLAY_CAPTURE_DIR for this run (capture is otherwise configured by the "
+                        "TRAJECTORY_REPLAY_CAPTURE* variables)")
     p.add_argument("--capture-timeout", type=float, default=120.0,
                    help="seconds each rank waits at the end for its capture writer to flush")
     p.add_argument("--fault", choices=FAULTS, default=None,

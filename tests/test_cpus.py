@@ -1,5 +1,5 @@
 """The CPUs free: affinity, control group quotas (v2 and v1) and the load of other processes, read from real files
-laid out as the kernel lays them out, and $TRAJECTORY_REPLAY_THREADS."""
+laid out as Linux lays them out, and $TRAJECTORY_REPLAY_THREADS."""
 
 from __future__ import annotations
 

@@ -124,7 +124,7 @@ def reuse_block_buffers() -> BlockHeap:
 # `bytearray(n)` zero-fills its memory, touching every page once before a read fills it again; for
 # payload-sized buffers that doubles the page faults and the memory traffic of a read. A buffer a read
 # is about to overwrite completely is allocated uninitialised instead (a plain CPython call). Huge pages
-# are not requested: with the kernel's common "defrag=madvise" setting an madvised fault compacts memory
+# are not requested: with Linux's common "defrag=madvise" setting an madvised fault compacts memory
 # synchronously, which stalls badly on a host whose memory is full of page cache.
 
 LARGE_BUFFER = 8 << 20  # smaller buffers gain nothing measurable

@@ -1,9 +1,9 @@
-"""How many CPUs this process can actually use now: what sizes every pool of CPU work (torch's kernel threads in a
+"""How many CPUs this process can actually use now: what sizes every pool of CPU work (torch's threads in a
 replay, the thread and the process that read ahead of them, a scan's workers).
 
 Three things cap it: the CPUs the process may run on (its affinity), the CPU time its control group may use (a
 cgroup quota: a container's `--cpus`), and the other processes that want those CPUs now (the system's load, less
-this process's own share of it). A parallel kernel cut into more parts than there are free CPUs waits on every
+this process's own share of it). A parallel torch operation cut into more parts than there are free CPUs waits on every
 call for the part that was descheduled: on a two-core host with the other core busy, replay's kernels on two
 threads took several times the CPU of the same kernels on one.
 

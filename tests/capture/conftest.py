@@ -6,12 +6,12 @@ import pytest
 
 from trajectory_replay import capture
 from trajectory_replay.capture import CaptureManager
-from trajectory_replay.capture.config import ENV_CAPTURE, ENV_DIR, ENV_ROLLOUTS, ENV_STEPS, ENV_WRITER
+from trajectory_replay.capture.config import OLDER_NAMES
 
 
 @pytest.fixture(autouse=True)
 def clean_capture(monkeypatch):
-    for name in (ENV_CAPTURE, ENV_DIR, ENV_STEPS, ENV_ROLLOUTS, ENV_WRITER):
+    for name in (*OLDER_NAMES, *OLDER_NAMES.values()):
         monkeypatch.delenv(name, raising=False)
     capture.shutdown(timeout=10)
     yield

@@ -9,7 +9,7 @@ import pytest
 
 from trajectory_replay import capture
 from trajectory_replay.capture import CaptureConfigError, load_config
-from trajectory_replay.capture.config import ENV_CAPTURE, ENV_DIR, ENV_ROLLOUTS, ENV_STEPS, ENV_WRITER
+from trajectory_replay.capture.config import ENV_CAPTURE, ENV_DIR, ENV_ROLLOUTS, ENV_STEPS, ENV_WRITER, OLDER_NAMES
 from trajectory_replay.errors import TrajectoryReplayError
 from tests.capture.helpers import microbatch_kwargs, rollout_kwargs
 
@@ -76,6 +76,82 @@ def test_bad_values_name_the_variable(env, variable, shown):
     message = str(info.value)
     assert variable in message and shown in message and "\n" not in message
     assert isinstance(info.value, TrajectoryReplayError)
+
+
+OLD_CAPTURE, OLD_DIR, OLD_STEPS, OLD_ROLLOUTS, OLD_WRITER = (
+    OLDER_NAMES[name] for name in (ENV_CAPTURE, ENV_DIR, ENV_STEPS, ENV_ROLLOUTS, ENV_WRITER))
+
+
+def test_the_names_are_trajectory_replays_and_the_older_tools_names_are_still_read():
+    assert ENV_CAPTURE == "TRAJECTORY_REPLAY_CAPTURE" and ENV_DIR == "TRAJECTORY_REPLAY_CAPTURE_DIR"
+    assert (OLD_CAPTURE, OLD_DIR, OLD_STEPS, OLD_ROLLOUTS, OLD_WRITER) == (
+        "RELAX_REPLAY_CAPTURE", "RELAX_REPLAY_CAPTURE_DIR", "RELAX_REPLAY_CAPTURE_STEPS",
+        "RELAX_REPLAY_CAPTURE_ROLLOUTS", "RELAX_REPLAY_CAPTURE_WRITER")
+    config = load_config({OLD_CAPTURE: "1", OLD_DIR: "s3://bucket/run-7", OLD_STEPS: "1:0", OLD_ROLLOUTS: "4",
+                          OLD_WRITER: "thread"})
+    assert (config.enabled, config.capture_dir, config.steps, config.rollouts, config.writer) == \
+        (True, "s3://bucket/run-7", {(1, 0)}, {4}, "thread")
+    assert (config.dir_variable, config.writer_variable) == (OLD_DIR, OLD_WRITER)
+    mixed = load_config({ENV_CAPTURE: "1", OLD_DIR: "d", ENV_STEPS: "2:3"})
+    assert (mixed.capture_dir, mixed.steps, mixed.dir_variable) == ("d", {(2, 3)}, OLD_DIR)
+    assert not load_config({OLD_CAPTURE: "0", OLD_STEPS: "garbage"}).enabled
+
+
+@pytest.mark.parametrize("env, variable, shown", [
+    ({OLD_CAPTURE: "2"}, OLD_CAPTURE, "'2'"),
+    ({OLD_CAPTURE: "1"}, ENV_DIR, f"required when {OLD_CAPTURE} is on"),
+    ({ENV_CAPTURE: "1", OLD_DIR: "ftp://host/x"}, OLD_DIR, "'ftp://host/x'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", OLD_STEPS: "3"}, OLD_STEPS, "'3'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", OLD_ROLLOUTS: "x"}, OLD_ROLLOUTS, "'x'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "memory://run", OLD_WRITER: "process"}, OLD_WRITER, "'process'"),
+])
+def test_a_bad_value_under_an_older_name_is_named_as_it_was_set(env, variable, shown):
+    with pytest.raises(CaptureConfigError) as info:
+        load_config(env)
+    assert str(info.value).startswith(variable) and shown in str(info.value) and "\n" not in str(info.value)
+
+
+def test_both_names_set_to_the_same_meaning_is_that_setting():
+    config = load_config({ENV_CAPTURE: "1", OLD_CAPTURE: " yes", ENV_DIR: "d", OLD_DIR: "d ", ENV_STEPS: "1:0,2:0",
+                          OLD_STEPS: "2:0, 1:0", ENV_WRITER: "thread", OLD_WRITER: "THREAD", OLD_ROLLOUTS: ""})
+    assert (config.enabled, config.capture_dir, config.steps, config.rollouts, config.writer) == \
+        (True, "d", {(1, 0), (2, 0)}, None, "thread")
+    assert (config.dir_variable, config.writer_variable) == (ENV_DIR, ENV_WRITER)
+
+
+@pytest.mark.parametrize("env, new, old", [
+    ({ENV_CAPTURE: "1", OLD_CAPTURE: "0", ENV_DIR: "d"}, f"{ENV_CAPTURE}='1'", f"{OLD_CAPTURE}='0'"),
+    ({ENV_CAPTURE: "off", OLD_CAPTURE: "on"}, f"{ENV_CAPTURE}='off'", f"{OLD_CAPTURE}='on'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "a", OLD_DIR: "b"}, f"{ENV_DIR}='a'", f"{OLD_DIR}='b'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:0", OLD_STEPS: "1:1"}, f"{ENV_STEPS}='1:0'", f"{OLD_STEPS}='1:1'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1", OLD_ROLLOUTS: "2"}, f"{ENV_ROLLOUTS}='1'",
+     f"{OLD_ROLLOUTS}='2'"),
+    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_WRITER: "auto", OLD_WRITER: "thread"}, f"{ENV_WRITER}='auto'",
+     f"{OLD_WRITER}='thread'"),
+])
+def test_both_names_set_to_different_values_is_a_config_error_naming_both(env, new, old):
+    with pytest.raises(CaptureConfigError) as info:
+        load_config(env)
+    message = str(info.value)
+    assert message.startswith(f"{new} and {old} disagree: set one of them") and "\n" not in message
+
+
+def test_disagreeing_names_stop_capture_at_startup_and_start_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_CAPTURE, "1")
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "new"))
+    monkeypatch.setenv(OLD_DIR, str(tmp_path / "old"))
+    before = threading.active_count()
+    with pytest.raises(CaptureConfigError, match=f"{ENV_DIR}=.* and {OLD_DIR}=.* disagree"):
+        capture.maybe_enable_for_actor(0, True, [0], atexit_timeout=None)
+    assert capture.get_manager() is None and threading.active_count() == before and os.listdir(tmp_path) == []
+
+
+def test_a_store_that_cannot_open_names_the_directory_variable_as_it_was_set(monkeypatch):
+    monkeypatch.setenv(OLD_CAPTURE, "1")
+    monkeypatch.setenv(OLD_DIR, "s3://ab/x")  # a bucket name needs 3+ characters
+    with pytest.raises(CaptureConfigError, match=f"^{OLD_DIR}="):
+        capture.maybe_enable_for_actor(0, True, [0])
+    assert capture.get_manager() is None
 
 
 def test_maybe_enable_raises_config_errors_at_startup(monkeypatch):

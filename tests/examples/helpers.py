@@ -130,14 +130,14 @@ for argv in json.load(sys.stdin):
 def run_examples(workdir: Path, runs: list[list[str]]) -> str:
     """The example's `main(argv)` for each of `runs`, one after another in one fresh process; its stdout.
 
-    Their capture writes in a thread of each rank (RELAX_REPLAY_CAPTURE_WRITER=thread): what these runs check is
+    Their capture writes in a thread of each rank (TRAJECTORY_REPLAY_CAPTURE_WRITER=thread): what these runs check is
     the bundles, and a writer process per rank and run would start one more interpreter each; `run_example`'s
     runs keep the default writer process."""
     import json
     import subprocess
     import sys
 
-    env = {"TRAJECTORY_REPLAY_CACHE_DIR": str(workdir / "cache"), "RELAX_REPLAY_CAPTURE_WRITER": "thread"}
+    env = {"TRAJECTORY_REPLAY_CACHE_DIR": str(workdir / "cache"), "TRAJECTORY_REPLAY_CAPTURE_WRITER": "thread"}
     proc = subprocess.run([sys.executable, "-c", RUNNER, str(EXAMPLE.parent)], input=json.dumps(runs), cwd=workdir,
                           env=clean_env(env),
                           capture_output=True, text=True, timeout=240, check=False)

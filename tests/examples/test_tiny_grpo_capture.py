@@ -95,7 +95,7 @@ def captures(s3_server, s3_capture_env, tmp_path_factory) -> dict[str, Captured]
     run_dir, pr65_dir = tmp_path_factory.mktemp("capture"), tmp_path_factory.mktemp("capture-pr65")
     with ThreadPoolExecutor(max_workers=2) as pool:
         run = pool.submit(_capture, s3_server, env, run_dir, "run", run_root,
-                          run_env={"RELAX_REPLAY_CAPTURE": "1", "RELAX_REPLAY_CAPTURE_DIR": run_root})
+                          run_env={"TRAJECTORY_REPLAY_CAPTURE": "1", "TRAJECTORY_REPLAY_CAPTURE_DIR": run_root})
         pr65 = pool.submit(_capture, s3_server, env, pr65_dir, "pr65", pr65_root,
                            "--fault", "pr65", "--capture-dir", pr65_root, run_env={}, rollouts=1)
         return {"run": run.result(), "pr65": pr65.result()}

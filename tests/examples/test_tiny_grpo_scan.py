@@ -10,7 +10,7 @@ from tests.ops.scan_helpers import cli_json
 def test_scan_finds_the_rollout_where_the_fault_starts(tmp_path):
     capture = tmp_path / "capture"
     run_example(tmp_path, "pr65-from-1", *SMALL, "--fault", "pr65", "--fault-from-step", "1", "--capture-dir",
-                str(capture), world_size=1, steps=2, env={"RELAX_REPLAY_CAPTURE_WRITER": "thread"})
+                str(capture), world_size=1, steps=2, env={"TRAJECTORY_REPLAY_CAPTURE_WRITER": "thread"})
     code, summary = cli_json("scan", str(capture), "--workers", "2")
     assert code == 1 and summary["status"] == "diverged"
     statuses = {v["name"]: v["status"] for v in summary["verdicts"]}

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.examples.helpers import SCALARS, SMALL, STEPS_PER_ROLLOUT, run_example
+from tests.examples.helpers import EXAMPLE, SCALARS, SMALL, STEPS_PER_ROLLOUT, run_example
 
 
 def test_two_ranks_two_steps_complete(baseline) -> None:
@@ -50,7 +51,7 @@ def test_prompt_groups_are_split_across_batches_and_ranks(baseline) -> None:
 
 
 def test_capture_off_starts_nothing_and_writes_nothing(baseline) -> None:
-    """No RELAX_REPLAY_CAPTURE* variables: no manager, no writer thread on any rank, no file but --out-json."""
+    """No TRAJECTORY_REPLAY_CAPTURE* variables: no manager, no writer thread on any rank, no file but --out-json."""
     cap = baseline.result["capture"]
     assert cap["threads"] == 0
     assert [c["rank"] for c in cap["ranks"]] == [0, 1]
@@ -65,10 +66,10 @@ def test_capture_off_starts_nothing_and_writes_nothing(baseline) -> None:
 
 
 def test_single_process_runs_without_spawning(tmp_path: Path) -> None:
-    # RELAX_REPLAY_CAPTURE=0 switches capture off even with a directory configured: nothing is created there.
+    # TRAJECTORY_REPLAY_CAPTURE=0 switches capture off even with a directory configured: nothing is created there.
     cap_dir = tmp_path / "not-written"
     run = run_example(tmp_path, "w1", *SMALL, world_size=1, steps=1,
-                      env={"RELAX_REPLAY_CAPTURE": "0", "RELAX_REPLAY_CAPTURE_DIR": str(cap_dir)})
+                      env={"TRAJECTORY_REPLAY_CAPTURE": "0", "TRAJECTORY_REPLAY_CAPTURE_DIR": str(cap_dir)})
     result = run.result
     assert len(result["steps"]) == STEPS_PER_ROLLOUT and result["world_size"] == 1
     assert result["split_across_ranks"] == 0 and result["split_across_batches"] > 0
@@ -85,7 +86,7 @@ def test_long_responses_share_rollout_chunks(tmp_path) -> None:
     from trajectory_replay.store import ObjectStore
 
     run = run_example(tmp_path, "long", *SMALL, "--digits", "128", "--min-response", "128", "--capture-dir",
-                      str(tmp_path / "cap"), world_size=1, steps=1, env={"RELAX_REPLAY_CAPTURE_WRITER": "thread"})
+                      str(tmp_path / "cap"), world_size=1, steps=1, env={"TRAJECTORY_REPLAY_CAPTURE_WRITER": "thread"})
     assert len(run.result["steps"]) == STEPS_PER_ROLLOUT
     [rollout] = open_native(str(tmp_path / "cap" / "rollout-0"))
     assert {s.response_length for s in rollout.index.samples} == {129}
@@ -101,3 +102,19 @@ def test_long_responses_share_rollout_chunks(tmp_path) -> None:
             mine = chunks(step, name)
             assert len(mine - chunks(rollout, name)) == 1, (s, name)   # its own header only
     assert replay([rollout]).passed
+
+
+def test_capture_dir_replaces_the_switch_and_directory_however_the_environment_spells_them(monkeypatch) -> None:
+    from trajectory_replay.capture import load_config
+    from trajectory_replay.capture.config import OLDER_NAMES
+
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        import tiny_grpo
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+    monkeypatch.setenv(OLDER_NAMES["TRAJECTORY_REPLAY_CAPTURE"], "0")
+    monkeypatch.setenv(OLDER_NAMES["TRAJECTORY_REPLAY_CAPTURE_DIR"], "/elsewhere")
+    monkeypatch.setenv(OLDER_NAMES["TRAJECTORY_REPLAY_CAPTURE_STEPS"], "1:0")
+    config = load_config(tiny_grpo.capture_environ("/here"))
+    assert (config.enabled, config.capture_dir, config.steps) == (True, "/here", {(1, 0)})

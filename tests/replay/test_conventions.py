@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trajectory_replay import conventions
+from trajectory_replay.bundle.profiles import PROFILES
 from trajectory_replay.bundle.schema import BundleIndex, RecomputeConfig
 from trajectory_replay.replay.convention_search import find_conventions
 from trajectory_replay.replay.runner import replay
@@ -47,20 +47,20 @@ def test_from_profile_refuses_unknown_profiles_and_options_by_name():
 
 def test_relax_is_the_default_config_and_every_profile_is_replayable():
     assert RecomputeConfig.from_profile("relax").model_dump() == RecomputeConfig().model_dump()
-    for name in conventions.PROFILES:
-        case = algorithm_case({**BASE, **conventions.PROFILES[name].settings, "n_samples_per_prompt": 4})
+    for name in PROFILES:
+        case = algorithm_case({**BASE, **PROFILES[name].settings, "n_samples_per_prompt": 4})
         source = MemorySource(*case)
         assert replay([source]).passed, name
 
 
-def test_apply_profile_changes_conventions_and_keeps_the_runs_hyperparameters():
+def test_with_conventions_of_a_profile_changes_conventions_and_keeps_the_runs_hyperparameters():
     recorded = RecomputeConfig(kl_coef=0.3, eps_clip=0.1, n_samples_per_prompt=8, loss_agg_mode="token_mean",
                                loss_denominator=512)
-    applied = conventions.apply_profile(recorded, "trl")
+    applied = recorded.with_conventions_of("trl")
     assert (applied.kl_coef, applied.eps_clip, applied.n_samples_per_prompt, applied.loss_denominator) == \
         (0.3, 0.1, 8, 512)
     assert (applied.std_eps, applied.grpo_std_normalization) == (1e-4, True)
-    assert conventions.apply_profile(applied, "relax").loss_agg_mode == "sum_of_sample_means"
+    assert applied.with_conventions_of("relax").loss_agg_mode == "sum_of_sample_means"
 
 
 @pytest.mark.parametrize("production, named", [

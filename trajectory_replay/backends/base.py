@@ -40,8 +40,8 @@ _ONE_CORE = threading.local()
 def one_core_for_cpu_work() -> Iterator[None]:
     """Within it, the calling thread's pools of CPU work run their items on the thread itself, one after another.
 
-    For a thread given one core of its own (the thread a streamed replay reads on, next to the kernels on the
-    others): reading a local file and hashing it are CPU work, and a pool of such workers would only take the
+    For a thread given one core of its own (the thread a streamed replay reads on, next to replay's computation on
+    the others): reading a local file and hashing it are CPU work, and a pool of such workers would only take the
     other threads' cores and contend with them for the interpreter lock. Pools that wait on a remote store still
     fan out."""
     before = getattr(_ONE_CORE, "on", False)

@@ -105,10 +105,20 @@ class Inspection(Outcome):
         """The report; lines longer than `width` (default: the terminal's, no limit when piped) wrap under their
         value column and a payload name too long for its column ends in an ellipsis."""
         width = width or report_width()
-        lines = [f"bundle {self.bundle_id or self.target} [{self.format}] — {self.state}"
-                 + (f": {self.detail}" if self.detail else "")
-                 + (f"; DAMAGED ({len(self.problems)} problem{'s' if len(self.problems) > 1 else ''})"
-                    if self.damaged else "")]
+        lines = [self._title(), *self._provenance_lines(), *self._config_lines(), *self._content_lines(),
+                 *self._payload_lines(width), *self._damage_lines()]
+        return "\n".join(part for line in lines for part in fit(line, width, VALUE_COLUMN))
+
+    def _title(self) -> str:
+        """The first line: the bundle, its format and state, and how many problems it has."""
+        count = len(self.problems)
+        return (f"bundle {self.bundle_id or self.target} [{self.format}] — {self.state}"
+                + (f": {self.detail}" if self.detail else "")
+                + (f"; DAMAGED ({count} problem{'s' if count > 1 else ''})" if self.damaged else ""))
+
+    def _provenance_lines(self) -> list[str]:
+        """Where the bundle comes from: its anchor, its ranks, its producer, its weight lineage and topology."""
+        lines = []
         if self.anchor:
             lines.append(f"  anchor     {self.anchor}")
         if self.expected_ranks:
@@ -125,26 +135,41 @@ class Inspection(Outcome):
             lines.append(f"  lineage    rollout_weight={value_text(lineage.get('rollout_weight'))} "
                          f"actor_weight={value_text(lineage.get('actor_weight'))}; topology " +
                          " ".join(f"{k}={value_text(v)}" for k, v in rank.items()))
+        return lines
+
+    def _config_lines(self) -> list[str]:
+        """The recompute config's fields that differ from the defaults (the estimator always: the JSON has them
+        all), and the convention profile it was built from."""
+        lines = []
         if self.config:
-            # the fields that differ from the defaults (the estimator always): the JSON has them all
             defaults = RecomputeConfig().model_dump(mode="json")
             shown = {k: v for k, v in self.config.items() if k == "advantage_estimator" or defaults.get(k, v) != v}
             lines.append("  config     " + ", ".join(f"{k}={value_text(v)}" for k, v in shown.items()))
         if self.conventions:
             c = self.conventions
-            lines.append(f"  conventions profile {c.get('profile')} ({c.get('framework')} {c.get('framework_version')})")
+            lines.append(f"  conventions profile {c.get('profile')} "
+                         f"({c.get('framework')} {c.get('framework_version')})")
+        return lines
+
+    def _content_lines(self) -> list[str]:
+        """What the bundle holds: its samples and tokens (per rank), its stages and its redaction policy."""
+        lines = []
         if self.samples or self.rank_samples:
             per_rank = ""
             if len(self.rank_samples) > 1:
                 per_rank = "; " + ", ".join(f"rank {r}: {n}" for r, n in self.rank_samples.items())
             lines.append(f"  samples    {self.samples} ({self.tokens} response tokens{per_rank})")
-        for stage, cap in self.stages.items():
-            lines.append(f"  stage      {stage:<22} {cap}")
+        lines += [f"  stage      {stage:<22} {cap}" for stage, cap in self.stages.items()]
         if self.redaction:
             unknown = set(unknown_fields(self.redaction))
             lines.append("  redaction  " + ", ".join(
                 f"{k}={v}" + (" (not a redactable field: was not applied)" if k in unknown else "")
                 for k, v in self.redaction.items()))
+        return lines
+
+    def _payload_lines(self, width: Optional[int]) -> list[str]:
+        """One line per payload (its name clipped to its column when the report has a `width`), then the total."""
+        lines = []
         for p in self.payloads:
             chunks = f", {p['chunks']} chunks" if p.get("chunks") is not None else ""
             damage = "".join(f"  {label}: {p[key]}" for key, label in (("error", "UNREADABLE"),
@@ -154,23 +179,29 @@ class Inspection(Outcome):
             lines.append(f"  payload    {name:<16} {p['role']:<8} {p['dtype']:<14} {shape:<12} "
                          f"{human_bytes(p['size'])}{chunks}{damage}")
         if self.payloads:
-            unreadable = f" ({human_bytes(self.unreadable_bytes)} unreadable)" if self.unreadable_bytes else ""
-            dedup = ""
-            if self.dedup_ratio is not None:
-                of = (f" of the {human_bytes(self.logical_bytes - self.unreadable_bytes)} readable"
-                      if self.unreadable_bytes else "")
-                dedup = (f", {human_bytes(self.unique_chunk_bytes or 0)} in unique chunks "
-                         f"(dedup {self.dedup_ratio:.2f}x{of})")
-            shown = f" (rank {self.ranks[0]})" if len(self.rank_samples) > 1 and self.ranks else ""
-            lines.append(f"  total      {human_bytes(self.logical_bytes)} of payloads{shown}{unreadable}{dedup}")
+            lines.append(self._total())
+        return lines
+
+    def _total(self) -> str:
+        """The payloads' logical bytes, the unreadable ones among them and the unique chunk bytes (the dedup)."""
+        unreadable = f" ({human_bytes(self.unreadable_bytes)} unreadable)" if self.unreadable_bytes else ""
+        dedup = ""
+        if self.dedup_ratio is not None:
+            of = f" of the {human_bytes(self.logical_bytes - self.unreadable_bytes)} readable" \
+                if self.unreadable_bytes else ""
+            dedup = (f", {human_bytes(self.unique_chunk_bytes or 0)} in unique chunks "
+                     f"(dedup {self.dedup_ratio:.2f}x{of})")
+        shown = f" (rank {self.ranks[0]})" if len(self.rank_samples) > 1 and self.ranks else ""
+        return f"  total      {human_bytes(self.logical_bytes)} of payloads{shown}{unreadable}{dedup}"
+
+    def _damage_lines(self) -> list[str]:
+        """The problems no payload line shows (other shards' damage), and how to repair a damaged bundle."""
         shown = {f"payload {p['name']!r}" for p in self.payloads}
-        for problem in self.problems:
-            if problem.split(":", 1)[0] not in shown:  # other shards' damage has no payload line above
-                lines.append(f"  damage     {problem}")
+        lines = [f"  damage     {problem}" for problem in self.problems if problem.split(":", 1)[0] not in shown]
         if self.damaged:
             lines.append("  damage     run `trajectory-replay fsck` on the store root: it re-links a missing blob ref; "
                          "--repair-from URL re-fetches missing or corrupt objects from a copy")
-        return "\n".join(part for line in lines for part in fit(line, width, VALUE_COLUMN))
+        return lines
 
 
 VALUE_COLUMN = len("  payload    ")

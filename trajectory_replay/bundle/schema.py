@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from trajectory_replay.bundle import profiles
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.store.digest import OBJECTS_DIR, REFS_DIR
 
@@ -250,11 +251,18 @@ class RecomputeConfig(_Model):
 
     @classmethod
     def from_profile(cls, profile: str, **overrides: Any) -> "RecomputeConfig":
-        """The config a framework's defaults amount to (`trajectory_replay.conventions`), with `overrides`
-        given by our field names or the framework's own option names."""
-        from trajectory_replay import conventions
+        """The config a framework's defaults amount to (`bundle/profiles.py`), with `overrides` given by our field
+        names or the framework's own option names; it remembers the profile (`profile`)."""
+        config = cls.model_validate(profiles.profile(profile).fields(overrides, cls.model_fields))
+        config._profile = profile
+        return config
 
-        return conventions.config_from_profile(profile, **overrides)
+    def with_conventions_of(self, profile: str) -> "RecomputeConfig":
+        """This config with profile `profile`'s conventions (the `CONVENTION_FIELDS`, at the profile's values or the
+        defaults) and the run's own hyperparameters kept."""
+        defaults, settings = RecomputeConfig(), profiles.profile(profile).settings
+        update = {f: settings.get(f, getattr(defaults, f)) for f in profiles.CONVENTION_FIELDS}
+        return RecomputeConfig.model_validate({**self.model_dump(), **update})
 
 
 class KernelRef(_Model):
@@ -271,6 +279,12 @@ class ConventionsRecord(_Model):
     profile: str
     framework: Optional[str] = None
     framework_version: Optional[str] = None
+
+    @classmethod
+    def of_profile(cls, profile: str) -> "ConventionsRecord":
+        """What a manifest records of profile `profile`."""
+        prof = profiles.profile(profile)
+        return cls(profile=prof.name, framework=prof.framework, framework_version=prof.framework_version)
 
 
 class StageContract(_Model):

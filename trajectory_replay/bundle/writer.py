@@ -34,9 +34,8 @@ from trajectory_replay.bundle.markers import (
 )
 from trajectory_replay.bundle.paths import split_bundle_path
 from trajectory_replay.bundle.redaction import check_policy, redact_samples
-from trajectory_replay import conventions
 from trajectory_replay.bundle.schema import (
-    BundleIndex, Expected, Manifest, PayloadSpec, SchemaWarning, check_name,
+    BundleIndex, ConventionsRecord, Expected, Manifest, PayloadSpec, SchemaWarning, check_name,
 )
 from trajectory_replay.errors import BundleError, StorageUnavailableError, TrajectoryReplayError
 from trajectory_replay.outcome import one_line
@@ -72,7 +71,7 @@ class BundleWriter:
         if self.manifest.conventions is None and self.index.config.profile is not None:
             # a config built from a convention profile: the manifest says which, and at which framework version
             self.manifest = self.manifest.model_copy(
-                update={"conventions": conventions.profile(self.index.config.profile).record()})
+                update={"conventions": ConventionsRecord.of_profile(self.index.config.profile)})
         # models built with model_copy skip validation: check the names they carry here
         check_or_raise(self.manifest.bundle_id, "bundle_id")
         check_policy(self.manifest.redaction, name)

@@ -1,6 +1,6 @@
 """Training-side capture: environment configuration, the capture manager and the hooks (see docs/capture.md).
 
-Off by default; switched on by RELAX_REPLAY_CAPTURE=1 and RELAX_REPLAY_CAPTURE_DIR. The training thread only
+Off by default; switched on by TRAJECTORY_REPLAY_CAPTURE=1 and TRAJECTORY_REPLAY_CAPTURE_DIR. The training thread only
 snapshots and enqueues; a background thread writes bundles to the content-addressed store.
 """
 

@@ -1,20 +1,25 @@
 """Capture configuration, read from the environment only (no command-line change in the training program).
 
-    RELAX_REPLAY_CAPTURE            1/true/yes/on or 0/false/no/off (case-insensitive); unset = off
-    RELAX_REPLAY_CAPTURE_DIR        store root: a path or any fsspec URL (s3://bucket/run-42); required when on
-    RELAX_REPLAY_CAPTURE_STEPS      optional step filter: R:S,R:S,...  (unset or empty = every step)
-    RELAX_REPLAY_CAPTURE_ROLLOUTS   optional rollout filter: R,R,...   (unset or empty = every rollout)
-    RELAX_REPLAY_CAPTURE_WRITER     optional writer: auto, process or thread (unset or empty = auto; a
-                                    `writer=` the program passes to the manager wins)
-    TRAJECTORY_REPLAY_RUN_ID        optional: the identity of this launch of the training job, the same on
-                                    every rank and new at every (re)start; default: what the launcher says
-                                    (torchrun's TORCHELASTIC_RUN_ID and restart count, Slurm's job id and
-                                    restart count), else none. Rank markers carry it, so that ranks of two
-                                    launches never complete one bundle together (`run_identity`).
+    TRAJECTORY_REPLAY_CAPTURE            1/true/yes/on or 0/false/no/off (case-insensitive); unset = off
+    TRAJECTORY_REPLAY_CAPTURE_DIR        store root: a path or any fsspec URL (s3://bucket/run-42); required when on
+    TRAJECTORY_REPLAY_CAPTURE_STEPS      optional step filter: R:S,R:S,...  (unset or empty = every step)
+    TRAJECTORY_REPLAY_CAPTURE_ROLLOUTS   optional rollout filter: R,R,...   (unset or empty = every rollout)
+    TRAJECTORY_REPLAY_CAPTURE_WRITER     optional writer: auto, process or thread (unset or empty = auto; a
+                                         `writer=` the program passes to the manager wins)
+    TRAJECTORY_REPLAY_RUN_ID             optional: the identity of this launch of the training job, the same on
+                                         every rank and new at every (re)start; default: what the launcher says
+                                         (torchrun's TORCHELASTIC_RUN_ID and restart count, Slurm's job id and
+                                         restart count), else none. Rank markers carry it, so that ranks of two
+                                         launches never complete one bundle together (`run_identity`).
+
+The older tool's names of the capture variables (`OLDER_NAMES`: RELAX_REPLAY_CAPTURE, RELAX_REPLAY_CAPTURE_DIR,
+..._STEPS, ..._ROLLOUTS, ..._WRITER) are read too. A variable set (not empty) under both names to values that mean
+different things is a `CaptureConfigError` naming both.
 
 S3 endpoint and credentials come from the usual places (AWS_* variables, AWS config files, FSSPEC_S3_*).
 While capture is off the other variables are not read, so they can never break a run that does not
-capture. A bad value is a `CaptureConfigError` whose one-line message names the variable and the value.
+capture. A bad value is a `CaptureConfigError` whose one-line message names the variable (as it was set) and the
+value.
 
 Also here: the checks of the CaptureManager options that choose its writer and its producer ranks
 (`choose_writer`, `producer_ranks`), a ValueError naming the option.
@@ -24,17 +29,21 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, TypeVar
 
 from trajectory_replay.errors import TrajectoryReplayError
 
-ENV_CAPTURE = "RELAX_REPLAY_CAPTURE"
-ENV_DIR = "RELAX_REPLAY_CAPTURE_DIR"
-ENV_STEPS = "RELAX_REPLAY_CAPTURE_STEPS"
-ENV_ROLLOUTS = "RELAX_REPLAY_CAPTURE_ROLLOUTS"
-ENV_WRITER = "RELAX_REPLAY_CAPTURE_WRITER"
+ENV_CAPTURE = "TRAJECTORY_REPLAY_CAPTURE"
+ENV_DIR = "TRAJECTORY_REPLAY_CAPTURE_DIR"
+ENV_STEPS = "TRAJECTORY_REPLAY_CAPTURE_STEPS"
+ENV_ROLLOUTS = "TRAJECTORY_REPLAY_CAPTURE_ROLLOUTS"
+ENV_WRITER = "TRAJECTORY_REPLAY_CAPTURE_WRITER"
 ENV_RUN_ID = "TRAJECTORY_REPLAY_RUN_ID"
+OLDER_NAMES = {name: name.replace("TRAJECTORY_REPLAY_", "RELAX_REPLAY_", 1)
+               for name in (ENV_CAPTURE, ENV_DIR, ENV_STEPS, ENV_ROLLOUTS, ENV_WRITER)}
+"""The older tool's name of each capture variable (RELAX_REPLAY_CAPTURE, ...), still read."""
 MAX_RUN_ID = 200
 _RUN_ID = re.compile(r"[\x21-\x7e]+")
 
@@ -66,6 +75,10 @@ class CaptureConfig:
     writer: Optional[str] = None
     run_id: Optional[str] = None
     """The launch this capture belongs to (`run_identity`), or None when nothing names it."""
+    dir_variable: str = ENV_DIR
+    """The variable `capture_dir` was read from (ENV_DIR, or its older name when only that is set)."""
+    writer_variable: str = ENV_WRITER
+    """The variable `writer` was read from (ENV_WRITER, or its older name when only that is set)."""
 
     def wants_step(self, rollout_id: int, step_id: int) -> bool:
         """True when the step-level bundle of actor step (rollout_id, step_id) is to be captured."""
@@ -126,10 +139,11 @@ def parse_rollouts(value: Optional[str], variable: str = ENV_ROLLOUTS) -> Option
     return frozenset(out)
 
 
-def parse_dir(value: Optional[str], variable: str = ENV_DIR) -> str:
-    """The capture directory: required, a path or a URL of a supported protocol."""
+def parse_dir(value: Optional[str], variable: str = ENV_DIR, switch: str = ENV_CAPTURE) -> str:
+    """The capture directory: required (when the variable `switch` is on), a path or a URL of a supported
+    protocol."""
     if value is None or value.strip() == "":
-        raise CaptureConfigError(f"{variable} is not set: it is required when {ENV_CAPTURE} is on "
+        raise CaptureConfigError(f"{variable} is not set: it is required when {switch} is on "
                                  "(a path or a URL such as s3://bucket/run-42)")
     text = value.strip()
     if "://" in text:
@@ -152,16 +166,39 @@ def parse_writer(value: Optional[str], variable: str = ENV_WRITER) -> Optional[s
     return norm
 
 
+_T = TypeVar("_T")
+
+
+def read_variable(env: Mapping[str, str], name: str, parse: Callable[[Optional[str], str], _T]) -> tuple[str, _T]:
+    """The capture variable `name` as `parse` (its value, the variable's name) reads it, and the name it was read
+    from: `name`, or its older name (`OLDER_NAMES`) when only that is set. Empty counts as unset. Set under both
+    names to values that `parse` reads differently: CaptureConfigError naming both."""
+    older = OLDER_NAMES[name]
+    given = [(variable, env[variable]) for variable in (name, older) if env.get(variable, "").strip()]
+    if not given:
+        return name, parse(None, name)
+    (variable, value), *others = given
+    parsed = parse(value, variable)
+    for other, other_value in others:
+        if parse(other_value, other) != parsed:
+            raise CaptureConfigError(f"{variable}={value!r} and {other}={other_value!r} disagree: set one of them "
+                                     f"({other} is the older name of {variable})")
+    return variable, parsed
+
+
 def load_config(environ: Optional[Mapping[str, str]] = None) -> CaptureConfig:
     """Read the capture configuration from `environ` (default `os.environ`)."""
     env = os.environ if environ is None else environ
-    if not parse_switch(env.get(ENV_CAPTURE)):
+    switch, enabled = read_variable(env, ENV_CAPTURE, parse_switch)
+    if not enabled:
         return CaptureConfig(enabled=False)
-    capture_dir, writer = parse_dir(env.get(ENV_DIR)), parse_writer(env.get(ENV_WRITER))
+    dir_variable, capture_dir = read_variable(env, ENV_DIR, lambda value, name: parse_dir(value, name, switch))
+    writer_variable, writer = read_variable(env, ENV_WRITER, parse_writer)
     if writer is not None:
-        check_env_writer(writer, env[ENV_WRITER], capture_dir, store_given=False)
-    return CaptureConfig(enabled=True, capture_dir=capture_dir, steps=parse_steps(env.get(ENV_STEPS)),
-                         rollouts=parse_rollouts(env.get(ENV_ROLLOUTS)), writer=writer, run_id=run_identity(env))
+        check_env_writer(writer, env[writer_variable], capture_dir, store_given=False, variable=writer_variable)
+    return CaptureConfig(enabled=True, capture_dir=capture_dir, steps=read_variable(env, ENV_STEPS, parse_steps)[1],
+                         rollouts=read_variable(env, ENV_ROLLOUTS, parse_rollouts)[1], writer=writer,
+                         run_id=run_identity(env), dir_variable=dir_variable, writer_variable=writer_variable)
 
 
 def run_identity(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
@@ -205,13 +242,14 @@ def choose_writer(writer: str, writer_priority: str, capture_dir: str, store_giv
     return writer
 
 
-def check_env_writer(writer: str, value: str, capture_dir: str, store_given: bool) -> None:
-    """CaptureConfigError naming RELAX_REPLAY_CAPTURE_WRITER (set to `value`) when `choose_writer` refuses its
-    `writer` for this capture directory (and, if `store_given`, a store object the program passes)."""
+def check_env_writer(writer: str, value: str, capture_dir: str, store_given: bool, variable: str = ENV_WRITER) -> None:
+    """CaptureConfigError naming `variable` (TRAJECTORY_REPLAY_CAPTURE_WRITER or its older name, set to `value`)
+    when `choose_writer` refuses its `writer` for this capture directory (and, if `store_given`, a store object the
+    program passes)."""
     try:
         choose_writer(writer, WRITER_PRIORITIES[0], capture_dir, store_given)
     except ValueError as exc:
-        raise _bad(ENV_WRITER, value, f"{exc} (use thread or auto)") from None
+        raise _bad(variable, value, f"{exc} (use thread or auto)") from None
 
 
 def producer_ranks(rank: int, expected_ranks: Optional[Sequence[int]]) -> list[int]:
@@ -223,6 +261,6 @@ def producer_ranks(rank: int, expected_ranks: Optional[Sequence[int]]) -> list[i
 
 
 __all__ = ["CaptureConfig", "CaptureConfigError", "ENV_CAPTURE", "ENV_DIR", "ENV_ROLLOUTS", "ENV_RUN_ID", "ENV_STEPS",
-           "ENV_WRITER", "run_identity",
+           "ENV_WRITER", "OLDER_NAMES", "read_variable", "run_identity",
            "WRITER_MODES", "WRITER_PRIORITIES", "check_env_writer", "choose_writer", "load_config", "parse_dir",
            "parse_rollouts", "parse_steps", "parse_switch", "parse_writer", "producer_ranks"]

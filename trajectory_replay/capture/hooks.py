@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Optional, Sequence
 
-from trajectory_replay.capture.config import CaptureConfigError, ENV_DIR, check_env_writer, load_config
+from trajectory_replay.capture.config import CaptureConfigError, check_env_writer, load_config
 from trajectory_replay.capture.manager import CaptureManager
 from trajectory_replay.errors import TrajectoryReplayError
 
@@ -29,8 +29,9 @@ def maybe_enable_for_actor(rank: int, is_producer: bool, expected_ranks: Sequenc
                            ) -> Optional[CaptureManager]:
     """Start capture on this rank if the environment switches it on and the rank is a producer.
 
-    Reads RELAX_REPLAY_CAPTURE* (a bad value raises CaptureConfigError naming the variable, on every rank);
-    RELAX_REPLAY_CAPTURE_WRITER chooses the writer unless `manager_options` has `writer`.
+    Reads TRAJECTORY_REPLAY_CAPTURE* (or their older names; a bad value raises CaptureConfigError naming the
+    variable, on every rank); TRAJECTORY_REPLAY_CAPTURE_WRITER chooses the writer unless `manager_options` has
+    `writer`.
     Producer ranks (e.g. the last pipeline stage of each data-parallel replica) get a CaptureManager with
     a writer thread; other ranks get None and start nothing. `expected_ranks` are the producer ranks of
     one bundle: with more than one, each writes its own shard (rank `rank`) of a multi-producer bundle.
@@ -49,7 +50,8 @@ def maybe_enable_for_actor(rank: int, is_producer: bool, expected_ranks: Sequenc
         shutdown()
     if config.writer is not None and "writer" not in manager_options:
         if manager_options.get("store") is not None:   # load_config checked it for a writer without a store object
-            check_env_writer(config.writer, config.writer, config.capture_dir, store_given=True)
+            check_env_writer(config.writer, config.writer, config.capture_dir, store_given=True,
+                             variable=config.writer_variable)
         manager_options["writer"] = config.writer
     if config.run_id is not None:
         manager_options.setdefault("run_id", config.run_id)
@@ -57,7 +59,8 @@ def maybe_enable_for_actor(rank: int, is_producer: bool, expected_ranks: Sequenc
         manager = CaptureManager(config.capture_dir, rank=rank, expected_ranks=ranks, steps=config.steps,
                                  rollouts=config.rollouts, **manager_options)
     except TrajectoryReplayError as exc:
-        raise CaptureConfigError(f"{ENV_DIR}={config.capture_dir!r}: cannot open the capture store: {exc}") from None
+        raise CaptureConfigError(f"{config.dir_variable}={config.capture_dir!r}: cannot open the capture store: "
+                                 f"{exc}") from None
     _MANAGER = manager
     log.info("capture: enabled on rank %d of %s, writing to %s", rank, ranks, config.capture_dir)
     return manager
@@ -115,7 +118,7 @@ def capture_rollout(rollout_id: int, *, sample_ids: Sequence[str], group_index: 
     `rollout_log_probs` are the inference engine's log-probs of the responses, `policy_versions` the weights
     version that generated each sample: either contracts rollout.mismatch, whose metrics production reported
     (`mismatch_metrics`: kl_k1, kl_k3, log_ratio_max_abs, seq_log_ratio_max_abs, staleness_max, any of them) and
-    importance weights (`rollout_is_weights`) are then compared. Filtered by RELAX_REPLAY_CAPTURE_ROLLOUTS.
+    importance weights (`rollout_is_weights`) are then compared. Filtered by TRAJECTORY_REPLAY_CAPTURE_ROLLOUTS.
     True if enqueued."""
     if _MANAGER is None:
         return None
@@ -137,7 +140,7 @@ def capture_microbatch(rollout_id: int, step_id: int, micro_batch_id: str, *, sa
     feed a KL loss (kl_loss_coef != 0); `values` (old), `vpreds` (current) and `returns` the value loss;
     `rollout_log_probs` (the inference engine's) a rollout correction (rollout_is / rollout_rs) and, with
     `policy_versions`, the step's rollout.mismatch. A repeated micro_batch_id of the same step is ignored.
-    Filtered by RELAX_REPLAY_CAPTURE_STEPS."""
+    Filtered by TRAJECTORY_REPLAY_CAPTURE_STEPS."""
     if _MANAGER is None:
         return None
     return _MANAGER.capture_microbatch(

@@ -72,7 +72,7 @@ class Snapshot:
             if all(isinstance(v, torch.Tensor) for v in value):
                 parts = [v.detach().reshape(-1) for v in value]
                 if parts[0].device.type == "cuda":
-                    return self.tensor(torch.cat(parts))  # one kernel, then one async copy
+                    return self.tensor(torch.cat(parts))  # one GPU operation, then one async copy
                 return torch.cat([p.to("cpu") for p in parts])  # a new tensor: the one copy
             flat = [x for v in value for x in (v.tolist() if isinstance(v, torch.Tensor) else v)] \
                 if isinstance(value[0], (list, tuple, torch.Tensor)) else list(value)

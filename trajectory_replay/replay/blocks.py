@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 import torch
 
 from trajectory_replay.replay.cohort import Cohort, CohortPart, PayloadCache
-from trajectory_replay.replay.compare import FieldComparison, Findings, nonfinite_problem
+from trajectory_replay.replay.compare import FieldComparison, StageChecks, nonfinite_problem
 from trajectory_replay.replay.report import MAX_DIVERGENCES, Divergence
 
 BLOCK_TOKENS = 1 << 22
@@ -137,7 +137,7 @@ class Merged:
     problems: list[str] = field(default_factory=list)
     divergences: list[Divergence] = field(default_factory=list)
 
-    def add(self, findings: Findings, block: Block) -> None:
+    def add(self, findings: StageChecks, block: Block) -> None:
         for comparison in findings.comparisons:
             self.pieces.setdefault(comparison.field, []).append((comparison, block))
         for problem in findings.problems:
@@ -145,9 +145,9 @@ class Merged:
                 self.problems.append(problem)
         self.divergences.extend(findings.divergences)
 
-    def findings(self, whole: Cohort) -> Findings:
+    def findings(self, whole: Cohort) -> StageChecks:
         """The findings of the whole cohort."""
-        return Findings(comparisons=[merge_comparison(name, pieces, whole) for name, pieces in self.pieces.items()],
+        return StageChecks(comparisons=[merge_comparison(name, pieces, whole) for name, pieces in self.pieces.items()],
                         problems=list(self.problems), divergences=list(self.divergences))
 
 

@@ -21,7 +21,7 @@ import torch
 
 from trajectory_replay.bundle.schema import StageId
 from trajectory_replay.outcome import Outcome, Status
-from trajectory_replay.replay.compare import Findings, SampleLayout, compare_tensors, resolve_tolerance
+from trajectory_replay.replay.compare import StageChecks, SampleLayout, compare_tensors, resolve_tolerance
 from trajectory_replay.replay.report import Divergence, ReplayReport, StageResult, divergence_place
 from trajectory_replay.replay.source import ReplaySource, SamplesById
 
@@ -192,7 +192,7 @@ def check_link(step_sources: Sequence[ReplaySource], upstream: Mapping[int, Reco
     """Compare each step sample's inputs with its rollout bundle's recomputed outputs for the same sample id.
     `upstream`: rollout id -> what that bundle's replay recomputed. A step sample of a replayed rollout that the
     rollout bundle does not hold is a failure; samples whose rollout was not replayed are not compared."""
-    f = Findings()
+    f = StageChecks()
     tol = resolve_tolerance(step_sources[0].manifest, StageId.ADVANTAGE_ESTIMATE.value, atol, rtol)
     step = SamplesById.of(step_sources)
     linked: dict[str, Recomputed] = {}   # sample id -> what its rollout bundle recomputed
@@ -214,7 +214,7 @@ def check_link(step_sources: Sequence[ReplaySource], upstream: Mapping[int, Reco
     return f.result(LINK, None, passed_message=f"{len(linked)} samples linked")
 
 
-def _link_tokens(f: Findings, name: str, step: SamplesById, linked: Mapping[str, Recomputed], tol) -> None:
+def _link_tokens(f: StageChecks, name: str, step: SamplesById, linked: Mapping[str, Recomputed], tol) -> None:
     """The step's `name` payload rows against the rollout bundles' recomputed rows, sample by sample."""
     ids = [sid for sid, outputs in linked.items() if sid in outputs.get(name, {})]
     if not ids or not step.has_payload(name):
@@ -235,7 +235,7 @@ def _link_tokens(f: Findings, name: str, step: SamplesById, linked: Mapping[str,
                               SampleLayout.per_token(kept, torch.tensor([t.numel() for t in actual])), tol))
 
 
-def _link_samples(f: Findings, record_field: str, output: str, step: SamplesById, linked: Mapping[str, Recomputed],
+def _link_samples(f: StageChecks, record_field: str, output: str, step: SamplesById, linked: Mapping[str, Recomputed],
                   tol) -> None:
     """A per-sample record field of the step against the rollout bundles' recomputed per-sample output."""
     ids = [sid for sid, outputs in linked.items() if sid in outputs.get(output, {})]

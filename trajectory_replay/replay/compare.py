@@ -272,8 +272,9 @@ def compare_scalar(field: str, expected: float, actual: float, tol: Tolerances) 
 
 
 @dataclass
-class Findings:
-    """Accumulates one stage's comparisons and structural problems into a StageResult."""
+class StageChecks:
+    """One stage's checks so far: its field comparisons, its structural problems and their divergences; `result`
+    makes them the stage's StageResult."""
 
     comparisons: list[FieldComparison] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -312,5 +313,5 @@ class Findings:
                            divergences=tuple(divergences), metrics=dict(metrics or {}), evidence=evidence)
 
 
-__all__ = ["DEFAULT_ATOL", "DEFAULT_RTOL", "EXACT", "FieldComparison", "Findings", "SCALAR", "SampleLayout",
+__all__ = ["DEFAULT_ATOL", "DEFAULT_RTOL", "EXACT", "FieldComparison", "StageChecks", "SCALAR", "SampleLayout",
            "Tolerances", "compare_scalar", "compare_tensors", "nonfinite_problem", "resolve_tolerance"]

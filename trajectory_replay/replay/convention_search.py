@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from trajectory_replay import conventions
+from trajectory_replay.bundle.profiles import CONVENTION_FIELDS, PROFILES
 from trajectory_replay.bundle.schema import RecomputeConfig, StageId
 from trajectory_replay.errors import TrajectoryReplayError
 from trajectory_replay.outcome import Outcome, Status
@@ -186,9 +186,9 @@ def find_conventions(sources: Sequence[ReplaySource], *, rank: Optional[int] = N
         if "loss_agg_mode" in changes and report is not None:
             _infer_scales(attempt, report, changes, cached)
     _infer_scales(attempt, base, {}, cached)
-    for name in conventions.PROFILES:
-        applied = conventions.apply_profile(recorded, name)
-        changes = {k: config_value(getattr(applied, k)) for k in conventions.CONVENTION_FIELDS
+    for name in PROFILES:
+        applied = recorded.with_conventions_of(name)
+        changes = {k: config_value(getattr(applied, k)) for k in CONVENTION_FIELDS
                    if getattr(applied, k) != getattr(recorded, k)}
         if name == "relax" or changes:
             seen.discard(repr(sorted(changes.items())))   # a profile is reported even when a variant equals it

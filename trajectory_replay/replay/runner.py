@@ -29,7 +29,7 @@ from trajectory_replay.bundle.schema import STAGE_ORDER, RecomputeConfig, StageI
 from trajectory_replay.cpus import threads_for
 from trajectory_replay.replay.blocks import BLOCK_TOKENS, STREAM_TOKENS, Block, Merged, plan_blocks, whole_block
 from trajectory_replay.replay.cohort import Cohort, PayloadCache
-from trajectory_replay.replay.compare import Findings, resolve_tolerance
+from trajectory_replay.replay.compare import StageChecks, resolve_tolerance
 from trajectory_replay.replay.estimators import Whitening
 from trajectory_replay.replay.kernels import Moments, sample_moments, whiten, whitening_stats
 from trajectory_replay.replay.plan import Pass, PlannedStage, ReplayPlan, plan_replay
@@ -134,11 +134,11 @@ class _Run:
         """The verdicts of one pass: sample-level stages over all its rows, then cohort-level ones per part; in
         blocks of whole groups when the pass streams (every stage over one block, then the next, with the next
         block read ahead, its local chunk files by a helper process (see `readproc`), when there is a CPU free
-        for that). Torch's kernels run on the CPUs free now (`cpus.threads_for`), less the one reading ahead."""
+        for that). Torch's operations run on the CPUs free now (`cpus.threads_for`), less the one reading ahead."""
         whole = Cohort(plan.parts, self.cache)
         blocks = self.blocks(whole)
         cpus = threads_for(torch.get_num_threads())
-        # reading ahead on the CPU the kernels run on would only take turns with them (and their interpreter lock)
+        # reading ahead on the CPU torch's threads run on would only take turns with them (and their interpreter lock)
         ahead = len(blocks) > 1 and cpus >= 2
         with _kernel_threads(cpus - 1 if ahead else cpus), one_core_for_cpu_work() if cpus == 1 else nullcontext():
             # a native bundle's source reads through its ObjectStore: only one on local disk has use for a helper
@@ -438,7 +438,7 @@ MAX_ARENA = 4 << 30
 
 @contextmanager
 def _kernel_threads(threads: int) -> Iterator[None]:
-    """Torch's kernels on `threads` threads within it. A parallel kernel waits for its slowest part: on more
+    """Torch's operations on `threads` threads within it. A parallel operation waits for its slowest part: on more
     threads than there are CPUs free (a busy reader beside them on a host with two cores, or another process),
     each call waits for a descheduled part, and a replay took several times longer than on one thread."""
     before = torch.get_num_threads()
@@ -457,7 +457,7 @@ def _block_outputs(shared: dict, block: Block) -> dict:
     return {stage: {key: value[block.index] for key, value in produced.items()} for stage, produced in shared.items()}
 
 
-def _merged(runs: Runs, whole: Cohort) -> Findings:
+def _merged(runs: Runs, whole: Cohort) -> StageChecks:
     """The findings of a stage's runs over blocks, as over the whole cohort."""
     merged = Merged()
     for outcome, block in runs:

@@ -25,7 +25,7 @@ from trajectory_replay.replay.estimators import AdvantageInputs, RewardInputs, W
 from trajectory_replay.replay.registry import Kernels
 from trajectory_replay.replay.cohort import Cohort
 from trajectory_replay.replay.compare import (
-    EXACT, FieldComparison, Findings, SampleLayout, Tolerances, compare_scalar, compare_tensors,
+    EXACT, FieldComparison, StageChecks, SampleLayout, Tolerances, compare_scalar, compare_tensors,
 )
 from trajectory_replay.replay.report import Divergence, StageResult
 from trajectory_replay.replay.structure import payload_size_problems, record_problems
@@ -74,13 +74,13 @@ class StageOutcome:
     compute them) and, for a stage that reduces over the cohort, its partial sums (`partial`, None when the rows
     could not be computed); the verdict is made by the stage's `finish` over every run's outcome."""
 
-    findings: Findings
+    findings: StageChecks
     outputs: Outputs = field(default_factory=dict)
     passed: str = ""
     partial: object = None
 
 
-Finish = Callable[["StageContext", Findings, "list[tuple[StageOutcome, Optional[Block]]]"], StageResult]
+Finish = Callable[["StageContext", StageChecks, "list[tuple[StageOutcome, Optional[Block]]]"], StageResult]
 """(context over the whole cohort, the runs' findings merged, each run's outcome and block) -> the verdict."""
 
 
@@ -101,7 +101,7 @@ class Stage:
     per_block: bool = True
     """Runs block by block in a streamed replay; False: once over the whole cohort (it reads no payload)."""
 
-    def verdict(self, ctx: "StageContext", merged: Findings,
+    def verdict(self, ctx: "StageContext", merged: StageChecks,
                 runs: "list[tuple[StageOutcome, Optional[Block]]]") -> StageResult:
         """The stage's result over the whole cohort (`ctx`) from its runs."""
         if self.finish is not None:
@@ -124,7 +124,7 @@ class Stage:
         return (StageId.SAMPLE,) + tuple(dict.fromkeys(stage for stage, _ in self.io.consumes(config)))
 
 
-def _load_payloads(ctx: StageContext, findings: Findings, names: Sequence[str]) -> Optional[dict[str, torch.Tensor]]:
+def _load_payloads(ctx: StageContext, findings: StageChecks, names: Sequence[str]) -> Optional[dict[str, torch.Tensor]]:
     """The named per-token payloads, or None after recording which are missing or of the wrong size."""
     missing = [n for n in names if not ctx.cohort.has_payload(n)]
     for name in missing:
@@ -139,7 +139,7 @@ def _load_payloads(ctx: StageContext, findings: Findings, names: Sequence[str]) 
     return None if wrong else loaded
 
 
-def _upstream(ctx: StageContext, findings: Findings, stage: StageId, key: str) -> Optional[torch.Tensor]:
+def _upstream(ctx: StageContext, findings: StageChecks, stage: StageId, key: str) -> Optional[torch.Tensor]:
     """A recomputed upstream output, or None after recording why it is not there."""
     produced = ctx.outputs.get(stage, {}).get(key)
     if produced is None:
@@ -148,7 +148,7 @@ def _upstream(ctx: StageContext, findings: Findings, stage: StageId, key: str) -
     return produced
 
 
-def _compare_per_sample(ctx: StageContext, f: Findings, stage: StageId, key: str, field_name: str,
+def _compare_per_sample(ctx: StageContext, f: StageChecks, stage: StageId, key: str, field_name: str,
                         actual: torch.Tensor) -> None:
     """Compare `actual` with the expected per-sample list `stage.key` (length-checked, indexed down)."""
     expected, problems = ctx.cohort.expected_list(stage.value, key)
@@ -160,7 +160,7 @@ def _compare_per_sample(ctx: StageContext, f: Findings, stage: StageId, key: str
 
 def _run_sample(ctx: StageContext) -> StageOutcome:
     """The rows' loss masks: as many values as response tokens, and equal to what older records still carry."""
-    c, f = ctx.cohort, Findings()
+    c, f = ctx.cohort, StageChecks()
     mask = c.load("loss_mask")
     if mask.numel() != c.num_tokens:
         f.problem(f"loss_mask_length: loss_mask payload has {mask.numel()} values, "
@@ -170,9 +170,9 @@ def _run_sample(ctx: StageContext) -> StageOutcome:
     return StageOutcome(f)
 
 
-def _finish_sample(ctx: StageContext, merged: Findings, runs: list) -> StageResult:
+def _finish_sample(ctx: StageContext, merged: StageChecks, runs: list) -> StageResult:
     """The records' own checks over the whole cohort (lengths, duplicate ids, payload sizes), then the masks'."""
-    c, f = ctx.cohort, Findings()
+    c, f = ctx.cohort, StageChecks()
     for p in record_problems(c.records):
         f.problem(p.message, Divergence(p.field, p.sample_id, None, p.expected, p.actual, p.abs_error)
                   if p.field else None)
@@ -185,7 +185,7 @@ def _finish_sample(ctx: StageContext, merged: Findings, runs: list) -> StageResu
     return f.result(StageId.SAMPLE, ctx.rank, passed_message=f"{len(c.records)} samples, {c.num_tokens} tokens")
 
 
-def _check_record_masks(ctx: StageContext, mask: torch.Tensor, f: Findings) -> None:
+def _check_record_masks(ctx: StageContext, mask: torch.Tensor, f: StageChecks) -> None:
     """Records that still carry a loss_mask (older bundles) must agree with the payload (the "expected" side); the
     samples whose record carries none are compared with the payload itself."""
     c = ctx.cohort
@@ -202,7 +202,7 @@ def _check_record_masks(ctx: StageContext, mask: torch.Tensor, f: Findings) -> N
 def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
     """The rows' log ratios d: their per-sample sums, worst tokens, first non-finite one, tokens over the ceiling,
     and production's importance weights compared."""
-    c, f, cfg = ctx.cohort, Findings(), ctx.config
+    c, f, cfg = ctx.cohort, StageChecks(), ctx.config
     if not c.has_payload("rollout_log_probs"):
         return StageOutcome(f)
     loaded = _load_payloads(ctx, f, ("rollout_log_probs", "old_log_probs", "loss_mask"))
@@ -231,9 +231,9 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
     return StageOutcome(f, partial={"sums": sums, "rows": rows, "nonfinite": nonfinite, "over": over})
 
 
-def _finish_rollout_mismatch(ctx: StageContext, merged: Findings, runs: list) -> StageResult:
+def _finish_rollout_mismatch(ctx: StageContext, merged: StageChecks, runs: list) -> StageResult:
     """The metrics of the whole cohort, the 10 worst tokens, the ceilings, staleness, and the expected values."""
-    c, f, cfg = ctx.cohort, Findings(), ctx.config
+    c, f, cfg = ctx.cohort, StageChecks(), ctx.config
     has_log_probs = c.has_payload("rollout_log_probs")
     if not has_log_probs and all(r.policy_version is None for r in c.records):
         f.problem("bundle has no payload 'rollout_log_probs' and no sample records a policy_version")
@@ -278,7 +278,7 @@ def _finish_rollout_mismatch(ctx: StageContext, merged: Findings, runs: list) ->
     return f.result(StageId.ROLLOUT_MISMATCH, ctx.rank, passed_message=passed, metrics=metrics)
 
 
-def _check_finite(f: Findings, c: Cohort, found: list[Optional[tuple[int, float, int]]]) -> None:
+def _check_finite(f: StageChecks, c: Cohort, found: list[Optional[tuple[int, float, int]]]) -> None:
     """A masked-in token whose log ratio is NaN or infinite (a broken log-prob on either side) fails the stage:
     `found` holds each block's first such token (position in the cohort, its log ratio, how many)."""
     found_any = [x for x in found if x is not None]
@@ -288,7 +288,7 @@ def _check_finite(f: Findings, c: Cohort, found: list[Optional[tuple[int, float,
         f.problem(f"log ratio is {value} at {sid} token {tok} ({sum(x[2] for x in found_any)} tokens not finite)")
 
 
-def _check_thresholds(cfg: RecomputeConfig, f: Findings, actual: dict[str, Optional[float]], rows: list[dict],
+def _check_thresholds(cfg: RecomputeConfig, f: StageChecks, actual: dict[str, Optional[float]], rows: list[dict],
                       over: int) -> None:
     """Fail when kl_k3 or a token's |d| exceeds its configured ceiling (`over`: how many tokens do). The divergences
     are the worst tokens, largest |d| first (expected = the rollout log-prob, actual = the trainer's): those over the
@@ -305,7 +305,7 @@ def _check_thresholds(cfg: RecomputeConfig, f: Findings, actual: dict[str, Optio
                                         r["trainer_log_prob"], abs(r["log_ratio"])) for r in listed)
 
 
-def _check_staleness(cfg: RecomputeConfig, f: Findings, c: Cohort) -> Optional[float]:
+def _check_staleness(cfg: RecomputeConfig, f: StageChecks, c: Cohort) -> Optional[float]:
     """The largest actor_version - policy_version; a sample from a newer policy, or older than max_staleness, fails."""
     lags = mismatch.staleness([r.policy_version for r in c.records], cfg.actor_version)
     known = [(r, lag) for r, lag in zip(c.records, lags) if lag is not None]
@@ -324,7 +324,7 @@ def _check_staleness(cfg: RecomputeConfig, f: Findings, c: Cohort) -> Optional[f
 
 
 def _run_reward_raw(ctx: StageContext) -> StageOutcome:
-    f = Findings()
+    f = StageChecks()
     actual = _recorded_raw_rewards(ctx)  # V1 supports scalar rewards only: the recorded one is the recompute
     _compare_per_sample(ctx, f, StageId.REWARD_RAW, "raw_rewards", "raw_reward", actual)
     return StageOutcome(f, {"raw_rewards": actual})
@@ -335,7 +335,7 @@ def _recorded_raw_rewards(ctx: StageContext) -> torch.Tensor:
 
 
 def _run_reward_post_process(ctx: StageContext) -> StageOutcome:
-    c, f, cfg, estimator = ctx.cohort, Findings(), ctx.config, ctx.kernels.estimator
+    c, f, cfg, estimator = ctx.cohort, StageChecks(), ctx.config, ctx.kernels.estimator
     if estimator.grouped:
         for r in c.records:
             if r.group_index is None:
@@ -366,7 +366,7 @@ def _recorded_rewards(ctx: StageContext) -> Outputs:
 
 
 def _run_advantage_kl(ctx: StageContext) -> StageOutcome:
-    c, f, cfg = ctx.cohort, Findings(), ctx.config
+    c, f, cfg = ctx.cohort, StageChecks(), ctx.config
     # kl_coef == 0: the reward-side KL is zeros and the log-probs are not needed (not loaded)
     loaded = _load_payloads(ctx, f, STAGE_IO[StageId.ADVANTAGE_KL].needed_payloads(cfg))
     if loaded is None:
@@ -380,7 +380,7 @@ def _run_advantage_kl(ctx: StageContext) -> StageOutcome:
     return StageOutcome(f, {"kl": actual})
 
 
-def _reward_kl(ctx: StageContext, f: Findings) -> Optional[torch.Tensor]:
+def _reward_kl(ctx: StageContext, f: StageChecks) -> Optional[torch.Tensor]:
     """The reward-side KL the token rewards take: advantage.kl's when it ran, else the recorded `kl` payload."""
     produced = ctx.outputs.get(StageId.ADVANTAGE_KL, {}).get("kl")
     if produced is not None:
@@ -390,7 +390,7 @@ def _reward_kl(ctx: StageContext, f: Findings) -> Optional[torch.Tensor]:
 
 
 def _run_advantage_estimate(ctx: StageContext) -> StageOutcome:
-    c, f, cfg, estimator = ctx.cohort, Findings(), ctx.config, ctx.kernels.estimator
+    c, f, cfg, estimator = ctx.cohort, StageChecks(), ctx.config, ctx.kernels.estimator
     rewards = _upstream(ctx, f, StageId.REWARD_POST_PROCESS, "rewards")
     # a plugin estimator declares whether it reads values (and so produces returns); gae does
     names = ("loss_mask", "advantages") + (("values", "returns") if estimator.needs_values else ())
@@ -415,7 +415,7 @@ def _recorded_advantages(ctx: StageContext) -> Outputs:
     return out
 
 
-def _upstream_or_payload(ctx: StageContext, f: Findings, stage: StageId, key: str,
+def _upstream_or_payload(ctx: StageContext, f: StageChecks, stage: StageId, key: str,
                          payloads: tuple[str, ...]) -> tuple[Optional[torch.Tensor], Optional[dict[str, torch.Tensor]]]:
     """(`key` from `stage` when the bundle contracts it, else from the payload of that name; the other payloads)."""
     if stage in ctx.contracted:
@@ -424,7 +424,7 @@ def _upstream_or_payload(ctx: StageContext, f: Findings, stage: StageId, key: st
     return (loaded[key] if loaded is not None else None), loaded
 
 
-def _compare_scalars(ctx: StageContext, f: Findings, stage: StageId, actual: dict[str, float]) -> None:
+def _compare_scalars(ctx: StageContext, f: StageChecks, stage: StageId, actual: dict[str, float]) -> None:
     """Compare every scalar the stage produces under the config with its expected map (a missing field fails)."""
     expected = ctx.cohort.expected_map(stage.value)
     if expected is None:
@@ -439,7 +439,7 @@ def _compare_scalars(ctx: StageContext, f: Findings, stage: StageId, actual: dic
 
 def _run_loss_policy(ctx: StageContext) -> StageOutcome:
     """The rows' per-sample sums of every loss.policy term (and the on-policy check, when asked for)."""
-    c, f, cfg = ctx.cohort, Findings(), ctx.config
+    c, f, cfg = ctx.cohort, StageChecks(), ctx.config
     names = ("old_log_probs", "log_probs", "entropy", "loss_mask") + (("ref_log_probs",) if cfg.kl_loss_coef else ()) \
         + (("rollout_log_probs",) if rollout_correction(cfg) else ())
     advantages, loaded = _upstream_or_payload(ctx, f, StageId.ADVANTAGE_ESTIMATE, "advantages", names)
@@ -455,7 +455,7 @@ def _run_loss_policy(ctx: StageContext) -> StageOutcome:
     return StageOutcome(f, partial=sums)
 
 
-def _check_on_policy(ctx: StageContext, f: Findings, loaded: dict[str, torch.Tensor]) -> None:
+def _check_on_policy(ctx: StageContext, f: StageChecks, loaded: dict[str, torch.Tensor]) -> None:
     """expect_on_policy: the current log-probs equal the old ones on every masked-in token (reported as field
     `log_probs`, the one compared: expected = old, actual = current); the first token where they differ is the
     first divergence, the signature of old log-probs computed by another policy than the one being trained."""
@@ -468,7 +468,7 @@ def _check_on_policy(ctx: StageContext, f: Findings, loaded: dict[str, torch.Ten
 
 def _run_loss_value(ctx: StageContext) -> StageOutcome:
     """The rows' per-sample sums of the clipped value loss and its clip indicator."""
-    c, f, cfg = ctx.cohort, Findings(), ctx.config
+    c, f, cfg = ctx.cohort, StageChecks(), ctx.config
     returns, loaded = _upstream_or_payload(ctx, f, StageId.ADVANTAGE_ESTIMATE, "returns",
                                            ("values", "vpreds", "loss_mask"))
     if ctx.cohort.expected_map(StageId.LOSS_VALUE.value) is None:
@@ -483,7 +483,7 @@ def _run_loss_value(ctx: StageContext) -> StageOutcome:
 def _loss_finish(stage: StageId, scalars: Callable[[losses.LossSums, RecomputeConfig, Kernels], dict[str, float]]) \
         -> Finish:
     """The verdict of a loss stage: its scalars from every block's per-sample sums, against the expected map."""
-    def finish(ctx: StageContext, merged: Findings, runs: list) -> StageResult:
+    def finish(ctx: StageContext, merged: StageChecks, runs: list) -> StageResult:
         if any(outcome.partial is None for outcome, _ in runs):   # the rows could not be computed: said why
             return merged.result(stage, ctx.rank)
         n = len(ctx.cohort.records)

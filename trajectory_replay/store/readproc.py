@@ -2,7 +2,7 @@
 
 A streamed replay reads the next block's payloads on one thread while its kernels run on another. Reading a
 local store is thousands of small file reads and hashes per block, and each of those calls lets go of the
-interpreter lock and takes it back. Next to a thread that takes the lock between every two kernels, the two
+interpreter lock and takes it back. Next to a thread that takes the lock between every two torch operations, the two
 threads hand it back and forth tens of thousands of times: on a two-core host a block's read took half again as
 long as the same read alone, the difference spent waiting for the lock. The helper process has an interpreter of
 its own: it opens, reads and hashes the chunk files of a payload straight into an arena of shared memory, and

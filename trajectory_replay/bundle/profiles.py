@@ -7,27 +7,25 @@ framework's own option names and values into ours, so a producer records exactly
 
     RecomputeConfig.from_profile("verl", norm_adv_by_std_in_grpo=False, loss_agg_mode="seq-mean-token-mean")
 
-The config remembers the profile, and the bundle's manifest records it (`Manifest.conventions`).
-`trajectory-replay conventions <bundle>` replays a bundle under every profile to tell which one production
-followed. docs/conventions.md lists what each framework does that no field expresses.
+The config (`bundle/schema.py`) builds itself from a profile here and remembers it; the bundle's manifest records
+it (`Manifest.conventions`). `trajectory-replay conventions <bundle>` replays a bundle under every profile to tell
+which one production followed. docs/conventions.md lists what each framework does that no field expresses.
 
-Pure data and functions; nothing here imports torch.
+Pure data and functions over field names: the schema imports this module, never the other way round.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
-
-if TYPE_CHECKING:
-    from trajectory_replay.bundle.schema import ConventionsRecord, RecomputeConfig
+from typing import Any
 
 CONVENTION_FIELDS = ("group_size_check", "grpo_std_normalization", "std_unbiased", "std_eps", "singleton_group",
                      "mask_advantages", "kl_log_ratio_clamp", "kl_output_clamp", "eps_clip_c", "ratio_log_clamp",
                      "loss_agg_mode", "kl_loss_estimator")
 """The fields a framework decides by convention (or by a default users rarely change). Applying a profile to a
-recorded config (`apply_profile`) changes these and keeps the run's own hyperparameters (kl_coef, eps_clip,
-n_samples_per_prompt, the recorded denominators, ...)."""
+recorded config (`RecomputeConfig.with_conventions_of`) changes these and keeps the run's own hyperparameters
+(kl_coef, eps_clip, n_samples_per_prompt, the recorded denominators, ...)."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,7 @@ class Option:
     """A framework option: the config field it sets, and how its value translates (None: taken as is)."""
 
     field: str
-    translate: Optional[Callable[[Any], Mapping[str, Any]]] = None
+    translate: Callable[[Any], Mapping[str, Any]] | None = None
     """Maps the option's value to one or more fields, e.g. verl's 'token-mean' -> loss_agg_mode token_mean."""
 
     def fields(self, value: Any) -> Mapping[str, Any]:
@@ -55,12 +53,20 @@ class Profile:
     options: Mapping[str, Option] = field(default_factory=dict)
     """The framework's option names, for `from_profile` overrides."""
 
-    def record(self) -> "ConventionsRecord":
-        """What a manifest records of this profile."""
-        from trajectory_replay.bundle.schema import ConventionsRecord
-
-        return ConventionsRecord(profile=self.name, framework=self.framework,
-                                 framework_version=self.framework_version)
+    def fields(self, overrides: Mapping[str, Any], config_fields: Collection[str]) -> dict[str, Any]:
+        """The config fields this profile with `overrides` (the framework's option names, or names among
+        `config_fields`) sets; ValueError naming an override that is neither."""
+        fields = dict(self.settings)
+        for key, value in overrides.items():
+            if key in self.options:  # a name both spell (verl's kl_loss_type) means what the framework means by it
+                fields.update(self.options[key].fields(value))
+            elif key in config_fields:
+                fields[key] = value
+            else:
+                known = ", ".join(self.options) or "none"
+                raise ValueError(f"{key!r} is neither a recompute config field nor a {self.framework} option of "
+                                 f"profile {self.name!r} (its options: {known})")
+        return fields
 
 
 def _mode(value: Any) -> dict[str, Any]:
@@ -71,6 +77,11 @@ def _mode(value: Any) -> dict[str, Any]:
 def _named(field_name: str, names: Mapping[str, str]) -> Callable[[Any], Mapping[str, Any]]:
     """A value translated through a table of the framework's names (unlisted values pass through)."""
     return lambda value: {field_name: names.get(str(value), value)}
+
+
+def _choices(field_name: str, table: Mapping[str, Mapping[str, Any]]) -> Callable[[Any], Mapping[str, Any]]:
+    """A value that picks several fields from a table of the framework's values (unlisted values set `field_name`)."""
+    return lambda value: table.get(str(value), {field_name: value})
 
 
 def _both(*fields: str) -> Callable[[Any], Mapping[str, Any]]:
@@ -108,21 +119,21 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
                                                  lambda v: {"grpo_std_normalization": not v}),
         "kl_loss_type": Option("kl_loss_type", _both("kl_loss_type", "kl_loss_estimator")),
         "lambd": Option("lam"), "value_clip": Option("cliprange_value"),
-        "advantage_estimator": Option("advantage_estimator", lambda v: {
+        "advantage_estimator": Option("advantage_estimator", _choices("advantage_estimator", {
             "ppo": {"advantage_estimator": "gae"},
             "gspo": {"advantage_estimator": "grpo", "policy_loss": "gspo"},
             "cispo": {"advantage_estimator": "grpo", "policy_loss": "cispo"},
-        }.get(str(v), {"advantage_estimator": v})),
+        })),
     }),
     Profile("openrlhf", "OpenRLHF", "0.11.0 (3c3be623)", {
         "grpo_std_normalization": True, "std_eps": 1e-9, "mask_advantages": True, "kl_output_clamp": 10.0,
         "ratio_log_clamp": 20.0, "loss_agg_mode": "token_mean", "kl_loss_estimator": "k1", "cliprange_value": 0.5,
     }, {
-        "estimator": Option("advantage_estimator", lambda v: {
+        "estimator": Option("advantage_estimator", _choices("advantage_estimator", {
             "group_norm": {"advantage_estimator": "grpo", "grpo_std_normalization": True},
             "reinforce": {"advantage_estimator": "reinforce_plus_plus"},
             "reinforce_baseline": {"advantage_estimator": "reinforce_plus_plus_baseline"},
-        }.get(str(v), {"advantage_estimator": v})),
+        })),
         "init_coef": Option("kl_coef"), "dual_clip": Option("eps_clip_c"), "value_clip": Option("cliprange_value"),
         "lambd": Option("lam"), "policy_loss_type": Option("policy_loss", _named("policy_loss", {"ppo": "ppo_clip"})),
     }),
@@ -133,12 +144,12 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
         "num_generations": Option("n_samples_per_prompt"),
         "scale_rewards": Option("grpo_std_normalization",
                                 lambda v: {"grpo_std_normalization": v not in (False, "none", "false")}),
-        "loss_type": Option("loss_agg_mode", lambda v: {
+        "loss_type": Option("loss_agg_mode", _choices("loss_agg_mode", {
             "dapo": {"loss_agg_mode": "token_mean"}, "bnpo": {"loss_agg_mode": "token_mean"},
             "grpo": {"loss_agg_mode": "seq_mean_token_mean"},
             "dr_grpo": {"loss_agg_mode": "seq_mean_token_sum_norm"},
             "cispo": {"loss_agg_mode": "token_mean", "policy_loss": "cispo"},
-        }.get(str(v), {"loss_agg_mode": v})),
+        })),
     }),
     Profile("nemo_rl", "NeMo-RL", "0.6.0 (7ea279ab)", {
         "group_size_check": "any", "grpo_std_normalization": True, "kl_log_ratio_clamp": 20.0,
@@ -175,42 +186,4 @@ def profile(name: str) -> Profile:
         raise ValueError(f"unknown convention profile {name!r}: profiles are {', '.join(PROFILES)}") from None
 
 
-def profile_fields(name: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """The config fields a profile with `overrides` (the framework's option names, or our field names) sets."""
-    from trajectory_replay.bundle.schema import RecomputeConfig
-
-    prof = profile(name)
-    fields = dict(prof.settings)
-    for key, value in overrides.items():
-        if key in prof.options:  # a name both spell (verl's kl_loss_type) means what the framework means by it
-            fields.update(prof.options[key].fields(value))
-        elif key in RecomputeConfig.model_fields:
-            fields[key] = value
-        else:
-            known = ", ".join(prof.options) or "none"
-            raise ValueError(f"{key!r} is neither a recompute config field nor a {prof.framework} option of profile "
-                             f"{prof.name!r} (its options: {known})")
-    return fields
-
-
-def config_from_profile(name: str, **overrides: Any) -> "RecomputeConfig":
-    """The RecomputeConfig of profile `name` with `overrides`; it remembers the profile (`config.profile`)."""
-    from trajectory_replay.bundle.schema import RecomputeConfig
-
-    config = RecomputeConfig.model_validate(profile_fields(name, overrides))
-    config._profile = name
-    return config
-
-
-def apply_profile(config: "RecomputeConfig", name: str) -> "RecomputeConfig":
-    """`config` with profile `name`'s conventions (the `CONVENTION_FIELDS`, at the profile's values or the defaults)
-    and the run's own hyperparameters kept."""
-    from trajectory_replay.bundle.schema import RecomputeConfig
-
-    defaults, prof = RecomputeConfig(), profile(name)
-    update = {f: prof.settings.get(f, getattr(defaults, f)) for f in CONVENTION_FIELDS}
-    return RecomputeConfig.model_validate({**config.model_dump(), **update})
-
-
-__all__ = ["CONVENTION_FIELDS", "Option", "PROFILES", "Profile", "apply_profile", "config_from_profile", "profile",
-           "profile_fields"]
+__all__ = ["CONVENTION_FIELDS", "Option", "PROFILES", "Profile", "profile"]
