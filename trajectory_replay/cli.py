@@ -1,12 +1,12 @@
 """The `trajectory-replay` command line: thin wrappers over the Python API.
 
-Errors are the package's own exceptions, turned into one line on stderr and an exit code here
-and nowhere else (`error_status` is the one mapping): 0 pass / valid, 1 divergence, invalid or
-incomplete bundle, selection or topology problem, storage unreachable, 2 malformed command line.
+Errors are the package's own exceptions, turned into one line on stderr here; their status and exit code come
+from `trajectory_replay.outcome.error_status`. A command's report is printed, and the command ends, by `finish`:
+the report's `status` and exit code come from `trajectory_replay.outcome` too.
 
-With `--json` (replay, inspect, validate, ls, stats, cp, gc, fsck) stdout is exactly one JSON
-object whatever happens, usage errors included: a top-level `status` (one of STATUSES) and, on
-an error, `error`, the same one line that goes to stderr.
+With `--json` (replay, conventions, diff, inspect, validate, ls, scan, stats, cp, gc, fsck) stdout is exactly one
+JSON object whatever happens, usage errors included: a top-level `status` (an `outcome.Status`) and, on an error,
+`error`, the same one line that goes to stderr.
 """
 
 from __future__ import annotations
@@ -21,28 +21,21 @@ import re
 import sys
 import warnings
 from functools import wraps
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Callable, NoReturn, Optional
 
 import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from trajectory_replay import __version__
 from trajectory_replay.backends import location_problem
-from trajectory_replay.errors import (
-    BackendError, IncompleteBundleError, SelectionError, TrajectoryReplayError, UnsupportedError, UsageError,
-)
+from trajectory_replay.errors import TrajectoryReplayError, UsageError
+from trajectory_replay.outcome import Outcome, Status, error_status, exit_code, missing_torch, one_line
 from trajectory_replay.units import human_bytes
 
 try:  # typer vendors click from 0.20 on; earlier releases use click itself
     from typer._click.exceptions import UsageError as ClickUsageError
 except ImportError:  # pragma: no cover
     from click.exceptions import UsageError as ClickUsageError
-
-STATUSES = ("pass", "diverged", "invalid", "incomplete", "unsupported", "selection", "usage", "io")
-"""Values of the top-level `status` of every `--json` object."""
-
-_STORAGE_LIBRARIES = {"botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "urllib3"}
-"""Packages whose own exceptions mean the storage could not be reached or refused us."""
 
 
 class _Argument(TyperArgument):
@@ -104,7 +97,7 @@ def _one_line_usage(parse: Callable, ctx, args: list[str], name: str):
         if ctx.resilient_parsing or type(exc).__name__ == "NoArgsIsHelpError":
             raise
         command = f"trajectory-replay {name}".rstrip()
-        _fail(f"{error_message(exc)} (see `{command} --help`)", "usage", 2, as_json)
+        _fail(f"{error_message(exc)} (see `{command} --help`)", Status.USAGE, as_json)
         raise  # unreachable: _fail exits
 
 
@@ -143,37 +136,6 @@ def _refuse_flags_as_values(params: list, args: list[str]) -> None:
             raise ClickUsageError(f"{arg} is missing its value ({following} is an option): write {arg} {metavar}")
 
 
-def error_status(exc: BaseException) -> tuple[str, int]:
-    """The `--json` status and the exit code of an error: the one place the two are decided."""
-    if isinstance(exc, (UsageError, ClickUsageError)):
-        return "usage", 2
-    if isinstance(exc, KeyboardInterrupt):
-        return "incomplete", 130
-    if isinstance(exc, SelectionError):  # also a path that is not there, or is not a bundle
-        return "selection", 1
-    if isinstance(exc, UnsupportedError) or _missing_torch(exc):
-        return "unsupported", 1
-    if isinstance(exc, IncompleteBundleError):
-        return "incomplete", 1
-    if isinstance(exc, BackendError) or (isinstance(exc, OSError) and not isinstance(exc, TrajectoryReplayError)):
-        return "io", 1
-    if isinstance(exc, TrajectoryReplayError):
-        return "invalid", 1
-    if type(exc).__module__.split(".")[0] in _STORAGE_LIBRARIES:
-        return "io", 1
-    return "invalid", 1
-
-
-def _missing_torch(exc: BaseException) -> bool:
-    """True for the ImportError of a host without PyTorch, which only the commands that do math need."""
-    return isinstance(exc, ImportError) and (getattr(exc, "name", None) or "").split(".")[0] == "torch"
-
-
-def one_line(text: str) -> str:
-    """A message as one line: a multi-line one (a validation error, a server's reply) joined with '; '."""
-    return "; ".join(part.strip() for part in str(text).splitlines() if part.strip())
-
-
 def error_message(exc: BaseException) -> str:
     """What the user reads about `exc`, one line."""
     if isinstance(exc, KeyboardInterrupt):
@@ -185,7 +147,7 @@ def error_message(exc: BaseException) -> str:
         return one_line(f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": "))
     if isinstance(exc, TrajectoryReplayError):
         return one_line(str(exc))
-    if _missing_torch(exc):
+    if missing_torch(exc):
         return ("this command recomputes tensors and needs PyTorch, which cannot be imported here "
                 "(install it: pip install torch); inspect, validate, ls, stats, cp, gc, fsck and export run "
                 "without it")
@@ -210,28 +172,65 @@ def emit(text: str) -> None:
         _quiet_stdout()
 
 
-def emit_json(status: str, payload: dict[str, Any], *, allow_nan: bool = True) -> None:
+def emit_json(status: Status, payload: dict[str, Any], *, allow_nan: bool = True) -> None:
     """Print one JSON object: `status` first, then `payload`."""
-    assert status in STATUSES, status
-    emit(json.dumps({"status": status, **payload}, allow_nan=allow_nan))
+    emit(json.dumps({"status": Status(status), **payload}, allow_nan=allow_nan))
 
 
-def summary(problems: list[str]) -> dict[str, str]:
-    """`{"error": ...}` for a report that found problems: the first, one line, and how many more."""
-    if not problems:
-        return {}
-    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    return {"error": one_line(problems[0]) + more}
-
-
-def _fail(message: str, status: str, code: int, as_json: bool) -> None:
+def _say_error(message: str) -> None:
     try:
         typer.echo(f"trajectory-replay: error: {message}", err=True)
     except BrokenPipeError:
         pass
+
+
+def _fail(message: str, status: Status, as_json: bool, code: int | None = None) -> NoReturn:
+    """End the command on an error: its line on stderr, the JSON object with `--json`, the exit code (by default
+    the one of `status`)."""
+    _say_error(message)
     if as_json:
         emit_json(status, {"error": message})
-    raise typer.Exit(code)
+    raise typer.Exit(exit_code(status) if code is None else code)
+
+
+def finish(report: Outcome, as_json: bool) -> NoReturn:
+    """Print a command's report and end the command with its exit code: the one way every report is emitted.
+
+    With `--json` one object: the report's `status` first, then the report, and `error` (`Outcome.error`) when it
+    carries a reason or found problems; otherwise the report's text. A report that checked nothing says why on
+    stderr too, as an error would (its `reason`); problems a report found are in its own text only."""
+    error = report.error
+    if as_json:
+        emit_json(report.status, {**report.to_dict(), **({"error": error} if error else {})},
+                  allow_nan=not report.finite_json)
+    else:
+        emit(report.render_text())
+    if report.reason:
+        _say_error(report.reason)
+    raise typer.Exit(report.exit_code)
+
+
+class _ScanOutcome(Outcome):
+    """A scan's report as `finish` reads every report: its worst verdict as the status, a line per bundle that did
+    not pass as the failures."""
+
+    finite_json = True
+
+    def __init__(self, report) -> None:
+        self.report = report
+
+    @property
+    def status(self) -> Status:
+        return Status(self.report.status)
+
+    def failures(self) -> list[str]:
+        return self.report.problems()
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.report.to_dict()
+
+    def render_text(self) -> str:
+        return self.report.render_text()
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -267,11 +266,11 @@ def command(fn: Callable) -> Callable:
             raise
         except (TrajectoryReplayError, OSError, KeyboardInterrupt) as exc:
             status, code = error_status(exc)
-            _fail(error_message(exc), status, code, as_json)
+            _fail(error_message(exc), status, as_json, code)
         except Exception as exc:
             status, code = error_status(exc)
-            if status == "io" or _missing_torch(exc):  # the storage library's own error, not wrapped below us: still one line
-                _fail(error_message(exc), status, code, as_json)
+            if status is Status.IO or missing_torch(exc):  # the storage library's own error: still one line
+                _fail(error_message(exc), status, as_json, code)
             if as_json:  # a bug of this tool: the JSON contract holds, and the traceback follows on stderr
                 emit_json(status, {"error": f"internal error: {error_message(exc)}"})
             raise
@@ -369,31 +368,17 @@ BUNDLE_OR_ROOT = ("Bundle path or URL (native or older directory format), or a s
 STORE_ROOT = "Store root (path or URL)."
 
 
-def _finish(report, html_path: Optional[str], as_json: bool, sources=None) -> None:
-    """Write a replay, chain or diff report's HTML page when asked (a replay's with the `sources` replayed; saying
-    on stderr where it went: stdout stays the report), print the report, and exit with its code."""
-    if html_path is not None:
-        from trajectory_replay.html_report import write_diff_html, write_replay_html
-        from trajectory_replay.replay.diff import DiffReport
+def _write_html(report, html_path: Optional[str], sources=None) -> None:
+    """Write a replay, chain or diff report's HTML page when asked (a replay's with the `sources` replayed), saying
+    on stderr where it went: stdout stays the report."""
+    if html_path is None:
+        return
+    from trajectory_replay.html_report import write_diff_html, write_replay_html
+    from trajectory_replay.replay.diff import DiffReport
 
-        size = write_diff_html(report, html_path) if isinstance(report, DiffReport) else \
-            write_replay_html(report, html_path, sources)
-        typer.echo(f"trajectory-replay: wrote {html_path} ({human_bytes(size)})", err=True)
-    status = report_status(report)
-    reason = getattr(report, "unsupported_reason", None)
-    if as_json:
-        emit_json(status, {**report.to_dict(), **({"error": reason} if reason else {})}, allow_nan=False)
-    else:
-        emit(report.render_text())
-    if reason:   # nothing was checked: say why where a failure is said, as for any other unsupported bundle
-        typer.echo(f"trajectory-replay: error: {reason}", err=True)
-    raise typer.Exit(report.exit_code)
-
-
-def report_status(report) -> str:
-    """The `--json` status of a replay, chain or diff report: its own verdict (pass, diverged, unsupported), or for
-    a report that has none, pass or diverged."""
-    return getattr(report, "status", None) or ("pass" if report.passed else "diverged")
+    size = write_diff_html(report, html_path) if isinstance(report, DiffReport) else \
+        write_replay_html(report, html_path, sources)
+    typer.echo(f"trajectory-replay: wrote {html_path} ({human_bytes(size)})", err=True)
 
 
 @app.command("replay", cls=Command)
@@ -451,7 +436,8 @@ def replay_cmd(
         report = replay_chain(sources, open_rollout, replay_step=replay_step, atol=atol, rtol=rtol)
     else:
         report = replay_step(sources)
-    _finish(report, html_path, as_json, sources)
+    _write_html(report, html_path, sources)
+    finish(report, as_json)
 
 
 @app.command("conventions", cls=Command)
@@ -470,15 +456,7 @@ def conventions_cmd(
     if step is not None and rollout is not None:
         raise UsageError("--step and --rollout are mutually exclusive")
     sources, rank = open_for_replay(path, step=step, rollout=rollout)
-    found = find_conventions(sources, rank=rank)
-    if as_json:
-        emit_json(found.status, {**found.to_dict(), **({"error": found.unsupported} if found.unsupported else {})},
-                  allow_nan=False)
-    else:
-        emit(found.render_text())
-    if found.unsupported:
-        typer.echo(f"trajectory-replay: error: {found.unsupported}", err=True)
-    raise typer.Exit(found.exit_code)
+    finish(find_conventions(sources, rank=rank), as_json)
 
 
 @app.command("diff", cls=Command)
@@ -504,7 +482,9 @@ def diff_cmd(
     atol, rtol = check_tolerance("--atol", atol), check_tolerance("--rtol", rtol)
     left, _ = open_for_replay(a, step=step, rollout=rollout)
     right, _ = open_for_replay(b, step=step, rollout=rollout)
-    _finish(diff_bundles(left, right, a_label=a, b_label=b, atol=atol, rtol=rtol), html_path, as_json)
+    report = diff_bundles(left, right, a_label=a, b_label=b, atol=atol, rtol=rtol)
+    _write_html(report, html_path)
+    finish(report, as_json)
 
 
 @app.command("inspect", cls=Command)
@@ -519,13 +499,7 @@ def inspect_cmd(
     Exit 1 when a payload's blob record or blob ref is missing or corrupt."""
     from trajectory_replay.bundle.inspect import inspect_bundle
 
-    result = inspect_bundle(path, step=step, rollout=rollout)
-    if as_json:
-        error = summary(result.problems or [result.detail]) if result.outcome == "invalid" else {}
-        emit_json(result.outcome, {**result.to_dict(), **error})
-    else:
-        emit(result.render_text())
-    raise typer.Exit(result.exit_code)
+    finish(inspect_bundle(path, step=step, rollout=rollout), as_json)
 
 
 @app.command("validate", cls=Command)
@@ -540,12 +514,7 @@ def validate_cmd(
     from trajectory_replay.bundle import open_bundle
     from trajectory_replay.replay.validate import validate_bundle
 
-    report = validate_bundle(open_bundle(path, step=step, rollout=rollout, choose=False).target)
-    if as_json:
-        emit_json(report.outcome, {**report.to_dict(), **summary(report.problems)})
-    else:
-        emit(report.render_text())
-    raise typer.Exit(0 if report.valid else 1)
+    finish(validate_bundle(open_bundle(path, step=step, rollout=rollout, choose=False).target), as_json)
 
 
 @app.command("schema", cls=Command)
@@ -582,11 +551,7 @@ def demo_cmd(
     """Write a clean GRPO step and the same step with the physical-batch bug, replay both, print both reports."""
     from trajectory_replay.demo import run_demo
 
-    result = run_demo(directory)
-    emit(f"wrote {result.directory}/b-00001 (normalized per prompt group) and "
-         f"{result.directory}/b-00065 (normalized over the physical batch)\n\n"
-         f"{result.clean.render_text()}\n\n{result.buggy.render_text()}")
-    raise typer.Exit(0 if result.as_expected else 1)
+    finish(run_demo(directory), as_json=False)
 
 
 @app.command("ls", cls=Command)
@@ -599,11 +564,7 @@ def ls_cmd(
     """List the bundles of a store: anchor, status, ranks, logical and stored size, age."""
     from trajectory_replay.ops.ls import list_bundles
 
-    report = list_bundles(root)
-    if as_json:
-        emit_json("pass", report.to_dict())
-    else:
-        emit(report.render_text())
+    finish(list_bundles(root), as_json)
 
 
 @app.command("scan", cls=Command)
@@ -653,11 +614,7 @@ def scan_cmd(
 
         typer.echo(f"trajectory-replay: wrote {html_path} ({human_bytes(write_scan_html(report, html_path))})",
                    err=True)
-    if as_json:
-        emit_json(report.status, {**report.to_dict(), **summary(report.problems())}, allow_nan=False)
-    else:
-        emit(report.render_text())
-    raise typer.Exit(report.exit_code)
+    finish(_ScanOutcome(report), as_json)
 
 
 @app.command("cp", cls=Command)
@@ -680,12 +637,7 @@ def cp_cmd(
     with terminal_progress(quiet) as progress:
         report = copy_bundles(source, dest_root, step=step, rollout=rollout, all_bundles=all_bundles,
                               progress=progress)
-    if as_json:
-        skipped = [f"{s['name']}: not copied: {s['detail']}" for s in report.skipped]
-        emit_json("invalid" if report.skipped else "pass", {**report.to_dict(), **summary(skipped)})
-    else:
-        emit(report.render_text())
-    raise typer.Exit(1 if report.skipped else 0)  # the rest was copied; a corrupt bundle was not
+    finish(report, as_json)
 
 
 @app.command("gc", cls=Command)
@@ -705,10 +657,7 @@ def gc_cmd(
     grace_s = parse_duration(grace)
     with terminal_progress(quiet) as progress:
         report = collect_garbage(root, grace=grace_s, dry_run=dry_run, progress=progress)
-    if as_json:
-        emit_json("pass", report.to_dict())
-    else:
-        emit(report.render_text())
+    finish(report, as_json)
 
 
 @app.command("fsck", cls=Command)
@@ -726,14 +675,7 @@ def fsck_cmd(
 
     with terminal_progress(quiet) as progress:
         report = check_store(root, repair_from=repair_from, progress=progress)
-    if as_json:
-        problems = [f"missing {k}" for k in report.missing] + [f"corrupt {k}" for k in report.corrupt] + [
-            f"damaged bundle {b.get('name')}: {b.get('detail')}" for b in report.damaged_bundles] + [
-            f"not finalized: {n}" for n in report.finalizable if n not in report.finalized]
-        emit_json("pass" if report.exit_code == 0 else "invalid", {**report.to_dict(), **summary(problems)})
-    else:
-        emit(report.render_text())
-    raise typer.Exit(report.exit_code)
+    finish(report, as_json)
 
 
 @app.command("stats", cls=Command)
@@ -745,11 +687,7 @@ def stats_cmd(
     """Bundles, objects, logical and stored payload bytes, the dedup ratio, per payload name."""
     from trajectory_replay.ops.stats import store_stats
 
-    report = store_stats(root)
-    if as_json:
-        emit_json("pass", report.to_dict())
-    else:
-        emit(report.render_text())
+    finish(store_stats(root), as_json)
 
 
 @app.command("export", cls=Command)
@@ -765,7 +703,7 @@ def export_cmd(
 
     with terminal_progress(quiet) as progress:
         report = export_bundle(bundle, out_dir, progress=progress)
-    emit(report.render_text())
+    finish(report, as_json=False)
 
 
 def main() -> None:

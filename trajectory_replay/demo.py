@@ -17,20 +17,35 @@ from typing import Optional
 from trajectory_replay.backends import location_problem, redact_url
 from trajectory_replay.bundle import BundleWriter, open_sources
 from trajectory_replay.errors import UsageError
+from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.replay import ReplayReport, canonical_case, replay
 
 
 @dataclass
-class DemoResult:
+class DemoResult(Outcome):
+    """The two bundles written and their replays; it passes when they turned out as the demo shows them."""
+
     directory: str
     """The store written into, as given (a path or URL)."""
     clean: ReplayReport
     buggy: ReplayReport
 
     @property
+    def status(self) -> Status:
+        """pass when the clean step passes and the buggy one first diverges at reward.post_process; diverged when
+        the replays differ from that."""
+        expected = self.clean.passed and self.buggy.first_divergent_stage == "reward.post_process"
+        return Status.PASS if expected else Status.DIVERGED
+
+    @property
     def as_expected(self) -> bool:
         """The clean step passes and the buggy one first diverges at reward.post_process."""
-        return self.clean.passed and self.buggy.first_divergent_stage == "reward.post_process"
+        return self.status is Status.PASS
+
+    def render_text(self) -> str:
+        return (f"wrote {self.directory}/b-00001 (normalized per prompt group) and "
+                f"{self.directory}/b-00065 (normalized over the physical batch)\n\n"
+                f"{self.clean.render_text()}\n\n{self.buggy.render_text()}")
 
 
 def _fresh_directory(base: Path) -> Path:

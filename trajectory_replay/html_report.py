@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from trajectory_replay import html_plots as plots
 from trajectory_replay.backends import redact_url
+from trajectory_replay.outcome import Status
 
 PAGE_LIMIT = 1_500_000
 """Bytes a page may take."""
@@ -345,9 +346,9 @@ def write_diff_html(report, path: str | Path) -> int:
 
 # ---- a scan page -------------------------------------------------------------------------------------
 
-SCAN_COLOURS = {"pass": "#2e9e4f", "diverged": "#d62728", "invalid": "#8c2d9c", "incomplete": "#f0a202",
-                "unsupported": "#7f7f7f", "error": "#1d2330"}
-"""Colour of each scan verdict in the timeline."""
+SCAN_COLOURS = {Status.PASS: "#2e9e4f", Status.DIVERGED: "#d62728", Status.INVALID: "#8c2d9c",
+                Status.INCOMPLETE: "#f0a202", Status.UNSUPPORTED: "#7f7f7f", "error": "#1d2330"}
+"""Colour of each scan verdict in the timeline (`error`: a bundle the scan could not judge)."""
 TIMELINE_COLUMNS = 1000
 """Columns of the verdict timeline; more bundles share columns."""
 
@@ -389,9 +390,9 @@ def write_scan_html(report, path: str | Path) -> int:
         page.figure("verdict per bundle, in anchor order (rollout, step)", svg,
                     "hover a square for its bundle" if per_column == 1 else
                     f"each column holds {per_column} consecutive bundles and marks every verdict among them")
-    verdicts, note = _bounded(report.verdicts, lambda v: v.status != "pass", "bundles")
+    verdicts, note = _bounded(report.verdicts, lambda v: v.status != Status.PASS, "bundles")
     rows = [f"<tr><td>{_esc(v.name)}</td><td>{_esc(v.anchor)}</td>"
-            f"<td class='{'pass' if v.status == 'pass' else 'fail'}'>{_esc(v.status)}</td>"
+            f"<td class='{'pass' if v.status == Status.PASS else 'fail'}'>{_esc(v.status)}</td>"
             f"<td>{_esc(v.first_divergent_stage)}</td><td>{_esc(v.sample_id)}</td><td>{_esc(v.field)}</td>"
             f"<td>{'stored verdict' if v.cached else 'replayed'}</td><td class='wrap'>{_esc(v.detail)}</td></tr>"
             for v in verdicts]

@@ -15,12 +15,13 @@ from tests.ops.conftest import write_ranks
 from trajectory_replay.backends import open_backend
 from trajectory_replay.bundle import BundleWriter
 from trajectory_replay.bundle.schema import RankTopology
-from trajectory_replay.cli import STATUSES, app, error_status
+from trajectory_replay.cli import app
 from trajectory_replay.errors import (
     BackendError, BundleError, IncompleteBundleError, IntegrityError, NoSuchTargetError, NotFoundError,
     SelectionError, StorageUnavailableError, TrajectoryReplayError, UnsupportedError, UsageError,
 )
 from trajectory_replay.bundle.status import bundle_status
+from trajectory_replay.outcome import Status, error_status
 from trajectory_replay.ops.walk import Walker
 from trajectory_replay.replay import canonical_case
 
@@ -165,5 +166,5 @@ def test_error_status_is_one_mapping():
              (KeyboardInterrupt(), ("incomplete", 130))]
     for exc, expected in cases:
         assert error_status(exc) == expected, exc
-        assert expected[0] in STATUSES
+        assert expected[0] in set(Status)
     assert issubclass(StorageUnavailableError, TrajectoryReplayError)

@@ -17,8 +17,9 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from trajectory_replay.bundle.documents import MAX_JSON_DEPTH, nesting_exceeds, one_line
+from trajectory_replay.bundle.documents import MAX_JSON_DEPTH, nesting_exceeds
 from trajectory_replay.errors import BundleError
+from trajectory_replay.outcome import QUOTE_LIMIT, one_line
 
 if TYPE_CHECKING:
     import numpy
@@ -267,7 +268,7 @@ def parse_header(head: bytes, blob_size: int, where: str) -> Header:
     doc.pop("__metadata__", None)
     if list(doc) != [TENSOR_NAME]:
         names = sorted(doc)
-        shown = one_line(repr(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+        shown = one_line(repr(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else ""), QUOTE_LIMIT)
         raise BundleError(f"{where}: expected exactly one tensor named {TENSOR_NAME!r}, found {shown}")
     entry = doc[TENSOR_NAME]
     if not isinstance(entry, dict) or not all(k in entry for k in ("dtype", "shape", "data_offsets")):

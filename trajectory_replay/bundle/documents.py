@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from trajectory_replay.errors import BundleError, UsageError
+from trajectory_replay.outcome import QUOTE_LIMIT, one_line
 from trajectory_replay.store.jsonbound import MAX_JSON_DEPTH, nesting_exceeds
 
 M = TypeVar("M", bound=BaseModel)
@@ -22,20 +23,14 @@ MAX_DOCUMENT_BYTES_ENV = "TRAJECTORY_REPLAY_MAX_DOCUMENT_BYTES"
 """Environment variable that replaces DEFAULT_MAX_DOCUMENT_BYTES (a positive number of bytes)."""
 
 
-def one_line(text: str, limit: int = 200) -> str:
-    """`text` collapsed onto one line and cut to `limit` characters, for error messages."""
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
 def validation_message(exc: ValidationError) -> str:
     """The first pydantic error as `missing required field 'a.b'` or `field 'a.b': why`."""
     err = exc.errors()[0]
     loc = ".".join(str(part) for part in err["loc"])
     msg = str(err["msg"]).removeprefix("Value error, ")
     if err["type"] == "missing":
-        return one_line(f"missing required field '{loc}'")
-    return one_line(f"field '{loc}': {msg}" if loc else msg)
+        return one_line(f"missing required field '{loc}'", QUOTE_LIMIT)
+    return one_line(f"field '{loc}': {msg}" if loc else msg, QUOTE_LIMIT)
 
 
 def validate_document(model: type[M], raw: Any, label: str) -> M:
@@ -104,7 +99,7 @@ def parse_json(data: bytes, label: str) -> dict[str, Any]:
     except RecursionError:
         raise BundleError(f"{label}: not valid JSON (nested too deeply)") from None
     except ValueError as exc:  # e.g. an integer literal longer than Python's conversion limit
-        raise BundleError(f"{label}: not valid JSON ({one_line(str(exc))})") from None
+        raise BundleError(f"{label}: not valid JSON ({one_line(exc, QUOTE_LIMIT)})") from None
     if not isinstance(raw, dict):
         raise BundleError(f"{label}: expected a JSON object, got {type(raw).__name__}")
     return raw

@@ -28,14 +28,18 @@ from trajectory_replay.bundle.status import (
     COMPLETE_STATUS, CORRUPT, FINALIZABLE, INCOMPLETE, BundleState, bundle_status, describe_missing, finalize,
 )
 from trajectory_replay.errors import BundleError, IncompleteBundleError, StorageUnavailableError, TrajectoryReplayError
+from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.store import BlobRecord, ObjectStore, blob_ref_key, object_key
 from trajectory_replay.store.objectstore import RecordError
 from trajectory_replay.units import clip, fit, human_bytes, report_width
 
 
 @dataclass
-class Inspection:
+class Inspection(Outcome):
     """Everything `inspect` shows, as data (`--json` prints `to_dict()`)."""
+
+    explains_incomplete = True
+    """`inspect` explains an incomplete bundle: that is a healthy answer (exit 0), its status incomplete."""
 
     target: str
     state: str
@@ -79,20 +83,19 @@ class Inspection:
         return (self.logical_bytes - self.unreadable_bytes) / self.unique_chunk_bytes
 
     @property
-    def exit_code(self) -> int:
-        """0 for a healthy bundle, complete or not (inspect explains an incomplete one); 1 when damaged or
-        invalid."""
-        return 1 if self.damaged or self.state == "invalid" else 0
-
-    @property
-    def outcome(self) -> str:
-        """The `--json` status: pass, incomplete or invalid."""
+    def status(self) -> Status:
+        """invalid (damaged, or an older-format bundle that does not open), incomplete (not finalized: exit 0 all
+        the same, see `explains_incomplete`) or pass."""
         if self.damaged or self.state == "invalid":
-            return "invalid"
-        return "incomplete" if self.state in (INCOMPLETE, FINALIZABLE) else "pass"
+            return Status.INVALID
+        return Status.INCOMPLETE if self.state in (INCOMPLETE, FINALIZABLE) else Status.PASS
+
+    def failures(self) -> list[str]:
+        """The damage of an invalid bundle (else why it does not open); nothing for a healthy one."""
+        return (self.problems or [self.detail]) if self.status is Status.INVALID else []
 
     def to_dict(self) -> dict[str, Any]:
-        """Everything as data (the CLI adds the top-level `status`: see `outcome`)."""
+        """Everything as data (the CLI adds the top-level `status`)."""
         return {**self.__dict__, "damaged": self.damaged, "dedup_ratio": self.dedup_ratio}
 
     def to_json(self) -> str:

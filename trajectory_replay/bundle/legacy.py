@@ -46,7 +46,7 @@ from trajectory_replay.bundle.schema import (
     TEXT_FIELDS, ActorStepId, BundleIndex, Expected, Manifest, RecomputeConfig, StageContract, StageId, check_name,
 )
 from trajectory_replay.bundle.documents import DEFAULT_MAX_DOCUMENT_BYTES, check_document_size, max_document_bytes
-from trajectory_replay.bundle.documents import one_line as _one_line
+from trajectory_replay.outcome import QUOTE_LIMIT, one_line
 from trajectory_replay.bundle.documents import parse_json as _parse_json
 from trajectory_replay.bundle.documents import validate_document as _validate
 from trajectory_replay.bundle.anchor import Anchor
@@ -278,7 +278,7 @@ def _read_bounded(path: Path, label: str, limit: int) -> bytes:
     except IsADirectoryError:
         raise BundleError(f"{label}: is a directory, expected a file") from None
     except OSError as exc:
-        raise BundleError(f"{label}: cannot be read ({_one_line(exc.strerror or str(exc))})") from None
+        raise BundleError(f"{label}: cannot be read ({one_line(exc.strerror or exc, QUOTE_LIMIT)})") from None
     if len(data) > limit:  # the file grew while we read it
         raise BundleError(f"{label}: exceeds the limit of {limit} bytes")
     return data
@@ -356,12 +356,12 @@ def _safe_loader_reason(exc: BaseException) -> str:
     text = str(exc)
     if isinstance(exc, pickle.UnpicklingError) or "Weights only load failed" in text:
         found = _REFUSED_GLOBAL.search(text)
-        what = f"it calls or builds {_one_line(found.group(1), 80)}" if found else "it holds pickled objects"
+        what = f"it calls or builds {one_line(found.group(1), 80)}" if found else "it holds pickled objects"
         return f"refused by the safe loader: {what}; only plain tensors are loaded from payload files"
     for line in text.splitlines():   # a zip or format error: its first line, unless it is advice about loading
         line = line.strip()
         if line and "weights_only" not in line and not line.startswith(("Please file an issue", "Check the documentation")):
-            return _one_line(line)
+            return one_line(line, QUOTE_LIMIT)
     return type(exc).__name__
 
 
@@ -712,7 +712,7 @@ def _check_payload_file(path: Path, label: str, entry: V1PayloadEntry) -> None:
     except FileNotFoundError:
         raise BundleError(f"{label}: missing (listed in manifest.json)") from None
     except OSError as exc:
-        raise BundleError(f"{label}: cannot be read ({_one_line(exc.strerror or str(exc))})") from None
+        raise BundleError(f"{label}: cannot be read ({one_line(exc.strerror or exc, QUOTE_LIMIT)})") from None
     if size != entry.bytes:
         raise BundleError(f"{label}: size {size} bytes differs from manifest bytes {entry.bytes}")
 
@@ -899,9 +899,9 @@ def v1_status(path: PathLike) -> V1Status:
     except IncompleteBundleError as exc:
         return _unfinished_status(directory, str(exc))
     except UnsupportedError as exc:
-        return V1Status(directory, BundleStatus.UNSUPPORTED, detail=_one_line(str(exc)))
+        return V1Status(directory, BundleStatus.UNSUPPORTED, detail=one_line(exc, QUOTE_LIMIT))
     except (TrajectoryReplayError, OSError) as exc:
-        return V1Status(directory, BundleStatus.CORRUPT, detail=_one_line(str(exc)))
+        return V1Status(directory, BundleStatus.CORRUPT, detail=one_line(exc, QUOTE_LIMIT))
     ident = sources[0].index.identity
     step = ident.actor_step_id
     ranks = sorted(int(r) for r in complete.get("ranks", [])) or [0]
@@ -922,7 +922,7 @@ def _unfinished_status(directory: Path, reason: str) -> V1Status:
                                                          V1Shard)
         mtimes = [p.stat().st_mtime for p in directory.glob("COMPLETE.*")]
     except (TrajectoryReplayError, OSError) as exc:
-        return V1Status(directory, BundleStatus.CORRUPT, detail=_one_line(str(exc)))
+        return V1Status(directory, BundleStatus.CORRUPT, detail=one_line(exc, QUOTE_LIMIT))
     if not markers:
         return V1Status(directory, BundleStatus.INCOMPLETE, detail=reason)
     first = markers[min(markers)]

@@ -74,10 +74,11 @@ from trajectory_replay.backends import Backend
 from trajectory_replay.backends.base import DIFFERENT
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.documents import (
-    check_document_size, compact_json, nesting_exceeds, one_line, parse_json, validate_document,
+    check_document_size, compact_json, nesting_exceeds, parse_json, validate_document,
 )
 from trajectory_replay.bundle.schema import BundleIndex, Expected, Identity, Manifest
 from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError
+from trajectory_replay.outcome import one_line
 from trajectory_replay.store import BlobRecord, BlobRef, ObjectStore, hash_bytes, object_key
 from trajectory_replay.store.inventory import fetch
 from trajectory_replay.store.objectstore import MAX_RECORD_BYTES

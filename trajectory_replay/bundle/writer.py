@@ -26,7 +26,7 @@ from trajectory_replay.backends import redact_url
 from trajectory_replay.bundle import codec
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.documents import (
-    MAX_JSON_DEPTH, compact_json, nesting_exceeds, one_line, validate_document,
+    MAX_JSON_DEPTH, compact_json, nesting_exceeds, validate_document,
 )
 from trajectory_replay.bundle.markers import (
     CompleteMarker, DocRef, Documents, RankMarker, abandoned_key, check_rank_list, complete_key, rank_key,
@@ -39,6 +39,7 @@ from trajectory_replay.bundle.schema import (
 )
 from trajectory_replay.bundle.stage_io import LOSS_MASK, RECORDED_PAYLOADS
 from trajectory_replay.errors import BundleError, StorageUnavailableError, TrajectoryReplayError
+from trajectory_replay.outcome import one_line
 from trajectory_replay.store import BlobRef, ObjectStore, PutPlan
 from trajectory_replay.store.liveness import DEFAULT_INFLIGHT_TTL, GcWatch, InflightRecord
 

@@ -42,6 +42,7 @@ from trajectory_replay.bundle.status import (
     COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, bundle_status, scan_bundles,
 )
 from trajectory_replay.ops.walk import Walker, open_root
+from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.store.digest import OBJECT, key_kind
 from trajectory_replay.store.inventory import Inventory, concurrently, value_problem, write_layers
 from trajectory_replay.units import human_bytes
@@ -51,7 +52,7 @@ LIST_THRESHOLD = 1000
 
 
 @dataclass
-class CopyReport:
+class CopyReport(Outcome):
     """What a copy transferred. A re-run after a successful copy transfers 0 objects."""
 
     source: str
@@ -67,6 +68,14 @@ class CopyReport:
     """Bundles of the source root not copied because they are corrupt: {name, detail}."""
     converted: list[str] = field(default_factory=list)
     """Native names of the older-format bundles converted into the destination (then nothing else is copied)."""
+
+    @property
+    def status(self) -> Status:
+        """invalid when a corrupt bundle of the source root was skipped (the others are copied), else pass."""
+        return Status.INVALID if self.skipped else Status.PASS
+
+    def failures(self) -> list[str]:
+        return [f"{s['name']}: not copied: {s['detail']}" for s in self.skipped]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

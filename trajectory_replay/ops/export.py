@@ -21,17 +21,25 @@ from trajectory_replay.bundle.torchsave import RawTensor
 from trajectory_replay.bundle.writer import LOSS_MASK
 from trajectory_replay.errors import BundleError, TrajectoryReplayError
 from trajectory_replay.ops.progress import Progress
+from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.units import human_bytes
 
 
 @dataclass
-class ExportReport:
+class ExportReport(Outcome):
+    """The bundle written in the older layout."""
+
     bundle: str
     out_dir: str
     bundle_id: str
     ranks: list[Optional[int]] = field(default_factory=list)
     payloads: int = 0
     bytes: int = 0
+
+    @property
+    def status(self) -> Status:
+        """Always pass: a bundle that cannot be exported is an error."""
+        return Status.PASS
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -40,6 +40,7 @@ from trajectory_replay.bundle.status import (
     COMPLETE_STATUS, CORRUPT, FINALIZABLE, INCOMPLETE, BundleState, anchor_problems, finalize, scan_bundles,
 )
 from trajectory_replay.ops.walk import BundleTree, Walker, open_root
+from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.store import BlobRecord
 from trajectory_replay.store.digest import REF, blob_ref_key, digest_from_key, key_kind
 from trajectory_replay.store.inventory import Inventory, batched, digest_keys, parse_ref, value_problem
@@ -51,7 +52,7 @@ MAX_REPAIR_ROUNDS = 8
 
 
 @dataclass
-class FsckReport:
+class FsckReport(Outcome):
     """What fsck found and did. `healthy` is False while a missing or corrupt object or a damaged bundle remains."""
 
     root: str
@@ -84,8 +85,15 @@ class FsckReport:
         return not (self.missing or self.corrupt or self.damaged_bundles or unfinalized)
 
     @property
-    def exit_code(self) -> int:
-        return 0 if self.healthy else 1
+    def status(self) -> Status:
+        """pass while healthy, else invalid."""
+        return Status.PASS if self.healthy else Status.INVALID
+
+    def failures(self) -> list[str]:
+        """Each problem that keeps the store from being healthy, one line."""
+        return [f"missing {k}" for k in self.missing] + [f"corrupt {k}" for k in self.corrupt] + [
+            f"damaged bundle {b.get('name')}: {b.get('detail')}" for b in self.damaged_bundles] + [
+            f"not finalized: {n}" for n in self.finalizable if n not in self.finalized]
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "healthy": self.healthy}

@@ -45,6 +45,7 @@ from trajectory_replay.bundle.status import (
     COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, bundle_names, bundle_status, scan_bundles,
 )
 from trajectory_replay.ops.walk import Walker, open_root
+from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.store import BlobRecord
 from trajectory_replay.store.digest import OBJECT, REF, digest_from_key, digests_in, key_kind, object_key
 from trajectory_replay.store.inventory import Inventory, batched, concurrently, digest_keys, record_keys
@@ -73,7 +74,7 @@ def parse_duration(text: str) -> float:
 
 
 @dataclass
-class GcReport:
+class GcReport(Outcome):
     """What gc removed (or, with dry_run, would remove) and what it kept."""
 
     root: str
@@ -104,6 +105,11 @@ class GcReport:
     temporaries_removed: list[str] = field(default_factory=list)
     """Partial writes of killed writers (local temporary files), older than the grace period and at least
     TEMPORARY_MIN_AGE."""
+
+    @property
+    def status(self) -> Status:
+        """Always pass: what gc could not read it keeps, and says so in the report."""
+        return Status.PASS
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -29,6 +29,7 @@ from trajectory_replay.bundle.status import (
     COMPLETE_STATUS, CORRUPT, FINALIZABLE, UNSUPPORTED, BundleState, anchor_problems, finalize_landed, scan_bundles,
 )
 from trajectory_replay.ops.walk import BundleTree, Walker, open_root
+from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.units import human_bytes
 
 
@@ -58,7 +59,10 @@ class BundleListing:
 
 
 @dataclass
-class ListReport:
+class ListReport(Outcome):
+    """The bundles of a root, each with its own status; the listing itself always passes (a root that cannot be
+    listed is an error)."""
+
     root: str
     bundles: list[BundleListing] = field(default_factory=list)
     complete_bundles: int = 0
@@ -68,6 +72,11 @@ class ListReport:
     """Bytes of the unique chunks those payloads are kept in, shared chunks once (as `stats`)."""
     finalized: list[str] = field(default_factory=list)
     """Bundles this listing finalized."""
+
+    @property
+    def status(self) -> Status:
+        """Always pass: an incomplete or corrupt bundle is listed as such."""
+        return Status.PASS
 
     def to_dict(self) -> dict[str, Any]:
         return {"root": self.root, "bundles": [b.to_dict() for b in self.bundles],

@@ -21,8 +21,9 @@ import torch
 
 from trajectory_replay.bundle.schema import StageId
 from trajectory_replay.bundle.stage_io import STAGE_IO
+from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.replay.compare import StageChecks, SampleLayout, compare_tensors, resolve_tolerance
-from trajectory_replay.replay.report import Divergence, ReplayReport, StageResult, Verdict, divergence_place
+from trajectory_replay.replay.report import Divergence, ReplayReport, StageResult, divergence_place
 from trajectory_replay.replay.source import ReplaySource, SamplesById
 
 LINK = "link"
@@ -68,8 +69,10 @@ class ChainEntry:
 
 
 @dataclass(frozen=True)
-class ChainReport:
+class ChainReport(Outcome):
     """The replay of a step with its upstream rollouts: every report, the link, and one first divergence."""
+
+    finite_json = True
 
     step: ChainEntry
     upstream: tuple[ChainEntry, ...] = ()
@@ -109,19 +112,19 @@ class ChainReport:
         return None if reason is None else f"step bundle {self.step.bundle}: {reason}"
 
     @property
-    def status(self) -> Verdict:
+    def reason(self) -> Optional[str]:
+        return self.unsupported_reason
+
+    @property
+    def status(self) -> Status:
         """diverged (anywhere in the chain), unsupported (the step checked nothing) or pass."""
         if self.first_divergence is not None:
-            return "diverged"
-        return "unsupported" if self.unsupported_reason is not None else "pass"
+            return Status.DIVERGED
+        return Status.UNSUPPORTED if self.unsupported_reason is not None else Status.PASS
 
     @property
     def passed(self) -> bool:
-        return self.status == "pass"
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.passed else 1
+        return self.status is Status.PASS
 
     def _entries(self) -> list[dict[str, Any]]:
         """Every stage entry of the chain in chain order, each naming its bundle: rollouts, the link, the step."""

@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 from trajectory_replay.bundle.profiles import CONVENTION_FIELDS, PROFILES
 from trajectory_replay.bundle.schema import RecomputeConfig, StageId
 from trajectory_replay.errors import TrajectoryReplayError
+from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.replay.plan import config_value, plan_replay
 from trajectory_replay.replay.report import ReplayReport
 from trajectory_replay.replay.runner import execute
@@ -61,8 +62,10 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class ConventionsReport:
+class ConventionsReport(Outcome):
     """Every candidate tried, and per stage the candidates that reproduce it, most specific first."""
+
+    finite_json = True
 
     bundle_id: str
     candidates: tuple[Candidate, ...]
@@ -70,15 +73,15 @@ class ConventionsReport:
     """Why no candidate was tried: the recorded config's replay compared no value (every stage skipped...)."""
 
     @property
-    def status(self) -> str:
+    def status(self) -> Status:
         """pass (a candidate reproduces every stage), unsupported (nothing could be compared) or diverged."""
         if self.unsupported is not None:
-            return "unsupported"
-        return "pass" if self.best is not None else "diverged"
+            return Status.UNSUPPORTED
+        return Status.PASS if self.best is not None else Status.DIVERGED
 
     @property
-    def exit_code(self) -> int:
-        return 0 if self.status == "pass" else 1
+    def reason(self) -> Optional[str]:
+        return self.unsupported
 
     def reproducing(self, stage: str) -> list[str]:
         """The candidates under which `stage` passes, most specific first."""

@@ -23,6 +23,7 @@ import torch
 
 from trajectory_replay.bundle.schema import STAGE_ORDER, RecomputeConfig, StageId
 from trajectory_replay.bundle.stage_io import STAGE_IO
+from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.replay.compare import EXACT, SampleLayout, Tolerances, compare_tensors, resolve_tolerance
 from trajectory_replay.replay.report import format_number, json_number
 from trajectory_replay.replay.source import ReplaySource, SamplesById
@@ -74,8 +75,11 @@ def _stage_rank(stage: str) -> int:
 
 
 @dataclass(frozen=True)
-class DiffReport:
-    """Every field compared, in stage order, and the first stage whose inputs or expected outputs differ."""
+class DiffReport(Outcome):
+    """Every field compared, in stage order, and the first stage whose inputs or expected outputs differ; its status
+    is pass when the two captures are identical within tolerance, else diverged."""
+
+    finite_json = True
 
     a: str
     b: str
@@ -103,12 +107,12 @@ class DiffReport:
         return found[0] if found else None
 
     @property
-    def exit_code(self) -> int:
-        return 0 if self.identical else 1
+    def status(self) -> Status:
+        return Status.PASS if self.identical else Status.DIVERGED
 
     @property
     def passed(self) -> bool:
-        return self.identical
+        return self.status is Status.PASS
 
     def to_dict(self) -> dict[str, Any]:
         first = self.first

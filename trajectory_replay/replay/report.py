@@ -11,10 +11,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence
 
+from trajectory_replay.outcome import Outcome, Status
+
 StageStatus = Literal["pass", "fail", "skipped"]
-Verdict = Literal["pass", "diverged", "unsupported"]
-"""A replay's outcome: every compared value matched; a value diverged; or nothing that was asked was compared (every
-stage declared unsupported or skipped, an empty cohort, a stage asked for by name that did not run)."""
 
 MAX_DIVERGENCES = 10
 """Concrete divergences listed per stage entry."""
@@ -104,8 +103,12 @@ def skipped(stage: str, message: str, rank: Optional[int] = None) -> StageResult
 
 
 @dataclass(frozen=True)
-class ReplayReport:
-    """Everything one replay found, in stage order."""
+class ReplayReport(Outcome):
+    """Everything one replay found, in stage order; its status is pass (every compared value matched), diverged (a
+    value differs) or unsupported (nothing that was asked was compared: every stage declared unsupported or
+    skipped, an empty cohort, a stage asked for by name that did not run)."""
+
+    finite_json = True
 
     bundle_id: str
     stages: tuple[StageResult, ...] = field(default_factory=tuple)
@@ -127,16 +130,20 @@ class ReplayReport:
         return unchecked_reason(self.stages, self.requested)
 
     @property
-    def status(self) -> Verdict:
+    def reason(self) -> Optional[str]:
+        return self.unsupported_reason
+
+    @property
+    def status(self) -> Status:
         """pass, diverged, or unsupported (nothing that was asked was compared): never pass without a value."""
         if any(s.failed for s in self.stages):
-            return "diverged"
-        return "unsupported" if self.unsupported_reason is not None else "pass"
+            return Status.DIVERGED
+        return Status.UNSUPPORTED if self.unsupported_reason is not None else Status.PASS
 
     @property
     def passed(self) -> bool:
         """True only when values were compared and none diverged."""
-        return self.status == "pass"
+        return self.status is Status.PASS
 
     @property
     def first_divergent_stage(self) -> Optional[str]:
@@ -148,11 +155,6 @@ class ReplayReport:
         """{bundle, stage, rank, sample, field, token} of the first failure, or None."""
         failed = next((s for s in self.stages if s.failed), None)
         return None if failed is None else divergence_place(self.bundle_id, failed)
-
-    @property
-    def exit_code(self) -> int:
-        """0 when the replay passed, else 1 (the documented exit codes)."""
-        return 0 if self.passed else 1
 
     def stage(self, stage: str, rank: Optional[int] = None) -> StageResult:
         """The entry of `stage` (and `rank`); KeyError when it is not in the report."""
@@ -267,5 +269,5 @@ def format_number(value: Optional[float]) -> str:
     return text
 
 
-__all__ = ["Divergence", "MAX_DIVERGENCES", "ReplayReport", "StageResult", "StageStatus", "Verdict",
+__all__ = ["Divergence", "MAX_DIVERGENCES", "ReplayReport", "StageResult", "StageStatus",
            "divergence_place", "format_number", "json_number", "render_stage_lines", "skipped", "unchecked_reason"]

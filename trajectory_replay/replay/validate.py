@@ -30,6 +30,7 @@ from trajectory_replay.replay.flags import setting as setting_of
 from trajectory_replay.errors import (
     BackendError, IncompleteBundleError, SelectionError, StorageUnavailableError, TrajectoryReplayError,
 )
+from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.replay.source import ReplaySource
 from trajectory_replay.replay.structure import payload_size_problems, record_problems
 from trajectory_replay.units import human_bytes
@@ -47,7 +48,7 @@ class ArraySource(Protocol):
 
 
 @dataclass
-class ValidationReport:
+class ValidationReport(Outcome):
     """Problems (the bundle is invalid) and warnings (data replay will have to locate)."""
 
     target: str
@@ -61,13 +62,18 @@ class ValidationReport:
     """The bundle's final COMPLETE is missing (its ranks have not all landed)."""
 
     @property
-    def valid(self) -> bool:
-        return not self.problems
+    def status(self) -> Status:
+        """pass (no problem), incomplete (the problem is a missing COMPLETE) or invalid."""
+        if not self.problems:
+            return Status.PASS
+        return Status.INCOMPLETE if self.incomplete else Status.INVALID
 
     @property
-    def outcome(self) -> str:
-        """The `--json` status: pass, incomplete or invalid."""
-        return "pass" if self.valid else "incomplete" if self.incomplete else "invalid"
+    def valid(self) -> bool:
+        return self.status is Status.PASS
+
+    def failures(self) -> list[str]:
+        return self.problems
 
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target, "bundle_id": self.bundle_id, "valid": self.valid, "ranks": self.ranks,
