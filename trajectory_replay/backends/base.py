@@ -14,10 +14,10 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
+from trajectory_replay.cpus import on_one_core
 from trajectory_replay.errors import BackendError, InvalidKeyError, ValueTooLargeError
 
 log = logging.getLogger(__name__)
@@ -33,31 +33,12 @@ PROBE_PATIENCE = 10.0
 """How long `require_atomic_create` keeps retrying a probe that could not reach its target before it gives up."""
 
 
-_ONE_CORE = threading.local()
-
-
-@contextmanager
-def one_core_for_cpu_work() -> Iterator[None]:
-    """Within it, the calling thread's pools of CPU work run their items on the thread itself, one after another.
-
-    For a thread given one core of its own (the thread a streamed replay reads on, next to the kernels on the
-    others): reading a local file and hashing it are CPU work, and a pool of such workers would only take the
-    other threads' cores and contend with them for the interpreter lock. Pools that wait on a remote store still
-    fan out."""
-    before = getattr(_ONE_CORE, "on", False)
-    _ONE_CORE.on = True
-    try:
-        yield
-    finally:
-        _ONE_CORE.on = before
-
-
 class WorkerPool:
     """A long-lived thread pool created on first use (one per backend or store, not one per call).
 
     Runs a single item inline; falls back to running inline when the interpreter is shutting down
     (flushes at exit still complete) and starts afresh in a forked child, which inherits no threads.
-    A pool of `cpu_work` (local reads, hashing) runs inline under `one_core_for_cpu_work`."""
+    A pool of `cpu_work` (local reads, hashing) runs inline under `cpus.one_core_for_cpu_work`."""
 
     def __init__(self, max_workers: int, cpu_work: bool = False) -> None:
         self.max_workers = max_workers
@@ -68,7 +49,7 @@ class WorkerPool:
 
     def map(self, fn, items: Sequence) -> list:
         """`[fn(item) for item in items]`, concurrently, in order."""
-        if len(items) <= 1 or self.max_workers <= 1 or (self.cpu_work and getattr(_ONE_CORE, "on", False)):
+        if len(items) <= 1 or self.max_workers <= 1 or (self.cpu_work and on_one_core()):
             return [fn(item) for item in items]
         with self._lock:
             if self._pool is None or self._pid != os.getpid():
