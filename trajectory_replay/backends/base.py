@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from trajectory_replay.backends.probe import ProbeResult, run_probe
 from trajectory_replay.cpus import on_one_core
 from trajectory_replay.errors import BackendError, InvalidKeyError, ValueTooLargeError
 
@@ -141,18 +142,6 @@ class IOStats:
     def reset(self) -> None:
         with self._lock:
             self.bytes_read = self.bytes_written = self.reads = self.writes = 0
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """Outcome of `Backend.probe()`: whether create-once markers can be trusted on this target."""
-
-    ok: bool
-    checks: dict[str, bool]
-    detail: str = ""
-    transient: bool = False
-    """The probe could not finish (target unreachable, a timeout, a server error): it says nothing about
-    create-once, so it is not remembered and runs again later."""
 
 
 def raise_too_large(url: str, key: str, limit: int, size: Optional[int] = None) -> None:
@@ -359,8 +348,6 @@ class Backend(ABC):
         honor create-once) for this backend. A probe that could not reach the target (`transient`) runs again
         once a backoff has passed (PROBE_RETRY_FIRST, doubling up to PROBE_RETRY_MAX); until then this returns
         that result without a request, so an outage is not met with a probe per caller."""
-        from trajectory_replay.backends.probe import run_probe
-
         with self._probe_lock:
             last = self._probe
             if last is not None and not (last.transient and time.monotonic() >= self._probe_retry_at):

@@ -53,6 +53,7 @@ from s3fs.core import _error_wrapper as _s3_retrying
 from fsspec.asyn import _run_coros_in_chunks, sync
 
 from trajectory_replay.backends.base import Backend, ByteRange, Capabilities, validate_key
+from trajectory_replay.backends.urls import redact_url
 from trajectory_replay.errors import BackendError, NotFoundError, StorageUnavailableError
 
 log = logging.getLogger(__name__)
@@ -440,8 +441,6 @@ class S3Backend(Backend):
     # ---- failures --------------------------------------------------------------------------------
     def endpoint(self) -> str:
         """The endpoint URL requests go to (as configured until the client exists), without credentials."""
-        from trajectory_replay.backends import redact_url
-
         client = getattr(self.fs, "_s3", None)
         host = getattr(getattr(client, "_endpoint", None), "host", None)
         if not host:

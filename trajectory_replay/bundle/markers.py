@@ -80,7 +80,7 @@ from trajectory_replay.bundle.schema import BundleIndex, Expected, Identity, Man
 from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError
 from trajectory_replay.store import BlobRecord, BlobRef, ObjectStore, hash_bytes, object_key
 from trajectory_replay.store.inventory import fetch
-from trajectory_replay.store.objectstore import MAX_RECORD_BYTES
+from trajectory_replay.store.records import MAX_RECORD_BYTES
 
 COMPLETE = "COMPLETE"
 RANK_MARKER = re.compile(r"COMPLETE\.(0|[1-9][0-9]*)")

@@ -2,7 +2,7 @@
 
 A blob (any byte string) is named by the BLAKE3 of its whole content. It is stored as
 chunks, each an immutable object named by its own digest, and described by a blob record
-(size, chunk digests and sizes, block size, the hash of every block) which is itself an
+(size, chunk digests and sizes, block size, the hash of every block: `store.records`) which is itself an
 object; the create-once ref `blobs/<digest>` maps the blob to its record. Writes go
 chunks -> record -> ref, so a ref never points at something missing. Reads verify every
 byte before returning it: `get` checks each chunk and the whole blob, `read_range` fetches
@@ -18,17 +18,12 @@ with `trust_cache=False` (validate) sends every read to the backend and only fil
 
 from __future__ import annotations
 
-import base64
-import binascii
 import bisect
-import functools
-import json
 import logging
 import os
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from trajectory_replay._allocator import buffer_for_read
 from trajectory_replay.backends import Backend, ByteRange, open_backend
@@ -37,39 +32,20 @@ from trajectory_replay.backends.local import LocalBackend
 from trajectory_replay.errors import IntegrityError, NotFoundError, TrajectoryReplayError, ValueTooLargeError
 from trajectory_replay.store.cache import ReadCache
 from trajectory_replay.store.chunking import ChunkingParams, chunk_ends
-from trajectory_replay.store.digest import (
-    PREFIX, blob_ref_key, hash_bytes, object_key, parse_digest, raw_hash,
-)
-from trajectory_replay.store.jsonbound import MAX_JSON_DEPTH, nesting_exceeds
+from trajectory_replay.store.digest import blob_ref_key, hash_bytes, object_key, parse_digest, raw_hash
+from trajectory_replay.store.inventory import Inventory
 from trajectory_replay.store.reading_process import (
     ArenaPart, ChunkBlocks, ReadFailure, ReadingProcess, ReadRequest, WholeChunk, active, reading_process,
 )
-
-if TYPE_CHECKING:
-    from trajectory_replay.store.inventory import Inventory
+from trajectory_replay.store.records import (
+    MAX_RECORD_BYTES, MAX_REF_BYTES, BlobRecord, ChunkInfo, decode_record, oversized_record,
+)
 
 log = logging.getLogger(__name__)
 
-RECORD_FORMAT = "trajectory-replay.blob/1"
 DEFAULT_BLOCK_SIZE = 16 << 10
 SMALL_OBJECT = 64 << 10
 """Objects up to this size are written to remote stores without looking for them first."""
-MAX_RECORD_BYTES = 64 << 20
-"""Records are parsed only after their digest is checked, and never when larger than this."""
-MAX_REF_BYTES = 1 << 10
-"""A blob ref holds one digest (and perhaps a newline): anything much longer is not read."""
-RECORD_HEAD = b'{"format":"' + RECORD_FORMAT.encode() + b'"'
-"""The first bytes of every record: `BlobRecord.to_bytes` writes the format first, so that an object can
-be recognized as a record from a short ranged read."""
-
-
-class RecordError(IntegrityError):
-    """An object that is not the blob record it was expected to be; `reason` says why in a few words."""
-
-    def __init__(self, message: str, reason: Optional[str] = None) -> None:
-        # the reason defaults to the message: a caller that prefixes a location re-raises with the message alone
-        super().__init__(message)
-        self.reason = reason or message
 
 
 @dataclass(frozen=True)
@@ -79,127 +55,6 @@ class BlobRef:
     digest: str
     size: int
     record: str
-
-
-class ChunkInfo(NamedTuple):
-    """One chunk of a blob: digest, size, offset in the blob, and its block hashes (32 bytes each). A named tuple:
-    a record of a large payload holds thousands, made each time the record is read."""
-
-    digest: str
-    size: int
-    offset: int
-    blocks: bytes
-
-
-@dataclass(frozen=True)
-class BlobRecord:
-    """The parsed record of a blob."""
-
-    digest: str
-    size: int
-    block_size: int
-    chunks: tuple[ChunkInfo, ...]
-
-    @functools.cached_property
-    def chunk_offsets(self) -> list[int]:
-        """Each chunk's offset in the blob (increasing)."""
-        return [c.offset for c in self.chunks]
-
-    def to_bytes(self) -> bytes:
-        # the format goes first: RECORD_HEAD depends on it
-        doc = {
-            "format": RECORD_FORMAT, "digest": self.digest, "size": self.size, "block_size": self.block_size,
-            "chunks": [[c.digest, c.size, base64.b64encode(c.blocks).decode()] for c in self.chunks],
-        }
-        return json.dumps(doc, separators=(",", ":")).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> "BlobRecord":
-        """Parse and structurally check a record whose digest has already been verified."""
-        doc = _record_document(data, where)
-        try:
-            size, block_size = int(doc["size"]), int(doc["block_size"])
-            if block_size <= 0 or size < 0:
-                raise ValueError("non-positive block size or negative size")
-            parse_digest(doc["digest"])
-            chunks, offset = [], 0
-            for digest, csize, blocks_b64 in doc["chunks"]:
-                parse_digest(digest)
-                blocks = _decode_blocks(blocks_b64)
-                if csize <= 0 or len(blocks) != 32 * -(-csize // block_size):
-                    raise ValueError(f"chunk {digest} has {len(blocks) // 32} block hashes for {csize} bytes")
-                csize = int(csize)
-                chunks.append(ChunkInfo(digest, csize, offset, blocks))
-                offset += csize
-            if offset != size:
-                raise ValueError(f"chunk sizes add up to {offset}, record says {size}")
-        except (ValueError, KeyError, TypeError) as exc:
-            message = f"malformed blob record {where}: {exc}"
-            raise RecordError(message, message) from None
-        return cls(doc["digest"], size, block_size, tuple(chunks))
-
-
-def _record_document(data: bytes | bytearray, where: str) -> dict:
-    """The JSON object of a record; RecordError when the object is not a record at all (a chunk, a document or
-    other JSON stored under the digest a reference calls a record)."""
-    try:
-        doc = json.loads(data)
-    except ValueError:   # UnicodeDecodeError included: a binary chunk
-        doc = None
-    except RecursionError:
-        message = f"malformed blob record {where}: nested too deeply"
-        raise RecordError(message, message) from None
-    if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:
-        found = f"format {doc.get('format')!r}" if isinstance(doc, dict) else \
-            "not JSON" if doc is None else f"a JSON {type(doc).__name__}"
-        raise RecordError(f"malformed blob record {where}: the object is not a blob record ({found})",
-                          "not a blob record")
-    return doc
-
-
-def _decode_blocks(text: Any) -> bytes:
-    """A chunk's block hashes from their base64 text; ValueError (binascii.Error) for anything but clean base64."""
-    if _STRICT_BASE64 and type(text) is str:   # one call instead of a pattern match over the text, then a decode
-        return binascii.a2b_base64(text, strict_mode=True)
-    return base64.b64decode(text, validate=True)
-
-
-_STRICT_BASE64 = sys.version_info >= (3, 11)
-
-
-def looks_like_record(head: bytes) -> bool:
-    """True when an object's first bytes (at least len(RECORD_HEAD) of them) are those of a blob record."""
-    return head.startswith(RECORD_HEAD)
-
-
-def decode_record(data: bytes | bytearray, where: str) -> BlobRecord:
-    """Parse a record whose digest is verified: bounded in size and nesting before the JSON parser sees it
-    (correctly addressed bytes can still be hostile). RecordError saying why it is not a record."""
-    if len(data) > MAX_RECORD_BYTES:
-        reason = f"{len(data)} bytes, over the {MAX_RECORD_BYTES}-byte bound"
-        raise RecordError(f"malformed blob record {where}: {reason}", reason)
-    if nesting_exceeds(data):
-        reason = f"nested more than {MAX_JSON_DEPTH} levels deep"
-        raise RecordError(f"malformed blob record {where}: {reason}", reason)
-    return BlobRecord.from_bytes(data, where)
-
-
-def oversized_record(where: str, exc: ValueTooLargeError) -> RecordError:
-    """The RecordError of a record object the store refused, unread, for being over MAX_RECORD_BYTES."""
-    return RecordError(f"malformed blob record {where}: {exc}", f"over the {MAX_RECORD_BYTES}-byte bound")
-
-
-def parse_record(digest: str, data: bytes | bytearray) -> BlobRecord | RecordError:
-    """The record object `digest` holds, its content checked against the digest first; the RecordError
-    (returned, not raised) when the bytes are not that record."""
-    actual = hash_bytes(data)
-    if actual != digest:
-        return RecordError(f"record {digest} does not match its digest (hashes to {actual})",
-                           f"content hashes to {actual}")
-    try:
-        return decode_record(data, digest)
-    except RecordError as exc:
-        return exc
 
 
 @dataclass
@@ -268,11 +123,9 @@ class ObjectStore:
         return self.backend.url
 
     @property
-    def inventory(self) -> "Inventory":
+    def inventory(self) -> Inventory:
         """A new view of the whole root in bulk: listing, verifying and deleting objects and refs, blobs'
         closures. It reads the backend itself, never the cache, so what it reports is what is stored."""
-        from trajectory_replay.store.inventory import Inventory
-
         return Inventory(self.backend)
 
     # ---- writing -------------------------------------------------------------------------------
@@ -844,7 +697,4 @@ def _digest_mismatch(url: str, chunk: ChunkInfo, record: BlobRecord) -> Integrit
                           f"digest (blob {record.digest})")
 
 
-__all__ = [
-    "BlobRecord", "BlobRef", "ChunkInfo", "ObjectStore", "PREFIX", "PutPlan", "PutStats", "RecordError",
-    "decode_record", "looks_like_record", "parse_record",
-]
+__all__ = ["DEFAULT_BLOCK_SIZE", "SMALL_OBJECT", "BlobRef", "ObjectStore", "PutPlan", "PutStats"]
