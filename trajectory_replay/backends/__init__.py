@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from trajectory_replay.backends.base import Backend, ByteRange, Capabilities, IOStats, validate_key, validate_prefix
+from trajectory_replay.backends.base import (
+    Backend, ByteRange, Capabilities, IOStats, KeyStat, validate_key, validate_prefix,
+)
 from trajectory_replay.backends.probe import ProbeResult
 from trajectory_replay.backends.urls import (
     S3_BUCKET_RULE, location_problem, redact_url, s3_bucket_problem, split_url, unsupported_protocol,
@@ -40,6 +42,6 @@ def open_backend(path_or_url: str | os.PathLike, **storage_options: Any) -> Back
 
 
 __all__ = [
-    "Backend", "BackendError", "ByteRange", "Capabilities", "IOStats", "ProbeResult", "S3_BUCKET_RULE",
+    "Backend", "BackendError", "ByteRange", "Capabilities", "IOStats", "KeyStat", "ProbeResult", "S3_BUCKET_RULE",
     "location_problem", "open_backend", "redact_url", "split_url", "validate_key", "validate_prefix",
 ]

@@ -15,7 +15,7 @@ import time
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from trajectory_replay.backends.probe import ProbeResult, run_probe
 from trajectory_replay.cpus import on_one_core
@@ -144,6 +144,14 @@ class IOStats:
             self.bytes_read = self.bytes_written = self.reads = self.writes = 0
 
 
+class KeyStat(NamedTuple):
+    """A stored value's size and age, as `Backend.stat` finds them together."""
+
+    size: int
+    mtime: float
+    """Last modification time, POSIX seconds."""
+
+
 def raise_too_large(url: str, key: str, limit: int, size: Optional[int] = None) -> None:
     """Refuse the value at `key` for being over the `limit` its reader allows (`size`: its size, when known)."""
     held = f"{size} bytes" if size is not None else f"more than {limit} bytes"
@@ -192,6 +200,10 @@ class Backend(ABC):
 
     @abstractmethod
     def _mtime(self, key: str) -> float: ...
+
+    def _size_and_mtime(self, key: str) -> KeyStat:
+        """Both in one request where the backend can (subclasses that can override this)."""
+        return KeyStat(self._size(key), self._mtime(key))
 
     @abstractmethod
     def _list(self, prefix: str) -> list[str]: ...
@@ -304,6 +316,11 @@ class Backend(ABC):
     def mtime(self, key: str) -> float:
         """Last modification time (POSIX seconds) of `key`; NotFoundError if absent."""
         return self._mtime(validate_key(key))
+
+    def stat(self, key: str) -> KeyStat:
+        """Size in bytes and last modification time of `key`, asked together (one request on local disk and S3);
+        NotFoundError if absent."""
+        return self._size_and_mtime(validate_key(key))
 
     def list(self, prefix: str = "") -> list[str]:
         """All keys under `prefix` (recursively), sorted. Temporary files of in-progress writes are never listed."""
