@@ -167,7 +167,7 @@ def cp_rows(ctx: Context) -> list[Row]:
 
 # ---- gc and fsck ------------------------------------------------------------------------------------------
 def _bulk_backend_class():
-    from trajectory_replay.backends.base import ProbeResult
+    from trajectory_replay.backends import ProbeResult
     from trajectory_replay.backends.local import LocalBackend
 
     class BulkLocal(LocalBackend):

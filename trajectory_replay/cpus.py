@@ -7,15 +7,18 @@ this process's own share of it). A parallel torch operation cut into more parts 
 call for the part that was descheduled: on a two-core host with the other core busy, replay's kernels on two
 threads took several times the CPU of the same kernels on one.
 
-`$TRAJECTORY_REPLAY_THREADS` (a positive number) replaces the estimate.
+`$TRAJECTORY_REPLAY_THREADS` (a positive number) replaces the estimate. `one_core_for_cpu_work` gives a thread one
+core of its own: its pools of CPU work then run on it alone.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from trajectory_replay.errors import UsageError
 
@@ -128,6 +131,30 @@ def own_average(proc: Path = PROC) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks / alive if alive > 1.0 else 0.0
 
 
+_ONE_CORE = threading.local()
+
+
+@contextmanager
+def one_core_for_cpu_work() -> Iterator[None]:
+    """Within it, the calling thread's pools of CPU work run their items on the thread itself, one after another.
+
+    For a thread given one core of its own (the thread a streamed replay reads on, next to the kernels on the
+    others): reading a local file and hashing it are CPU work, and a pool of such workers would only take the
+    other threads' cores and contend with them for the interpreter lock. Pools that wait on a remote store still
+    fan out."""
+    before = getattr(_ONE_CORE, "on", False)
+    _ONE_CORE.on = True
+    try:
+        yield
+    finally:
+        _ONE_CORE.on = before
+
+
+def on_one_core() -> bool:
+    """True on a thread within `one_core_for_cpu_work`: its pools of CPU work run inline."""
+    return getattr(_ONE_CORE, "on", False)
+
+
 def _ratio(quota: str, period: str) -> Optional[float]:
     """A quota over its period in CPUs; None for no quota ("max", or -1 in v1) or a value that is not a number."""
     try:
@@ -144,5 +171,5 @@ def _read(path: Path) -> Optional[str]:
         return None
 
 
-__all__ = ["THREADS_ENV", "affinity_cpus", "cgroup_quota", "cpus_left", "free_cpus", "other_load", "threads_for",
-           "threads_override", "usable_cpus"]
+__all__ = ["THREADS_ENV", "affinity_cpus", "cgroup_quota", "cpus_left", "free_cpus", "on_one_core",
+           "one_core_for_cpu_work", "other_load", "threads_for", "threads_override", "usable_cpus"]

@@ -33,6 +33,16 @@ def test_read_write_roundtrip(backend):
     assert backend.read("a/b/c.bin") == b"replaced"
 
 
+def test_stat_gives_the_size_and_mtime_together(backend):
+    backend.write("s/v", b"12345")
+    found = backend.stat("s/v")
+    assert found == (5, backend.mtime("s/v")) and found.size == backend.size("s/v") == 5 and found.mtime > 0
+    with pytest.raises(NotFoundError, match="s/gone"):
+        backend.stat("s/gone")
+    with pytest.raises(InvalidKeyError):
+        backend.stat("../s/v")
+
+
 def test_ranged_reads(backend):
     backend.write("r", bytes(range(100)))
     assert backend.read_range("r", 10, 20) == bytes(range(10, 20))

@@ -24,7 +24,7 @@ from trajectory_replay.errors import IntegrityError, ValueTooLargeError
 from trajectory_replay.bundle import BundleReader
 from trajectory_replay.store import BlobRef, ObjectStore
 from trajectory_replay.store.digest import blob_ref_key, object_key
-from trajectory_replay.store.objectstore import MAX_RECORD_BYTES, RecordError
+from trajectory_replay.store.records import MAX_RECORD_BYTES, RecordError
 from trajectory_replay.bundle.markers import complete_key
 
 runner = CliRunner()

@@ -27,7 +27,7 @@ from trajectory_replay.replay import flags
 from trajectory_replay.replay.cohort import PayloadCache
 from trajectory_replay.replay.plan import plan_replay, plan_stages
 from trajectory_replay.replay.registry import BUILTIN, EstimatorKernel, resolve_kernels
-from trajectory_replay.replay.runner import _release, _Run
+from trajectory_replay.replay.runner import _PassRunner, _release
 from trajectory_replay.replay.stages import STAGES
 from trajectory_replay.replay.validate import validate_sources
 
@@ -168,7 +168,7 @@ def test_capture_writes_and_declares_what_replay_reads(plugins, tmp_path, kernel
         assert plan.setting == setting
         running = [p for p in plan.stages if p.action == "run"]
         reads = {n for p in running for n in STAGE_IO[p.stage.id].payloads_read_under(setting)}
-        run = _Run(plan, None, None)
+        run = _PassRunner(plan, None, None)
         assert run._block_payloads(plan.passes[0]) == reads
 
 

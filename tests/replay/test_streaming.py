@@ -207,7 +207,7 @@ def cpus(monkeypatch):
 
 def _recorded_reads(tmp_path, monkeypatch, helper: bool) -> tuple[list[str], list[str]]:
     """Replay a local bundle in blocks; the threads that read chunks in this process and those that asked the
-    reading process (`readproc`) for them."""
+    reading process (`store.reading_process`) for them."""
     import threading
     import time
 
@@ -215,12 +215,12 @@ def _recorded_reads(tmp_path, monkeypatch, helper: bool) -> tuple[list[str], lis
     from trajectory_replay.backends.local import LocalBackend
     from trajectory_replay.bundle import open_for_replay
     from trajectory_replay.replay import runner
-    from trajectory_replay.store import readproc
+    from trajectory_replay.store import reading_process
 
     write_case(tmp_path / "b", 256, 2048)
     here: list[str] = []
     asked: list[str] = []
-    read_into, helper_read = LocalBackend.read_into, readproc.ReadingProcess.read
+    read_into, helper_read = LocalBackend.read_into, reading_process.ReadingProcess.read
 
     def recording(self, key, target):
         here.append(threading.current_thread().name)
@@ -233,7 +233,7 @@ def _recorded_reads(tmp_path, monkeypatch, helper: bool) -> tuple[list[str], lis
     # the losses take a while on each block, as on a real one: the thread ahead has begun the next block by the time
     # this thread takes it (a block it has not begun is read here: on a loaded host, with these tiny blocks, the
     # caller could otherwise overtake it)
-    per_part = runner._Run._per_part
+    per_part = runner._PassRunner._per_part
 
     def slow(self, *args, **kwargs):
         time.sleep(0.02)
@@ -241,8 +241,8 @@ def _recorded_reads(tmp_path, monkeypatch, helper: bool) -> tuple[list[str], lis
 
     sources, rank = open_for_replay(str(tmp_path / "b"))   # the manifest and index: read here, before the replay
     monkeypatch.setattr(LocalBackend, "read_into", recording)
-    monkeypatch.setattr(readproc.ReadingProcess, "read", asking)
-    monkeypatch.setattr(runner._Run, "_per_part", slow)
+    monkeypatch.setattr(reading_process.ReadingProcess, "read", asking)
+    monkeypatch.setattr(runner._PassRunner, "_per_part", slow)
     if not helper:
         monkeypatch.delattr(os, "memfd_create", raising=False)
     assert replay(sources, rank=rank, block_tokens=1 << 17).passed
@@ -282,8 +282,8 @@ def test_with_one_cpu_free_a_streamed_replay_reads_and_computes_on_the_callers_t
     cpus(2)
     monkeypatch.setenv(THREADS_ENV, "1")   # torch would run two threads: one CPU is free
     seen = []   # (thread, torch's threads) of every stage computation
-    compute = runner._Run._compute
-    monkeypatch.setattr(runner._Run, "_compute", lambda *a: (
+    compute = runner._PassRunner._compute
+    monkeypatch.setattr(runner._PassRunner, "_compute", lambda *a: (
         seen.append((threading.current_thread().name, torch.get_num_threads())), compute(*a))[1])
     before = torch.get_num_threads()
     here, asked = _recorded_reads(tmp_path, monkeypatch, helper=True)
@@ -299,13 +299,13 @@ def _stage_threads(monkeypatch) -> list[tuple[str, str]]:
     from trajectory_replay.replay import runner
 
     seen: list[tuple[str, str]] = []
-    compute = runner._Run._compute
+    compute = runner._PassRunner._compute
 
     def recording(self, planned, ctx, outputs, runs, block):
         seen.append((planned.stage.id.value, threading.current_thread().name))
         return compute(self, planned, ctx, outputs, runs, block)
 
-    monkeypatch.setattr(runner._Run, "_compute", recording)
+    monkeypatch.setattr(runner._PassRunner, "_compute", recording)
     return seen
 
 
@@ -327,8 +327,8 @@ def test_the_thread_ahead_and_the_caller_share_each_blocks_stages_and_agree(monk
     whole = replay(sources).to_dict()
     seen = _stage_threads(monkeypatch)
     if slow == "losses":
-        per_part = runner._Run._per_part
-        monkeypatch.setattr(runner._Run, "_per_part",
+        per_part = runner._PassRunner._per_part
+        monkeypatch.setattr(runner._PassRunner, "_per_part",
                             lambda *a, **k: (time.sleep(0.02), per_part(*a, **k))[1])
     else:
         read = runner._read
@@ -355,7 +355,7 @@ def test_a_failure_on_the_thread_ahead_surfaces_in_the_replay_and_leaves_no_thre
     from benchmarks.bench_scale import write_case
     from trajectory_replay.bundle import open_for_replay
     from trajectory_replay.errors import IntegrityError
-    from trajectory_replay.store import readproc
+    from trajectory_replay.store import reading_process
     from trajectory_replay.store.digest import object_key
 
     cpus(2)
@@ -370,4 +370,4 @@ def test_a_failure_on_the_thread_ahead_surfaces_in_the_replay_and_leaves_no_thre
     with pytest.raises(IntegrityError, match=last.digest):
         replay(sources, rank=rank, block_tokens=1 << 16)
     assert not [t for t in threading.enumerate() if t.name.startswith("replay-ahead")]
-    assert readproc._active is None   # and no reading process: it ended with the pass
+    assert reading_process._active is None   # and no reading process: it ended with the pass

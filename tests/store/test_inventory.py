@@ -10,7 +10,7 @@ from trajectory_replay.errors import IntegrityError
 from trajectory_replay.store import ChunkingParams, ObjectStore, blob_ref_key, hash_bytes, object_key
 from trajectory_replay.store.digest import OBJECT, REF
 from trajectory_replay.store.inventory import Inventory, write_layers
-from trajectory_replay.store.objectstore import RecordError
+from trajectory_replay.store.records import RecordError
 from trajectory_replay.store.layout import OBJECTS_DIR
 
 SMALL = ChunkingParams(chunk_size=64 << 10, min_size=16 << 10, target_size=32 << 10)

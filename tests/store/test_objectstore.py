@@ -252,7 +252,7 @@ def test_a_record_with_unclean_block_hashes_or_chunk_digests_is_refused_naming_i
     import base64
     import json
 
-    from trajectory_replay.store.objectstore import BlobRecord, RecordError
+    from trajectory_replay.store.records import BlobRecord, RecordError
 
     store = ObjectStore.open(tmp_path / "s")
     ref = store.put(bytes(range(256)) * 300)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import threading
 
-from trajectory_replay.backends.base import WorkerPool, one_core_for_cpu_work
+from trajectory_replay.backends.base import WorkerPool
+from trajectory_replay.cpus import one_core_for_cpu_work
 from trajectory_replay.store import ObjectStore
 
 

@@ -14,10 +14,11 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
+from trajectory_replay.backends.probe import ProbeResult, run_probe
+from trajectory_replay.cpus import on_one_core
 from trajectory_replay.errors import BackendError, InvalidKeyError, ValueTooLargeError
 
 log = logging.getLogger(__name__)
@@ -33,31 +34,12 @@ PROBE_PATIENCE = 10.0
 """How long `require_atomic_create` keeps retrying a probe that could not reach its target before it gives up."""
 
 
-_ONE_CORE = threading.local()
-
-
-@contextmanager
-def one_core_for_cpu_work() -> Iterator[None]:
-    """Within it, the calling thread's pools of CPU work run their items on the thread itself, one after another.
-
-    For a thread given one core of its own (the thread a streamed replay reads on, next to replay's computation on
-    the others): reading a local file and hashing it are CPU work, and a pool of such workers would only take the
-    other threads' cores and contend with them for the interpreter lock. Pools that wait on a remote store still
-    fan out."""
-    before = getattr(_ONE_CORE, "on", False)
-    _ONE_CORE.on = True
-    try:
-        yield
-    finally:
-        _ONE_CORE.on = before
-
-
 class WorkerPool:
     """A long-lived thread pool created on first use (one per backend or store, not one per call).
 
     Runs a single item inline; falls back to running inline when the interpreter is shutting down
     (flushes at exit still complete) and starts afresh in a forked child, which inherits no threads.
-    A pool of `cpu_work` (local reads, hashing) runs inline under `one_core_for_cpu_work`."""
+    A pool of `cpu_work` (local reads, hashing) runs inline under `cpus.one_core_for_cpu_work`."""
 
     def __init__(self, max_workers: int, cpu_work: bool = False) -> None:
         self.max_workers = max_workers
@@ -68,7 +50,7 @@ class WorkerPool:
 
     def map(self, fn, items: Sequence) -> list:
         """`[fn(item) for item in items]`, concurrently, in order."""
-        if len(items) <= 1 or self.max_workers <= 1 or (self.cpu_work and getattr(_ONE_CORE, "on", False)):
+        if len(items) <= 1 or self.max_workers <= 1 or (self.cpu_work and on_one_core()):
             return [fn(item) for item in items]
         with self._lock:
             if self._pool is None or self._pid != os.getpid():
@@ -162,16 +144,12 @@ class IOStats:
             self.bytes_read = self.bytes_written = self.reads = self.writes = 0
 
 
-@dataclass(frozen=True)
-class ProbeResult:
-    """Outcome of `Backend.probe()`: whether create-once markers can be trusted on this target."""
+class KeyStat(NamedTuple):
+    """A stored value's size and age, as `Backend.stat` finds them together."""
 
-    ok: bool
-    checks: dict[str, bool]
-    detail: str = ""
-    transient: bool = False
-    """The probe could not finish (target unreachable, a timeout, a server error): it says nothing about
-    create-once, so it is not remembered and runs again later."""
+    size: int
+    mtime: float
+    """Last modification time, POSIX seconds."""
 
 
 def raise_too_large(url: str, key: str, limit: int, size: Optional[int] = None) -> None:
@@ -222,6 +200,10 @@ class Backend(ABC):
 
     @abstractmethod
     def _mtime(self, key: str) -> float: ...
+
+    def _size_and_mtime(self, key: str) -> KeyStat:
+        """Both in one request where the backend can (subclasses that can override this)."""
+        return KeyStat(self._size(key), self._mtime(key))
 
     @abstractmethod
     def _list(self, prefix: str) -> list[str]: ...
@@ -335,6 +317,11 @@ class Backend(ABC):
         """Last modification time (POSIX seconds) of `key`; NotFoundError if absent."""
         return self._mtime(validate_key(key))
 
+    def stat(self, key: str) -> KeyStat:
+        """Size in bytes and last modification time of `key`, asked together (one request on local disk and S3);
+        NotFoundError if absent."""
+        return self._size_and_mtime(validate_key(key))
+
     def list(self, prefix: str = "") -> list[str]:
         """All keys under `prefix` (recursively), sorted. Temporary files of in-progress writes are never listed."""
         return sorted(self._list(validate_prefix(prefix)))
@@ -378,8 +365,6 @@ class Backend(ABC):
         honor create-once) for this backend. A probe that could not reach the target (`transient`) runs again
         once a backoff has passed (PROBE_RETRY_FIRST, doubling up to PROBE_RETRY_MAX); until then this returns
         that result without a request, so an outage is not met with a probe per caller."""
-        from trajectory_replay.backends.probe import run_probe
-
         with self._probe_lock:
             last = self._probe
             if last is not None and not (last.transient and time.monotonic() >= self._probe_retry_at):

@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from trajectory_replay.backends.base import Backend, Capabilities, raise_too_large, validate_key
+from trajectory_replay.backends.base import Backend, Capabilities, KeyStat, raise_too_large, validate_key
 from trajectory_replay.errors import BackendError, IntegrityError, NotFoundError
 
 TMP_PREFIX = ".tmp-"
@@ -195,6 +195,10 @@ class LocalBackend(Backend):
 
     def _mtime(self, key: str) -> float:
         return self._stat(key).st_mtime
+
+    def _size_and_mtime(self, key: str) -> KeyStat:
+        found = self._stat(key)
+        return KeyStat(found.st_size, found.st_mtime)
 
     def _list(self, prefix: str) -> list[str]:
         base = self.root / prefix if prefix else self.root

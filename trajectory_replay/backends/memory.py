@@ -12,7 +12,7 @@ import time
 
 import fsspec
 
-from trajectory_replay.backends.base import Backend, Capabilities
+from trajectory_replay.backends.base import Backend, Capabilities, KeyStat
 from trajectory_replay.errors import NotFoundError
 
 _CREATE_LOCK = threading.Lock()
@@ -71,8 +71,12 @@ class MemoryBackend(Backend):
         return int(self._info(key)["size"])
 
     def _mtime(self, key: str) -> float:
-        created = self._info(key).get("created")
-        return created.timestamp() if created is not None else time.time()
+        return self._size_and_mtime(key).mtime
+
+    def _size_and_mtime(self, key: str) -> KeyStat:
+        info = self._info(key)
+        created = info.get("created")
+        return KeyStat(int(info["size"]), created.timestamp() if created is not None else time.time())
 
     def _list(self, prefix: str) -> list[str]:
         base = self._path(prefix) if prefix else self.root

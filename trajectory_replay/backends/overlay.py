@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 
-from trajectory_replay.backends.base import Backend, Capabilities
+from trajectory_replay.backends.base import Backend, Capabilities, KeyStat
 from trajectory_replay.backends.memory import MemoryBackend
 from trajectory_replay.errors import NotFoundError
 
@@ -70,6 +70,9 @@ class OverlayBackend(Backend):
 
     def _mtime(self, key: str) -> float:
         return self.top._mtime(key) if self.top._exists(key) else self.base.mtime(key)
+
+    def _size_and_mtime(self, key: str) -> KeyStat:
+        return self.top._size_and_mtime(key) if self.top._exists(key) else self.base.stat(key)
 
     def _list(self, prefix: str) -> list[str]:
         return sorted(set(self.top._list(prefix)) | set(self.base.list(prefix)))

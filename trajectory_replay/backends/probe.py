@@ -7,6 +7,7 @@ different bytes is refused and that among concurrent creators exactly one wins.
 
 A probe that fails because the target could not be reached (`Backend.transient_error`) says
 nothing about create-once: its result is marked transient, and the backend probes again later.
+`Backend.probe` runs it and remembers its `ProbeResult`.
 """
 
 from __future__ import annotations
@@ -14,20 +15,42 @@ from __future__ import annotations
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
-
-from trajectory_replay.backends.base import ProbeResult
-from trajectory_replay.store.layout import PROBE_DIR
-
-if TYPE_CHECKING:
-    from trajectory_replay.backends.base import Backend
+from dataclasses import dataclass
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
 CONCURRENT_WRITERS = 8
 
+PROBE_DIR = ".probe"
+"""The top-level prefix of the probe's scratch keys; the store's root layout (`store.layout`) reserves it."""
 
-def run_probe(backend: "Backend") -> ProbeResult:
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Outcome of `Backend.probe()`: whether create-once markers can be trusted on this target."""
+
+    ok: bool
+    checks: dict[str, bool]
+    detail: str = ""
+    transient: bool = False
+    """The probe could not finish (target unreachable, a timeout, a server error): it says nothing about
+    create-once, so it is not remembered and runs again later."""
+
+
+class Probed(Protocol):
+    """What the probe asks of a backend (`backends.base.Backend` has it all)."""
+
+    def create_if_absent(self, key: str, data: bytes) -> bool: ...
+
+    def read(self, key: str, limit: int | None = None) -> bytes: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def transient_error(self, exc: BaseException) -> bool: ...
+
+
+def run_probe(backend: Probed) -> ProbeResult:
     """Run the create-once checks against `backend` and clean up after them."""
     token = uuid.uuid4().hex
     seq_key = f"{PROBE_DIR}/{token}-seq"

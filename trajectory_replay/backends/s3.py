@@ -52,7 +52,8 @@ from botocore.handlers import add_expect_header
 from s3fs.core import _error_wrapper as _s3_retrying
 from fsspec.asyn import _run_coros_in_chunks, sync
 
-from trajectory_replay.backends.base import Backend, ByteRange, Capabilities, validate_key
+from trajectory_replay.backends.base import Backend, ByteRange, Capabilities, KeyStat, validate_key
+from trajectory_replay.backends.urls import redact_url
 from trajectory_replay.errors import BackendError, NotFoundError, StorageUnavailableError
 
 log = logging.getLogger(__name__)
@@ -440,8 +441,6 @@ class S3Backend(Backend):
     # ---- failures --------------------------------------------------------------------------------
     def endpoint(self) -> str:
         """The endpoint URL requests go to (as configured until the client exists), without credentials."""
-        from trajectory_replay.backends import redact_url
-
         client = getattr(self.fs, "_s3", None)
         host = getattr(getattr(client, "_endpoint", None), "host", None)
         if not host:
@@ -696,6 +695,10 @@ class S3Backend(Backend):
 
     def _mtime(self, key: str) -> float:
         return self._info(key)["LastModified"].timestamp()
+
+    def _size_and_mtime(self, key: str) -> KeyStat:
+        head = self._info(key)
+        return KeyStat(int(head["ContentLength"]), head["LastModified"].timestamp())
 
     @_storage_call
     def _list(self, prefix: str) -> list[str]:

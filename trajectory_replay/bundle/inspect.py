@@ -30,7 +30,7 @@ from trajectory_replay.bundle.status import (
 from trajectory_replay.errors import BundleError, IncompleteBundleError, StorageUnavailableError, TrajectoryReplayError
 from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.store import BlobRecord, ObjectStore, blob_ref_key, object_key
-from trajectory_replay.store.objectstore import RecordError
+from trajectory_replay.store.records import RecordError
 from trajectory_replay.units import clip, fit, human_bytes, report_width
 
 

@@ -77,11 +77,11 @@ from trajectory_replay.bundle.documents import (
     check_document_size, compact_json, nesting_exceeds, parse_json, validate_document,
 )
 from trajectory_replay.bundle.schema import BundleIndex, Expected, Identity, Manifest
-from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError
+from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError, ValueTooLargeError
 from trajectory_replay.outcome import one_line
 from trajectory_replay.store import BlobRecord, BlobRef, ObjectStore, hash_bytes, object_key
 from trajectory_replay.store.inventory import fetch
-from trajectory_replay.store.objectstore import MAX_RECORD_BYTES
+from trajectory_replay.store.records import MAX_RECORD_BYTES
 
 COMPLETE = "COMPLETE"
 RANK_MARKER = re.compile(r"COMPLETE\.(0|[1-9][0-9]*)")
@@ -309,7 +309,7 @@ def read_abandoned(backend: Backend, name: str) -> list[int]:
     when there is none, or when it cannot be read (the note only ever adds an error to a landing)."""
     try:
         data = _read_bounded(backend, abandoned_key(name))
-        doc = None if data is None or len(data) > MAX_MARKER_BYTES else parse_json(data, abandoned_key(name))
+        doc = None if data is None or isinstance(data, ValueTooLargeError) else parse_json(data, abandoned_key(name))
     except BundleError:
         return []
     if not isinstance(doc, dict) or doc.get("format") != ABANDONED_FORMAT:
@@ -333,27 +333,22 @@ def read_marker(backend: Backend, key: str, model: type[BaseModel]) -> Optional[
     return None if data is None else _parse_marker(backend, key, data, model)
 
 
-def _parse_marker(backend: Backend, key: str, data: bytes, model: type[BaseModel]) -> BaseModel:
-    if len(data) > MAX_MARKER_BYTES:
+def _parse_marker(backend: Backend, key: str, data: bytes | ValueTooLargeError, model: type[BaseModel]) -> BaseModel:
+    if isinstance(data, ValueTooLargeError):
         raise BundleError(f"{backend.url}/{key}: marker larger than {MAX_MARKER_BYTES} bytes")
     return validate_document(model, parse_json(data, f"{backend.url}/{key}"), f"{backend.url}/{key}")
 
 
-def _read_bounded(backend: Backend, key: str) -> Optional[bytes]:
-    """The value at `key` (None when absent) in one request, read no further than one byte past
-    MAX_MARKER_BYTES, so that a larger value is told apart without a size request first."""
+def _read_bounded(backend: Backend, key: str) -> bytes | ValueTooLargeError | None:
+    """The value at `key` in one request, read no further than one byte past MAX_MARKER_BYTES, so that a larger
+    value is told apart without a size request first: None when absent, the ValueTooLargeError (returned, not
+    raised) when larger than that."""
     try:
-        if not backend.capabilities.ranged_reads:
-            return backend.read(key)
-        try:
-            return backend.read_range(key, 0, MAX_MARKER_BYTES + 1)
-        except OSError:
-            # an object store refuses every range of an empty value (416): that one case is asked by size
-            if not backend.capabilities.remote or backend.size(key) != 0:
-                raise
-            return b""
+        return backend.read(key, MAX_MARKER_BYTES)
     except NotFoundError:
         return None
+    except ValueTooLargeError as exc:
+        return exc
 
 
 def read_complete(backend: Backend, name: str) -> Optional[CompleteMarker]:

@@ -17,7 +17,7 @@ import bisect
 
 import os
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ContextManager, Optional, Sequence
 
 from trajectory_replay.backends import redact_url
 from trajectory_replay.bundle import codec
@@ -143,6 +143,11 @@ class BundleReader:
             if str(exc).startswith(where):
                 raise
             raise type(exc)(f"{where}: {exc}") from None
+
+    def reading_ahead(self, capacity: int) -> ContextManager[None]:
+        """Within it, payload rows are read as suits a thread that reads ahead of the kernels (the store decides how:
+        `ObjectStore.reading_ahead`, about `capacity` bytes in use at a time)."""
+        return self.store.reading_ahead(capacity)
 
     def payload_ref(self, name: str) -> BlobRef:
         spec = self.spec(name)

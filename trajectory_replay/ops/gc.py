@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional
 
-from trajectory_replay.backends import Backend, redact_url
+from trajectory_replay.backends import Backend, KeyStat, redact_url
 from trajectory_replay.bundle.documents import parse_json
 from trajectory_replay.errors import BackendError, BundleError, NotFoundError, UsageError
 from trajectory_replay.ops.progress import Progress
@@ -393,9 +393,9 @@ class _Collector:
 
     def _aged(self, keys: list[str], cutoff: Optional[float] = None) -> list[str]:
         """The keys whose mtime is older than the grace period (or `cutoff`); records their sizes."""
-        def stat(key: str) -> Optional[tuple[int, float]]:
+        def stat(key: str) -> Optional[KeyStat]:
             try:
-                return self.backend.size(key), self.backend.mtime(key)
+                return self.backend.stat(key)
             except NotFoundError:
                 return None
 
@@ -403,8 +403,8 @@ class _Collector:
         for key, st in zip(keys, concurrently(stat, keys, self.backend.max_workers)):
             if st is None:
                 continue
-            if st[1] <= (self.cutoff if cutoff is None else cutoff):
-                self.sizes[key] = st[0]
+            if st.mtime <= (self.cutoff if cutoff is None else cutoff):
+                self.sizes[key] = st.size
                 out.append(key)
             else:
                 self.report.too_young += 1

@@ -18,16 +18,15 @@ import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
 from trajectory_replay._allocator import reuse_block_buffers
-from trajectory_replay.backends.base import one_core_for_cpu_work
 from trajectory_replay.bundle.schema import STAGE_ORDER, StageId
 from trajectory_replay.bundle.stage_io import STAGE_IO, Setting
-from trajectory_replay.cpus import threads_for
+from trajectory_replay.cpus import one_core_for_cpu_work, threads_for
 from trajectory_replay.replay.blocks import BLOCK_TOKENS, STREAM_TOKENS, Block, Merged, plan_blocks, whole_block
 from trajectory_replay.replay.cohort import Cohort, PayloadCache
 from trajectory_replay.replay.compare import StageChecks, resolve_tolerance
@@ -37,9 +36,8 @@ from trajectory_replay.replay.plan import Pass, PlannedStage, ReplayPlan, plan_r
 from trajectory_replay.replay.registry import BUILTIN
 from trajectory_replay.replay.report import ReplayReport, StageResult, skipped
 from trajectory_replay.replay.selection import Selection
-from trajectory_replay.replay.source import ReplaySource
+from trajectory_replay.replay.source import ReplaySource, reading_ahead
 from trajectory_replay.replay.stages import Stage, StageContext, StageOutcome
-from trajectory_replay.store import readproc
 
 
 def replay(sources: Sequence[ReplaySource], *, samples: Sequence[str] = (), groups: Sequence[str] = (),
@@ -71,20 +69,42 @@ def execute_keeping(plan: ReplayPlan, keep: Sequence[str], *, atol: Optional[flo
                     ) -> tuple[ReplayReport, dict[str, dict[str, torch.Tensor]]]:
     """`execute`, also handing back the recomputed outputs named in `keep` (of the sample-level stages that ran),
     as {output: {sample_id: the sample's values}}: what a chained replay links a step's inputs to."""
-    run = _Run(plan, atol, rtol, keep, block_tokens)
-    results = [result for one in plan.passes for result in run.one_pass(one)]
+    runner = _PassRunner(plan, atol, rtol, keep, block_tokens)
+    results = [result for one in plan.passes for result in runner.one_pass(one)]
     order = {stage.value: i for i, stage in enumerate(STAGE_ORDER)}
     results.sort(key=lambda r: (order.get(r.stage, len(order)), -1 if r.rank is None else r.rank))
     requested = tuple(p.stage.id.value for p in plan.stages if p.named)
     return ReplayReport(bundle_id=plan.bundle_id, stages=tuple(results), overrides=dict(plan.overrides),
-                        requested=requested), run.kept
+                        requested=requested), runner.kept
 
 
 Runs = list[tuple[StageOutcome, Block]]
 
 
-class _Run:
-    """What every pass of one replay shares: the plan, the tolerance overrides, the payload cache."""
+@dataclass
+class _PassState:
+    """One pass under way: its rows, the blocks it runs in, and what its stages produced so far."""
+
+    plan: Pass
+    whole: Cohort
+    blocks: list[Block]
+    runs: dict[StageId, Runs] = field(default_factory=dict)
+    """Each sample-level stage's runs over the blocks (its outcomes without their outputs)."""
+    part_runs: dict[tuple[StageId, int], Runs] = field(default_factory=dict)
+    """Each cohort-level stage's runs over the blocks, per part of the cohort."""
+    shared: dict = field(default_factory=dict)
+    """The outputs of the stages that run once over the whole cohort (per-sample values)."""
+    whitening: Optional[Whitening] = None
+    """The cohort's whitening of the advantages, for a streamed pass whose estimator whitens over the cohort."""
+
+    @property
+    def streamed(self) -> bool:
+        return len(self.blocks) > 1
+
+
+class _PassRunner:
+    """Runs the passes of one replay plan; holds what they share: the plan, the tolerance overrides, the payload
+    cache, and the recomputed outputs kept for the caller."""
 
     def __init__(self, plan: ReplayPlan, atol: Optional[float], rtol: Optional[float],
                  keep: Sequence[str] = (), block_tokens: Optional[int] = None) -> None:
@@ -134,53 +154,62 @@ class _Run:
     def one_pass(self, plan: Pass) -> list[StageResult]:
         """The verdicts of one pass: sample-level stages over all its rows, then cohort-level ones per part; in
         blocks of whole groups when the pass streams (every stage over one block, then the next, with the next
-        block read ahead, its local chunk files by a helper process (see `readproc`), when there is a CPU free
-        for that). Torch's operations run on the CPUs free now (`cpus.threads_for`), less the one reading ahead."""
+        block read ahead, as its sources see fit for that (`source.reading_ahead`), when there is a CPU free for
+        it). Torch's operations run on the CPUs free now (`cpus.threads_for`), less the one reading ahead."""
         whole = Cohort(plan.parts, self.cache)
         blocks = self.blocks(whole)
         cpus = threads_for(torch.get_num_threads())
         # reading ahead on the CPU torch's threads run on would only take turns with them (and their interpreter lock)
         ahead = len(blocks) > 1 and cpus >= 2
-        with _kernel_threads(cpus - 1 if ahead else cpus), one_core_for_cpu_work() if cpus == 1 else nullcontext():
-            # a native bundle's source reads through its ObjectStore: only one on local disk has use for a helper
-            local = any(getattr(getattr(p.source, "store", None), "reads_local_files", False) for p in plan.parts)
-            if not ahead or not local:
-                return self._pass(plan, whole, blocks, ahead)
-            with readproc.reading_process(_arena_bytes(blocks, plan, self._block_payloads(plan))):
-                return self._pass(plan, whole, blocks, ahead)
+        sources = [part.source for part in plan.parts]
+        arena = _arena_bytes(blocks, plan, self._block_payloads(plan)) if ahead else 0
+        reading = reading_ahead(sources, arena) if ahead else nullcontext()
+        with _kernel_threads(cpus - 1 if ahead else cpus), one_core_for_cpu_work() if cpus == 1 else nullcontext(), \
+                reading:
+            return self._pass(_PassState(plan, whole, blocks), ahead)
 
-    def _pass(self, plan: Pass, whole: Cohort, blocks: list[Block], read_ahead: bool) -> list[StageResult]:
-        streamed = len(blocks) > 1
-        results: list[StageResult] = []
-        runs: dict[StageId, Runs] = {}
-        part_runs: dict[tuple[StageId, int], Runs] = {}
-        shared: dict = {}   # outputs of the stages that run once over the whole cohort (per-sample values)
+    def _pass(self, state: _PassState, read_ahead: bool) -> list[StageResult]:
+        """Run every stage of the pass over its blocks, then make each stage's verdict from its runs."""
+        self._run_once_over_cohort(state)
+        if state.streamed:
+            state.whitening = self._whitening(state.plan, state.blocks, state.shared)
+        self._run_blocks(state, read_ahead)
+        return self._sample_level_verdicts(state) + self._cohort_level_verdicts(state)
+
+    def _run_once_over_cohort(self, state: _PassState) -> None:
+        """The sample-level stages that do not run block by block, once over the whole cohort."""
         for planned in self.sample_level:
-            if not planned.stage.per_block and self._runs(planned, plan):
-                ctx = self.context(planned.stage.id, whole, shared, plan.label)
-                self._compute(planned, ctx, shared, runs, whole_block(whole))
-        whitening = self._whitening(plan, blocks, shared) if streamed else None
+            if not planned.stage.per_block and self._runs(planned, state.plan):
+                ctx = self.context(planned.stage.id, state.whole, state.shared, state.plan.label)
+                self._compute(planned, ctx, state.shared, state.runs, whole_block(state.whole))
 
-        def sample_steps(block: Block) -> tuple[dict, list[Callable[[], None]]]:
-            """The block's per-block sample-level stages as steps to run in order, and the outputs they fill (what
-            the cohort-level stages read)."""
-            outputs = _block_outputs(shared, block) if streamed else {k: dict(v) for k, v in shared.items()}
+    def _sample_steps(self, state: _PassState, block: Block) -> tuple[dict, list[Callable[[], None]]]:
+        """The block's per-block sample-level stages as steps to run in order, and the outputs they fill (what the
+        cohort-level stages read)."""
+        shared = state.shared
+        outputs = _block_outputs(shared, block) if state.streamed else {k: dict(v) for k, v in shared.items()}
+        return outputs, [functools.partial(self._sample_step, state, block, outputs, i)
+                         for i in range(len(self.sample_level))]
 
-            def step(i: int, planned: PlannedStage) -> None:
-                if planned.stage.per_block and self._runs(planned, plan):
-                    ctx = self.context(planned.stage.id, block.cohort, outputs, plan.label,
-                                       block if streamed else None, whitening)
-                    self._compute(planned, ctx, outputs, runs, block)
-                later = [p.stage for p in self.sample_level[i + 1:] + self.cohort_level]
-                _release(outputs, block.cohort.cache, later, self.plan.setting)
+    def _sample_step(self, state: _PassState, block: Block, outputs: dict, i: int) -> None:
+        """The `i`th sample-level stage over the block, if it runs block by block; then what no later stage reads
+        is dropped."""
+        planned = self.sample_level[i]
+        if planned.stage.per_block and self._runs(planned, state.plan):
+            ctx = self.context(planned.stage.id, block.cohort, outputs, state.plan.label,
+                               block if state.streamed else None, state.whitening)
+            self._compute(planned, ctx, outputs, state.runs, block)
+        later = [p.stage for p in self.sample_level[i + 1:] + self.cohort_level]
+        _release(outputs, block.cohort.cache, later, self.plan.setting)
 
-            return outputs, [functools.partial(step, i, planned) for i, planned in enumerate(self.sample_level)]
-
-        ahead = _Ahead(blocks, sample_steps, self._block_payloads(plan)) if read_ahead else None
-        position = {id(block): b for b, block in enumerate(blocks)}
-        heap = reuse_block_buffers() if streamed else None
+    def _run_blocks(self, state: _PassState, read_ahead: bool) -> None:
+        """Every block in turn: its sample-level stages (by the worker ahead as far as it got, when reading ahead),
+        then its cohort-level stages, per part."""
+        sample_steps = functools.partial(self._sample_steps, state)
+        ahead = _NextBlockWorker(state.blocks, sample_steps, self._block_payloads(state.plan)) if read_ahead else None
+        heap = reuse_block_buffers() if state.streamed else None
         try:
-            for b, block in enumerate(blocks):
+            for b, block in enumerate(state.blocks):
                 # block b's payloads read and its sample-level stages run, by the thread ahead as far as it got
                 # and here for the rest; that thread goes on to block b + 1 while the cohort-level stages run here
                 if ahead is not None:
@@ -190,9 +219,10 @@ class _Run:
                     for run_step in steps:
                         run_step()
                 for planned in self.cohort_level:
-                    if planned.action == "run" and not plan.cohort_skip:
-                        self._per_part(planned, plan, whole, block, outputs, part_runs, streamed)
-                if streamed:
+                    if planned.action == "run" and not state.plan.cohort_skip:
+                        self._per_part(planned, state.plan, state.whole, block, outputs, state.part_runs,
+                                       state.streamed)
+                if state.streamed:
                     block.cohort.cache.retain(set())
                 if ahead is not None:
                     ahead.done(b, block.cohort.cache.names)
@@ -203,10 +233,16 @@ class _Run:
                 ahead.close()
             if heap is not None:
                 heap.end()
+
+    def _sample_level_verdicts(self, state: _PassState) -> list[StageResult]:
+        """Each sample-level stage's verdict (and its copies for the replica ranks), from its runs in block order."""
+        plan, whole = state.plan, state.whole
+        position = {id(block): b for b, block in enumerate(state.blocks)}
+        results: list[StageResult] = []
         for planned in self.sample_level:
-            if planned.action == "run" and planned.stage.id in runs:
+            if planned.action == "run" and planned.stage.id in state.runs:
                 # in block order: the thread ahead may run a stage on the next block before this one ends it
-                stage_runs = sorted(runs[planned.stage.id], key=lambda run: position.get(id(run[1]), -1))
+                stage_runs = sorted(state.runs[planned.stage.id], key=lambda run: position.get(id(run[1]), -1))
                 result = planned.stage.verdict(self.context(planned.stage.id, whole, {}, plan.label),
                                                _merged(stage_runs, whole), stage_runs)
             elif planned.action == "run":   # whitened advantages on part of the cohort
@@ -215,6 +251,12 @@ class _Run:
             else:
                 result = skipped(planned.stage.id.value, planned.reason, plan.label)
             results += _with_copies(result, plan.label, plan.copies)
+        return results
+
+    def _cohort_level_verdicts(self, state: _PassState) -> list[StageResult]:
+        """Each cohort-level stage's verdict per part (and its copies for the part's replica ranks)."""
+        plan = state.plan
+        results: list[StageResult] = []
         for planned in self.cohort_level:
             if planned.action != "run" or plan.cohort_skip:
                 result = skipped(planned.stage.id.value, planned.reason or plan.cohort_skip, plan.label)
@@ -222,8 +264,8 @@ class _Run:
                 continue
             for k, ranks in enumerate(plan.cohort_ranks):
                 if ranks:
-                    part = whole.part(k)
-                    stage_runs = part_runs.get((planned.stage.id, k), [])
+                    part = state.whole.part(k)
+                    stage_runs = state.part_runs.get((planned.stage.id, k), [])
                     result = planned.stage.verdict(self.context(planned.stage.id, part, {}, ranks[0]),
                                                    _merged(stage_runs, part), stage_runs)
                     results += _with_copies(result, ranks[0], ranks[1:])
@@ -314,7 +356,7 @@ class _Run:
         return stage == StageId.ADVANTAGE_ESTIMATE and self.plan.kernels.estimator.whitened
 
 
-class _Job:
+class _BlockJob:
     """One block's work ahead: read its payloads, then its sample-level stages, as steps run strictly in order.
     The thread ahead runs steps until the caller takes the block; the caller then waits for the step under way
     and runs the rest itself. So neither thread idles while the other has work on the block: the split between
@@ -361,9 +403,9 @@ class _Job:
         return self.outputs
 
 
-class _Ahead:
-    """Works one block ahead of the caller, on a thread of its own: reads the block's payloads and runs its
-    sample-level stages (a `_Job`) while the caller runs the cohort-level stages (the losses) over the block
+class _NextBlockWorker:
+    """Works one block ahead of the caller, on a thread of its own: reads the next block's payloads and runs its
+    sample-level stages (a `_BlockJob`) while the caller runs the cohort-level stages (the losses) over the block
     before. Reading and verifying (file reads, BLAKE3) and the stage chain run at the same time, on two cores.
     It starts on the first block at once, reading the payloads the stages may read under the config (`names`);
     a payload a block's stages loaded beyond those is read ahead for the blocks after."""
@@ -374,7 +416,7 @@ class _Ahead:
         self.sample_steps = sample_steps
         self.names: set[str] = set(names)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-ahead")
-        self.jobs: dict[int, _Job] = {}
+        self.jobs: dict[int, _BlockJob] = {}
         self.started: set[int] = set()
         self._start(0)
 
@@ -384,7 +426,7 @@ class _Ahead:
         job = self.jobs.pop(b, None)
         if job is None:   # nothing to read ahead: the block runs here
             outputs, steps = self.sample_steps(self.blocks[b])
-            job = _Job(outputs, steps)
+            job = _BlockJob(outputs, steps)
         self._start(b + 1)   # queued behind block b: it begins once the thread ahead lets go of block b
         return job.finish()
 
@@ -398,11 +440,11 @@ class _Ahead:
             self.started.add(i)
             block, names = self.blocks[i], sorted(self.names)
             outputs, steps = self.sample_steps(block)
-            job = self.jobs[i] = _Job(outputs, [functools.partial(_read, block, names), *steps])
+            job = self.jobs[i] = _BlockJob(outputs, [functools.partial(_read, block, names), *steps])
             self.pool.submit(self._ahead, job)
 
     @staticmethod
-    def _ahead(job: _Job) -> None:
+    def _ahead(job: _BlockJob) -> None:
         with one_core_for_cpu_work():   # the core `_kernel_threads` left: local reads stay on it
             job.run_ahead()
 

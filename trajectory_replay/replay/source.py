@@ -1,13 +1,16 @@
 """What replay needs from a bundle, as a protocol: replay computes over tensors and knows nothing of storage.
 
 `bundle.BundleReader` (native store) and `bundle.legacy.LegacyBundle` (older directory format)
-both satisfy it. A multi-rank bundle is handed to replay as one source per rank.
+both satisfy it. A multi-rank bundle is handed to replay as one source per rank. A source may also offer
+`reading_ahead(capacity)`, a context within which it reads as suits a thread that reads ahead of the kernels
+(`reading_ahead` below); how it then reads is the source's business.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 from trajectory_replay.bundle.schema import BundleIndex, Manifest, SampleRecord
 
@@ -36,6 +39,19 @@ class ReplaySource(Protocol):
         concatenated in the order given. `loss_mask` is a uint8 per-token payload. Raises BundleError
         when the payload is missing or does not match its declared dtype/shape."""
         ...
+
+
+@contextmanager
+def reading_ahead(sources: Sequence[ReplaySource], capacity: int) -> Iterator[None]:
+    """Within it, the payload rows of `sources` are read on a thread of their own, ahead of the kernels, about
+    `capacity` bytes of them in use at a time: each source that offers `reading_ahead` reads as it then sees fit (a
+    native bundle on local disk: through a reading process); the others read as they always do."""
+    with ExitStack() as stack:
+        for source in {id(s): s for s in sources}.values():
+            enter = getattr(source, "reading_ahead", None)
+            if enter is not None:
+                stack.enter_context(enter(capacity))
+        yield
 
 
 @dataclass(frozen=True)

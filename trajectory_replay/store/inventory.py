@@ -27,8 +27,9 @@ from trajectory_replay.store.digest import (
     OBJECT, REF, blob_ref_key, digest_from_key, hash_bytes, key_kind, object_key, parse_digest,
 )
 from trajectory_replay.store.layout import GC, OBJECTS_DIR, REFS_DIR, touched_by
-from trajectory_replay.store.objectstore import (
-    MAX_RECORD_BYTES, MAX_REF_BYTES, RECORD_HEAD, BlobRecord, RecordError, looks_like_record, oversized_record, parse_record,
+from trajectory_replay.store.records import (
+    MAX_RECORD_BYTES, MAX_REF_BYTES, RECORD_HEAD, BlobRecord, RecordError, looks_like_record, oversized_record,
+    parse_record,
 )
 
 T = TypeVar("T")

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trajectory_replay.backends.probe import PROBE_DIR as _PROBE_NAME
+
 LS, GC, FSCK = "ls", "gc", "fsck"
 """The commands that walk a whole root."""
 
@@ -37,7 +39,7 @@ REFS = RootEntry("blobs", "create-once refs from a blob's digest to its record",
 INFLIGHT = RootEntry(".inflight", "writers' in-flight records", frozenset({GC}))
 GC_STATE = RootEntry(".gc", "the sweep lease and epochs of gc", frozenset({GC}))
 VERDICTS = RootEntry(".verdicts", "scan's verdicts")
-PROBE = RootEntry(".probe", "a backend's create-once probe keys (`backends.probe`)")
+PROBE = RootEntry(_PROBE_NAME, "a backend's create-once probe keys (`backends.probe`)")
 
 ROOT_ENTRIES = (OBJECTS, REFS, INFLIGHT, GC_STATE, VERDICTS, PROBE)
 OBJECTS_DIR, REFS_DIR, INFLIGHT_DIR, GC_DIR, VERDICTS_DIR, PROBE_DIR = (e.name for e in ROOT_ENTRIES)

@@ -2,7 +2,7 @@
 
 A blob (any byte string) is named by the BLAKE3 of its whole content. It is stored as
 chunks, each an immutable object named by its own digest, and described by a blob record
-(size, chunk digests and sizes, block size, the hash of every block) which is itself an
+(size, chunk digests and sizes, block size, the hash of every block: `store.records`) which is itself an
 object; the create-once ref `blobs/<digest>` maps the blob to its record. Writes go
 chunks -> record -> ref, so a ref never points at something missing. Reads verify every
 byte before returning it: `get` checks each chunk and the whole blob, `read_range` fetches
@@ -18,55 +18,34 @@ with `trust_cache=False` (validate) sends every read to the backend and only fil
 
 from __future__ import annotations
 
-import base64
-import binascii
 import bisect
-import functools
-import json
 import logging
 import os
-import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from trajectory_replay._allocator import buffer_for_read
 from trajectory_replay.backends import Backend, ByteRange, open_backend
 from trajectory_replay.backends.base import DIFFERENT, SAME, WorkerPool
 from trajectory_replay.backends.local import LocalBackend
 from trajectory_replay.errors import IntegrityError, NotFoundError, TrajectoryReplayError, ValueTooLargeError
-from trajectory_replay.store import readproc
 from trajectory_replay.store.cache import ReadCache
 from trajectory_replay.store.chunking import ChunkingParams, chunk_ends
-from trajectory_replay.store.digest import (
-    PREFIX, blob_ref_key, hash_bytes, object_key, parse_digest, raw_hash,
+from trajectory_replay.store.digest import blob_ref_key, hash_bytes, object_key, parse_digest, raw_hash
+from trajectory_replay.store.inventory import Inventory
+from trajectory_replay.store.reading_process import (
+    ArenaPart, ChunkBlocks, ReadFailure, ReadingProcess, ReadRequest, WholeChunk, active, reading_process,
 )
-from trajectory_replay.store.jsonbound import MAX_JSON_DEPTH, nesting_exceeds
-
-if TYPE_CHECKING:
-    from trajectory_replay.store.inventory import Inventory
+from trajectory_replay.store.records import (
+    MAX_RECORD_BYTES, MAX_REF_BYTES, BlobRecord, ChunkInfo, decode_record, oversized_record,
+)
 
 log = logging.getLogger(__name__)
 
-RECORD_FORMAT = "trajectory-replay.blob/1"
 DEFAULT_BLOCK_SIZE = 16 << 10
 SMALL_OBJECT = 64 << 10
 """Objects up to this size are written to remote stores without looking for them first."""
-MAX_RECORD_BYTES = 64 << 20
-"""Records are parsed only after their digest is checked, and never when larger than this."""
-MAX_REF_BYTES = 1 << 10
-"""A blob ref holds one digest (and perhaps a newline): anything much longer is not read."""
-RECORD_HEAD = b'{"format":"' + RECORD_FORMAT.encode() + b'"'
-"""The first bytes of every record: `BlobRecord.to_bytes` writes the format first, so that an object can
-be recognized as a record from a short ranged read."""
-
-
-class RecordError(IntegrityError):
-    """An object that is not the blob record it was expected to be; `reason` says why in a few words."""
-
-    def __init__(self, message: str, reason: Optional[str] = None) -> None:
-        # the reason defaults to the message: a caller that prefixes a location re-raises with the message alone
-        super().__init__(message)
-        self.reason = reason or message
 
 
 @dataclass(frozen=True)
@@ -76,127 +55,6 @@ class BlobRef:
     digest: str
     size: int
     record: str
-
-
-class ChunkInfo(NamedTuple):
-    """One chunk of a blob: digest, size, offset in the blob, and its block hashes (32 bytes each). A named tuple:
-    a record of a large payload holds thousands, made each time the record is read."""
-
-    digest: str
-    size: int
-    offset: int
-    blocks: bytes
-
-
-@dataclass(frozen=True)
-class BlobRecord:
-    """The parsed record of a blob."""
-
-    digest: str
-    size: int
-    block_size: int
-    chunks: tuple[ChunkInfo, ...]
-
-    @functools.cached_property
-    def chunk_offsets(self) -> list[int]:
-        """Each chunk's offset in the blob (increasing)."""
-        return [c.offset for c in self.chunks]
-
-    def to_bytes(self) -> bytes:
-        # the format goes first: RECORD_HEAD depends on it
-        doc = {
-            "format": RECORD_FORMAT, "digest": self.digest, "size": self.size, "block_size": self.block_size,
-            "chunks": [[c.digest, c.size, base64.b64encode(c.blocks).decode()] for c in self.chunks],
-        }
-        return json.dumps(doc, separators=(",", ":")).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> "BlobRecord":
-        """Parse and structurally check a record whose digest has already been verified."""
-        doc = _record_document(data, where)
-        try:
-            size, block_size = int(doc["size"]), int(doc["block_size"])
-            if block_size <= 0 or size < 0:
-                raise ValueError("non-positive block size or negative size")
-            parse_digest(doc["digest"])
-            chunks, offset = [], 0
-            for digest, csize, blocks_b64 in doc["chunks"]:
-                parse_digest(digest)
-                blocks = _decode_blocks(blocks_b64)
-                if csize <= 0 or len(blocks) != 32 * -(-csize // block_size):
-                    raise ValueError(f"chunk {digest} has {len(blocks) // 32} block hashes for {csize} bytes")
-                csize = int(csize)
-                chunks.append(ChunkInfo(digest, csize, offset, blocks))
-                offset += csize
-            if offset != size:
-                raise ValueError(f"chunk sizes add up to {offset}, record says {size}")
-        except (ValueError, KeyError, TypeError) as exc:
-            message = f"malformed blob record {where}: {exc}"
-            raise RecordError(message, message) from None
-        return cls(doc["digest"], size, block_size, tuple(chunks))
-
-
-def _record_document(data: bytes | bytearray, where: str) -> dict:
-    """The JSON object of a record; RecordError when the object is not a record at all (a chunk, a document or
-    other JSON stored under the digest a reference calls a record)."""
-    try:
-        doc = json.loads(data)
-    except ValueError:   # UnicodeDecodeError included: a binary chunk
-        doc = None
-    except RecursionError:
-        message = f"malformed blob record {where}: nested too deeply"
-        raise RecordError(message, message) from None
-    if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:
-        found = f"format {doc.get('format')!r}" if isinstance(doc, dict) else \
-            "not JSON" if doc is None else f"a JSON {type(doc).__name__}"
-        raise RecordError(f"malformed blob record {where}: the object is not a blob record ({found})",
-                          "not a blob record")
-    return doc
-
-
-def _decode_blocks(text: Any) -> bytes:
-    """A chunk's block hashes from their base64 text; ValueError (binascii.Error) for anything but clean base64."""
-    if _STRICT_BASE64 and type(text) is str:   # one call instead of a pattern match over the text, then a decode
-        return binascii.a2b_base64(text, strict_mode=True)
-    return base64.b64decode(text, validate=True)
-
-
-_STRICT_BASE64 = sys.version_info >= (3, 11)
-
-
-def looks_like_record(head: bytes) -> bool:
-    """True when an object's first bytes (at least len(RECORD_HEAD) of them) are those of a blob record."""
-    return head.startswith(RECORD_HEAD)
-
-
-def decode_record(data: bytes | bytearray, where: str) -> BlobRecord:
-    """Parse a record whose digest is verified: bounded in size and nesting before the JSON parser sees it
-    (correctly addressed bytes can still be hostile). RecordError saying why it is not a record."""
-    if len(data) > MAX_RECORD_BYTES:
-        reason = f"{len(data)} bytes, over the {MAX_RECORD_BYTES}-byte bound"
-        raise RecordError(f"malformed blob record {where}: {reason}", reason)
-    if nesting_exceeds(data):
-        reason = f"nested more than {MAX_JSON_DEPTH} levels deep"
-        raise RecordError(f"malformed blob record {where}: {reason}", reason)
-    return BlobRecord.from_bytes(data, where)
-
-
-def oversized_record(where: str, exc: ValueTooLargeError) -> RecordError:
-    """The RecordError of a record object the store refused, unread, for being over MAX_RECORD_BYTES."""
-    return RecordError(f"malformed blob record {where}: {exc}", f"over the {MAX_RECORD_BYTES}-byte bound")
-
-
-def parse_record(digest: str, data: bytes | bytearray) -> BlobRecord | RecordError:
-    """The record object `digest` holds, its content checked against the digest first; the RecordError
-    (returned, not raised) when the bytes are not that record."""
-    actual = hash_bytes(data)
-    if actual != digest:
-        return RecordError(f"record {digest} does not match its digest (hashes to {actual})",
-                           f"content hashes to {actual}")
-    try:
-        return decode_record(data, digest)
-    except RecordError as exc:
-        return exc
 
 
 @dataclass
@@ -265,11 +123,9 @@ class ObjectStore:
         return self.backend.url
 
     @property
-    def inventory(self) -> "Inventory":
+    def inventory(self) -> Inventory:
         """A new view of the whole root in bulk: listing, verifying and deleting objects and refs, blobs'
         closures. It reads the backend itself, never the cache, so what it reports is what is stored."""
-        from trajectory_replay.store.inventory import Inventory
-
         return Inventory(self.backend)
 
     # ---- writing -------------------------------------------------------------------------------
@@ -581,9 +437,9 @@ class ObjectStore:
         into the buffer, and verified by their digests (one hash each, as `get` does); the rest of each range, at
         its edges, by verified blocks.
 
-        `for_tensor`: the caller makes a tensor straight on the buffer and keeps no other view of it. With a reading
-        process on (see `readproc`) and a store on local disk without a read cache, the buffer is then a part of
-        the process's shared arena, reused once nothing refers to it, and the helper reads and verifies all of it."""
+        `for_tensor`: the caller makes a tensor straight on the buffer and keeps no other view of it. Within
+        `reading_ahead` of a store on local disk without a read cache, the buffer is then a part of the reading
+        process's shared arena, reused once nothing refers to it, and that process reads and verifies all of it."""
         record = record or self.record(ref_or_digest)
         self._check_spans(record, spans)
         return self._read_joined(record, spans, shared=for_tensor)
@@ -597,28 +453,13 @@ class ObjectStore:
     def _read_joined(self, record: BlobRecord, spans: Sequence[tuple[int, int]],
                      shared: bool = False) -> bytearray | memoryview:
         total = sum(end - start for start, end in spans)
-        helper = readproc.active() if shared and self.reads_local_files else None
-        placed = helper.allocate(total) if helper is not None else None
-        buffer = placed[1] if placed is not None else buffer_for_read(total)
+        helper = active() if shared and self.reads_local_files else None
+        part = helper.allocate(total) if helper is not None else None
+        buffer = part.view if part is not None else buffer_for_read(total)
         view = memoryview(buffer)
-        whole: list[tuple[ChunkInfo, int]] = []   # (chunk, where it goes in the buffer)
-        edges: list[tuple[int, int, int]] = []    # (start, end, where it goes)
-        at = 0
-        chunks = record.chunks
-        for start, end in spans:
-            # the chunks wholly inside [start, end), walked by index: a slice of a large record's chunk list per run
-            # would copy the rest of the list each time
-            first = last = bisect.bisect_left(record.chunk_offsets, start)
-            while last < len(chunks) and chunks[last].offset + chunks[last].size <= end:
-                last += 1
-            inside = chunks[first:last]
-            if inside:
-                lo, hi = inside[0].offset, inside[-1].offset + inside[-1].size
-                whole += [(chunk, at + chunk.offset - start) for chunk in inside]
-                edges += [(a, b, at + a - start) for a, b in ((start, lo), (hi, end)) if a < b]
-            elif start < end:
-                edges.append((start, end, at))
-            at += end - start
+        whole, edges = _split_spans(record, spans)
+        if helper is not None and part is not None and self._read_in_helper(helper, part, record, whole, edges):
+            return buffer
 
         def fill(item: tuple[ChunkInfo, int]) -> None:
             chunk, where = item
@@ -630,8 +471,6 @@ class ObjectStore:
             if self.cache is not None:
                 self.cache.put(parse_digest(chunk.digest), target)
 
-        if placed is not None and self._helper_fill(helper, placed[0], record, whole, edges):
-            return buffer
         if whole:
             self._map(fill, whole)
         if edges:
@@ -643,23 +482,35 @@ class ObjectStore:
     @property
     def reads_local_files(self) -> bool:
         """True when this store's chunks are files on local disk read without a read cache: what a reading process
-        (`readproc`) can read for it."""
+        can read for it."""
         return isinstance(self.backend, LocalBackend) and self.cache is None
 
-    def _helper_fill(self, helper: "readproc.ReadingProcess", base: int, record: BlobRecord,
-                     whole: Sequence[tuple[ChunkInfo, int]], edges: Sequence[tuple[int, int, int]]) -> bool:
-        """Have the reading process read and verify, into its arena at `base` + where: each (chunk, where) whole,
-        and each edge (start, end, where) by the blocks that cover it. False when it cannot (the caller reads them
-        itself). A chunk or block that is missing, short or of the wrong content raises as a read in this process
-        would."""
+    @contextmanager
+    def reading_ahead(self, capacity: int) -> Iterator[None]:
+        """Within it, this store's reads for tensors (`read_joined(for_tensor=True)`) are done as suits a thread that
+        reads ahead of others computing: a store on local disk without a read cache has a reading process (see
+        `store.reading_process`) read and verify them into an arena of `capacity` bytes the processes share, so
+        that the reading thread does not contend with the computing ones for the interpreter lock. Any other store
+        reads as it always does."""
+        if not self.reads_local_files:
+            yield
+            return
+        with reading_process(capacity):
+            yield
+
+    def _read_in_helper(self, helper: ReadingProcess, part: ArenaPart, record: BlobRecord,
+                        whole: Sequence[tuple[ChunkInfo, int]], edges: Sequence[tuple[int, int, int]]) -> bool:
+        """Have the reading process read and verify, into its arena part: each (chunk, where) whole, and each edge
+        (start, end, where) by the blocks that cover it. False when it cannot (the caller reads them itself). A
+        chunk or block that is missing, short or of the wrong content raises as a read in this process would."""
         backend = self.backend
         assert isinstance(backend, LocalBackend)
-        items: list[tuple] = []
-        named: list[tuple[ChunkInfo, Optional[tuple[int, int]]]] = []   # each item's chunk, and its block range
+        requests: list[ReadRequest] = []
+        chunks: list[ChunkInfo] = []   # each request's chunk
         for chunk, where in whole:
-            items.append(("chunk", backend.local_file(object_key(chunk.digest)), base + where, chunk.size,
-                          parse_digest(chunk.digest)))
-            named.append((chunk, None))
+            requests.append(WholeChunk(backend.local_file(object_key(chunk.digest)), part.offset + where, chunk.size,
+                                       parse_digest(chunk.digest)))
+            chunks.append(chunk)
         size = record.block_size
         for start, end, where in edges:
             ci = max(bisect.bisect_right(record.chunk_offsets, start) - 1, 0)
@@ -669,35 +520,40 @@ class ObjectStore:
                 b = min(end, chunk.offset + chunk.size) - chunk.offset
                 if a < b:
                     first, last = a // size, (b - 1) // size
-                    lo, hi = first * size, min(chunk.size, (last + 1) * size)
-                    items.append(("blocks", backend.local_file(object_key(chunk.digest)),
-                                  base + where + chunk.offset + a - start, lo, hi, size, first,
-                                  chunk.blocks[32 * first:32 * (last + 1)], a, b))
-                    named.append((chunk, (lo, hi)))
+                    requests.append(ChunkBlocks(
+                        backend.local_file(object_key(chunk.digest)), part.offset + where + chunk.offset + a - start,
+                        lo=first * size, hi=min(chunk.size, (last + 1) * size), block_size=size, first=first,
+                        hashes=chunk.blocks[32 * first:32 * (last + 1)], a=a, b=b))
+                    chunks.append(chunk)
                 ci += 1
-        failures = helper.read(items)
+        failures = helper.read(requests)
         if failures is None:
             return False
         if failures:
-            index, kind, detail = failures[0]
-            chunk, blocks = named[index]
-            key = object_key(chunk.digest)
-            if kind == "missing" and blocks is None:
-                raise _missing_chunk(self.url, chunk, record)
-            if kind == "missing":
-                raise _missing_blocks(self.url, record, f"{backend.url}: no such key {key!r}")
-            if kind == "size":
-                raise _wrong_size(self.url, chunk, detail)
-            if kind == "digest":
-                raise _digest_mismatch(self.url, chunk, record)
-            if kind == "short" and blocks is not None:
-                raise _short_range(self.url, chunk, blocks[0], blocks[1], detail)
-            if kind == "block":
-                raise _block_mismatch(self.url, chunk, detail, record)
+            failure = failures[0]
+            self._raise_read_failure(record, chunks[failure.item], requests[failure.item], failure)
             return False   # the helper could not read a file this process may: read them all here
-        for chunk, blocks in named:
-            backend.stats.count_read(chunk.size if blocks is None else blocks[1] - blocks[0])
+        for request in requests:
+            backend.stats.count_read(request.size if isinstance(request, WholeChunk) else request.hi - request.lo)
         return True
+
+    def _raise_read_failure(self, record: BlobRecord, chunk: ChunkInfo, request: ReadRequest,
+                            failure: ReadFailure) -> None:
+        """Raise the error a read of `request` in this process would have raised for `failure`; return for a failure
+        of the reading process itself (a file it could not read)."""
+        blocks = isinstance(request, ChunkBlocks)
+        if failure.kind == "missing" and not blocks:
+            raise _missing_chunk(self.url, chunk, record)
+        if failure.kind == "missing":
+            raise _missing_blocks(self.url, record, f"{self.backend.url}: no such key {object_key(chunk.digest)!r}")
+        if failure.kind == "size":
+            raise _wrong_size(self.url, chunk, int(failure.detail))
+        if failure.kind == "digest":
+            raise _digest_mismatch(self.url, chunk, record)
+        if failure.kind == "short" and isinstance(request, ChunkBlocks):
+            raise _short_range(self.url, chunk, request.lo, request.hi, int(failure.detail))
+        if failure.kind == "block":
+            raise _block_mismatch(self.url, chunk, int(failure.detail), record)
 
     def _blocks_of(self, record: BlobRecord, start: int, end: int):
         """(chunk index, block index) pairs covering [start, end)."""
@@ -787,6 +643,32 @@ class ObjectStore:
         return self._io.map(fn, items)
 
 
+def _split_spans(record: BlobRecord, spans: Sequence[tuple[int, int]],
+                 ) -> tuple[list[tuple[ChunkInfo, int]], list[tuple[int, int, int]]]:
+    """How to read `spans` of a blob one after another into one buffer: the chunks wholly inside a span, as (chunk,
+    where it goes in the buffer), read whole; and the rest of each span at its edges, as (start, end, where it
+    goes), read by blocks."""
+    whole: list[tuple[ChunkInfo, int]] = []
+    edges: list[tuple[int, int, int]] = []
+    at = 0
+    chunks = record.chunks
+    for start, end in spans:
+        # the chunks wholly inside [start, end), walked by index: a slice of a large record's chunk list per run
+        # would copy the rest of the list each time
+        first = last = bisect.bisect_left(record.chunk_offsets, start)
+        while last < len(chunks) and chunks[last].offset + chunks[last].size <= end:
+            last += 1
+        inside = chunks[first:last]
+        if inside:
+            lo, hi = inside[0].offset, inside[-1].offset + inside[-1].size
+            whole += [(chunk, at + chunk.offset - start) for chunk in inside]
+            edges += [(a, b, at + a - start) for a, b in ((start, lo), (hi, end)) if a < b]
+        elif start < end:
+            edges.append((start, end, at))
+        at += end - start
+    return whole, edges
+
+
 def _missing_chunk(url: str, chunk: ChunkInfo, record: BlobRecord) -> NotFoundError:
     return NotFoundError(f"{url}: missing chunk {chunk.digest} of blob {record.digest}")
 
@@ -815,7 +697,4 @@ def _digest_mismatch(url: str, chunk: ChunkInfo, record: BlobRecord) -> Integrit
                           f"digest (blob {record.digest})")
 
 
-__all__ = [
-    "BlobRecord", "BlobRef", "ChunkInfo", "ObjectStore", "PREFIX", "PutPlan", "PutStats", "RecordError",
-    "decode_record", "looks_like_record", "parse_record",
-]
+__all__ = ["DEFAULT_BLOCK_SIZE", "SMALL_OBJECT", "BlobRef", "ObjectStore", "PutPlan", "PutStats"]

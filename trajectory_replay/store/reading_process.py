@@ -9,12 +9,17 @@ its own: it opens, reads and hashes the chunk files of a payload straight into a
 the reading thread only waits for its answer, once per payload. The replay's tensors are made on the arena
 itself (no copy); a part of the arena is written again only once no tensor refers to it any more.
 
-`reading_process()` turns it on for the length of a `with` block (a streamed pass); `ObjectStore.read_joined` then
-reads a local store's payload rows through it (whole chunks checked against their digests, the partial chunks at a
-run's edges by their blocks, each checked against its hash), and reads exactly as before when it is off, when the store is not on
-local disk or has a read cache, when a payload does not fit in the arena's free space, and after the helper
-failed in any way (whatever it read is read again in this process; a helper is an optimisation, never a source
-of errors). Linux only (`os.memfd_create`); elsewhere reads stay in this process.
+`reading_process()` turns it on for the length of a `with` block (`ObjectStore.reading_ahead`, around a streamed
+pass); `ObjectStore.read_joined` then reads a local store's payload rows through it (whole chunks checked against
+their digests, the partial chunks at a run's edges by their blocks, each checked against its hash), and reads
+exactly as before when it is off, when the store is not on local disk or has a read cache, when a payload does
+not fit in the arena's free space, and after the helper failed in any way (whatever it read is read again in this
+process; a helper is an optimisation, never a source of errors). Linux only (`os.memfd_create`); elsewhere reads
+stay in this process.
+
+The two processes speak in typed messages: a request is a list of `WholeChunk` and `ChunkBlocks`, the answer a
+list of `ReadFailure`. On the pipe each request item travels as its kind and its fields by name (the helper is a
+plain interpreter with nothing but the standard library and `blake3`: it imports nothing of this package).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import sys
 import threading
 import weakref
 from contextlib import contextmanager
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import Iterator, Literal, NamedTuple, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +100,7 @@ def read_chunk(path, offset, size, digest):
     return None
 
 
-def read_blocks(path, offset, lo, hi, block, first, hashes, a, b):
+def read_blocks(path, offset, lo, hi, block_size, first, hashes, a, b):
     # bytes [lo, hi) of a chunk file (whole blocks from block `first` on), each checked against its hash; then
     # bytes [a, b) of the chunk into the arena at `offset`
     def pread(fd):
@@ -113,15 +118,15 @@ def read_blocks(path, offset, lo, hi, block, first, hashes, a, b):
     if len(data) != hi - lo:
         return ("short", len(data))
     view = memoryview(data)
-    for j in range(0, len(data), block):
-        k = j // block
-        if blake3.blake3(view[j:j + block]).digest() != hashes[32 * k:32 * k + 32]:
+    for j in range(0, len(data), block_size):
+        k = j // block_size
+        if blake3.blake3(view[j:j + block_size]).digest() != hashes[32 * k:32 * k + 32]:
             return ("block", first + k)
     arena[offset:offset + b - a] = view[a - lo:b - lo]
     return None
 
 
-READERS = {"chunk": read_chunk, "blocks": read_blocks}
+READERS = {"WholeChunk": read_chunk, "ChunkBlocks": read_blocks}
 
 while True:
     head = read_exactly(8)
@@ -131,14 +136,64 @@ while True:
     if body is None:
         break
     failures = []
-    for i, (kind, *item) in enumerate(pickle.loads(body)):
-        failure = READERS[kind](*item)
+    for i, (kind, fields) in enumerate(pickle.loads(body)):   # each item: its kind, and its fields by name
+        failure = READERS[kind](**fields)
         if failure is not None:
             failures.append((i, *failure))
     reply = pickle.dumps(failures)
     answers.write(struct.pack("<Q", len(reply)) + reply)
     answers.flush()
 """
+
+class WholeChunk(NamedTuple):
+    """A request: a whole chunk file into the arena, checked against its digest."""
+
+    path: str
+    offset: int
+    """Where in the arena its bytes go."""
+    size: int
+    digest: str
+    """The chunk's BLAKE3, in hex."""
+
+
+class ChunkBlocks(NamedTuple):
+    """A request: bytes [lo, hi) of a chunk file, whole blocks from block `first` on, each checked against its
+    32-byte hash; then the chunk's bytes [a, b) (within [lo, hi)) into the arena at `offset`."""
+
+    path: str
+    offset: int
+    lo: int
+    hi: int
+    block_size: int
+    first: int
+    hashes: bytes
+    """The hashes of blocks `first` on, 32 bytes each."""
+    a: int
+    b: int
+
+
+ReadRequest = WholeChunk | ChunkBlocks
+
+FailureKind = Literal["missing", "size", "digest", "short", "block", "error"]
+
+
+class ReadFailure(NamedTuple):
+    """The answer for a request item that failed."""
+
+    item: int
+    """Its position in the request."""
+    kind: FailureKind
+    detail: int | str
+    """size: the file's size; short: the bytes there were; block: the block's index; error: what went wrong."""
+
+
+class ArenaPart(NamedTuple):
+    """A part of the arena handed out by `ReadingProcess.allocate`."""
+
+    offset: int
+    view: memoryview
+    """Writable; the part is in use while this view, or anything made on it, lives."""
+
 
 class _Region(NamedTuple):
     start: int
@@ -155,7 +210,7 @@ class ReadingProcess:
         self._lock = threading.Lock()       # the arena's regions
         self._io_lock = threading.Lock()    # the helper's pipes: one request at a time
         self._regions: list[_Region] = []
-        self.broken: Optional[str] = None
+        self.broken: str | None = None
         self.pid = os.getpid()   # a forked child of this process must not talk to this process's helper
         self._fd = os.memfd_create("trajectory-replay-reads", getattr(os, "MFD_CLOEXEC", 1))
         try:
@@ -170,8 +225,8 @@ class ReadingProcess:
             os.close(self._fd)
             raise
 
-    def allocate(self, size: int) -> Optional[tuple[int, memoryview]]:
-        """(offset, writable view) of `size` bytes of the arena that nothing else uses, the lowest such run; None when
+    def allocate(self, size: int) -> ArenaPart | None:
+        """A part of `size` bytes of the arena that nothing else uses, the lowest such run; None when
         there is none. The run is free again once nothing refers to the view or to anything made on it (a slice of
         it, a tensor on it): each of those keeps the array under the view alive, and the arena only holds a weak
         reference to that array."""
@@ -190,22 +245,15 @@ class ReadingProcess:
                 return None
             owner = numpy.frombuffer(self._map, dtype=numpy.uint8, count=size, offset=at)
             self._regions.append(_Region(at, at + size, weakref.ref(owner)))
-            return at, memoryview(owner)
+            return ArenaPart(at, memoryview(owner))
 
-    def read(self, items: Sequence[tuple]) -> Optional[list[tuple]]:
-        """Have the helper read each item into the arena and check it:
-
-        - ("chunk", file, arena offset, size, hex digest): a whole chunk, checked against its digest;
-        - ("blocks", file, arena offset, lo, hi, block size, first block, block hashes, a, b): bytes [lo, hi) of a
-          chunk, block `first` and those after it each checked against its 32-byte hash, then the chunk's bytes
-          [a, b) copied to the arena offset.
-
-        The failures, as (item index, "missing" | "size" | "digest" | "short" | "block" | "error", detail) for the
-        items that failed (size: the file's size; short: the bytes there were; block: the block's index). None
-        when the helper cannot be used (it is then off for good, and the caller reads the items itself)."""
+    def read(self, items: Sequence[ReadRequest]) -> list[ReadFailure] | None:
+        """Have the helper read each item into the arena and check it; the failures of the items that failed (none:
+        all were read and match). None when the helper cannot be used (it is then off for good, and the caller
+        reads the items itself)."""
         if self.broken is not None:
             return None
-        body = pickle.dumps(list(items))
+        body = pickle.dumps([(type(item).__name__, item._asdict()) for item in items])
         with self._io_lock:
             if self.broken is not None:
                 return None
@@ -215,7 +263,7 @@ class ReadingProcess:
                 self._proc.stdin.flush()
                 head = self._proc.stdout.read(8)
                 reply = self._proc.stdout.read(struct.unpack("<Q", head)[0]) if len(head) == 8 else b""
-                return pickle.loads(reply)
+                return [ReadFailure(*failure) for failure in pickle.loads(reply)]
             except Exception as exc:  # noqa: BLE001 - any failure of the helper only turns it off
                 self.broken = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 log.debug("reading process stopped (%s); reading in this process", self.broken)
@@ -247,19 +295,19 @@ class ReadingProcess:
             proc.wait()
 
 
-_active: Optional[ReadingProcess] = None
+_active: ReadingProcess | None = None
 _users = 0
 _active_lock = threading.Lock()
 
 
-def active() -> Optional[ReadingProcess]:
+def active() -> ReadingProcess | None:
     """The reading process turned on by `reading_process`, while one is and it works."""
     helper = _active
     return helper if helper is not None and helper.broken is None and helper.pid == os.getpid() else None
 
 
 @contextmanager
-def reading_process(capacity: int) -> Iterator[Optional[ReadingProcess]]:
+def reading_process(capacity: int) -> Iterator[ReadingProcess | None]:
     """Within it, local chunk reads go through a helper process with an arena of `capacity` bytes (shared by the
     nested or concurrent uses within one process; started by the first, stopped after the last). Yields None
     where it cannot run (not Linux, or the helper could not be started)."""
@@ -286,4 +334,7 @@ def reading_process(capacity: int) -> Iterator[Optional[ReadingProcess]]:
                     helper.close()
 
 
-__all__ = ["ReadingProcess", "active", "reading_process"]
+__all__ = [
+    "ArenaPart", "ChunkBlocks", "FailureKind", "ReadFailure", "ReadRequest", "ReadingProcess", "WholeChunk", "active",
+    "reading_process",
+]

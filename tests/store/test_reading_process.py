@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from trajectory_replay.errors import IntegrityError, NotFoundError, TrajectoryReplayError
-from trajectory_replay.store import ChunkingParams, ObjectStore, object_key
-from trajectory_replay.store import readproc
+from trajectory_replay.store import ChunkingParams, ObjectStore, object_key, parse_digest
+from trajectory_replay.store import reading_process as process
 
 SMALL = ChunkingParams(chunk_size=64 << 10, min_size=16 << 10, target_size=32 << 10)
 
@@ -37,8 +37,8 @@ def _chunk_file(store, ref, i: int) -> str:
 
 def test_the_helper_reads_whole_chunks_into_its_arena(local):
     store, ref, data = local
-    with readproc.reading_process(1 << 20) as helper:
-        assert helper is not None and readproc.active() is helper
+    with process.reading_process(1 << 20) as helper:
+        assert helper is not None and process.active() is helper
         got = _read(store, ref)
         assert isinstance(got, memoryview) and got.obj.base.obj is helper._map   # a part of the arena
         assert bytes(got) == data
@@ -51,7 +51,7 @@ def test_the_helper_reads_whole_chunks_into_its_arena(local):
 
 def test_without_for_tensor_a_read_never_lands_in_the_arena(local):
     store, ref, data = local
-    with readproc.reading_process(1 << 20):
+    with process.reading_process(1 << 20):
         assert store.read_ranges(ref, [(0, len(data))])[0] == data
         got = store.read_joined(ref, [(0, len(data))])
     assert isinstance(got, bytearray) and got == data
@@ -80,7 +80,7 @@ def test_several_ranges_are_joined_in_one_buffer_whole_chunks_read_whole(local, 
 
     monkeypatch.setattr(LocalBackend, "read_into", recording)
     monkeypatch.setattr(LocalBackend, "read_range", recording_range)
-    with readproc.reading_process(1 << 20) if helper else contextlib.nullcontext():
+    with process.reading_process(1 << 20) if helper else contextlib.nullcontext():
         got = store.read_joined(ref, spans, for_tensor=True)
         assert bytes(got) == b"".join(data[a:b] for a, b in spans)
         assert isinstance(got, memoryview) == helper
@@ -93,21 +93,21 @@ def test_several_ranges_are_joined_in_one_buffer_whole_chunks_read_whole(local, 
 
 
 def test_an_arena_part_is_written_again_only_once_nothing_refers_to_it(local):
-    with readproc.reading_process(1 << 20) as helper:
+    with process.reading_process(1 << 20) as helper:
         first, second = helper.allocate(1000), helper.allocate(1000)
-        assert first[0] == 0 and second[0] == 1000
-        tensor = torch.frombuffer(first[1], dtype=torch.uint8)   # a tensor on a part keeps it in use
+        assert first.offset == 0 and second.offset == 1000
+        tensor = torch.frombuffer(first.view, dtype=torch.uint8)   # a tensor on a part keeps it in use
         del first
         third = helper.allocate(1000)
-        assert third[0] == 2000
+        assert third.offset == 2000
         del tensor, third
         again = helper.allocate(1000)
-        assert again[0] == 0   # free again: the lowest free run
-        piece = second[1][10:20]   # so does a slice of a part, on its own
+        assert again.offset == 0   # free again: the lowest free run
+        piece = second.view[10:20]   # so does a slice of a part, on its own
         del second
-        assert helper.allocate(1000)[0] == 1000 + 1000   # the run after `again` and `piece`'s part
+        assert helper.allocate(1000).offset == 1000 + 1000   # the run after `again` and `piece`'s part
         del piece
-        assert helper.allocate(2000)[0] == 1000
+        assert helper.allocate(2000).offset == 1000
         assert helper.allocate(1 << 21) is None   # larger than the arena: the caller reads into memory of its own
 
 
@@ -131,13 +131,13 @@ def test_a_damaged_chunk_fails_as_it_does_without_the_helper(local, damage, read
     start = 0 if read == "whole" else chunk.offset + 50   # chunk 3 read from its byte 50: an edge, by blocks
     if read == "edge" and damage == "long":
         assert bytes(store.read_joined(ref, [(start, len(data))])) == data[start:]
-        with readproc.reading_process(1 << 20):
+        with process.reading_process(1 << 20):
             assert bytes(_read(store, ref, start)) == data[start:]
         return
     kind = NotFoundError if damage == "missing" else IntegrityError
     with pytest.raises(kind) as alone:
         _read(store, ref, start)
-    with readproc.reading_process(1 << 20) as helper:
+    with process.reading_process(1 << 20) as helper:
         with pytest.raises(kind) as helped:
             _read(store, ref, start)
         assert helper.broken is None   # a damaged store is the store's fault, not the helper's
@@ -147,22 +147,22 @@ def test_a_damaged_chunk_fails_as_it_does_without_the_helper(local, damage, read
 
 def test_a_helper_that_dies_leaves_the_reads_to_this_process(local):
     store, ref, data = local
-    with readproc.reading_process(1 << 20) as helper:
+    with process.reading_process(1 << 20) as helper:
         assert bytes(_read(store, ref)) == data
         helper._proc.kill()
         helper._proc.wait()
         assert bytes(_read(store, ref)) == data   # read here instead, as correct
-        assert helper.broken is not None and readproc.active() is None
+        assert helper.broken is not None and process.active() is None
 
 
 def test_the_helper_ends_with_the_last_use(local):
     store, ref, data = local
-    with readproc.reading_process(1 << 20) as outer:
-        with readproc.reading_process(1 << 20) as inner:
+    with process.reading_process(1 << 20) as outer:
+        with process.reading_process(1 << 20) as inner:
             assert inner is outer   # one helper per process
-        assert readproc.active() is outer and outer._proc.poll() is None
+        assert process.active() is outer and outer._proc.poll() is None
         kept = _read(store, ref)
-    assert readproc.active() is None
+    assert process.active() is None
     assert outer._proc.poll() is not None   # the helper process has exited
     assert bytes(kept) == data   # what was read stays valid after the helper is gone
 
@@ -170,7 +170,48 @@ def test_the_helper_ends_with_the_last_use(local):
 def test_where_no_helper_can_run_reads_stay_here(local, monkeypatch):
     store, ref, data = local
     monkeypatch.delattr(os, "memfd_create")
-    with readproc.reading_process(1 << 20) as helper:
-        assert helper is None and readproc.active() is None
+    with process.reading_process(1 << 20) as helper:
+        assert helper is None and process.active() is None
         got = _read(store, ref)
     assert isinstance(got, bytearray) and got == data
+
+
+def test_the_helper_answers_requests_with_named_failures(local):
+    """A request of a whole chunk and of blocks of another: read into the arena and checked, and each failure named
+    by the item it is for, its kind and its detail."""
+    store, ref, data = local
+    record = store.record(ref)
+    one, two = record.chunks[1], record.chunks[2]
+    size = record.block_size
+    with process.reading_process(1 << 20) as helper:
+        part = helper.allocate(one.size + size)
+        whole = process.WholeChunk(_chunk_file(store, ref, 1), part.offset, one.size, parse_digest(one.digest))
+        blocks = process.ChunkBlocks(_chunk_file(store, ref, 2), part.offset + one.size, lo=0, hi=size,
+                                     block_size=size, first=0, hashes=two.blocks[:32], a=0, b=size)
+        assert helper.read([whole, blocks]) == []
+        assert bytes(part.view) == data[one.offset:one.offset + one.size] + data[two.offset:two.offset + size]
+        wrong = blocks._replace(hashes=one.blocks[:32])
+        missing = whole._replace(path=whole.path + "-gone")
+        failures = helper.read([whole, wrong, missing])
+        assert failures == [process.ReadFailure(1, "block", 0), process.ReadFailure(2, "missing", 0)]
+        assert failures[0].item == 1 and failures[0].kind == "block" and failures[0].detail == 0
+
+
+def test_the_store_decides_whether_reading_ahead_uses_a_reading_process(local, tmp_path):
+    """A store on local disk reads ahead through a reading process; one with a read cache, or not on local disk,
+    reads as it always does."""
+    store, ref, data = local
+    with store.reading_ahead(1 << 20):
+        helper = process.active()
+        assert helper is not None
+        got = _read(store, ref)
+        assert isinstance(got, memoryview) and got.obj.base.obj is helper._map
+    assert process.active() is None
+    memory = ObjectStore.open("memory://reading-ahead")
+    cached = ObjectStore.open(str(tmp_path / "store"), cache=True, cache_dir=str(tmp_path / "cache"))
+    for other, blob in ((memory, memory.put(data)), (cached, ref)):
+        assert not other.reads_local_files
+        with other.reading_ahead(1 << 20):
+            assert process.active() is None
+            got = other.read_joined(blob, [(0, len(data))], for_tensor=True)
+            assert isinstance(got, bytearray) and got == data
