@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "trajectory_replay"
 
 LAYERS: dict[str, int] = {
     # the bottom: the package root (its version), errors, outcomes, units and the host's CPUs, which every layer uses
-    "__init__": 0, "errors": 0, "outcome": 0, "units": 0, "text": 0, "cpus": 0, "_allocator": 0,
+    "__init__": 0, "errors": 0, "outcome": 0, "units": 0, "cpus": 0, "_allocator": 0,
     "backends": 1,       # bytes at keys: local disk, S3, memory
     "store": 2,          # content-addressed objects, blobs, refs over a backend
     "bundle": 3,         # the bundle format over a store

@@ -210,29 +210,6 @@ def finish(report: Outcome, as_json: bool) -> NoReturn:
     raise typer.Exit(report.exit_code)
 
 
-class _ScanOutcome(Outcome):
-    """A scan's report as `finish` reads every report: its worst verdict as the status, a line per bundle that did
-    not pass as the failures."""
-
-    finite_json = True
-
-    def __init__(self, report) -> None:
-        self.report = report
-
-    @property
-    def status(self) -> Status:
-        return Status(self.report.status)
-
-    def failures(self) -> list[str]:
-        return self.report.problems()
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.report.to_dict()
-
-    def render_text(self) -> str:
-        return self.report.render_text()
-
-
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     typer.echo(f"trajectory-replay: warning: {one_line(str(message))}", err=True)
 
@@ -589,11 +566,10 @@ def scan_cmd(
 ) -> None:
     """Replay every complete bundle of a store, resumably (verdicts are kept in the store); summarize counts,
     the earliest divergence and incomplete bundles. Exit 1 when any bundle is not `pass`."""
-    from trajectory_replay.ops.scan import RichScanProgress, ScanProgress, check_workers, scan_store
+    from trajectory_replay.ops.scan import RichScanProgress, ScanProgress, check_engine, check_workers, scan_store
     from trajectory_replay.ops.progress import progress_wanted
 
-    if engine not in ("local", "ray"):
-        raise UsageError(f"--engine {engine!r}: expected local or ray")
+    check_engine(engine)
     if ray_address is not None and engine != "ray":
         raise UsageError("--ray-address needs --engine ray")
     check_ray_address(ray_address)
@@ -614,7 +590,7 @@ def scan_cmd(
 
         typer.echo(f"trajectory-replay: wrote {html_path} ({human_bytes(write_scan_html(report, html_path))})",
                    err=True)
-    finish(_ScanOutcome(report), as_json)
+    finish(report, as_json)
 
 
 @app.command("cp", cls=Command)

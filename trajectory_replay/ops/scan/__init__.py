@@ -9,7 +9,7 @@ engine, keeps verdicts).
 This package re-exports the names the CLI and the Python API use.
 """
 
-from trajectory_replay.ops.scan.driver import ENGINES, check_workers, scan_store
+from trajectory_replay.ops.scan.driver import ENGINES, check_engine, check_workers, scan_store
 from trajectory_replay.ops.scan.engine import ATTEMPTS
 from trajectory_replay.ops.scan.progress import RichScanProgress, ScanProgress
 from trajectory_replay.ops.scan.replayer import Replayer
@@ -22,5 +22,5 @@ from trajectory_replay.ops.scan.verdicts import (
 __all__ = [
     "ATTEMPTS", "CACHEABLE", "ENGINES", "REPLAY_VERSION", "Replayer", "RichScanProgress", "SCAN_SEMANTICS",
     "ScanOptions", "ScanProgress", "ScanReport", "VERDICTS_DIR", "VERDICT_STATUSES", "Verdict", "bundle_digest",
-    "check_workers", "scan_store", "verdict_key",
+    "check_engine", "check_workers", "scan_store", "verdict_key",
 ]

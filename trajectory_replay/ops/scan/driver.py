@@ -59,8 +59,7 @@ def scan_store(root: str | os.PathLike, *, engine: str = "local", workers: int |
     every bundle of the root (see the module docstring). `replayer`: the class each worker replays bundles with
     (`Replayer` or a subclass, importable by the workers)."""
     started = time.perf_counter()
-    if engine not in ENGINES:
-        raise UsageError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    check_engine(engine)
     workers = check_workers(workers)
     runner = _engine(engine, workers, ray_address)
     options = ScanOptions(atol, rtol)
@@ -94,6 +93,12 @@ def scan_store(root: str | os.PathLike, *, engine: str = "local", workers: int |
     report.verdicts = sorted(by_name.values(), key=lambda v: v.order)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def check_engine(engine: str) -> None:
+    """UsageError unless `engine` names one of ENGINES."""
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine!r}: expected {' or '.join(ENGINES)}")
 
 
 def _engine(engine: str, workers: int, ray_address: str | None) -> Engine:
@@ -219,4 +224,4 @@ def _listed(state: BundleState) -> Verdict:
     return verdict
 
 
-__all__ = ["ENGINES", "check_workers", "scan_store"]
+__all__ = ["ENGINES", "check_engine", "check_workers", "scan_store"]

@@ -6,14 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field as dc_field
 from typing import Any, Optional
 
+from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.ops.scan.verdicts import (
     DIVERGED, ERROR, INCOMPLETE, INVALID, PASS, UNSUPPORTED, VERDICT_STATUSES, Verdict,
 )
 
 
 @dataclass
-class ScanReport:
-    """What a scan found."""
+class ScanReport(Outcome):
+    """What a scan found. Its status is the worst verdict: diverged, then invalid (a bundle that could not be judged
+    counts as invalid), incomplete, unsupported; pass when every bundle passed."""
+
+    finite_json = True
 
     root: str
     engine: str
@@ -47,21 +51,19 @@ class ScanReport:
 
     @property
     def passed(self) -> bool:
-        return bool(self.verdicts) and all(v.status == PASS for v in self.verdicts)
+        return self.status is Status.PASS
 
     @property
-    def exit_code(self) -> int:
-        return 0 if self.passed else 1
-
-    @property
-    def status(self) -> str:
-        """The `--json` status: the worst outcome."""
+    def status(self) -> Status:
         counts = self.counts
-        for status, shown in ((DIVERGED, "diverged"), (INVALID, "invalid"), (ERROR, "invalid"),
-                              (INCOMPLETE, "incomplete"), (UNSUPPORTED, "unsupported")):
-            if counts[status]:
-                return shown
-        return "pass"
+        for verdict, status in ((DIVERGED, Status.DIVERGED), (INVALID, Status.INVALID), (ERROR, Status.INVALID),
+                                (INCOMPLETE, Status.INCOMPLETE), (UNSUPPORTED, Status.UNSUPPORTED)):
+            if counts[verdict]:
+                return status
+        return Status.PASS if self.verdicts else Status.SELECTION
+
+    def failures(self) -> list[str]:
+        return self.problems()
 
     def problems(self) -> list[str]:
         return [f"{v.name}: {v.status}" + (f" at {v.first_divergent_stage}" if v.first_divergent_stage else "")

@@ -33,6 +33,7 @@ from trajectory_replay import __version__
 from trajectory_replay.backends import Backend
 from trajectory_replay.bundle.status import BundleState
 from trajectory_replay.store.cache import default_cache_dir
+from trajectory_replay.outcome import Status
 from trajectory_replay.store.digest import hash_bytes
 from trajectory_replay.store.layout import VERDICTS_DIR
 VERDICT_FORMAT = "trajectory-replay.verdict/2"
@@ -44,8 +45,12 @@ SCAN_SEMANTICS = 3
 REPLAY_VERSION = f"{__version__}+scan.{SCAN_SEMANTICS}"
 """Part of every verdict's key: a verdict of another version is not reused."""
 
-PASS, DIVERGED, INVALID, INCOMPLETE, UNSUPPORTED, ERROR = "pass", "diverged", "invalid", "incomplete", \
-    "unsupported", "error"
+PASS, DIVERGED, INVALID, INCOMPLETE, UNSUPPORTED = (Status.PASS, Status.DIVERGED, Status.INVALID, Status.INCOMPLETE,
+                                                   Status.UNSUPPORTED)
+"""A bundle's verdict in the words of a replay's status."""
+ERROR = "error"
+"""The one verdict of a scan's own: the bundle could not be judged (its worker died on every try, storage failed
+while it was replayed). The scan's status counts it as invalid."""
 VERDICT_STATUSES = (PASS, DIVERGED, INVALID, INCOMPLETE, UNSUPPORTED, ERROR)
 CACHEABLE = (PASS, DIVERGED, UNSUPPORTED)
 """Outcomes that depend on the bundle's content, the replay version and the options only: kept in the store."""
