@@ -18,9 +18,9 @@ from trajectory_replay.bundle.schema import RecomputeConfig, StageId
 from trajectory_replay.bundle.stage_io import (
     BUILTIN_ESTIMATOR_FLAGS, LOSS_MASK, RECORDED_PAYLOADS, STAGE_IO, EstimatorFlags, Setting, payloads_of,
 )
-from trajectory_replay.capture.manager import CaptureManager
+from trajectory_replay.capture import hooks
 from trajectory_replay.capture.records import (
-    STEP_PAYLOADS, Columns, MicroBatch, Provenance, RolloutRecord, StepRecord,
+    Columns, MicroBatch, Provenance, RolloutRecord, StepRecord, bundle_payloads,
 )
 from trajectory_replay.errors import UnsupportedError
 from trajectory_replay.replay import flags
@@ -98,20 +98,20 @@ def _columns() -> Columns:
 
 
 def _hook_payloads(hook) -> list[str]:
-    """The payloads a capture hook takes: its tensor arguments."""
+    """The payloads a capture hook takes by name: its tensor arguments."""
     columns = {"sample_ids", "group_index", "response_lengths", "total_lengths", "loss_masks", "raw_rewards",
                "rewards", "micro_batch_ids", "policy_versions"}
-    skip = columns | {"self", "rollout_id", "step_id", "micro_batch_id", "config", "weight_lineage",
-                      "mismatch_metrics"}
+    skip = columns | {"rollout_id", "step_id", "micro_batch_id", "config", "weight_lineage", "mismatch_metrics",
+                      "payloads"}
     return [p for p in inspect.signature(hook).parameters if p not in skip]
 
 
 def _capture(config: RecomputeConfig, leave_out: str = ""):
     """The rollout- and step-level bundles capture builds when every hook argument is given (but `leave_out`)."""
     provenance = Provenance()
-    rollout = {name: _tokens(i) for i, name in enumerate(_hook_payloads(CaptureManager.capture_rollout))
+    rollout = {name: _tokens(i) for i, name in enumerate(_hook_payloads(hooks.capture_rollout))
                if name != leave_out}
-    step = {name: _tokens(i) for i, name in enumerate(_hook_payloads(CaptureManager.capture_microbatch))
+    step = {name: _tokens(i) for i, name in enumerate(_hook_payloads(hooks.capture_microbatch))
             if name != leave_out}
     scalars = {name: 0.5 for name in STAGE_IO[StageId.LOSS_POLICY].outputs + STAGE_IO[StageId.LOSS_VALUE].outputs}
     return (RolloutRecord(1, _columns(), rollout, config, None, provenance).build(),
@@ -205,4 +205,4 @@ def test_the_reward_side_kl_is_planned_and_kept_for_an_estimator_that_reads_it(p
     kept = {name for _, name, _ in cache._loaded}
     assert ("kl" in kept) == reads_kl
     assert ("values" in kept) == ("returns" in kept) == setting.estimator.needs_values
-    assert set(step.payloads) <= set(STEP_PAYLOADS)
+    assert set(step.payloads) <= set(bundle_payloads("step"))

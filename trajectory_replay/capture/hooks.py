@@ -112,43 +112,51 @@ def capture_rollout(rollout_id: int, *, sample_ids: Sequence[str], group_index: 
                     ref_log_probs: Any, kl: Any, advantages: Any, config: Any, weight_lineage: Any = None,
                     micro_batch_ids: Any = None, values: Any = None, returns: Any = None,
                     rollout_log_probs: Any = None, policy_versions: Any = None, rollout_is_weights: Any = None,
-                    mismatch_metrics: Optional[Mapping[str, Any]] = None) -> Optional[bool]:
+                    mismatch_metrics: Optional[Mapping[str, Any]] = None,
+                    payloads: Optional[Mapping[str, Any]] = None) -> Optional[bool]:
     """Rollout-level bundle `rollout-<R>` of this rank's samples. Per-token values: a flat tensor or a list of
     per-sample 1-D tensors, in sample order; `values` and `returns` are gae's old values and returns.
     `rollout_log_probs` are the inference engine's log-probs of the responses, `policy_versions` the weights
     version that generated each sample: either contracts rollout.mismatch, whose metrics production reported
     (`mismatch_metrics`: kl_k1, kl_k3, log_ratio_max_abs, seq_log_ratio_max_abs, staleness_max, any of them) and
-    importance weights (`rollout_is_weights`) are then compared. Filtered by TRAJECTORY_REPLAY_CAPTURE_ROLLOUTS.
-    True if enqueued."""
+    importance weights (`rollout_is_weights`) are then compared. `payloads` takes any other per-token payload the
+    stage table declares for the stages of a rollout-level bundle, by its name there; a name it does not declare is
+    refused (logged and counted, nothing written). Filtered by TRAJECTORY_REPLAY_CAPTURE_ROLLOUTS. True if
+    enqueued."""
     if _MANAGER is None:
         return None
+    named = dict(old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, kl=kl, advantages=advantages,
+                 values=values, returns=returns, rollout_log_probs=rollout_log_probs,
+                 rollout_is_weights=rollout_is_weights)
     return _MANAGER.capture_rollout(
         rollout_id, sample_ids=sample_ids, group_index=group_index, response_lengths=response_lengths,
-        total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards,
-        old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, kl=kl, advantages=advantages, config=config,
-        weight_lineage=weight_lineage, micro_batch_ids=micro_batch_ids, values=values, returns=returns,
-        rollout_log_probs=rollout_log_probs, policy_versions=policy_versions, rollout_is_weights=rollout_is_weights,
-        mismatch_metrics=mismatch_metrics)
+        total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards, config=config,
+        weight_lineage=weight_lineage, micro_batch_ids=micro_batch_ids, policy_versions=policy_versions,
+        mismatch_metrics=mismatch_metrics, payloads=payloads, **named)
 
 
 def capture_microbatch(rollout_id: int, step_id: int, micro_batch_id: str, *, sample_ids: Sequence[str],
                        group_index: Any, response_lengths: Any, total_lengths: Any, loss_masks: Any, raw_rewards: Any,
                        rewards: Any, old_log_probs: Any, log_probs: Any, entropy: Any, advantages: Any,
                        ref_log_probs: Any = None, values: Any = None, vpreds: Any = None, returns: Any = None,
-                       rollout_log_probs: Any = None, policy_versions: Any = None) -> Optional[bool]:
+                       rollout_log_probs: Any = None, policy_versions: Any = None,
+                       payloads: Optional[Mapping[str, Any]] = None) -> Optional[bool]:
     """One micro-batch of actor step (R, S), snapshotted now (training may reuse its buffers). `ref_log_probs`
     feed a KL loss (kl_loss_coef != 0); `values` (old), `vpreds` (current) and `returns` the value loss;
     `rollout_log_probs` (the inference engine's) a rollout correction (rollout_is / rollout_rs) and, with
-    `policy_versions`, the step's rollout.mismatch. A repeated micro_batch_id of the same step is ignored.
-    Filtered by TRAJECTORY_REPLAY_CAPTURE_STEPS."""
+    `policy_versions`, the step's rollout.mismatch. `payloads` takes any other per-token payload the stage table
+    declares for the stages of a step-level bundle, by its name there (written when every micro-batch of the step
+    gives it); a name it does not declare is refused (logged and counted). A repeated micro_batch_id of the same
+    step is ignored. Filtered by TRAJECTORY_REPLAY_CAPTURE_STEPS."""
     if _MANAGER is None:
         return None
+    named = dict(old_log_probs=old_log_probs, log_probs=log_probs, entropy=entropy, advantages=advantages,
+                 ref_log_probs=ref_log_probs, values=values, vpreds=vpreds, returns=returns,
+                 rollout_log_probs=rollout_log_probs)
     return _MANAGER.capture_microbatch(
         rollout_id, step_id, micro_batch_id, sample_ids=sample_ids, group_index=group_index,
         response_lengths=response_lengths, total_lengths=total_lengths, loss_masks=loss_masks,
-        raw_rewards=raw_rewards, rewards=rewards, old_log_probs=old_log_probs, log_probs=log_probs, entropy=entropy,
-        advantages=advantages, ref_log_probs=ref_log_probs, values=values, vpreds=vpreds, returns=returns,
-        rollout_log_probs=rollout_log_probs, policy_versions=policy_versions)
+        raw_rewards=raw_rewards, rewards=rewards, policy_versions=policy_versions, payloads=payloads, **named)
 
 
 def capture_step_end(rollout_id: int, step_id: int, *, loss: Any, pg_loss: Any, entropy_loss: Any, pg_clipfrac: Any,
@@ -159,16 +167,17 @@ def capture_step_end(rollout_id: int, step_id: int, *, loss: Any, pg_loss: Any, 
     `vf_loss` and `vf_clipfrac` with a value loss. True if enqueued."""
     if _MANAGER is None:
         return None
-    return _MANAGER.capture_step_end(rollout_id, step_id, loss=loss, pg_loss=pg_loss, entropy_loss=entropy_loss,
-                                     pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, config=config,
-                                     weight_lineage=weight_lineage, kl_loss=kl_loss, vf_loss=vf_loss,
-                                     vf_clipfrac=vf_clipfrac)
+    scalars = dict(loss=loss, pg_loss=pg_loss, entropy_loss=entropy_loss, pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl,
+                   kl_loss=kl_loss, vf_loss=vf_loss, vf_clipfrac=vf_clipfrac)
+    return _MANAGER.capture_step_end(rollout_id, step_id, config=config, weight_lineage=weight_lineage, **scalars)
 
 
 def capture_slime_rollout(rollout_id: int, rollout_data: Mapping[str, Any], *, config: Any,
                           sample_ids: Optional[Sequence[str]] = None, group_index: Optional[Sequence[int]] = None,
-                          weight_lineage: Any = None, kl: Any = None, micro_batch_ids: Any = None) -> Optional[bool]:
-    """`capture_rollout` from the dict-of-lists rollout layout of slime-family frameworks (see docs/capture.md)."""
+                          weight_lineage: Any = None, kl: Any = None, micro_batch_ids: Any = None,
+                          payloads: Optional[Mapping[str, Any]] = None) -> Optional[bool]:
+    """`capture_rollout` from the dict-of-lists rollout layout of slime-family frameworks (see docs/capture.md);
+    `payloads` as for `capture_rollout`."""
     if _MANAGER is None:
         return None
     manager = _MANAGER
@@ -180,7 +189,8 @@ def capture_slime_rollout(rollout_id: int, rollout_data: Mapping[str, Any], *, c
         if manager.wants_rollout(rollout_id):
             manager._hook_error(f"capture_slime_rollout({rollout_id})", exc)
         return False
-    return manager.capture_rollout(rollout_id, config=config, weight_lineage=weight_lineage, **kwargs)
+    return manager.capture_rollout(rollout_id, config=config, weight_lineage=weight_lineage, payloads=payloads,
+                                   **kwargs)
 
 
 def slime_rollout_arguments(rollout_id: int, data: Mapping[str, Any], *, sample_ids: Optional[Sequence[str]] = None,

@@ -45,7 +45,7 @@ from trajectory_replay.capture.commit import BundleJob, storage_failure
 from trajectory_replay.capture.config import choose_writer, producer_ranks, run_identity
 from trajectory_replay.capture.records import (
     CaptureRecord, Columns, MicroBatch, Provenance, RolloutRecord, StepRecord, check_mismatch_metrics,
-    rollout_bundle_id, step_bundle_id,
+    given_payloads, rollout_bundle_id, step_bundle_id, step_scalars,
 )
 from trajectory_replay.capture.runtime import (
     Writer, close_at_exit, forget_at_exit, lower_thread_priority, open_store, start_writer,
@@ -329,24 +329,23 @@ class CaptureManager:
         return self.steps is None or (rollout_id, step_id) in self.steps
 
     def capture_rollout(self, rollout_id: int, *, sample_ids: Sequence[str], group_index: Any, response_lengths: Any,
-                        total_lengths: Any, loss_masks: Any, raw_rewards: Any, rewards: Any, old_log_probs: Any,
-                        ref_log_probs: Any, kl: Any, advantages: Any, config: Any, weight_lineage: Any = None,
-                        micro_batch_ids: Any = None, values: Any = None, returns: Any = None,
-                        rollout_log_probs: Any = None, policy_versions: Any = None, rollout_is_weights: Any = None,
-                        mismatch_metrics: Optional[Mapping[str, Any]] = None) -> bool:
-        """Enqueue the rollout-level bundle `rollout-<R>` (this rank's shard). True if enqueued."""
+                        total_lengths: Any, loss_masks: Any, raw_rewards: Any, rewards: Any, config: Any,
+                        weight_lineage: Any = None, micro_batch_ids: Any = None, policy_versions: Any = None,
+                        mismatch_metrics: Optional[Mapping[str, Any]] = None,
+                        payloads: Optional[Mapping[str, Any]] = None, **named_payloads: Any) -> bool:
+        """Enqueue the rollout-level bundle `rollout-<R>` (this rank's shard). True if enqueued. Its per-token payloads
+        are given by name, as keywords or in `payloads`: any payload the stage table declares for a rollout-level
+        bundle (`records.bundle_payloads`); another name is refused (a counted error, nothing written)."""
         t0 = time.perf_counter()
         try:
             if not self.wants_rollout(rollout_id):
                 self._count("filtered")
                 return False
             check_mismatch_metrics(mismatch_metrics or {})   # here, in the hook: a counted error, not a write
+            tensors = given_payloads("rollout", named_payloads, payloads)
             cols = dict(sample_ids=sample_ids, group_index=group_index, response_lengths=response_lengths,
                         total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards,
                         micro_batch_ids=micro_batch_ids, policy_versions=policy_versions)
-            tensors = dict(old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, kl=kl, advantages=advantages,
-                           values=values, returns=returns, rollout_log_probs=rollout_log_probs,
-                           rollout_is_weights=rollout_is_weights)
             nbytes = Columns.estimate(**cols) + sum(estimate_nbytes(v) for v in tensors.values())
             bundle_id = rollout_bundle_id(rollout_id)
             if not self._reserve(nbytes, bundle_id, record=True):
@@ -372,10 +371,11 @@ class CaptureManager:
 
     def capture_microbatch(self, rollout_id: int, step_id: int, micro_batch_id: str, *, sample_ids: Sequence[str],
                            group_index: Any, response_lengths: Any, total_lengths: Any, loss_masks: Any,
-                           raw_rewards: Any, rewards: Any, old_log_probs: Any, log_probs: Any, entropy: Any,
-                           advantages: Any, ref_log_probs: Any = None, values: Any = None, vpreds: Any = None,
-                           returns: Any = None, rollout_log_probs: Any = None, policy_versions: Any = None) -> bool:
-        """Snapshot one micro-batch of actor step (R, S). A repeated micro_batch_id of the same step is ignored."""
+                           raw_rewards: Any, rewards: Any, policy_versions: Any = None,
+                           payloads: Optional[Mapping[str, Any]] = None, **named_payloads: Any) -> bool:
+        """Snapshot one micro-batch of actor step (R, S). A repeated micro_batch_id of the same step is ignored. Its
+        per-token payloads are given by name, as keywords or in `payloads`: any payload the stage table declares for
+        a step-level bundle; another name is refused (a counted error)."""
         t0 = time.perf_counter()
         try:
             if not self.wants_step(rollout_id, step_id):
@@ -393,12 +393,10 @@ class CaptureManager:
                 self._count("ignored_microbatches")
                 log.debug("capture: micro-batch %s of step %d:%d already captured; ignored", mb_id, *key)
                 return False
+            tensors = given_payloads("step", named_payloads, payloads)
             cols = dict(sample_ids=sample_ids, group_index=group_index, response_lengths=response_lengths,
                         total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards,
                         policy_versions=policy_versions)
-            tensors = dict(old_log_probs=old_log_probs, log_probs=log_probs, entropy=entropy, advantages=advantages,
-                           ref_log_probs=ref_log_probs, values=values, vpreds=vpreds, returns=returns,
-                           rollout_log_probs=rollout_log_probs)
             nbytes = Columns.estimate(**cols) + sum(estimate_nbytes(v) for v in tensors.values())
             if not self._reserve(nbytes, f"{step_bundle_id(*key)} (micro-batch {mb_id}; the whole step is dropped)",
                                  record=False):
@@ -420,16 +418,17 @@ class CaptureManager:
         finally:
             self._hook_done(t0)
 
-    def capture_step_end(self, rollout_id: int, step_id: int, *, loss: Any, pg_loss: Any, entropy_loss: Any,
-                         pg_clipfrac: Any, ppo_kl: Any, config: Any, weight_lineage: Any = None, kl_loss: Any = None,
-                         vf_loss: Any = None, vf_clipfrac: Any = None) -> bool:
-        """Enqueue the step-level bundle `step-<R>-<S>` from the micro-batches captured for it (the optional scalars
-        are kept when given). True if enqueued."""
+    def capture_step_end(self, rollout_id: int, step_id: int, *, config: Any, weight_lineage: Any = None,
+                         **scalars: Any) -> bool:
+        """Enqueue the step-level bundle `step-<R>-<S>` from the micro-batches captured for it, with the loss scalars
+        production reported, by name (the outputs the stage table declares for loss.policy and loss.value; those
+        not given are reported by validate and replay). True if enqueued."""
         t0 = time.perf_counter()
         try:
             if not self.wants_step(rollout_id, step_id):
                 self._count("filtered")
                 return False
+            given = step_scalars(scalars)
             key = (int(rollout_id), int(step_id))
             with self._cond:
                 step = self._pending.pop(key, None)
@@ -441,13 +440,10 @@ class CaptureManager:
                 return False
             try:
                 snap = step.snapshot
-                reported = dict(loss=loss, pg_loss=pg_loss, entropy_loss=entropy_loss, pg_clipfrac=pg_clipfrac,
-                                ppo_kl=ppo_kl)
-                optional = dict(kl_loss=kl_loss, vf_loss=vf_loss, vf_clipfrac=vf_clipfrac)
-                reported.update((name, v) for name, v in optional.items() if v is not None)
-                scalars = {name: snap.tensor(v) if isinstance(v, torch.Tensor) else v for name, v in reported.items()}
+                reported = {name: snap.tensor(v) if isinstance(v, torch.Tensor) else v
+                            for name, v in given.items()}
                 snap.finish()
-                job = self._job(StepRecord(key[0], key[1], tuple(step.micro_batches), scalars, _freeze(config),
+                job = self._job(StepRecord(key[0], key[1], tuple(step.micro_batches), reported, _freeze(config),
                                            _freeze(weight_lineage), self.provenance))
             except BaseException:
                 self._release(step.nbytes)

@@ -15,14 +15,17 @@ reward.raw.raw_rewards, reward.post_process.rewards (+ rollout.mismatch metrics 
 Step-level bundle `step-<R>-<S>`: identity actor_step_id=(R, S); stages sample and loss.policy (+ loss.value
 when any value-loss input is given, + rollout.mismatch like the rollout-level bundle); payloads old_log_probs,
 log_probs, entropy, advantages (+ ref_log_probs, values, vpreds, returns, rollout_log_probs when given); every
-record names the rollout-level bundle it came from (`rollout_id` = R), which a chained replay links it to; records carry their micro_batch_id; expected loss.policy {loss, pg_loss,
-entropy_loss, pg_clipfrac, ppo_kl} (+ kl_loss when the config's kl_loss_coef is not 0) and loss.value
-{vf_loss, vf_clipfrac}.
+record names the rollout-level bundle it came from (`rollout_id` = R), which a chained replay links it to; records
+carry their micro_batch_id; expected loss.policy {loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl} (+ kl_loss
+when the config's kl_loss_coef is not 0) and loss.value {vf_loss, vf_clipfrac}.
 
 Each stage contract's inputs and expected outputs come from `bundle.stage_io.STAGE_IO` under the record's config
 and the flags of the estimator it names (`replay.flags`: a built-in's without loading anything, a plugin's from its
-kernel, which loads it where the bundle is built), and so do the payloads a step-level bundle takes from its
-micro-batches and those that contract loss.value.
+kernel, which loads it where the bundle is built). The payloads a bundle of each kind takes are the table's too
+(`bundle_payloads`: every payload its stages may read, the loss mask aside): the hooks hand them over as one
+mapping by name (`given_payloads`, which refuses a name the table does not declare for that kind), a record writes
+each one given, and the loss.value inputs among them contract loss.value. A payload added to a stage's entry is
+thereby taken, snapshotted and written with no change here.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from trajectory_replay.bundle.schema import (
     SampleRecord, StageCapability, StageContract, StageId, WeightLineage,
 )
 from trajectory_replay.bundle.stage_io import (
-    LOSS_FIELDS, LOSS_MASK, MISMATCH_FIELDS, STAGE_IO, VALUE_LOSS_FIELDS, Setting, payloads_of,
+    LOSS_FIELDS, LOSS_MASK, MISMATCH_FIELDS, STAGE_IO, Setting, payloads_of,
 )
 from trajectory_replay.capture.values import materialize_float, materialize_list, materialize_masks
 from trajectory_replay.replay.flags import setting as setting_of
@@ -52,11 +55,51 @@ ROLLOUT_STAGES = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCES
 """The stages a rollout-level bundle always contracts (rollout.mismatch follows sample when its inputs are given)."""
 STEP_STAGES = (StageId.SAMPLE, StageId.LOSS_POLICY)
 """The stages a step-level bundle always contracts (+ rollout.mismatch as above, + loss.value when given)."""
-STEP_PAYLOADS = tuple(n for n in payloads_of(STEP_STAGES + (StageId.ROLLOUT_MISMATCH, StageId.LOSS_VALUE))
-                      if n != LOSS_MASK)
-"""The payloads a step-level bundle takes from its micro-batches, each written when every micro-batch gives it."""
-VALUE_LOSS_PAYLOADS = tuple(n for n in payloads_of((StageId.LOSS_VALUE,)) if n != LOSS_MASK)
-"""The loss.value inputs: any of them given contracts the stage."""
+BUNDLE_STAGES: dict[str, tuple[StageId, ...]] = {
+    "rollout": ROLLOUT_STAGES + (StageId.ROLLOUT_MISMATCH,),
+    "step": STEP_STAGES + (StageId.ROLLOUT_MISMATCH, StageId.LOSS_VALUE),
+}
+"""Every stage a bundle of each kind ("rollout", "step") may contract."""
+
+
+def bundle_payloads(kind: str) -> tuple[str, ...]:
+    """The per-token payloads a bundle of `kind` takes from capture: every payload its stages may read under any
+    setting, but the loss mask (made from the sample records). Read from the stage table when asked."""
+    return tuple(n for n in payloads_of(BUNDLE_STAGES[kind]) if n != LOSS_MASK)
+
+
+def value_loss_payloads() -> tuple[str, ...]:
+    """The loss.value inputs: any of them given contracts the stage."""
+    return tuple(n for n in payloads_of((StageId.LOSS_VALUE,)) if n != LOSS_MASK)
+
+
+def given_payloads(kind: str, named: Mapping[str, Any], extra: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """The payloads a hook was given, by name: its named arguments, then its `payloads` mapping (`extra`), those
+    that are None left out. ValueError naming the payload when one is not a payload of a bundle of `kind` (as the
+    stage table declares them: `bundle_payloads`), or is given twice."""
+    accepted = bundle_payloads(kind)
+    given: dict[str, Any] = {}
+    for source in (named, extra or {}):
+        for name, value in source.items():
+            if name not in accepted:
+                raise ValueError(f"payloads: {name!r} is not a payload of a {kind}-level bundle (the stage table "
+                                 f"declares: {', '.join(accepted)})")
+            if value is not None:
+                if name in given:
+                    raise ValueError(f"payloads: {name!r} is given both as an argument and in payloads")
+                given[name] = value
+    return given
+
+
+def step_scalars(named: Mapping[str, Any]) -> dict[str, Any]:
+    """The loss scalars `capture_step_end` was given, those that are None left out. ValueError naming one that is
+    not an output of a loss stage (as the stage table declares them)."""
+    fields = tuple(n for stage in BUNDLE_STAGES["step"] if stage != StageId.ROLLOUT_MISMATCH
+                   and STAGE_IO[stage].recorded_as == "expected" for n in STAGE_IO[stage].outputs)
+    unknown = [k for k in named if k not in fields]
+    if unknown:
+        raise ValueError(f"{unknown[0]!r} is not a loss scalar of a step-level bundle (scalars: {', '.join(fields)})")
+    return {k: v for k, v in named.items() if v is not None}
 
 
 def _torch_version() -> str:
@@ -248,7 +291,7 @@ class RolloutRecord:
         index = BundleIndex(bundle_id=bundle_id, identity=identity, samples=records, config=_config(self.config))
         expected = {"reward.raw": {"raw_rewards": [r.raw_reward for r in records]},
                     "reward.post_process": {"rewards": [r.reward for r in records]}}
-        tensors = {k: v for k, v in self.payloads.items() if v is not None}
+        tensors = {k: v for k in bundle_payloads("rollout") if (v := self.payloads.get(k)) is not None}
         check_mismatch_metrics(self.mismatch_metrics)
         if self.mismatch_metrics:
             expected["rollout.mismatch"] = {k: materialize_float(v) for k, v in self.mismatch_metrics.items()}
@@ -300,9 +343,9 @@ class StepRecord:
                             semantic_group_ids=_group_ids(records))
         index = BundleIndex(bundle_id=bundle_id, identity=identity, samples=records, config=_config(self.config))
         tensors: dict[str, torch.Tensor] = {}
-        for name in STEP_PAYLOADS:
-            parts = [mb.payloads.get(name) for mb in micro_batches]
-            if any(p is None for p in parts):
+        for name in bundle_payloads("step"):
+            parts = [p for mb in micro_batches if (p := mb.payloads.get(name)) is not None]
+            if len(parts) != len(micro_batches):
                 continue  # written as given: a payload missing in any micro-batch is left out (replay reports it)
             tensors[name] = _concat([p.reshape(-1) for p in parts]) if len(parts) != 1 else parts[0]
         stages = STEP_STAGES[:1] + _mismatch_stage(records, tensors) + STEP_STAGES[1:] \
@@ -317,15 +360,15 @@ class StepRecord:
     def has_value_loss(self) -> bool:
         """True when any value-loss input or scalar was given: loss.value is then contracted, and whatever of it is
         missing is reported by validate and replay rather than silently not checked."""
-        return (any(mb.payloads.get(name) is not None for mb in self.micro_batches for name in VALUE_LOSS_PAYLOADS)
-                or any(self.scalars.get(name) is not None for name in VALUE_LOSS_FIELDS))
+        return (any(mb.payloads.get(name) is not None for mb in self.micro_batches for name in value_loss_payloads())
+                or any(self.scalars.get(name) is not None for name in STAGE_IO[StageId.LOSS_VALUE].outputs))
 
 
 CaptureRecord = Union[RolloutRecord, StepRecord]
 CAPTURE_RECORDS = (RolloutRecord, StepRecord)
 
 
-__all__ = ["BundleParts", "CAPTURE_RECORDS", "CaptureRecord", "Columns", "EXACT_FIELDS", "LOSS_FIELDS", "MicroBatch",
-           "Provenance", "ROLLOUT_STAGES", "RolloutRecord", "STEP_PAYLOADS", "STEP_STAGES", "StepRecord",
-           "VALUE_LOSS_PAYLOADS",
-           "check_fields", "check_mismatch_metrics", "rollout_bundle_id", "step_bundle_id"]
+__all__ = ["BUNDLE_STAGES", "BundleParts", "CAPTURE_RECORDS", "CaptureRecord", "Columns", "EXACT_FIELDS", "LOSS_FIELDS",
+           "MicroBatch", "Provenance", "ROLLOUT_STAGES", "RolloutRecord", "STEP_STAGES", "StepRecord",
+           "bundle_payloads", "check_fields", "check_mismatch_metrics", "given_payloads", "rollout_bundle_id",
+           "step_bundle_id", "step_scalars", "value_loss_payloads"]

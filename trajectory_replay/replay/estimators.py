@@ -8,8 +8,8 @@ that span a whole cohort are accumulated in float64. docs/algorithms.md states e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -43,6 +43,9 @@ class AdvantageInputs:
     whitening: Optional["Whitening"] = None
     """How a whitened estimator whitens: None, over these inputs' own masked tokens; a streamed replay passes the
     statistics of the whole cohort (and, in its first pass, collects them)."""
+    payloads: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """Every per-token payload advantage.estimate loaded, by its name in the stage table (`bundle.stage_io`): a
+    kernel reads a payload added to the stage's entry here."""
 
 
 Whitening = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

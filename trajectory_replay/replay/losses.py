@@ -9,8 +9,8 @@ the end; the result does not depend on the blocking.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
 
@@ -34,6 +34,9 @@ class PolicyInputs:
     mask: torch.Tensor
     lengths: torch.Tensor
     config: RecomputeConfig
+    payloads: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """The block's rows of every per-token payload loss.policy loaded, by its name in the stage table
+    (`bundle.stage_io`): a kernel reads a payload added to the stage's entry here."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,8 @@ class PolicyLossData:
     ref_log_probs: Optional[torch.Tensor] = None
     rollout_log_probs: Optional[torch.Tensor] = None
     """The inference engine's log-probs: with rollout_is / rollout_rs, the loss corrects for the mismatch."""
+    payloads: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """Every per-token payload the stage loaded, by name: the policy loss kernel gets each block's rows of them."""
 
 
 @dataclass(frozen=True)
@@ -223,7 +228,7 @@ def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: Los
             block_mask, weights = fix.mask, fix.weights
         terms = kernels.policy_loss.tokens(PolicyInputs(
             data.log_probs[start:end], data.old_log_probs[start:end], data.advantages[start:end],
-            block_mask, block_lengths, config))
+            block_mask, block_lengths, config, {name: t[start:end] for name, t in data.payloads.items()}))
         pg = terms.pg if weights is None else terms.pg.to(torch.float32) * weights
         rows = [pg, terms.clipfrac, terms.ppo_kl, data.entropy[start:end]]
         del terms

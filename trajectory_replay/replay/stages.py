@@ -411,7 +411,8 @@ def _run_advantage_estimate(ctx: StageContext) -> StageOutcome:
     if rewards is None or loaded is None or f.failed:
         return StageOutcome(f)
     actual = estimator.advantages(AdvantageInputs(rewards, c.lengths, loaded["loss_mask"], cfg, kl=kl,
-                                                  values=loaded.get("values"), whitening=ctx.whitening))
+                                                  values=loaded.get("values"), whitening=ctx.whitening,
+                                                  payloads=loaded))
     f.add(ctx.compare("advantages", loaded["advantages"], actual.advantages, c.token_layout))
     outputs = {"advantages": actual.advantages}
     if actual.returns is not None:
@@ -462,7 +463,7 @@ def _run_loss_policy(ctx: StageContext) -> StageOutcome:
         _check_on_policy(ctx, f, loaded)
     sums = losses.policy_loss_sums(losses.PolicyLossData(
         loaded["log_probs"], loaded["old_log_probs"], advantages, loaded["entropy"], loaded["loss_mask"], c.lengths,
-        loaded.get("ref_log_probs"), loaded.get("rollout_log_probs")), cfg, ctx.kernels)
+        loaded.get("ref_log_probs"), loaded.get("rollout_log_probs"), loaded), cfg, ctx.kernels)
     return StageOutcome(f, partial=sums)
 
 
