@@ -1,4 +1,5 @@
-"""CaptureManager: the training thread snapshots and enqueues; a background writer thread commits bundles.
+"""CaptureManager: the training thread snapshots and enqueues; a daemon thread hands each bundle to the writer
+process (by default), which commits it.
 
 Guarantees:
 
