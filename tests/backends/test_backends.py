@@ -9,6 +9,8 @@ import threading
 import pytest
 
 from trajectory_replay.backends import ByteRange, open_backend
+from trajectory_replay.backends.probe import PROBE_DIR
+from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.errors import InvalidKeyError, NotFoundError
 
 
@@ -78,10 +80,10 @@ def test_list_and_delete(backend):
 
 
 def test_create_if_absent_semantics(backend):
-    assert backend.create_if_absent("m/COMPLETE", b"first") is True
-    assert backend.create_if_absent("m/COMPLETE", b"first") is True  # retry of the same bytes
-    assert backend.create_if_absent("m/COMPLETE", b"second") is False
-    assert backend.read("m/COMPLETE") == b"first"
+    assert backend.create_if_absent(complete_key("m"), b"first") is True
+    assert backend.create_if_absent(complete_key("m"), b"first") is True  # retry of the same bytes
+    assert backend.create_if_absent(complete_key("m"), b"second") is False
+    assert backend.read(complete_key("m")) == b"first"
 
 
 @pytest.mark.parametrize("same", [False, True])
@@ -150,7 +152,7 @@ def test_probe_passes_on_real_targets(backend):
     assert result.ok, result
     assert result.checks == {"sequential": True, "concurrent": True}
     backend.require_atomic_create()
-    assert backend.list(".probe/") == []  # the probe cleans up
+    assert backend.list(f"{PROBE_DIR}/") == []  # the probe cleans up
 
 
 def test_open_backend_rejects_unknown_protocol():

@@ -12,6 +12,8 @@ import s3fs
 
 from trajectory_replay.backends.s3 import S3Backend
 from trajectory_replay.errors import BackendError
+from trajectory_replay.store.layout import OBJECTS_DIR
+from trajectory_replay.store.liveness import LEASE_PREFIX
 
 
 class ConditionIgnoringS3(s3fs.S3FileSystem):
@@ -73,10 +75,10 @@ def test_listing_pages_and_prefixes(s3_root):
     placeholders (keys ending in '/', which some tools create) are not values, and an empty prefix costs one request."""
     url, options = s3_root
     backend = S3Backend(url, **options)
-    keys = [f"objects/{i % 7:02x}/{i:06d}" for i in range(1003)]
+    keys = [f"{OBJECTS_DIR}/{i % 7:02x}/{i:06d}" for i in range(1003)]
     backend._map(lambda k: backend.write(k, b"v", durable=False), keys)
     bucket, root, _ = backend.fs.split_path(backend.path)
-    backend.fs.pipe_file(f"{bucket}/{root}/objects/placeholder/", b"")
+    backend.fs.pipe_file(f"{bucket}/{root}/{OBJECTS_DIR}/placeholder/", b"")
     calls: list[str] = []
     real = backend.fs._call_s3
 
@@ -85,11 +87,11 @@ def test_listing_pages_and_prefixes(s3_root):
         return await real(method, *args, **kwargs)
 
     backend.fs._call_s3 = counting
-    assert backend.list("objects/") == sorted(keys)
+    assert backend.list(f"{OBJECTS_DIR}/") == sorted(keys)
     assert calls == ["list_objects_v2", "list_objects_v2"]
-    assert backend.list("objects/01") == sorted(k for k in keys if k.startswith("objects/01/"))
+    assert backend.list(f"{OBJECTS_DIR}/01") == sorted(k for k in keys if k.startswith(f"{OBJECTS_DIR}/01/"))
     calls.clear()
-    assert backend.list(".gc/lease-") == [] and calls == ["list_objects_v2"]
+    assert backend.list(LEASE_PREFIX) == [] and calls == ["list_objects_v2"]
 
 
 @pytest.mark.parametrize("document", ["manifest", "index"])

@@ -35,6 +35,7 @@ from trajectory_replay.backends.s3 import (
     ENV_CONNECT_TIMEOUT, ENV_MAX_ATTEMPTS, ENV_READ_TIMEOUT, ENV_RETRY_DEADLINE, NoSuchBucketError, RequestPolicy,
     S3Backend, StoreAccessError, StoreUnreachableError,
 )
+from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.cli import app
 from trajectory_replay.errors import StorageUnavailableError
 from trajectory_replay.ops.export import export_bundle
@@ -480,7 +481,8 @@ def proxied(s3_server, s3_root, monkeypatch):
 def test_a_store_failing_in_the_middle_of_ls_is_not_a_corrupt_bundle(proxied):
     url, proxy = proxied
     assert "b-00001" in runner.invoke(app, ["ls", url]).stdout   # through the proxy, all is well
-    proxy.cut = lambda line: line.startswith("GET ") and "/b-00001/COMPLETE" in line   # listings pass, markers fail
+    marker = f"/{complete_key('b-00001')}"
+    proxy.cut = lambda line: line.startswith("GET ") and marker in line   # listings pass, markers fail
     result = runner.invoke(app, ["ls", url])
     assert result.exit_code == 1, (result.stdout, result.stderr)
     assert "corrupt" not in (result.stdout + result.stderr).lower()

@@ -26,6 +26,7 @@ from trajectory_replay.store import BlobRef, ObjectStore
 from trajectory_replay.store.digest import blob_ref_key, object_key
 from trajectory_replay.store.records import MAX_RECORD_BYTES, RecordError
 from trajectory_replay.bundle.markers import complete_key
+from trajectory_replay.store.layout import OBJECTS_DIR
 
 runner = CliRunner()
 SPARSE_BYTES = 1536 << 20
@@ -230,7 +231,7 @@ def test_gc_reads_a_sparse_marker_no_further_than_the_marker_bound(tmp_path):
     from trajectory_replay.ops.gc import collect_garbage
 
     root, url, key = _hostile_store(tmp_path, "sparse", "marker")
-    before = sorted(os.listdir(os.path.join(root, "objects")))
+    before = sorted(os.listdir(os.path.join(root, OBJECTS_DIR)))
     tracemalloc.start()
     try:
         report = collect_garbage(root, grace="0s")
@@ -238,7 +239,7 @@ def test_gc_reads_a_sparse_marker_no_further_than_the_marker_bound(tmp_path):
     finally:
         tracemalloc.stop()
     assert report.kept_everything and any(NAME in p for p in report.unreadable_bundles), report.unreadable_bundles
-    assert sorted(os.listdir(os.path.join(root, "objects"))) == before
+    assert sorted(os.listdir(os.path.join(root, OBJECTS_DIR))) == before
     assert peak < 8 * MAX_MARKER_BYTES, peak   # the bound and its copies, never the 1.5 GB
 
 

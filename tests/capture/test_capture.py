@@ -10,10 +10,12 @@ import torch
 
 from trajectory_replay import capture
 from trajectory_replay.bundle import open_native
+from trajectory_replay.bundle.markers import COMPLETE, complete_key, rank_key
 from trajectory_replay.bundle.schema import StageId
 from trajectory_replay.capture.config import ENV_CAPTURE, ENV_DIR, ENV_ROLLOUTS, ENV_STEPS
 from trajectory_replay.errors import TrajectoryReplayError
 from trajectory_replay.replay import replay
+from trajectory_replay.store.layout import INFLIGHT_DIR, OBJECTS_DIR
 from tests.capture.helpers import (
     CONFIG, IDS, RAW, REWARDS, capture_step, idle_writer, loss_scalars, microbatch_kwargs, rollout_kwargs,
 )
@@ -31,7 +33,7 @@ def _replayed(url: str, **storage_options):
 
 def _all_complete(root) -> list[str]:
     return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files
-                  if f == "COMPLETE" or f.startswith("COMPLETE."))
+                  if f == COMPLETE or f.startswith(f"{COMPLETE}."))
 
 
 @pytest.mark.parametrize("flat", [False, True])
@@ -103,7 +105,7 @@ def test_two_ranks_write_one_multi_rank_bundle(tmp_path, make_manager):
     assert managers[1].capture_rollout(9, **rollout_kwargs(shards[1]))
     assert managers[1].flush(30)
     # rank 1 alone landed: no final COMPLETE, the bundle does not exist for replay
-    assert _all_complete(tmp_path) == ["rollout-9/COMPLETE.1"]
+    assert _all_complete(tmp_path) == [rank_key("rollout-9", 1)]
     with pytest.raises(TrajectoryReplayError, match="missing ranks"):
         open_native(str(tmp_path / "rollout-9"))
     assert managers[0].capture_rollout(9, **rollout_kwargs(shards[0]))
@@ -111,7 +113,7 @@ def test_two_ranks_write_one_multi_rank_bundle(tmp_path, make_manager):
         assert capture_step(managers[r], 9, 0, [shards[r]], first_mb=10 * r)
     for m in managers.values():
         assert m.flush(30) and m.stats()["errors"] == 0
-    assert "rollout-9/COMPLETE" in _all_complete(tmp_path)
+    assert complete_key("rollout-9") in _all_complete(tmp_path)
     sources, report = _replayed(str(tmp_path / "rollout-9"))
     assert [s.rank for s in sources] == [0, 1]
     assert [s.index.samples[-1].sample_id for s in sources] == ["s-2", "s-3"]
@@ -174,7 +176,7 @@ def test_bad_arguments_are_counted_never_raised(tmp_path, make_manager, caplog):
     assert stats["errors"] == 3 and stats["written"] == 0
     assert _all_complete(tmp_path) == []
     assert "rollout-2" in caplog.text and "rewards has 3 entries for 4 samples" in caplog.text
-    inflight = tmp_path / ".inflight"
+    inflight = tmp_path / INFLIGHT_DIR
     assert not inflight.exists() or not os.listdir(inflight)
 
 
@@ -246,7 +248,7 @@ def test_unfinished_steps_are_bounded(tmp_path, make_manager):
     assert manager.flush(30)
     stats = manager.stats()
     assert stats["dropped"] == 1 and stats["written"] == 1 and stats["errors"] == 1  # step_end without a step
-    assert os.path.exists(tmp_path / "step-1-1" / "COMPLETE") and not os.path.exists(tmp_path / "step-1-0")
+    assert os.path.exists(tmp_path / complete_key("step-1-1")) and not os.path.exists(tmp_path / "step-1-0")
 
 
 def test_s3_requests_run_in_a_low_priority_loop(s3_root, make_manager):
@@ -314,14 +316,14 @@ def test_writer_process_reports_failures(tmp_path, make_manager, caplog):
     root = tmp_path / "cap"
     root.mkdir()
     manager, _ = idle_writer(lambda: make_manager(root, writer="process"))
-    (root / "objects").write_text("not a directory")   # every object write fails
+    (root / OBJECTS_DIR).write_text("not a directory")   # every object write fails
     with caplog.at_level(logging.ERROR, logger="trajectory_replay.capture"):
         assert manager.capture_rollout(1, **rollout_kwargs())
         assert manager.flush(60)
     assert manager.stats()["errors"] == 1 and manager.stats()["written"] == 0
     assert any("rollout-1" in r.getMessage() for r in caplog.records)
-    assert not (root / "rollout-1" / "COMPLETE").exists()
-    (root / "objects").unlink()   # the same process goes on with the next record
+    assert not (root / complete_key("rollout-1")).exists()
+    (root / OBJECTS_DIR).unlink()   # the same process goes on with the next record
     assert manager.capture_rollout(2, **rollout_kwargs()) and manager.flush(60)
     assert manager.stats()["written"] == 1
     _replayed(str(root / "rollout-2"))

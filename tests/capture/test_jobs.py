@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from trajectory_replay.bundle import open_native
+from trajectory_replay.bundle.markers import COMPLETE, rank_key
 from trajectory_replay.capture import worker
 from trajectory_replay.capture.commit import BundleJob, commit_bundle
 from trajectory_replay.capture.records import Columns, MicroBatch, Provenance, RolloutRecord, StepRecord
@@ -72,7 +73,8 @@ def test_a_job_of_one_rank_of_two_lands_only_its_shard(tmp_path):
     job = _through_the_pipe(BundleJob(str(root), _step_record(7, 2), rank=1, expected_ranks=(0, 1)))
     assert (job.rank, job.expected_ranks, job.multi_producer) == (1, (0, 1), True)
     assert commit_bundle(ObjectStore.open(str(root)), job).endswith("/step-7-2")
-    assert sorted(p.name for p in (root / "step-7-2").iterdir() if p.name.startswith("COMPLETE")) == ["COMPLETE.1"]
+    assert sorted(p.relative_to(root).as_posix() for p in (root / "step-7-2").iterdir()
+                  if p.name.startswith(COMPLETE)) == [rank_key("step-7-2", 1)]
 
 
 @pytest.mark.parametrize("change, error, message", [

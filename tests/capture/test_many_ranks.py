@@ -103,7 +103,7 @@ def _produce(url: str, storage_options: dict, ranks: list[int], start: Any, land
                 assert backend.probe().ok
             create_status, delete = backend.create_status, backend.delete
             name = step_bundle_id(ROLLOUT, STEP)
-            marker, final_key, claim_key = f"{name}/{COMPLETE}.{rank}", complete_key(name), finalizer_key(name)
+            marker, final_key, claim_key = rank_key(name, rank), complete_key(name), finalizer_key(name)
 
             def watched(key: str, data: bytes) -> str:
                 nonlocal final
@@ -203,8 +203,7 @@ def _check(url: str, storage_options: dict, got: dict[int, tuple]) -> None:
     state = bundle_status(backend, name)
     assert state is not None and state.status == COMPLETE_STATUS and state.landed_ranks == list(range(WORLD))
     assert state.finalizer_key == finalizer_key(name) and finalizer_key(name) not in state.marker_keys
-    assert all(RANK_MARKER.fullmatch(k.rsplit("/", 1)[1]) for k in state.marker_keys
-               if not k.endswith(f"/{COMPLETE}"))
+    assert all(RANK_MARKER.fullmatch(k.rsplit("/", 1)[1]) for k in state.marker_keys if k != complete_key(name))
 
     report = validate_bundle(f"{url}/{name}", **storage_options)   # every byte of every rank, from the store
     assert report.valid, report.problems
@@ -270,8 +269,8 @@ def test_64_ranks_of_one_step_to_s3(s3_root):
     # step. (The bounds leave room for hand-backs and the client's retries of a request.)
     marker_reads = requests["GetObject", "marker"] + requests["HeadObject", "marker"]
     assert marker_reads <= 3 * WORLD, in_bundle
-    assert requests["PutObject", "marker"] <= WORLD + 8 and requests["PutObject", "COMPLETE"] <= 2, in_bundle
+    assert requests["PutObject", "marker"] <= WORLD + 8 and requests["PutObject", COMPLETE] <= 2, in_bundle
     assert requests["PutObject", "claim"] + requests["GetObject", "claim"] <= 3 * WORLD, in_bundle
-    assert requests["HeadObject", "COMPLETE"] + requests["GetObject", "COMPLETE"] <= 2 * WORLD, in_bundle
+    assert requests["HeadObject", COMPLETE] + requests["GetObject", COMPLETE] <= 2 * WORLD, in_bundle
     assert sum(in_bundle.values()) <= 10 * WORLD, in_bundle
     assert sum(requests.values()) <= 8_000, requests

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from trajectory_replay.bundle import open_native
+from trajectory_replay.bundle.markers import COMPLETE, complete_key
 from trajectory_replay.errors import BundleError, TrajectoryReplayError
 from trajectory_replay.replay import replay
+from trajectory_replay.store.layout import INFLIGHT_DIR, OBJECTS_DIR
 from tests.capture.helpers import capture_step, normal_scheduling, rollout_kwargs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _completes(root) -> list[str]:
     return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files
-                  if f == "COMPLETE" or f.startswith("COMPLETE."))
+                  if f == COMPLETE or f.startswith(f"{COMPLETE}."))
 
 
 def _slow_writes(backend, seconds: float, release: threading.Event) -> None:
@@ -103,15 +105,15 @@ def test_failing_finalize_leaves_no_complete(tmp_path, make_manager):
     create = backend._create
 
     def refuse_markers(key, data):
-        if key.endswith("COMPLETE"):
+        if key == complete_key("rollout-1"):
             raise OSError("injected marker failure")
         return create(key, data)
 
     backend._create = refuse_markers
     assert manager.capture_rollout(1, **rollout_kwargs())
     assert manager.flush(30) and manager.stats()["errors"] == 1
-    assert _completes(tmp_path) == [] and os.listdir(tmp_path / "objects")
-    assert os.listdir(tmp_path / ".inflight") == []
+    assert _completes(tmp_path) == [] and os.listdir(tmp_path / OBJECTS_DIR)
+    assert os.listdir(tmp_path / INFLIGHT_DIR) == []
     with pytest.raises(TrajectoryReplayError):
         open_native(str(tmp_path / "rollout-1"))
 
@@ -139,7 +141,7 @@ CHILD = textwrap.dedent("""
 
 def _writing(root: Path, bundle: str) -> bool:
     """True when the in-flight record of `bundle` lists a few objects (the writer is busy with it)."""
-    inflight = root / ".inflight"
+    inflight = root / INFLIGHT_DIR
     if not inflight.exists():
         return False
     for path in inflight.iterdir():
@@ -163,7 +165,7 @@ def test_killed_writer_leaves_no_complete_bundle(tmp_path):
         while time.monotonic() < deadline and child.poll() is None:
             if _writing(root, "rollout-1"):
                 child.send_signal(signal.SIGSTOP)   # frozen, so that rollout-1 cannot finish before the kill
-                if "rollout-1/COMPLETE" in _completes(root):
+                if complete_key("rollout-1") in _completes(root):
                     break
                 child.send_signal(signal.SIGKILL)  # the writer is in the middle of rollout-1
                 killed_mid_write = True
@@ -177,13 +179,13 @@ def test_killed_writer_leaves_no_complete_bundle(tmp_path):
         child.wait(timeout=30)
     assert child.returncode == -signal.SIGKILL
     complete = _completes(root)
-    assert "rollout-0/COMPLETE" in complete and "rollout-1/COMPLETE" not in complete
+    assert complete_key("rollout-0") in complete and complete_key("rollout-1") not in complete
     assert _writing(root, "rollout-1")  # its in-flight record stays: garbage for gc, never a complete bundle
     assert replay(open_native(str(root / "rollout-0"))).passed      # finished before the kill: intact
     with pytest.raises(BundleError, match="incomplete bundle"):
         open_native(str(root / "rollout-1"))
     for name in ("rollout-1", "rollout-2", "rollout-3"):
-        if f"{name}/COMPLETE" in complete:
+        if complete_key(name) in complete:
             continue
         with pytest.raises(TrajectoryReplayError):
             open_native(str(root / name))
@@ -250,7 +252,7 @@ def test_killed_training_process_takes_its_writer_process_along(tmp_path):
             os.kill(writer_pid, signal.SIGSTOP)
             complete = _completes(root)
             unfinished = [f"rollout-{r}" for r in range(1, 4)
-                          if _writing(root, f"rollout-{r}") and f"rollout-{r}/COMPLETE" not in complete]
+                          if _writing(root, f"rollout-{r}") and complete_key(f"rollout-{r}") not in complete]
             if not unfinished:   # stopped between two bundles: let it go on to the next
                 os.kill(writer_pid, signal.SIGCONT)
                 time.sleep(0.005)
@@ -273,8 +275,8 @@ def test_killed_training_process_takes_its_writer_process_along(tmp_path):
         except (OSError, NameError):
             pass
     complete = _completes(root)
-    assert "rollout-0/COMPLETE" in complete
-    assert not [name for name in unfinished if f"{name}/COMPLETE" in complete]
+    assert complete_key("rollout-0") in complete
+    assert not [name for name in unfinished if complete_key(name) in complete]
     [done] = open_native(str(root / "rollout-0"))   # finished before the kill: whole and verified
     assert done.load_payload("old_log_probs").shape == (4 << 20,)
     for name in unfinished:

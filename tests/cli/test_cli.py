@@ -14,8 +14,10 @@ from typer.testing import CliRunner
 from tests.bundle.helpers import write_canonical
 from tests.conftest import SHARED
 from trajectory_replay.bundle.legacy import write_v1_bundle
+from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.cli import app
 from trajectory_replay.replay import canonical_case
+from trajectory_replay.store.digest import hash_bytes, object_key
 
 runner = CliRunner()
 
@@ -250,7 +252,8 @@ def test_replay_one_rank_of_a_data_parallel_bundle(tmp_path):
 
 def test_the_demos_default_directories_are_git_ignored():
     repo = Path(__file__).resolve().parents[2]
-    paths = ["trajectory-replay-demo/b-00001/COMPLETE", "trajectory-replay-demo-2/objects/ab/x"]
+    paths = [f"trajectory-replay-demo/{complete_key('b-00001')}",
+             f"trajectory-replay-demo-2/{object_key(hash_bytes(b'x'))}"]
     out = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=repo, capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.split() == paths, (out.returncode, out.stdout, out.stderr)

@@ -24,6 +24,7 @@ from trajectory_replay.bundle.status import bundle_status
 from trajectory_replay.outcome import Status, error_status
 from trajectory_replay.ops.walk import Walker
 from trajectory_replay.replay import canonical_case
+from trajectory_replay.store.digest import object_key
 
 runner = CliRunner()
 JSON_COMMANDS = ("replay", "inspect", "validate", "ls", "stats", "cp", "gc", "fsck")
@@ -134,7 +135,7 @@ def test_incomplete_and_invalid_bundles(tmp_path):
     backend = open_backend(root)
     tree = Walker(backend).trees([bundle_status(backend, "b-00001")])["b-00001"]
     chunk = next(n for _, spec, n in tree.payloads if spec.name == "advantages").chunks[0][0]
-    key = f"objects/{chunk[7:9]}/{chunk[7:]}"
+    key = object_key(chunk)
     data = bytearray(backend.read(key))
     data[-1] ^= 0xFF
     backend.write(key, bytes(data))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.demo import run_demo
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +44,7 @@ def demo_root(tmp_path_factory) -> Path:
 
 
 def test_inspect_validate_ls_stats_without_torch(demo_root):
-    bundles = sorted(p.name for p in demo_root.iterdir() if (p / "COMPLETE").exists())
+    bundles = sorted(p.name for p in demo_root.iterdir() if (demo_root / complete_key(p.name)).exists())
     assert len(bundles) == 2
     clean = str(demo_root / bundles[0])
     commands = [["inspect", clean], ["inspect", clean, "--json"], ["validate", clean], ["validate", clean, "--json"],
@@ -65,7 +66,7 @@ def test_inspect_validate_ls_stats_without_torch(demo_root):
 
 
 def test_a_command_that_needs_torch_says_so_in_one_line(demo_root):
-    bundle = str(sorted(p for p in demo_root.iterdir() if (p / "COMPLETE").exists())[0])
+    bundle = str(sorted(p for p in demo_root.iterdir() if (demo_root / complete_key(p.name)).exists())[0])
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps([["replay", bundle]])], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -29,6 +29,7 @@ from tests.replay.cases import split_ranks, twelve_case
 from trajectory_replay.backends import S3_BUCKET_RULE, location_problem, open_backend
 from trajectory_replay.bundle import BundleWriter
 from trajectory_replay.bundle.legacy import write_v1_bundle
+from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.cli import app
 from trajectory_replay.demo import run_demo
 from trajectory_replay.errors import BackendError, UsageError
@@ -36,6 +37,7 @@ from trajectory_replay.replay import canonical_case
 from trajectory_replay.replay.compare import DEFAULT_ATOL, DEFAULT_RTOL
 from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.digest import object_key
+from trajectory_replay.store.liveness import INFLIGHT_PREFIX
 from trajectory_replay.units import human_bytes
 
 runner = CliRunner()
@@ -74,7 +76,7 @@ def test_demo_writes_into_the_store_a_url_names(s3_root, s3_env, tmp_path, monke
     assert result.exit_code == 0, result.output
     assert f"wrote {url}/b-00001" in result.stdout
     backend = open_backend(url, **options)
-    assert backend.exists("b-00001/COMPLETE") and backend.exists("b-00065/COMPLETE")
+    assert backend.exists(complete_key("b-00001")) and backend.exists(complete_key("b-00065"))
     assert not (tmp_path / "s3:").exists() and sorted(os.listdir(tmp_path)) == ["cache"]
     replayed = run("replay", f"{url}/b-00065", "--json")
     assert json.loads(replayed.stdout)["first_divergent_stage"] == "reward.post_process"
@@ -176,7 +178,7 @@ def test_import_onto_a_taken_name_suggests_as_and_leaves_nothing(tmp_path):
     assert "b-00065: a different bundle with this name already exists" in line and "--as NAME" in line
     assert "different content" in line
     assert _keys(store) == before  # no in-flight record, no object: nothing it wrote is left
-    assert not open_backend(store).list(".inflight/")
+    assert not open_backend(store).list(INFLIGHT_PREFIX)
     # the way out works, and importing the same bundle again is a no-op that leaves nothing either
     assert run("import", str(tmp_path / "v1" / "b-00065"), store, "--as", "b-00065-v1").exit_code == 0
     after = _keys(store)
@@ -195,7 +197,7 @@ def test_import_onto_a_taken_name_on_s3_leaves_nothing(s3_root, s3_env, tmp_path
     line = one_error_line(run("import", str(_v1(tmp_path / "v1" / "b-00065", buggy=True)), url))
     assert "--as NAME" in line and set(backend.list("")) == before
     assert run("import", str(tmp_path / "v1" / "b-00065"), url, "--as", "other").exit_code == 0
-    assert backend.exists("other/COMPLETE") and not backend.list(".inflight/")
+    assert backend.exists(complete_key("other")) and not backend.list(INFLIGHT_PREFIX)
 
 
 def test_import_onto_a_taken_multi_rank_name_is_refused(tmp_path):
@@ -246,15 +248,15 @@ def test_finalizable_bundles_are_finalized_by_readers(where, command, request, t
         root, options = str(tmp_path / "store"), {}
     bundle = write_cohort(root, options=options)
     backend = open_backend(root, **options)
-    backend.delete("b-twelve/COMPLETE")  # the last rank died after landing its marker
-    assert not backend.exists("b-twelve/COMPLETE")
+    backend.delete(complete_key("b-twelve"))  # the last rank died after landing its marker
+    assert not backend.exists(complete_key("b-twelve"))
     args = {"ls": ["ls", root], "replay": ["replay", bundle], "replay-root": ["replay", root, "--rollout", "3"],
             "inspect": ["inspect", bundle], "validate": ["validate", bundle]}[command]
     result = run(*args, "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["status"] == "pass"
-    assert backend.exists("b-twelve/COMPLETE")
+    assert backend.exists(complete_key("b-twelve"))
     if command == "ls":
         assert doc["finalized"] == ["b-twelve"] and doc["bundles"][0]["status"] == "complete"
     if command == "inspect":
@@ -314,10 +316,10 @@ def test_ls_names_a_corrupt_bundle_once(tmp_path, damage):
     write_canonical(root, name="b-bad")
     backend = open_backend(root)
     if damage == "record":  # the manifest's record no longer hashes to its digest
-        marker = json.loads(backend.read("b-bad/COMPLETE"))
+        marker = json.loads(backend.read(complete_key("b-bad")))
         backend.write(object_key(marker["shards"]["0"]["manifest"]["record"]), b"garbage")
     else:
-        backend.write("b-bad/COMPLETE", b"{not json")
+        backend.write(complete_key("b-bad"), b"{not json")
     result = run("ls", root)
     assert result.exit_code == 0, result.output
     (line,) = [line for line in result.stdout.splitlines() if "b-bad" in line and ": " in line]  # not the row

@@ -27,6 +27,7 @@ from tests.examples.helpers import (
     run_cli_many,
     run_example,
 )
+from trajectory_replay.store.layout import OBJECTS_DIR, REFS_DIR, is_bundle_dir
 
 ROLLOUTS = 2
 
@@ -133,9 +134,9 @@ def test_every_rank_flushed_every_bundle_before_exit(captured) -> None:
 
 
 def test_capture_root_holds_only_bundles_objects_blobs_and_dot_names(captured) -> None:
-    bundles = [c for c in captured.children if c not in ("objects", "blobs") and not c.startswith(".")]
+    bundles = [c for c in captured.children if is_bundle_dir(c)]
     assert sorted(bundles) == sorted(ROLLOUT_BUNDLES + STEP_BUNDLES)
-    assert {"objects", "blobs"} <= set(captured.children)
+    assert {OBJECTS_DIR, REFS_DIR} <= set(captured.children)
 
 
 @pytest.mark.parametrize("bundle", ROLLOUT_BUNDLES + STEP_BUNDLES)
@@ -240,7 +241,7 @@ def test_pr65_step_bundles_validate_and_replay(captured_pr65) -> None:
     Replayed through the capture directory by --step, with the rollout-level bundle that produced its samples,
     the first divergence is named where it starts: reward.post_process of that rollout bundle, not the loss."""
     assert "capture_threads=2 capture_flushed=True" in captured_pr65.run.stdout
-    bundles = [c for c in captured_pr65.children if c not in ("objects", "blobs") and not c.startswith(".")]
+    bundles = [c for c in captured_pr65.children if is_bundle_dir(c)]
     assert sorted(bundles) == sorted(PR65_ROLLOUT_BUNDLES + PR65_STEP_BUNDLES)
     for bundle in PR65_STEP_BUNDLES:
         assert captured_pr65.validate[bundle].returncode == 0, captured_pr65.validate[bundle]

@@ -14,6 +14,7 @@ from tests.bundle.helpers import write_canonical
 from trajectory_replay.cli import app
 from trajectory_replay.ops import progress as progress_mod
 from trajectory_replay.ops.progress import Progress, RichProgress, terminal_progress
+from trajectory_replay.store.layout import OBJECTS_DIR
 
 runner = CliRunner()
 
@@ -62,7 +63,7 @@ def test_fsck_exit_codes_and_gc_json(tmp_path):
     gc = runner.invoke(app, ["gc", root, "--dry-run", "--json", "--grace", "0s"])
     doc = json.loads(gc.stdout)
     assert gc.exit_code == 0 and doc["dry_run"] is True and {"bytes_freed", "removed"} <= set(doc)
-    chunk = next(p for p in (tmp_path / "store" / "objects").rglob("*") if p.is_file() and p.stat().st_size > 100)
+    chunk = next(p for p in (tmp_path / "store" / OBJECTS_DIR).rglob("*") if p.is_file() and p.stat().st_size > 100)
     chunk.write_bytes(b"x" + chunk.read_bytes()[1:])
     broken = runner.invoke(app, ["fsck", root, "--json"])
     assert broken.exit_code == 1 and json.loads(broken.stdout)["healthy"] is False

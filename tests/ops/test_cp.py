@@ -86,7 +86,7 @@ def test_killed_copy_resumes_and_then_transfers_nothing(tmp_path):
         write_big(src, name, seed=i, chunks=1500, chunk_size=4 << 10)
     cmd = [sys.executable, "-m", "trajectory_replay", "cp", src, dest, "--all", "--quiet", "--json"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    objects = Path(dest) / "objects"
+    objects = Path(dest) / OBJECTS_DIR
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
         # count committed objects only: temporary files of writes in flight are not objects yet

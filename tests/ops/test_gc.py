@@ -19,6 +19,7 @@ from trajectory_replay.ops.ls import list_bundles
 from trajectory_replay.store.digest import object_key
 from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.store.digest import blob_ref_key
+from trajectory_replay.store.layout import OBJECTS_DIR
 
 
 def test_parse_duration():
@@ -293,7 +294,8 @@ def test_leftover_temporary_files_go_once_old_and_never_through_a_link(tmp_path)
     root = tmp_path / "store"
     write_canonical(str(root))
     old = time.time() - TEMPORARY_MIN_AGE - 60
-    leftover = root / "objects" / "ab" / ".tmp-deadbeef.0123456789ab"
+    leftover_key = f"{OBJECTS_DIR}/ab/.tmp-deadbeef.0123456789ab"
+    leftover = root / leftover_key
     young = root / "b-00001" / ".tmp-COMPLETE.fedcba987654"
     leftover.parent.mkdir(parents=True, exist_ok=True)
     for path in (leftover, young):
@@ -307,12 +309,12 @@ def test_leftover_temporary_files_go_once_old_and_never_through_a_link(tmp_path)
     (root / "b-00001" / "linked").symlink_to(outside)
 
     dry = collect_garbage(str(root), grace="0s", dry_run=True)
-    assert dry.temporaries_removed == ["objects/ab/.tmp-deadbeef.0123456789ab"]
-    assert "objects/ab/.tmp-deadbeef.0123456789ab" in dry.render_text()
+    assert dry.temporaries_removed == [leftover_key]
+    assert leftover_key in dry.render_text()
     assert leftover.exists()
 
     report = collect_garbage(str(root), grace="0s")
-    assert report.temporaries_removed == ["objects/ab/.tmp-deadbeef.0123456789ab"]
+    assert report.temporaries_removed == [leftover_key]
     assert "1 partial writes left by killed writers" in report.render_text()
     assert not leftover.exists() and young.exists() and foreign.exists()
     assert validates(str(root / "b-00001"))

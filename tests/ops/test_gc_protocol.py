@@ -31,7 +31,7 @@ from trajectory_replay.store import ObjectStore, object_key
 from trajectory_replay.store.liveness import DEAD_LEASE_AGE, LEASE_PREFIX, SweepLease
 from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.store.digest import blob_ref_key
-from trajectory_replay.store.layout import OBJECTS_DIR, REFS_DIR
+from trajectory_replay.store.layout import INFLIGHT_DIR, OBJECTS_DIR, REFS_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 STRESS_SECONDS = 8.0
@@ -235,7 +235,7 @@ def test_a_sweep_that_cannot_renew_its_lease_stops_deleting(tmp_path):
 
 # ---- 3. gc deletes only its own objects ---------------------------------------------------------------
 
-@pytest.mark.parametrize("linked", ["objects", "blobs", ".inflight"])
+@pytest.mark.parametrize("linked", [OBJECTS_DIR, REFS_DIR, INFLIGHT_DIR])
 def test_gc_never_deletes_through_a_link_out_of_the_root(tmp_path, linked):
     from typer.testing import CliRunner
 
@@ -258,12 +258,12 @@ def test_gc_ignores_keys_that_are_not_its_layout_and_links_inside_it(tmp_path):
     _crashed(str(root))
     victim = tmp_path / "precious.txt"
     victim.write_text("keep me")
-    strangers = [root / "objects" / "notes.txt", root / "objects" / "ab" / "not-a-digest",
-                 root / "blobs" / "README", root / ".inflight" / "someone-else.json"]
+    strangers = [root / OBJECTS_DIR / "notes.txt", root / OBJECTS_DIR / "ab" / "not-a-digest",
+                 root / REFS_DIR / "README", root / INFLIGHT_DIR / "someone-else.json"]
     for path in strangers:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("{}")
-    link = root / "objects" / "cd" / ("cd" + "0" * 62)
+    link = root / object_key("blake3:cd" + "0" * 62)
     link.parent.mkdir(parents=True, exist_ok=True)
     link.symlink_to(victim)
     old = time.time() - 10 * 86400

@@ -17,7 +17,9 @@ import pytest
 from tests.ops.scan_helpers import CLEAN, DIVERGED, INCOMPLETE, check_summary, cli, cli_json, populate, write_step
 from tests.ops.scan_workers import DiesOnceReplayer, DyingReplayer
 from trajectory_replay.backends import open_backend
+from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.ops.scan import VERDICTS_DIR, scan_store
+from trajectory_replay.store.layout import is_bundle_dir
 
 REPO = Path(__file__).resolve().parents[2]
 SLOW_NO_TORCH_CLI = "import sys; sys.modules['torch'] = None; from tests.ops.scan_workers import slow_cli; slow_cli()"
@@ -168,7 +170,7 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch):
     assert "--engine ray needs ray" in noray.stderr and "trajectory-replay[ray]" in noray.stderr
     empty = tmp_path / "empty-root"
     write_step(str(empty), "x", 1, 0)
-    open_backend(str(empty)).delete("x/COMPLETE")  # a directory, but no bundle in it
+    open_backend(str(empty)).delete(complete_key("x"))  # a directory, but no bundle in it
     none = cli("scan", str(empty))
     assert none.exit_code == 1 and "no bundles found" in none.stderr
 
@@ -297,11 +299,10 @@ def test_an_unreachable_ray_cluster_is_one_line(tmp_path):
 
 def _verdict_files(root: Path) -> dict[str, Path]:
     """Stored verdict files by bundle name (each holds the digest of its bundle's COMPLETE)."""
-    from trajectory_replay.bundle.markers import complete_key
     from trajectory_replay.ops.scan import ScanOptions, bundle_digest, verdict_key
 
     backend = open_backend(str(root))
-    names = [p.name for p in root.iterdir() if not p.name.startswith(".") and p.is_dir() and p.name != "objects"]
+    names = [p.name for p in root.iterdir() if is_bundle_dir(p.name) and p.is_dir()]
     out = {}
     for name in names:
         if backend.exists(complete_key(name)):

@@ -150,7 +150,7 @@ def _gc_empties(root: Path) -> None:
 
 def test_killed_while_writing_a_chunk_leaves_only_an_unlisted_temporary_file(tmp_path, put_plan):
     data, plan, chunks, _, _ = put_plan
-    key = crash_at(tmp_path, "put", "temp:objects/:1")
+    key = crash_at(tmp_path, "put", f"temp:{OBJECTS_DIR}/:1")
     assert key in chunks
     assert keys_of(tmp_path) == set()                    # nothing is listed: the store holds no object yet
     [tmp] = temp_files(tmp_path)                          # the chunk's bytes, under a name no reader looks up
@@ -171,7 +171,7 @@ def test_killed_while_writing_a_chunk_leaves_only_an_unlisted_temporary_file(tmp
 
 def test_killed_between_chunks_leaves_whole_chunks_and_no_record_or_ref(tmp_path, put_plan):
     data, plan, chunks, record, ref = put_plan
-    key = crash_at(tmp_path, "put", "create:objects/:3")
+    key = crash_at(tmp_path, "put", f"create:{OBJECTS_DIR}/:3")
     assert key in chunks
     left = keys_of(tmp_path)
     assert len(left) == 2 and left < chunks - {key}       # exactly the two chunks created before the stop
@@ -185,7 +185,7 @@ def test_killed_between_chunks_leaves_whole_chunks_and_no_record_or_ref(tmp_path
 
 def test_killed_before_the_ref_leaves_chunks_and_record_but_no_blob(tmp_path, put_plan):
     data, plan, chunks, record, ref = put_plan
-    assert crash_at(tmp_path, "put", "create:blobs/:1") == ref
+    assert crash_at(tmp_path, "put", f"create:{REFS_DIR}/:1") == ref
     assert keys_of(tmp_path) == chunks | {record}         # the ref is what makes the blob exist: not there
     assert_whole(tmp_path, chunks | {record})
     store = ObjectStore.open(str(tmp_path))
@@ -207,10 +207,10 @@ def test_killed_after_the_put_leaves_the_whole_blob_which_gc_removes_when_no_bun
 # ---- BundleWriter ----------------------------------------------------------------------------------------
 
 BUNDLE_STOPS = {   # test -> (where its writer stops, the TTL of its in-flight record)
-    "listed": ("create:objects/:1", 3600.0),
-    "before ref": ("create:blobs/:1", 3600.0),
-    "before complete": (f"create:{BUNDLE}/COMPLETE:1", 0.0),
-    "after complete": ("delete:.inflight/:1", 0.0),
+    "listed": (f"create:{OBJECTS_DIR}/:1", 3600.0),
+    "before ref": (f"create:{REFS_DIR}/:1", 3600.0),
+    "before complete": (f"create:{complete_key(BUNDLE)}:1", 0.0),
+    "after complete": (f"delete:{INFLIGHT_PREFIX}:1", 0.0),
 }
 
 

@@ -150,8 +150,8 @@ def test_links_out_of_the_root_are_found(tmp_path):
     outside.mkdir()
     root = tmp_path / "store"
     root.mkdir()
-    os.symlink(outside, root / "objects")
-    assert ObjectStore.open(str(root)).inventory.links_out() == ["objects"]
+    os.symlink(outside, root / OBJECTS_DIR)
+    assert ObjectStore.open(str(root)).inventory.links_out() == [OBJECTS_DIR]
     assert ObjectStore.open(str(tmp_path / "other")).inventory.links_out() == []
 
 

@@ -19,7 +19,7 @@ from trajectory_replay.ops.gc import collect_garbage
 from trajectory_replay.ops.ls import list_bundles
 from trajectory_replay.store import Inventory
 from trajectory_replay.store.layout import (
-    FSCK, GC, LS, RESERVED_NAMES, ROOT_ENTRIES, VERDICTS_DIR, is_bundle_dir, touched_by,
+    FSCK, GC, INFLIGHT_DIR, LS, RESERVED_NAMES, ROOT_ENTRIES, VERDICTS_DIR, is_bundle_dir, touched_by,
 )
 
 
@@ -75,6 +75,6 @@ def test_gc_refuses_a_directory_it_deletes_under_that_links_out(tmp_path):
     outside.mkdir()
     (root / VERDICTS_DIR).symlink_to(outside)  # gc deletes nothing under it: no refusal
     assert Inventory(open_backend(str(root))).links_out() == []
-    shutil.rmtree(root / ".inflight", ignore_errors=True)
-    (root / ".inflight").symlink_to(outside)
-    assert Inventory(open_backend(str(root))).links_out() == [".inflight"]
+    shutil.rmtree(root / INFLIGHT_DIR, ignore_errors=True)
+    (root / INFLIGHT_DIR).symlink_to(outside)
+    assert Inventory(open_backend(str(root))).links_out() == [INFLIGHT_DIR]
