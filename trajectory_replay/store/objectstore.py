@@ -23,7 +23,7 @@ import logging
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar, Union, overload
 
 from trajectory_replay._allocator import buffer_for_read
 from trajectory_replay.backends import Backend, ByteRange, open_backend
@@ -306,6 +306,12 @@ class ObjectStore:
         record_digest = self._read_ref(digest)
         record = self.record(BlobRef(digest, -1, record_digest))
         return BlobRef(digest, record.size, record_digest)
+
+    @overload
+    def get(self, ref_or_digest: BlobRef) -> bytearray: ...
+
+    @overload
+    def get(self, ref_or_digest: str) -> bytes | bytearray: ...
 
     def get(self, ref_or_digest: BlobRef | str) -> bytes | bytearray:
         """The whole blob (or plain object), with every chunk and the whole content verified.
