@@ -13,7 +13,7 @@ why others are skipped, is decided by `replay.plan`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -82,10 +82,10 @@ class StageOutcome:
     findings: StageChecks
     outputs: Outputs = field(default_factory=dict)
     passed: str = ""
-    partial: object = None
+    partial: Any = None
 
 
-Finish = Callable[["StageContext", StageChecks, "list[tuple[StageOutcome, Optional[Block]]]"], StageResult]
+Finish = Callable[["StageContext", StageChecks, "Sequence[tuple[StageOutcome, Block]]"], StageResult]
 """(context over the whole cohort, the runs' findings merged, each run's outcome and block) -> the verdict."""
 
 
@@ -107,7 +107,7 @@ class Stage:
     """Runs block by block in a streamed replay; False: once over the whole cohort (it reads no payload)."""
 
     def verdict(self, ctx: "StageContext", merged: StageChecks,
-                runs: "list[tuple[StageOutcome, Optional[Block]]]") -> StageResult:
+                runs: "Sequence[tuple[StageOutcome, Block]]") -> StageResult:
         """The stage's result over the whole cohort (`ctx`) from its runs."""
         if self.finish is not None:
             return self.finish(ctx, merged, runs)
@@ -181,7 +181,8 @@ def _run_sample(ctx: StageContext) -> StageOutcome:
     return StageOutcome(f)
 
 
-def _finish_sample(ctx: StageContext, merged: StageChecks, runs: list) -> StageResult:
+def _finish_sample(ctx: StageContext, merged: StageChecks,
+                   runs: Sequence[tuple[StageOutcome, Block]]) -> StageResult:
     """The records' own checks over the whole cohort (lengths, duplicate ids, payload sizes), then the masks'."""
     c, f = ctx.cohort, StageChecks()
     for p in record_problems(c.records):
@@ -242,7 +243,8 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
     return StageOutcome(f, partial={"sums": sums, "rows": rows, "nonfinite": nonfinite, "over": over})
 
 
-def _finish_rollout_mismatch(ctx: StageContext, merged: StageChecks, runs: list) -> StageResult:
+def _finish_rollout_mismatch(ctx: StageContext, merged: StageChecks,
+                             runs: Sequence[tuple[StageOutcome, Block]]) -> StageResult:
     """The metrics of the whole cohort, the 10 worst tokens, the ceilings, staleness, and the expected values."""
     c, f, cfg = ctx.cohort, StageChecks(), ctx.config
     has_log_probs = c.has_payload("rollout_log_probs")
@@ -494,7 +496,7 @@ def _run_loss_value(ctx: StageContext) -> StageOutcome:
 def _loss_finish(stage: StageId, scalars: Callable[[losses.LossSums, RecomputeConfig, Kernels], dict[str, float]]) \
         -> Finish:
     """The verdict of a loss stage: its scalars from every block's per-sample sums, against the expected map."""
-    def finish(ctx: StageContext, merged: StageChecks, runs: list) -> StageResult:
+    def finish(ctx: StageContext, merged: StageChecks, runs: Sequence[tuple[StageOutcome, Block]]) -> StageResult:
         if any(outcome.partial is None for outcome, _ in runs):   # the rows could not be computed: said why
             return merged.result(stage, ctx.rank)
         n = len(ctx.cohort.records)
