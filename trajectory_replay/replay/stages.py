@@ -238,8 +238,9 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
         fix = mismatch.correction(masked, mask, c.lengths, cfg)
         recorded = _load_payloads(ctx, f, ("rollout_is_weights",))
         if recorded is not None:
-            f.add(ctx.compare("rollout_is_weights", recorded["rollout_is_weights"],
-                              mismatch.recorded_weights(fix, mask), c.token_layout))
+            weights = mismatch.recorded_weights(fix, mask)
+            assert weights is not None   # a config with rollout_is other than 'none' has its weights
+            f.add(ctx.compare("rollout_is_weights", recorded["rollout_is_weights"], weights, c.token_layout))
     return StageOutcome(f, partial={"sums": sums, "rows": rows, "nonfinite": nonfinite, "over": over})
 
 
@@ -323,6 +324,7 @@ def _check_staleness(cfg: RecomputeConfig, f: StageChecks, c: Cohort) -> Optiona
     lags = mismatch.staleness([r.policy_version for r in c.records], cfg.actor_version)
     known = [(r, lag) for r, lag in zip(c.records, lags) if lag is not None]
     for r, lag in known:
+        assert r.policy_version is not None and cfg.actor_version is not None   # a lag is known only from both
         if lag < 0:
             f.problem(f"sample {r.sample_id} has policy_version {r.policy_version}, newer than actor_version "
                       f"{cfg.actor_version}",
@@ -357,7 +359,7 @@ def _run_reward_post_process(ctx: StageContext) -> StageOutcome:
                 f.problem(f"sample {r.sample_id} has no group_index")
         if f.failed:
             return StageOutcome(f)
-        group_ids, keys = kernels.dense_group_ids([r.group_index for r in c.records])
+        group_ids, keys = kernels.dense_group_ids([r.group_index for r in c.records if r.group_index is not None])
     else:  # the estimator works on token rewards: groups play no part
         group_ids, keys = torch.zeros(len(c.records), dtype=torch.int64), [0] if c.records else []
     sizes = torch.bincount(group_ids, minlength=len(keys)).tolist()
