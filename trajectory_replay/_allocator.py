@@ -88,6 +88,7 @@ class BlockHeap:
 
     def _held(self) -> int:
         """Bytes malloc has handed out (heap and mapped); asking also merges the heap's small free chunks."""
+        assert self._info is not None   # asked only where glibc has mallinfo2
         info = self._info()
         return info.uordblks + info.hblkhd
 

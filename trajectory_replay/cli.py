@@ -35,7 +35,7 @@ from trajectory_replay.units import human_bytes
 try:  # typer vendors click from 0.20 on; earlier releases use click itself
     from typer._click.exceptions import UsageError as ClickUsageError
 except ImportError:  # pragma: no cover
-    from click.exceptions import UsageError as ClickUsageError
+    from click.exceptions import UsageError as ClickUsageError  # type: ignore[assignment]  # click's own class
 
 
 class _Argument(TyperArgument):
@@ -58,7 +58,7 @@ class _Option(TyperOption):
         return self.metavar or (self.name or "value").upper()
 
 
-_READABLE = {TyperArgument: _Argument, TyperOption: _Option}
+_READABLE: dict[type, type] = {TyperArgument: _Argument, TyperOption: _Option}
 
 
 def _readable(params: list) -> list:
@@ -307,9 +307,12 @@ def parse_overrides(assignments: list[str]) -> dict[str, Any]:
 def _location(param: typer.CallbackParam, value: Optional[str]) -> Optional[str]:
     """A path or URL from the command line, refused as typed when it can name no store (before any request); an
     empty one is named by its argument or option (an unset shell variable leaves nothing else to name)."""
-    problem = None if value is None else location_problem(value)
+    if value is None:
+        return value
+    problem = location_problem(value)
     if problem and not value.strip():
-        name = param.opts[0] if param.param_type_name == "option" else param.display_name_raw
+        # typer hands the parameter itself, a TyperArgument or TyperOption
+        name = param.display_name_raw if isinstance(param, TyperArgument) else param.opts[0]
         problem = f"{name}: {problem}"
     if problem:
         raise ClickUsageError(problem)

@@ -138,7 +138,8 @@ def _buckets(n: int, most: int) -> list[tuple[int, int]]:
 def _polyline(frame: _Frame, values: Sequence[float], colour: str) -> str:
     """One line through the finite values (a non-finite value breaks it); a long series is drawn from each
     bucket's smallest and largest value, so a spike stays visible."""
-    runs, run = [], []
+    runs: list[list[str]] = []
+    run: list[str] = []
     for start, end in _buckets(len(values), MAX_LINE_POINTS // 2):
         chunk = [(i, values[i]) for i in range(start, end)]
         finite = [(i, v) for i, v in chunk if math.isfinite(v)]
@@ -203,7 +204,7 @@ def paired_chart(labels: Sequence[str], expected: Sequence[Optional[float]], act
         points = [(v, colour, name) for v, colour, name in ((e, EXPECTED_COLOUR, "expected"),
                                                               (a, ACTUAL_COLOUR, "actual"))
                   if v is not None and math.isfinite(v)]
-        if len(points) == 2:
+        if e is not None and a is not None and len(points) == 2:
             body.append(f"<line x1='{_num(x)}' x2='{_num(x)}' y1='{_num(frame.py(e))}' y2='{_num(frame.py(a))}' "
                         f"stroke='{DIVERGENT_COLOUR}' stroke-dasharray='3 2'/>")
         for v, colour, name in points:   # expected a ring around actual's dot: both show where they meet

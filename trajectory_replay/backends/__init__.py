@@ -19,7 +19,7 @@ from trajectory_replay.backends.urls import (
 from trajectory_replay.errors import BackendError
 
 
-def open_backend(path_or_url: str | os.PathLike, **storage_options: Any) -> Backend:
+def open_backend(path_or_url: str | os.PathLike[str], **storage_options: Any) -> Backend:
     """Open the backend for a local path, `file://`, `s3://bucket/prefix` or `memory://name` URL."""
     protocol, path = split_url(os.fspath(path_or_url))
     if protocol == "file":

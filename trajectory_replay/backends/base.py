@@ -8,6 +8,7 @@ benchmarks count every byte fetched at this layer) and translate "not found" uni
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import threading
@@ -15,7 +16,7 @@ import time
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence, TypeVar
 
 from trajectory_replay.backends.probe import ProbeResult, run_probe
 from trajectory_replay.cpus import on_one_core
@@ -24,7 +25,7 @@ from trajectory_replay.errors import BackendError, InvalidKeyError, ValueTooLarg
 log = logging.getLogger(__name__)
 
 
-_PROBES: dict[tuple, "ProbeResult"] = {}
+_PROBES: dict[tuple[Any, ...], "ProbeResult"] = {}
 _PROBE_LOCK = threading.Lock()
 
 PROBE_RETRY_FIRST = 0.5
@@ -32,6 +33,12 @@ PROBE_RETRY_MAX = 8.0
 """Backoff (seconds) before a probe that could not reach its target runs again: doubling from the first to the max."""
 PROBE_PATIENCE = 10.0
 """How long `require_atomic_create` keeps retrying a probe that could not reach its target before it gives up."""
+
+BytesLike = bytes | bytearray | memoryview
+"""What a write accepts: any contiguous bytes (a view of a larger buffer is written without a copy where it can be)."""
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 class WorkerPool:
@@ -48,7 +55,7 @@ class WorkerPool:
         self._pid = 0
         self._lock = threading.Lock()
 
-    def map(self, fn, items: Sequence) -> list:
+    def map(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
         """`[fn(item) for item in items]`, concurrently, in order."""
         if len(items) <= 1 or self.max_workers <= 1 or (self.cpu_work and on_one_core()):
             return [fn(item) for item in items]
@@ -186,10 +193,10 @@ class Backend(ABC):
     def _read_range(self, key: str, start: int, end: int) -> bytes: ...
 
     @abstractmethod
-    def _write(self, key: str, data: bytes, durable: bool = True) -> None: ...
+    def _write(self, key: str, data: BytesLike, durable: bool = True) -> None: ...
 
     @abstractmethod
-    def _create(self, key: str, data: bytes) -> bool:
+    def _create(self, key: str, data: BytesLike) -> bool:
         """Store `data` at `key` only if nothing is there; True if this call created it."""
 
     @abstractmethod
@@ -273,7 +280,7 @@ class Backend(ABC):
         """Several byte ranges fetched concurrently, in the order given."""
         return self._map(lambda r: self.read_range(r.key, r.start, r.end), ranges)
 
-    def write(self, key: str, data: bytes, *, durable: bool = True) -> None:
+    def write(self, key: str, data: BytesLike, *, durable: bool = True) -> None:
         """Store `data` at `key`, replacing any value. Atomic: a reader sees the old value or all of the new one.
 
         `durable=False` skips flushing to stable storage where a backend would (local disks): for
@@ -281,14 +288,14 @@ class Backend(ABC):
         self._write(validate_key(key), data, durable)
         self.stats.count_write(len(data))
 
-    def create_if_absent(self, key: str, data: bytes) -> bool:
+    def create_if_absent(self, key: str, data: BytesLike) -> bool:
         """Create-once. True when `key` now holds exactly `data` and held nothing else before (a retry, or a
         concurrent writer of identical bytes, also gets True); False when different bytes were there.
         Among concurrent writers of different bytes exactly one gets True, provided the backend's
         `probe()` passed (see `require_atomic_create`)."""
         return self.create_status(key, data) != DIFFERENT
 
-    def create_status(self, key: str, data: bytes) -> str:
+    def create_status(self, key: str, data: BytesLike) -> str:
         """`create_if_absent` with the outcome spelled out: CREATED (this call stored `data`), SAME (`key`
         already held exactly `data`), or DIFFERENT (it holds other bytes; nothing was changed)."""
         validate_key(key)
@@ -326,7 +333,7 @@ class Backend(ABC):
         """All keys under `prefix` (recursively), sorted. Temporary files of in-progress writes are never listed."""
         return sorted(self._list(validate_prefix(prefix)))
 
-    def list_dir(self, prefix: str = "") -> list[str]:
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
         """Names directly under `prefix` (keys and sub-prefixes, one level, no trailing '/'), sorted."""
         if prefix:
             validate_key(prefix.rstrip("/"))
@@ -342,7 +349,7 @@ class Backend(ABC):
         Object stores have no links: False."""
         return False
 
-    def leftover_temporaries(self, older_than: float) -> list[str]:
+    def leftover_temporaries(self, older_than: float) -> builtins.list[str]:
         """Partial writes that a killed writer left behind, as paths relative to the root, last changed before
         `older_than` (a POSIX time). They are never keys: listing and reading never see them.
 
@@ -391,7 +398,7 @@ class Backend(ABC):
         connection, a timeout), not that it refused something: worth retrying later."""
         return isinstance(exc, (ConnectionError, TimeoutError))
 
-    def probe_scope(self) -> tuple:
+    def probe_scope(self) -> tuple[Any, ...]:
         """What a probe result holds for: this root by default (S3: the endpoint and bucket)."""
         return (type(self).__name__, self.url)
 
@@ -423,7 +430,7 @@ class Backend(ABC):
         raise BackendError(message + refusal)
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _map(self, fn, items: Sequence) -> list:
+    def _map(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> builtins.list[_R]:
         return self.pool.map(fn, items)
 
     def __repr__(self) -> str:

@@ -187,7 +187,7 @@ def _policy_of(fs: Any, policy: RequestPolicy) -> RequestPolicy:
                    read_timeout=float(config.get("read_timeout", getattr(fs, "read_timeout", 15))), max_attempts=1)
 
 
-def _error_code(exc: BaseException) -> str | None:
+def _error_code(exc: BaseException | None) -> str | None:
     """The S3 error code behind an exception raised by s3fs, looking through its cause chain."""
     seen = 0
     while exc is not None and seen < 5:
@@ -204,8 +204,8 @@ def _error_code(exc: BaseException) -> str | None:
     return None
 
 
-def _chain(exc: BaseException, limit: int = 8) -> list[BaseException]:
-    out = []
+def _chain(exc: BaseException | None, limit: int = 8) -> list[BaseException]:
+    out: list[BaseException] = []
     while exc is not None and len(out) < limit:
         out.append(exc)
         exc = exc.__cause__ or exc.__context__
@@ -232,7 +232,7 @@ _DENIED_CODES = {"AccessDenied", "403", "AllAccessDisabled", "AccountProblem"}
 class _Failure:
     """What went wrong with a request, before it is worded for one backend's URL."""
 
-    error: type
+    error: type[StoreUnreachableError | StoreAccessError | NoSuchBucketError | StoreConfigError]
     what: str          # the problem, in words
     check: str         # what the user should check (names of variables or options)
 
@@ -427,11 +427,12 @@ class S3Backend(Backend):
         if code is not None:
             return code in _UNAVAILABLE
         seen = 0
-        while exc is not None and seen < 8:
-            if isinstance(exc, (OSError, TimeoutError, asyncio.TimeoutError, BotoConnectionError, HTTPClientError,
-                                aiohttp.ClientError)):
+        link: BaseException | None = exc
+        while link is not None and seen < 8:
+            if isinstance(link, (OSError, TimeoutError, asyncio.TimeoutError, BotoConnectionError, HTTPClientError,
+                                 aiohttp.ClientError)):
                 return True
-            exc = exc.__cause__ or exc.__context__
+            link = link.__cause__ or link.__context__
             seen += 1
         return False
 
@@ -550,8 +551,9 @@ class S3Backend(Backend):
 
     def _missing(self, exc: BaseException) -> None:
         """A "no such key" that is really "no such bucket" is a storage failure, not an absent value."""
-        if _error_code(exc) == "NoSuchBucket":
-            raise self._error(_classify(exc, self._sources, self.policy)) from exc
+        failure = _classify(exc, self._sources, self.policy) if _error_code(exc) == "NoSuchBucket" else None
+        if failure is not None:   # the code is always classified: a NoSuchBucketError
+            raise self._error(failure) from exc
 
     # ---- primitives ------------------------------------------------------------------------------
     def _path(self, key: str) -> str:

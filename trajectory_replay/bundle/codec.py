@@ -45,8 +45,9 @@ _DTYPES: dict[str, tuple[str, int]] = {
 _MANIFEST_NAMES = {name: code for code, (name, _) in _DTYPES.items()}
 
 
-def dtype_name(dtype: "torch.dtype") -> str:
-    """The manifest spelling of a dtype (`torch.float32`), shared with the older format."""
+def dtype_name(dtype: "torch.dtype | str") -> str:
+    """The manifest spelling of a dtype (`torch.float32`; a `RawTensor`'s dtype is spelled so already), shared with
+    the older format."""
     return str(dtype)
 
 
@@ -220,7 +221,7 @@ class Header:
         return torch_dtype(self.dtype_name)
 
 
-def header_length(prefix: bytes, where: str) -> int:
+def header_length(prefix: bytes | bytearray, where: str) -> int:
     """The JSON header length from the first 8 bytes of a blob, bounded."""
     if len(prefix) < 8:
         raise BundleError(f"{where}: not a safetensors blob (only {len(prefix)} bytes)")
@@ -249,7 +250,7 @@ def _header_int(value: object, where: str, field: str) -> int:
     return value
 
 
-def parse_header(head: bytes, blob_size: int, where: str) -> Header:
+def parse_header(head: bytes | bytearray, blob_size: int, where: str) -> Header:
     """Check the header of a one-tensor safetensors blob of `blob_size` bytes, whose start is `head`."""
     n = header_length(head, where)
     if len(head) < 8 + n or 8 + n > blob_size:

@@ -86,7 +86,7 @@ def check_document_size(size: int, label: str) -> None:
         raise BundleError(f"{label}: {problem}")
 
 
-def parse_json(data: bytes, label: str) -> dict[str, Any]:
+def parse_json(data: bytes | bytearray, label: str) -> dict[str, Any]:
     """Decode a UTF-8 JSON object, turning decoding errors into a one-line BundleError."""
     if nesting_exceeds(data):
         raise BundleError(f"{label}: not valid JSON (nested more than {MAX_JSON_DEPTH} levels deep)")

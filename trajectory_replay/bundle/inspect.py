@@ -237,41 +237,41 @@ def _payload_states(store: ObjectStore, payloads: dict[str, PayloadSpec]) -> dic
     """Read every payload's record and blob ref through the store's inventory, which reads the backend itself
     (a read cache would hide a record deleted or altered in the store)."""
     states = {name: _PayloadState() for name in payloads}
-    usable = {}
+    usable: dict[str, tuple[str, str, int]] = {}   # name -> the blob's digest, its record's digest, its size
     for name, spec in payloads.items():
         if spec.digest is None or spec.record is None:
             states[name].error = "no digest in the manifest"
         else:
-            usable[name] = spec
+            usable[name] = (spec.digest, spec.record, spec.size)
     inventory = store.inventory
-    records = inventory.records(spec.record for spec in usable.values())
-    refs = inventory.read_refs(spec.digest for spec in usable.values())
+    records = inventory.records(record for _, record, _ in usable.values())
+    refs = inventory.read_refs(digest for digest, _, _ in usable.values())
     other_records: dict[str, str] = {}
-    for name, spec in usable.items():
+    for name, (digest, record, size) in usable.items():
         state = states[name]
-        got = _record_problem(spec.digest, spec.record, spec.size, records[spec.record])
+        got = _record_problem(digest, record, size, records[record])
         if isinstance(got, BlobRecord):
             state.record = got
         else:
             state.error = got
-        ref_key, named = blob_ref_key(spec.digest), refs[spec.digest]
+        ref_key, named = blob_ref_key(digest), refs[digest]
         if named is None:
             state.ref_error = f"blob ref {ref_key} is missing"
             continue
         if not isinstance(named, str):
             state.ref_error = f"blob ref {ref_key} is corrupt ({named})"
             continue
-        if named != spec.record:
+        if named != record:
             # a writer that lost a race names the record the winner stored; the ref then names another record
             # of the same blob, which must be sound too
             other_records[name] = named
     if other_records:
         more = inventory.records(other_records.values())
         for name, record_digest in other_records.items():
-            spec = usable[name]
-            got = _record_problem(spec.digest, record_digest, spec.size, more[record_digest])
+            digest, _, size = usable[name]
+            got = _record_problem(digest, record_digest, size, more[record_digest])
             if not isinstance(got, BlobRecord):
-                states[name].ref_error = f"blob ref {blob_ref_key(spec.digest)} names a bad record: {got}"
+                states[name].ref_error = f"blob ref {blob_ref_key(digest)} names a bad record: {got}"
     return states
 
 

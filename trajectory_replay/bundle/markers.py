@@ -66,7 +66,7 @@ import operator
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Optional, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, field_validator, model_validator
 
@@ -82,6 +82,8 @@ from trajectory_replay.outcome import one_line
 from trajectory_replay.store import BlobRecord, BlobRef, ObjectStore, hash_bytes, object_key
 from trajectory_replay.store.inventory import fetch
 from trajectory_replay.store.records import MAX_RECORD_BYTES
+
+_M = TypeVar("_M", bound=BaseModel)
 
 COMPLETE = "COMPLETE"
 RANK_MARKER = re.compile(r"COMPLETE\.(0|[1-9][0-9]*)")
@@ -326,14 +328,14 @@ def finalizer_claim(rank: int) -> bytes:
     return compact_json({"format": FINALIZER_FORMAT, "rank": _rank(rank, "rank")})
 
 
-def read_marker(backend: Backend, key: str, model: type[BaseModel]) -> Optional[BaseModel]:
+def read_marker(backend: Backend, key: str, model: type[_M]) -> Optional[_M]:
     """The parsed marker at `key`, or None when absent; BundleError when malformed (or larger than MAX_MARKER_BYTES).
     One request: every bundle's status reads its COMPLETE, and a store may hold thousands of bundles."""
     data = _read_bounded(backend, key)
     return None if data is None else _parse_marker(backend, key, data, model)
 
 
-def _parse_marker(backend: Backend, key: str, data: bytes | ValueTooLargeError, model: type[BaseModel]) -> BaseModel:
+def _parse_marker(backend: Backend, key: str, data: bytes | ValueTooLargeError, model: type[_M]) -> _M:
     if isinstance(data, ValueTooLargeError):
         raise BundleError(f"{backend.url}/{key}: marker larger than {MAX_MARKER_BYTES} bytes")
     return validate_document(model, parse_json(data, f"{backend.url}/{key}"), f"{backend.url}/{key}")
@@ -353,7 +355,7 @@ def _read_bounded(backend: Backend, key: str) -> bytes | ValueTooLargeError | No
 
 def read_complete(backend: Backend, name: str) -> Optional[CompleteMarker]:
     """The final COMPLETE of bundle `name`, or None."""
-    return read_marker(backend, complete_key(name), CompleteMarker)  # type: ignore[return-value]
+    return read_marker(backend, complete_key(name), CompleteMarker)
 
 
 def final_marker_bytes(markers: list[RankMarker]) -> bytes:
@@ -381,7 +383,7 @@ def cohort_state(backend: Backend, name: str, expected_ranks: list[int]) -> tupl
         for rank, key, data in zip(window, keys, values):
             if data is None:
                 return landed, [rank]
-            landed.append(_parse_marker(backend, key, data, RankMarker))  # type: ignore[arg-type]
+            landed.append(_parse_marker(backend, key, data, RankMarker))
     return landed, []
 
 
@@ -412,7 +414,7 @@ def _claimed_cohort(backend: Backend, name: str, expected_ranks: list[int], rank
     more, missing = cohort_state(backend, name, expected_ranks[expected_ranks.index(gap) + 1:])
     if missing or not claim_finalizer(backend, name, rank, unsafe=unsafe):
         return None
-    return landed + [_parse_marker(backend, rank_key(name, gap), data, RankMarker)] + more  # type: ignore[list-item]
+    return landed + [_parse_marker(backend, rank_key(name, gap), data, RankMarker)] + more
 
 
 def check_agreement(name: str, markers: list[RankMarker]) -> None:
@@ -548,7 +550,7 @@ def index_anchor(store: ObjectStore, ref: DocRef, label: str) -> Anchor:
     return Anchor.of(validate_document(Identity, identity, f"{label}: identity"))
 
 
-def _leading_field(head: bytes, name: str) -> Optional[Any]:
+def _leading_field(head: bytes | bytearray, name: str) -> Optional[Any]:
     """The value of top-level field `name` of the JSON object whose first bytes are `head`, when it and every field
     before it lie whole within `head`; None otherwise (the caller reads the whole document then)."""
     if nesting_exceeds(head):
@@ -618,7 +620,7 @@ def complete_disagreements(name: str, complete: CompleteMarker,
     return problems
 
 
-_DOCUMENTS = {"manifest": Manifest, "index": BundleIndex, "expected": Expected}
+_DOCUMENTS: dict[str, type[BaseModel]] = {"manifest": Manifest, "index": BundleIndex, "expected": Expected}
 
 
 @dataclass(frozen=True)

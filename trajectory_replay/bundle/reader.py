@@ -17,13 +17,15 @@ import bisect
 
 import os
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ContextManager, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Optional, Sequence, TypeVar
+
+from pydantic import BaseModel
 
 from trajectory_replay.backends import redact_url
 from trajectory_replay.bundle import codec
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.documents import check_document_size, parse_document, parse_json, validate_document
-from trajectory_replay.bundle.markers import CompleteMarker, Documents, read_complete
+from trajectory_replay.bundle.markers import CompleteMarker, DocRef, Documents, read_complete
 from trajectory_replay.bundle.paths import split_bundle_path
 from trajectory_replay.bundle.schema import BundleIndex, Expected, Manifest, PayloadSpec
 from trajectory_replay.bundle.status import bundle_status, describe_missing, finalize
@@ -36,6 +38,8 @@ if TYPE_CHECKING:   # tensors are built only when a payload is loaded; opening a
     import torch
 
 _HEAD_PROBE = 4096
+
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class BundleReader:
@@ -74,7 +78,7 @@ class BundleReader:
                 for r in sorted(int(k) for k in self.marker.shards) if r != self.rank]
 
     @classmethod
-    def open(cls, path_or_url: str | os.PathLike, **storage_options: Any) -> "BundleReader":
+    def open(cls, path_or_url: str | os.PathLike[str], **storage_options: Any) -> "BundleReader":
         """Open a single-producer bundle, or one rank addressed as `<bundle>/rank-<r>`."""
         sources = open_native(os.fspath(path_or_url), **storage_options)
         if len(sources) != 1:
@@ -83,18 +87,18 @@ class BundleReader:
         return sources[0]
 
     # ---- documents -----------------------------------------------------------------------------
-    def _bytes(self, ref, label: str) -> bytes | bytearray:
+    def _bytes(self, ref: DocRef, label: str) -> bytearray:
         check_document_size(ref.size, label)  # the record must agree with this size, so nothing larger is read
         try:
             return self.store.get(ref.blob_ref())
         except TrajectoryReplayError as exc:
             raise type(exc)(f"{label}: {exc}") from None
 
-    def _json(self, ref, what: str) -> dict[str, Any]:
+    def _json(self, ref: DocRef, what: str) -> dict[str, Any]:
         label = f"{self.label}: {what}"
         return parse_json(self._bytes(ref, label), label)
 
-    def _document(self, ref, what: str, model):
+    def _document(self, ref: DocRef, what: str, model: type[_M]) -> _M:
         label = f"{self.label}: {what}"
         return parse_document(model, self._bytes(ref, label), label)
 
@@ -134,7 +138,7 @@ class BundleReader:
             return self._load_rows(name, spec, positions)
 
     @contextmanager
-    def _located(self, name: str):
+    def _located(self, name: str) -> Iterator[None]:
         """Prefix a store error with the bundle and payload it happened in (once)."""
         where = f"{self.label}: payload {name!r}"
         try:

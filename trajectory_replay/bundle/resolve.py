@@ -60,8 +60,10 @@ class Bundle:
         if self.format == V1:
             from trajectory_replay.bundle import legacy   # only an older-format bundle loads its reader
 
-            return legacy.open_v1(self.path)  # type: ignore[arg-type]
-        return native_readers(self.store, self.name, self.rank)  # type: ignore[arg-type]
+            assert self.path is not None   # an older-format bundle is a directory
+            return legacy.open_v1(self.path)
+        assert self.store is not None   # a native bundle is in a store
+        return native_readers(self.store, self.name, self.rank)
 
 
 def open_bundle(address: str | os.PathLike, *, step: Optional[str] = None, rollout: Optional[int] = None,

@@ -137,7 +137,7 @@ def bundle_status(backend: Backend, name: str, *, retry: bool = True) -> Optiona
         mtimes = [backend.mtime(k) for k in state.marker_keys]
         if COMPLETE in marker_names:
             state.mtime = backend.mtime(complete_key(name))
-            state.complete = read_marker(backend, complete_key(name), CompleteMarker)  # type: ignore[assignment]
+            state.complete = read_marker(backend, complete_key(name), CompleteMarker)
         else:  # the claim's age counts: gc removes a cohort's markers and its claim together, or none of them
             state.mtime = max(mtimes + ([backend.mtime(state.finalizer_key)] if state.finalizer_key else []))
         for n in marker_names:
@@ -145,7 +145,7 @@ def bundle_status(backend: Backend, name: str, *, retry: bool = True) -> Optiona
             if match:
                 marker = read_marker(backend, rank_key(name, int(match.group(1))), RankMarker)
                 if marker is not None:
-                    state.rank_markers[int(match.group(1))] = marker  # type: ignore[assignment]
+                    state.rank_markers[int(match.group(1))] = marker
     except NotFoundError:  # a marker removed while we looked (gc of an abandoned cohort): look again
         return bundle_status(backend, name, retry=False) if retry else None
     except (UsageError, StorageUnavailableError):  # a store that stopped answering says nothing of this bundle
@@ -192,9 +192,9 @@ def anchor_problems(backend: Backend, states: Iterable[BundleState]) -> dict[str
     """Bundle name -> why, for each complete bundle whose COMPLETE records an anchor other than its index's
     identity (`markers.anchor_problem`: the first bytes of each index, read verified, concurrently)."""
     store = ObjectStore(backend)
-    complete = [s for s in states if s.complete is not None]
-    found = concurrently(lambda s: anchor_problem(store, s.name, s.complete), complete, backend.max_workers)
-    return {s.name: why for s, why in zip(complete, found) if why is not None}
+    complete = [(s.name, s.complete) for s in states if s.complete is not None]
+    found = concurrently(lambda item: anchor_problem(store, *item), complete, backend.max_workers)
+    return {name: why for (name, _), why in zip(complete, found) if why is not None}
 
 
 def finalize(backend: Backend, state: BundleState, *, raising: bool = False) -> BundleState:

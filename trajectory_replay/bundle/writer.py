@@ -35,7 +35,7 @@ from trajectory_replay.bundle.markers import (
 from trajectory_replay.bundle.paths import split_bundle_path
 from trajectory_replay.bundle.redaction import check_policy, redact_samples
 from trajectory_replay.bundle.schema import (
-    BundleIndex, ConventionsRecord, Expected, Manifest, PayloadSpec, SchemaWarning, check_name,
+    BundleIndex, ConventionsRecord, Expected, Manifest, PayloadSpec, SampleRecord, SchemaWarning, check_name,
 )
 from trajectory_replay.bundle.stage_io import LOSS_MASK, RECORDED_PAYLOADS
 from trajectory_replay.errors import BundleError, StorageUnavailableError, TrajectoryReplayError
@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 
 
 
-def _documents(name: str, manifest: Manifest | Mapping, index: BundleIndex | Mapping) -> tuple[Manifest, BundleIndex]:
+def _documents(name: str, manifest: Manifest | Mapping[str, Any], index: BundleIndex | Mapping[str, Any],
+               ) -> tuple[Manifest, BundleIndex]:
     """The manifest and index of bundle `name`, validated and agreeing on the bundle id; a manifest of a config built
     from a convention profile records which."""
     manifest = manifest if isinstance(manifest, Manifest) else validate_document(Manifest, manifest, "manifest")
@@ -107,7 +108,8 @@ class BundleWriter:
     `run_id` (several producers): the launch of the job that writes this rank, the same for every rank of it; rank
     markers of different runs never complete one bundle together (a capture restarted into the same directory)."""
 
-    def __init__(self, path_or_url: str | os.PathLike, manifest: Manifest | Mapping, index: BundleIndex | Mapping,
+    def __init__(self, path_or_url: str | os.PathLike[str], manifest: Manifest | Mapping[str, Any],
+                 index: BundleIndex | Mapping[str, Any],
                  expected: Mapping[str, Any], *, rank: Optional[int] = None,
                  expected_ranks: Optional[Sequence[int]] = None, store: Optional[ObjectStore] = None,
                  unsafe_markers: bool = False, inflight_ttl: float = DEFAULT_INFLIGHT_TTL,
@@ -153,7 +155,7 @@ class BundleWriter:
         return specs
 
     def _encode_payloads(self, tensors: Mapping[str, torch.Tensor]) -> list["_Encoded"]:
-        encoded = []
+        encoded: list[_Encoded] = []
         for name, tensor in tensors.items():
             check_or_raise(name, "payload name")
             if name == LOSS_MASK:
@@ -168,7 +170,7 @@ class BundleWriter:
         expected = {o for c in self.manifest.stage_contracts.values() for o in c.expected_outputs}
         return "expected" if name in expected or name in RECORDED_PAYLOADS else "input"
 
-    def _encode(self, name: str, tensor: torch.Tensor, role: str) -> "_Encoded":
+    def _encode(self, name: str, tensor: torch.Tensor | codec.RawTensor, role: str) -> "_Encoded":
         blob, data_start = codec.encode(tensor)
         per_token = tensor.dim() == 1
         cuts = boundaries = None
@@ -220,7 +222,7 @@ class BundleWriter:
             ranks = check_rank_list(list(ranks), self.url)
             if not ranks:
                 raise BundleError(f"{self.url}: finalize(ranks=[]) lands no rank")
-        sources: dict[str, tuple] = {}
+        sources: dict[str, tuple[Any, ...]] = {}
         documents = self._write_documents(self._encode_payloads(payloads or {}), sources)
         backend = self.store.backend
         self._check_survived_gc(sources)
@@ -254,7 +256,7 @@ class BundleWriter:
             self._check_cohort_kept(removed)
         return result
 
-    def _check_survived_gc(self, sources: Mapping[str, tuple]) -> None:
+    def _check_survived_gc(self, sources: Mapping[str, tuple[Any, ...]]) -> None:
         """Commit only a bundle whose every object exists, whatever gc did meanwhile.
 
         What this writer found present was listed in its in-flight record first, so a sweep that starts
@@ -340,7 +342,8 @@ class BundleWriter:
         # the same landing from an earlier attempt of this rank's job: its retry stops here
         log.info("%s: rank %d already landed (attempt %s)", self.url, rank, earlier.attempt)
 
-    def _write_documents(self, pending: Sequence["_Encoded"] = (), sources: Optional[dict] = None) -> Documents:
+    def _write_documents(self, pending: Sequence["_Encoded"] = (),
+                         sources: Optional[dict[str, tuple[Any, ...]]] = None) -> Documents:
         """Write the payloads still `pending`, the loss mask and the three documents, in one batch.
 
         `sources` receives digest -> (data, cuts, boundaries) of every blob of the batch."""
@@ -384,7 +387,7 @@ class BundleWriter:
                 contract.pop("kernel", None)
         return compact_json(doc)
 
-    def _mask_tensor(self, samples) -> codec.RawTensor:
+    def _mask_tensor(self, samples: Sequence[SampleRecord]) -> codec.RawTensor:
         """The records' loss masks as one uint8 tensor (made without torch: the capture writer process never
         imports it); BundleError naming the first sample with a value not 0/1."""
         try:  # bytes() of a list of small ints runs in C: a mask of millions of tokens costs milliseconds
@@ -408,7 +411,7 @@ class BundleWriter:
             raise BundleError(f"{self.url}: writer already finalized")
 
 
-def _landing(marker: RankMarker) -> tuple:
+def _landing(marker: RankMarker) -> tuple[Any, ...]:
     """What makes two rank markers the same landing (the attempt and the time aside)."""
     return (marker.bundle_id, marker.rank, marker.anchor, sorted(marker.expected_ranks), marker.documents.digests(),
             marker.run)

@@ -63,10 +63,11 @@ def commit_bundle(store: ObjectStore, job: BundleJob) -> str:
     forget = getattr(store.backend, "forget_outage", None)
     if forget is not None:   # each record asks the store again; the manager's backoff spaced the attempts out
         forget()
-    rank_args = dict(rank=job.rank, expected_ranks=list(job.expected_ranks), run_id=job.run_id) \
-        if job.multi_producer else {}
+    multi = job.multi_producer   # a single producer's bundle names no rank
     writer = BundleWriter(f"{job.capture_dir.rstrip('/')}/{job.bundle_id}", parts.manifest, parts.index,
-                          parts.expected, store=store, **rank_args)
+                          parts.expected, store=store, rank=job.rank if multi else None,
+                          expected_ranks=list(job.expected_ranks) if multi else None,
+                          run_id=job.run_id if multi else None)
     try:
         writer.finalize(payloads=parts.payloads)   # payloads and documents in one batch
     except BaseException:

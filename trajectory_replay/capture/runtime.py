@@ -104,7 +104,8 @@ _exit_hook_lock = threading.Lock()
 def close_at_exit(close: Callable[[], None]) -> None:
     """Call the bound method `close` at interpreter exit, unless its object is gone or called `forget_at_exit`."""
     _register_exit_hook()
-    _AT_EXIT[close.__self__] = weakref.WeakMethod(close)
+    owner = close.__self__  # type: ignore[attr-defined]  # mypy: a bound method is a plain callable
+    _AT_EXIT[owner] = weakref.WeakMethod(close)
 
 
 def forget_at_exit(owner: Any) -> None:

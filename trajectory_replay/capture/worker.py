@@ -30,7 +30,7 @@ import threading
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, NamedTuple, Optional
+from typing import IO, Any, NamedTuple, Optional
 
 from trajectory_replay.bundle.codec import RawTensor
 from trajectory_replay.capture.commit import BundleJob, commit_bundle, storage_failure
@@ -56,7 +56,7 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def send(stream: BinaryIO, obj: Any) -> None:
+def send(stream: IO[bytes], obj: Any) -> None:
     buf = io.BytesIO()
     _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     data = buf.getbuffer()
@@ -65,7 +65,7 @@ def send(stream: BinaryIO, obj: Any) -> None:
     stream.flush()
 
 
-def receive(stream: BinaryIO) -> Any:
+def receive(stream: IO[bytes]) -> Any:
     head = stream.read(_LENGTH.size)
     if len(head) < _LENGTH.size:
         raise EOFError("the other side closed the pipe")
@@ -157,8 +157,9 @@ class WriterProcess:
         with self._scheduling:
             self._schedule(proc)
             self.proc = proc
-        send(self.proc.stdin, self.settings)
-        answer = receive(self.proc.stdout)
+        stdin, stdout = _pipes(proc)
+        send(stdin, self.settings)
+        answer = receive(stdout)
         if not (isinstance(answer, tuple) and answer and answer[0] == READY):
             self.stop()
             raise RuntimeError(f"capture writer process failed to start: {answer}")
@@ -208,9 +209,11 @@ class WriterProcess:
         if not self.alive:
             self.start()
         self._seq += 1
+        assert self.proc is not None   # started just above
         try:
-            send(self.proc.stdin, Request(self._seq, job))
-            reply: Reply = receive(self.proc.stdout)
+            stdin, stdout = _pipes(self.proc)
+            send(stdin, Request(self._seq, job))
+            reply: Reply = receive(stdout)
         except (EOFError, OSError, pickle.UnpicklingError) as exc:
             code = self.proc.poll() if self.proc is not None else None
             self.stop()
@@ -220,17 +223,19 @@ class WriterProcess:
             self.stop()
             raise RuntimeError(f"capture writer process answered record {reply.seq}, expected {self._seq}")
         if reply.failure is not None:
-            raise _rebuild(reply.failure)
+            raise WriterStorageError(*reply.failure)
         if reply.error is not None:
             raise RuntimeError(reply.error)
+        assert reply.url is not None   # a reply without a failure or an error names the bundle
         return reply.url
 
     def stop(self, timeout: float = 10.0) -> None:
         proc, self.proc = self.proc, None
         if proc is None:
             return
+        stdin, stdout = _pipes(proc)
         try:
-            proc.stdin.close()   # end of input: the child exits
+            stdin.close()   # end of input: the child exits
         except OSError:
             pass
         try:
@@ -238,7 +243,13 @@ class WriterProcess:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        proc.stdout.close()
+        stdout.close()
+
+
+def _pipes(proc: subprocess.Popen[bytes]) -> tuple[IO[bytes], IO[bytes]]:
+    """The writer process's stdin and stdout (it is always started with both piped)."""
+    assert proc.stdin is not None and proc.stdout is not None
+    return proc.stdin, proc.stdout
 
 
 # ---- child side ------------------------------------------------------------------------------------

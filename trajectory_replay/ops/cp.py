@@ -104,7 +104,7 @@ def copy_bundles(source: str | os.PathLike, dest_root: str | os.PathLike, *, ste
         return _convert(os.fspath(source), older, dest_root, dest_options or {})
     src, selection = _source(os.fspath(source), Anchor.requested(step, rollout), source_options or {})
     chosen, covered = selection.several(all_bundles)
-    states, direct = [c.state for c in chosen], selection.direct
+    states, direct = [_state(c) for c in chosen], selection.direct
     skipped = [{"name": c.name, "detail": c.detail} for c in covered]
     trees = Walker(src).trees(states)
     for tree in trees.values():
@@ -176,6 +176,18 @@ class _OlderSelection:
     skipped: list[dict[str, str]]
 
 
+def _older_path(path: Optional[Path]) -> Path:
+    """The directory of an older-format bundle `open_bundle` chose (it always has one)."""
+    assert path is not None
+    return path
+
+
+def _state(candidate: Candidate) -> BundleState:
+    """The state of a native bundle a selection chose (its candidate always carries one)."""
+    assert candidate.state is not None
+    return candidate.state
+
+
 def _older_format_selection(source: str, step: Optional[str], rollout: Optional[int],
                             all_bundles: bool) -> Optional[_OlderSelection]:
     """The older-format bundles to convert: the source itself when it is one, else those of a local directory
@@ -187,14 +199,14 @@ def _older_format_selection(source: str, step: Optional[str], rollout: Optional[
     if local is None:
         return None
     if legacy.is_v1_bundle(local):
-        return _OlderSelection([open_bundle(local, step=step, rollout=rollout).path], [])
+        return _OlderSelection([_older_path(open_bundle(local, step=step, rollout=rollout).path)], [])
     older = legacy.find_v1_bundles(local)
     if not older:
         return None
     if scan_bundles(open_root(source)):  # native bundles beside them: the native copy (older ones never scanned)
         return None
     if not all_bundles:
-        return _OlderSelection([open_bundle(local, step=step, rollout=rollout).path], [])
+        return _OlderSelection([_older_path(open_bundle(local, step=step, rollout=rollout).path)], [])
     chosen, skipped = [], []
     for path in older:
         status = legacy.v1_status(path)
@@ -254,9 +266,9 @@ def _check_destination(src: Backend, dest: Backend, dest_root: str, options: dic
 def _same_root(a: Backend, b: Backend) -> bool:
     if type(a) is not type(b):
         return False
-    roots = [getattr(x, "root", None) for x in (a, b)]
-    if all(isinstance(r, Path) for r in roots):
-        return os.path.realpath(roots[0]) == os.path.realpath(roots[1])
+    root_a, root_b = getattr(a, "root", None), getattr(b, "root", None)
+    if isinstance(root_a, Path) and isinstance(root_b, Path):
+        return os.path.realpath(root_a) == os.path.realpath(root_b)
     return a.url.rstrip("/") == b.url.rstrip("/")
 
 

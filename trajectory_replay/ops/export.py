@@ -76,7 +76,8 @@ def export_bundle(bundle: str | os.PathLike, out_dir: str | os.PathLike, *, prog
         manifest, index, expected, payloads = shards[None]
         legacy.write_v1_bundle(target, manifest, index, expected, payloads)
     else:
-        legacy.write_v1_multirank(target, shards, sources[0].marker.expected_ranks)
+        legacy.write_v1_multirank(target, {r: shard for r, shard in shards.items() if r is not None},
+                                  sources[0].marker.expected_ranks)
     return report
 
 

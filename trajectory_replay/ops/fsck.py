@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from trajectory_replay.backends import Backend, redact_url
 from trajectory_replay.bundle.markers import (
@@ -323,8 +323,9 @@ def _repair(inventory: Inventory, source: Inventory, keys: list[str], report: Fs
     for key in keys:
         data = values[key]
         if data is None:
-            why = f"absent from {where}"
-        elif key_kind(key) != REF:
+            report.not_repaired(key, f"absent from {where}")
+            continue
+        if key_kind(key) != REF:
             why = None if value_problem(key, data) is None else \
                 f"the copy at {where} does not match its digest either"
         else:
@@ -339,7 +340,7 @@ def _repair(inventory: Inventory, source: Inventory, keys: list[str], report: Fs
     return fixed
 
 
-def _ref_problem(key: str, record_digest: Optional[str], records: dict[str, BlobRecord | Exception | None],
+def _ref_problem(key: str, record_digest: Optional[str], records: Mapping[str, BlobRecord | Exception | None],
                  where: str) -> Optional[str]:
     """Why the other store's ref `key` (naming `record_digest`) is no repair; None when it names, there, a sound
     record of the ref's own blob."""

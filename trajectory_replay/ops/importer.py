@@ -41,6 +41,7 @@ def import_v1(source: str | os.PathLike, store_root: str, *, name: Optional[str]
         chosen = open_bundle(path, step=step, rollout=rollout)
         if chosen.format != V1:
             raise BundleError(f"{chosen.target}: a native bundle, not an older-format one; copy it with cp")
+        assert chosen.path is not None   # an older-format bundle is a directory
         bundles = [chosen.path]
     elif legacy.is_v1_bundle(path):
         bundles = [path]

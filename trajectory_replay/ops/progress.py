@@ -10,7 +10,10 @@ from __future__ import annotations
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
+
+if TYPE_CHECKING:   # rich is imported when a bar is drawn
+    from rich.progress import TaskID
 
 
 class Progress:
@@ -36,7 +39,7 @@ class RichProgress(Progress):
                         TextColumn("{task.fields[done]}/{task.fields[objects]} objects"),
                         DownloadColumn(binary_units=True), _RateColumn(), TimeElapsedColumn(),
                         console=console or Console(stderr=True), transient=False)
-        self._task = None
+        self._task: Optional[TaskID] = None
         self._lock = threading.Lock()
         self._done = 0
 

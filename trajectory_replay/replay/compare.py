@@ -136,9 +136,9 @@ def compare_tensors(field: str, expected: torch.Tensor, actual: torch.Tensor, la
             f"{field}: expected has {e.numel()} values, actual has {a.numel()}",))
     within = _within_atol(e, a, layout, tol.atol, sample_errors)
     if within is not None:
-        max_err, errors = within
-        return FieldComparison(field=field, compared=e.numel(), max_abs_error=max_err,
-                               per_token=layout.starts is not None and not layout.scalar, sample_errors=errors)
+        within_err, within_errors = within
+        return FieldComparison(field=field, compared=e.numel(), max_abs_error=within_err,
+                               per_token=layout.starts is not None and not layout.scalar, sample_errors=within_errors)
     diff = torch.sub(a, e).abs_()
     max_err = float(diff.max()) if e.numel() else None  # NaN anywhere makes the max NaN
     problems: list[str] = []
@@ -171,7 +171,7 @@ def compare_tensors(field: str, expected: torch.Tensor, actual: torch.Tensor, la
         Divergence(field=field, sample_id=sid, token_offset=tok, expected=float(e[p]), actual=float(a[p]),
                    abs_error=abs(float(a[p]) - float(e[p])))
         for p, (sid, tok) in zip(positions, layout.locate(positions)))
-    evidence = _evidence(e, a, bad, layout, errors) if count and errors is not None else None
+    evidence = _evidence(e, a, bad, layout, errors) if count and bad is not None and errors is not None else None
     return FieldComparison(field=field, compared=e.numel(), mismatch_count=count, max_abs_error=max_err,
                            divergences=divergences, problems=tuple(problems), evidence=evidence,
                            per_token=layout.starts is not None and not layout.scalar,

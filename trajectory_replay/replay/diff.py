@@ -17,7 +17,7 @@ two captures that differ in one prompt group fetches about that group's blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -282,16 +282,25 @@ def _provably_equal(name: str, left: SamplesById, right: SamplesById, ids: list[
         if same_rows and sa.manifest.payloads[name].digest == sb.manifest.payloads[name].digest:
             equal.update(members)   # the same blob holding the same rows
             continue
+        assert isinstance(sa, _Located) and isinstance(sb, _Located)   # every source is `_chunked`
         for sid, x, y in zip(members, sa.row_blocks(name, pa), sb.row_blocks(name, pb)):
             if x == y and x[0] < x[1]:
                 equal.add(sid)   # the same byte span, in blocks of equal hashes at the same offsets
     return equal, (f"{len(equal)} of {len(ids)} samples equal by digest, not read" if equal else "")
 
 
+@runtime_checkable
+class _Located(Protocol):
+    """A source that locates a payload's rows in the blocks of its blob (a native bundle's reader)."""
+
+    def row_blocks(self, name: str, positions: Sequence[int]) -> list[tuple[int, int, tuple[tuple[int, bytes], ...]]]:
+        ...
+
+
 def _chunked(source: ReplaySource, name: str) -> bool:
     """True for a native source whose payload `name` has a content digest (its rows can be located in chunks)."""
     spec = source.manifest.payloads.get(name)
-    return spec is not None and spec.digest is not None and hasattr(source, "row_blocks")
+    return spec is not None and spec.digest is not None and isinstance(source, _Located)
 
 
 def _expected_fields(left: SamplesById, right: SamplesById, common: list[str], tol) -> list[FieldDiff]:

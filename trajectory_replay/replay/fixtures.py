@@ -36,7 +36,7 @@ class CanonicalCase(NamedTuple):
     """The four parts of a bundle: manifest, index, expected.json content and per-token payloads."""
 
     manifest: Manifest
-    index: BundleIndex
+    index: BundleIndex  # type: ignore[assignment]  # a NamedTuple field may shadow tuple.index; mypy refuses it
     expected: dict[str, Any]
     payloads: dict[str, torch.Tensor]
 

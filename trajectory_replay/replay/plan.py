@@ -467,9 +467,8 @@ def _payload_digests(source: ReplaySource) -> Optional[dict[str, str]]:
     if isinstance(digests, dict):
         return digests
     specs = source.manifest.payloads
-    if all(spec.digest for spec in specs.values()):
-        return {name: spec.digest for name, spec in specs.items()}
-    return None
+    known = {name: spec.digest for name, spec in specs.items() if spec.digest}
+    return known if len(known) == len(specs) else None
 
 
 # --------------------------------------------------------------------------- selection over rank-local ids

@@ -37,7 +37,7 @@ from trajectory_replay.replay.registry import BUILTIN
 from trajectory_replay.replay.report import ReplayReport, StageResult, skipped
 from trajectory_replay.replay.selection import Selection
 from trajectory_replay.replay.source import ReplaySource, reading_ahead
-from trajectory_replay.replay.stages import Stage, StageContext, StageOutcome
+from trajectory_replay.replay.stages import Outputs, Stage, StageContext, StageOutcome
 
 
 def replay(sources: Sequence[ReplaySource], *, samples: Sequence[str] = (), groups: Sequence[str] = (),
@@ -79,6 +79,8 @@ def execute_keeping(plan: ReplayPlan, keep: Sequence[str], *, atol: Optional[flo
 
 
 Runs = list[tuple[StageOutcome, Block]]
+StageOutputs = dict[StageId, Outputs]
+"""What the stages that ran hand on, by stage: the outputs the later stages read."""
 
 
 @dataclass
@@ -92,7 +94,7 @@ class _PassState:
     """Each sample-level stage's runs over the blocks (its outcomes without their outputs)."""
     part_runs: dict[tuple[StageId, int], Runs] = field(default_factory=dict)
     """Each cohort-level stage's runs over the blocks, per part of the cohort."""
-    shared: dict = field(default_factory=dict)
+    shared: StageOutputs = field(default_factory=dict)
     """The outputs of the stages that run once over the whole cohort (per-sample values)."""
     whitening: Optional[Whitening] = None
     """The cohort's whitening of the advantages, for a streamed pass whose estimator whitens over the cohort."""
@@ -117,7 +119,7 @@ class _PassRunner:
         self.sample_level = [p for p in plan.stages if not p.stage.cohort_level]
         self.cohort_level = [p for p in plan.stages if p.stage.cohort_level]
 
-    def context(self, stage: StageId, cohort: Cohort, outputs: dict, rank: Optional[int],
+    def context(self, stage: StageId, cohort: Cohort, outputs: StageOutputs, rank: Optional[int],
                 block: Optional[Block] = None, whitening: Optional[Whitening] = None) -> StageContext:
         reference = self.plan.reference
         return StageContext(cohort=cohort, config=self.plan.config,
@@ -183,15 +185,16 @@ class _PassRunner:
                 ctx = self.context(planned.stage.id, state.whole, state.shared, state.plan.label)
                 self._compute(planned, ctx, state.shared, state.runs, whole_block(state.whole))
 
-    def _sample_steps(self, state: _PassState, block: Block) -> tuple[dict, list[Callable[[], None]]]:
+    def _sample_steps(self, state: _PassState, block: Block) -> tuple[StageOutputs, list[Callable[[], None]]]:
         """The block's per-block sample-level stages as steps to run in order, and the outputs they fill (what the
         cohort-level stages read)."""
         shared = state.shared
-        outputs = _block_outputs(shared, block) if state.streamed else {k: dict(v) for k, v in shared.items()}
+        outputs: StageOutputs = _block_outputs(shared, block) if state.streamed else \
+            {k: dict(v) for k, v in shared.items()}
         return outputs, [functools.partial(self._sample_step, state, block, outputs, i)
                          for i in range(len(self.sample_level))]
 
-    def _sample_step(self, state: _PassState, block: Block, outputs: dict, i: int) -> None:
+    def _sample_step(self, state: _PassState, block: Block, outputs: StageOutputs, i: int) -> None:
         """The `i`th sample-level stage over the block, if it runs block by block; then what no later stage reads
         is dropped."""
         planned = self.sample_level[i]
@@ -285,12 +288,15 @@ class _PassRunner:
             return False
         return not (planned.action == "run" and not plan.whole and self._whitened(planned.stage.id))
 
-    def _compute(self, planned: PlannedStage, ctx: StageContext, outputs: dict, runs: dict, block: Block) -> None:
+    def _compute(self, planned: PlannedStage, ctx: StageContext, outputs: StageOutputs, runs: dict[StageId, Runs],
+                 block: Block) -> None:
         """Run one planned stage over the context's rows (or hand its recorded outputs on); keep its outcome."""
         stage = planned.stage
         if planned.action == "recorded":
+            assert stage.recorded is not None   # the plan hands recorded outputs on only for a stage that has them
             outputs[stage.id] = stage.recorded(ctx)
             return
+        assert stage.compute is not None   # the plan runs only a stage replay can compute
         outcome = stage.compute(ctx)
         if outcome.outputs:
             outputs[stage.id] = outcome.outputs
@@ -299,8 +305,8 @@ class _PassRunner:
         # the verdict needs the findings, not the per-token outputs: those go when no later stage reads them
         runs.setdefault(stage.id, []).append((replace(outcome, outputs={}), block))
 
-    def _per_part(self, planned: PlannedStage, plan: Pass, whole: Cohort, block: Block, outputs: dict,
-                  part_runs: dict, streamed: bool) -> None:
+    def _per_part(self, planned: PlannedStage, plan: Pass, whole: Cohort, block: Block, outputs: StageOutputs,
+                  part_runs: dict[tuple[StageId, int], Runs], streamed: bool) -> None:
         """A cohort-level stage over the block's rows of each part, with the block's slice of the (per-token)
         upstream outputs it consumes; its verdict is made per part once every block ran."""
         for k, ranks in enumerate(plan.cohort_ranks):
@@ -308,14 +314,16 @@ class _PassRunner:
             if found is None:
                 continue
             part_block, tokens = found
-            part_outputs = {stage: {key: value[tokens] for key, value in produced.items()}
-                            for stage, produced in outputs.items() if stage in planned.stage.io.upstream_stages}
+            part_outputs: StageOutputs = {
+                stage: {key: value[tokens] for key, value in produced.items()}
+                for stage, produced in outputs.items() if stage in planned.stage.io.upstream_stages}
             ctx = self.context(planned.stage.id, part_block.cohort, part_outputs, ranks[0],
                                part_block if streamed else None)
+            assert planned.stage.compute is not None   # the plan runs only a stage replay can compute
             outcome = planned.stage.compute(ctx)
             part_runs.setdefault((planned.stage.id, k), []).append((outcome, part_block))
 
-    def _whitening(self, plan: Pass, blocks: list[Block], shared: dict) -> Optional[Whitening]:
+    def _whitening(self, plan: Pass, blocks: list[Block], shared: StageOutputs) -> Optional[Whitening]:
         """For a streamed pass whose estimator whitens over the cohort: a first pass over the blocks collects every
         sample's moments of the advantages before whitening, and the cohort's statistics whiten every block."""
         estimate = next((p for p in self.sample_level if p.stage.id == StageId.ADVANTAGE_ESTIMATE), None)
@@ -346,9 +354,9 @@ class _PassRunner:
         for name in self.keep & set(produced):
             values = produced[name].reshape(-1)
             if name in PER_SAMPLE_OUTPUTS:
-                rows = values.split(1)
+                rows = torch.split(values, 1)
             else:
-                rows = values.split(cohort.lengths.tolist())
+                rows = torch.split(values, cohort.lengths.tolist())
             self.kept.setdefault(name, {}).update(zip(cohort.sample_ids, rows))
 
     def _whitened(self, stage: StageId) -> bool:
@@ -362,7 +370,7 @@ class _BlockJob:
     and runs the rest itself. So neither thread idles while the other has work on the block: the split between
     reading-plus-early-stages and the later stages balances itself, block by block."""
 
-    def __init__(self, outputs: dict, steps: Sequence[Callable[[], None]]) -> None:
+    def __init__(self, outputs: StageOutputs, steps: Sequence[Callable[[], None]]) -> None:
         self.outputs = outputs
         self.steps = list(steps)
         self.next = 0
@@ -389,7 +397,7 @@ class _BlockJob:
                     self.running = False
                     self.turn.notify_all()
 
-    def finish(self) -> dict:
+    def finish(self) -> StageOutputs:
         """On the caller's thread: take the block, wait for the step under way, run the remaining ones."""
         with self.turn:
             self.taken = True
@@ -410,7 +418,8 @@ class _NextBlockWorker:
     It starts on the first block at once, reading the payloads the stages may read under the config (`names`);
     a payload a block's stages loaded beyond those is read ahead for the blocks after."""
 
-    def __init__(self, blocks: Sequence[Block], sample_steps: Callable[[Block], tuple[dict, list]],
+    def __init__(self, blocks: Sequence[Block],
+                 sample_steps: Callable[[Block], tuple[StageOutputs, list[Callable[[], None]]]],
                  names: set[str]) -> None:
         self.blocks = blocks
         self.sample_steps = sample_steps
@@ -420,7 +429,7 @@ class _NextBlockWorker:
         self.started: set[int] = set()
         self._start(0)
 
-    def take(self, b: int) -> dict:
+    def take(self, b: int) -> StageOutputs:
         """Block `b`'s sample-level outputs, its stages run (a read or stage error surfaces here); the thread ahead
         goes on to block b + 1."""
         job = self.jobs.pop(b, None)
@@ -495,7 +504,7 @@ def _kernel_threads(threads: int) -> Iterator[None]:
 WHITENED_PART = "advantages whitened over the whole cohort are not replayable on part of it"
 
 
-def _block_outputs(shared: dict, block: Block) -> dict:
+def _block_outputs(shared: StageOutputs, block: Block) -> StageOutputs:
     """The block's samples' values of the per-sample outputs computed once over the whole cohort."""
     return {stage: {key: value[block.index] for key, value in produced.items()} for stage, produced in shared.items()}
 
@@ -515,7 +524,7 @@ def _with_copies(result: StageResult, source_rank: Optional[int],
     return [result] + [replace(result, rank=r, message=message) for r in replicas]
 
 
-def _release(outputs: dict, cache: PayloadCache, later: Sequence[Stage], setting: Setting) -> None:
+def _release(outputs: StageOutputs, cache: PayloadCache, later: Sequence[Stage], setting: Setting) -> None:
     """Drop stage outputs and loaded payloads that no later stage reads under `setting`, so peak memory stays near
     the inputs (the reference log-probs go once advantage.kl ran, unless the loss takes a KL term)."""
     needed_outputs = {dep for stage in later for dep in stage.dependencies(setting)}

@@ -69,7 +69,7 @@ def _matching(kind: str, wanted: Sequence[str], records: Sequence[SampleRecord],
             by_key.setdefault(value, []).append(i)
     missing = [w for w in wanted if w not in by_key]
     if missing:
-        raise SelectionError(f"no {kind} {', '.join(map(repr, missing))}; {valid_ids(kind, by_key)} "
+        raise SelectionError(f"no {kind} {', '.join(map(repr, missing))}; {valid_ids(kind, list(by_key))} "
                              "(selection fails closed)")
     return {i for w in wanted for i in by_key[w]}
 

@@ -13,7 +13,7 @@ why others are skipped, is decided by `replay.plan`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -82,10 +82,10 @@ class StageOutcome:
     findings: StageChecks
     outputs: Outputs = field(default_factory=dict)
     passed: str = ""
-    partial: object = None
+    partial: Any = None
 
 
-Finish = Callable[["StageContext", StageChecks, "list[tuple[StageOutcome, Optional[Block]]]"], StageResult]
+Finish = Callable[["StageContext", StageChecks, "Sequence[tuple[StageOutcome, Block]]"], StageResult]
 """(context over the whole cohort, the runs' findings merged, each run's outcome and block) -> the verdict."""
 
 
@@ -107,7 +107,7 @@ class Stage:
     """Runs block by block in a streamed replay; False: once over the whole cohort (it reads no payload)."""
 
     def verdict(self, ctx: "StageContext", merged: StageChecks,
-                runs: "list[tuple[StageOutcome, Optional[Block]]]") -> StageResult:
+                runs: "Sequence[tuple[StageOutcome, Block]]") -> StageResult:
         """The stage's result over the whole cohort (`ctx`) from its runs."""
         if self.finish is not None:
             return self.finish(ctx, merged, runs)
@@ -181,7 +181,8 @@ def _run_sample(ctx: StageContext) -> StageOutcome:
     return StageOutcome(f)
 
 
-def _finish_sample(ctx: StageContext, merged: StageChecks, runs: list) -> StageResult:
+def _finish_sample(ctx: StageContext, merged: StageChecks,
+                   runs: Sequence[tuple[StageOutcome, Block]]) -> StageResult:
     """The records' own checks over the whole cohort (lengths, duplicate ids, payload sizes), then the masks'."""
     c, f = ctx.cohort, StageChecks()
     for p in record_problems(c.records):
@@ -237,12 +238,14 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
         fix = mismatch.correction(masked, mask, c.lengths, cfg)
         recorded = _load_payloads(ctx, f, ("rollout_is_weights",))
         if recorded is not None:
-            f.add(ctx.compare("rollout_is_weights", recorded["rollout_is_weights"],
-                              mismatch.recorded_weights(fix, mask), c.token_layout))
+            weights = mismatch.recorded_weights(fix, mask)
+            assert weights is not None   # a config with rollout_is other than 'none' has its weights
+            f.add(ctx.compare("rollout_is_weights", recorded["rollout_is_weights"], weights, c.token_layout))
     return StageOutcome(f, partial={"sums": sums, "rows": rows, "nonfinite": nonfinite, "over": over})
 
 
-def _finish_rollout_mismatch(ctx: StageContext, merged: StageChecks, runs: list) -> StageResult:
+def _finish_rollout_mismatch(ctx: StageContext, merged: StageChecks,
+                             runs: Sequence[tuple[StageOutcome, Block]]) -> StageResult:
     """The metrics of the whole cohort, the 10 worst tokens, the ceilings, staleness, and the expected values."""
     c, f, cfg = ctx.cohort, StageChecks(), ctx.config
     has_log_probs = c.has_payload("rollout_log_probs")
@@ -321,6 +324,7 @@ def _check_staleness(cfg: RecomputeConfig, f: StageChecks, c: Cohort) -> Optiona
     lags = mismatch.staleness([r.policy_version for r in c.records], cfg.actor_version)
     known = [(r, lag) for r, lag in zip(c.records, lags) if lag is not None]
     for r, lag in known:
+        assert r.policy_version is not None and cfg.actor_version is not None   # a lag is known only from both
         if lag < 0:
             f.problem(f"sample {r.sample_id} has policy_version {r.policy_version}, newer than actor_version "
                       f"{cfg.actor_version}",
@@ -355,7 +359,7 @@ def _run_reward_post_process(ctx: StageContext) -> StageOutcome:
                 f.problem(f"sample {r.sample_id} has no group_index")
         if f.failed:
             return StageOutcome(f)
-        group_ids, keys = kernels.dense_group_ids([r.group_index for r in c.records])
+        group_ids, keys = kernels.dense_group_ids([r.group_index for r in c.records if r.group_index is not None])
     else:  # the estimator works on token rewards: groups play no part
         group_ids, keys = torch.zeros(len(c.records), dtype=torch.int64), [0] if c.records else []
     sizes = torch.bincount(group_ids, minlength=len(keys)).tolist()
@@ -495,7 +499,7 @@ def _run_loss_value(ctx: StageContext) -> StageOutcome:
 def _loss_finish(stage: StageId, scalars: Callable[[losses.LossSums, RecomputeConfig, Kernels], dict[str, float]]) \
         -> Finish:
     """The verdict of a loss stage: its scalars from every block's per-sample sums, against the expected map."""
-    def finish(ctx: StageContext, merged: StageChecks, runs: list) -> StageResult:
+    def finish(ctx: StageContext, merged: StageChecks, runs: Sequence[tuple[StageOutcome, Block]]) -> StageResult:
         if any(outcome.partial is None for outcome, _ in runs):   # the rows could not be computed: said why
             return merged.result(stage, ctx.rank)
         n = len(ctx.cohort.records)

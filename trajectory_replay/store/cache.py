@@ -22,6 +22,8 @@ from typing import Optional
 
 import blake3
 
+from trajectory_replay.backends.base import BytesLike
+
 log = logging.getLogger(__name__)
 
 ENV_DIR = "TRAJECTORY_REPLAY_CACHE_DIR"
@@ -76,7 +78,7 @@ class ReadCache:
             pass
         return data
 
-    def put(self, hexdigest: str, data: bytes) -> None:
+    def put(self, hexdigest: str, data: BytesLike) -> None:
         """Store verified `data` (the caller has checked it hashes to `hexdigest`)."""
         if self.max_bytes <= 0 or len(data) > self.max_bytes:
             return

@@ -10,11 +10,15 @@ declared in `layout`): an object (chunk, blob record, JSON document) lives under
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import blake3
 
 from trajectory_replay.errors import InvalidKeyError
 from trajectory_replay.store.layout import OBJECTS_DIR, REFS_DIR
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 PREFIX = "blake3:"
 _HEX = re.compile(r"[0-9a-f]{64}")
@@ -25,13 +29,13 @@ OBJECT, REF = "object", "ref"
 _PARALLEL_THRESHOLD = 8 << 20  # below this, threads cost more than they save
 
 
-def hash_bytes(data) -> str:
+def hash_bytes(data: Buffer) -> str:
     """The digest of `data` (any bytes-like object)."""
     threads = blake3.blake3.AUTO if len(memoryview(data)) >= _PARALLEL_THRESHOLD else 1
     return PREFIX + blake3.blake3(data, max_threads=threads).hexdigest()
 
 
-def raw_hash(data) -> bytes:
+def raw_hash(data: Buffer) -> bytes:
     """The 32-byte BLAKE3 hash of `data` (block hashes are kept in this form)."""
     return blake3.blake3(data).digest()
 

@@ -23,7 +23,7 @@ import logging
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar, Union, overload
 
 from trajectory_replay._allocator import buffer_for_read
 from trajectory_replay.backends import Backend, ByteRange, open_backend
@@ -41,7 +41,17 @@ from trajectory_replay.store.records import (
     MAX_RECORD_BYTES, MAX_REF_BYTES, BlobRecord, ChunkInfo, decode_record, oversized_record,
 )
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    PutItem = Union[tuple[Buffer, Optional[Sequence[int]]],
+                    tuple[Buffer, Optional[Sequence[int]], Optional[Sequence[int]]]]
+    """What `plan_many` and `put_many` take for one blob: (data, cuts[, boundaries])."""
+
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 DEFAULT_BLOCK_SIZE = 16 << 10
 SMALL_OBJECT = 64 << 10
@@ -66,7 +76,7 @@ class PutPlan:
     chunks: list[tuple[ChunkInfo, memoryview]]
     existing: bool
     """The blob's ref already exists: nothing needs writing (once its chunks are found present)."""
-    source: tuple = field(default=(), repr=False)
+    source: tuple[Any, ...] = field(default=(), repr=False)
     """(data, cuts, boundaries) the plan was made from, to plan again."""
     reused_chunks: tuple[str, ...] = ()
     """The chunk digests of an existing blob's record (empty for a new blob, whose `chunks` say it)."""
@@ -110,7 +120,7 @@ class ObjectStore:
         self._hashing = WorkerPool(min(4, os.cpu_count() or 1), cpu_work=True)
 
     @classmethod
-    def open(cls, path_or_url: str | os.PathLike, *, cache_dir: Optional[str | os.PathLike] = None,
+    def open(cls, path_or_url: str | os.PathLike[str], *, cache_dir: Optional[str | os.PathLike[str]] = None,
              cache: Optional[bool] = None, trust_cache: bool = True, **storage_options: Any) -> "ObjectStore":
         """Open the store at a path or URL; remote stores read through the local cache (`cache=False` disables it,
         `trust_cache=False` reads every byte from the store and only fills the cache)."""
@@ -129,11 +139,12 @@ class ObjectStore:
         return Inventory(self.backend)
 
     # ---- writing -------------------------------------------------------------------------------
-    def plan(self, data, cuts: Optional[Sequence[int]] = None, boundaries: Optional[Sequence[int]] = None) -> PutPlan:
+    def plan(self, data: Buffer, cuts: Optional[Sequence[int]] = None,
+             boundaries: Optional[Sequence[int]] = None) -> PutPlan:
         """Hash `data` (whole, chunks, blocks) and build its record without writing anything."""
         return self.plan_many([(data, cuts, boundaries)])[0]
 
-    def plan_many(self, items: Sequence[tuple], *, fresh: bool = False) -> list[PutPlan]:
+    def plan_many(self, items: Sequence[PutItem], *, fresh: bool = False) -> list[PutPlan]:
         """`plan` of several (data, cuts[, boundaries]): every blob hashed, then all looked up at once
         (one round trip on a remote store, not one per blob), then the new ones described.
 
@@ -157,7 +168,7 @@ class ObjectStore:
                 plans.append(self._describe(view, digest, source))
         return plans
 
-    def _describe(self, view: memoryview, digest: str, source: tuple) -> PutPlan:
+    def _describe(self, view: memoryview, digest: str, source: tuple[Any, ...]) -> PutPlan:
         """The chunks, block hashes and record of a blob that is not stored yet."""
         _, cuts, boundaries = source
         ends = chunk_ends(view, cuts, self.chunking, boundaries)
@@ -221,7 +232,7 @@ class ObjectStore:
         # another writer stored the same blob with a different chunking: both records are valid
         return BlobRef(plan.ref.digest, plan.ref.size, self._read_ref(plan.ref.digest))
 
-    def put(self, data, cuts: Optional[Sequence[int]] = None,
+    def put(self, data: Buffer, cuts: Optional[Sequence[int]] = None,
             before_write: Optional[Callable[[PutPlan], None]] = None, *,
             boundaries: Optional[Sequence[int]] = None) -> BlobRef:
         """Store `data` once; `cuts` are allowed chunk boundaries (e.g. row starts), `boundaries` required
@@ -232,14 +243,14 @@ class ObjectStore:
         listed = None if before_write is None else (lambda plans: before_write(plans[0]))
         return self.put_many([(data, cuts, boundaries)], before_write=listed)[0]
 
-    def put_many(self, items: Sequence["tuple | PutPlan"],
+    def put_many(self, items: Sequence[PutItem | PutPlan],
                  before_write: Optional[Callable[[list[PutPlan]], None]] = None) -> list[BlobRef]:
         """`put` of several (data, cuts[, boundaries]) at once (or of plans already made): all hashed first,
         `before_write(plans)` called once, then everything uploaded together. Fewer round trips than
         one `put` after another."""
-        todo = [i for i, item in enumerate(items) if not isinstance(item, PutPlan)]
-        planned = dict(zip(todo, self.plan_many([items[i] for i in todo])))
-        plans = [planned.get(i, item) for i, item in enumerate(items)]
+        todo = [(i, item) for i, item in enumerate(items) if not isinstance(item, PutPlan)]
+        planned = dict(zip((i for i, _ in todo), self.plan_many([item for _, item in todo])))
+        plans = [item if isinstance(item, PutPlan) else planned[i] for i, item in enumerate(items)]
         if before_write is not None:
             before_write(plans)
             # A reused blob is trusted only once its ref, record and every chunk are seen AFTER the listing:
@@ -296,6 +307,12 @@ class ObjectStore:
         record = self.record(BlobRef(digest, -1, record_digest))
         return BlobRef(digest, record.size, record_digest)
 
+    @overload
+    def get(self, ref_or_digest: BlobRef) -> bytearray: ...
+
+    @overload
+    def get(self, ref_or_digest: str) -> bytes | bytearray: ...
+
     def get(self, ref_or_digest: BlobRef | str) -> bytes | bytearray:
         """The whole blob (or plain object), with every chunk and the whole content verified.
 
@@ -326,8 +343,9 @@ class ObjectStore:
                 if hash_bytes(view[chunk.offset:chunk.offset + chunk.size]) != chunk.digest:
                     raise _digest_mismatch(self.url, chunk, record)
             raise IntegrityError(f"blob {record.digest}: content hashes to {actual}")
-        if self.cache is not None and fetched:  # verified above, as part of the whole
-            self._map(lambda c: self.cache.put(parse_digest(c.digest), view[c.offset:c.offset + c.size]), fetched)
+        cache = self.cache
+        if cache is not None and fetched:  # verified above, as part of the whole
+            self._map(lambda c: cache.put(parse_digest(c.digest), view[c.offset:c.offset + c.size]), fetched)
         return buffer
 
     def get_object(self, digest: str) -> bytes:
@@ -339,9 +357,10 @@ class ObjectStore:
         that is refused (ValueTooLargeError) before more than `limit` + 1 bytes of it are read."""
         hexes = [parse_digest(d) for d in digests]
         found: dict[int, bytes] = {}
-        if self._cache_serves:
+        cache = self._serving_cache
+        if cache is not None:
             for i, h in enumerate(hexes):
-                hit = self.cache.get(h)
+                hit = cache.get(h)
                 if hit is not None:
                     found[i] = hit
         missing = [i for i in range(len(digests)) if i not in found]
@@ -380,23 +399,25 @@ class ObjectStore:
         return record
 
     def read_range(self, ref_or_digest: BlobRef | str, start: int, end: int,
-                   record: Optional[BlobRecord] = None) -> bytes:
+                   record: Optional[BlobRecord] = None) -> bytes | bytearray:
         """Bytes [start, end) of a blob; only the blocks covering them are fetched, each verified."""
         return self.read_ranges(ref_or_digest, [(start, end)], record=record)[0]
 
     def read_ranges(self, ref_or_digest: BlobRef | str, spans: Sequence[tuple[int, int]],
-                    record: Optional[BlobRecord] = None) -> list[bytes]:
+                    record: Optional[BlobRecord] = None) -> list[bytes | bytearray]:
         """Several byte ranges of one blob in one concurrent fetch of the blocks they cover."""
         record = record or self.record(ref_or_digest)
         self._check_spans(record, spans)
         if len(spans) == 1 and self._whole_chunks_within(record, *spans[0]):
-            return [self._read_joined(record, spans)]
+            joined = self._read_joined(record, spans)
+            assert isinstance(joined, bytearray)  # a buffer of its own, not a part of the reading process's arena
+            return [joined]
         needed: dict[tuple[int, int], None] = {}
         for start, end in spans:
             for key in self._blocks_of(record, start, end):
                 needed[key] = None
         blocks = self._fetch_blocks(record, list(needed))
-        out = []
+        out: list[bytes | bytearray] = []
         for start, end in spans:
             pieces = []
             for ci, bi in self._blocks_of(record, start, end):
@@ -412,7 +433,8 @@ class ObjectStore:
     def _read_chunk_into(self, record: BlobRecord, chunk: ChunkInfo, target: memoryview) -> bool:
         """Fill `target` with one chunk of `record`'s blob: from the cache when it serves the chunk (False), else
         from the backend (True: the caller verifies it). A missing or short chunk raises, naming the blob."""
-        hit = self.cache.get(parse_digest(chunk.digest)) if self._cache_serves else None
+        cache = self._serving_cache
+        hit = cache.get(parse_digest(chunk.digest)) if cache is not None else None
         if hit is not None and len(hit) == chunk.size:
             target[:] = hit
             return False
@@ -555,7 +577,7 @@ class ObjectStore:
         if failure.kind == "block":
             raise _block_mismatch(self.url, chunk, int(failure.detail), record)
 
-    def _blocks_of(self, record: BlobRecord, start: int, end: int):
+    def _blocks_of(self, record: BlobRecord, start: int, end: int) -> Iterator[tuple[int, int]]:
         """(chunk index, block index) pairs covering [start, end)."""
         if start >= end:
             return
@@ -578,17 +600,18 @@ class ObjectStore:
         result: dict[tuple[int, int], bytes] = {}
         todo = []
         whole_chunks: dict[int, Optional[bytes]] = {}
+        cache = self._serving_cache
         for ci, bi in wanted:
             expected = record.chunks[ci].blocks[32 * bi:32 * bi + 32]
             hit = None
-            if self._cache_serves:
+            if cache is not None:
                 if ci not in whole_chunks:  # a chunk cached whole by `get` serves its blocks too
-                    whole_chunks[ci] = self.cache.get(parse_digest(record.chunks[ci].digest))
+                    whole_chunks[ci] = cache.get(parse_digest(record.chunks[ci].digest))
                 chunk_bytes = whole_chunks[ci]
                 if chunk_bytes is not None:
                     hit = chunk_bytes[bi * record.block_size:(bi + 1) * record.block_size]
                 else:
-                    hit = self.cache.get(expected.hex())
+                    hit = cache.get(expected.hex())
             if hit is not None:
                 result[(ci, bi)] = hit
             else:
@@ -624,8 +647,9 @@ class ObjectStore:
         return result
 
     @property
-    def _cache_serves(self) -> bool:
-        return self.cache is not None and self.trust_cache
+    def _serving_cache(self) -> Optional[ReadCache]:
+        """The cache when reads may be served from it (it is trusted), else None."""
+        return self.cache if self.trust_cache else None
 
     def _read_ref(self, digest: str) -> str:
         key = blob_ref_key(digest)
@@ -639,7 +663,7 @@ class ObjectStore:
             raise IntegrityError(f"blob ref {self.url}/{key} does not hold a digest") from None
         return value
 
-    def _map(self, fn, items: Sequence) -> list:
+    def _map(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
         return self._io.map(fn, items)
 
 

@@ -245,7 +245,7 @@ class ReadingProcess:
                 return None
             owner = numpy.frombuffer(self._map, dtype=numpy.uint8, count=size, offset=at)
             self._regions.append(_Region(at, at + size, weakref.ref(owner)))
-            return ArenaPart(at, memoryview(owner))
+            return ArenaPart(at, owner.data)
 
     def read(self, items: Sequence[ReadRequest]) -> list[ReadFailure] | None:
         """Have the helper read each item into the arena and check it; the failures of the items that failed (none:

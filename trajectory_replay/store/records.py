@@ -115,12 +115,9 @@ def _record_document(data: bytes | bytearray, where: str) -> dict:
 
 def _decode_blocks(text: Any) -> bytes:
     """A chunk's block hashes from their base64 text; ValueError (binascii.Error) for anything but clean base64."""
-    if _STRICT_BASE64 and type(text) is str:   # one call instead of a pattern match over the text, then a decode
+    if sys.version_info >= (3, 11) and type(text) is str:   # one call instead of a pattern match, then a decode
         return binascii.a2b_base64(text, strict_mode=True)
     return base64.b64decode(text, validate=True)
-
-
-_STRICT_BASE64 = sys.version_info >= (3, 11)
 
 
 def looks_like_record(head: bytes) -> bool:
