@@ -569,7 +569,9 @@ def scan_cmd(
 ) -> None:
     """Replay every complete bundle of a store, resumably (verdicts are kept in the store); summarize counts,
     the earliest divergence and incomplete bundles. Exit 1 when any bundle is not `pass`."""
-    from trajectory_replay.ops.scan import RichScanProgress, ScanProgress, check_engine, check_workers, scan_store
+    from trajectory_replay.ops.scan import (
+        RichScanProgress, ScanProgress, ScanReport, check_engine, check_workers, scan_store,
+    )
     from trajectory_replay.ops.progress import progress_wanted
 
     check_engine(engine)
@@ -582,12 +584,15 @@ def scan_cmd(
         from trajectory_replay.ops.scan.ray_engine import require_ray
 
         require_ray()
-    kwargs = dict(engine=engine, workers=workers, ray_address=ray_address, atol=atol, rtol=rtol, force=force)
+    def scan(progress: ScanProgress) -> ScanReport:
+        return scan_store(root, engine=engine, workers=workers, ray_address=ray_address, atol=atol, rtol=rtol,
+                          force=force, progress=progress)
+
     if progress_wanted(quiet):
         with RichScanProgress() as bar:
-            report = scan_store(root, progress=bar, **kwargs)
+            report = scan(bar)
     else:
-        report = scan_store(root, progress=ScanProgress(), **kwargs)
+        report = scan(ScanProgress())
     if html_path is not None:
         from trajectory_replay.html_report import write_scan_html
 

@@ -32,8 +32,8 @@ def maybe_enable_for_actor(rank: int, is_producer: bool, expected_ranks: Sequenc
     Reads TRAJECTORY_REPLAY_CAPTURE* (or their older names; a bad value raises CaptureConfigError naming the
     variable, on every rank); TRAJECTORY_REPLAY_CAPTURE_WRITER chooses the writer unless `manager_options` has
     `writer`.
-    Producer ranks (e.g. the last pipeline stage of each data-parallel replica) get a CaptureManager with
-    a writer thread; other ranks get None and start nothing. `expected_ranks` are the producer ranks of
+    Producer ranks (e.g. the last pipeline stage of each data-parallel replica) get a CaptureManager and its
+    writer; other ranks get None and start nothing. `expected_ranks` are the producer ranks of
     one bundle: with more than one, each writes its own shard (rank `rank`) of a multi-producer bundle.
     `manager_options` go to CaptureManager (max_queue_bytes, max_queue_records, storage_options,
     topology, producer, ...). The manager is kept module-global: the capture_* hooks use it.
@@ -42,6 +42,7 @@ def maybe_enable_for_actor(rank: int, is_producer: bool, expected_ranks: Sequenc
     config = load_config(environ)
     if not config.enabled or not is_producer:
         return None
+    assert config.capture_dir is not None   # load_config refuses capture switched on without a directory
     ranks = [int(r) for r in expected_ranks]
     if int(rank) not in ranks:
         raise ValueError(f"capture: rank {rank} is not among expected_ranks {ranks}")

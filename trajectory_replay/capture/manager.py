@@ -574,6 +574,7 @@ class CaptureManager:
 
     def _write(self, queued: _Queued) -> None:
         queued.snapshot.wait()
+        assert self._writer is not None   # the loop that calls this starts the writer first
         url = self._writer.write(queued.job)
         log.info("capture: wrote %s%s", url, f" (rank {self.rank})" if self.multi_producer else "")
 

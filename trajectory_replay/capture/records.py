@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from trajectory_replay.bundle.codec import RawTensor
 from trajectory_replay.bundle.schema import (
@@ -42,7 +42,7 @@ from trajectory_replay.bundle.schema import (
 from trajectory_replay.bundle.stage_io import (
     LOSS_FIELDS, LOSS_MASK, MISMATCH_FIELDS, STAGE_IO, Setting, payloads_of,
 )
-from trajectory_replay.capture.values import materialize_float, materialize_list, materialize_masks
+from trajectory_replay.capture.values import materialize_float, materialize_masks, required_list
 from trajectory_replay.replay.flags import setting as setting_of
 
 if TYPE_CHECKING:   # the capture writer process builds bundles from these records without importing torch
@@ -149,7 +149,8 @@ def step_bundle_id(rollout_id: int, step_id: int) -> str:
     return f"step-{int(rollout_id)}-{int(step_id)}"
 
 
-class BundleParts(NamedTuple):
+@dataclass(frozen=True)
+class BundleParts:
     """Everything a BundleWriter needs."""
 
     manifest: Manifest
@@ -184,18 +185,18 @@ class Columns:
 
     def records(self, micro_batch_id: Optional[str] = None, rollout_id: Optional[int] = None) -> list[SampleRecord]:
         """Sample records (writer thread). Lists of different lengths are a structural error."""
-        ids = materialize_list(self.sample_ids, "sample_ids")
+        ids = required_list(self.sample_ids, "sample_ids")
         n = len(ids)
-        groups = materialize_list(self.group_index, "group_index", n)
-        resp = materialize_list(self.response_lengths, "response_lengths", n)
-        total = materialize_list(self.total_lengths, "total_lengths", n)
-        raw = materialize_list(self.raw_rewards, "raw_rewards", n)
-        rewards = materialize_list(self.rewards, "rewards", n)
+        groups = required_list(self.group_index, "group_index", n)
+        resp = required_list(self.response_lengths, "response_lengths", n)
+        total = required_list(self.total_lengths, "total_lengths", n)
+        raw = required_list(self.raw_rewards, "raw_rewards", n)
+        rewards = required_list(self.rewards, "rewards", n)
         masks = materialize_masks(self.loss_masks, [int(r) for r in resp])
-        mbs = materialize_list(self.micro_batch_ids, "micro_batch_ids", n) if self.micro_batch_ids is not None \
-            else [micro_batch_id] * n
-        versions = materialize_list(self.policy_versions, "policy_versions", n) if self.policy_versions is not None \
-            else [None] * n
+        mbs: list[Any] = required_list(self.micro_batch_ids, "micro_batch_ids", n) \
+            if self.micro_batch_ids is not None else [micro_batch_id] * n
+        versions: list[Any] = required_list(self.policy_versions, "policy_versions", n) \
+            if self.policy_versions is not None else [None] * n
         return [SampleRecord(sample_id=str(ids[i]), group_index=None if groups[i] is None else int(groups[i]),
                              response_length=int(resp[i]), total_length=int(total[i]), loss_mask=masks[i],
                              raw_reward=float(raw[i]), reward=float(rewards[i]),
@@ -289,7 +290,7 @@ class RolloutRecord:
                             rank=prov.topology, micro_batch_ids=_unique([r.micro_batch_id for r in records]),
                             semantic_group_ids=_group_ids(records))
         index = BundleIndex(bundle_id=bundle_id, identity=identity, samples=records, config=_config(self.config))
-        expected = {"reward.raw": {"raw_rewards": [r.raw_reward for r in records]},
+        expected: dict[str, dict[str, Any]] = {"reward.raw": {"raw_rewards": [r.raw_reward for r in records]},
                     "reward.post_process": {"rewards": [r.reward for r in records]}}
         tensors = {k: v for k in bundle_payloads("rollout") if (v := self.payloads.get(k)) is not None}
         check_mismatch_metrics(self.mismatch_metrics)

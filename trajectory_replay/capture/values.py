@@ -28,6 +28,14 @@ def materialize_list(value: Any, what: str, n: Optional[int] = None) -> Optional
     return out
 
 
+def required_list(value: Any, what: str, n: Optional[int] = None) -> list:
+    """`materialize_list` of a value every bundle needs: ValueError naming it when it was not given."""
+    out = materialize_list(value, what, n)
+    if out is None:
+        raise ValueError(f"{what} is missing")
+    return out
+
+
 def materialize_masks(value: Any, lengths: Sequence[int], what: str = "loss_masks") -> list[list[int]]:
     """Per-sample loss masks: a list of per-sample lists/tensors, or one flat tensor split by response length."""
     if _is_tensor(value):
