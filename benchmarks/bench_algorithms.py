@@ -40,25 +40,43 @@ def gae_case(base: BigCase, seed: int = 1) -> BigCase:
     raw = torch.tensor([r.raw_reward for r in index.samples], dtype=torch.float32)
     values = 0.5 * torch.randn(mask.numel(), generator=g)
     vpreds = values + 0.05 * torch.randn(mask.numel(), generator=g)
-    gae = estimators.gae_advantages(estimators.AdvantageInputs(raw, lengths, mask, config, kl=payloads["kl"],
-                                                               values=values))
+    gae = estimators.gae_advantages(
+        estimators.AdvantageInputs(raw, lengths, mask, config, kl=payloads["kl"], values=values)
+    )
     payloads.update(advantages=gae.advantages, returns=gae.returns, values=values, vpreds=vpreds)
     kernels = resolve_kernels(config)
-    expected = {**base.expected, "reward.post_process": {"rewards": raw.tolist()},
-                "loss.policy": losses.policy_loss_outputs(losses.PolicyLossData(
-                    payloads["log_probs"], payloads["old_log_probs"], gae.advantages, payloads["entropy"], mask,
-                    lengths), config, kernels),
-                "loss.value": losses.value_loss_outputs(losses.ValueLossData(values, vpreds, gae.returns, mask,
-                                                                             lengths), config, kernels)}
+    expected = {
+        **base.expected,
+        "reward.post_process": {"rewards": raw.tolist()},
+        "loss.policy": losses.policy_loss_outputs(
+            losses.PolicyLossData(
+                payloads["log_probs"], payloads["old_log_probs"], gae.advantages, payloads["entropy"], mask, lengths
+            ),
+            config,
+            kernels,
+        ),
+        "loss.value": losses.value_loss_outputs(
+            losses.ValueLossData(values, vpreds, gae.returns, mask, lengths), config, kernels
+        ),
+    }
     records = [r.model_copy(update={"reward": r.raw_reward}) for r in index.samples]
     contracts = {**base.manifest.stage_contracts, StageId.LOSS_VALUE: StageContract(stage=StageId.LOSS_VALUE)}
     policy = base.manifest.comparison_policy
     tolerances = {**policy.tolerances, "loss.value": policy.tolerances["loss.policy"]}
-    manifest = base.manifest.model_copy(update={
-        "bundle_id": "gae", "stage_contracts": contracts,
-        "comparison_policy": policy.model_copy(update={"tolerances": tolerances})})
-    return BigCase(manifest, index.model_copy(update={"bundle_id": "gae", "samples": records, "config": config}),
-                   expected, payloads, mask)
+    manifest = base.manifest.model_copy(
+        update={
+            "bundle_id": "gae",
+            "stage_contracts": contracts,
+            "comparison_policy": policy.model_copy(update={"tolerances": tolerances}),
+        }
+    )
+    return BigCase(
+        manifest,
+        index.model_copy(update={"bundle_id": "gae", "samples": records, "config": config}),
+        expected,
+        payloads,
+        mask,
+    )
 
 
 def payload_bytes(case: BigCase) -> int:
@@ -96,13 +114,28 @@ def run(ctx: Context) -> list[Row]:
     # instead of on one side of the comparison
     rounds = [gae[0] / grpo[0] for grpo, gae in zip(samples["grpo"], samples["gae"])]
     ratio = median(rounds)
-    rows = [Row(GROUP, f"gae+value recompute time vs grpo, {n}x2048 local, net of the imports", f"{ratio:.2f}x",
-                "<= 2x", ratio <= 2.0,
-                f"median of {len(rounds)} per-round ratios ({min(rounds):.2f}x-{max(rounds):.2f}x); medians: "
-                f"gae+value {fmt_secs(net['gae'])}, grpo {fmt_secs(net['grpo'])}, each its main() in a fresh "
-                "process")]
+    rows = [
+        Row(
+            GROUP,
+            f"gae+value recompute time vs grpo, {n}x2048 local, net of the imports",
+            f"{ratio:.2f}x",
+            "<= 2x",
+            ratio <= 2.0,
+            f"median of {len(rounds)} per-round ratios ({min(rounds):.2f}x-{max(rounds):.2f}x); medians: "
+            f"gae+value {fmt_secs(net['gae'])}, grpo {fmt_secs(net['grpo'])}, each its main() in a fresh "
+            "process",
+        )
+    ]
     extra = median([r for _, r in samples["gae"]]) - median([r for _, r in samples["import"]])
     mem_ratio = extra / gae_bytes
-    rows.append(Row(GROUP, "gae+value peak memory above bare import", f"{mem_ratio:.2f}x payload bytes", "<= 2x",
-                    mem_ratio <= 2.0, f"{fmt_bytes(extra)} above import, payloads {fmt_bytes(gae_bytes)}"))
+    rows.append(
+        Row(
+            GROUP,
+            "gae+value peak memory above bare import",
+            f"{mem_ratio:.2f}x payload bytes",
+            "<= 2x",
+            mem_ratio <= 2.0,
+            f"{fmt_bytes(extra)} above import, payloads {fmt_bytes(gae_bytes)}",
+        )
+    )
     return rows

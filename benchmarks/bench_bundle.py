@@ -28,9 +28,11 @@ def run(ctx: Context) -> list[Row]:
     options = ctx.s3_options()
     writes, puts = [], []
     for rep in range(ctx.reps(3)):
+
         def write_bundle(prefix=f"s3://{bucket}/w{rep}"):
-            w = BundleWriter(f"{prefix}/big", case.manifest, case.index, case.expected,
-                             cache_dir=str(ctx.path("cache")), **options)
+            w = BundleWriter(
+                f"{prefix}/big", case.manifest, case.index, case.expected, cache_dir=str(ctx.path("cache")), **options
+            )
             for name, tensor in case.payloads.items():
                 w.write_payload(name, tensor)
             w.finalize()
@@ -45,8 +47,16 @@ def run(ctx: Context) -> list[Row]:
         writes.append(timed(write_bundle)[0])
         ctx.log(f"write {writes[-1]:.2f}s vs bare put {puts[-1]:.2f}s")
     ratio = median(writes) / median(puts)
-    rows = [Row(GROUP, f"write {n}x2048 bundle vs bare ObjectStore.put, S3", f"{ratio:.2f}x",
-                "<= 1.2x", ratio <= 1.2, f"write {fmt_secs(median(writes))}, put {fmt_secs(median(puts))}")]
+    rows = [
+        Row(
+            GROUP,
+            f"write {n}x2048 bundle vs bare ObjectStore.put, S3",
+            f"{ratio:.2f}x",
+            "<= 1.2x",
+            ratio <= 1.2,
+            f"write {fmt_secs(median(writes))}, put {fmt_secs(median(puts))}",
+        )
+    ]
 
     url = f"s3://{bucket}/w0/big"
     reader = BundleReader.open(url, cache_dir=str(ctx.path("cold")), **options)
@@ -59,7 +69,14 @@ def run(ctx: Context) -> list[Row]:
     fetched = stats.bytes_read
     payload_bytes = sum(s.size for s in reader.manifest.payloads.values())
     share = fetched / payload_bytes
-    rows.append(Row(GROUP, f"read one scattered group of {GROUP_SIZE}, all payloads, S3 cold cache",
-                    f"{share:.2%} of payload bytes", "<= 3%", share <= 0.03,
-                    f"{fmt_bytes(fetched)} fetched (open {fmt_bytes(opened)}) of {fmt_bytes(payload_bytes)}"))
+    rows.append(
+        Row(
+            GROUP,
+            f"read one scattered group of {GROUP_SIZE}, all payloads, S3 cold cache",
+            f"{share:.2%} of payload bytes",
+            "<= 3%",
+            share <= 0.03,
+            f"{fmt_bytes(fetched)} fetched (open {fmt_bytes(opened)}) of {fmt_bytes(payload_bytes)}",
+        )
+    )
     return rows

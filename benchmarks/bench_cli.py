@@ -36,11 +36,19 @@ def _time(argv: list[str]) -> float:
 
 def run(ctx: Context) -> list[Row]:
     root = ctx.path("cli") / "demo"
-    subprocess.run([sys.executable, "-m", "trajectory_replay", "demo", str(root)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "trajectory_replay", "demo", str(root)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     bundle = str(next(p for p in sorted(root.iterdir()) if (p / "COMPLETE").exists()))
-    commands = {"inspect": ["inspect", bundle], "validate": ["validate", bundle], "ls": ["ls", str(root)],
-                "stats": ["stats", str(root)]}
+    commands = {
+        "inspect": ["inspect", bundle],
+        "validate": ["validate", bundle],
+        "ls": ["ls", str(root)],
+        "stats": ["stats", str(root)],
+    }
     torch_free = {}
     for name, args in commands.items():
         done = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True)
@@ -59,15 +67,34 @@ def run(ctx: Context) -> list[Row]:
     ctx.log("medians: " + ", ".join(f"{k} {v:.3f}s" for k, v in med.items()))
     rows = []
     for name in commands:
-        detail = (f"median of {rounds}; `import torch` alone {fmt_secs(med['import torch'])}, bare python "
-                  f"{fmt_secs(med['python'])}; without torch importable: "
-                  f"{'exit 0' if torch_free[name] else 'FAILED'}")
+        detail = (
+            f"median of {rounds}; `import torch` alone {fmt_secs(med['import torch'])}, bare python "
+            f"{fmt_secs(med['python'])}; without torch importable: "
+            f"{'exit 0' if torch_free[name] else 'FAILED'}"
+        )
         if name == "inspect":
-            rows.append(Row(GROUP, "inspect of a native bundle (fresh process)", fmt_secs(med[name]),
-                            f"<= {INSPECT_GOAL_S} s", med[name] <= INSPECT_GOAL_S and torch_free[name], detail))
+            rows.append(
+                Row(
+                    GROUP,
+                    "inspect of a native bundle (fresh process)",
+                    fmt_secs(med[name]),
+                    f"<= {INSPECT_GOAL_S} s",
+                    med[name] <= INSPECT_GOAL_S and torch_free[name],
+                    detail,
+                )
+            )
         else:
-            rows.append(Row(GROUP, f"{name} (fresh process)", fmt_secs(med[name]), "no torch import",
-                            torch_free[name], detail))
-    rows.append(Row(GROUP, "import torch alone (fresh process)", fmt_secs(med["import torch"]), "-", None,
-                    f"median of {rounds}; os.cpu_count()={os.cpu_count()}"))
+            rows.append(
+                Row(GROUP, f"{name} (fresh process)", fmt_secs(med[name]), "no torch import", torch_free[name], detail)
+            )
+    rows.append(
+        Row(
+            GROUP,
+            "import torch alone (fresh process)",
+            fmt_secs(med["import torch"]),
+            "-",
+            None,
+            f"median of {rounds}; os.cpu_count()={os.cpu_count()}",
+        )
+    )
     return rows

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, Optional
 
 from benchmarks.bench_scale import write_case
 from benchmarks.common import REPO_ROOT, Context, Row, byte_compile, fmt_secs, median, run_cli_measured
@@ -22,8 +22,10 @@ process timed as the scale benchmarks do (the command's `main()`, net of the int
 process of its own) per core but one of those this process may run on, started just before the replay and ended
 just after it. The two alternate, round by round, and each round's busy time is taken against its quiet one (so
 that the host's other work, which changes from minute to minute, weighs on both alike); the median of seven rounds'
-ratios. Goal: the busy replay takes at most {GOAL_PER_BUSY_CORE}x its quiet time per busy core. The CPU time the command used (all its threads) is given as well:
-threads that wait on each other's descheduled parts spin, and it shows as CPU time however busy the host is. **threads as before**, for reference: the busy replay with
+ratios. Goal: the busy replay takes at most {GOAL_PER_BUSY_CORE}x its quiet time per busy core. The CPU time the
+command used (all its threads) is given as well:
+threads that wait on each other's descheduled parts spin, and it shows as CPU time however busy the host is. **threads
+as before**, for reference: the busy replay with
 `TRAJECTORY_REPLAY_THREADS` set to the number of CPUs, which makes replay take every CPU as free whatever the load,
 as it did before it followed the CPUs free: its kernels then run on as many threads as torch's default, and a
 streamed pass reads ahead on one more. Needs at least two CPUs (one to take). The host runs other work as well, so
@@ -45,7 +47,7 @@ def busy_loops(n: int) -> Iterator[None]:
 
 
 @contextmanager
-def environment(name: str, value: Optional[str]) -> Iterator[None]:
+def environment(name: str, value: str | None) -> Iterator[None]:
     """The variable `name` set to `value` (None: unset) for the processes started within the block."""
     before = os.environ.get(name)
     if value is None:
@@ -74,7 +76,7 @@ def run(ctx: Context) -> list[Row]:
     byte_compile(REPO_ROOT)
     args = ["replay", str(path), "--json"]
     times: dict[str, list[float]] = {"quiet": [], "busy": [], "before": []}
-    used: dict[str, list[float]] = {name: [] for name in times}   # CPU seconds
+    used: dict[str, list[float]] = {name: [] for name in times}  # CPU seconds
 
     def measure(name: str) -> None:
         measured = run_cli_measured("torch", args)
@@ -94,9 +96,16 @@ def run(ctx: Context) -> list[Row]:
     def listed(name: str) -> str:
         return f"{name} " + ", ".join(fmt_secs(t) for t in times[name])
 
-    return [Row(GROUP, f"full replay of {n}x{tokens} beside {taken} busy core(s) of {cpus}, against quiet",
-                f"{ratio:.2f}x", f"<= {goal:.2f}x", ratio <= goal,
-                f"medians: quiet {fmt_secs(median(times['quiet']))}, busy {fmt_secs(median(times['busy']))}; "
-                f"threads as before, busy: {fmt_secs(median(times['before']))} ({before:.2f}x quiet); CPU time: "
-                f"{', '.join(f'{name} {fmt_secs(median(used[name]))}' for name in used)}; rounds: "
-                f"{'; '.join(listed(name) for name in times)}")]
+    return [
+        Row(
+            GROUP,
+            f"full replay of {n}x{tokens} beside {taken} busy core(s) of {cpus}, against quiet",
+            f"{ratio:.2f}x",
+            f"<= {goal:.2f}x",
+            ratio <= goal,
+            f"medians: quiet {fmt_secs(median(times['quiet']))}, busy {fmt_secs(median(times['busy']))}; "
+            f"threads as before, busy: {fmt_secs(median(times['before']))} ({before:.2f}x quiet); CPU time: "
+            f"{', '.join(f'{name} {fmt_secs(median(used[name]))}' for name in used)}; rounds: "
+            f"{'; '.join(listed(name) for name in times)}",
+        )
+    ]

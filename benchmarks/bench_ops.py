@@ -43,7 +43,8 @@ written by `BundleWriter` into one local root sharing one `ObjectStore`. To buil
 rather than minutes, the writers' backend is a `LocalBackend` subclass that writes each file in place
 (no temp file, fsync or rename) and skips the in-flight records, which a finished writer removes
 anyway (their directory `.inflight/` is created empty, as the writer leaves it): the finished store
-is byte for byte what the writer leaves; two forked processes share the work. Then the COMPLETE markers of one bundle in ten are deleted (their objects become garbage).
+is byte for byte what the writer leaves; two forked processes share the work. Then the COMPLETE markers of one bundle
+in ten are deleted (their objects become garbage).
 **gc**: `collect_garbage(root, grace="0s")`, once (it is destructive), against the baseline run just
 before it: a bare read of every key of the root, i.e. `backend.list("")` and `read_many` of all of
 them (markers, refs, records, chunks) in batches of 256, the same batched thread-pool reads the
@@ -75,8 +76,9 @@ def build_capture(root: Path, n_bundles: int, n_samples: int, tokens: int = 2048
     for b in range(n_bundles):
         name = f"cap-{b:02d}"
         manifest = case.manifest.model_copy(update={"bundle_id": name})
-        index = case.index.model_copy(update={"bundle_id": name, "identity": Identity(
-            actor_step_id=ActorStepId(rollout_id=7, step_id=b))})
+        index = case.index.model_copy(
+            update={"bundle_id": name, "identity": Identity(actor_step_id=ActorStepId(rollout_id=7, step_id=b))}
+        )
         writer = BundleWriter(str(root / name), manifest, index, case.expected)
         g = torch.Generator().manual_seed(1000 + b)
         for payload in case.payloads:
@@ -116,10 +118,12 @@ def cp_rows(ctx: Context) -> list[Row]:
     cps, puts, reports = [], [], []
 
     for rep in range(ctx.reps(2)):
+
         def run_cp(rep=rep):
             settle()
-            t, report = timed(lambda: copy_bundles(str(root), f"s3://{bucket}/cp-{rep}", all_bundles=True,
-                                                   dest_options=options))
+            t, report = timed(
+                lambda: copy_bundles(str(root), f"s3://{bucket}/cp-{rep}", all_bundles=True, dest_options=options)
+            )
             cps.append(t)
             reports.append(report)
 
@@ -133,35 +137,55 @@ def cp_rows(ctx: Context) -> list[Row]:
         uploaded = fs.find(f"{bucket}/put-{rep}", refresh=True)
         if len(uploaded) != files:
             raise RuntimeError(f"s3fs put uploaded {len(uploaded)} objects, expected {files}")
-        ctx.log(f"cp run {rep}: cp {fmt_secs(cps[-1])} ({fmt_rate(nbytes, cps[-1])}), "
-                f"s3fs put {fmt_secs(puts[-1])} ({fmt_rate(nbytes, puts[-1])})")
+        ctx.log(
+            f"cp run {rep}: cp {fmt_secs(cps[-1])} ({fmt_rate(nbytes, cps[-1])}), "
+            f"s3fs put {fmt_secs(puts[-1])} ({fmt_rate(nbytes, puts[-1])})"
+        )
         fs.rm(f"{bucket}/put-{rep}", recursive=True)
         if rep:
             fs.rm(f"{bucket}/cp-{rep}", recursive=True)
 
     settle()
-    t_again, again = timed(lambda: copy_bundles(str(root), f"s3://{bucket}/cp-0", all_bundles=True,
-                                                dest_options=options))
+    t_again, again = timed(
+        lambda: copy_bundles(str(root), f"s3://{bucket}/cp-0", all_bundles=True, dest_options=options)
+    )
     ctx.log(f"cp again: {fmt_secs(t_again)}, {again.objects_copied} objects copied")
     fs.rm(bucket, recursive=True)
 
     first = reports[0]
     ratio = min(cps) / min(puts)
     paired = median([c / p for c, p in zip(cps, puts)])
-    detail = (f"best cp {fmt_secs(min(cps))} ({fmt_rate(nbytes, min(cps))}), best s3fs put {fmt_secs(min(puts))} "
-              f"({fmt_rate(nbytes, min(puts))}); runs cp/put: "
-              + ", ".join(f"{fmt_secs(c)}/{fmt_secs(p)}" for c, p in zip(cps, puts))
-              + (f"; median of the per-run ratios {paired:.2f}x" if len(cps) > 1 else "")
-              + f"; {files} files ({fmt_bytes(nbytes)}); cp wrote {first.objects_copied} objects "
-              f"({fmt_bytes(first.bytes_copied)}) + {first.markers_written} markers")
-    rows = [Row(GROUP, f"cp --all local -> S3, {n_bundles} bundles ({fmt_bytes(payload_bytes)} payload) "
-                       f"vs s3fs put of the same files", f"{ratio:.2f}x", f"<= {CP_GOAL:.1f}x (cp time / put time)",
-                ratio <= CP_GOAL, detail)]
+    detail = (
+        f"best cp {fmt_secs(min(cps))} ({fmt_rate(nbytes, min(cps))}), best s3fs put {fmt_secs(min(puts))} "
+        f"({fmt_rate(nbytes, min(puts))}); runs cp/put: "
+        + ", ".join(f"{fmt_secs(c)}/{fmt_secs(p)}" for c, p in zip(cps, puts))
+        + (f"; median of the per-run ratios {paired:.2f}x" if len(cps) > 1 else "")
+        + f"; {files} files ({fmt_bytes(nbytes)}); cp wrote {first.objects_copied} objects "
+        f"({fmt_bytes(first.bytes_copied)}) + {first.markers_written} markers"
+    )
+    rows = [
+        Row(
+            GROUP,
+            f"cp --all local -> S3, {n_bundles} bundles ({fmt_bytes(payload_bytes)} payload) "
+            f"vs s3fs put of the same files",
+            f"{ratio:.2f}x",
+            f"<= {CP_GOAL:.1f}x (cp time / put time)",
+            ratio <= CP_GOAL,
+            detail,
+        )
+    ]
     ok = again.objects_copied == 0 and again.bytes_copied == 0 and again.markers_written == 0
-    rows.append(Row(GROUP, "cp again onto the same destination", f"{again.objects_copied} objects, {fmt_secs(t_again)}",
-                    "0 objects transferred", ok,
-                    f"{again.objects_skipped} objects and refs found present, {again.markers_skipped} markers "
-                    f"skipped, {again.bytes_copied} B copied; {t_again / min(cps):.0%} of the best first cp"))
+    rows.append(
+        Row(
+            GROUP,
+            "cp again onto the same destination",
+            f"{again.objects_copied} objects, {fmt_secs(t_again)}",
+            "0 objects transferred",
+            ok,
+            f"{again.objects_skipped} objects and refs found present, {again.markers_skipped} markers "
+            f"skipped, {again.bytes_copied} B copied; {t_again / min(cps):.0%} of the best first cp",
+        )
+    )
     return rows
 
 
@@ -219,8 +243,12 @@ def _write_small(root: str, indices, case) -> None:
     for i in indices:
         name = f"b{i:05d}"
         manifest = case.manifest.model_copy(update={"bundle_id": name})
-        index = case.index.model_copy(update={"bundle_id": name, "identity": Identity(
-            actor_step_id=ActorStepId(rollout_id=i // 100, step_id=i % 100))})
+        index = case.index.model_copy(
+            update={
+                "bundle_id": name,
+                "identity": Identity(actor_step_id=ActorStepId(rollout_id=i // 100, step_id=i % 100)),
+            }
+        )
         writer = BundleWriter(f"{root}/{name}", manifest, index, case.expected, store=store)
         g = torch.Generator().manual_seed(i)
         writer.write_payload("old_log_probs", -torch.rand(tokens, generator=g))
@@ -302,6 +330,7 @@ def gc_fsck_rows(ctx: Context) -> list[Row]:
 
     fscks, bases, fsck_report, keys_after = [], [], None, 0
     for rep in range(ctx.reps(2)):
+
         def run_base():
             nonlocal keys_after
             settle()
@@ -323,24 +352,36 @@ def gc_fsck_rows(ctx: Context) -> list[Row]:
     removed = gc_report.objects_removed + gc_report.refs_removed
     gc_ratio = t_gc / t_base_gc
     gc_ok = stored_before - stored_after == removed and removed > 0 and not gc_report.conflicts
-    rows = [Row(GROUP, f"gc --grace 0s, {n:,} small bundles ({len(garbage):,} without COMPLETE) vs a bare read of "
-                       "every key",
-                f"{gc_ratio:.2f}x ({t_gc / n * 1000:.2f} ms/bundle)",
-                f"- (no goal set; project target <= {GC_GOAL:.0f}x)", None if gc_ok else False,
-                f"gc {fmt_secs(t_gc)}: removed {gc_report.objects_removed} objects + {gc_report.refs_removed} refs "
-                f"({removed / max(len(garbage), 1):.0f} per abandoned bundle, {fmt_bytes(gc_report.bytes_freed)}), "
-                f"kept {gc_report.objects_live} live keys; bare read of {keys_before:,} keys "
-                f"({fmt_bytes(bytes_before)}) {fmt_secs(t_base_gc)}; built in {fmt_secs(t_build)}")]
+    rows = [
+        Row(
+            GROUP,
+            f"gc --grace 0s, {n:,} small bundles ({len(garbage):,} without COMPLETE) vs a bare read of every key",
+            f"{gc_ratio:.2f}x ({t_gc / n * 1000:.2f} ms/bundle)",
+            f"- (no goal set; project target <= {GC_GOAL:.0f}x)",
+            None if gc_ok else False,
+            f"gc {fmt_secs(t_gc)}: removed {gc_report.objects_removed} objects + {gc_report.refs_removed} refs "
+            f"({removed / max(len(garbage), 1):.0f} per abandoned bundle, {fmt_bytes(gc_report.bytes_freed)}), "
+            f"kept {gc_report.objects_live} live keys; bare read of {keys_before:,} keys "
+            f"({fmt_bytes(bytes_before)}) {fmt_secs(t_base_gc)}; built in {fmt_secs(t_build)}",
+        )
+    ]
     fsck_ratio = min(fscks) / min(bases)
     r = fsck_report
     fsck_ok = r.healthy and not r.orphaned and r.bundles == live
-    rows.append(Row(GROUP, f"fsck, {live:,} small bundles vs a bare read of every key",
-                    f"{fsck_ratio:.2f}x ({min(fscks) / live * 1000:.2f} ms/bundle)",
-                    f"- (no goal set; project target <= {FSCK_GOAL:.0f}x)", None if fsck_ok else False,
-                    f"best fsck {fmt_secs(min(fscks))}, best bare read of {keys_after:,} keys {fmt_secs(min(bases))}; "
-                    "runs fsck/read: " + ", ".join(f"{fmt_secs(a)}/{fmt_secs(b)}" for a, b in zip(fscks, bases))
-                    + f"; {r.objects_checked:,} objects + {r.refs_checked:,} refs verified, {r.bundles:,} bundles, "
-                    f"{'healthy' if r.healthy else 'NOT healthy'}, {len(r.orphaned)} orphans"))
+    rows.append(
+        Row(
+            GROUP,
+            f"fsck, {live:,} small bundles vs a bare read of every key",
+            f"{fsck_ratio:.2f}x ({min(fscks) / live * 1000:.2f} ms/bundle)",
+            f"- (no goal set; project target <= {FSCK_GOAL:.0f}x)",
+            None if fsck_ok else False,
+            f"best fsck {fmt_secs(min(fscks))}, best bare read of {keys_after:,} keys {fmt_secs(min(bases))}; "
+            "runs fsck/read: "
+            + ", ".join(f"{fmt_secs(a)}/{fmt_secs(b)}" for a, b in zip(fscks, bases))
+            + f"; {r.objects_checked:,} objects + {r.refs_checked:,} refs verified, {r.bundles:,} bundles, "
+            f"{'healthy' if r.healthy else 'NOT healthy'}, {len(r.orphaned)} orphans",
+        )
+    )
     return rows
 
 

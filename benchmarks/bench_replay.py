@@ -26,6 +26,7 @@ both with empty caches; every byte fetched from the two bundles counts. **S3 gro
 members are scattered across the bundle, by `s3://` URL with an empty cache; every byte fetched at the backend
 counts."""
 
+
 def _mismatch_row(ctx: Context, case, n: int, local) -> Row:
     """What rollout.mismatch adds to a full replay: the same bundle with the inference engine's log-probs and the
     stage contracted, against the bundle without."""
@@ -36,24 +37,40 @@ def _mismatch_row(ctx: Context, case, n: int, local) -> Row:
 
     g = torch.Generator().manual_seed(7)
     old = case.payloads["old_log_probs"]
-    contracts = {**case.manifest.stage_contracts, StageId.ROLLOUT_MISMATCH: StageContract(stage=StageId.ROLLOUT_MISMATCH)}
+    contracts = {
+        **case.manifest.stage_contracts,
+        StageId.ROLLOUT_MISMATCH: StageContract(stage=StageId.ROLLOUT_MISMATCH),
+    }
     manifest = case.manifest.model_copy(update={"bundle_id": "mm", "stage_contracts": contracts})
     index = case.index.model_copy(update={"bundle_id": "mm"})
     path = local / "mm"
     writer = BundleWriter(path, manifest, index, case.expected)
-    for name, tensor in {**case.payloads, "rollout_log_probs": old + 0.05 * torch.randn(old.shape, generator=g)}.items():
+    for name, tensor in {
+        **case.payloads,
+        "rollout_log_probs": old + 0.05 * torch.randn(old.shape, generator=g),
+    }.items():
         writer.write_payload(name, tensor)
     writer.finalize()
-    out = subprocess.run([sys.executable, "-c", _IN_PROCESS, str(local / "big"), str(path), str(ctx.reps(15))],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _IN_PROCESS, str(local / "big"), str(path), str(ctx.reps(15))],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     times = json.loads(out.stdout.strip().splitlines()[-1])
     # best of N (as timeit advises): what the work costs when nothing else on the machine interferes
     without, with_stage = min(times["without"]), min(times["with"])
     added = with_stage / without - 1.0
-    return Row(GROUP, f"rollout.mismatch added to a full replay, {n}x2048 local", f"+{added:.1%}", "<= +15%",
-               added <= 0.15, f"replay() in one process, alternating, best of {len(times['with'])}: with "
-               f"{fmt_secs(with_stage)}, without {fmt_secs(without)} (medians {fmt_secs(median(times['with']))}, "
-               f"{fmt_secs(median(times['without']))}); the stage reads and verifies one more 16 MiB payload")
+    return Row(
+        GROUP,
+        f"rollout.mismatch added to a full replay, {n}x2048 local",
+        f"+{added:.1%}",
+        "<= +15%",
+        added <= 0.15,
+        f"replay() in one process, alternating, best of {len(times['with'])}: with "
+        f"{fmt_secs(with_stage)}, without {fmt_secs(without)} (medians {fmt_secs(median(times['with']))}, "
+        f"{fmt_secs(median(times['without']))}); the stage reads and verifies one more 16 MiB payload",
+    )
 
 
 # Times replay() of two bundles alternately in one fresh process (after one untimed replay of each), so the
@@ -93,8 +110,11 @@ def run(ctx: Context) -> list[Row]:
     path = str(local / "big")
 
     byte_compile(REPO_ROOT)
-    commands = {"import": ("torch", []), "replay": ("torch", ["replay", path, "--json"]),
-                "validate": ("cli", ["validate", path])}
+    commands = {
+        "import": ("torch", []),
+        "replay": ("torch", ["replay", path, "--json"]),
+        "validate": ("cli", ["validate", path]),
+    }
     samples: dict[str, list[tuple[float, int]]] = {name: [] for name in commands}
     for _ in range(ctx.reps(5)):
         for name, (imports, args) in commands.items():  # interleaved, so load changes hit all three alike
@@ -102,21 +122,35 @@ def run(ctx: Context) -> list[Row]:
     replay_net = median([t for t, _ in samples["replay"]])
     validate_net = median([t for t, _ in samples["validate"]])
     ratio = replay_net / validate_net
-    rows = [Row(GROUP, f"full replay vs validate, {n}x2048 local, net of the imports", f"{ratio:.2f}x",
-                "<= 1.5x", ratio <= 1.5, f"replay {fmt_secs(replay_net)}, validate {fmt_secs(validate_net)}, each "
-                "its main() in a fresh process")]
+    rows = [
+        Row(
+            GROUP,
+            f"full replay vs validate, {n}x2048 local, net of the imports",
+            f"{ratio:.2f}x",
+            "<= 1.5x",
+            ratio <= 1.5,
+            f"replay {fmt_secs(replay_net)}, validate {fmt_secs(validate_net)}, each its main() in a fresh process",
+        )
+    ]
     extra = median([r for _, r in samples["replay"]]) - median([r for _, r in samples["import"]])
     mem_ratio = extra / payload_bytes
-    rows.append(Row(GROUP, "replay peak memory above bare import", f"{mem_ratio:.2f}x payload bytes",
-                    "<= 2x", mem_ratio <= 2.0, f"{fmt_bytes(extra)} above import, payloads {fmt_bytes(payload_bytes)}"))
+    rows.append(
+        Row(
+            GROUP,
+            "replay peak memory above bare import",
+            f"{mem_ratio:.2f}x payload bytes",
+            "<= 2x",
+            mem_ratio <= 2.0,
+            f"{fmt_bytes(extra)} above import, payloads {fmt_bytes(payload_bytes)}",
+        )
+    )
 
     rows.append(_mismatch_row(ctx, case, n, local))
 
     bucket = ctx.s3_bucket()
     options = ctx.s3_options()
     url = f"s3://{bucket}/run/big"
-    writer = BundleWriter(url, case.manifest, case.index, case.expected, cache_dir=str(ctx.path("wcache")),
-                          **options)
+    writer = BundleWriter(url, case.manifest, case.index, case.expected, cache_dir=str(ctx.path("wcache")), **options)
     for name, tensor in case.payloads.items():
         writer.write_payload(name, tensor)
     writer.finalize()
@@ -127,9 +161,16 @@ def run(ctx: Context) -> list[Row]:
     fetched = stats.bytes_read
     share = fetched / payload_bytes
     statuses = json.dumps({s.stage: s.status for s in report.stages})
-    rows.append(Row(GROUP, f"replay one scattered group ({GROUP_SIZE} samples) by s3:// URL, cold cache",
-                    f"{share:.2%} of payload bytes", "<= 3%", share <= 0.03 and report.passed,
-                    f"{fmt_bytes(fetched)} fetched of {fmt_bytes(payload_bytes)}; {statuses}"))
+    rows.append(
+        Row(
+            GROUP,
+            f"replay one scattered group ({GROUP_SIZE} samples) by s3:// URL, cold cache",
+            f"{share:.2%} of payload bytes",
+            "<= 3%",
+            share <= 0.03 and report.passed,
+            f"{fmt_bytes(fetched)} fetched of {fmt_bytes(payload_bytes)}; {statuses}",
+        )
+    )
     rows.append(_diff_row(ctx, case, url, payload_bytes, options))
     return rows
 
@@ -144,10 +185,11 @@ def _diff_row(ctx: Context, case, url: str, payload_bytes: int, options: dict) -
     changed["advantages"] = case.payloads["advantages"].clone()
     group = [i for i, r in enumerate(case.index.samples) if r.group_index == 3]
     for i in group:
-        changed["advantages"][i * tokens:(i + 1) * tokens] += 0.5
+        changed["advantages"][i * tokens : (i + 1) * tokens] += 0.5
     other = url.rsplit("/", 1)[0] + "/big-other"
-    writer = BundleWriter(other, case.manifest, case.index, case.expected, cache_dir=str(ctx.path("wcache2")),
-                          **options)
+    writer = BundleWriter(
+        other, case.manifest, case.index, case.expected, cache_dir=str(ctx.path("wcache2")), **options
+    )
     for name, tensor in changed.items():
         writer.write_payload(name, tensor)
     writer.finalize()
@@ -157,8 +199,12 @@ def _diff_row(ctx: Context, case, url: str, payload_bytes: int, options: dict) -
     fetched = report.bytes_fetched or 0
     share = fetched / (2 * payload_bytes)
     found = [f.name for f in report.differences]
-    return Row(GROUP, f"diff of two captures differing in one scattered group ({len(group)} samples), S3, "
-                      "cold caches", f"{share:.2%} of payload bytes", "<= 3%",
-               share <= 0.03 and found == ["payload.advantages"],
-               f"{fmt_bytes(fetched)} fetched (documents, records and the differing blocks) of "
-               f"{fmt_bytes(2 * payload_bytes)} in the two bundles; differences found: {', '.join(found)}")
+    return Row(
+        GROUP,
+        f"diff of two captures differing in one scattered group ({len(group)} samples), S3, cold caches",
+        f"{share:.2%} of payload bytes",
+        "<= 3%",
+        share <= 0.03 and found == ["payload.advantages"],
+        f"{fmt_bytes(fetched)} fetched (documents, records and the differing blocks) of "
+        f"{fmt_bytes(2 * payload_bytes)} in the two bundles; differences found: {', '.join(found)}",
+    )

@@ -45,8 +45,12 @@ def _cli_scan(root: str, workers: int) -> tuple[float, dict]:
     import json
 
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "trajectory_replay", "scan", root, "--force", "--workers",
-                           str(workers), "--json"], capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "trajectory_replay", "scan", root, "--force", "--workers", str(workers), "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     elapsed = time.perf_counter() - started
     return elapsed, json.loads(done.stdout)
 
@@ -61,8 +65,11 @@ def run(ctx: Context) -> list[Row]:
     expected_diverged = sum(1 for i in range(n) if i % 10 == 7)
 
     def right(report) -> bool:
-        return report.replayed == n and report.counts["diverged"] == expected_diverged and \
-            report.counts["pass"] == n - expected_diverged
+        return (
+            report.replayed == n
+            and report.counts["diverged"] == expected_diverged
+            and report.counts["pass"] == n - expected_diverged
+        )
 
     rows: list[Row] = []
     first = scan_store(root, workers=1, force=True)  # starts the fork server: torch imported once
@@ -78,26 +85,79 @@ def run(ctx: Context) -> list[Row]:
     # best of the interleaved runs, as the other groups: other work on the machine only ever adds time
     one, two = min(times[1]), min(times[2])
     speedup = one / two
-    rows.append(Row(GROUP, "local engine start-up (fork server imports torch)", fmt_secs(first.seconds - one), "-",
-                    None, f"once per scanning process; its first scan took {fmt_secs(first.seconds)}"))
-    rows.append(Row(GROUP, f"scan of {n} bundles, local engine, 1 worker", fmt_secs(one), "-", None,
-                    f"{n / one:.0f} bundles/s; runs {', '.join(fmt_secs(t) for t in times[1])}"))
-    rows.append(Row(GROUP, f"scan of {n} bundles, local engine, 2 workers", fmt_secs(two), "-", None,
-                    f"{n / two:.0f} bundles/s; runs {', '.join(fmt_secs(t) for t in times[2])}"))
-    rows.append(Row(GROUP, "local engine: 2 workers vs 1, medians", f"{median(times[1]) / median(times[2]):.2f}x",
-                    "-", None, "the same runs, medians instead of the best"))
-    rows.append(Row(GROUP, "local engine: 2 workers vs 1", f"{speedup:.2f}x", f">= {LOCAL_SPEEDUP_GOAL}x",
-                    speedup >= LOCAL_SPEEDUP_GOAL and ok, f"os.cpu_count()={os.cpu_count()}; every verdict right: "
-                                                          f"{ok}"))
+    rows.append(
+        Row(
+            GROUP,
+            "local engine start-up (fork server imports torch)",
+            fmt_secs(first.seconds - one),
+            "-",
+            None,
+            f"once per scanning process; its first scan took {fmt_secs(first.seconds)}",
+        )
+    )
+    rows.append(
+        Row(
+            GROUP,
+            f"scan of {n} bundles, local engine, 1 worker",
+            fmt_secs(one),
+            "-",
+            None,
+            f"{n / one:.0f} bundles/s; runs {', '.join(fmt_secs(t) for t in times[1])}",
+        )
+    )
+    rows.append(
+        Row(
+            GROUP,
+            f"scan of {n} bundles, local engine, 2 workers",
+            fmt_secs(two),
+            "-",
+            None,
+            f"{n / two:.0f} bundles/s; runs {', '.join(fmt_secs(t) for t in times[2])}",
+        )
+    )
+    rows.append(
+        Row(
+            GROUP,
+            "local engine: 2 workers vs 1, medians",
+            f"{median(times[1]) / median(times[2]):.2f}x",
+            "-",
+            None,
+            "the same runs, medians instead of the best",
+        )
+    )
+    rows.append(
+        Row(
+            GROUP,
+            "local engine: 2 workers vs 1",
+            f"{speedup:.2f}x",
+            f">= {LOCAL_SPEEDUP_GOAL}x",
+            speedup >= LOCAL_SPEEDUP_GOAL and ok,
+            f"os.cpu_count()={os.cpu_count()}; every verdict right: {ok}",
+        )
+    )
     cli = {w: _cli_scan(root, w) for w in (1, 2)}
-    rows.append(Row(GROUP, "`trajectory-replay scan --force`, fresh process, 1 / 2 workers",
-                    f"{fmt_secs(cli[1][0])} / {fmt_secs(cli[2][0])}", "-", None,
-                    f"{cli[1][0] / cli[2][0]:.2f}x; everything included (interpreter, fork server importing torch)"))
+    rows.append(
+        Row(
+            GROUP,
+            "`trajectory-replay scan --force`, fresh process, 1 / 2 workers",
+            f"{fmt_secs(cli[1][0])} / {fmt_secs(cli[2][0])}",
+            "-",
+            None,
+            f"{cli[1][0] / cli[2][0]:.2f}x; everything included (interpreter, fork server importing torch)",
+        )
+    )
     rows += _ray_rows(ctx, root, n, two, right)
     again = scan_store(root, workers=2)
-    rows.append(Row(GROUP, "re-scan without --force", f"{again.replayed} replayed", "0 replayed",
-                    again.replayed == 0 and again.cached == n, f"{again.cached} verdicts read back in "
-                                                               f"{fmt_secs(again.seconds)}"))
+    rows.append(
+        Row(
+            GROUP,
+            "re-scan without --force",
+            f"{again.replayed} replayed",
+            "0 replayed",
+            again.replayed == 0 and again.cached == n,
+            f"{again.cached} verdicts read back in {fmt_secs(again.seconds)}",
+        )
+    )
     return rows
 
 
@@ -126,10 +186,21 @@ def _ray_rows(ctx: Context, root: str, n: int, local_two: float, right) -> list[
     ray_time = min(runs)
     ratio = ray_time / local_two
     return [
-        Row(GROUP, "Ray start-up (ray.init, local, 2 CPUs)", fmt_secs(start_up), "-", None,
-            f"not counted below; first scan on the fresh cluster {fmt_secs(warm.seconds)}"),
-        Row(GROUP, f"scan of {n} bundles, Ray engine (local Ray, 2 CPUs)", fmt_secs(ray_time),
-            f"<= {RAY_RATIO_GOAL}x local 2 workers", ratio <= RAY_RATIO_GOAL and ok,
+        Row(
+            GROUP,
+            "Ray start-up (ray.init, local, 2 CPUs)",
+            fmt_secs(start_up),
+            "-",
+            None,
+            f"not counted below; first scan on the fresh cluster {fmt_secs(warm.seconds)}",
+        ),
+        Row(
+            GROUP,
+            f"scan of {n} bundles, Ray engine (local Ray, 2 CPUs)",
+            fmt_secs(ray_time),
+            f"<= {RAY_RATIO_GOAL}x local 2 workers",
+            ratio <= RAY_RATIO_GOAL and ok,
             f"{ratio:.2f}x the local engine's {fmt_secs(local_two)}; runs {', '.join(fmt_secs(t) for t in runs)}; "
-            f"every verdict right: {ok}"),
+            f"every verdict right: {ok}",
+        ),
     ]

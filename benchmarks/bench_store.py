@@ -182,9 +182,11 @@ def one_repetition(ctx: Context, target, side: Side, i: int, data: bytes):
             first, second = second, first
         first()
         second()
-    ctx.log(f"{target.name} run {i}: put fsspec {fmt_rate(size, side.plain_put[-1])}, "
-            f"store {fmt_rate(size, side.store_put[-1])}; get fsspec {fmt_rate(size, side.plain_get[-1])}, "
-            f"store {fmt_rate(size, side.store_get[-1])}")
+    ctx.log(
+        f"{target.name} run {i}: put fsspec {fmt_rate(size, side.plain_put[-1])}, "
+        f"store {fmt_rate(size, side.store_put[-1])}; get fsspec {fmt_rate(size, side.plain_get[-1])}, "
+        f"store {fmt_rate(size, side.store_get[-1])}"
+    )
 
     settle()
     stats = store.backend.stats
@@ -221,30 +223,49 @@ def measure_put_get(ctx: Context, target, data: bytes) -> Side:
 def put_get_rows(side: Side, size: int) -> list[Row]:
     rows = []
     label = fmt_bytes(size)
-    for op, store_t, plain_t, what in (("put", side.store_put, side.plain_put, "pipe_file"),
-                                       ("get", side.store_get, side.plain_get, "cat_file")):
+    for op, store_t, plain_t, what in (
+        ("put", side.store_put, side.plain_put, "pipe_file"),
+        ("get", side.store_get, side.plain_get, "cat_file"),
+    ):
         s, p = min(store_t), min(plain_t)
         # each repetition's pair ran back to back: the median of their ratios is not swayed by one run that the
         # machine disturbed (or, for the page-cache-only pipe_file, one that happened to skip writeback)
         ratio = median([b / a for a, b in zip(store_t, plain_t)])
-        detail = (f"median of {len(store_t)} per-run ratios; runs store/fsspec: "
-                  + ", ".join(f"{fmt_secs(a)}/{fmt_secs(b)}" for a, b in zip(store_t, plain_t))
-                  + f"; best store {fmt_rate(size, s)} ({fmt_secs(s)}), best fsspec {what} {fmt_rate(size, p)} "
-                  f"({fmt_secs(p)}), best vs best {p / s:.2f}x")
+        detail = (
+            f"median of {len(store_t)} per-run ratios; runs store/fsspec: "
+            + ", ".join(f"{fmt_secs(a)}/{fmt_secs(b)}" for a, b in zip(store_t, plain_t))
+            + f"; best store {fmt_rate(size, s)} ({fmt_secs(s)}), best fsspec {what} {fmt_rate(size, p)} "
+            f"({fmt_secs(p)}), best vs best {p / s:.2f}x"
+        )
         if op == "put":
             detail += f"; hashing alone (plan) {fmt_secs(side.plan)}"
         else:
             detail += f"; bare backend reads of the chunks {fmt_secs(side.reads_alone)}"
             if side.backend == "S3":
                 detail += "; the store reads through a new, empty cache"
-        rows.append(Row(GROUP, f"{op} {label}, {side.backend}: throughput vs fsspec {what}", f"{ratio:.2f}x",
-                        f">= {PUT_GET_GOAL}x", ratio >= PUT_GET_GOAL, detail))
+        rows.append(
+            Row(
+                GROUP,
+                f"{op} {label}, {side.backend}: throughput vs fsspec {what}",
+                f"{ratio:.2f}x",
+                f">= {PUT_GET_GOAL}x",
+                ratio >= PUT_GET_GOAL,
+                detail,
+            )
+        )
     speedup = min(side.store_put) / min(side.reput)
     written = max(side.reput_written)
-    rows.append(Row(GROUP, f"put the same {label} again, {side.backend}", f"{speedup:.1f}x faster, {written} B written",
-                    f">= {DEDUP_SPEEDUP_GOAL:.0f}x faster, 0 new bytes", speedup >= DEDUP_SPEEDUP_GOAL and written == 0,
-                    f"best second put {fmt_secs(min(side.reput))} vs best first {fmt_secs(min(side.store_put))}; "
-                    f"backend bytes written {written}, read {max(side.reput_read)} (the ref)"))
+    rows.append(
+        Row(
+            GROUP,
+            f"put the same {label} again, {side.backend}",
+            f"{speedup:.1f}x faster, {written} B written",
+            f">= {DEDUP_SPEEDUP_GOAL:.0f}x faster, 0 new bytes",
+            speedup >= DEDUP_SPEEDUP_GOAL and written == 0,
+            f"best second put {fmt_secs(min(side.reput))} vs best first {fmt_secs(min(side.store_put))}; "
+            f"backend bytes written {written}, read {max(side.reput_read)} (the ref)",
+        )
+    )
     return rows
 
 
@@ -258,7 +279,7 @@ def overlap_row(ctx: Context) -> Row:
     data = tensor_bytes(n_rows * row_size, seed=2)
     store = ObjectStore.open(str(ctx.path("overlap")))
     store.put(data, cuts=[i * row_size for i in range(n_rows)])
-    second = data[first_row * row_size:(first_row + count) * row_size]
+    second = data[first_row * row_size : (first_row + count) * row_size]
     del data
     chunks_before = store.stats.chunks_written
     dedup_before = store.stats.chunks_deduplicated
@@ -270,12 +291,17 @@ def overlap_row(ctx: Context) -> Row:
     fraction = new / len(second)
     chunk_bytes = store.stats.bytes_written - chunk_bytes_before
     assert store.get(ref) == second
-    return Row(GROUP, f"overlapping rows: put rows {first_row}..{first_row + count - 1} of {n_rows} "
-                      f"({fmt_bytes(len(second))}) after all of them ({fmt_bytes(n_rows * row_size)})",
-               f"{fraction * 100:.2f}% new", f"<= {OVERLAP_GOAL * 100:.0f}% new bytes", fraction <= OVERLAP_GOAL,
-               f"{fmt_bytes(new)} written: {store.stats.chunks_written - chunks_before} new chunks "
-               f"({fmt_bytes(chunk_bytes)}), {store.stats.chunks_deduplicated - dedup_before} reused, "
-               f"record + ref {fmt_bytes(new - chunk_bytes)}")
+    return Row(
+        GROUP,
+        f"overlapping rows: put rows {first_row}..{first_row + count - 1} of {n_rows} "
+        f"({fmt_bytes(len(second))}) after all of them ({fmt_bytes(n_rows * row_size)})",
+        f"{fraction * 100:.2f}% new",
+        f"<= {OVERLAP_GOAL * 100:.0f}% new bytes",
+        fraction <= OVERLAP_GOAL,
+        f"{fmt_bytes(new)} written: {store.stats.chunks_written - chunks_before} new chunks "
+        f"({fmt_bytes(chunk_bytes)}), {store.stats.chunks_deduplicated - dedup_before} reused, "
+        f"record + ref {fmt_bytes(new - chunk_bytes)}",
+    )
 
 
 def ranged_read_row(ctx: Context, target: S3Target, ref, data: bytes) -> Row:
@@ -292,11 +318,16 @@ def ranged_read_row(ctx: Context, target: S3Target, ref, data: bytes) -> Row:
     assert out == data[start:end], "read_range returned different bytes"
     fetched, requests = store.backend.stats.bytes_read, store.backend.stats.reads
     bound = MiB + 2 * DEFAULT_BLOCK_SIZE + record_size
-    return Row(GROUP, f"read_range 1 MiB from the middle of {fmt_bytes(ref.size)}, S3, cold cache",
-               f"{fetched} B fetched", f"<= {bound} B (1 MiB + 2 blocks + record)", fetched <= bound,
-               f"{fmt_bytes(fetched)} in {requests} requests ({fmt_secs(t)}): record {fmt_bytes(record_size)}, "
-               f"blocks {fmt_bytes(fetched - record_size)}; "
-               f"fetched / bound = {fetched / bound:.3f}")
+    return Row(
+        GROUP,
+        f"read_range 1 MiB from the middle of {fmt_bytes(ref.size)}, S3, cold cache",
+        f"{fetched} B fetched",
+        f"<= {bound} B (1 MiB + 2 blocks + record)",
+        fetched <= bound,
+        f"{fmt_bytes(fetched)} in {requests} requests ({fmt_secs(t)}): record {fmt_bytes(record_size)}, "
+        f"blocks {fmt_bytes(fetched - record_size)}; "
+        f"fetched / bound = {fetched / bound:.3f}",
+    )
 
 
 def run(ctx: Context) -> list[Row]:

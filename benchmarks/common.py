@@ -96,8 +96,15 @@ def run_cli_measured(imports: str, args: list[str], tree: str | None = None) -> 
     env = dict(os.environ)
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     with tempfile.TemporaryDirectory(prefix="bench-cli-") as cwd:
-        out = subprocess.run([sys.executable, "-c", _NET, imports, *args], check=False, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+        out = subprocess.run(
+            [sys.executable, "-c", _NET, imports, *args],
+            check=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=cwd,
+        )
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed: {out.stderr[-800:]}")
     found = Path(out.stderr.rsplit("FROM=", 1)[1].strip()).resolve()
@@ -154,8 +161,9 @@ def settle() -> None:
 class Context:
     """What a benchmark group gets: sizes for this mode, a scratch directory, a lazily started S3 server."""
 
-    def __init__(self, *, quick: bool = False, workdir: str | None = None, repeats: int | None = None,
-                 verbose: bool = True) -> None:
+    def __init__(
+        self, *, quick: bool = False, workdir: str | None = None, repeats: int | None = None, verbose: bool = True
+    ) -> None:
         self.quick = quick
         self.explicit_repeats = repeats
         self.repeats = repeats or (1 if quick else 3)
@@ -218,8 +226,9 @@ class Context:
         try:
             from tests.s3server import weed_binary
 
-            out = subprocess.run([weed_binary(), "version"], check=False, capture_output=True, text=True,
-                                 timeout=20).stdout
+            out = subprocess.run(
+                [weed_binary(), "version"], check=False, capture_output=True, text=True, timeout=20
+            ).stdout
             found = re.search(r"version\b.*?\b(\d+\.\d+(?:\.\d+)?)\b", out)  # "version 8000GB 4.48 pypi ..."
             if found:
                 version = f"SeaweedFS {found.group(1)}"
@@ -295,10 +304,17 @@ def _version(dist: str) -> str:
 
 def _git() -> str:
     try:
+
         def git(*args: str) -> str:
             # --no-optional-locks: never touch the index (others may be committing meanwhile)
-            return subprocess.run(["git", "--no-optional-locks", *args], check=False, cwd=REPO_ROOT,
-                                  capture_output=True, text=True, timeout=10).stdout.strip()
+            return subprocess.run(
+                ["git", "--no-optional-locks", *args],
+                check=False,
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
 
         head = git("rev-parse", "--short", "HEAD")
         dirty = git("status", "--porcelain", "--untracked-files=no")
@@ -313,13 +329,24 @@ def machine_info(ctx: Context) -> list[tuple[str, str]]:
         ("Machine", f"{os.cpu_count()} CPUs ({_cpu_model()}), {_ram()} RAM, {platform.system()} {platform.release()}"),
         ("Scratch disk", f"{_fs_type(ctx.workdir)} ({ctx.workdir.parent})"),
         ("Python", platform.python_version()),
-        ("Packages", ", ".join(f"{d} {_version(d)}" for d in
-                               ("torch", "fsspec", "s3fs", "blake3", "trajectory-replay"))),
+        (
+            "Packages",
+            ", ".join(f"{d} {_version(d)}" for d in ("torch", "fsspec", "s3fs", "blake3", "trajectory-replay")),
+        ),
         ("Commit", _git()),
-        ("Load average", (f"{ctx.load_at_start} at the start, {_load()} at the end (1 / 5 / 15 min; "
-                         "other work on the machine adds noise)")),
-        ("Mode", "quick (smoke sizes, one run each; not the figures to quote)" if ctx.quick
-         else "full (best of interleaved repetitions, see below)"),
+        (
+            "Load average",
+            (
+                f"{ctx.load_at_start} at the start, {_load()} at the end (1 / 5 / 15 min; "
+                "other work on the machine adds noise)"
+            ),
+        ),
+        (
+            "Mode",
+            "quick (smoke sizes, one run each; not the figures to quote)"
+            if ctx.quick
+            else "full (best of interleaved repetitions, see below)",
+        ),
     ]
     if ctx.s3_used:
         info.insert(3, ("S3 server", ctx.s3_description()))
@@ -335,28 +362,20 @@ def _cells(row: Row) -> list[str]:
 
 
 def print_table(rows: Sequence[Row], title: str = "trajectory-replay benchmarks") -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        Console = None
-    if Console is not None:
-        table = Table(title=title, show_lines=True)
-        for col in COLUMNS:
-            table.add_column(col, overflow="fold", max_width=60 if col == "Detail" else None)
-        styles = {"PASS": "green", "FAIL": "bold red", "ERROR": "bold red", "SKIP": "yellow"}
-        for row in rows:
-            cells = _cells(row)
-            style = styles.get(row.status)
-            if style:
-                cells[4] = f"[{style}]{cells[4]}[/{style}]"
-            table.add_row(*cells)
-        Console(width=max(160, shutil.get_terminal_size((160, 24)).columns)).print(table)
-        return
-    widths = [max(len(c), *(len(_cells(r)[i]) for r in rows)) if rows else len(c) for i, c in enumerate(COLUMNS)]
-    print(title)
-    for cells in (list(COLUMNS), *(_cells(r) for r in rows)):  # the last column (detail) is not padded
-        print("  ".join([c.ljust(w) for c, w in zip(cells[:-1], widths)] + [cells[-1]]))
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=True)
+    for col in COLUMNS:
+        table.add_column(col, overflow="fold", max_width=60 if col == "Detail" else None)
+    styles = {"PASS": "green", "FAIL": "bold red", "ERROR": "bold red", "SKIP": "yellow"}
+    for row in rows:
+        cells = _cells(row)
+        style = styles.get(row.status)
+        if style:
+            cells[4] = f"[{style}]{cells[4]}[/{style}]"
+        table.add_row(*cells)
+    Console(width=max(160, shutil.get_terminal_size((160, 24)).columns)).print(table)
 
 
 def _md(text: str) -> str:
@@ -372,8 +391,16 @@ def markdown_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def write_docs(path: Path, ctx: Context, rows: Sequence[Row], sections: Sequence[tuple[str, str, str]],
-               command: str, *, refresh: bool = False, groups: Sequence[str] = ()) -> None:
+def write_docs(
+    path: Path,
+    ctx: Context,
+    rows: Sequence[Row],
+    sections: Sequence[tuple[str, str, str]],
+    command: str,
+    *,
+    refresh: bool = False,
+    groups: Sequence[str] = (),
+) -> None:
     """Rewrite the benchmark page: header (machine, versions, the run), the table, then one "how measured"
     paragraph per group (`sections` = (group, title, text)).
 
@@ -391,13 +418,19 @@ def write_docs(path: Path, ctx: Context, rows: Sequence[Row], sections: Sequence
             if names:
                 runs.append((earlier, names))
         order = {g: i for i, g in enumerate(groups)}
-        rows = sorted([r for r in kept_rows if r.group not in fresh] + list(rows),
-                      key=lambda r: order.get(r.group, len(order)))   # stable: each group's rows keep their order
-        sections = sorted([s for s in kept_sections if s[0] not in fresh] + list(sections),
-                          key=lambda s: order.get(s[0], len(order)))
-    out = ["# Benchmarks", "",
-           "Generated by `python -m benchmarks`; do not edit by hand (rerun it, or `--only GROUPS --refresh` to "
-           "replace some groups' figures).", ""]
+        rows = sorted(
+            [r for r in kept_rows if r.group not in fresh] + list(rows), key=lambda r: order.get(r.group, len(order))
+        )  # stable: each group's rows keep their order
+        sections = sorted(
+            [s for s in kept_sections if s[0] not in fresh] + list(sections), key=lambda s: order.get(s[0], len(order))
+        )
+    out = [
+        "# Benchmarks",
+        "",
+        "Generated by `python -m benchmarks`; do not edit by hand (rerun it, or `--only GROUPS --refresh` to "
+        "replace some groups' figures).",
+        "",
+    ]
     for key, value in info.items():
         if key not in ("Date", "Commit", "Load average", "Mode", "Machine"):
             out.append(f"- **{key}:** {value}")
@@ -430,8 +463,10 @@ class Run(NamedTuple):
         return f"`{self.command}` at commit {commit}; {date}; machine {machine}; load average {load}; mode {self.mode}"
 
 
-_RUN_LINE = re.compile(r"  - (?P<groups>`[^`]+`(?:, `[^`]+`)*): `(?P<command>[^`]*)` at commit (?P<commit>[^;]+); "
-                       r"(?P<date>[^;]+); machine (?P<machine>[^;]+); load average (?P<load>[^;]*); mode (?P<mode>.*)")
+_RUN_LINE = re.compile(
+    r"  - (?P<groups>`[^`]+`(?:, `[^`]+`)*): `(?P<command>[^`]*)` at commit (?P<commit>[^;]+); "
+    r"(?P<date>[^;]+); machine (?P<machine>[^;]+); load average (?P<load>[^;]*); mode (?P<mode>.*)"
+)
 
 
 def parse_docs(text: str) -> tuple[list[tuple[Run, list[str]]], list[Row], list[tuple[str, str, str]]]:
@@ -448,8 +483,9 @@ def parse_docs(text: str) -> tuple[list[tuple[Run, list[str]]], list[Row], list[
             continue
         group, name, value, goal, result, detail = cells
         result = result.strip("*")
-        rows.append(Row(group, name, value, goal, True if result == "PASS" else False if result == "FAIL" else None,
-                        detail))
+        rows.append(
+            Row(group, name, value, goal, True if result == "PASS" else False if result == "FAIL" else None, detail)
+        )
     runs: list[tuple[Run, list[str]]] = []
     for ln in lines:
         m = _RUN_LINE.fullmatch(ln)
@@ -459,9 +495,19 @@ def parse_docs(text: str) -> tuple[list[tuple[Run, list[str]]], list[Row], list[
     if not runs and "Commit" in header:
         command = re.search(r"Generated by `([^`]+)`", text)
         groups = list(dict.fromkeys(r.group for r in rows))
-        runs.append((Run(header["Commit"], header.get("Date", "?"), header.get("Load average", "?"),
-                         header.get("Mode", "?"), command[1] if command else "python -m benchmarks",
-                         header.get("Machine", "?")), groups))
+        runs.append(
+            (
+                Run(
+                    header["Commit"],
+                    header.get("Date", "?"),
+                    header.get("Load average", "?"),
+                    header.get("Mode", "?"),
+                    command[1] if command else "python -m benchmarks",
+                    header.get("Machine", "?"),
+                ),
+                groups,
+            )
+        )
     sections: list[tuple[str, str, str]] = []
     body = text.split("## How measured", 1)[1] if "## How measured" in text else ""
     for chunk in re.split(r"\n(?=(?:<!-- group: [^>]+ -->\n)?### )", body):

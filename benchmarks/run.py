@@ -50,8 +50,7 @@ def run_groups(ctx: Context, names: Sequence[str]) -> tuple[list[Row], list[tupl
             rows.append(Row(name, "(import)", "error", "-", None, f"{type(exc).__name__}: {exc}"))
             continue
         if module is None:
-            rows.append(Row(name, "(group)", "skipped", "-", None,
-                            f"benchmarks/bench_{name}.py is not present yet"))
+            rows.append(Row(name, "(group)", "skipped", "-", None, f"benchmarks/bench_{name}.py is not present yet"))
             continue
         started = time.perf_counter()
         try:
@@ -70,13 +69,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", default="", help=f"comma-separated groups to run (default all: {','.join(GROUPS)})")
     parser.add_argument("--quick", action="store_true", help="small sizes, one repetition: a smoke run")
     parser.add_argument("--repeats", type=int, default=None, help="repetitions per timing (default 3, quick 1)")
-    parser.add_argument("--docs", default=None,
-                        help="where to write the results page (default docs/benchmarks.md on a full run or with --refresh; "
-                             "a --quick run writes no page unless this is given)")
+    parser.add_argument(
+        "--docs",
+        default=None,
+        help="where to write the results page (default docs/benchmarks.md on a full run or with --refresh; "
+        "a --quick run writes no page unless this is given)",
+    )
     parser.add_argument("--no-docs", action="store_true", help="do not write the results page")
-    parser.add_argument("--refresh", action="store_true",
-                        help="with --only: replace just those groups' figures in the results page, keeping the others "
-                             "(the page says which run each group's figures come from)")
+    parser.add_argument(
+        "--refresh",
+        action="store_true",
+        help="with --only: replace just those groups' figures in the results page, keeping the others "
+        "(the page says which run each group's figures come from)",
+    )
     parser.add_argument("--workdir", default=None, help="parent of the scratch directory (default: system temp)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed (errors always do)")
     return parser.parse_args(argv)
@@ -94,13 +99,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rows, sections = run_groups(ctx, names)
         elapsed = time.perf_counter() - started
-        print_table(rows, title=f"trajectory-replay benchmarks ({'quick' if args.quick else 'full'}, "
-                                f"{elapsed:.0f} s)")
+        print_table(rows, title=f"trajectory-replay benchmarks ({'quick' if args.quick else 'full'}, {elapsed:.0f} s)")
         default = DEFAULT_DOCS if not args.quick and (not args.only or args.refresh) else None
         docs = None if args.no_docs else (Path(args.docs) if args.docs else default)
         if docs is not None:
-            command = "python -m benchmarks" + (f" --only {','.join(names)}" if args.only else "") + \
-                      (" --quick" if args.quick else "")
+            command = (
+                "python -m benchmarks"
+                + (f" --only {','.join(names)}" if args.only else "")
+                + (" --quick" if args.quick else "")
+            )
             write_docs(docs, ctx, rows, sections, command, refresh=args.refresh, groups=GROUPS)
             print(f"wrote {docs}", file=sys.stderr)
     finally:

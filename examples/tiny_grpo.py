@@ -77,7 +77,7 @@ from trajectory_replay import capture
 from trajectory_replay.capture.config import ENV_CAPTURE, ENV_DIR, OLDER_NAMES
 
 SEP, EOS, PAD, VOCAB = 10, 11, 12, 16
-N_DIGITS = 4                    # the default task size (--digits)
+N_DIGITS = 4  # the default task size (--digits)
 MIN_CONTEXT = 16
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
@@ -85,21 +85,27 @@ GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 WHOLE_ROLLOUT_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
 """Whiten their advantages over the whole rollout, every rank's shard of it."""
 KL_REWARD_ESTIMATORS = ("reinforce_plus_plus", "gae")
-LOSS_AGG_MODES = ("sum_of_sample_means", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-                  "seq_mean_token_sum_norm")
+LOSS_AGG_MODES = (
+    "sum_of_sample_means",
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+)
 POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
 ROLLOUT_IS = ("none", "token", "sequence")
-LOG_RATIO_CLAMP = 20.0          # rollout correction: log ratios are clamped to +-20 before exp
+LOG_RATIO_CLAMP = 20.0  # rollout correction: log ratios are clamped to +-20 before exp
 FAULTS = ("pr65", "stale-old-logprobs", "future-version")
 KL_LOSS_ESTIMATOR = "k3"
-VF_CLIP, VF_COEF = 0.2, 0.5     # value clip range; weight of vf_loss in gae's training loss
+VF_CLIP, VF_COEF = 0.2, 0.5  # value clip range; weight of vf_loss in gae's training loss
 
 
 def task_shape(digits: int) -> tuple[int, int, int]:
     """(prompt length, longest response, model context) for prompts of `digits` digits."""
-    prompt_len = digits + 1          # digits + SEP
-    max_response = digits + 1        # sorted digits + EOS
+    prompt_len = digits + 1  # digits + SEP
+    max_response = digits + 1  # sorted digits + EOS
     return prompt_len, max_response, max(MIN_CONTEXT, prompt_len + max_response)
+
 
 # --------------------------------------------------------------------------- capture hooks
 # Capture is configured only by the TRAJECTORY_REPLAY_CAPTURE* environment variables (read by
@@ -115,7 +121,7 @@ def capture_environ(capture_dir: str | None, run_id: str | None = None) -> dict[
     """The environment capture is configured from: os.environ, plus what --capture-dir implies, plus this launch's
     identity (made once by the launching process, so every rank has the same one and a rerun another)."""
     env = dict(os.environ)
-    if capture_dir:   # replaces the switch and directory however the environment spells them
+    if capture_dir:  # replaces the switch and directory however the environment spells them
         for name in (ENV_CAPTURE, ENV_DIR):
             env.pop(OLDER_NAMES[name], None)
         env.update({ENV_CAPTURE: "1", ENV_DIR: capture_dir})
@@ -131,6 +137,7 @@ def capture_threads() -> int:
 def _timed_hook(fn):
     """Accumulate the time the training thread spends inside a capture hook (for --out-json); with capture off,
     return after one check (no argument is even passed on)."""
+
     def wrapper(*args: Any, **kwargs: Any) -> None:
         if _CAPTURE["manager"] is None:
             return
@@ -139,26 +146,34 @@ def _timed_hook(fn):
             fn(*args, **kwargs)
         finally:
             _CAPTURE["seconds"] += time.perf_counter() - t0
+
     wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
     return wrapper
 
 
-def _maybe_enable_capture(capture_dir: str | None, rank: int, expected_ranks: list[int],
-                          config: dict[str, Any], run_id: str | None = None) -> None:
+def _maybe_enable_capture(
+    capture_dir: str | None, rank: int, expected_ranks: list[int], config: dict[str, Any], run_id: str | None = None
+) -> None:
     """Every trainer rank is a producer: each DP rank writes its own shard of every bundle."""
     _CAPTURE["config"] = dict(config)
     started = time.perf_counter()
     _CAPTURE["manager"] = capture.maybe_enable_for_actor(
-        rank, is_producer=True, expected_ranks=expected_ranks, environ=capture_environ(capture_dir, run_id),
-        topology={"dp": len(expected_ranks), "tp": 1, "pp": 1, "cp": 1})
+        rank,
+        is_producer=True,
+        expected_ranks=expected_ranks,
+        environ=capture_environ(capture_dir, run_id),
+        topology={"dp": len(expected_ranks), "tp": 1, "pp": 1, "cp": 1},
+    )
     _CAPTURE["start_seconds"] = time.perf_counter() - started
 
 
 def _lineage(rollout_versions: list[int], actor_versions: list[int]) -> dict[str, Any]:
     """rollout_weight = the version that generated the samples, actor_weight = the live version."""
+
     def one(values: list[int]) -> int | str:
         distinct = sorted(set(values))
         return distinct[0] if len(distinct) == 1 else ",".join(map(str, distinct))
+
     return {"rollout_weight": one(rollout_versions), "actor_weight": one(actor_versions)}
 
 
@@ -168,8 +183,11 @@ def _capture_rollout(rollout_id: int, rollout_data: dict[str, list], actor_versi
     `rollout_log_probs` (beside `log_probs`) and `policy_versions`, which contract rollout.mismatch; the config
     adds the version of the trainer consuming the rollout."""
     capture.capture_slime_rollout(
-        rollout_id, rollout_data, config={**_CAPTURE["config"], "actor_version": actor_version},
-        weight_lineage=_lineage(rollout_data["rollout_weight_versions"], rollout_data["actor_weight_versions"]))
+        rollout_id,
+        rollout_data,
+        config={**_CAPTURE["config"], "actor_version": actor_version},
+        weight_lineage=_lineage(rollout_data["rollout_weight_versions"], rollout_data["actor_weight_versions"]),
+    )
 
 
 OPTIONAL_STEP_PAYLOADS = ("ref_log_probs", "values", "vpreds", "returns")
@@ -183,24 +201,50 @@ def _capture_microbatch(rollout_id: int, step_id: int, mb_id: str, data: dict[st
     a value loss), with the generator's log-probs and policy versions of its samples (rollout.mismatch, and the
     input of --rollout-is)."""
     capture.capture_microbatch(
-        rollout_id, step_id, mb_id, sample_ids=data["sample_ids"], group_index=data["group_index"],
-        response_lengths=data["response_lengths"], total_lengths=data["total_lengths"],
-        loss_masks=data["loss_mask"], raw_rewards=data["raw_reward"], rewards=data["rewards"],
-        old_log_probs=data["old_log_probs"], log_probs=data["log_probs"], entropy=data["entropy"],
-        advantages=data["advantages"], rollout_log_probs=data["rollout_log_probs"],
-        policy_versions=data["policy_versions"], **data.get("optional", _NOTHING))
+        rollout_id,
+        step_id,
+        mb_id,
+        sample_ids=data["sample_ids"],
+        group_index=data["group_index"],
+        response_lengths=data["response_lengths"],
+        total_lengths=data["total_lengths"],
+        loss_masks=data["loss_mask"],
+        raw_rewards=data["raw_reward"],
+        rewards=data["rewards"],
+        old_log_probs=data["old_log_probs"],
+        log_probs=data["log_probs"],
+        entropy=data["entropy"],
+        advantages=data["advantages"],
+        rollout_log_probs=data["rollout_log_probs"],
+        policy_versions=data["policy_versions"],
+        **data.get("optional", _NOTHING),
+    )
 
 
 @_timed_hook
-def _capture_step_end(rollout_id: int, step_id: int, scalars: dict[str, float],
-                      weight_lineage: dict[str, Any] | None = None, step_config: dict[str, Any] | None = None) -> None:
+def _capture_step_end(
+    rollout_id: int,
+    step_id: int,
+    scalars: dict[str, float],
+    weight_lineage: dict[str, Any] | None = None,
+    step_config: dict[str, Any] | None = None,
+) -> None:
     """This rank's reported loss scalars for actor step (rollout_id, step_id); `step_config` adds what only this
     step knows (its global loss denominator, the actor version, whether it is on-policy)."""
-    capture.capture_step_end(rollout_id, step_id, loss=scalars["loss"], pg_loss=scalars["pg_loss"],
-                             entropy_loss=scalars["entropy_loss"], pg_clipfrac=scalars["pg_clipfrac"],
-                             ppo_kl=scalars["ppo_kl"], kl_loss=scalars.get("kl_loss"),
-                             vf_loss=scalars.get("vf_loss"), vf_clipfrac=scalars.get("vf_clipfrac"),
-                             config={**_CAPTURE["config"], **(step_config or {})}, weight_lineage=weight_lineage)
+    capture.capture_step_end(
+        rollout_id,
+        step_id,
+        loss=scalars["loss"],
+        pg_loss=scalars["pg_loss"],
+        entropy_loss=scalars["entropy_loss"],
+        pg_clipfrac=scalars["pg_clipfrac"],
+        ppo_kl=scalars["ppo_kl"],
+        kl_loss=scalars.get("kl_loss"),
+        vf_loss=scalars.get("vf_loss"),
+        vf_clipfrac=scalars.get("vf_clipfrac"),
+        config={**_CAPTURE["config"], **(step_config or {})},
+        weight_lineage=weight_lineage,
+    )
 
 
 def _shutdown_capture(timeout: float) -> dict[str, Any]:
@@ -214,11 +258,16 @@ def _shutdown_capture(timeout: float) -> dict[str, Any]:
     done = capture.shutdown(timeout)
     waited = time.perf_counter() - started
     stats = manager.stats() if manager is not None else None
-    landed = stats is None or (stats["written"] == stats["enqueued"] and not stats["errors"]
-                               and not stats["dropped"])
+    landed = stats is None or (stats["written"] == stats["enqueued"] and not stats["errors"] and not stats["dropped"])
     # the training process's own waits on capture outside the hooks: starting it, and flushing it at the end
-    return {"enabled": manager is not None, "capture_threads": threads, "flushed": done and landed,
-            "stats": stats, "start_seconds": _CAPTURE.get("start_seconds", 0.0), "shutdown_seconds": waited}
+    return {
+        "enabled": manager is not None,
+        "capture_threads": threads,
+        "flushed": done and landed,
+        "stats": stats,
+        "start_seconds": _CAPTURE.get("start_seconds", 0.0),
+        "shutdown_seconds": waited,
+    }
 
 
 # --------------------------------------------------------------------------- model
@@ -265,21 +314,22 @@ class ResponseOutputs(NamedTuple):
     values: list[torch.Tensor] | None
 
 
-def response_outputs(model: TinyLM, tokens: list[torch.Tensor], resp_lens: list[int],
-                     critic: nn.Module | None = None) -> ResponseOutputs:
+def response_outputs(
+    model: TinyLM, tokens: list[torch.Tensor], resp_lens: list[int], critic: nn.Module | None = None
+) -> ResponseOutputs:
     """Log-probs and entropies of the response tokens (one padded forward pass); with `critic`, its value of the
     state each response token is generated from."""
     x = torch.full((len(tokens), max(len(t) for t in tokens)), PAD, dtype=torch.long)
     for i, t in enumerate(tokens):
-        x[i, :len(t)] = t
+        x[i, : len(t)] = t
     hidden = model.features(x)
-    logp = F.log_softmax(model.head(hidden)[:, :-1].float(), dim=-1)       # position j predicts token j+1
+    logp = F.log_softmax(model.head(hidden)[:, :-1].float(), dim=-1)  # position j predicts token j+1
     tok_lp = logp.gather(-1, x[:, 1:, None]).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1)
     starts = [len(t) - r - 1 for t, r in zip(tokens, resp_lens)]
 
     def responses(per_position: torch.Tensor) -> list[torch.Tensor]:
-        return [per_position[i, s:s + r] for i, (s, r) in enumerate(zip(starts, resp_lens))]
+        return [per_position[i, s : s + r] for i, (s, r) in enumerate(zip(starts, resp_lens))]
 
     values = None if critic is None else responses(critic(hidden[:, :-1]).squeeze(-1).float())
     return ResponseOutputs(responses(tok_lp), responses(ent), values)
@@ -325,12 +375,13 @@ def padded(rows: list[torch.Tensor]) -> torch.Tensor:
     """Per-sample rows right-padded with zeros into [B, T] (padding acts as masked-out tokens)."""
     out = torch.zeros(len(rows), max(len(r) for r in rows))
     for i, r in enumerate(rows):
-        out[i, :len(r)] = r
+        out[i, : len(r)] = r
     return out
 
 
-def token_rewards(rewards: list[float], mask: torch.Tensor, lens: list[int], kl: torch.Tensor | None,
-                  kl_coef: float) -> torch.Tensor:
+def token_rewards(
+    rewards: list[float], mask: torch.Tensor, lens: list[int], kl: torch.Tensor | None, kl_coef: float
+) -> torch.Tensor:
     """[B, T] token rewards: minus kl_coef * kl on every loss token (when the KL is in the reward), plus the
     sample's reward on its last response token."""
     rho = -kl_coef * kl * mask if kl is not None else torch.zeros_like(mask)
@@ -349,8 +400,9 @@ def discounted_returns(rho: torch.Tensor, mask: torch.Tensor, gamma: float) -> t
     return out
 
 
-def gae(rho: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
-        ) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rho: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) by GAE; a masked-out token (an observation) takes no TD step and the next value and
     running advantage carry over it."""
     adv, next_value, last = torch.zeros_like(rho), torch.zeros(rho.shape[0]), torch.zeros(rho.shape[0])
@@ -390,8 +442,9 @@ def rollout_advantages(shard: list[dict[str, Any]], args: argparse.Namespace) ->
         kl = padded([k for mine in shard for k in mine["kl"]]) if args.kl_in_reward else None
         rho = token_rewards(rewards, mask, lens, kl, args.kl_coef)
         if args.estimator == "gae":
-            scores, returns = gae(rho, padded([v for mine in shard for v in mine["values"]]), mask, args.gamma,
-                                  args.lam)
+            scores, returns = gae(
+                rho, padded([v for mine in shard for v in mine["values"]]), mask, args.gamma, args.lam
+            )
         else:
             scores = discounted_returns(rho, mask, args.gamma)
 
@@ -400,7 +453,7 @@ def rollout_advantages(shard: list[dict[str, Any]], args: argparse.Namespace) ->
 
     flat_mask = flat(mask)
     adv = whiten_across_ranks(flat(scores), flat_mask)
-    if args.estimator != "gae":   # gae's whitened advantages are not re-masked
+    if args.estimator != "gae":  # gae's whitened advantages are not re-masked
         adv = adv * flat_mask
     per_sample = {"advantages": list(adv.split(lens))}
     if returns is not None:
@@ -409,20 +462,27 @@ def rollout_advantages(shard: list[dict[str, Any]], args: argparse.Namespace) ->
     for mine in shard:
         n = len(mine["response_lengths"])
         for key, rows in per_sample.items():
-            mine[key] = rows[at:at + n]
+            mine[key] = rows[at : at + n]
         at += n
 
 
-def policy_terms(old: torch.Tensor, new: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                 seg: torch.Tensor, n: int, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+def policy_terms(
+    old: torch.Tensor,
+    new: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    seg: torch.Tensor,
+    n: int,
+    args: argparse.Namespace,
+) -> dict[str, torch.Tensor]:
     """Per-token pg loss, clipped flag and old - new log-prob of the policy loss (flat token inputs)."""
     ppo_kl = old - new
     eps, eps_high = args.eps_clip, args.eps_clip_high
-    if args.policy_loss == "cispo":   # the clipped ratio is a constant weight on the log-prob
+    if args.policy_loss == "cispo":  # the clipped ratio is a constant weight on the log-prob
         ratio = torch.exp(-ppo_kl)
         weight = ratio.clamp(1 - eps, 1 + eps_high).detach()
         return {"pg_loss": -weight * adv * new, "pg_clipfrac": (weight != ratio).float(), "ppo_kl": ppo_kl}
-    if args.policy_loss == "gspo":    # one ratio per sequence: exp of its mean log-ratio, the log capped at 10
+    if args.policy_loss == "gspo":  # one ratio per sequence: exp of its mean log-ratio, the log capped at 10
         tokens = torch.zeros(n).index_add_(0, seg, mask).clamp_min(1.0)
         seq = torch.zeros(n).index_add(0, seg, -ppo_kl * mask) / tokens
         ratio = torch.exp(seq.clamp(max=10.0))[seg]
@@ -432,8 +492,9 @@ def policy_terms(old: torch.Tensor, new: torch.Tensor, adv: torch.Tensor, mask: 
     return {"pg_loss": torch.maximum(l1, l2), "pg_clipfrac": (l2 > l1).float(), "ppo_kl": ppo_kl}
 
 
-def rollout_is_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int,
-                       args: argparse.Namespace) -> torch.Tensor:
+def rollout_is_weights(
+    old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int, args: argparse.Namespace
+) -> torch.Tensor:
     """--rollout-is per-token importance weights, constants of the loss: min(exp(clamp(d, -20, 20)), threshold)
     with d = old - rollout log-prob per token (token), or d summed over the sample's loss tokens in float64 and
     put on every token of the sample (sequence)."""
@@ -458,8 +519,11 @@ def sample_divisors(tokens: torch.Tensor, args: argparse.Namespace, step_counts:
         return tokens.clamp_min(1.0)
     if mode == "seq_mean_token_mean":
         return (tokens + 1e-8) * step_seqs
-    by = {"token_mean": step_tokens, "seq_mean_token_sum": step_seqs,
-          "seq_mean_token_sum_norm": task_shape(args.digits)[1]}[mode]
+    by = {
+        "token_mean": step_tokens,
+        "seq_mean_token_sum": step_seqs,
+        "seq_mean_token_sum_norm": task_shape(args.digits)[1],
+    }[mode]
     return torch.full_like(tokens, float(by))
 
 
@@ -469,15 +533,17 @@ def step_counts(batch: dict[str, list]) -> tuple[int, int]:
     return sum(sums), sum(s > 0 for s in sums)
 
 
-def microbatch_losses(flat: dict[str, torch.Tensor], lens: list[int], args: argparse.Namespace,
-                      counts: tuple[int, int]) -> dict[str, torch.Tensor]:
+def microbatch_losses(
+    flat: dict[str, torch.Tensor], lens: list[int], args: argparse.Namespace, counts: tuple[int, int]
+) -> dict[str, torch.Tensor]:
     """Per-sample shares of each aggregated loss scalar (their sum over a rank's samples is its scalar)."""
     mask, n = flat["loss_mask"], len(lens)
     seg = torch.repeat_interleave(torch.arange(n), torch.tensor(lens))
     terms = policy_terms(flat["old_log_probs"], flat["log_probs"], flat["advantages"], mask, seg, n, args)
-    if args.rollout_is != "none":   # the pg term only (not clipfrac, not ppo_kl), before aggregation
-        terms["pg_loss"] = terms["pg_loss"] * rollout_is_weights(flat["old_log_probs"], flat["rollout_log_probs"],
-                                                                 mask, seg, n, args)
+    if args.rollout_is != "none":  # the pg term only (not clipfrac, not ppo_kl), before aggregation
+        terms["pg_loss"] = terms["pg_loss"] * rollout_is_weights(
+            flat["old_log_probs"], flat["rollout_log_probs"], mask, seg, n, args
+        )
     terms["entropy_loss"] = flat["entropy"]
     if "ref_log_probs" in flat:
         terms["kl_loss"] = kl_estimate(flat["log_probs"], flat["ref_log_probs"], KL_LOSS_ESTIMATOR, args.kl_loss_coef)
@@ -513,9 +579,8 @@ def fault_on(args: argparse.Namespace, fault: str, rollout_id: int) -> bool:
 
 
 @torch.no_grad()
-def generate_rollout(model: nn.Module, rollout_id: int, version: int, args: argparse.Namespace
-                     ) -> dict[str, list]:
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + rollout_id)   # seeded per rollout
+def generate_rollout(model: nn.Module, rollout_id: int, version: int, args: argparse.Namespace) -> dict[str, list]:
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + rollout_id)  # seeded per rollout
     n, n_prompts = args.n_samples_per_prompt, args.prompts_per_rollout
     n_digits = args.digits
     prompt_len, max_response, _ = task_shape(n_digits)
@@ -523,9 +588,9 @@ def generate_rollout(model: nn.Module, rollout_id: int, version: int, args: argp
     seqs = torch.cat([prompts, torch.full((n_prompts, 1), SEP)], 1).repeat_interleave(n, 0)
     done = torch.zeros(len(seqs), dtype=torch.bool)
     lens = torch.zeros(len(seqs), dtype=torch.long)
-    for t in range(max_response):   # no KV cache: sequences are tiny, so recompute the whole prefix
+    for t in range(max_response):  # no KV cache: sequences are tiny, so recompute the whole prefix
         logits = model(seqs)[:, -1].float()
-        if t < args.min_response:   # like a sampler's min_new_tokens: no EOS yet
+        if t < args.min_response:  # like a sampler's min_new_tokens: no EOS yet
             logits[:, EOS] = float("-inf")
         logp = F.log_softmax(logits, dim=-1)
         nxt = torch.multinomial(logp.exp(), 1, generator=g).squeeze(1)
@@ -533,35 +598,53 @@ def generate_rollout(model: nn.Module, rollout_id: int, version: int, args: argp
         lens += (~done).long()
         done |= nxt == EOS
         seqs = torch.cat([seqs, nxt[:, None]], 1)
-    data: dict[str, list] = {k: [] for k in ("sample_ids", "group_index", "tokens", "response_lengths",
-                                             "total_lengths", "loss_masks", "raw_reward")}
+    data: dict[str, list] = {
+        k: []
+        for k in (
+            "sample_ids",
+            "group_index",
+            "tokens",
+            "response_lengths",
+            "total_lengths",
+            "loss_masks",
+            "raw_reward",
+        )
+    }
     for i in range(len(seqs)):
         r = int(lens[i])
-        resp, target = seqs[i, prompt_len:prompt_len + r], prompts[i // n].sort().values
+        resp, target = seqs[i, prompt_len : prompt_len + r], prompts[i // n].sort().values
         # Partial credit (a prompt digit in the wrong place earns a quarter) keeps reward variance in groups.
-        hits = sum(1.0 if resp[j] == target[j] else 0.25 * float(resp[j] in target)
-                   for j in range(min(r, n_digits)))
+        hits = sum(1.0 if resp[j] == target[j] else 0.25 * float(resp[j] in target) for j in range(min(r, n_digits)))
         hits += float(r == max_response and resp[-1] == EOS)
         # A response cut at the length limit (no EOS): its last token carries no learning signal, so masks
         # are not all ones and the masked means are exercised.
         mask = [1] * r if resp[-1] == EOS else [1] * (r - 1) + [0]
-        for key, val in (("sample_ids", f"s-{rollout_id}-{i}"), ("group_index", i // n),
-                         ("tokens", seqs[i, :prompt_len + r].clone()), ("response_lengths", r),
-                         ("total_lengths", prompt_len + r), ("loss_masks", mask),
-                         ("raw_reward", hits / max_response)):
+        for key, val in (
+            ("sample_ids", f"s-{rollout_id}-{i}"),
+            ("group_index", i // n),
+            ("tokens", seqs[i, : prompt_len + r].clone()),
+            ("response_lengths", r),
+            ("total_lengths", prompt_len + r),
+            ("loss_masks", mask),
+            ("raw_reward", hits / max_response),
+        ):
             data[key].append(val)
     # The engine's log-probs of its responses under the weights it sampled with (version `version`), by the
     # trainer's own function: they differ from the trainer's old log-probs (version rollout_id) by the weights.
     data["rollout_log_probs"] = response_outputs(model, data["tokens"], data["response_lengths"]).log_probs
     data["rollout_weight_versions"] = [version] * len(seqs)
     data["policy_versions"] = [version] * len(seqs)
-    if fault_on(args, "future-version", rollout_id):   # the trainer of rollout k is at version k: one claims k + 1
+    if fault_on(args, "future-version", rollout_id):  # the trainer of rollout k is at version k: one claims k + 1
         data["policy_versions"][0] = rollout_id + 1
     # Post-processing needs whole prompt groups (the bug: it uses the physical consumer batch instead).
-    cohorts = ([i // args.consumer_batch for i in range(len(seqs))] if fault_on(args, "pr65", rollout_id)
-               else data["group_index"])
-    data["rewards"] = post_process_rewards(torch.tensor(data["raw_reward"]), cohorts, args.estimator,
-                                           args.std_norm).tolist()
+    cohorts = (
+        [i // args.consumer_batch for i in range(len(seqs))]
+        if fault_on(args, "pr65", rollout_id)
+        else data["group_index"]
+    )
+    data["rewards"] = post_process_rewards(
+        torch.tensor(data["raw_reward"]), cohorts, args.estimator, args.std_norm
+    ).tolist()
     return data
 
 
@@ -575,7 +658,7 @@ def producer_loop(args: argparse.Namespace, board: WeightBoard, out: queue.Queue
             model.load_state_dict(board.wait_for(version))
             data = generate_rollout(model, k, version, args)
             for s, lo in enumerate(range(0, len(data["sample_ids"]), args.consumer_batch)):
-                chunk = {key: vals[lo:lo + args.consumer_batch] for key, vals in data.items()}
+                chunk = {key: vals[lo : lo + args.consumer_batch] for key, vals in data.items()}
                 out.put((k, s, chunk))
     except Exception as exc:  # noqa: BLE001 - surfaced by the trainer, which would otherwise wait forever
         out.put(exc)
@@ -583,14 +666,16 @@ def producer_loop(args: argparse.Namespace, board: WeightBoard, out: queue.Queue
 
 # --------------------------------------------------------------------------- trainer
 def split_stats(groups: dict[tuple[int, int], set[tuple[int, int]]]) -> dict[str, int]:
-    return {"split_groups": sum(len(p) > 1 for p in groups.values()),
-            "split_across_batches": sum(len({s for s, _ in p}) > 1 for p in groups.values()),
-            "split_across_ranks": sum(len({r for _, r in p}) > 1 for p in groups.values())}
+    return {
+        "split_groups": sum(len(p) > 1 for p in groups.values()),
+        "split_across_batches": sum(len({s for s, _ in p}) > 1 for p in groups.values()),
+        "split_across_ranks": sum(len({r for _, r in p}) > 1 for p in groups.values()),
+    }
 
 
 def train_worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)   # determinism, and no oversubscription of the few cores
+    torch.set_num_threads(1)  # determinism, and no oversubscription of the few cores
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         _train(rank, world, args)
@@ -603,21 +688,34 @@ def train_worker(rank: int, world: int, args: argparse.Namespace, port: int) -> 
 def recompute_config(args: argparse.Namespace) -> dict[str, Any]:
     """The algorithm settings this run trains with, as trajectory_replay's RecomputeConfig names them (each bundle
     adds its actor_version, a step its loss_denominator and expect_on_policy)."""
-    config = {"advantage_estimator": args.estimator, "n_samples_per_prompt": args.n_samples_per_prompt,
-              "grpo_std_normalization": args.std_norm, "kl_loss_type": args.kl_type, "kl_coef": args.kl_coef,
-              "eps_clip": args.eps_clip, "eps_clip_high": args.eps_clip_high, "entropy_coef": args.entropy_coef,
-              "std_unbiased": True, "std_eps": 1e-6, "gamma": args.gamma, "lam": args.lam,
-              "kl_in_reward": args.kl_in_reward, "policy_loss": args.policy_loss,
-              "loss_agg_mode": args.loss_agg_mode, "kl_loss_coef": args.kl_loss_coef,
-              "kl_loss_estimator": KL_LOSS_ESTIMATOR, "cliprange_value": VF_CLIP,
-              "rollout_is": args.rollout_is, "rollout_is_threshold": args.rollout_is_threshold}
+    config = {
+        "advantage_estimator": args.estimator,
+        "n_samples_per_prompt": args.n_samples_per_prompt,
+        "grpo_std_normalization": args.std_norm,
+        "kl_loss_type": args.kl_type,
+        "kl_coef": args.kl_coef,
+        "eps_clip": args.eps_clip,
+        "eps_clip_high": args.eps_clip_high,
+        "entropy_coef": args.entropy_coef,
+        "std_unbiased": True,
+        "std_eps": 1e-6,
+        "gamma": args.gamma,
+        "lam": args.lam,
+        "kl_in_reward": args.kl_in_reward,
+        "policy_loss": args.policy_loss,
+        "loss_agg_mode": args.loss_agg_mode,
+        "kl_loss_coef": args.kl_loss_coef,
+        "kl_loss_estimator": KL_LOSS_ESTIMATOR,
+        "cliprange_value": VF_CLIP,
+        "rollout_is": args.rollout_is,
+        "rollout_is_threshold": args.rollout_is_threshold,
+    }
     if args.loss_agg_mode == "seq_mean_token_sum_norm":
         config["loss_scale_factor"] = float(task_shape(args.digits)[1])
     return config
 
 
-def step_config(args: argparse.Namespace, counts: tuple[int, int], actor_version: int, step_id: int
-                ) -> dict[str, Any]:
+def step_config(args: argparse.Namespace, counts: tuple[int, int], actor_version: int, step_id: int) -> dict[str, Any]:
     """What a step adds to the config: the global denominator of its loss aggregation (none for the modes without
     one), the actor version training on the rollout, and expect_on_policy for the first optimizer step after the
     old log-probs were computed (the rollout's first step: the live weights are still the version-k weights the
@@ -635,7 +733,7 @@ class Models:
     values) are computed with, the optimizer."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        torch.manual_seed(args.seed)   # same init on every rank and in the producer
+        torch.manual_seed(args.seed)  # same init on every rank and in the producer
         self.policy = TinyLM(args.d_model, args.layers, context=task_shape(args.digits)[2])
         self.ref, self.old = copy.deepcopy(self.policy).eval(), copy.deepcopy(self.policy).eval()
         self.critic: nn.Linear | None = nn.Linear(args.d_model, 1) if args.estimator == "gae" else None
@@ -650,11 +748,16 @@ class Models:
         return [*self.policy.parameters(), *(self.critic.parameters() if self.critic is not None else ())]
 
     def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
-        return (copy.deepcopy(self.policy.state_dict()),
-                None if self.critic is None else copy.deepcopy(self.critic.state_dict()))
+        return (
+            copy.deepcopy(self.policy.state_dict()),
+            None if self.critic is None else copy.deepcopy(self.critic.state_dict()),
+        )
 
-    def load_old(self, snap: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None],
-                 policy: dict[str, torch.Tensor] | None = None) -> None:
+    def load_old(
+        self,
+        snap: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None],
+        policy: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         """The weights of the old log-probs and values: `snap`, or the policy's from `policy` (a fault)."""
         self.old.load_state_dict(snap[0] if policy is None else policy)
         if self.old_critic is not None:
@@ -684,7 +787,7 @@ class Trainer:
         assert (k_got, s_got) == (k, s), "the stream must arrive in order"
         for i, gi in enumerate(batch["group_index"]):
             self.placement.setdefault((k, gi), set()).add((s, i // per_rank))
-        mine = {key: vals[rank * per_rank:(rank + 1) * per_rank] for key, vals in batch.items()}
+        mine = {key: vals[rank * per_rank : (rank + 1) * per_rank] for key, vals in batch.items()}
         tokens, lens = mine["tokens"], mine["response_lengths"]
         old_lp: list[torch.Tensor] = []
         old_values: list[torch.Tensor] | None = None if models.old_critic is None else []
@@ -714,7 +817,7 @@ class Trainer:
         """One optimizer step on this rank's shard of consumer batch (k, s); this rank's reported scalars."""
         args, models = self.args, self.models
         tokens, lens = mine["tokens"], mine["response_lengths"]
-        mine["actor_weight_versions"] = [k] * len(lens)   # live version; (k, s) pins the exact update
+        mine["actor_weight_versions"] = [k] * len(lens)  # live version; (k, s) pins the exact update
         mine["step_ids"] = [s] * len(lens)
         mine["micro_batch_ids"] = []
         counts = step_counts(batch)
@@ -726,16 +829,22 @@ class Trainer:
             mb_id = f"mb-{((k * self.steps_per_rollout + s) * self.world + self.rank) * self.mbs_per_rank + j:04d}"
             new = response_outputs(models.policy, tokens[sl], lens[sl], models.critic)
             mb_lens = lens[sl]
-            flat = {"old_log_probs": torch.cat(mine["log_probs"][sl]), "log_probs": torch.cat(new.log_probs),
-                    "entropy": torch.cat(new.entropy), "advantages": torch.cat(mine["advantages"][sl]),
-                    "loss_mask": torch.tensor([m for ms in mine["loss_masks"][sl] for m in ms],
-                                              dtype=torch.float32),
-                    "rollout_log_probs": torch.cat(mine["rollout_log_probs"][sl])}
+            flat = {
+                "old_log_probs": torch.cat(mine["log_probs"][sl]),
+                "log_probs": torch.cat(new.log_probs),
+                "entropy": torch.cat(new.entropy),
+                "advantages": torch.cat(mine["advantages"][sl]),
+                "loss_mask": torch.tensor([m for ms in mine["loss_masks"][sl] for m in ms], dtype=torch.float32),
+                "rollout_log_probs": torch.cat(mine["rollout_log_probs"][sl]),
+            }
             if args.kl_loss_coef != 0:
                 flat["ref_log_probs"] = torch.cat(mine["ref_log_probs"][sl])
             if new.values is not None:
-                flat.update(values=torch.cat(mine["values"][sl]), vpreds=torch.cat(new.values),
-                            returns=torch.cat(mine["returns"][sl]))
+                flat.update(
+                    values=torch.cat(mine["values"][sl]),
+                    vpreds=torch.cat(new.values),
+                    returns=torch.cat(mine["returns"][sl]),
+                )
             means = microbatch_losses(flat, mb_lens, args, counts)
             mb_loss = policy_loss_of(means, args)
             total = mb_loss + VF_COEF * means["vf_loss"].sum() if "vf_loss" in means else mb_loss
@@ -745,22 +854,36 @@ class Trainer:
             mine["micro_batch_ids"] += [mb_id] * len(mb_lens)
             scalars = {key: float(v.detach().sum()) for key, v in means.items()}
             scalars["loss"] = float(mb_loss.detach())
-            _capture_microbatch(k, s, mb_id, {
-                "micro_batch_id": mb_id, "sample_ids": mine["sample_ids"][sl],
-                "group_index": mine["group_index"][sl], "response_lengths": mb_lens,
-                "total_lengths": mine["total_lengths"][sl], "raw_reward": mine["raw_reward"][sl],
-                "rewards": mine["rewards"][sl], "loss_masks": mine["loss_masks"][sl],
-                "policy_versions": mine["policy_versions"][sl],
-                **{key: v.detach() for key, v in flat.items() if key not in OPTIONAL_STEP_PAYLOADS},
-                "optional": {key: flat[key].detach() for key in OPTIONAL_STEP_PAYLOADS if key in flat},
-                "scalars": scalars})
+            _capture_microbatch(
+                k,
+                s,
+                mb_id,
+                {
+                    "micro_batch_id": mb_id,
+                    "sample_ids": mine["sample_ids"][sl],
+                    "group_index": mine["group_index"][sl],
+                    "response_lengths": mb_lens,
+                    "total_lengths": mine["total_lengths"][sl],
+                    "raw_reward": mine["raw_reward"][sl],
+                    "rewards": mine["rewards"][sl],
+                    "loss_masks": mine["loss_masks"][sl],
+                    "policy_versions": mine["policy_versions"][sl],
+                    **{key: v.detach() for key, v in flat.items() if key not in OPTIONAL_STEP_PAYLOADS},
+                    "optional": {key: flat[key].detach() for key in OPTIONAL_STEP_PAYLOADS if key in flat},
+                    "scalars": scalars,
+                },
+            )
         self.all_reduce_step()
         # This rank's scalars: the aggregation over all of its samples in this actor step.
         rank_sc = {key: torch.cat(v).sum() for key, v in step_means.items()}
         rank_sc["loss"] = policy_loss_of(rank_sc, args)
-        _capture_step_end(k, s, {key: float(v) for key, v in rank_sc.items()},
-                          _lineage(mine["rollout_weight_versions"], mine["actor_weight_versions"]),
-                          step_config(args, counts, k, s))
+        _capture_step_end(
+            k,
+            s,
+            {key: float(v) for key, v in rank_sc.items()},
+            _lineage(mine["rollout_weight_versions"], mine["actor_weight_versions"]),
+            step_config(args, counts, k, s),
+        )
         return rank_sc
 
     def all_reduce_step(self) -> None:
@@ -792,15 +915,20 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> None:
         producer.start()
     trainer = Trainer(rank, world, args, models, stream)
     names = ["loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss"] + [
-        n for n, used in (("kl_loss", args.kl_loss_coef != 0), ("vf_loss", models.critic is not None),
-                          ("vf_clipfrac", models.critic is not None)) if used]
+        n
+        for n, used in (
+            ("kl_loss", args.kl_loss_coef != 0),
+            ("vf_loss", models.critic is not None),
+            ("vf_clipfrac", models.critic is not None),
+        )
+        if used
+    ]
     history: list[dict[str, Any]] = []
     timing: list[dict[str, Any]] = []
     for k in range(args.steps):
         # Old log-probs come from the actor's weights as it starts on rollout k (version k); rollout k was
         # generated by version max(k - 1, 0), the weights the stale-old-logprobs fault computes them with instead.
-        models.load_old(snapshots[k], snapshots[max(k - 1, 0)][0] if fault_on(args, "stale-old-logprobs", k)
-                         else None)
+        models.load_old(snapshots[k], snapshots[max(k - 1, 0)][0] if fault_on(args, "stale-old-logprobs", k) else None)
         # whitening estimators need the whole rollout before its first step; the others train as batches arrive
         received = trainer.receive_rollout(k) if args.estimator in WHOLE_ROLLOUT_ESTIMATORS else None
         shard: dict[str, list] = {}
@@ -810,23 +938,36 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> None:
             rank_sc = trainer.step(k, s, batch, mine)
             for key, vals in mine.items():
                 shard.setdefault(key, []).extend(vals)
-            if s == trainer.steps_per_rollout - 1:   # this rank's shard of rollout k is complete
+            if s == trainer.steps_per_rollout - 1:  # this rank's shard of rollout k is complete
                 _capture_rollout(k, shard, k)
             # Reported step scalars: the sum over ranks (every aggregation is a sum of per-sample shares).
             glob = torch.tensor([float(rank_sc[n]) for n in names], dtype=torch.float64)
             dist.all_reduce(glob)
             if rank == 0:
-                rec = {"rollout_id": k, "step_id": s, **dict(zip(names, glob.tolist())),
-                       "mean_raw_reward": sum(batch["raw_reward"]) / len(batch["raw_reward"])}
+                rec = {
+                    "rollout_id": k,
+                    "step_id": s,
+                    **dict(zip(names, glob.tolist())),
+                    "mean_raw_reward": sum(batch["raw_reward"]) / len(batch["raw_reward"]),
+                }
                 history.append(rec)
                 # Timing of rank 0's training thread (not part of the scalars compared across runs): the
                 # step's wall time and the part of it spent inside capture hooks.
-                timing.append({"rollout_id": k, "step_id": s, "step_seconds": time.perf_counter() - t0,
-                               "step_cpu_seconds": time.thread_time() - cpu0,
-                               "capture_seconds": _CAPTURE["seconds"] - hook0})
-                print(f"rollout={k} step={s} reward={rec['mean_raw_reward']:.4f} loss={rec['loss']:.6f} "
-                      f"pg_loss={rec['pg_loss']:.6f} clipfrac={rec['pg_clipfrac']:.4f} "
-                      f"time={time.perf_counter() - t0:.3f}s", flush=True)
+                timing.append(
+                    {
+                        "rollout_id": k,
+                        "step_id": s,
+                        "step_seconds": time.perf_counter() - t0,
+                        "step_cpu_seconds": time.thread_time() - cpu0,
+                        "capture_seconds": _CAPTURE["seconds"] - hook0,
+                    }
+                )
+                print(
+                    f"rollout={k} step={s} reward={rec['mean_raw_reward']:.4f} loss={rec['loss']:.6f} "
+                    f"pg_loss={rec['pg_loss']:.6f} clipfrac={rec['pg_clipfrac']:.4f} "
+                    f"time={time.perf_counter() - t0:.3f}s",
+                    flush=True,
+                )
         # Version k+1 exists now; the producer needs it for rollout k+2.
         snapshots = {v: st for v, st in snapshots.items() if v >= k}
         snapshots[k + 1] = models.snapshot()
@@ -847,9 +988,21 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> None:
         if args.out_json:
             steps = [{key: v.hex() if isinstance(v, float) else v for key, v in rec.items()} for rec in history]
             with open(args.out_json, "w", encoding="utf-8") as f:
-                json.dump({"config": config, "world_size": world, "fault": args.fault, "steps": steps,
-                           "param_checksum": checksum.hex(), **stats, "timing": timing,
-                           "capture": {"threads": threads, "ranks": caps}}, f, indent=2, sort_keys=True)
+                json.dump(
+                    {
+                        "config": config,
+                        "world_size": world,
+                        "fault": args.fault,
+                        "steps": steps,
+                        "param_checksum": checksum.hex(),
+                        **stats,
+                        "timing": timing,
+                        "capture": {"threads": threads, "ranks": caps},
+                    },
+                    f,
+                    indent=2,
+                    sort_keys=True,
+                )
                 f.write("\n")
 
 
@@ -858,19 +1011,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=4, help="rollouts to train on")
     p.add_argument("--world-size", type=int, default=1, help="data-parallel trainer processes (gloo)")
-    p.add_argument("--capture-dir", default=None,
-                   help="capture to this path or URL: sets TRAJECTORY_REPLAY_CAPTURE=1 and "
-                        "TRAJECTORY_REPLAY_CAPTURE_DIR for this run (capture is otherwise configured by the "
-                        "TRAJECTORY_REPLAY_CAPTURE* variables)")
-    p.add_argument("--capture-timeout", type=float, default=120.0,
-                   help="seconds each rank waits at the end for its capture writer to flush")
-    p.add_argument("--fault", choices=FAULTS, default=None,
-                   help="inject a bug: pr65 (rewards normalized per consumer batch), stale-old-logprobs (old "
-                        "log-probs from the generator's weights, one version behind the actor they claim), "
-                        "future-version (a sample stamped with a policy version ahead of the actor)")
-    p.add_argument("--fault-from-step", type=int, default=0, metavar="N",
-                   help="inject --fault from rollout N on (the N-th of --steps, counted from 0); the rollouts before "
-                        "it run clean")
+    p.add_argument(
+        "--capture-dir",
+        default=None,
+        help="capture to this path or URL: sets TRAJECTORY_REPLAY_CAPTURE=1 and "
+        "TRAJECTORY_REPLAY_CAPTURE_DIR for this run (capture is otherwise configured by the "
+        "TRAJECTORY_REPLAY_CAPTURE* variables)",
+    )
+    p.add_argument(
+        "--capture-timeout",
+        type=float,
+        default=120.0,
+        help="seconds each rank waits at the end for its capture writer to flush",
+    )
+    p.add_argument(
+        "--fault",
+        choices=FAULTS,
+        default=None,
+        help="inject a bug: pr65 (rewards normalized per consumer batch), stale-old-logprobs (old "
+        "log-probs from the generator's weights, one version behind the actor they claim), "
+        "future-version (a sample stamped with a policy version ahead of the actor)",
+    )
+    p.add_argument(
+        "--fault-from-step",
+        type=int,
+        default=0,
+        metavar="N",
+        help="inject --fault from rollout N on (the N-th of --steps, counted from 0); the rollouts before it run clean",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-json", default=None, help="rank 0 writes per-step scalars (float.hex) here")
     p.add_argument("--prompts-per-rollout", type=int, default=6)
@@ -879,19 +1047,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=2, help="samples per micro-batch, per rank")
     p.add_argument("--std-norm", action="store_true", help="grpo_std_normalization")
     p.add_argument("--estimator", choices=ESTIMATORS, default="grpo", help="advantage estimator")
-    p.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES, default="sum_of_sample_means",
-                   help="how per-token losses are aggregated")
+    p.add_argument(
+        "--loss-agg-mode",
+        choices=LOSS_AGG_MODES,
+        default="sum_of_sample_means",
+        help="how per-token losses are aggregated",
+    )
     p.add_argument("--policy-loss", choices=POLICY_LOSSES, default="ppo_clip")
     p.add_argument("--gamma", type=float, default=1.0, help="discount (reinforce_plus_plus, gae)")
     p.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
-    p.add_argument("--kl-in-reward", action="store_true",
-                   help="token rewards minus kl_coef * KL (reinforce_plus_plus, gae)")
+    p.add_argument(
+        "--kl-in-reward", action="store_true", help="token rewards minus kl_coef * KL (reinforce_plus_plus, gae)"
+    )
     p.add_argument("--kl-loss-coef", type=float, default=0.0, help="weight of a k3 KL-to-reference loss term")
     p.add_argument("--kl-type", default="k1", choices=["k1", "k2", "k3", "low_var_kl"])
     p.add_argument("--kl-coef", type=float, default=0.05)
-    p.add_argument("--rollout-is", choices=ROLLOUT_IS, default="none",
-                   help="importance-sampling correction of the training-inference mismatch in the policy loss: "
-                        "per token, or per sequence (sum of the sample's log ratios)")
+    p.add_argument(
+        "--rollout-is",
+        choices=ROLLOUT_IS,
+        default="none",
+        help="importance-sampling correction of the training-inference mismatch in the policy loss: "
+        "per token, or per sequence (sum of the sample's log ratios)",
+    )
     p.add_argument("--rollout-is-threshold", type=float, default=2.0, help="upper bound of the --rollout-is weights")
     p.add_argument("--eps-clip", type=float, default=0.2)
     p.add_argument("--eps-clip-high", type=float, default=0.28)
@@ -899,18 +1076,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--d-model", type=int, default=32, help="model width (larger: slower, more realistic steps)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    p.add_argument("--digits", type=int, default=N_DIGITS,
-                   help="digits per prompt; responses are up to digits+1 tokens (larger: longer, more realistic rows)")
-    p.add_argument("--min-response", type=int, default=0,
-                   help="no EOS before this many response tokens (a sampler's min_new_tokens), so that responses "
-                        "are long from the first rollout on")
+    p.add_argument(
+        "--digits",
+        type=int,
+        default=N_DIGITS,
+        help="digits per prompt; responses are up to digits+1 tokens (larger: longer, more realistic rows)",
+    )
+    p.add_argument(
+        "--min-response",
+        type=int,
+        default=0,
+        help="no EOS before this many response tokens (a sampler's min_new_tokens), so that responses "
+        "are long from the first rollout on",
+    )
     args = p.parse_args(argv)
     rollout_size = args.prompts_per_rollout * args.n_samples_per_prompt
     if rollout_size % args.consumer_batch or args.consumer_batch % args.world_size:
         p.error("consumer batch must divide the rollout size and be divisible by the world size")
     if args.fault == "pr65" and args.estimator not in GROUP_ESTIMATORS:
-        p.error(f"--fault pr65 normalizes rewards per consumer batch, which needs a group estimator "
-                f"({', '.join(GROUP_ESTIMATORS)}), not {args.estimator}")
+        p.error(
+            f"--fault pr65 normalizes rewards per consumer batch, which needs a group estimator "
+            f"({', '.join(GROUP_ESTIMATORS)}), not {args.estimator}"
+        )
     if args.kl_in_reward and args.estimator not in KL_REWARD_ESTIMATORS:
         p.error(f"--kl-in-reward needs --estimator {' or '.join(KL_REWARD_ESTIMATORS)}, not {args.estimator}")
     if args.std_norm and args.estimator != "grpo":
@@ -928,7 +1115,7 @@ def free_port() -> int:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    args.run_id = f"tiny-grpo-{uuid.uuid4().hex[:16]}"   # this launch, for every rank it spawns
+    args.run_id = f"tiny-grpo-{uuid.uuid4().hex[:16]}"  # this launch, for every rank it spawns
     port = free_port()
     if args.world_size == 1:
         train_worker(0, 1, args, port)

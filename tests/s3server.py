@@ -20,7 +20,6 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 ACCESS_KEY = "trajectory-replay-test"
 SECRET_KEY = "trajectory-replay-test-secret"
@@ -31,15 +30,19 @@ class S3Server:
     endpoint: str
     key: str
     secret: str
-    process: Optional[subprocess.Popen] = None
+    process: subprocess.Popen | None = None
 
     def storage_options(self) -> dict:
         return {"key": self.key, "secret": self.secret, "client_kwargs": {"endpoint_url": self.endpoint}}
 
     def env(self) -> dict:
         """The environment variables a user would set to reach this server."""
-        return {"AWS_ACCESS_KEY_ID": self.key, "AWS_SECRET_ACCESS_KEY": self.secret,
-                "AWS_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1"}
+        return {
+            "AWS_ACCESS_KEY_ID": self.key,
+            "AWS_SECRET_ACCESS_KEY": self.secret,
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
 
     def stop(self, grace: float = 0.5) -> None:
         """SIGTERM, then SIGKILL after `grace` seconds: weed's own shutdown takes about 10 s, and the test
@@ -73,18 +76,31 @@ def weed_binary() -> str:
     return found
 
 
-def start_server(workdir: Path, timeout: float = 60.0, s3_port: Optional[int] = None) -> S3Server:
+def start_server(workdir: Path, timeout: float = 60.0, s3_port: int | None = None) -> S3Server:
     """Start SeaweedFS (master, volume, filer, S3 gateway in one process) and wait until S3 answers.
 
     With `s3_port`, S3 is served on that port, by a server of its own even where an external one is configured."""
     if os.environ.get("TRAJECTORY_REPLAY_S3_ENDPOINT") and s3_port is None:
-        return S3Server(os.environ["TRAJECTORY_REPLAY_S3_ENDPOINT"],
-                        os.environ.get("TRAJECTORY_REPLAY_S3_KEY", ""), os.environ.get("TRAJECTORY_REPLAY_S3_SECRET", ""))
+        return S3Server(
+            os.environ["TRAJECTORY_REPLAY_S3_ENDPOINT"],
+            os.environ.get("TRAJECTORY_REPLAY_S3_KEY", ""),
+            os.environ.get("TRAJECTORY_REPLAY_S3_SECRET", ""),
+        )
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "s3.json"
-    config.write_text(json.dumps({"identities": [{
-        "name": "test", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+    config.write_text(
+        json.dumps(
+            {
+                "identities": [
+                    {
+                        "name": "test",
+                        "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                    }
+                ]
+            }
+        )
+    )
     last_error = "no attempt"
     for _attempt in range(3):  # a port taken between choosing and binding: choose again
         master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = _free_ports(8)
@@ -92,13 +108,28 @@ def start_server(workdir: Path, timeout: float = 60.0, s3_port: Optional[int] = 
         data = workdir / f"data-{s3}"
         data.mkdir()
         log = open(workdir / f"weed-{s3}.log", "wb")
-        cmd = [weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-               f"-master.port={master}", f"-master.port.grpc={master_grpc}",
-               f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-volume.max=0",
-               "-master.volumeSizeLimitMB=256",
-               "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
-               "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-               f"-s3.config={config}"]
+        cmd = [
+            weed_binary(),
+            "server",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-master.port={master}",
+            f"-master.port.grpc={master_grpc}",
+            f"-volume.port={volume}",
+            f"-volume.port.grpc={volume_grpc}",
+            "-volume.max=0",
+            "-master.volumeSizeLimitMB=256",
+            "-filer",
+            f"-filer.port={filer}",
+            f"-filer.port.grpc={filer_grpc}",
+            "-s3",
+            f"-s3.port={s3}",
+            f"-s3.port.grpc={s3_grpc}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-s3.config={config}",
+        ]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         server = S3Server(f"http://127.0.0.1:{s3}", ACCESS_KEY, SECRET_KEY, proc)
         deadline = time.monotonic() + timeout

@@ -12,7 +12,14 @@ from typer.testing import CliRunner
 from tests.bundle.helpers import write_canonical
 from trajectory_replay.cli import app
 from trajectory_replay.cpus import (
-    THREADS_ENV, affinity_cpus, cgroup_quota, cpus_left, free_cpus, other_load, threads_for, usable_cpus,
+    THREADS_ENV,
+    affinity_cpus,
+    cgroup_quota,
+    cpus_left,
+    free_cpus,
+    other_load,
+    threads_for,
+    usable_cpus,
 )
 from trajectory_replay.errors import UsageError
 
@@ -37,7 +44,7 @@ def _proc(root: Path, loadavg: str, running: int = 1, cpu_seconds: float = 0.0, 
     # fields 3.. after "(comm)": state, 10 fields, utime, stime, 6 fields, starttime (field 22)
     fields = ["R", *["0"] * 10, str(used), "0", *["0"] * 6, str(1000 * ticks), "0"]
     _write(root / "self" / "stat", f"4242 (python (a) b) {' '.join(fields)}")
-    for i in range(running + 2):   # and two threads asleep
+    for i in range(running + 2):  # and two threads asleep
         _write(root / "self" / "task" / str(4242 + i) / "stat", f"{4242 + i} (python) {'R' if i < running else 'S'} 1")
     return root
 
@@ -66,11 +73,11 @@ def test_no_cgroup_files_or_unreadable_ones_mean_no_quota(tmp_path):
 
 def test_usable_cpus_are_the_affinity_capped_by_the_quota(tmp_path):
     assert affinity_cpus() == len(os.sched_getaffinity(0))
-    assert usable_cpus(tmp_path) == affinity_cpus()            # no quota
+    assert usable_cpus(tmp_path) == affinity_cpus()  # no quota
     _write(tmp_path / "cpu.max", "50000 100000")
     assert usable_cpus(tmp_path) == 0.5
     _write(tmp_path / "cpu.max", f"{(affinity_cpus() + 3) * 100000} 100000")
-    assert usable_cpus(tmp_path) == affinity_cpus()            # a quota above the CPUs it may run on
+    assert usable_cpus(tmp_path) == affinity_cpus()  # a quota above the CPUs it may run on
 
 
 def test_cpus_left_round_to_the_nearest_and_never_below_one():
@@ -96,7 +103,7 @@ def test_the_load_of_others_is_the_average_or_the_runnable_now_less_our_own(tmp_
 def test_free_cpus_follow_the_load_of_others(tmp_path):
     _write(tmp_path / "cg" / "cpu.max", "200000 100000")
     usable = min(2, affinity_cpus())
-    share = usable / max(usable, os.cpu_count())   # of the host's load, what falls on the CPUs we may use
+    share = usable / max(usable, os.cpu_count())  # of the host's load, what falls on the CPUs we may use
     assert free_cpus(tmp_path / "cg", _proc(tmp_path / "quiet", "0.00 0.00 0.00 1/300 99")) == usable
     busy = f"{7.0 / share:.2f} 7.00 7.00 8/300 99"
     assert free_cpus(tmp_path / "cg", _proc(tmp_path / "busy", busy)) == 1
@@ -123,6 +130,8 @@ def test_a_wrong_thread_count_is_one_line_and_exit_2(tmp_path):
     bundle = write_canonical(str(tmp_path / "store"))
     result = CliRunner().invoke(app, ["replay", bundle], env={THREADS_ENV: "many"})
     assert result.exit_code == 2, (result.stdout, result.stderr)
-    assert result.stderr.strip() == (f"trajectory-replay: error: {THREADS_ENV}='many': expected a positive number "
-                                     "of threads (or unset it to follow the CPUs free)"), result.stderr
+    assert result.stderr.strip() == (
+        f"trajectory-replay: error: {THREADS_ENV}='many': expected a positive number "
+        "of threads (or unset it to follow the CPUs free)"
+    ), result.stderr
     assert "Traceback" not in result.stdout + result.stderr

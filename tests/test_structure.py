@@ -12,14 +12,22 @@ PACKAGE = Path(__file__).resolve().parent.parent / "trajectory_replay"
 
 LAYERS: dict[str, int] = {
     # the bottom: the package root (its version), errors, outcomes, units and the host's CPUs, which every layer uses
-    "__init__": 0, "errors": 0, "outcome": 0, "units": 0, "cpus": 0, "_allocator": 0,
-    "backends": 1,       # bytes at keys: local disk, S3, memory
-    "store": 2,          # content-addressed objects, blobs, refs over a backend
-    "bundle": 3,         # the bundle format over a store
-    "replay": 4,         # offline side: reads bundles, recomputes
-    "capture": 5,        # training side: writes bundles, asking replay's registry what a plugin estimator reads
-    "ops": 6, "html_plots": 6, "html_report": 6,
-    "demo": 7, "cli": 7,
+    "__init__": 0,
+    "errors": 0,
+    "outcome": 0,
+    "units": 0,
+    "cpus": 0,
+    "_allocator": 0,
+    "backends": 1,  # bytes at keys: local disk, S3, memory
+    "store": 2,  # content-addressed objects, blobs, refs over a backend
+    "bundle": 3,  # the bundle format over a store
+    "replay": 4,  # offline side: reads bundles, recomputes
+    "capture": 5,  # training side: writes bundles, asking replay's registry what a plugin estimator reads
+    "ops": 6,
+    "html_plots": 6,
+    "html_report": 6,
+    "demo": 7,
+    "cli": 7,
     "__main__": 8,
 }
 """Layer of each top-level module or subpackage of trajectory_replay."""
@@ -27,6 +35,7 @@ LAYERS: dict[str, int] = {
 APART = {"replay": ("backends", "store")}
 """Layers a layer must not import although they lie below it: replay computes over what a source hands it and
 reads through the bundle layer, never storage itself."""
+
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -95,8 +104,12 @@ def test_the_package_root_imports_nothing(graph: dict[str, set[str]]) -> None:
 
 
 def test_replay_imports_nothing_of_the_storage_layers(graph: dict[str, set[str]]) -> None:
-    found = sorted(f"{module} -> {target}" for module, targets in graph.items() for target in targets
-                   if _layer_key(target) in APART.get(_layer_key(module), ()))
+    found = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if _layer_key(target) in APART.get(_layer_key(module), ())
+    )
     assert not found, "imports of storage from replay:\n" + "\n".join(found)
 
 
@@ -139,8 +152,11 @@ def test_the_checks_see_a_cycle_and_an_upward_import() -> None:
     """The graph reader resolves relative and absolute imports, so the checks above cannot pass vacuously."""
     modules = _modules()
     known = set(modules)
-    store_imports = _imports("trajectory_replay.store.objectstore", modules["trajectory_replay.store.objectstore"],
-                             known)
+    store_imports = _imports(
+        "trajectory_replay.store.objectstore", modules["trajectory_replay.store.objectstore"], known
+    )
     assert any(m.startswith("trajectory_replay.backends") for m in store_imports)
-    assert any(m.startswith("trajectory_replay.bundle") for m in _imports(
-        "trajectory_replay.replay.runner", modules["trajectory_replay.replay.runner"], known))
+    assert any(
+        m.startswith("trajectory_replay.bundle")
+        for m in _imports("trajectory_replay.replay.runner", modules["trajectory_replay.replay.runner"], known)
+    )

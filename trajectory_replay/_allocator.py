@@ -27,8 +27,8 @@ TRIM_THRESHOLD = 64 << 20
 BLOCK_MMAP_THRESHOLD = 32 << 20
 """The mmap threshold while a replay streams: glibc's largest (on 64-bit), above a block's buffers."""
 
-_libc = None   # set once the tuning is applied
-_mmap_threshold = MMAP_THRESHOLD   # the tuned process's threshold (a streamed pass raises it)
+_libc = None  # set once the tuning is applied
+_mmap_threshold = MMAP_THRESHOLD  # the tuned process's threshold (a streamed pass raises it)
 
 
 def return_large_buffers_to_os() -> bool:
@@ -52,9 +52,21 @@ def return_large_buffers_to_os() -> bool:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 class BlockHeap:
@@ -62,11 +74,11 @@ class BlockHeap:
 
     def __init__(self, libc) -> None:
         self._libc = libc
-        self._info = getattr(libc, "mallinfo2", None) if libc is not None else None   # glibc 2.33 and later
+        self._info = getattr(libc, "mallinfo2", None) if libc is not None else None  # glibc 2.33 and later
         self._outside = 0
         if self._info is not None:
             self._info.restype = _MallInfo2
-            self._outside = self._resident() - self._held()   # what malloc does not hold: libraries, Python's own
+            self._outside = self._resident() - self._held()  # what malloc does not hold: libraries, Python's own
 
     def between_blocks(self) -> None:
         """Hand the heap's free pages back to the OS once more than FREE_HEAP_BUDGET of them are resident. Blocks'
@@ -88,7 +100,7 @@ class BlockHeap:
 
     def _held(self) -> int:
         """Bytes malloc has handed out (heap and mapped); asking also merges the heap's small free chunks."""
-        assert self._info is not None   # asked only where glibc has mallinfo2
+        assert self._info is not None  # asked only where glibc has mallinfo2
         info = self._info()
         return info.uordblks + info.hblkhd
 
@@ -162,7 +174,7 @@ def buffer_for_read(size: int) -> bytearray:
     Never hand such a buffer out before it is filled (on a failed read, drop it)."""
     if size < LARGE_BUFFER or _new_bytearray is None:
         return bytearray(size)
-    if _libc is None or size < _mmap_threshold:   # not tuned, or a streamed pass: the heap serves it
+    if _libc is None or size < _mmap_threshold:  # not tuned, or a streamed pass: the heap serves it
         return _new_bytearray(None, size)
     with _pool_lock:
         buffer = _reuse(size)
@@ -185,8 +197,8 @@ def _reuse(size: int):
     if chosen is not None:
         buffer = _handed_out[chosen]
         try:
-            _resize(buffer, size)   # within its allocation: only the length changes
-        except (BufferError, MemoryError):   # not without a reference to it; never hand out a wrong size
+            _resize(buffer, size)  # within its allocation: only the length changes
+        except (BufferError, MemoryError):  # not without a reference to it; never hand out a wrong size
             buffer = None
     keep = set(free[-SPARE_BUFFERS:]) - {chosen}
     _handed_out[:] = [b for i, b in enumerate(_handed_out) if i not in free or i in keep]

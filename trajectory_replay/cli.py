@@ -20,8 +20,9 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Callable
 from functools import wraps
-from typing import Annotated, Any, Callable, NoReturn, Optional
+from typing import Annotated, Any, NoReturn
 
 import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
@@ -52,7 +53,7 @@ class _Option(TyperOption):
     """An option in help as people write one: a flag alone (`--json`), a value option with its metavar
     (`--atol X`), never a Python type."""
 
-    def display_type_rich(self, ctx) -> Optional[str]:
+    def display_type_rich(self, ctx) -> str | None:
         if self.is_flag or self.count:
             return None
         return self.metavar or (self.name or "value").upper()
@@ -68,7 +69,7 @@ def _readable(params: list) -> list:
     return params
 
 
-def _whole_sentences(text: Optional[str]) -> Optional[str]:
+def _whole_sentences(text: str | None) -> str | None:
     """A docstring's paragraphs each as one line, so help wraps them at the terminal's width, not the source's."""
     if not text:
         return text
@@ -101,9 +102,13 @@ def _one_line_usage(parse: Callable, ctx, args: list[str], name: str):
         raise  # unreachable: _fail exits
 
 
-app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Capture what one async RL training step consumed; replay it offline and name the first "
-                       "divergence.")
+app = typer.Typer(
+    cls=Group,
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Capture what one async RL training step consumed; replay it offline and name the first divergence.",
+)
 
 
 def _print_version(value: bool) -> None:
@@ -114,8 +119,9 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _options(
-    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
-                                          help="Print the version and exit.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
 ) -> None:
     """Capture what one async RL training step consumed; replay it offline and name the first divergence."""
 
@@ -124,8 +130,12 @@ def _refuse_flags_as_values(params: list, args: list[str]) -> None:
     """An option followed by another of the command's options (`--sample --json`) is missing its value: the parser
     would take that option as the value, and `--json` would be lost (also where the command has no `--json`: the
     line still gets its one JSON object)."""
-    options = {name: param for param in params if param.param_type_name == "option"
-               for name in (*param.opts, *param.secondary_opts)}
+    options = {
+        name: param
+        for param in params
+        if param.param_type_name == "option"
+        for name in (*param.opts, *param.secondary_opts)
+    }
     for arg, following in zip(args, args[1:]):
         if arg == "--":
             return
@@ -148,9 +158,11 @@ def error_message(exc: BaseException) -> str:
     if isinstance(exc, TrajectoryReplayError):
         return one_line(str(exc))
     if missing_torch(exc):
-        return ("this command recomputes tensors and needs PyTorch, which cannot be imported here "
-                "(install it: pip install torch); inspect, validate, ls, stats, cp, gc, fsck and export run "
-                "without it")
+        return (
+            "this command recomputes tensors and needs PyTorch, which cannot be imported here "
+            "(install it: pip install torch); inspect, validate, ls, stats, cp, gc, fsck and export run "
+            "without it"
+        )
     return one_line(f"{type(exc).__name__}: {exc}")
 
 
@@ -201,8 +213,9 @@ def finish(report: Outcome, as_json: bool) -> NoReturn:
     stderr too, as an error would (its `reason`); problems a report found are in its own text only."""
     error = report.error
     if as_json:
-        emit_json(report.status, {**report.to_dict(), **({"error": error} if error else {})},
-                  allow_nan=not report.finite_json)
+        emit_json(
+            report.status, {**report.to_dict(), **({"error": error} if error else {})}, allow_nan=not report.finite_json
+        )
     else:
         emit(report.render_text())
     if report.reason:
@@ -266,7 +279,7 @@ def _import_torch() -> None:
     gc.freeze()
 
 
-def check_tolerance(flag: str, value: Optional[float]) -> Optional[float]:
+def check_tolerance(flag: str, value: float | None) -> float | None:
     """A tolerance from the command line: a finite number >= 0 (NaN would make every comparison pass)."""
     if value is not None and not (math.isfinite(value) and value >= 0):
         raise UsageError(f"{flag} {value}: must be a finite number >= 0")
@@ -276,7 +289,7 @@ def check_tolerance(flag: str, value: Optional[float]) -> Optional[float]:
 _RAY_ADDRESS = re.compile(r"(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})")
 
 
-def check_ray_address(address: Optional[str]) -> None:
+def check_ray_address(address: str | None) -> None:
     """`--ray-address` as typed: HOST:PORT, ray://HOST:PORT, `auto` or `local` (checked before any verdict is
     looked up, so a typo is refused also when every verdict is cached)."""
     if address is None or address in ("auto", "local"):
@@ -304,7 +317,7 @@ def parse_overrides(assignments: list[str]) -> dict[str, Any]:
     return out
 
 
-def _location(param: typer.CallbackParam, value: Optional[str]) -> Optional[str]:
+def _location(param: typer.CallbackParam, value: str | None) -> str | None:
     """A path or URL from the command line, refused as typed when it can name no store (before any request); an
     empty one is named by its argument or option (an unset shell variable leaves nothing else to name)."""
     if value is None:
@@ -330,25 +343,26 @@ def Value(flag: str, metavar: str, help: str, **kwargs: Any) -> Any:  # noqa: N8
 
 
 def _tolerance(flag: str, kind: str, default: str, each: str) -> Any:
-    return Value(flag, "X", f"{kind} tolerance for every {each} (default: the bundle's own per stage, else "
-                            f"{default}).")
+    return Value(flag, "X", f"{kind} tolerance for every {each} (default: the bundle's own per stage, else {default}).")
 
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the human report.")]
-HtmlFlag = Annotated[Optional[str], Value("--html", "FILE", "Also write the report as one self-contained HTML file "
-                                          "with plots.")]
-AtolFlag = Annotated[Optional[float], _tolerance("--atol", "Absolute", "1e-6", "stage")]
-RtolFlag = Annotated[Optional[float], _tolerance("--rtol", "Relative", "1e-5", "stage")]
-StepFlag = Annotated[Optional[str], Value("--step", "R:S", "The step-level bundle of rollout R, step S.")]
-RolloutFlag = Annotated[Optional[int], Value("--rollout", "R", "The rollout-level bundle of rollout R.")]
+HtmlFlag = Annotated[
+    str | None, Value("--html", "FILE", "Also write the report as one self-contained HTML file with plots.")
+]
+AtolFlag = Annotated[float | None, _tolerance("--atol", "Absolute", "1e-6", "stage")]
+RtolFlag = Annotated[float | None, _tolerance("--rtol", "Relative", "1e-5", "stage")]
+StepFlag = Annotated[str | None, Value("--step", "R:S", "The step-level bundle of rollout R, step S.")]
+RolloutFlag = Annotated[int | None, Value("--rollout", "R", "The rollout-level bundle of rollout R.")]
 QuietFlag = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar (it is shown only on a terminal).")]
 BUNDLE_OR_DIR = "Bundle, bundle/rank-<r>, capture directory or store root (path or URL)."
-BUNDLE_OR_ROOT = ("Bundle path or URL (native or older directory format), or a store root or capture directory "
-                  "with --step/--rollout.")
+BUNDLE_OR_ROOT = (
+    "Bundle path or URL (native or older directory format), or a store root or capture directory with --step/--rollout."
+)
 STORE_ROOT = "Store root (path or URL)."
 
 
-def _write_html(report, html_path: Optional[str], sources=None) -> None:
+def _write_html(report, html_path: str | None, sources=None) -> None:
     """Write a replay, chain or diff report's HTML page when asked (a replay's with the `sources` replayed), saying
     on stderr where it went: stdout stays the report."""
     if html_path is None:
@@ -356,8 +370,11 @@ def _write_html(report, html_path: Optional[str], sources=None) -> None:
     from trajectory_replay.html_report import write_diff_html, write_replay_html
     from trajectory_replay.replay.diff import DiffReport
 
-    size = write_diff_html(report, html_path) if isinstance(report, DiffReport) else \
-        write_replay_html(report, html_path, sources)
+    size = (
+        write_diff_html(report, html_path)
+        if isinstance(report, DiffReport)
+        else write_replay_html(report, html_path, sources)
+    )
     typer.echo(f"trajectory-replay: wrote {html_path} ({human_bytes(size)})", err=True)
 
 
@@ -370,18 +387,34 @@ def replay_cmd(
     batch: Annotated[list[str], Value("--batch", "mb-NNNN", "Micro-batch id (repeatable).")] = [],
     step: StepFlag = None,
     rollout: RolloutFlag = None,
-    stage: Annotated[list[str], Value("--stage", "STAGE", "Run this stage and what it depends on "
-                                                          "(repeatable).")] = [],
+    stage: Annotated[list[str], Value("--stage", "STAGE", "Run this stage and what it depends on (repeatable).")] = [],
     atol: AtolFlag = None,
     rtol: RtolFlag = None,
-    set_: Annotated[list[str], Value("--set", "FIELD=VALUE", "Replay with a recompute config field overridden "
-                                     "(repeatable; VALUE as JSON, else a string).")] = [],
-    no_upstream: Annotated[bool, typer.Option("--no-upstream", help="With --step: replay the step-level bundle "
-                                              "alone, not with the rollout-level bundles it consumed.")] = False,
-    block_tokens: Annotated[Optional[int], Value(
-        "--block-tokens", "N", "Stream the replay in blocks of whole prompt groups of about N tokens, to bound "
-        "memory; the report is the same (default: only a cohort of more than 32M tokens streams, in blocks of "
-        "4M).")] = None,
+    set_: Annotated[
+        list[str],
+        Value(
+            "--set",
+            "FIELD=VALUE",
+            "Replay with a recompute config field overridden (repeatable; VALUE as JSON, else a string).",
+        ),
+    ] = [],
+    no_upstream: Annotated[
+        bool,
+        typer.Option(
+            "--no-upstream",
+            help="With --step: replay the step-level bundle alone, not with the rollout-level bundles it consumed.",
+        ),
+    ] = False,
+    block_tokens: Annotated[
+        int | None,
+        Value(
+            "--block-tokens",
+            "N",
+            "Stream the replay in blocks of whole prompt groups of about N tokens, to bound "
+            "memory; the report is the same (default: only a cohort of more than 32M tokens streams, in blocks of "
+            "4M).",
+        ),
+    ] = None,
     html_path: HtmlFlag = None,
     as_json: JsonFlag = False,
 ) -> None:
@@ -400,8 +433,18 @@ def replay_cmd(
     sources, rank = open_for_replay(path, step=step, rollout=rollout)
 
     def replay_step(step_sources):
-        return replay(step_sources, samples=sample, groups=group, batches=batch, stages=stage or None,
-                      atol=atol, rtol=rtol, rank=rank, overrides=overrides, block_tokens=block_tokens)
+        return replay(
+            step_sources,
+            samples=sample,
+            groups=group,
+            batches=batch,
+            stages=stage or None,
+            atol=atol,
+            rtol=rtol,
+            rank=rank,
+            overrides=overrides,
+            block_tokens=block_tokens,
+        )
 
     if step is not None and not no_upstream:
         from trajectory_replay.errors import NoMatchingBundleError
@@ -446,8 +489,8 @@ def diff_cmd(
     b: Annotated[str, Where("B", "Second bundle of the same step.")],
     step: StepFlag = None,
     rollout: RolloutFlag = None,
-    atol: Annotated[Optional[float], _tolerance("--atol", "Absolute", "1e-6", "field")] = None,
-    rtol: Annotated[Optional[float], _tolerance("--rtol", "Relative", "1e-5", "field")] = None,
+    atol: Annotated[float | None, _tolerance("--atol", "Absolute", "1e-6", "field")] = None,
+    rtol: Annotated[float | None, _tolerance("--rtol", "Relative", "1e-5", "field")] = None,
     html_path: HtmlFlag = None,
     as_json: JsonFlag = False,
 ) -> None:
@@ -511,22 +554,24 @@ def schema_cmd() -> None:
 def import_cmd(
     source: Annotated[str, Where("V1-BUNDLE-OR-DIR", "An older-format (V1) bundle directory, or a directory of them.")],
     store_root: Annotated[str, Where("STORE-ROOT", "Store root to import into (path or URL).")],
-    as_name: Annotated[Optional[str], Value("--as", "NAME", "Name of the imported bundle (one bundle only).")] = None,
+    as_name: Annotated[str | None, Value("--as", "NAME", "Name of the imported bundle (one bundle only).")] = None,
     step: StepFlag = None,
     rollout: RolloutFlag = None,
 ) -> None:
     """Convert V1 directory bundles into native bundles of a store."""
     from trajectory_replay.ops.importer import import_v1
 
-    emit("\n".join(f"imported {url}" for url in import_v1(source, store_root, name=as_name, step=step,
-                                                            rollout=rollout)))
+    emit(
+        "\n".join(f"imported {url}" for url in import_v1(source, store_root, name=as_name, step=step, rollout=rollout))
+    )
 
 
 @app.command("demo", cls=Command)
 @command
 def demo_cmd(
-    directory: Annotated[Optional[str], Where("DIR-OR-URL", "Store to write into, a path or URL (default: a new "
-                                                            "./trajectory-replay-demo).")] = None,
+    directory: Annotated[
+        str | None, Where("DIR-OR-URL", "Store to write into, a path or URL (default: a new ./trajectory-replay-demo).")
+    ] = None,
 ) -> None:
     """Write a clean GRPO step and the same step with the physical-batch bug, replay both, print both reports."""
     from trajectory_replay.demo import run_demo
@@ -538,8 +583,9 @@ def demo_cmd(
 @command
 def ls_cmd(
     root: Annotated[str, Where("ROOT", STORE_ROOT)],
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: status, root, bundles and "
-                                                         "totals.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object: status, root, bundles and totals.")
+    ] = False,
 ) -> None:
     """List the bundles of a store: anchor, status, ranks, logical and stored size, age."""
     from trajectory_replay.ops.ls import list_bundles
@@ -551,28 +597,55 @@ def ls_cmd(
 @command
 def scan_cmd(
     root: Annotated[str, Where("STORE-OR-CAPTURE", "Store root or capture directory (path or URL).")],
-    engine: Annotated[str, Value("--engine", "local|ray", "local: a process pool on this machine; ray: one task "
-                                 "per bundle on a Ray cluster (the ray extra).")] = "local",
-    workers: Annotated[Optional[int], Value("--workers", "N", "Worker processes (local) or CPUs of the Ray started "
-                                            "for the scan (default: the CPUs free here).")] = None,
-    ray_address: Annotated[Optional[str], Value("--ray-address", "ADDR", "Ray cluster to run on, HOST:PORT or "
-                                                "ray://HOST:PORT (default: RAY_ADDRESS, else a local Ray started "
-                                                "for the scan).")] = None,
+    engine: Annotated[
+        str,
+        Value(
+            "--engine",
+            "local|ray",
+            "local: a process pool on this machine; ray: one task per bundle on a Ray cluster (the ray extra).",
+        ),
+    ] = "local",
+    workers: Annotated[
+        int | None,
+        Value(
+            "--workers",
+            "N",
+            "Worker processes (local) or CPUs of the Ray started for the scan (default: the CPUs free here).",
+        ),
+    ] = None,
+    ray_address: Annotated[
+        str | None,
+        Value(
+            "--ray-address",
+            "ADDR",
+            "Ray cluster to run on, HOST:PORT or "
+            "ray://HOST:PORT (default: RAY_ADDRESS, else a local Ray started "
+            "for the scan).",
+        ),
+    ] = None,
     atol: AtolFlag = None,
     rtol: RtolFlag = None,
-    force: Annotated[bool, typer.Option("--force", help="Replay every bundle, also those with a stored "
-                                                        "verdict.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replay every bundle, also those with a stored verdict.")
+    ] = False,
     quiet: QuietFlag = False,
-    html_path: Annotated[Optional[str], Value("--html", "FILE", "Also write the summary as one self-contained HTML "
-                                              "page with the verdict timeline.")] = None,
+    html_path: Annotated[
+        str | None,
+        Value("--html", "FILE", "Also write the summary as one self-contained HTML page with the verdict timeline."),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Replay every complete bundle of a store, resumably (verdicts are kept in the store); summarize counts,
     the earliest divergence and incomplete bundles. Exit 1 when any bundle is not `pass`."""
-    from trajectory_replay.ops.scan import (
-        RichScanProgress, ScanProgress, ScanReport, check_engine, check_workers, scan_store,
-    )
     from trajectory_replay.ops.progress import progress_wanted
+    from trajectory_replay.ops.scan import (
+        RichScanProgress,
+        ScanProgress,
+        ScanReport,
+        check_engine,
+        check_workers,
+        scan_store,
+    )
 
     check_engine(engine)
     if ray_address is not None and engine != "ray":
@@ -584,9 +657,18 @@ def scan_cmd(
         from trajectory_replay.ops.scan.ray_engine import require_ray
 
         require_ray()
+
     def scan(progress: ScanProgress) -> ScanReport:
-        return scan_store(root, engine=engine, workers=workers, ray_address=ray_address, atol=atol, rtol=rtol,
-                          force=force, progress=progress)
+        return scan_store(
+            root,
+            engine=engine,
+            workers=workers,
+            ray_address=ray_address,
+            atol=atol,
+            rtol=rtol,
+            force=force,
+            progress=progress,
+        )
 
     if progress_wanted(quiet):
         with RichScanProgress() as bar:
@@ -596,8 +678,9 @@ def scan_cmd(
     if html_path is not None:
         from trajectory_replay.html_report import write_scan_html
 
-        typer.echo(f"trajectory-replay: wrote {html_path} ({human_bytes(write_scan_html(report, html_path))})",
-                   err=True)
+        typer.echo(
+            f"trajectory-replay: wrote {html_path} ({human_bytes(write_scan_html(report, html_path))})", err=True
+        )
     finish(report, as_json)
 
 
@@ -606,9 +689,8 @@ def scan_cmd(
 def cp_cmd(
     source: Annotated[str, Where("BUNDLE-OR-ROOT", "A bundle, or a store root with --step/--rollout/--all.")],
     dest_root: Annotated[str, Where("DEST-ROOT", "Destination store root (path or URL).")],
-    step: Annotated[Optional[str], Value("--step", "R:S", "Copy the step-level bundle of rollout R, step "
-                                                          "S.")] = None,
-    rollout: Annotated[Optional[int], Value("--rollout", "R", "Copy the rollout-level bundle of rollout R.")] = None,
+    step: Annotated[str | None, Value("--step", "R:S", "Copy the step-level bundle of rollout R, step S.")] = None,
+    rollout: Annotated[int | None, Value("--rollout", "R", "Copy the rollout-level bundle of rollout R.")] = None,
     all_bundles: Annotated[bool, typer.Option("--all", help="Copy every complete bundle of the root.")] = False,
     quiet: QuietFlag = False,
     as_json: JsonFlag = False,
@@ -619,8 +701,7 @@ def cp_cmd(
     from trajectory_replay.ops.progress import terminal_progress
 
     with terminal_progress(quiet) as progress:
-        report = copy_bundles(source, dest_root, step=step, rollout=rollout, all_bundles=all_bundles,
-                              progress=progress)
+        report = copy_bundles(source, dest_root, step=step, rollout=rollout, all_bundles=all_bundles, progress=progress)
     finish(report, as_json)
 
 
@@ -628,8 +709,9 @@ def cp_cmd(
 @command
 def gc_cmd(
     root: Annotated[str, Where("ROOT", STORE_ROOT)],
-    grace: Annotated[str, Value("--grace", "DURATION", "Keep unreferenced keys younger than this (0s, 30m, 24h, "
-                                                       "7d).")] = "24h",
+    grace: Annotated[
+        str, Value("--grace", "DURATION", "Keep unreferenced keys younger than this (0s, 30m, 24h, 7d).")
+    ] = "24h",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be removed; remove nothing.")] = False,
     quiet: QuietFlag = False,
     as_json: JsonFlag = False,
@@ -648,8 +730,9 @@ def gc_cmd(
 @command
 def fsck_cmd(
     root: Annotated[str, Where("ROOT", STORE_ROOT)],
-    repair_from: Annotated[Optional[str], Value("--repair-from", "URL", "Store to re-fetch bad or missing objects "
-                                                "from.", callback=_location)] = None,
+    repair_from: Annotated[
+        str | None, Value("--repair-from", "URL", "Store to re-fetch bad or missing objects from.", callback=_location)
+    ] = None,
     quiet: QuietFlag = False,
     as_json: JsonFlag = False,
 ) -> None:

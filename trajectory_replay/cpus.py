@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
 
 from trajectory_replay.errors import UsageError
 
@@ -46,7 +46,7 @@ def threads_for(default: int) -> int:
     return min(default, free_cpus())
 
 
-def threads_override() -> Optional[int]:
+def threads_override() -> int | None:
     """$TRAJECTORY_REPLAY_THREADS as a number of threads, None when unset."""
     text = os.environ.get(THREADS_ENV, "").strip()
     if not text:
@@ -56,8 +56,9 @@ def threads_override() -> Optional[int]:
     except ValueError:
         value = 0
     if value <= 0:
-        raise UsageError(f"{THREADS_ENV}={text[:40]!r}: expected a positive number of threads (or unset it to "
-                         "follow the CPUs free)")
+        raise UsageError(
+            f"{THREADS_ENV}={text[:40]!r}: expected a positive number of threads (or unset it to follow the CPUs free)"
+        )
     return value
 
 
@@ -80,7 +81,7 @@ def affinity_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def cgroup_quota(root: Path = CGROUP_ROOT) -> Optional[float]:
+def cgroup_quota(root: Path = CGROUP_ROOT) -> float | None:
     """The CPUs' worth of time per period that the control group mounted at `root` may use (cgroup v2 `cpu.max`,
     else v1 `cpu.cfs_quota_us` over `cpu.cfs_period_us`); None when there is no quota or nothing can be read."""
     v2 = _read(root / "cpu.max")
@@ -99,7 +100,7 @@ def other_load(usable: float, proc: Path = PROC) -> float:
     and the tasks runnable right now (the average lags a minute behind a process that just started), less this
     process's own share of each, spread evenly over the host's CPUs."""
     text = _read(proc / "loadavg")
-    if text is None:   # pragma: no cover - not Linux
+    if text is None:  # pragma: no cover - not Linux
         return 0.0
     fields = text.split()
     average, runnable = float(fields[0]), int(fields[3].split("/")[0])
@@ -113,7 +114,7 @@ def own_running(proc: Path = PROC) -> int:
     for task in (proc / "self" / "task").glob("*"):
         stat = _read(task / "stat")
         # the state follows the command name, which is in parentheses and may hold anything
-        if stat is not None and stat[stat.rfind(")") + 2:].startswith("R"):
+        if stat is not None and stat[stat.rfind(")") + 2 :].startswith("R"):
             running += 1
     return max(1, running)
 
@@ -122,10 +123,10 @@ def own_average(proc: Path = PROC) -> float:
     """The CPUs this process has used on average since it started: its share of the load average, for a process
     that has been at work as long as the average reaches back."""
     stat, uptime = _read(proc / "self" / "stat"), _read(proc / "uptime")
-    if stat is None or uptime is None:   # pragma: no cover - not Linux
+    if stat is None or uptime is None:  # pragma: no cover - not Linux
         return 0.0
     # after the command name: the state is field 3, user and system time fields 14 and 15, the start field 22
-    fields = stat[stat.rfind(")") + 2:].split()
+    fields = stat[stat.rfind(")") + 2 :].split()
     ticks = os.sysconf("SC_CLK_TCK")
     alive = float(uptime.split()[0]) - int(fields[19]) / ticks
     return (int(fields[11]) + int(fields[12])) / ticks / alive if alive > 1.0 else 0.0
@@ -155,7 +156,7 @@ def on_one_core() -> bool:
     return getattr(_ONE_CORE, "on", False)
 
 
-def _ratio(quota: str, period: str) -> Optional[float]:
+def _ratio(quota: str, period: str) -> float | None:
     """A quota over its period in CPUs; None for no quota ("max", or -1 in v1) or a value that is not a number."""
     try:
         q, p = int(quota), int(period)
@@ -164,12 +165,23 @@ def _ratio(quota: str, period: str) -> Optional[float]:
     return q / p if q > 0 and p > 0 else None
 
 
-def _read(path: Path) -> Optional[str]:
+def _read(path: Path) -> str | None:
     try:
         return path.read_text(encoding="ascii").strip()
     except (OSError, UnicodeDecodeError):
         return None
 
 
-__all__ = ["THREADS_ENV", "affinity_cpus", "cgroup_quota", "cpus_left", "free_cpus", "on_one_core",
-           "one_core_for_cpu_work", "other_load", "threads_for", "threads_override", "usable_cpus"]
+__all__ = [
+    "THREADS_ENV",
+    "affinity_cpus",
+    "cgroup_quota",
+    "cpus_left",
+    "free_cpus",
+    "on_one_core",
+    "one_core_for_cpu_work",
+    "other_load",
+    "threads_for",
+    "threads_override",
+    "usable_cpus",
+]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from trajectory_replay.backends import location_problem, redact_url
 from trajectory_replay.bundle import BundleWriter, open_sources
@@ -43,9 +42,11 @@ class DemoResult(Outcome):
         return self.status is Status.PASS
 
     def render_text(self) -> str:
-        return (f"wrote {self.directory}/b-00001 (normalized per prompt group) and "
-                f"{self.directory}/b-00065 (normalized over the physical batch)\n\n"
-                f"{self.clean.render_text()}\n\n{self.buggy.render_text()}")
+        return (
+            f"wrote {self.directory}/b-00001 (normalized per prompt group) and "
+            f"{self.directory}/b-00065 (normalized over the physical batch)\n\n"
+            f"{self.clean.render_text()}\n\n{self.buggy.render_text()}"
+        )
 
 
 def _fresh_directory(base: Path) -> Path:
@@ -56,7 +57,7 @@ def _fresh_directory(base: Path) -> Path:
     return candidate
 
 
-def run_demo(directory: Optional[str | os.PathLike] = None) -> DemoResult:
+def run_demo(directory: str | os.PathLike | None = None) -> DemoResult:
     """Write the clean and buggy bundles into the store `directory` (a path or URL; default: a new
     ./trajectory-replay-demo) and replay both."""
     if directory is not None:

@@ -60,7 +60,8 @@ class UsageError(TrajectoryReplayError):
 
 
 class StorageUnavailableError(BackendError):
-    """The store cannot be reached or refuses us: endpoint down or silent, DNS, credentials, permissions, unknown bucket.
+    """The store cannot be reached or refuses us: endpoint down or silent, DNS, credentials, permissions, unknown
+    bucket.
 
     The message is one line naming the URL and what to check; the CLI reports it with status `io`.
     """

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from trajectory_replay import html_plots as plots
 from trajectory_replay.backends import redact_url
@@ -74,13 +75,16 @@ class _Page:
         self.parts.append((caption, svg, note))
 
     def write(self, path: str | Path) -> int:
-        head = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_esc(self.title)}</title>"
-                f"<style>{CSS}</style></head><body>")
+        head = (
+            f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_esc(self.title)}</title>"
+            f"<style>{CSS}</style></head><body>"
+        )
         tail = "</body></html>"
-        room = PAGE_LIMIT - _size(head) - _size(tail) - 1_024   # 1 kB kept for the note of a cut
+        room = PAGE_LIMIT - _size(head) - _size(tail) - 1_024  # 1 kB kept for the note of a cut
         figures = [_figure(0, *part[:1], "", *part[2:]) for part in self.parts if not isinstance(part, str)]
-        plot_room = room - sum(_size(p) + 1 for p in self.parts if isinstance(p, str)) - sum(
-            _size(f) + 1 for f in figures)
+        plot_room = (
+            room - sum(_size(p) + 1 for p in self.parts if isinstance(p, str)) - sum(_size(f) + 1 for f in figures)
+        )
         out, used, count = [head], 0, 0
         for part in self.parts:
             if not isinstance(part, str):
@@ -88,12 +92,22 @@ class _Page:
                 count += 1
                 fits = _size(svg) <= plot_room
                 plot_room -= _size(svg) if fits else 0
-                part = _figure(count, caption, svg if fits else (
-                    f"<p class='note'>plot left out: it would take this page past {PAGE_LIMIT / 1e6:g} MB (the "
-                    "tables and --json say the same)</p>"), note)
+                part = _figure(
+                    count,
+                    caption,
+                    svg
+                    if fits
+                    else (
+                        f"<p class='note'>plot left out: it would take this page past {PAGE_LIMIT / 1e6:g} MB (the "
+                        "tables and --json say the same)</p>"
+                    ),
+                    note,
+                )
             if used + _size(part) + 1 > room:
-                out.append(f"<p class='note'>the rest of this report is left out: it would take this page past "
-                           f"{PAGE_LIMIT / 1e6:g} MB (--json has everything)</p>")
+                out.append(
+                    f"<p class='note'>the rest of this report is left out: it would take this page past "
+                    f"{PAGE_LIMIT / 1e6:g} MB (--json has everything)</p>"
+                )
                 break
             out.append(part)
             used += _size(part) + 1
@@ -107,14 +121,23 @@ def _size(markup: str) -> int:
 
 
 def _figure(number: int, caption: str, content: str, note: str) -> str:
-    return (f"<figure id='plot-{number}'><figcaption>{_esc(caption)}</figcaption>{content}"
-            + (f"<p class='note'>{_esc(note)}</p>" if note else "") + "</figure>")
+    return (
+        f"<figure id='plot-{number}'><figcaption>{_esc(caption)}</figcaption>{content}"
+        + (f"<p class='note'>{_esc(note)}</p>" if note else "")
+        + "</figure>"
+    )
 
 
 def _table(head: Sequence[str], rows: Sequence[str], note: str = "") -> str:
     """A table of ready-made `<tr>` rows under `head`, with a note below when some rows were left out."""
-    return ("<table><tr>" + "".join(f"<th>{_esc(h)}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>"
-            + (f"<p class='note'>{_esc(note)}</p>" if note else ""))
+    return (
+        "<table><tr>"
+        + "".join(f"<th>{_esc(h)}</th>" for h in head)
+        + "</tr>"
+        + "".join(rows)
+        + "</table>"
+        + (f"<p class='note'>{_esc(note)}</p>" if note else "")
+    )
 
 
 def _bounded(items: Sequence[Any], keep: Callable[[Any], bool], what: str) -> tuple[list[Any], str]:
@@ -133,6 +156,7 @@ def _bounded(items: Sequence[Any], keep: Callable[[Any], bool], what: str) -> tu
 
 # ---- a replay page ------------------------------------------------------------------------------------
 
+
 def _identity(page: _Page, sources: Sequence[Any], overrides: dict[str, Any]) -> None:
     """The bundle: id, anchor, where it is stored (no credentials), ranks, samples, and its recompute config
     (fields replayed with another value marked)."""
@@ -141,37 +165,59 @@ def _identity(page: _Page, sources: Sequence[Any], overrides: dict[str, Any]) ->
     first = sources[0]
     anchor = Anchor.of(first.index.identity)
     ranks = sorted(s.rank for s in sources if s.rank is not None)
-    rows = [("bundle", first.bundle_id), ("anchor", f"{anchor}  ({anchor.flag})"),
-            ("stored at", redact_url(str(getattr(first, "label", "") or "")))]
+    rows = [
+        ("bundle", first.bundle_id),
+        ("anchor", f"{anchor}  ({anchor.flag})"),
+        ("stored at", redact_url(str(getattr(first, "label", "") or ""))),
+    ]
     if ranks:
         rows.append(("ranks", ", ".join(map(str, ranks))))
     rows.append(("samples", str(sum(len(s.index.samples) for s in sources))))
-    page.add("<table class='identity'>" + "".join(f"<tr><th>{_esc(k)}</th><td><code>{_esc(v)}</code></td></tr>"
-                                                  for k, v in rows) + "</table>")
+    page.add(
+        "<table class='identity'>"
+        + "".join(f"<tr><th>{_esc(k)}</th><td><code>{_esc(v)}</code></td></tr>" for k, v in rows)
+        + "</table>"
+    )
     config = first.index.config
     fields = config.model_dump()
     cells = []
     for name, value in fields.items():
         if name in overrides:
-            cells.append(f"<td class='changed'><code>{_esc(name)}</code></td><td class='changed'>"
-                         f"<code>{_esc(json.dumps(value))} → {_esc(json.dumps(overrides[name]))}</code></td>")
+            cells.append(
+                f"<td class='changed'><code>{_esc(name)}</code></td><td class='changed'>"
+                f"<code>{_esc(json.dumps(value))} → {_esc(json.dumps(overrides[name]))}</code></td>"
+            )
         else:
             cells.append(f"<td><code>{_esc(name)}</code></td><td><code>{_esc(json.dumps(value))}</code></td>")
     per_row = 3
-    body = "".join("<tr>" + "".join(cells[k:k + per_row]) + "</tr>" for k in range(0, len(cells), per_row))
+    body = "".join("<tr>" + "".join(cells[k : k + per_row]) + "</tr>" for k in range(0, len(cells), per_row))
     profile = getattr(config, "profile", None)
-    page.add("<h3>recompute config" + (f" (profile {_esc(profile)})" if profile else "") + "</h3>"
-             + (f"<p class='note'>replayed with {len(overrides)} field(s) changed (marked): recorded → replayed</p>"
-                if overrides else "") + f"<table>{body}</table>")
+    page.add(
+        "<h3>recompute config"
+        + (f" (profile {_esc(profile)})" if profile else "")
+        + "</h3>"
+        + (
+            f"<p class='note'>replayed with {len(overrides)} field(s) changed (marked): recorded → replayed</p>"
+            if overrides
+            else ""
+        )
+        + f"<table>{body}</table>"
+    )
 
 
 def _divergence_table(stage) -> str:
-    rows = [f"<tr><td>{_esc(d.field)}</td><td>{_esc(d.sample_id)}</td><td class='num'>{_esc(d.token_offset)}</td>"
-            f"<td class='num'>{_number(d.expected)}</td><td class='num'>{_number(d.actual)}</td>"
-            f"<td class='num'>{_number(d.abs_error)}</td></tr>" for d in stage.divergences]
+    rows = [
+        f"<tr><td>{_esc(d.field)}</td><td>{_esc(d.sample_id)}</td><td class='num'>{_esc(d.token_offset)}</td>"
+        f"<td class='num'>{_number(d.expected)}</td><td class='num'>{_number(d.actual)}</td>"
+        f"<td class='num'>{_number(d.abs_error)}</td></tr>"
+        for d in stage.divergences
+    ]
     more = stage.mismatch_count - len(stage.divergences)
-    return _table(("field", "sample", "token", "expected", "actual", "|error|"), rows,
-                  f"the first {len(stage.divergences)} of {stage.mismatch_count} mismatches" if more > 0 else "")
+    return _table(
+        ("field", "sample", "token", "expected", "actual", "|error|"),
+        rows,
+        f"the first {len(stage.divergences)} of {stage.mismatch_count} mismatches" if more > 0 else "",
+    )
 
 
 def _first_divergence(page: _Page, stage) -> None:
@@ -182,14 +228,28 @@ def _first_divergence(page: _Page, stage) -> None:
         page.add(_divergence_table(stage))
         field = stage.divergences[0].field
         shown = [d for d in stage.divergences if d.field == field or d.sample_id is None]
-        labels = [d.field if d.sample_id is None else d.sample_id if d.token_offset is None
-                  else f"{d.sample_id} token {d.token_offset}" for d in shown]
-        per = ("per field" if all(d.sample_id is None for d in shown) else "per sample"
-               if all(d.token_offset is None for d in shown) else "per sample and token")
-        page.figure(f"{stage.label}: {field}, expected and actual {per}",
-                    plots.paired_chart(labels, [d.expected for d in shown], [d.actual for d in shown], field),
-                    "" if len(shown) == stage.mismatch_count else
-                    f"the {len(shown)} mismatches listed above; the heatmap below shows every sample")
+        labels = [
+            d.field
+            if d.sample_id is None
+            else d.sample_id
+            if d.token_offset is None
+            else f"{d.sample_id} token {d.token_offset}"
+            for d in shown
+        ]
+        per = (
+            "per field"
+            if all(d.sample_id is None for d in shown)
+            else "per sample"
+            if all(d.token_offset is None for d in shown)
+            else "per sample and token"
+        )
+        page.figure(
+            f"{stage.label}: {field}, expected and actual {per}",
+            plots.paired_chart(labels, [d.expected for d in shown], [d.actual for d in shown], field),
+            ""
+            if len(shown) == stage.mismatch_count
+            else f"the {len(shown)} mismatches listed above; the heatmap below shows every sample",
+        )
     _first_sample(page, stage)
 
 
@@ -201,20 +261,27 @@ def _first_sample(page: _Page, stage) -> None:
     for name, evidence in stage.evidence.items():
         first = evidence["first_sample"]
         if len(first["expected"]) > 1:
-            page.figure(f"{stage.label}: {name} of {first['sample_id']}, its first divergent sample, per token",
-                        plots.token_chart(first["expected"], first["actual"], first["divergent"], name,
-                                          first["sample_id"]),
-                        f"{len(first['divergent'])} divergent token(s) marked"
-                        + (f"; its first {len(first['expected'])} tokens shown"
-                           if len(first["expected"]) >= MAX_EVIDENCE_TOKENS else ""))
+            page.figure(
+                f"{stage.label}: {name} of {first['sample_id']}, its first divergent sample, per token",
+                plots.token_chart(first["expected"], first["actual"], first["divergent"], name, first["sample_id"]),
+                f"{len(first['divergent'])} divergent token(s) marked"
+                + (
+                    f"; its first {len(first['expected'])} tokens shown"
+                    if len(first["expected"]) >= MAX_EVIDENCE_TOKENS
+                    else ""
+                ),
+            )
             return
 
 
 def _stage_table(page: _Page, report) -> None:
     stages, note = _bounded(report.stages, lambda s: s.failed, "stage entries")
-    rows = [f"<tr><td>{_esc(s.stage)}</td><td>{_esc(s.rank)}</td><td class='{s.status}'>{s.status}</td>"
-            f"<td class='num'>{_number(s.max_abs_error)}</td><td class='num'>{s.mismatch_count}</td>"
-            f"<td class='wrap'>{_esc(s.message)}</td></tr>" for s in stages]
+    rows = [
+        f"<tr><td>{_esc(s.stage)}</td><td>{_esc(s.rank)}</td><td class='{s.status}'>{s.status}</td>"
+        f"<td class='num'>{_number(s.max_abs_error)}</td><td class='num'>{s.mismatch_count}</td>"
+        f"<td class='wrap'>{_esc(s.message)}</td></tr>"
+        for s in stages
+    ]
     page.add(_table(("stage", "rank", "status", "max abs error", "mismatches", "message"), rows, note))
 
 
@@ -222,30 +289,49 @@ def _heatmap(page: _Page, stage: str, name: str, errors: dict[str, float]) -> No
     """Each sample's largest error, HEATMAP_COLUMNS samples per row in cohort order."""
     svg, per_cell = plots.heatmap(list(errors), list(errors.values()), HEATMAP_COLUMNS, HEATMAP_CELLS)
     row = f"{min(HEATMAP_COLUMNS, len(errors))} per row" if per_cell == 1 else f"{HEATMAP_COLUMNS} cells per row"
-    page.figure(f"{stage}: {name}, largest error per sample ({len(errors)} samples in cohort order, {row})", svg,
-                "each row is named by its first sample; hover a cell for its sample and error" + (
-                    f"; each cell holds {per_cell} consecutive samples and shows the largest of their errors "
-                    f"(at most {HEATMAP_CELLS} cells are drawn)" if per_cell > 1 else ""))
+    page.figure(
+        f"{stage}: {name}, largest error per sample ({len(errors)} samples in cohort order, {row})",
+        svg,
+        "each row is named by its first sample; hover a cell for its sample and error"
+        + (
+            f"; each cell holds {per_cell} consecutive samples and shows the largest of their errors "
+            f"(at most {HEATMAP_CELLS} cells are drawn)"
+            if per_cell > 1
+            else ""
+        ),
+    )
 
 
 def _mismatch(page: _Page, stage) -> None:
     metrics = {k: v for k, v in stage.metrics.items() if not isinstance(v, list)}
     worst = stage.metrics.get("worst_tokens") or []
-    page.add(f"<h3>training–inference mismatch: {_esc(stage.label)}</h3>" + _table(
-        list(metrics), ["<tr>" + "".join(f"<td class='num'>{_number(v)}</td>" for v in metrics.values()) + "</tr>"]))
+    page.add(
+        f"<h3>training–inference mismatch: {_esc(stage.label)}</h3>"
+        + _table(
+            list(metrics), ["<tr>" + "".join(f"<td class='num'>{_number(v)}</td>" for v in metrics.values()) + "</tr>"]
+        )
+    )
     if worst:
-        page.add("<p class='note'>worst tokens</p>" + _table(list(worst[0]), [
-            "<tr>" + "".join(f"<td>{_number(v)}</td>" for v in row.values()) + "</tr>" for row in worst]))
+        page.add(
+            "<p class='note'>worst tokens</p>"
+            + _table(
+                list(worst[0]),
+                ["<tr>" + "".join(f"<td>{_number(v)}</td>" for v in row.values()) + "</tr>" for row in worst],
+            )
+        )
 
 
-def _bundle_sections(page: _Page, report, heading: Optional[str] = None) -> None:
+def _bundle_sections(page: _Page, report, heading: str | None = None) -> None:
     """A bundle's first divergent stage, stage table, mismatch metrics, and its failed stages (under `heading`:
     one bundle of a chain)."""
     if heading:
         page.add(f"<h2>{_esc(heading)}</h2>")
     if report.overrides:
-        page.add("<p class='note'>config overridden: " + _esc(", ".join(f"{k}={json.dumps(v)}" for k, v in
-                                                                       report.overrides.items())) + "</p>")
+        page.add(
+            "<p class='note'>config overridden: "
+            + _esc(", ".join(f"{k}={json.dumps(v)}" for k, v in report.overrides.items()))
+            + "</p>"
+        )
     failed = [s for s in report.stages if s.failed]
     if failed:
         _first_divergence(page, failed[0])
@@ -268,13 +354,13 @@ def _verdict(page: _Page, passed: bool, text: str) -> None:
     page.add(f"<div class='verdict {'pass' if passed else 'fail'}'>{_esc(text)}</div>")
 
 
-def _unchecked(report) -> Optional[str]:
+def _unchecked(report) -> str | None:
     """The verdict line of a replay that compared nothing (why), or None."""
     reason = report.unsupported_reason
     return None if reason is None else f"unsupported: nothing compared ({reason})"
 
 
-def write_replay_html(report, path: str | Path, sources: Optional[Sequence[Any]] = None) -> int:
+def write_replay_html(report, path: str | Path, sources: Sequence[Any] | None = None) -> int:
     """The HTML page of a ReplayReport or a ChainReport at `path`; its size in bytes. `sources`: the replayed
     bundle's (the chain's step bundle's) sources, whose identity and config the page shows first."""
     from trajectory_replay.replay.chain import ChainReport
@@ -283,13 +369,25 @@ def write_replay_html(report, path: str | Path, sources: Optional[Sequence[Any]]
         page = _Page(f"replay {report.step.bundle}")
         page.add(f"<h1>trajectory-replay: {_esc(report.step.bundle)} with the rollouts that produced it</h1>")
         first = report.first_divergence
-        _verdict(page, report.passed, _unchecked(report) or ("no divergence" if first is None else
-                                                             "first divergence: " + ", ".join(
-            f"{k} {v}" for k, v in first.items() if v is not None)))
+        _verdict(
+            page,
+            report.passed,
+            _unchecked(report)
+            or (
+                "no divergence"
+                if first is None
+                else "first divergence: " + ", ".join(f"{k} {v}" for k, v in first.items() if v is not None)
+            ),
+        )
         if sources:
             _identity(page, sources, {} if report.step.report is None else report.step.report.overrides)
-        page.add("<p class='note'>chain: " + " → ".join(_esc(e.bundle) for e in report.upstream)
-                 + (" → " if report.upstream else "") + _esc(report.step.bundle) + "</p>")
+        page.add(
+            "<p class='note'>chain: "
+            + " → ".join(_esc(e.bundle) for e in report.upstream)
+            + (" → " if report.upstream else "")
+            + _esc(report.step.bundle)
+            + "</p>"
+        )
         for note in report.notes:
             page.add(f"<p class='note'>{_esc(note)}</p>")
         for entry in report.upstream:
@@ -307,8 +405,9 @@ def write_replay_html(report, path: str | Path, sources: Optional[Sequence[Any]]
         return page.write(path)
     page = _Page(f"replay {report.bundle_id}")
     page.add(f"<h1>trajectory-replay: {_esc(report.bundle_id)}</h1>")
-    _verdict(page, report.passed,
-             _unchecked(report) or f"first divergent stage: {report.first_divergent_stage or 'none'}")
+    _verdict(
+        page, report.passed, _unchecked(report) or f"first divergent stage: {report.first_divergent_stage or 'none'}"
+    )
     if sources:
         _identity(page, sources, report.overrides)
     _bundle_sections(page, report)
@@ -317,37 +416,66 @@ def write_replay_html(report, path: str | Path, sources: Optional[Sequence[Any]]
 
 # ---- a diff page -------------------------------------------------------------------------------------
 
+
 def write_diff_html(report, path: str | Path) -> int:
     """The HTML page of a DiffReport: the verdict, the field table in stage order, and a bar chart of the
     fields that differ; its size in bytes."""
     a, b = redact_url(report.a), redact_url(report.b)
     page = _Page(f"diff {a} {b}")
-    page.add(f"<h1>trajectory-replay diff</h1><p class='note'>A: <code>{_esc(a)}</code><br>"
-             f"B: <code>{_esc(b)}</code><br>{report.samples} samples matched by id</p>")
+    page.add(
+        f"<h1>trajectory-replay diff</h1><p class='note'>A: <code>{_esc(a)}</code><br>"
+        f"B: <code>{_esc(b)}</code><br>{report.samples} samples matched by id</p>"
+    )
     first = report.first
-    _verdict(page, report.identical, "identical" if first is None else f"first difference at {first.stage}: "
-             f"{first.name}" + ("" if first.first is None else " " + ", ".join(
-                 f"{k} {_number(v)}" for k, v in first.first.items() if v is not None)))
+    _verdict(
+        page,
+        report.identical,
+        "identical"
+        if first is None
+        else f"first difference at {first.stage}: "
+        f"{first.name}"
+        + (
+            ""
+            if first.first is None
+            else " " + ", ".join(f"{k} {_number(v)}" for k, v in first.first.items() if v is not None)
+        ),
+    )
     for note in report.notes:
         page.add(f"<p class='note'>{_esc(note)}</p>")
     fields, note = _bounded(report.fields_in_stage_order, lambda f: f.differs, "fields")
-    rows = [f"<tr class='{'fail' if f.differs else ''}'><td>{_esc(f.stage)}</td><td>{_esc(f.name)}</td>"
-            f"<td class='num'>{f.compared}</td><td class='num'>{f.differing}</td>"
-            f"<td class='num'>{_number(f.max_abs_diff)}</td><td class='wrap'>{_esc(f.note)}</td></tr>" for f in fields]
-    page.add("<h2>fields, in stage order</h2>"
-             + _table(("stage", "field", "compared", "differ", "max |a−b|", "note"), rows, note))
+    rows = [
+        f"<tr class='{'fail' if f.differs else ''}'><td>{_esc(f.stage)}</td><td>{_esc(f.name)}</td>"
+        f"<td class='num'>{f.compared}</td><td class='num'>{f.differing}</td>"
+        f"<td class='num'>{_number(f.max_abs_diff)}</td><td class='wrap'>{_esc(f.note)}</td></tr>"
+        for f in fields
+    ]
+    page.add(
+        "<h2>fields, in stage order</h2>"
+        + _table(("stage", "field", "compared", "differ", "max |a−b|", "note"), rows, note)
+    )
     differing = report.differences[:TABLE_ROWS]
     if differing:
-        page.figure("share of values that differ, per field", plots.bar_chart(
-            [f"{f.stage} · {f.name}" for f in differing], [f.differing / max(f.compared, 1) for f in differing],
-            [f"{f.differing} of {f.compared}" for f in differing]))
+        page.figure(
+            "share of values that differ, per field",
+            plots.bar_chart(
+                [f"{f.stage} · {f.name}" for f in differing],
+                [f.differing / max(f.compared, 1) for f in differing],
+                [f"{f.differing} of {f.compared}" for f in differing],
+            ),
+        )
     return page.write(path)
 
 
 # ---- a scan page -------------------------------------------------------------------------------------
 
-SCAN_COLOURS = {Status.PASS: "#2e9e4f", Status.DIVERGED: "#d62728", Status.INVALID: "#8c2d9c",
-                Status.INCOMPLETE: "#f0a202", Status.UNSUPPORTED: "#7f7f7f", "error": "#1d2330"}
+SCAN_COLOURS = {
+    Status.PASS: "#2e9e4f",
+    Status.DIVERGED: "#d62728",
+    Status.INVALID: "#8c2d9c",
+    Status.INCOMPLETE: "#f0a202",
+    Status.UNSUPPORTED: "#7f7f7f",
+    "error": "#1d2330",
+}
 """Colour of each scan verdict in the timeline (`error`: a bundle the scan could not judge)."""
 TIMELINE_COLUMNS = 1000
 """Columns of the verdict timeline; more bundles share columns."""
@@ -358,46 +486,91 @@ def write_scan_html(report, path: str | Path) -> int:
     (x: bundles in anchor order, colour: verdict) and the per-bundle table; its size in bytes."""
     root = redact_url(report.root)
     page = _Page(f"scan {root}")
-    page.add(f"<h1>trajectory-replay scan</h1><p class='note'><code>{_esc(root)}</code>: "
-             f"{len(report.verdicts)} bundles, {report.replayed} replayed, {report.cached} from stored verdicts "
-             f"({_esc(report.engine)} engine, {report.workers} worker(s), replay {_esc(report.replay_version)})</p>")
+    page.add(
+        f"<h1>trajectory-replay scan</h1><p class='note'><code>{_esc(root)}</code>: "
+        f"{len(report.verdicts)} bundles, {report.replayed} replayed, {report.cached} from stored verdicts "
+        f"({_esc(report.engine)} engine, {report.workers} worker(s), replay {_esc(report.replay_version)})</p>"
+    )
     first = report.earliest_divergence
-    where = "" if first is None else ", ".join(x for x in (
-        f"sample {first.sample_id}" if first.sample_id else "", f"field {first.field}" if first.field else "",
-        f"token {first.token_offset}" if first.token_offset is not None else "",
-        f"rank {first.rank}" if first.rank is not None else "") if x)
-    _verdict(page, report.passed, "every bundle passes" if report.passed else (
-        "earliest divergence: none" if first is None else
-        f"earliest divergence: {first.name} ({first.anchor or 'no anchor'}) at {first.first_divergent_stage}"
-        + (f": {where}" if where else "")))
+    where = (
+        ""
+        if first is None
+        else ", ".join(
+            x
+            for x in (
+                f"sample {first.sample_id}" if first.sample_id else "",
+                f"field {first.field}" if first.field else "",
+                f"token {first.token_offset}" if first.token_offset is not None else "",
+                f"rank {first.rank}" if first.rank is not None else "",
+            )
+            if x
+        )
+    )
+    _verdict(
+        page,
+        report.passed,
+        "every bundle passes"
+        if report.passed
+        else (
+            "earliest divergence: none"
+            if first is None
+            else f"earliest divergence: {first.name} ({first.anchor or 'no anchor'}) at {first.first_divergent_stage}"
+            + (f": {where}" if where else "")
+        ),
+    )
     counts = report.counts
-    page.add("<h2>counts</h2>" + _table(list(counts), ["<tr>" + "".join(f"<td class='num'>{v}</td>"
-                                                                         for v in counts.values()) + "</tr>"]))
+    page.add(
+        "<h2>counts</h2>"
+        + _table(list(counts), ["<tr>" + "".join(f"<td class='num'>{v}</td>" for v in counts.values()) + "</tr>"])
+    )
     if report.incomplete:
         incomplete, note = _bounded(report.incomplete, lambda v: True, "incomplete bundles")
-        page.add("<h2>incomplete bundles</h2>" + _table(
-            ("bundle", "anchor", "missing ranks", "expected ranks", "detail"),
-            [f"<tr><td>{_esc(v.name)}</td><td>{_esc(v.anchor)}</td><td>{_esc(v.missing_ranks)}</td>"
-             f"<td>{_esc(v.expected_ranks)}</td><td class='wrap'>{_esc(v.detail)}</td></tr>" for v in incomplete],
-            note))
+        page.add(
+            "<h2>incomplete bundles</h2>"
+            + _table(
+                ("bundle", "anchor", "missing ranks", "expected ranks", "detail"),
+                [
+                    f"<tr><td>{_esc(v.name)}</td><td>{_esc(v.anchor)}</td><td>{_esc(v.missing_ranks)}</td>"
+                    f"<td>{_esc(v.expected_ranks)}</td><td class='wrap'>{_esc(v.detail)}</td></tr>"
+                    for v in incomplete
+                ],
+                note,
+            )
+        )
     if report.verdicts:
         verdicts = report.verdicts
         svg, per_column = plots.strip_chart(
-            [f"{v.anchor or '-'} · {v.name}" for v in verdicts], [v.status for v in verdicts], SCAN_COLOURS,
-            TIMELINE_COLUMNS, [f"{v.name} ({v.anchor or 'no anchor'}): {v.status}"
-                               + (f" at {v.first_divergent_stage}" if v.first_divergent_stage else "")
-                               for v in verdicts])
-        page.figure("verdict per bundle, in anchor order (rollout, step)", svg,
-                    "hover a square for its bundle" if per_column == 1 else
-                    f"each column holds {per_column} consecutive bundles and marks every verdict among them")
+            [f"{v.anchor or '-'} · {v.name}" for v in verdicts],
+            [v.status for v in verdicts],
+            SCAN_COLOURS,
+            TIMELINE_COLUMNS,
+            [
+                f"{v.name} ({v.anchor or 'no anchor'}): {v.status}"
+                + (f" at {v.first_divergent_stage}" if v.first_divergent_stage else "")
+                for v in verdicts
+            ],
+        )
+        page.figure(
+            "verdict per bundle, in anchor order (rollout, step)",
+            svg,
+            "hover a square for its bundle"
+            if per_column == 1
+            else f"each column holds {per_column} consecutive bundles and marks every verdict among them",
+        )
     verdicts, note = _bounded(report.verdicts, lambda v: v.status != Status.PASS, "bundles")
-    rows = [f"<tr><td>{_esc(v.name)}</td><td>{_esc(v.anchor)}</td>"
-            f"<td class='{'pass' if v.status == Status.PASS else 'fail'}'>{_esc(v.status)}</td>"
-            f"<td>{_esc(v.first_divergent_stage)}</td><td>{_esc(v.sample_id)}</td><td>{_esc(v.field)}</td>"
-            f"<td>{'stored verdict' if v.cached else 'replayed'}</td><td class='wrap'>{_esc(v.detail)}</td></tr>"
-            for v in verdicts]
-    page.add("<h2>bundles</h2>" + _table(("bundle", "anchor", "verdict", "first divergent stage", "sample", "field",
-                                          "from", "detail"), rows, note))
+    rows = [
+        f"<tr><td>{_esc(v.name)}</td><td>{_esc(v.anchor)}</td>"
+        f"<td class='{'pass' if v.status == Status.PASS else 'fail'}'>{_esc(v.status)}</td>"
+        f"<td>{_esc(v.first_divergent_stage)}</td><td>{_esc(v.sample_id)}</td><td>{_esc(v.field)}</td>"
+        f"<td>{'stored verdict' if v.cached else 'replayed'}</td><td class='wrap'>{_esc(v.detail)}</td></tr>"
+        for v in verdicts
+    ]
+    page.add(
+        "<h2>bundles</h2>"
+        + _table(
+            ("bundle", "anchor", "verdict", "first divergent stage", "sample", "field", "from", "detail"), rows, note
+        )
+    )
     return page.write(path)
 
 

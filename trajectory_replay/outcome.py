@@ -20,7 +20,12 @@ from enum import Enum
 from typing import Any, ClassVar
 
 from trajectory_replay.errors import (
-    BackendError, IncompleteBundleError, SelectionError, TrajectoryReplayError, UnsupportedError, UsageError,
+    BackendError,
+    IncompleteBundleError,
+    SelectionError,
+    TrajectoryReplayError,
+    UnsupportedError,
+    UsageError,
 )
 
 
@@ -51,8 +56,9 @@ class Status(str, Enum):
         return format(self.value, spec)
 
 
-EXIT_CODES: dict[Status, int] = {status: 0 if status is Status.PASS else 2 if status is Status.USAGE else 1
-                                 for status in Status}
+EXIT_CODES: dict[Status, int] = {
+    status: 0 if status is Status.PASS else 2 if status is Status.USAGE else 1 for status in Status
+}
 """The exit code of each status: 0 pass, 2 a malformed command line, 1 every other verdict."""
 
 INTERRUPTED_EXIT = 130
@@ -175,5 +181,15 @@ class Outcome:
         raise NotImplementedError
 
 
-__all__ = ["EXIT_CODES", "INTERRUPTED_EXIT", "Outcome", "QUOTE_LIMIT", "STORAGE_LIBRARIES", "Status", "error_status",
-           "exit_code", "missing_torch", "one_line"]
+__all__ = [
+    "EXIT_CODES",
+    "INTERRUPTED_EXIT",
+    "Outcome",
+    "QUOTE_LIMIT",
+    "STORAGE_LIBRARIES",
+    "Status",
+    "error_status",
+    "exit_code",
+    "missing_torch",
+    "one_line",
+]

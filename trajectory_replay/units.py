@@ -7,7 +7,6 @@ from __future__ import annotations
 import shutil
 import sys
 import textwrap
-from typing import Optional
 
 UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 MIN_WIDTH = 40
@@ -31,7 +30,7 @@ def human_rate(bytes_per_second: float) -> str:
     return f"{human_bytes(bytes_per_second)}/s"
 
 
-def report_width() -> Optional[int]:
+def report_width() -> int | None:
     """The columns a human report may fill on the terminal it is shown on (COLUMNS, else the terminal's own width);
     None (no limit) when stdout is not a terminal, so that piped text keeps whole lines for the tools reading it."""
     try:
@@ -42,14 +41,14 @@ def report_width() -> Optional[int]:
     return max(shutil.get_terminal_size().columns, MIN_WIDTH)
 
 
-def clip(text: str, width: Optional[int]) -> str:
+def clip(text: str, width: int | None) -> str:
     """`text` cut to `width` characters, the last an ellipsis; whole when it fits or `width` is None."""
     if width is None or len(text) <= width:
         return text
     return text[: max(width - 1, 0)] + "…"
 
 
-def fit(line: str, width: Optional[int], indent: int) -> list[str]:
+def fit(line: str, width: int | None, indent: int) -> list[str]:
     """`line` as lines of at most `width` characters, continuations indented by `indent` (under the value column
     of a `label  value` line); a word longer than a line is cut. One line when it fits or `width` is None."""
     if width is None or len(line) <= width:

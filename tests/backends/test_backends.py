@@ -126,8 +126,10 @@ def test_create_if_absent_processes(kind, tmp_path, request):
         url, options = request.getfixturevalue("s3_root")
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(2), ctx.Queue()
-    procs = [ctx.Process(target=_create_in_process, args=(url, options, "proc/key", f"p{i}".encode(), barrier, out))
-             for i in range(2)]
+    procs = [
+        ctx.Process(target=_create_in_process, args=(url, options, "proc/key", f"p{i}".encode(), barrier, out))
+        for i in range(2)
+    ]
     for p in procs:
         p.start()
     results = [out.get(timeout=60) for _ in procs]
@@ -162,24 +164,28 @@ def test_open_backend_rejects_unknown_protocol():
         open_backend("ftp://host/x")
 
 
-@pytest.mark.parametrize("url, shown", [
-    ("s3://user:pw@bucket/x", "s3://bucket/x"),
-    ("s3://AKIA:ab/c+d@bucket/run", "s3://bucket/run"),          # a secret key holding '/' and '+'
-    ("s3://AKIA:ab%2Fc%2Bd@bucket/run", "s3://bucket/run"),      # the same, percent-encoded
-    ("s3://AKIA:a/b/c@bucket", "s3://bucket"),
-    ("s3://AKIAONLY@bucket/run", "s3://bucket/run"),
-    ("s3://bucket/run/b-1", "s3://bucket/run/b-1"),
-    ("s3://bucket/dir@2/b-1", "s3://bucket/dir@2/b-1"),          # an '@' in the prefix is no credential
-    ("/plain/path", "/plain/path"),
-])
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("s3://user:pw@bucket/x", "s3://bucket/x"),
+        ("s3://AKIA:ab/c+d@bucket/run", "s3://bucket/run"),  # a secret key holding '/' and '+'
+        ("s3://AKIA:ab%2Fc%2Bd@bucket/run", "s3://bucket/run"),  # the same, percent-encoded
+        ("s3://AKIA:a/b/c@bucket", "s3://bucket"),
+        ("s3://AKIAONLY@bucket/run", "s3://bucket/run"),
+        ("s3://bucket/run/b-1", "s3://bucket/run/b-1"),
+        ("s3://bucket/dir@2/b-1", "s3://bucket/dir@2/b-1"),  # an '@' in the prefix is no credential
+        ("/plain/path", "/plain/path"),
+    ],
+)
 def test_redact_url(url, shown):
     from trajectory_replay.backends import redact_url
 
     assert redact_url(url) == shown
 
 
-@pytest.mark.parametrize("url", ["s3://AKIAFAKE:secretKEY@bars/x", "s3://AKIA:ab/c+d@bucket/run",
-                                 "s3://AKIA:ab%2Fcd@bucket/run"])
+@pytest.mark.parametrize(
+    "url", ["s3://AKIAFAKE:secretKEY@bars/x", "s3://AKIA:ab/c+d@bucket/run", "s3://AKIA:ab%2Fcd@bucket/run"]
+)
 @pytest.mark.parametrize("command", ["ls", "inspect", "validate", "replay", "gc", "fsck", "stats"])
 def test_credentials_in_an_s3_url_are_refused_and_never_shown(url, command, monkeypatch):
     """The client would echo them inside its bucket-name error: the URL is refused before any request, in one
@@ -190,13 +196,13 @@ def test_credentials_in_an_s3_url_are_refused_and_never_shown(url, command, monk
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     result = CliRunner().invoke(app, [command, url, "--json"])
-    assert result.exit_code == 2, result.output   # a location refused as typed: a command-line mistake
+    assert result.exit_code == 2, result.output  # a location refused as typed: a command-line mistake
     for secret in ("AKIA", "secretKEY", "ab/c+d", "ab%2Fcd", "c+d"):
         assert secret not in result.output, result.output
     doc = json.loads(result.stdout)
     assert doc["status"] == "usage" and "credentials in an S3 URL are not used" in doc["error"], doc
     bucket = url.split("@", 1)[1].split("/", 1)[0]
-    assert doc["error"].startswith(f"s3://{bucket}"), doc   # the store (bundle commands open its root) named
+    assert doc["error"].startswith(f"s3://{bucket}"), doc  # the store (bundle commands open its root) named
 
 
 def test_read_into_fills_the_target_and_reports_the_size(backend):

@@ -58,8 +58,13 @@ def test_configuration_from_fsspec_environment(s3_server, s3_bucket):
         f"b = open_backend('s3://{s3_bucket}/fsspecenv')\n"
         "b.write('k', b'w'); print(b.read('k').decode())\n"
     )
-    env = {"PATH": "/usr/bin:/bin", "FSSPEC_S3_KEY": s3_server.key, "FSSPEC_S3_SECRET": s3_server.secret,
-           "FSSPEC_S3_ENDPOINT_URL": s3_server.endpoint, "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "FSSPEC_S3_KEY": s3_server.key,
+        "FSSPEC_S3_SECRET": s3_server.secret,
+        "FSSPEC_S3_ENDPOINT_URL": s3_server.endpoint,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "w"
@@ -95,8 +100,9 @@ def test_listing_pages_and_prefixes(s3_root):
 
 
 @pytest.mark.parametrize("document", ["manifest", "index"])
-def test_inspect_with_a_warm_read_cache_sees_a_document_damaged_on_the_server(document, s3_root, s3_env, tmp_path,
-                                                                              monkeypatch):
+def test_inspect_with_a_warm_read_cache_sees_a_document_damaged_on_the_server(
+    document, s3_root, s3_env, tmp_path, monkeypatch
+):
     """inspect read a bundle's documents through the read cache: once a first inspect had warmed it, a document
     damaged on the server (other bytes of its size in its chunk) passed, where validate, fsck and scan found it.
     inspect reads the server's copy of what it checks (markers, documents, records) every time."""
@@ -113,7 +119,7 @@ def test_inspect_with_a_warm_read_cache_sees_a_document_damaged_on_the_server(do
     url, options = s3_root
     write_canonical(url, storage_options=options)
     runner = CliRunner()
-    assert runner.invoke(app, ["inspect", f"{url}/b-00001", "--json"]).exit_code == 0   # warms the cache
+    assert runner.invoke(app, ["inspect", f"{url}/b-00001", "--json"]).exit_code == 0  # warms the cache
     backend = open_backend(url, **options)
     tree = Walker(backend).trees([bundle_status(backend, "b-00001")])["b-00001"]
     node = tree.documents[["manifest", "index", "expected"].index(document)]

@@ -22,7 +22,6 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Optional
 
 import pytest
 from typer.testing import CliRunner
@@ -32,8 +31,15 @@ from tests.ops.scan_helpers import write_step
 from trajectory_replay.backends import open_backend
 from trajectory_replay.backends import s3 as s3_backend
 from trajectory_replay.backends.s3 import (
-    ENV_CONNECT_TIMEOUT, ENV_MAX_ATTEMPTS, ENV_READ_TIMEOUT, ENV_RETRY_DEADLINE, NoSuchBucketError, RequestPolicy,
-    S3Backend, StoreAccessError, StoreUnreachableError,
+    ENV_CONNECT_TIMEOUT,
+    ENV_MAX_ATTEMPTS,
+    ENV_READ_TIMEOUT,
+    ENV_RETRY_DEADLINE,
+    NoSuchBucketError,
+    RequestPolicy,
+    S3Backend,
+    StoreAccessError,
+    StoreUnreachableError,
 )
 from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.cli import app
@@ -95,8 +101,11 @@ def _env(server, **changes) -> dict:
     metadata is consulted."""
     env = {k: None for k in os.environ if k.startswith(("AWS_", "FSSPEC_", "TRAJECTORY_REPLAY_S3_"))}
     env.update(server.env())
-    env.update(AWS_CONFIG_FILE="/nonexistent/aws-config", AWS_SHARED_CREDENTIALS_FILE="/nonexistent/aws-credentials",
-               AWS_EC2_METADATA_DISABLED="true")
+    env.update(
+        AWS_CONFIG_FILE="/nonexistent/aws-config",
+        AWS_SHARED_CREDENTIALS_FILE="/nonexistent/aws-credentials",
+        AWS_EC2_METADATA_DISABLED="true",
+    )
     env.update(changes)
     return env
 
@@ -114,40 +123,63 @@ def _mistake(kind: str, server, bucket: str, closed_port: int, silent_port: int)
     """(environment, store URL, fragments the message must hold) of one kind of storage mistake."""
     url = f"s3://{bucket}/t-{uuid.uuid4().hex[:8]}"
     if kind == "no credentials":
-        return _env(server, AWS_ACCESS_KEY_ID=None, AWS_SECRET_ACCESS_KEY=None), url, [
-            "no usable S3 credentials", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", server.endpoint]
+        return (
+            _env(server, AWS_ACCESS_KEY_ID=None, AWS_SECRET_ACCESS_KEY=None),
+            url,
+            ["no usable S3 credentials", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", server.endpoint],
+        )
     if kind == "wrong credentials":
         # a HEAD's 403 carries no error code, so some commands can only say "access denied": both keys are named
         return _env(server, AWS_SECRET_ACCESS_KEY="not-the-secret"), url, ["AWS_SECRET_ACCESS_KEY", server.endpoint]
     if kind == "unknown bucket":
         other = f"nosuch-{uuid.uuid4().hex[:10]}"
-        return _env(server), f"s3://{other}/run", ["the bucket does not exist", f"s3://{other}",
-                                                   "check the bucket name", "AWS_ENDPOINT_URL"]
+        return (
+            _env(server),
+            f"s3://{other}/run",
+            ["the bucket does not exist", f"s3://{other}", "check the bucket name", "AWS_ENDPOINT_URL"],
+        )
     if kind == "refused":
         endpoint = f"http://127.0.0.1:{closed_port}"
-        return _env(server, AWS_ENDPOINT_URL=endpoint, **ONE_ATTEMPT), url, [
-            "connection refused", endpoint, "AWS_ENDPOINT_URL"]
+        return (
+            _env(server, AWS_ENDPOINT_URL=endpoint, **ONE_ATTEMPT),
+            url,
+            ["connection refused", endpoint, "AWS_ENDPOINT_URL"],
+        )
     if kind == "never answers":
         endpoint = f"http://127.0.0.1:{silent_port}"
-        return _env(server, AWS_ENDPOINT_URL=endpoint, **SMALL), url, [
-            "no answer within the 0.3s read timeout", endpoint, "AWS_ENDPOINT_URL", ENV_READ_TIMEOUT]
+        return (
+            _env(server, AWS_ENDPOINT_URL=endpoint, **SMALL),
+            url,
+            ["no answer within the 0.3s read timeout", endpoint, "AWS_ENDPOINT_URL", ENV_READ_TIMEOUT],
+        )
     assert kind == "dns"
     endpoint = "http://nonexistent.invalid:9000"
-    return _env(server, AWS_ENDPOINT_URL=endpoint, **ONE_ATTEMPT), url, [
-        "host name does not resolve", endpoint, "AWS_ENDPOINT_URL"]
+    return (
+        _env(server, AWS_ENDPOINT_URL=endpoint, **ONE_ATTEMPT),
+        url,
+        ["host name does not resolve", endpoint, "AWS_ENDPOINT_URL"],
+    )
 
 
 def _argv(command: str, url: str, sources: dict[str, str]) -> list[str]:
-    return {"replay": ["replay", url], "inspect": ["inspect", f"{url}/b-00001"],
-            "validate": ["validate", f"{url}/b-00001"], "ls": ["ls", url], "stats": ["stats", url],
-            "cp": ["cp", sources["bundle"], url, "--quiet"], "gc": ["gc", url, "--dry-run", "--quiet"],
-            "fsck": ["fsck", url, "--quiet"], "import": ["import", sources["v1"], url], "demo": ["demo", url]}[command]
+    return {
+        "replay": ["replay", url],
+        "inspect": ["inspect", f"{url}/b-00001"],
+        "validate": ["validate", f"{url}/b-00001"],
+        "ls": ["ls", url],
+        "stats": ["stats", url],
+        "cp": ["cp", sources["bundle"], url, "--quiet"],
+        "gc": ["gc", url, "--dry-run", "--quiet"],
+        "fsck": ["fsck", url, "--quiet"],
+        "import": ["import", sources["v1"], url],
+        "demo": ["demo", url],
+    }[command]
 
 
 MISTAKES = ("no credentials", "wrong credentials", "unknown bucket", "refused", "never answers", "dns")
 
 
-def _seconds(call, match: Optional[str] = None) -> float:
+def _seconds(call, match: str | None = None) -> float:
     """How long `call` takes to raise a StorageUnavailableError whose message holds `match` (any other outcome
     fails the test)."""
     s3_backend._DOWN.clear()
@@ -167,10 +199,11 @@ def _bound(promised: float, baseline: float) -> float:
 
 @pytest.mark.parametrize("kind", MISTAKES)
 @pytest.mark.parametrize("command", COMMANDS)
-def test_each_command_reports_each_storage_mistake_in_one_line(command, kind, s3_server, s3_bucket, sources,
-                                                              closed_port, silent_port):
+def test_each_command_reports_each_storage_mistake_in_one_line(
+    command, kind, s3_server, s3_bucket, sources, closed_port, silent_port
+):
     env, url, fragments = _mistake(kind, s3_server, s3_bucket, closed_port, silent_port)
-    if kind == "never answers":   # the command's own work, failing at once on this host now
+    if kind == "never answers":  # the command's own work, failing at once on this host now
         refused, refused_url, _ = _mistake("refused", s3_server, s3_bucket, closed_port, silent_port)
         started = time.monotonic()
         assert runner.invoke(app, _argv(command, refused_url, sources), env=refused).exit_code == 1
@@ -182,11 +215,11 @@ def test_each_command_reports_each_storage_mistake_in_one_line(command, kind, s3
     assert result.exit_code == 1, (result.exit_code, result.stdout, result.stderr, result.exception)
     assert len(lines) == 1 and lines[0].startswith("trajectory-replay: error: s3://"), result.stderr
     assert "Traceback" not in result.stdout + result.stderr
-    assert isinstance(result.exception, SystemExit)   # exited through the CLI's error path, nothing escaped
-    assert url.split("/")[2] in lines[0]               # names the bucket of the URL
+    assert isinstance(result.exception, SystemExit)  # exited through the CLI's error path, nothing escaped
+    assert url.split("/")[2] in lines[0]  # names the bucket of the URL
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
-    if kind == "never answers":   # one attempt: a connect and a read timeout of 0.3 s each bound the wait
+    if kind == "never answers":  # one attempt: a connect and a read timeout of 0.3 s each bound the wait
         assert elapsed < _bound(0.3 + 0.3, baseline), (elapsed, baseline, lines[0])
 
 
@@ -203,11 +236,19 @@ def test_the_real_command_line_prints_one_line_and_no_traceback(s3_server, s3_bu
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "FSSPEC_", "TRAJECTORY_REPLAY_S3_"))}
     env.update(s3_server.env(), AWS_ENDPOINT_URL=f"http://127.0.0.1:{closed_port}", AWS_EC2_METADATA_DISABLED="true")
     url = f"s3://{s3_bucket}/cli"
-    out = subprocess.run([sys.executable, "-m", "trajectory_replay", "ls", url], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "trajectory_replay", "ls", url],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1 and out.stdout == "", out
-    expected = (rf"trajectory-replay: error: {re.escape(url)}: S3 endpoint http://127\.0\.0\.1:{closed_port}: "
-                r"connection refused \(3 attempts in \d+\.\ds\): check AWS_ENDPOINT_URL and that the server is running")
+    expected = (
+        rf"trajectory-replay: error: {re.escape(url)}: S3 endpoint http://127\.0\.0\.1:{closed_port}: "
+        r"connection refused \(3 attempts in \d+\.\ds\): check AWS_ENDPOINT_URL and that the server is running"
+    )
     assert re.fullmatch(expected, out.stderr.strip()), out.stderr
 
 
@@ -220,8 +261,9 @@ def test_credentials_in_the_endpoint_url_are_not_printed(s3_server, s3_bucket, c
     assert "hunter2" not in str(caught.value) and f"http://127.0.0.1:{closed_port}" in str(caught.value)
 
 
-def test_a_silent_endpoint_is_bounded_by_the_timeouts_and_the_deadline(s3_server, s3_bucket, silent_port,
-                                                                        closed_port, monkeypatch):
+def test_a_silent_endpoint_is_bounded_by_the_timeouts_and_the_deadline(
+    s3_server, s3_bucket, silent_port, closed_port, monkeypatch
+):
     """The defaults scaled down a hundredfold (connect 0.1 s, read 0.6 s, deadline 1.2 s, 3 attempts): a second
     attempt could end past the deadline, so the request gives up after the first. Then the same endpoint fails at
     once for a while, instead of each request waiting again."""
@@ -234,7 +276,7 @@ def test_a_silent_endpoint_is_bounded_by_the_timeouts_and_the_deadline(s3_server
     refused = _refused_backend(monkeypatch, s3_bucket, closed_port)
     for call in ("read", "write", "exists"):
         args = ("k", b"v") if call == "write" else ("k",)
-        baseline = _seconds(lambda: getattr(refused, call)(*args), "connection refused")
+        baseline = _seconds(lambda call=call, args=args: getattr(refused, call)(*args), "connection refused")
         s3_backend._DOWN.clear()
         started = time.monotonic()
         with pytest.raises(StoreUnreachableError, match=r"read timeout \(1 attempt in"):
@@ -244,8 +286,8 @@ def test_a_silent_endpoint_is_bounded_by_the_timeouts_and_the_deadline(s3_server
         assert 0.6 <= elapsed < _bound(0.1 + 0.6, baseline), (call, elapsed, baseline)
     started = time.monotonic()
     with pytest.raises(StoreUnreachableError, match="no answer within the 0.6s read timeout"):
-        backend.list()   # remembered: not asked again
-    assert time.monotonic() - started < 0.6   # asking again would have waited out the read timeout
+        backend.list()  # remembered: not asked again
+    assert time.monotonic() - started < 0.6  # asking again would have waited out the read timeout
 
     # the same with a deadline that leaves room: the attempts are made, and their number is said
     monkeypatch.setenv(ENV_RETRY_DEADLINE, "10")
@@ -271,8 +313,9 @@ def _refused_backend(monkeypatch, bucket: str, closed_port: int) -> S3Backend:
     return backend
 
 
-def test_reads_queued_behind_the_connection_pool_wait_one_attempt_not_one_per_pool_full(s3_server, s3_bucket,
-                                                                                     silent_port, monkeypatch):
+def test_reads_queued_behind_the_connection_pool_wait_one_attempt_not_one_per_pool_full(
+    s3_server, s3_bucket, silent_port, monkeypatch
+):
     """botocore's timeouts leave the wait for one of the client's 10 connections unbounded: 40 reads of a silent
     endpoint waited 4 read timeouts, one per pool-full. They fail together once the endpoint has answered none of
     them for one attempt's limit (connect + read)."""
@@ -285,7 +328,7 @@ def test_reads_queued_behind_the_connection_pool_wait_one_attempt_not_one_per_po
     started = time.monotonic()
     with pytest.raises(StoreUnreachableError, match="no answer within the 1s read timeout"):
         backend.read_many([f"k{i}" for i in range(40)])
-    assert time.monotonic() - started < 2 * limit   # 4 read timeouts before; one attempt's limit now
+    assert time.monotonic() - started < 2 * limit  # 4 read timeouts before; one attempt's limit now
 
 
 def test_after_an_outage_no_request_waits_past_its_deadline(s3_server, s3_bucket, silent_port, monkeypatch):
@@ -309,9 +352,9 @@ def test_after_an_outage_no_request_waits_past_its_deadline(s3_server, s3_bucket
         with pytest.raises(StoreUnreachableError):
             backend.exists("k")
         ended = time.monotonic()
-        if ended - asked > 0.3:   # the endpoint was asked: only while a whole attempt fitted within the deadline
+        if ended - asked > 0.3:  # the endpoint was asked: only while a whole attempt fitted within the deadline
             made += 1
-            assert ended <= started + deadline * 1.25, (ended - started, deadline)   # slack for a loaded machine
+            assert ended <= started + deadline * 1.25, (ended - started, deadline)  # slack for a loaded machine
     assert made <= 2, made
 
 
@@ -346,14 +389,17 @@ def test_the_default_policy_fails_a_dead_endpoint_within_two_minutes():
     assert attempts == 3 and seconds < 2
 
 
-@pytest.mark.parametrize("name,value", [(ENV_READ_TIMEOUT, "soon"), (ENV_CONNECT_TIMEOUT, "-1"),
-                                        (ENV_MAX_ATTEMPTS, "0"), (ENV_RETRY_DEADLINE, "nan")])
+@pytest.mark.parametrize(
+    "name,value",
+    [(ENV_READ_TIMEOUT, "soon"), (ENV_CONNECT_TIMEOUT, "-1"), (ENV_MAX_ATTEMPTS, "0"), (ENV_RETRY_DEADLINE, "nan")],
+)
 def test_a_bad_setting_is_one_line_naming_the_variable(name, value, s3_server, s3_bucket):
     result = runner.invoke(app, ["ls", f"s3://{s3_bucket}/x"], env=_env(s3_server, **{name: value}))
     assert result.exit_code == 1
-    assert result.stderr.strip().splitlines() == [f"trajectory-replay: error: {name}={value!r}: must be "
-                                                  + ("a whole number >= 1" if name == ENV_MAX_ATTEMPTS
-                                                     else "a number of seconds > 0")], result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"trajectory-replay: error: {name}={value!r}: must be "
+        + ("a whole number >= 1" if name == ENV_MAX_ATTEMPTS else "a number of seconds > 0")
+    ], result.stderr
 
 
 def test_storage_options_win_over_the_variables(s3_server, s3_bucket, silent_port, closed_port, monkeypatch):
@@ -362,8 +408,13 @@ def test_storage_options_win_over_the_variables(s3_server, s3_bucket, silent_por
     monkeypatch.setenv(ENV_MAX_ATTEMPTS, "1")
 
     def at(port: int) -> S3Backend:
-        return S3Backend(f"s3://{s3_bucket}/options", key=s3_server.key, secret=s3_server.secret,
-                         client_kwargs={"endpoint_url": f"http://127.0.0.1:{port}"}, config_kwargs={"read_timeout": 0.4})
+        return S3Backend(
+            f"s3://{s3_bucket}/options",
+            key=s3_server.key,
+            secret=s3_server.secret,
+            client_kwargs={"endpoint_url": f"http://127.0.0.1:{port}"},
+            config_kwargs={"read_timeout": 0.4},
+        )
 
     backend = at(silent_port)
     assert backend.fs.config_kwargs["read_timeout"] == 0.4 and backend.policy.read_timeout == 0.4
@@ -372,7 +423,7 @@ def test_storage_options_win_over_the_variables(s3_server, s3_bucket, silent_por
     with pytest.raises(StoreUnreachableError, match="0.4s read timeout.*check the endpoint_url storage option"):
         backend.read("k")
     elapsed = time.monotonic() - started
-    assert elapsed < _bound(backend.policy.connect_timeout + 0.4, baseline), (elapsed, baseline)   # not 30 s
+    assert elapsed < _bound(backend.policy.connect_timeout + 0.4, baseline), (elapsed, baseline)  # not 30 s
 
 
 def test_an_upload_to_a_silent_endpoint_is_bounded(s3_server, s3_bucket, silent_port, closed_port, monkeypatch):
@@ -388,14 +439,14 @@ def test_an_upload_to_a_silent_endpoint_is_bounded(s3_server, s3_bucket, silent_
     # without these bounds both uploads wait forever
     for body, promised in ((b"small", 1.0), (bytes(48 << 20), 1.0 + 0.02 * 48)):
         for call, key in (("write", "k"), ("create_if_absent", "k2")):
-            baseline = _seconds(lambda: getattr(refused, call)(key, body), "connection refused")
-            elapsed = _seconds(lambda: getattr(backend, call)(key, body))
+            baseline = _seconds(lambda c=call, k=key, b=body: getattr(refused, c)(k, b), "connection refused")
+            elapsed = _seconds(lambda c=call, k=key, b=body: getattr(backend, c)(k, b))
             assert elapsed < _bound(promised, baseline), (call, len(body), elapsed, baseline)
 
 
 def test_kinds_of_failure_are_told_apart(s3_server, s3_bucket, closed_port, monkeypatch):
     """Capture backs off on each of these and logs each kind once: the classes say which kind it met."""
-    monkeypatch.setenv(ENV_MAX_ATTEMPTS, "1")   # the refused endpoint: no backoff between retries to wait out
+    monkeypatch.setenv(ENV_MAX_ATTEMPTS, "1")  # the refused endpoint: no backoff between retries to wait out
     options = s3_server.storage_options()
     with pytest.raises(NoSuchBucketError) as no_bucket:
         S3Backend(f"s3://nosuch-{uuid.uuid4().hex[:10]}/x", **options).list()
@@ -480,14 +531,16 @@ def proxied(s3_server, s3_root, monkeypatch):
 
 def test_a_store_failing_in_the_middle_of_ls_is_not_a_corrupt_bundle(proxied):
     url, proxy = proxied
-    assert "b-00001" in runner.invoke(app, ["ls", url]).stdout   # through the proxy, all is well
+    assert "b-00001" in runner.invoke(app, ["ls", url]).stdout  # through the proxy, all is well
     marker = f"/{complete_key('b-00001')}"
-    proxy.cut = lambda line: line.startswith("GET ") and marker in line   # listings pass, markers fail
+    proxy.cut = lambda line: line.startswith("GET ") and marker in line  # listings pass, markers fail
     result = runner.invoke(app, ["ls", url])
     assert result.exit_code == 1, (result.stdout, result.stderr)
     assert "corrupt" not in (result.stdout + result.stderr).lower()
-    expected = (rf"trajectory-replay: error: {re.escape(url)}: S3 endpoint {re.escape(proxy.endpoint)}: "
-                r"the connection failed \(.+\) \(1 attempt in \d+\.\ds\): check AWS_ENDPOINT_URL")
+    expected = (
+        rf"trajectory-replay: error: {re.escape(url)}: S3 endpoint {re.escape(proxy.endpoint)}: "
+        r"the connection failed \(.+\) \(1 attempt in \d+\.\ds\): check AWS_ENDPOINT_URL"
+    )
     assert re.fullmatch(expected, result.stderr.strip()), result.stderr
 
 
@@ -496,7 +549,7 @@ def test_a_store_failing_in_the_middle_of_validate_gives_no_verdict(proxied):
     from trajectory_replay.replay.validate import validate_sources
 
     url, proxy = proxied
-    sources = open_sources(f"{url}/b-00001", trust_cache=False)   # documents read; payloads not yet
+    sources = open_sources(f"{url}/b-00001", trust_cache=False)  # documents read; payloads not yet
     proxy.cut = lambda line: True
     with pytest.raises(StoreUnreachableError, match="the connection failed"):
         validate_sources(f"{url}/b-00001", sources)
@@ -609,24 +662,35 @@ def stall_store(s3_server, s3_bucket) -> str:
 
 
 @pytest.mark.parametrize("command", STALLED_COMMANDS)
-def test_a_server_that_stops_answering_midway_ends_every_command_within_the_deadline(command, s3_server, stall_store,
-                                                                                    tmp_path):
+def test_a_server_that_stops_answering_midway_ends_every_command_within_the_deadline(
+    command, s3_server, stall_store, tmp_path
+):
     """The server answered 2 minutes' worth of requests at once and then stopped: reads queued behind the client's
     pool of connections waited one read timeout per pool-full (gc 721 s, fsck 180 s, ls 122 s with the defaults),
     and scan reported every bundle `error` and the store `invalid`. Now each command ends with one line, exit 1,
     within the deadline of the moment the server stopped (plus a quarter of it for a loaded machine)."""
     proxy = StallingProxy(s3_server.endpoint, STALLED_COMMANDS[command])
-    argv = {"ls": ["ls", stall_store], "stats": ["stats", stall_store], "inspect": ["inspect", f"{stall_store}/s-1"],
-            "cp": ["cp", stall_store, str(tmp_path / "copy"), "--all", "--quiet"],
-            "fsck": ["fsck", stall_store, "--quiet"],
-            "scan": ["scan", stall_store, "--force", "--quiet", "--workers", "2"],
-            "gc": ["gc", stall_store, "--grace", "0s", "--quiet"]}[command]
+    argv = {
+        "ls": ["ls", stall_store],
+        "stats": ["stats", stall_store],
+        "inspect": ["inspect", f"{stall_store}/s-1"],
+        "cp": ["cp", stall_store, str(tmp_path / "copy"), "--all", "--quiet"],
+        "fsck": ["fsck", stall_store, "--quiet"],
+        "scan": ["scan", stall_store, "--force", "--quiet", "--workers", "2"],
+        "gc": ["gc", stall_store, "--grace", "0s", "--quiet"],
+    }[command]
     env = {k: v for k, v in _env(s3_server, AWS_ENDPOINT_URL=proxy.endpoint, **STALL).items() if v is not None}
     env = {**{k: v for k, v in os.environ.items() if k not in _env(s3_server)}, **env}
     deadline = float(STALL[ENV_RETRY_DEADLINE])
     try:
-        out = subprocess.run([sys.executable, "-m", "trajectory_replay", *argv, "--json"], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            [sys.executable, "-m", "trajectory_replay", *argv, "--json"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         ended = time.monotonic()
     finally:
         proxy.close()

@@ -60,8 +60,10 @@ def test_a_multi_rank_complete_is_checked_against_every_rank_s_index(tmp_path):
     _move_anchor(root, "mr")
     report = check_store(root)
     [damaged] = report.damaged_bundles
-    assert "mr/COMPLETE: corrupt marker: anchor step 5:5 differs from step 120:0 in the index of rank 0" \
+    assert (
+        "mr/COMPLETE: corrupt marker: anchor step 5:5 differs from step 120:0 in the index of rank 0"
         in damaged["detail"]
+    )
     assert BOTH in _one_error(runner.invoke(app, ["replay", f"{root}/mr/rank-1"]))
 
 
@@ -69,8 +71,10 @@ def test_the_anchor_is_read_from_the_head_of_a_large_index_and_whole_when_it_is_
     store = ObjectStore(open_backend(str(tmp_path / "store")))
     identity = {"actor_step_id": {"rollout_id": 7, "step_id": 3}, "micro_batch_ids": ["mb-0"]}
     samples = [{"sample_id": f"s-{i}", "pad": "x" * 100} for i in range(2000)]
-    for doc in ({"bundle_id": "b", "config": {}, "identity": identity, "samples": samples},   # sorted: head only
-                {"bundle_id": "b", "samples": samples, "identity": identity}):                 # not: the whole
+    for doc in (
+        {"bundle_id": "b", "config": {}, "identity": identity, "samples": samples},  # sorted: head only
+        {"bundle_id": "b", "samples": samples, "identity": identity},
+    ):  # not: the whole
         data = json.dumps(doc, separators=(",", ":")).encode()
         assert len(data) > 8 * INDEX_HEAD_BYTES
         ref = store.put(data)

@@ -20,24 +20,32 @@ from trajectory_replay.backends import open_backend
 from trajectory_replay.bundle import BundleWriter
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.documents import compact_json
-from trajectory_replay.bundle.markers import CompleteMarker, RankMarker, rank_key, read_marker
+from trajectory_replay.bundle.markers import CompleteMarker, RankMarker, complete_key, rank_key, read_marker
 from trajectory_replay.bundle.resolve import Candidate, Selection
 from trajectory_replay.bundle.schema import Identity
 from trajectory_replay.bundle.status import (
-    COMPLETE_STATUS, CORRUPT, FINALIZABLE, INCOMPLETE, bundle_status, describe_missing, finalize, scan_bundles,
+    COMPLETE_STATUS,
+    CORRUPT,
+    FINALIZABLE,
+    INCOMPLETE,
+    bundle_status,
+    describe_missing,
+    finalize,
+    scan_bundles,
 )
 from trajectory_replay.cli import app
 from trajectory_replay.errors import BundleError, NoSuchTargetError, SelectionError, UsageError
 from trajectory_replay.replay import canonical_case
-from trajectory_replay.bundle.markers import complete_key
 
 runner = CliRunner()
 
 
 # ---- Anchor --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, anchor", [("120:0", Anchor(120, 0)), (" 7 : 3 ", Anchor(7, 3)),
-                                          ("-1:2", Anchor(-1, 2))])
+
+@pytest.mark.parametrize(
+    "text, anchor", [("120:0", Anchor(120, 0)), (" 7 : 3 ", Anchor(7, 3)), ("-1:2", Anchor(-1, 2))]
+)
 def test_step_flag_parses_to_a_step_anchor(text, anchor):
     assert Anchor.parse_step(text) == anchor == Anchor.requested(step=text)
     assert anchor.level == "step" and str(anchor) == f"step {anchor.rollout_id}:{anchor.step_id}"
@@ -63,11 +71,14 @@ def test_marker_form_round_trips_and_names_what_is_wrong():
         assert Anchor.from_marker(anchor.to_marker()) == anchor
     assert Anchor(120, 0).to_marker() == {"actor_step_id": {"rollout_id": 120, "step_id": 0}}
     assert Anchor(5).to_marker() == {"rollout_id": 5}
-    for bad, says in ((5, "expected an object"), ({}, "exactly one"),
-                      ({"rollout_id": 1, "actor_step_id": {"rollout_id": 1, "step_id": 0}}, "exactly one"),
-                      ({"actor_step_id": "x"}, "actor_step_id must be an object"),
-                      ({"rollout_id": True}, "rollout_id must be a 64-bit integer"),
-                      ({"actor_step_id": {"rollout_id": 1, "step_id": 1 << 63}}, "actor_step_id.step_id")):
+    for bad, says in (
+        (5, "expected an object"),
+        ({}, "exactly one"),
+        ({"rollout_id": 1, "actor_step_id": {"rollout_id": 1, "step_id": 0}}, "exactly one"),
+        ({"actor_step_id": "x"}, "actor_step_id must be an object"),
+        ({"rollout_id": True}, "rollout_id must be a 64-bit integer"),
+        ({"actor_step_id": {"rollout_id": 1, "step_id": 1 << 63}}, "actor_step_id.step_id"),
+    ):
         with pytest.raises(ValueError, match=says):
             Anchor.from_marker(bad)
 
@@ -76,16 +87,21 @@ def test_identity_and_markers_carry_the_same_anchor(tmp_path):
     url = write_canonical(str(tmp_path / "store"))
     marker = read_marker(open_backend(str(tmp_path / "store")), complete_key("b-00001"), CompleteMarker)
     assert marker.anchor == Anchor.of(canonical_case(False).index.identity) == Anchor(120, 0)
-    assert json.loads(open_backend(url.rsplit("/", 1)[0]).read(complete_key("b-00001")))["anchor"] == \
-        {"actor_step_id": {"rollout_id": 120, "step_id": 0}}  # the stored form is unchanged
+    assert json.loads(open_backend(url.rsplit("/", 1)[0]).read(complete_key("b-00001")))["anchor"] == {
+        "actor_step_id": {"rollout_id": 120, "step_id": 0}
+    }  # the stored form is unchanged
     assert Identity(rollout_id=9).anchor() == "rollout 9"
 
 
 # ---- matching ------------------------------------------------------------------------------------
 
+
 def _candidates() -> list[Candidate]:
-    return [Candidate("s", "root/s", Anchor(120, 0)), Candidate("r", "root/r", Anchor(120)),
-            Candidate("t", "root/t", Anchor(121, 0))]
+    return [
+        Candidate("s", "root/s", Anchor(120, 0)),
+        Candidate("r", "root/r", Anchor(120)),
+        Candidate("t", "root/t", Anchor(121, 0)),
+    ]
 
 
 def test_a_filter_matches_exactly_its_anchor():
@@ -126,6 +142,7 @@ def test_several_covers_unreadable_bundles_as_asked():
 
 # ---- bundle_status -------------------------------------------------------------------------------
 
+
 def test_status_of_each_kind_of_bundle(tmp_path):
     root = str(tmp_path / "store")
     backend = open_backend(root)
@@ -142,14 +159,22 @@ def test_status_of_each_kind_of_bundle(tmp_path):
 
     states = {s.name: s for s in scan_bundles(backend)}
     assert {n: s.status for n, s in states.items()} == {
-        "b-00001": COMPLETE_STATUS, "partial": INCOMPLETE, "landed": FINALIZABLE, "disagrees": CORRUPT,
-        "garbled": CORRUPT}
+        "b-00001": COMPLETE_STATUS,
+        "partial": INCOMPLETE,
+        "landed": FINALIZABLE,
+        "disagrees": CORRUPT,
+        "garbled": CORRUPT,
+    }
     assert states["b-00001"].anchor == Anchor(120, 0) and states["partial"].anchor == Anchor(120, 0)
     assert states["partial"].missing_ranks == [0] and states["partial"].expected_ranks == [0, 1]
-    assert describe_missing(backend, "partial", states["partial"]) == \
-        "incomplete bundle: ranks [1] landed, missing ranks [0] of [0, 1]"
-    assert "disagrees/COMPLETE.1: corrupt rank marker: anchor rollout 120 differs from step 120:0" in \
-        states["disagrees"].detail
+    assert (
+        describe_missing(backend, "partial", states["partial"])
+        == "incomplete bundle: ranks [1] landed, missing ranks [0] of [0, 1]"
+    )
+    assert (
+        "disagrees/COMPLETE.1: corrupt rank marker: anchor rollout 120 differs from step 120:0"
+        in states["disagrees"].detail
+    )
     assert not states["disagrees"].markers_unreadable and states["garbled"].markers_unreadable
     assert complete_key("garbled") in states["garbled"].detail and states["garbled"].anchor is None
     with pytest.raises(BundleError, match=complete_key("garbled")):
@@ -193,12 +218,14 @@ def test_inspect_shows_unfinalizable_markers_as_damage(tmp_path):
 
 # ---- every command picks the same bundle ----------------------------------------------------------
 
+
 def _rollout_level(root: str, name: str) -> None:
     case = canonical_case(False)
     identity = case.index.identity.model_copy(update={"actor_step_id": None, "rollout_id": 120})
     index = case.index.model_copy(update={"bundle_id": name, "identity": identity})
-    BundleWriter(f"{root}/{name}", case.manifest.model_copy(update={"bundle_id": name}), index,
-                 case.expected).finalize(payloads=case.payloads)
+    BundleWriter(f"{root}/{name}", case.manifest.model_copy(update={"bundle_id": name}), index, case.expected).finalize(
+        payloads=case.payloads
+    )
 
 
 def _picked(command: str, root: str, flags: list[str], tmp_path) -> str:
@@ -214,11 +241,12 @@ def _picked(command: str, root: str, flags: list[str], tmp_path) -> str:
 
 def test_replay_inspect_validate_and_cp_pick_alike(tmp_path):
     root = str(tmp_path / "store")
-    write_canonical(root)             # b-00001: step 120:0
-    _rollout_level(root, "r-120")     # rollout 120: same rollout, the other level
+    write_canonical(root)  # b-00001: step 120:0
+    _rollout_level(root, "r-120")  # rollout 120: same rollout, the other level
     for flags, expected in ((["--step", "120:0"], "b-00001"), (["--rollout", "120"], "r-120")):
-        picked = {command: _picked(command, root, flags, tmp_path)
-                  for command in ("replay", "inspect", "validate", "cp")}
+        picked = {
+            command: _picked(command, root, flags, tmp_path) for command in ("replay", "inspect", "validate", "cp")
+        }
         assert set(picked.values()) == {expected}, picked
     for command in ("replay", "inspect", "validate", "cp"):
         args = [command, root, *(["dest"] if command == "cp" else []), "--step", "120:1"]
@@ -226,4 +254,6 @@ def test_replay_inspect_validate_and_cp_pick_alike(tmp_path):
         assert result.exit_code == 1 and "matches --step 120:1" in result.stderr, result.output
     rows = json.loads(runner.invoke(app, ["ls", root, "--json"]).stdout)["bundles"]
     assert {r["name"]: (r["anchor"], r["rollout_id"], r["step_id"]) for r in rows} == {
-        "b-00001": ("step 120:0", 120, 0), "r-120": ("rollout 120", 120, None)}
+        "b-00001": ("step 120:0", 120, 0),
+        "r-120": ("rollout 120", 120, None),
+    }

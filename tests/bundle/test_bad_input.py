@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from trajectory_replay.bundle import BundleReader, BundleWriter, open_native
 from trajectory_replay.bundle.codec import encode
 from trajectory_replay.bundle.documents import compact_json
-from trajectory_replay.bundle.markers import CompleteMarker, DocRef, Documents
+from trajectory_replay.bundle.markers import CompleteMarker, DocRef, Documents, complete_key
 from trajectory_replay.cli import app
 from trajectory_replay.errors import (
     BundleError,
@@ -37,7 +37,6 @@ from trajectory_replay.replay.fixtures import canonical_case
 from trajectory_replay.replay.validate import validate_sources
 from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.digest import object_key
-from trajectory_replay.bundle.markers import complete_key
 
 NAME = "b-00001"
 DOCS = ("manifest", "index", "expected")
@@ -46,6 +45,7 @@ runner = CliRunner()
 
 # ---- helpers ------------------------------------------------------------------------------------
 
+
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path, monkeypatch):
     """A read cache per test: content addressing gives every canonical bundle the same digests, so a
@@ -53,16 +53,24 @@ def _private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAJECTORY_REPLAY_CACHE_DIR", str(tmp_path / "read-cache"))
 
 
-def write_bundle(root: str, storage_options: dict | None = None, *, current_logprob: float = 0.0,
-                 expected: dict | None = None, rank: int | None = None,
-                 expected_ranks: list[int] | None = None, finalize: bool = True):
+def write_bundle(
+    root: str,
+    storage_options: dict | None = None,
+    *,
+    current_logprob: float = 0.0,
+    expected: dict | None = None,
+    rank: int | None = None,
+    expected_ranks: list[int] | None = None,
+    finalize: bool = True,
+):
     """Write the canonical bundle at `<root>/b-00001`; returns (url, writer, final marker or None)."""
     case = canonical_case(buggy=False, current_logprob=current_logprob)
     kwargs: dict[str, Any] = dict(storage_options or {})
     if rank is not None:
         kwargs.update(rank=rank, expected_ranks=expected_ranks)
-    writer = BundleWriter(f"{root}/{NAME}", case.manifest, case.index,
-                          case.expected if expected is None else expected, **kwargs)
+    writer = BundleWriter(
+        f"{root}/{NAME}", case.manifest, case.index, case.expected if expected is None else expected, **kwargs
+    )
     for payload, tensor in case.payloads.items():
         writer.write_payload(payload, tensor)
     marker = writer.finalize() if finalize else None
@@ -77,15 +85,15 @@ class Crafted:
         self.store: ObjectStore = writer.store
         self.marker: CompleteMarker = marker
         self.docs = marker.documents()
-        self.original = {label: json.loads(self.store.get(getattr(self.docs, label).blob_ref()))
-                         for label in DOCS}
+        self.original = {label: json.loads(self.store.get(getattr(self.docs, label).blob_ref())) for label in DOCS}
 
     def doc(self, label: str) -> dict:
         """A deep copy of one of the bundle's documents, to mutate."""
         return json.loads(json.dumps(self.original[label]))
 
-    def commit(self, *, name: str = NAME, bundle_id: str | None = None, raw: dict[str, bytes] | None = None,
-               **documents: Any) -> str:
+    def commit(
+        self, *, name: str = NAME, bundle_id: str | None = None, raw: dict[str, bytes] | None = None, **documents: Any
+    ) -> str:
         """Store the given documents (dicts, or raw bytes through `raw`) and point `<name>/COMPLETE` at them."""
         raw = raw or {}
         refs = {}
@@ -96,8 +104,13 @@ class Crafted:
                 refs[label] = DocRef.of(self.store.put(compact_json(documents[label])))
             else:
                 refs[label] = getattr(self.docs, label)
-        marker = CompleteMarker(bundle_id=bundle_id or self.marker.bundle_id, anchor=self.marker.anchor,
-                                expected_ranks=[0], multi_rank=False, shards={"0": Documents(**refs)})
+        marker = CompleteMarker(
+            bundle_id=bundle_id or self.marker.bundle_id,
+            anchor=self.marker.anchor,
+            expected_ranks=[0],
+            multi_rank=False,
+            shards={"0": Documents(**refs)},
+        )
         self.store.backend.write(complete_key(name), compact_json(marker.model_dump(mode="json")))
         return self.url.rsplit("/", 1)[0] + f"/{name}"
 
@@ -151,9 +164,13 @@ def assert_cli_error(proc: CliRun, *needles: str) -> None:
     assert "Traceback" not in both, both
     assert proc.returncode == 1, both
     if proc.stderr.strip():
-        lines = [line for line in proc.stderr.splitlines() if line.strip()
-                 and not line.startswith("trajectory-replay: warning:")
-                 and not line.startswith("trajectory-replay: WARNING:")]
+        lines = [
+            line
+            for line in proc.stderr.splitlines()
+            if line.strip()
+            and not line.startswith("trajectory-replay: warning:")
+            and not line.startswith("trajectory-replay: WARNING:")
+        ]
         assert len(lines) == 1, proc.stderr
         assert lines[0].startswith("trajectory-replay: error:"), proc.stderr
         shown = lines[0]
@@ -173,6 +190,7 @@ def crafted(tmp_path) -> Crafted:
 
 # ---- documents that are not what they claim ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("label", DOCS)
 def test_truncated_document(crafted, label):
     data = compact_json(crafted.original[label])
@@ -183,10 +201,11 @@ def test_truncated_document(crafted, label):
 
 
 @pytest.mark.parametrize("label", DOCS)
-@pytest.mark.parametrize("data, needle", [(b"this is not json", "not valid JSON"),
-                                          (b"\xff\xfe\x00garbage", "not UTF-8"),
-                                          (b"", "not valid JSON")],
-                         ids=["text", "binary", "empty"])
+@pytest.mark.parametrize(
+    "data, needle",
+    [(b"this is not json", "not valid JSON"), (b"\xff\xfe\x00garbage", "not UTF-8"), (b"", "not valid JSON")],
+    ids=["text", "binary", "empty"],
+)
 def test_non_json_document(crafted, label, data, needle):
     url = crafted.commit(raw={label: data})
     with pytest.raises(BundleError) as info:
@@ -195,8 +214,9 @@ def test_non_json_document(crafted, label, data, needle):
 
 
 @pytest.mark.parametrize("label", DOCS)
-@pytest.mark.parametrize("data, kind", [(b"[1,2,3]", "list"), (b"42", "int"), (b'"manifest"', "str"),
-                                        (b"null", "NoneType")])
+@pytest.mark.parametrize(
+    "data, kind", [(b"[1,2,3]", "list"), (b"42", "int"), (b'"manifest"', "str"), (b"null", "NoneType")]
+)
 def test_document_is_json_but_not_an_object(crafted, label, data, kind):
     url = crafted.commit(raw={label: data})
     with pytest.raises(BundleError) as info:
@@ -220,16 +240,20 @@ def _delete(doc: dict, path: tuple) -> None:
     del doc[path[-1]]
 
 
-@pytest.mark.parametrize("label, path", [
-    ("manifest", ("bundle_id",)),
-    ("manifest", ("payloads", "kl", "dtype")),
-    ("index", ("bundle_id",)),
-    ("index", ("identity",)),
-    ("index", ("samples",)),
-    ("index", ("samples", 0, "response_length")),
-    ("index", ("samples", 3, "sample_id")),
-    ("expected", ("reward.raw", "raw_rewards")),
-], ids=lambda v: ".".join(map(str, v)) if isinstance(v, tuple) else v)
+@pytest.mark.parametrize(
+    "label, path",
+    [
+        ("manifest", ("bundle_id",)),
+        ("manifest", ("payloads", "kl", "dtype")),
+        ("index", ("bundle_id",)),
+        ("index", ("identity",)),
+        ("index", ("samples",)),
+        ("index", ("samples", 0, "response_length")),
+        ("index", ("samples", 3, "sample_id")),
+        ("expected", ("reward.raw", "raw_rewards")),
+    ],
+    ids=lambda v: ".".join(map(str, v)) if isinstance(v, tuple) else v,
+)
 def test_missing_required_field(crafted, label, path):
     doc = crafted.doc(label)
     _delete(doc, path)
@@ -239,13 +263,16 @@ def test_missing_required_field(crafted, label, path):
     assert_one_line(info.value, f"{NAME}: {label}:", f"missing required field '{'.'.join(map(str, path))}'")
 
 
-@pytest.mark.parametrize("label, path, value, needle", [
-    ("manifest", ["payloads", "kl", "shape"], "eight", "payloads.kl.shape"),
-    ("manifest", ["format_version"], "2.0.0", "format_version"),
-    ("index", ["samples", 1, "raw_reward"], "high", "samples.1.raw_reward"),
-    ("index", ["identity", "actor_step_id"], None, "identity"),
-    ("expected", ["loss.policy", "loss"], [1, 2], "loss.policy.loss"),
-])
+@pytest.mark.parametrize(
+    "label, path, value, needle",
+    [
+        ("manifest", ["payloads", "kl", "shape"], "eight", "payloads.kl.shape"),
+        ("manifest", ["format_version"], "2.0.0", "format_version"),
+        ("index", ["samples", 1, "raw_reward"], "high", "samples.1.raw_reward"),
+        ("index", ["identity", "actor_step_id"], None, "identity"),
+        ("expected", ["loss.policy", "loss"], [1, 2], "loss.policy.loss"),
+    ],
+)
 def test_field_of_the_wrong_type(crafted, label, path, value, needle):
     doc = crafted.doc(label)
     target = doc
@@ -288,6 +315,7 @@ def test_overlong_integer_through_the_cli(crafted):
 
 # ---- bundle ids -------------------------------------------------------------------------------------
 
+
 def test_writer_refuses_bundle_id_differing_between_manifest_and_index(tmp_path):
     case = canonical_case(buggy=False)
     index = case.index.model_copy(update={"bundle_id": "b-99999"})
@@ -295,8 +323,9 @@ def test_writer_refuses_bundle_id_differing_between_manifest_and_index(tmp_path)
         BundleWriter(f"{tmp_path}/{NAME}", case.manifest, index, case.expected)
     assert_one_line(info.value, "bundle_id differs", "'b-00001'", "'b-99999'")
     with pytest.raises(BundleError) as info:
-        BundleWriter(f"{tmp_path}/{NAME}", case.manifest.model_dump(mode="json"), index.model_dump(mode="json"),
-                     case.expected)
+        BundleWriter(
+            f"{tmp_path}/{NAME}", case.manifest.model_dump(mode="json"), index.model_dump(mode="json"), case.expected
+        )
     assert_one_line(info.value, "bundle_id differs", "'b-99999'")
 
 
@@ -327,11 +356,12 @@ PAYLOAD_MISMATCHES = {
     "shape-2d": (lambda c, p: p.update(shape=[2, 4]), BundleError, ["shape", "[2, 4]"]),
     "size": (lambda c, p: p.update(size=p["size"] + 1), IntegrityError, [str(105)]),
     "size-zero": (lambda c, p: p.update(size=0), IntegrityError, ["0"]),
-    "digest-of-another-blob": (lambda c, p: p.update(digest=c.payload("entropy")["digest"]), IntegrityError,
-                               [""]),
-    "another-blob-whole-ref": (lambda c, p: p.update({k: c.payload("loss_mask")[k] for k in
-                                                      ("digest", "record", "size")}), BundleError,
-                               ["dtype", "torch.uint8"]),
+    "digest-of-another-blob": (lambda c, p: p.update(digest=c.payload("entropy")["digest"]), IntegrityError, [""]),
+    "another-blob-whole-ref": (
+        lambda c, p: p.update({k: c.payload("loss_mask")[k] for k in ("digest", "record", "size")}),
+        BundleError,
+        ["dtype", "torch.uint8"],
+    ),
     "digest-never-stored": (lambda c, p: p.update(digest="blake3:" + "ab" * 32), IntegrityError, [""]),
     "no-digest": (lambda c, p: p.update(digest=None), BundleError, ["no digest"]),
 }
@@ -395,12 +425,18 @@ def _sample_field(crafted: Crafted, field: str, value: Any) -> dict:
 
 
 STRUCTURE_FAULTS = {
-    "payload-rows": (lambda c: {"manifest": _seven_rows_of_kl(c)},
-                     "payload 'kl' has 7 elements, the responses have 8 tokens"),
-    "negative-response-length": (lambda c: {"index": _sample_field(c, "response_length", -5)},
-                                 "sample s-0: response_length -5"),
-    "total-below-response": (lambda c: {"index": _sample_field(c, "total_length", 1)},
-                             "sample s-0: response_length 2, total_length 1"),
+    "payload-rows": (
+        lambda c: {"manifest": _seven_rows_of_kl(c)},
+        "payload 'kl' has 7 elements, the responses have 8 tokens",
+    ),
+    "negative-response-length": (
+        lambda c: {"index": _sample_field(c, "response_length", -5)},
+        "sample s-0: response_length -5",
+    ),
+    "total-below-response": (
+        lambda c: {"index": _sample_field(c, "total_length", 1)},
+        "sample s-0: response_length 2, total_length 1",
+    ),
     "duplicate-ids": (lambda c: {"index": _sample_field(c, "sample_id", "s-1")}, "duplicate sample ids: s-1"),
 }
 
@@ -431,6 +467,7 @@ def test_payload_name_key_differing_from_its_spec_name_is_refused(crafted):
 
 
 # ---- storage damage ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("rows", [False, True], ids=["whole", "rows"])
 def test_missing_payload_chunk(crafted, rows):
@@ -501,11 +538,13 @@ def test_flipped_byte_in_a_payload_chunk(crafted):
 
 # ---- safetensors headers -------------------------------------------------------------------------
 
+
 def _with_blob(crafted: Crafted, blob: bytes, *, dtype: str = "torch.float32", shape=(8,)) -> str:
     ref = crafted.store.put(blob)
     manifest = crafted.doc("manifest")
-    manifest["payloads"]["kl"].update(digest=ref.digest, record=ref.record, size=ref.size, dtype=dtype,
-                                      shape=list(shape))
+    manifest["payloads"]["kl"].update(
+        digest=ref.digest, record=ref.record, size=ref.size, dtype=dtype, shape=list(shape)
+    )
     return crafted.commit(manifest=manifest)
 
 
@@ -526,17 +565,27 @@ def test_safetensors_header_over_the_size_bound(crafted, length, rows):
 
 
 @pytest.mark.parametrize("rows", [False, True], ids=["whole", "rows"])
-@pytest.mark.parametrize("header, data, needle", [
-    ({"data": {"dtype": "F32", "shape": [8], "data_offsets": [4, 36]}}, 36, "offsets [4, 36)"),
-    ({"data": {"dtype": "F32", "shape": [8], "data_offsets": [0, 16]}}, 32, "offsets [0, 16)"),
-    ({"data": {"dtype": "F32", "shape": [8], "data_offsets": [0, 64]}}, 32, "offsets [0, 64)"),
-    ({"data": {"dtype": "F32", "shape": [8], "data_offsets": [16, 0]}}, 32, "offsets [16, 0)"),
-    ({"data": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]},
-      "more": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}}, 32, "exactly one tensor"),
-    ({"data": {"dtype": "F32", "shape": [8]}}, 32, "malformed tensor entry"),
-    ({"data": {"dtype": "X99", "shape": [8], "data_offsets": [0, 32]}}, 32, "malformed tensor entry"),
-    ({"data": {"dtype": "F32", "shape": [-8], "data_offsets": [0, 32]}}, 32, "negative dimension"),
-], ids=["shifted", "short", "past-end", "reversed", "two-overlapping", "no-offsets", "bad-dtype", "negative"])
+@pytest.mark.parametrize(
+    "header, data, needle",
+    [
+        ({"data": {"dtype": "F32", "shape": [8], "data_offsets": [4, 36]}}, 36, "offsets [4, 36)"),
+        ({"data": {"dtype": "F32", "shape": [8], "data_offsets": [0, 16]}}, 32, "offsets [0, 16)"),
+        ({"data": {"dtype": "F32", "shape": [8], "data_offsets": [0, 64]}}, 32, "offsets [0, 64)"),
+        ({"data": {"dtype": "F32", "shape": [8], "data_offsets": [16, 0]}}, 32, "offsets [16, 0)"),
+        (
+            {
+                "data": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]},
+                "more": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]},
+            },
+            32,
+            "exactly one tensor",
+        ),
+        ({"data": {"dtype": "F32", "shape": [8]}}, 32, "malformed tensor entry"),
+        ({"data": {"dtype": "X99", "shape": [8], "data_offsets": [0, 32]}}, 32, "malformed tensor entry"),
+        ({"data": {"dtype": "F32", "shape": [-8], "data_offsets": [0, 32]}}, 32, "negative dimension"),
+    ],
+    ids=["shifted", "short", "past-end", "reversed", "two-overlapping", "no-offsets", "bad-dtype", "negative"],
+)
 def test_safetensors_header_with_inconsistent_offsets(crafted, header, data, needle, rows):
     url = _with_blob(crafted, _safetensors(header, b"\0" * data))
     reader = BundleReader.open(url)
@@ -545,12 +594,16 @@ def test_safetensors_header_with_inconsistent_offsets(crafted, header, data, nee
     assert_one_line(info.value, NAME, "payload 'kl'", needle)
 
 
-@pytest.mark.parametrize("blob, needle", [
-    (b"\x05\x00", "only 2 bytes"),
-    (struct.pack("<Q", 100) + b'{"data"', "truncated"),
-    (struct.pack("<Q", 4) + b"\xff\xfe\xfd\xfc" + b"\0" * 32, "not JSON"),
-    (struct.pack("<Q", 2) + b"[]" + b"\0" * 32, "not an object"),
-], ids=["tiny", "truncated", "binary", "list"])
+@pytest.mark.parametrize(
+    "blob, needle",
+    [
+        (b"\x05\x00", "only 2 bytes"),
+        (struct.pack("<Q", 100) + b'{"data"', "truncated"),
+        (struct.pack("<Q", 4) + b"\xff\xfe\xfd\xfc" + b"\0" * 32, "not JSON"),
+        (struct.pack("<Q", 2) + b"[]" + b"\0" * 32, "not an object"),
+    ],
+    ids=["tiny", "truncated", "binary", "list"],
+)
 def test_safetensors_blob_that_is_not_one(crafted, blob, needle):
     url = _with_blob(crafted, blob)
     with pytest.raises(BundleError) as info:
@@ -584,15 +637,27 @@ def test_writer_refuses_bad_bundle_id_in_unvalidated_models(tmp_path, bad):
     """A Manifest built with model_copy/model_construct skips validation; the writer still checks the name."""
     case = canonical_case(buggy=False)
     with pytest.raises(BundleError) as info:
-        writer = BundleWriter(f"{tmp_path}/{NAME}", case.manifest.model_copy(update={"bundle_id": bad}),
-                              case.index.model_copy(update={"bundle_id": bad}), case.expected)
+        writer = BundleWriter(
+            f"{tmp_path}/{NAME}",
+            case.manifest.model_copy(update={"bundle_id": bad}),
+            case.index.model_copy(update={"bundle_id": bad}),
+            case.expected,
+        )
         writer.finalize()
     assert_one_line(info.value, repr(bad))
     assert not (tmp_path / complete_key(NAME)).exists()
 
 
-@pytest.mark.parametrize("url", ["memory://tr-trav/..", "memory://tr-trav/.", "memory://tr-trav/objects",
-                                 "memory://tr-trav/.inflight", "memory://tr-trav/a b"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "memory://tr-trav/..",
+        "memory://tr-trav/.",
+        "memory://tr-trav/objects",
+        "memory://tr-trav/.inflight",
+        "memory://tr-trav/a b",
+    ],
+)
 def test_writer_refuses_bad_bundle_path(url):
     case = canonical_case(buggy=False)
     with pytest.raises(BundleError) as info:
@@ -650,6 +715,7 @@ def test_bad_payload_name_through_the_cli(crafted):
 
 
 # ---- completion ------------------------------------------------------------------------------------
+
 
 def test_complete_missing(tmp_path):
     """The writer stored every payload and document, then died before COMPLETE."""
@@ -738,6 +804,7 @@ def test_nan_payload_is_written_as_given(tmp_path):
 
 
 # ---- S3 ------------------------------------------------------------------------------------------
+
 
 @pytest.mark.s3
 def test_s3_truncated_document(s3_root):

@@ -7,18 +7,30 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import pytest
 
+from tests.ops.conftest import rank_writer, renamed_case, write_ranks
 from trajectory_replay.backends import open_backend
 from trajectory_replay.backends.base import CREATED, DIFFERENT, SAME
 from trajectory_replay.bundle import open_native
 from trajectory_replay.bundle.documents import compact_json
 from trajectory_replay.bundle.inspect import inspect_bundle
 from trajectory_replay.bundle.markers import (
-    FINALIZER, FINALIZER_FORMAT, MARKER_WINDOW, MAX_MARKER_BYTES, RANK_MARKER, RankMarker, cohort_state,
-    complete_key, finalizer_claim, finalizer_key, rank_key, read_marker, try_finalize,
+    FINALIZER,
+    FINALIZER_FORMAT,
+    MARKER_WINDOW,
+    MAX_MARKER_BYTES,
+    RANK_MARKER,
+    RankMarker,
+    cohort_state,
+    complete_key,
+    finalizer_claim,
+    finalizer_key,
+    rank_key,
+    read_marker,
+    try_finalize,
 )
 from trajectory_replay.bundle.status import FINALIZABLE, INCOMPLETE, bundle_status
 from trajectory_replay.errors import BundleError, IncompleteBundleError, NotFoundError
@@ -28,7 +40,6 @@ from trajectory_replay.ops.gc import collect_garbage
 from trajectory_replay.ops.ls import list_bundles
 from trajectory_replay.replay.validate import validate_bundle
 from trajectory_replay.store.liveness import read_inflight
-from tests.ops.conftest import rank_writer, renamed_case, write_ranks
 
 DELETED = "deleted"
 
@@ -47,8 +58,9 @@ class Landing:
         return {key: status for key, status in self.events if status != DELETED}
 
 
-def _land(root: str, name: str, rank: int, expected_ranks: list[int],
-          hook: Optional[Callable] = None, **options) -> Landing:
+def _land(
+    root: str, name: str, rank: int, expected_ranks: list[int], hook: Callable | None = None, **options
+) -> Landing:
     """Land `rank` of bundle `name` with the canonical payloads, watching its writer's backend; `hook(backend)`
     may wrap more of it first."""
     writer = rank_writer(root, name, rank, expected_ranks, **options)
@@ -69,9 +81,9 @@ def _land(root: str, name: str, rank: int, expected_ranks: list[int],
             with lock:
                 out.events.append((key, DELETED))
 
-    def watched_read(key: str, limit: Optional[int] = None) -> bytes:
+    def watched_read(key: str, limit: int | None = None) -> bytes:
         # a marker read is bounded: a refused create's read-back of what is there is not one
-        if limit is not None and key.startswith(f"{name}/") and RANK_MARKER.fullmatch(key[len(name) + 1:]):
+        if limit is not None and key.startswith(f"{name}/") and RANK_MARKER.fullmatch(key[len(name) + 1 :]):
             with lock:
                 out.reads[int(key.rsplit(".", 1)[1])] += 1
         return read(key, limit)
@@ -87,7 +99,7 @@ def _claimant_died(root: str, name: str, ranks: list[int], **options) -> None:
     """Every rank of `name` landed and the last one claimed finalizing, but COMPLETE was never written."""
     write_ranks(root, name, land=ranks, expected_ranks=ranks, **options)
     backend = open_backend(root, **options)
-    backend.delete(complete_key(name))   # as if the claimant died between its claim and COMPLETE
+    backend.delete(complete_key(name))  # as if the claimant died between its claim and COMPLETE
     assert backend.read(finalizer_key(name)) == finalizer_claim(ranks[-1])
 
 
@@ -96,15 +108,21 @@ def test_the_first_lander_claims_finds_a_rank_missing_and_hands_the_claim_back(t
     first = _land(root, "cohort", 0, [0, 1])
     assert first.final is None
     # claimed before reading the cohort; rank 1 missing: the claim deleted, then rank 1 read once more
-    assert first.events == [(rank_key("cohort", 0), CREATED), (finalizer_key("cohort"), CREATED),
-                            (finalizer_key("cohort"), DELETED)]
+    assert first.events == [
+        (rank_key("cohort", 0), CREATED),
+        (finalizer_key("cohort"), CREATED),
+        (finalizer_key("cohort"), DELETED),
+    ]
     assert first.reads == {0: 1, 1: 2}
     backend = open_backend(root)
     assert backend.list_dir("cohort") == ["COMPLETE.0"]
     last = _land(root, "cohort", 1, [0, 1])
     assert last.final is not None and sorted(last.final.shards) == ["0", "1"]
-    assert last.events == [(rank_key("cohort", 1), CREATED), (finalizer_key("cohort"), CREATED),
-                           (complete_key("cohort"), CREATED)]
+    assert last.events == [
+        (rank_key("cohort", 1), CREATED),
+        (finalizer_key("cohort"), CREATED),
+        (complete_key("cohort"), CREATED),
+    ]
     assert last.reads == {0: 1, 1: 1}
     assert json.loads(backend.read(finalizer_key("cohort"))) == {"format": FINALIZER_FORMAT, "rank": 1}
     assert backend.list_dir("cohort") == ["COMPLETE", "COMPLETE.0", "COMPLETE.1", FINALIZER]
@@ -117,11 +135,11 @@ def test_a_loser_returns_at_once_and_a_claim_held_while_ranks_are_missing_is_an_
     root = str(tmp_path / "store")
     _land(root, "cohort", 0, [0, 1, 2])
     backend = open_backend(root)
-    assert backend.create_if_absent(finalizer_key("cohort"), finalizer_claim(0))   # rank 0's claimant, mid-read
+    assert backend.create_if_absent(finalizer_key("cohort"), finalizer_claim(0))  # rank 0's claimant, mid-read
     loser = _land(root, "cohort", 1, [0, 1, 2])
-    assert loser.final is None and loser.reads == {}   # not one marker of the cohort read
+    assert loser.final is None and loser.reads == {}  # not one marker of the cohort read
     assert loser.events == [(rank_key("cohort", 1), CREATED), (finalizer_key("cohort"), DIFFERENT)]
-    assert read_inflight(backend) == []   # a clean commit: nothing left for gc to wait out
+    assert read_inflight(backend) == []  # a clean commit: nothing left for gc to wait out
 
     # the claim is no marker: the directory is an incomplete bundle missing rank 2, wherever it is looked at
     state = bundle_status(backend, "cohort")
@@ -129,7 +147,8 @@ def test_a_loser_returns_at_once_and_a_claim_held_while_ranks_are_missing_is_an_
     assert state.finalizer_key == finalizer_key("cohort") and finalizer_key("cohort") not in state.marker_keys
     listing = list_bundles(root)
     assert [(b.name, b.status, b.ranks, b.missing_ranks) for b in listing.bundles] == [
-        ("cohort", "incomplete", [0, 1], [2])]
+        ("cohort", "incomplete", [0, 1], [2])
+    ]
     assert "incomplete (missing ranks [2])" in listing.render_text() and listing.finalized == []
     seen = inspect_bundle(f"{root}/cohort")
     assert seen.state == "incomplete" and seen.ranks == [0, 1] and seen.expected_ranks == [0, 1, 2]
@@ -149,6 +168,7 @@ def test_a_loser_returns_at_once_and_a_claim_held_while_ranks_are_missing_is_an_
 def _land_rank_1_when(moment: str, root: str, others: list[Landing]) -> Callable:
     """A hook for rank 0's claimant of cohort [0, 1]: rank 1 lands (and runs its whole finalize) right after the
     claimant's first read misses rank 1's marker, or right after the claimant deleted its claim."""
+
     def hook(backend) -> None:
         def land() -> None:
             if not others:
@@ -157,7 +177,7 @@ def _land_rank_1_when(moment: str, root: str, others: list[Landing]) -> Callable
         if moment == "after the first miss":
             read = backend.read
 
-            def missed(key: str, limit: Optional[int] = None) -> bytes:
+            def missed(key: str, limit: int | None = None) -> bytes:
                 try:
                     return read(key, limit)
                 except NotFoundError:
@@ -175,6 +195,7 @@ def _land_rank_1_when(moment: str, root: str, others: list[Landing]) -> Callable
                     land()
 
             backend.delete = deleted
+
     return hook
 
 
@@ -192,16 +213,27 @@ def test_a_rank_landing_while_the_claimant_reads_is_not_lost(tmp_path, moment):
     if moment == "after the first miss":
         assert rank1.final is None and rank1.reads == {}
         assert rank1.events == [(rank_key("cohort", 1), CREATED), (finalizer_key("cohort"), DIFFERENT)]
-        assert claimant.events == [(rank_key("cohort", 0), CREATED), (finalizer_key("cohort"), CREATED),
-                                   (finalizer_key("cohort"), DELETED), (finalizer_key("cohort"), CREATED),
-                                   (complete_key("cohort"), CREATED)]
+        assert claimant.events == [
+            (rank_key("cohort", 0), CREATED),
+            (finalizer_key("cohort"), CREATED),
+            (finalizer_key("cohort"), DELETED),
+            (finalizer_key("cohort"), CREATED),
+            (complete_key("cohort"), CREATED),
+        ]
         winner, final = 0, claimant.final
     else:
         assert claimant.final is None
-        assert claimant.events == [(rank_key("cohort", 0), CREATED), (finalizer_key("cohort"), CREATED),
-                                   (finalizer_key("cohort"), DELETED), (finalizer_key("cohort"), DIFFERENT)]
-        assert rank1.events == [(rank_key("cohort", 1), CREATED), (finalizer_key("cohort"), CREATED),
-                                (complete_key("cohort"), CREATED)]
+        assert claimant.events == [
+            (rank_key("cohort", 0), CREATED),
+            (finalizer_key("cohort"), CREATED),
+            (finalizer_key("cohort"), DELETED),
+            (finalizer_key("cohort"), DIFFERENT),
+        ]
+        assert rank1.events == [
+            (rank_key("cohort", 1), CREATED),
+            (finalizer_key("cohort"), CREATED),
+            (complete_key("cohort"), CREATED),
+        ]
         winner, final = 1, rank1.final
     assert claimant.reads == {0: 1, 1: 2}
     assert final is not None and sorted(final.shards) == ["0", "1"]
@@ -227,12 +259,12 @@ def test_a_claimant_whose_gaps_filled_before_its_second_read_reads_on_and_finali
     def hook(watched) -> None:
         read = watched.read
 
-        def missed(key: str, limit: Optional[int] = None) -> bytes:
+        def missed(key: str, limit: int | None = None) -> bytes:
             try:
                 return read(key, limit)
             except NotFoundError:
                 if key == rank_key("cohort", gaps[0]) and not late:
-                    late.extend(_land(root, "cohort", r, ranks) for r in gaps)   # both find the claim taken
+                    late.extend(_land(root, "cohort", r, ranks) for r in gaps)  # both find the claim taken
                 raise
 
         watched.read = missed
@@ -264,7 +296,7 @@ def test_a_dead_claimant_leaves_a_bundle_that_readers_ls_and_fsck_finalize(tmp_p
     else:
         assert check_store(root).finalized == ["cohort"]
     assert backend.exists(complete_key("cohort"))
-    assert backend.read(finalizer_key("cohort")) == finalizer_claim(2)   # the claim is left as it was
+    assert backend.read(finalizer_key("cohort")) == finalizer_claim(2)  # the claim is left as it was
     assert bundle_status(backend, "cohort").status == "complete"
 
 
@@ -277,8 +309,11 @@ def test_a_retry_of_the_claimant_rank_finds_its_own_claim_and_finalizes(tmp_path
     assert retry.final is None and retry.reads == {0: 1}
     assert retry.creates == {rank_key("cohort", 0): DIFFERENT, finalizer_key("cohort"): DIFFERENT}
     retry = _land(root, "cohort", 1, [0, 1])
-    assert retry.events == [(rank_key("cohort", 1), DIFFERENT), (finalizer_key("cohort"), SAME),
-                            (complete_key("cohort"), CREATED)]
+    assert retry.events == [
+        (rank_key("cohort", 1), DIFFERENT),
+        (finalizer_key("cohort"), SAME),
+        (complete_key("cohort"), CREATED),
+    ]
     assert retry.final is not None and sorted(retry.final.shards) == ["0", "1"]
     assert [r.rank for r in open_native(f"{root}/cohort")] == [0, 1]
 
@@ -287,11 +322,14 @@ def test_a_retry_of_a_claimant_that_died_with_ranks_missing_hands_its_claim_back
     root = str(tmp_path / "store")
     _land(root, "cohort", 0, [0, 1])
     backend = open_backend(root)
-    assert backend.create_if_absent(finalizer_key("cohort"), finalizer_claim(0))   # left by rank 0's first job
+    assert backend.create_if_absent(finalizer_key("cohort"), finalizer_claim(0))  # left by rank 0's first job
     retry = _land(root, "cohort", 0, [0, 1])
     assert retry.final is None
-    assert retry.events == [(rank_key("cohort", 0), DIFFERENT), (finalizer_key("cohort"), SAME),
-                            (finalizer_key("cohort"), DELETED)]
+    assert retry.events == [
+        (rank_key("cohort", 0), DIFFERENT),
+        (finalizer_key("cohort"), SAME),
+        (finalizer_key("cohort"), DELETED),
+    ]
     last = _land(root, "cohort", 1, [0, 1])
     assert last.final is not None and last.creates[finalizer_key("cohort")] == CREATED
     assert backend.read(finalizer_key("cohort")) == finalizer_claim(1)
@@ -307,12 +345,12 @@ def test_the_claimant_still_names_a_bad_rank_marker_keeps_its_claim_and_a_repair
     with pytest.raises(BundleError, match=r"cohort/COMPLETE\.0: corrupt rank marker: holds rank 1.*not finalized"):
         _land(root, "cohort", 1, [0, 1])
     assert backend.read(finalizer_key("cohort")) == finalizer_claim(1) and not backend.exists(complete_key("cohort"))
-    with pytest.raises(BundleError, match=r"cohort/COMPLETE\.0: corrupt rank marker"):   # a retry reports it again
+    with pytest.raises(BundleError, match=r"cohort/COMPLETE\.0: corrupt rank marker"):  # a retry reports it again
         _land(root, "cohort", 1, [0, 1])
     report = check_store(root)
     assert rank_key("cohort", 0) in report.corrupt and report.finalized == []
 
-    backend.write(rank_key("cohort", 0), good)   # the marker restored: the next fsck finalizes
+    backend.write(rank_key("cohort", 0), good)  # the marker restored: the next fsck finalizes
     assert check_store(root).finalized == ["cohort"]
     assert backend.exists(complete_key("cohort"))
 
@@ -334,10 +372,10 @@ def test_gc_removes_the_claim_of_an_abandoned_cohort_and_a_claim_left_alone(tmp_
     _claimant_died(root, "alone", [0, 1])
     _land(root, "held", 0, [0, 1])
     backend = open_backend(root)
-    backend.delete(rank_key("cohort", 2))   # a bad marker removed, its rank never landed again
+    backend.delete(rank_key("cohort", 2))  # a bad marker removed, its rank never landed again
     for r in (0, 1):
         backend.delete(rank_key("alone", r))
-    assert backend.create_if_absent(finalizer_key("held"), finalizer_claim(0))   # its claimant died mid-read
+    assert backend.create_if_absent(finalizer_key("held"), finalizer_claim(0))  # its claimant died mid-read
     assert bundle_status(backend, "alone") is None and bundle_status(backend, "cohort").status == "incomplete"
     assert bundle_status(backend, "held").status == "incomplete"
 
@@ -345,8 +383,14 @@ def test_gc_removes_the_claim_of_an_abandoned_cohort_and_a_claim_left_alone(tmp_
     assert young.removed == [] and young.abandoned_bundles == []
     report = collect_garbage(root, grace="0s")
     assert report.abandoned_bundles == ["cohort", "held"]
-    assert {finalizer_key("cohort"), finalizer_key("alone"), rank_key("cohort", 0), rank_key("cohort", 1),
-            finalizer_key("held"), rank_key("held", 0)} <= set(report.removed)
+    assert {
+        finalizer_key("cohort"),
+        finalizer_key("alone"),
+        rank_key("cohort", 0),
+        rank_key("cohort", 1),
+        finalizer_key("held"),
+        rank_key("held", 0),
+    } <= set(report.removed)
     assert report.markers_removed == 6
     # each abandoned cohort leaves only its ABANDONED note, for a producer still landing into it to read
     assert backend.list("cohort/") == ["cohort/ABANDONED"] and backend.list("held/") == ["held/ABANDONED"]
@@ -375,7 +419,7 @@ def test_cohort_state_reads_one_window_past_a_missing_rank_at_most(tmp_path):
     backend.stats.reset()
     landed, gap = cohort_state(backend, "cohort", ranks)
     assert gap == [missing] and [m.rank for m in landed] == list(range(missing))
-    assert backend.stats.reads == 2 * MARKER_WINDOW - 1   # one read a marker, none past the window of the gap
+    assert backend.stats.reads == 2 * MARKER_WINDOW - 1  # one read a marker, none past the window of the gap
 
 
 @pytest.mark.s3
@@ -395,7 +439,7 @@ def test_cohort_state_on_s3_refuses_empty_and_oversized_markers_by_key(s3_root):
     with pytest.raises(BundleError, match=rf"cohort/COMPLETE\.1: marker larger than {MAX_MARKER_BYTES} bytes"):
         cohort_state(backend, "cohort", [0, 1])
     backend.delete(complete_key("cohort"))
-    with pytest.raises(BundleError, match="larger than"):   # what a reader finalizing it would meet
+    with pytest.raises(BundleError, match="larger than"):  # what a reader finalizing it would meet
         try_finalize(backend, "cohort", [0, 1])
 
 
@@ -407,7 +451,7 @@ def test_import_finalizes_a_multi_rank_bundle_whose_claim_another_rank_holds(tmp
     write_ranks(root, "cohort", land=[0, 1], expected_ranks=[0, 1])
     export_bundle(f"{root}/cohort", out)
     backend = open_backend(back)
-    backend.write(finalizer_key("cohort"), finalizer_claim(2))   # left alone: its rank markers are gone
-    assert import_v1(out, back) == [f"{back}/cohort"]   # both ranks land and find rank 2's claim
+    backend.write(finalizer_key("cohort"), finalizer_claim(2))  # left alone: its rank markers are gone
+    assert import_v1(out, back) == [f"{back}/cohort"]  # both ranks land and find rank 2's claim
     assert backend.exists(complete_key("cohort")) and backend.read(finalizer_key("cohort")) == finalizer_claim(2)
     assert [r.rank for r in open_native(f"{back}/cohort")] == [0, 1]

@@ -16,7 +16,7 @@ import functools
 import json
 import uuid
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import fsspec
 import pytest
@@ -25,11 +25,10 @@ from hypothesis import strategies as st
 
 from trajectory_replay.bundle import BundleWriter, open_native
 from trajectory_replay.bundle.documents import compact_json
-from trajectory_replay.bundle.markers import CompleteMarker, DocRef, Documents
+from trajectory_replay.bundle.markers import CompleteMarker, DocRef, Documents, complete_key
 from trajectory_replay.errors import TrajectoryReplayError
 from trajectory_replay.replay.fixtures import canonical_case
 from trajectory_replay.store import ObjectStore
-from trajectory_replay.bundle.markers import complete_key
 
 DOCS = ("manifest", "index", "expected")
 NAME = "b-00001"
@@ -66,20 +65,51 @@ def all_paths(value: Any, prefix: tuple = ()) -> list[tuple]:
     return out
 
 
-SPECIAL_STRINGS = ["../x", "a/b", "..", "a\nb", "", " ", "\x00", "💥", "objects", "loss_mask", "kl", "name",
-                   "dtype", "shape", "size", "digest", "record", "bundle_id", "samples", "reward.raw",
-                   "torch.float32", "torch.complex64", "float32", "blake3:" + "0" * 64, "blake3:xyz",
-                   "recompute", "inspect_only", "2.0.0", "1.x", "x" * 300, "NaN", "truncate:abc"]
+SPECIAL_STRINGS = [
+    "../x",
+    "a/b",
+    "..",
+    "a\nb",
+    "",
+    " ",
+    "\x00",
+    "💥",
+    "objects",
+    "loss_mask",
+    "kl",
+    "name",
+    "dtype",
+    "shape",
+    "size",
+    "digest",
+    "record",
+    "bundle_id",
+    "samples",
+    "reward.raw",
+    "torch.float32",
+    "torch.complex64",
+    "float32",
+    "blake3:" + "0" * 64,
+    "blake3:xyz",
+    "recompute",
+    "inspect_only",
+    "2.0.0",
+    "1.x",
+    "x" * 300,
+    "NaN",
+    "truncate:abc",
+]
 
 garbage_values = st.one_of(
-    st.none(), st.booleans(),
-    st.integers(min_value=-(2 ** 70), max_value=2 ** 70),
-    st.sampled_from([-1, 0, 1, 7, 8, 9, 2 ** 31, 2 ** 63, 2 ** 64, -(2 ** 63)]),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([-1, 0, 1, 7, 8, 9, 2**31, 2**63, 2**64, -(2**63)]),
     st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=16), st.sampled_from(SPECIAL_STRINGS),
+    st.text(max_size=16),
+    st.sampled_from(SPECIAL_STRINGS),
     st.lists(st.one_of(st.none(), st.integers(-3, 10), st.text(max_size=4), st.floats()), max_size=5),
-    st.dictionaries(st.sampled_from(SPECIAL_STRINGS) | st.text(max_size=6), st.integers(-2, 9) | st.none(),
-                    max_size=3),
+    st.dictionaries(st.sampled_from(SPECIAL_STRINGS) | st.text(max_size=6), st.integers(-2, 9) | st.none(), max_size=3),
 )
 garbage_keys = st.one_of(st.sampled_from(SPECIAL_STRINGS), st.text(max_size=12))
 selectors = st.integers(min_value=0, max_value=10_000)
@@ -91,12 +121,28 @@ tree_mutations = st.one_of(
 )
 byte_mutations = st.one_of(
     st.tuples(st.just("truncate"), st.floats(min_value=0.0, max_value=1.0)),
-    st.tuples(st.just("splice"), st.floats(min_value=0.0, max_value=1.0),
-              st.binary(max_size=12) | st.sampled_from([b"}", b"]", b'"', b"\\", b",", b"\xff", b"9" * 5000,
-                                                         b"[" * 5000, b"NaN", b"-Infinity"])),
+    st.tuples(
+        st.just("splice"),
+        st.floats(min_value=0.0, max_value=1.0),
+        st.binary(max_size=12)
+        | st.sampled_from([b"}", b"]", b'"', b"\\", b",", b"\xff", b"9" * 5000, b"[" * 5000, b"NaN", b"-Infinity"]),
+    ),
     st.tuples(st.just("bytes"), st.binary(max_size=64)),
-    st.tuples(st.just("field"), st.sampled_from([b"9" * 5000, b"-" + b"1" * 4301, b"1e999", b"NaN", b"-Infinity",
-                                                 b"[" * 5000 + b"]" * 5000, b'"\\ud800"', b"true"])),
+    st.tuples(
+        st.just("field"),
+        st.sampled_from(
+            [
+                b"9" * 5000,
+                b"-" + b"1" * 4301,
+                b"1e999",
+                b"NaN",
+                b"-Infinity",
+                b"[" * 5000 + b"]" * 5000,
+                b'"\\ud800"',
+                b"true",
+            ]
+        ),
+    ),
 )
 
 
@@ -152,7 +198,7 @@ def _names_document(message: str, label: str) -> bool:
     return label in message or (label == "manifest" and "payload '" in message)
 
 
-def check(label: str, mutations: list[tuple]) -> tuple[Optional[str], list[tuple[str, str]]]:
+def check(label: str, mutations: list[tuple]) -> tuple[str | None, list[tuple[str, str]]]:
     """Store the mutated document, open the bundle and load everything. Returns the one-line refusal (None
     when the bundle was accepted) and the (read path, payload) pairs loaded before it; any other outcome
     fails the test."""
@@ -172,8 +218,9 @@ def check(label: str, mutations: list[tuple]) -> tuple[Optional[str], list[tuple
         docs = marker.documents()
         refs = {name: getattr(docs, name) for name in DOCS}
         refs[label] = DocRef.of(store.put(data))
-        crafted = CompleteMarker(bundle_id=NAME, anchor=marker.anchor, expected_ranks=[0], multi_rank=False,
-                                 shards={"0": Documents(**refs)})
+        crafted = CompleteMarker(
+            bundle_id=NAME, anchor=marker.anchor, expected_ranks=[0], multi_rank=False, shards={"0": Documents(**refs)}
+        )
         store.backend.write(complete_key(NAME), compact_json(crafted.model_dump(mode="json")))
         url = f"{root}/{NAME}"
         loaded: list[tuple[str, str]] = []
@@ -201,8 +248,14 @@ def check(label: str, mutations: list[tuple]) -> tuple[Optional[str], list[tuple
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(label=st.sampled_from(DOCS),
-       mutations=st.lists(st.one_of(tree_mutations, tree_mutations, tree_mutations, tree_mutations, byte_mutations), min_size=1, max_size=3))
+@given(
+    label=st.sampled_from(DOCS),
+    mutations=st.lists(
+        st.one_of(tree_mutations, tree_mutations, tree_mutations, tree_mutations, byte_mutations),
+        min_size=1,
+        max_size=3,
+    ),
+)
 # found while writing these tests; kept so every run covers them
 @example(label="manifest", mutations=[("insert", ("payloads",), "a\nb", {"name": "x"})])
 @example(label="manifest", mutations=[("set", ("payloads", "kl", "dtype"), "torch.complex64")])

@@ -19,14 +19,14 @@ from typer.testing import CliRunner
 
 from tests.bundle.test_bad_input import NAME, write_bundle
 from trajectory_replay.backends import open_backend
+from trajectory_replay.bundle import BundleReader
+from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.cli import app
 from trajectory_replay.errors import IntegrityError, ValueTooLargeError
-from trajectory_replay.bundle import BundleReader
 from trajectory_replay.store import BlobRef, ObjectStore
 from trajectory_replay.store.digest import blob_ref_key, object_key
-from trajectory_replay.store.records import MAX_RECORD_BYTES, RecordError
-from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.store.layout import OBJECTS_DIR
+from trajectory_replay.store.records import MAX_RECORD_BYTES, RecordError
 
 runner = CliRunner()
 SPARSE_BYTES = 1536 << 20
@@ -37,7 +37,7 @@ MUST_FAIL = {
     "marker": {"inspect", "validate", "replay", "gc", "fsck", "cp"},
     "record": set(COMMANDS),
     "chunk": {"validate", "replay", "fsck", "cp"},
-    "document": {"inspect", "validate", "replay", "fsck", "cp"},   # the index's chunk
+    "document": {"inspect", "validate", "replay", "fsck", "cp"},  # the index's chunk
 }
 
 
@@ -49,9 +49,12 @@ def _private_cache(tmp_path, monkeypatch):
 def _key(store: ObjectStore, marker, place: str) -> str:
     manifest = json.loads(store.get(marker.documents().manifest.blob_ref()))
     kl = manifest["payloads"]["kl"]
-    return {"marker": complete_key(NAME), "record": object_key(kl["record"]),
-            "chunk": object_key(store.record(kl["digest"]).chunks[0].digest),
-            "document": object_key(store.record(marker.documents().index.blob_ref()).chunks[0].digest)}[place]
+    return {
+        "marker": complete_key(NAME),
+        "record": object_key(kl["record"]),
+        "chunk": object_key(store.record(kl["digest"]).chunks[0].digest),
+        "document": object_key(store.record(marker.documents().index.blob_ref()).chunks[0].digest),
+    }[place]
 
 
 def _replace(path: str, kind: str) -> None:
@@ -62,7 +65,7 @@ def _replace(path: str, kind: str) -> None:
         os.symlink("/dev/zero", path)
     else:
         with open(path, "wb") as f:
-            f.truncate(SPARSE_BYTES)   # sparse: no disk space, but every byte reads as zero
+            f.truncate(SPARSE_BYTES)  # sparse: no disk space, but every byte reads as zero
 
 
 @contextmanager
@@ -76,7 +79,7 @@ def _unblocking(path: str, kind: str):
         while not stop.wait(0.2):
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError:   # no reader has it open
+            except OSError:  # no reader has it open
                 continue
             try:
                 os.write(fd, b"junk")
@@ -105,8 +108,15 @@ def _hostile_store(tmp_path, kind: str, place: str) -> tuple[str, str, str]:
 
 
 def _run(command: str, root: str, url: str, tmp_path):
-    args = {"ls": ["ls", root], "inspect": ["inspect", url], "validate": ["validate", url], "replay": ["replay", url],
-            "gc": ["gc", root, "--grace", "0s"], "fsck": ["fsck", root], "cp": ["cp", url, str(tmp_path / "copy")]}
+    args = {
+        "ls": ["ls", root],
+        "inspect": ["inspect", url],
+        "validate": ["validate", url],
+        "replay": ["replay", url],
+        "gc": ["gc", root, "--grace", "0s"],
+        "fsck": ["fsck", root],
+        "cp": ["cp", url, str(tmp_path / "copy")],
+    }
     return runner.invoke(app, args[command])
 
 
@@ -117,12 +127,15 @@ def _check(result, command: str, must_fail: bool, *needles: str) -> None:
         assert result.exit_code in (0, 1), result.output
         return
     assert result.exit_code == 1, result.output
-    errors = [line for line in result.stderr.splitlines() if line.strip()
-              and not line.startswith(("trajectory-replay: warning:", "trajectory-replay: WARNING:"))]
-    if errors:   # a failed command: one line
+    errors = [
+        line
+        for line in result.stderr.splitlines()
+        if line.strip() and not line.startswith(("trajectory-replay: warning:", "trajectory-replay: WARNING:"))
+    ]
+    if errors:  # a failed command: one line
         assert len(errors) == 1 and errors[0].startswith("trajectory-replay: error:"), result.stderr
         shown = errors[0]
-    else:        # a report (validate, fsck) naming the problem
+    else:  # a report (validate, fsck) naming the problem
         shown = result.stdout
     for needle in needles:
         assert needle in shown, f"{needle!r} not in {shown!r}"
@@ -151,8 +164,11 @@ def test_record_over_the_bound_is_refused_from_its_size_unread(tmp_path):
     root, url, key = _hostile_store(tmp_path, "sparse", "record")
     store = ObjectStore.open(root)
     record_digest = "blake3:" + key.rsplit("/", 1)[1]
-    (blob,) = [s["digest"] for s in json.loads(store.get(BundleReader.open(url).documents.manifest.blob_ref()))
-               ["payloads"].values() if s["record"] == record_digest]
+    (blob,) = [
+        s["digest"]
+        for s in json.loads(store.get(BundleReader.open(url).documents.manifest.blob_ref()))["payloads"].values()
+        if s["record"] == record_digest
+    ]
     with pytest.raises(RecordError, match=f"{SPARSE_BYTES} bytes, over the {MAX_RECORD_BYTES}-byte bound"):
         store.record(BlobRef(blob, -1, record_digest))
     found = store.inventory.records([record_digest])[record_digest]
@@ -185,12 +201,15 @@ def test_backend_reads_refuse_what_is_not_a_regular_file(tmp_path, kind, what):
     path = str(tmp_path / "root" / "a" / "value")
     _replace(path, kind)
     with _unblocking(path, kind):
-        for read in (lambda: backend.read("a/value"), lambda: backend.read("a/value", 10),
-                     lambda: backend.read_range("a/value", 0, 4),
-                     lambda: backend.read_into("a/value", memoryview(bytearray(4)))):
+        for read in (
+            lambda: backend.read("a/value"),
+            lambda: backend.read("a/value", 10),
+            lambda: backend.read_range("a/value", 0, 4),
+            lambda: backend.read_into("a/value", memoryview(bytearray(4))),
+        ):
             with pytest.raises(IntegrityError, match=f"'a/value' is {what}, not a regular file"):
                 read()
-    assert backend.exists("a/value")   # something is there (and named when read), not an absent key
+    assert backend.exists("a/value")  # something is there (and named when read), not an absent key
 
 
 def test_backend_read_with_a_limit(tmp_path):
@@ -204,7 +223,7 @@ def test_backend_read_with_a_limit(tmp_path):
     before = backend.stats.bytes_read
     with pytest.raises(ValueTooLargeError, match=f"holds {SPARSE_BYTES} bytes"):
         backend.read("big", 1 << 20)
-    assert backend.stats.bytes_read == before   # refused from its size, unread
+    assert backend.stats.bytes_read == before  # refused from its size, unread
 
 
 def test_inventory_read_with_a_bound_returns_the_refusal_unread(tmp_path):
@@ -240,7 +259,7 @@ def test_gc_reads_a_sparse_marker_no_further_than_the_marker_bound(tmp_path):
         tracemalloc.stop()
     assert report.kept_everything and any(NAME in p for p in report.unreadable_bundles), report.unreadable_bundles
     assert sorted(os.listdir(os.path.join(root, OBJECTS_DIR))) == before
-    assert peak < 8 * MAX_MARKER_BYTES, peak   # the bound and its copies, never the 1.5 GB
+    assert peak < 8 * MAX_MARKER_BYTES, peak  # the bound and its copies, never the 1.5 GB
 
 
 @pytest.mark.parametrize("kind, what", [("fifo", "a FIFO"), ("devzero", "a character device")])

@@ -20,17 +20,20 @@ from tests.bundle.test_bad_input import NAME, Crafted
 from trajectory_replay.bundle import BundleReader
 from trajectory_replay.bundle.codec import MAX_DIMS
 from trajectory_replay.bundle.documents import (
-    DEFAULT_MAX_DOCUMENT_BYTES, MAX_DOCUMENT_BYTES_ENV, MAX_JSON_DEPTH, compact_json, max_document_bytes,
+    DEFAULT_MAX_DOCUMENT_BYTES,
+    MAX_DOCUMENT_BYTES_ENV,
+    MAX_JSON_DEPTH,
+    compact_json,
+    max_document_bytes,
     nesting_exceeds,
 )
 from trajectory_replay.bundle.legacy import write_v1_bundle
-from trajectory_replay.bundle.markers import MAX_RANKS
+from trajectory_replay.bundle.markers import MAX_RANKS, complete_key, rank_key
 from trajectory_replay.bundle.schema import BundleIndex, SchemaWarning
 from trajectory_replay.cli import app
 from trajectory_replay.errors import BundleError
 from trajectory_replay.replay import canonical_case
 from trajectory_replay.store.digest import hash_bytes, object_key
-from trajectory_replay.bundle.markers import complete_key, rank_key
 
 runner = CliRunner()
 
@@ -44,8 +47,11 @@ def error_line(result, *needles: str) -> str:
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     assert "Traceback" not in result.output, result.output
     assert result.exit_code == 1, result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()
-             and not line.startswith(("trajectory-replay: warning:", "trajectory-replay: WARNING:"))]
+    lines = [
+        line
+        for line in result.stderr.splitlines()
+        if line.strip() and not line.startswith(("trajectory-replay: warning:", "trajectory-replay: WARNING:"))
+    ]
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("trajectory-replay: error:"), result.stderr
     for needle in needles:
@@ -63,6 +69,7 @@ def nested(depth: int) -> bytes:
 
 
 # ---- safetensors headers ---------------------------------------------------------------------------
+
 
 def _with_payload(crafted: Crafted, header: dict | bytes, data: bytes = b"\0" * 32) -> str:
     """Store a safetensors blob with `header` (a dict, or raw JSON text) as payload 'kl' of a new COMPLETE."""
@@ -99,27 +106,35 @@ HOSTILE_HEADERS = {
     "offsets-not-a-pair": (_entry(b"[8]", b"[0,32,64]"), "data_offsets"),
     "entry-not-object": (b'{"data":[1,2]}', "malformed tensor entry"),
     "dtype-not-string": (b'{"data":{"dtype":["F32"],"shape":[8],"data_offsets":[0,32]}}', "dtype"),
-    "metadata-nested-past-the-recursion-limit":
-        (b'{"__metadata__":' + nested(200_000) + b',"data":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}}',
-         f"nests more than {MAX_JSON_DEPTH} levels"),
-    "metadata-nested-under-the-recursion-limit":
-        (b'{"__metadata__":' + nested(900) + b',"data":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}}',
-         f"nests more than {MAX_JSON_DEPTH} levels"),
+    "metadata-nested-past-the-recursion-limit": (
+        b'{"__metadata__":' + nested(200_000) + b',"data":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}}',
+        f"nests more than {MAX_JSON_DEPTH} levels",
+    ),
+    "metadata-nested-under-the-recursion-limit": (
+        b'{"__metadata__":' + nested(900) + b',"data":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}}',
+        f"nests more than {MAX_JSON_DEPTH} levels",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE_HEADERS))
 def test_hostile_safetensors_header_through_the_cli(crafted, case):
     header, needle = HOSTILE_HEADERS[case]
-    data = b"" if case in ("empty-product-overflows", "empty-bytes-overflow", "dim-past-int64") else \
-        b"\0" * 4 if case in ("dim-bool", "too-many-dims") else b"\0" * 32
+    data = (
+        b""
+        if case in ("empty-product-overflows", "empty-bytes-overflow", "dim-past-int64")
+        else b"\0" * 4
+        if case in ("dim-bool", "too-many-dims")
+        else b"\0" * 32
+    )
     url = _with_payload(crafted, header, data)
     line = error_line(cli("replay", url), NAME, "payload 'kl'", "safetensors", needle)
     assert len(line) < 600, line  # a 100,000-dimension shape is not echoed back
 
 
-@pytest.mark.parametrize("case", ["dim-infinite", "empty-product-overflows", "metadata-nested-past-the-recursion-limit",
-                                  "offset-infinite"])
+@pytest.mark.parametrize(
+    "case", ["dim-infinite", "empty-product-overflows", "metadata-nested-past-the-recursion-limit", "offset-infinite"]
+)
 def test_hostile_safetensors_header_on_the_ranged_read_path(crafted, case):
     """Reading some rows parses the header from a ranged read: the same checks, the same errors."""
     header, needle = HOSTILE_HEADERS[case]
@@ -145,6 +160,7 @@ def test_empty_tensor_whose_bytes_pass_the_bound_is_invalid_in_validate(crafted,
 
 # ---- documents ----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("label", ["manifest", "index", "expected"])
 @pytest.mark.parametrize("depth", [MAX_JSON_DEPTH, 900, 100_000])
 def test_deeply_nested_document_is_refused(crafted, label, depth):
@@ -167,13 +183,16 @@ def test_nesting_up_to_the_bound_is_accepted(crafted):
         assert BundleReader.open(url).expected["deep"] == value
 
 
-@pytest.mark.parametrize("text, deep", [
-    (b'{"a":"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}', False),
-    (b'{"a":"\\"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[\\\\"}', False),
-    (b'{"a\\\\":' + nested(70) + b"}", True),
-    (b'{"a":"\\\\\\"","b":' + nested(70) + b"}", True),
-    (b"[" + b"[]," * 10_000 + b"[]]", False),
-])
+@pytest.mark.parametrize(
+    "text, deep",
+    [
+        (b'{"a":"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}', False),
+        (b'{"a":"\\"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[\\\\"}', False),
+        (b'{"a\\\\":' + nested(70) + b"}", True),
+        (b'{"a":"\\\\\\"","b":' + nested(70) + b"}", True),
+        (b"[" + b"[]," * 10_000 + b"[]]", False),
+    ],
+)
 def test_nesting_scan_skips_strings_and_escapes(text, deep):
     assert nesting_exceeds(text, 64) is deep
     json.loads(text)  # every case is valid JSON
@@ -184,7 +203,7 @@ def test_unknown_fields_of_documents_read_from_bytes_warn_and_are_dropped(crafte
     model and of the document itself each warns once, naming the model, and is not kept."""
     index = crafted.doc("index")
     index["samples"][1]["sampling_seed"] = 7
-    index["identity"]["actor_step_id"]["attempt"] = 2   # a frozen model
+    index["identity"]["actor_step_id"]["attempt"] = 2  # a frozen model
     index["written_by"] = "newer"
     manifest = crafted.doc("manifest")
     manifest["producer"]["host"] = "node-3"
@@ -192,8 +211,11 @@ def test_unknown_fields_of_documents_read_from_bytes_warn_and_are_dropped(crafte
     with pytest.warns(SchemaWarning) as seen:
         reader = BundleReader.open(url)
     assert sorted(str(w.message) for w in seen) == [
-        "ActorStepId: unknown field 'attempt' ignored", "BundleIndex: unknown field 'written_by' ignored",
-        "ProducerInfo: unknown field 'host' ignored", "SampleRecord: unknown field 'sampling_seed' ignored"]
+        "ActorStepId: unknown field 'attempt' ignored",
+        "BundleIndex: unknown field 'written_by' ignored",
+        "ProducerInfo: unknown field 'host' ignored",
+        "SampleRecord: unknown field 'sampling_seed' ignored",
+    ]
     assert "sampling_seed" not in reader.index.samples[1].model_dump()
     assert "written_by" not in reader.index.model_dump()
     step = crafted.original["index"]["identity"]["actor_step_id"]
@@ -210,7 +232,7 @@ def test_documents_read_from_bytes_equal_those_read_the_python_way(crafted):
     text = crafted.store.get(reader.documents.index.blob_ref())
     slow = BundleIndex.model_validate(json.loads(bytes(text)))
     assert reader.index.model_dump_json() == slow.model_dump_json()
-    assert reader.index.samples[0].raw_reward != reader.index.samples[0].raw_reward   # NaN survives
+    assert reader.index.samples[0].raw_reward != reader.index.samples[0].raw_reward  # NaN survives
 
 
 def test_document_over_the_size_bound_is_refused_before_it_is_read(crafted, monkeypatch):
@@ -223,8 +245,13 @@ def test_document_over_the_size_bound_is_refused_before_it_is_read(crafted, monk
         crafted.store.backend.delete(object_key(chunk.digest))
     monkeypatch.setenv(MAX_DOCUMENT_BYTES_ENV, "4096")
     assert max_document_bytes() == 4096
-    error_line(cli("replay", url), f"{NAME}: expected:", f"document of {ref.size} bytes",
-               "over the 4096-byte bound", MAX_DOCUMENT_BYTES_ENV)
+    error_line(
+        cli("replay", url),
+        f"{NAME}: expected:",
+        f"document of {ref.size} bytes",
+        "over the 4096-byte bound",
+        MAX_DOCUMENT_BYTES_ENV,
+    )
     error_line(cli("inspect", url), f"{NAME}: expected:", "over the 4096-byte bound")
 
 
@@ -243,11 +270,16 @@ def test_v1_document_over_the_size_bound_is_refused(tmp_path, monkeypatch):
     bundle = tmp_path / "b-1"
     write_v1_bundle(bundle, case.manifest, case.index, case.expected, case.payloads)
     bound = (bundle / "COMPLETE").stat().st_size  # COMPLETE is read first and passes
-    first = next(name for name in ("manifest.json", "index.json", "expected.json")
-                 if (bundle / name).stat().st_size > bound)
+    first = next(
+        name for name in ("manifest.json", "index.json", "expected.json") if (bundle / name).stat().st_size > bound
+    )
     monkeypatch.setenv(MAX_DOCUMENT_BYTES_ENV, str(bound))
-    error_line(cli("replay", str(bundle)), f"b-1/{first}", f"document of {(bundle / first).stat().st_size} bytes",
-               f"{bound}-byte bound")
+    error_line(
+        cli("replay", str(bundle)),
+        f"b-1/{first}",
+        f"document of {(bundle / first).stat().st_size} bytes",
+        f"{bound}-byte bound",
+    )
 
 
 def test_large_document_under_the_bound_costs_little(crafted):
@@ -268,6 +300,7 @@ def test_large_document_under_the_bound_costs_little(crafted):
 
 
 # ---- markers ------------------------------------------------------------------------------------------
+
 
 def _complete(crafted: Crafted) -> dict:
     return json.loads(crafted.store.backend.read(complete_key(NAME)))
@@ -292,26 +325,33 @@ def test_non_integer_shard_key_makes_the_marker_corrupt(crafted, key):
     rank0 = f"{crafted.url}/rank-0"
     for command in (("replay", rank0), ("inspect", crafted.url), ("validate", rank0)):
         result = cli(*command)
-        text = error_line(result, complete_key(NAME), "shards", "not a rank number") if result.stderr.strip() \
+        text = (
+            error_line(result, complete_key(NAME), "shards", "not a rank number")
+            if result.stderr.strip()
             else result.stdout
+        )
         assert "Traceback" not in result.output and result.exit_code == 1, result.output
         assert "shards" in text and "not a rank number" in text
 
 
-@pytest.mark.parametrize("anchor, needle", [
-    (5, "anchor"),
-    ("step 1:2", "anchor"),
-    ({"actor_step_id": "x"}, "actor_step_id"),
-    ({"actor_step_id": {"rollout_id": "x", "step_id": 0}}, "actor_step_id.rollout_id"),
-    ({"actor_step_id": {"rollout_id": 1}}, "actor_step_id.step_id"),
-    ({"actor_step_id": {"rollout_id": 1, "step_id": 2.5}}, "actor_step_id.step_id"),
-    ({"rollout_id": "7"}, "rollout_id"),
-    ({"rollout_id": [7]}, "rollout_id"),
-    ({"rollout_id": True}, "rollout_id"),
-    ({"rollout_id": 2 ** 70}, "rollout_id"),
-    ({}, "exactly one"),
-    ({"rollout_id": 7, "actor_step_id": {"rollout_id": 7, "step_id": 0}}, "exactly one"),
-], ids=lambda v: json.dumps(v)[:40] if not isinstance(v, str) else v)
+@pytest.mark.parametrize(
+    "anchor, needle",
+    [
+        (5, "anchor"),
+        ("step 1:2", "anchor"),
+        ({"actor_step_id": "x"}, "actor_step_id"),
+        ({"actor_step_id": {"rollout_id": "x", "step_id": 0}}, "actor_step_id.rollout_id"),
+        ({"actor_step_id": {"rollout_id": 1}}, "actor_step_id.step_id"),
+        ({"actor_step_id": {"rollout_id": 1, "step_id": 2.5}}, "actor_step_id.step_id"),
+        ({"rollout_id": "7"}, "rollout_id"),
+        ({"rollout_id": [7]}, "rollout_id"),
+        ({"rollout_id": True}, "rollout_id"),
+        ({"rollout_id": 2**70}, "rollout_id"),
+        ({}, "exactly one"),
+        ({"rollout_id": 7, "actor_step_id": {"rollout_id": 7, "step_id": 0}}, "exactly one"),
+    ],
+    ids=lambda v: json.dumps(v)[:40] if not isinstance(v, str) else v,
+)
 def test_anchor_of_the_wrong_type_makes_the_marker_corrupt(crafted, anchor, needle):
     marker = _complete(crafted)
     marker["anchor"] = anchor
@@ -336,9 +376,15 @@ def test_rank_marker_listing_too_many_ranks_is_corrupt(crafted):
     """Without the bound a reader would look for 100,001 rank markers, one request each."""
     complete = _complete(crafted)
     crafted.store.backend.delete(complete_key(NAME))
-    rank = {"format": "trajectory-replay.rank/1", "bundle_id": complete["bundle_id"], "rank": 0,
-            "anchor": complete["anchor"], "expected_ranks": list(range(100_001)),
-            "documents": complete["shards"]["0"], "attempt": "a"}
+    rank = {
+        "format": "trajectory-replay.rank/1",
+        "bundle_id": complete["bundle_id"],
+        "rank": 0,
+        "anchor": complete["anchor"],
+        "expected_ranks": list(range(100_001)),
+        "documents": complete["shards"]["0"],
+        "attempt": "a",
+    }
     # the same marker with its anchor wrong as well: read and refused without a look for any other marker
     _write_marker(crafted, rank_key(NAME, 0), dict(rank, anchor=5))
     start = time.perf_counter()
@@ -348,14 +394,17 @@ def test_rank_marker_listing_too_many_ranks_is_corrupt(crafted):
     start = time.perf_counter()
     error_line(cli("replay", f"{crafted.url}/rank-0"), rank_key(NAME, 0), "expected_ranks", f"bound of {MAX_RANKS}")
     elapsed = time.perf_counter() - start
-    assert elapsed < 3 * baseline, (elapsed, baseline)   # not 100,001 more lookups
+    assert elapsed < 3 * baseline, (elapsed, baseline)  # not 100,001 more lookups
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("digest", "blake3:zz", "shards.0.index.digest"),
-    ("record", "../../etc/passwd", "shards.0.index.record"),
-    ("size", -1, "shards.0.index.size"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("digest", "blake3:zz", "shards.0.index.digest"),
+        ("record", "../../etc/passwd", "shards.0.index.record"),
+        ("size", -1, "shards.0.index.size"),
+    ],
+)
 def test_unparsable_document_reference_makes_the_marker_corrupt(crafted, field, value, needle):
     marker = _complete(crafted)
     marker["shards"]["0"]["index"][field] = value
@@ -369,6 +418,7 @@ def test_deeply_nested_marker_is_corrupt(crafted):
 
 
 # ---- blob records ---------------------------------------------------------------------------------------
+
 
 def test_deeply_nested_record_under_its_digest_is_corrupt_in_ls(crafted):
     """A record is JSON too; the walk bounds it before parsing (objects under their real digest)."""

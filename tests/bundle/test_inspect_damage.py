@@ -143,8 +143,13 @@ def _shard_marker(root: Path):
     from trajectory_replay.bundle.markers import CompleteMarker, RankMarker, rank_key, read_marker
 
     m = read_marker(ObjectStore.open(root).backend, rank_key("b-00001", 0), RankMarker)
-    return CompleteMarker(bundle_id=m.bundle_id, anchor=m.anchor, expected_ranks=m.expected_ranks, multi_rank=True,
-                          shards={"0": m.documents})
+    return CompleteMarker(
+        bundle_id=m.bundle_id,
+        anchor=m.anchor,
+        expected_ranks=m.expected_ranks,
+        multi_rank=True,
+        shards={"0": m.documents},
+    )
 
 
 def test_damage_in_a_rank_not_shown(tmp_path):
@@ -152,9 +157,14 @@ def test_damage_in_a_rank_not_shown(tmp_path):
     root = tmp_path / "store"
     case = canonical_case(buggy=False)
     for rank in (0, 1):
-        writer = BundleWriter(f"{root}/mr", case.manifest.model_copy(update={"bundle_id": "mr"}),
-                              case.index.model_copy(update={"bundle_id": "mr"}), case.expected, rank=rank,
-                              expected_ranks=[0, 1])
+        writer = BundleWriter(
+            f"{root}/mr",
+            case.manifest.model_copy(update={"bundle_id": "mr"}),
+            case.index.model_copy(update={"bundle_id": "mr"}),
+            case.expected,
+            rank=rank,
+            expected_ranks=[0, 1],
+        )
         writer.finalize(payloads={name: t + rank for name, t in case.payloads.items()})
     rank1 = BundleReader.open(f"{root}/mr/rank-1").manifest.payloads["kl"]
     assert rank1.record != BundleReader.open(f"{root}/mr/rank-0").manifest.payloads["kl"].record
@@ -163,7 +173,9 @@ def test_damage_in_a_rank_not_shown(tmp_path):
     result = inspect(f"{root}/mr")
     assert result.exit_code == 1, result.output
     assert "UNREADABLE" not in result.stdout
-    assert f"  damage     rank 1: payload 'kl': record {object_key(rank1.record)} is missing" in result.stdout.splitlines()
+    assert (
+        f"  damage     rank 1: payload 'kl': record {object_key(rank1.record)} is missing" in result.stdout.splitlines()
+    )
 
 
 def test_s3_record_deleted_behind_a_warm_cache(s3_root, s3_env, tmp_path, monkeypatch):
@@ -189,9 +201,14 @@ def test_unreadable_document_of_another_landed_rank(tmp_path):
     root = tmp_path / "store"
     case = canonical_case(buggy=False)
     for rank in (0, 1):
-        writer = BundleWriter(f"{root}/mr", case.manifest.model_copy(update={"bundle_id": "mr"}),
-                              case.index.model_copy(update={"bundle_id": "mr"}), case.expected, rank=rank,
-                              expected_ranks=[0, 1, 2])
+        writer = BundleWriter(
+            f"{root}/mr",
+            case.manifest.model_copy(update={"bundle_id": "mr"}),
+            case.index.model_copy(update={"bundle_id": "mr"}),
+            case.expected,
+            rank=rank,
+            expected_ranks=[0, 1, 2],
+        )
         writer.finalize(payloads={name: t + rank for name, t in case.payloads.items()})
     marker = read_marker(ObjectStore.open(root).backend, rank_key("mr", 1), RankMarker)
     os.remove(root / object_key(marker.documents.manifest.record))

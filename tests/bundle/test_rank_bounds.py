@@ -43,7 +43,7 @@ def test_the_bound_is_what_a_marker_can_hold():
 def test_a_marker_listing_more_ranks_than_the_bound_is_corrupt_in_one_short_line(tmp_path):
     root = str(tmp_path / "store")
     write_canonical(root)
-    _set_expected_ranks(root, list(range(65_536)))   # one shard, 65,536 expected ranks
+    _set_expected_ranks(root, list(range(65_536)))  # one shard, 65,536 expected ranks
     lines, doc = _ls(root)
     assert max(map(len, lines)) < 300, max(map(len, lines))
     (row,) = doc["bundles"]

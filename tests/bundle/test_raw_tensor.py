@@ -15,11 +15,21 @@ def _raw(t: torch.Tensor) -> RawTensor:
     return RawTensor(str(t.dtype), tuple(t.shape), data)
 
 
-CASES = [torch.randn(7), torch.randn(3, 5, dtype=torch.float64), torch.randn(9).to(torch.bfloat16),
-         torch.randn(4).to(torch.float16), torch.arange(-6, 6, dtype=torch.int64).reshape(3, 4),
-         torch.arange(-3, 3, dtype=torch.int32), torch.arange(-3, 3, dtype=torch.int16),
-         torch.arange(-3, 3, dtype=torch.int8), torch.arange(6, dtype=torch.uint8), torch.tensor([True, False, True]),
-         torch.empty(0), torch.empty(2, 0, dtype=torch.int64), torch.tensor(3.5)]
+CASES = [
+    torch.randn(7),
+    torch.randn(3, 5, dtype=torch.float64),
+    torch.randn(9).to(torch.bfloat16),
+    torch.randn(4).to(torch.float16),
+    torch.arange(-6, 6, dtype=torch.int64).reshape(3, 4),
+    torch.arange(-3, 3, dtype=torch.int32),
+    torch.arange(-3, 3, dtype=torch.int16),
+    torch.arange(-3, 3, dtype=torch.int8),
+    torch.arange(6, dtype=torch.uint8),
+    torch.tensor([True, False, True]),
+    torch.empty(0),
+    torch.empty(2, 0, dtype=torch.int64),
+    torch.tensor(3.5),
+]
 
 
 @pytest.mark.parametrize("tensor", CASES, ids=lambda t: f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}")
@@ -30,7 +40,7 @@ def test_raw_tensors_encode_and_list_as_torch_tensors_do(tensor):
     assert (raw.dim(), raw.numel(), raw.element_size()) == (tensor.dim(), tensor.numel(), tensor.element_size())
     assert raw.reshape(-1).tolist() == tensor.reshape(-1).tolist()
     blob, start = codec.encode(raw)
-    assert torch.equal(codec.decode_buffer(bytearray(blob), "test"), tensor)   # and it reads back
+    assert torch.equal(codec.decode_buffer(bytearray(blob), "test"), tensor)  # and it reads back
     if tensor.numel() == 1:
         assert raw.item() == tensor.item()
 
@@ -48,6 +58,6 @@ def test_raw_tensors_join_reshape_and_refuse_what_torch_refuses():
         grid.item()
     with pytest.raises(BundleError, match="cannot hold 5 bytes"):
         RawTensor("float32", (2,), b"12345")
-    odd = RawTensor("complex64", (1,), b"\0" * 8)   # made, so that the writer can name the payload it refuses
+    odd = RawTensor("complex64", (1,), b"\0" * 8)  # made, so that the writer can name the payload it refuses
     with pytest.raises(BundleError, match="payload 'x': dtype torch.complex64 cannot be stored"):
         codec.check_storable("x", odd)

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from trajectory_replay.bundle import BundleReader, BundleWriter
 from trajectory_replay.bundle.documents import compact_json
 from trajectory_replay.bundle.legacy import write_v1_bundle
-from trajectory_replay.bundle.markers import CompleteMarker, DocRef, Documents, complete_key, read_complete
+from trajectory_replay.bundle.markers import DocRef, Documents, complete_key, read_complete
 from trajectory_replay.bundle.redaction import REDACTABLE_FIELDS, check_policy
 from trajectory_replay.cli import app
 from trajectory_replay.errors import BundleError
@@ -30,8 +30,9 @@ KNOWN = ", ".join(REDACTABLE_FIELDS)
 
 def _case(redaction: dict, name: str = "b-00001"):
     case = canonical_case(buggy=False)
-    index = case.index.model_copy(update={
-        "bundle_id": name, "samples": [s.model_copy(update={"prompt": SECRET}) for s in case.index.samples]})
+    index = case.index.model_copy(
+        update={"bundle_id": name, "samples": [s.model_copy(update={"prompt": SECRET}) for s in case.index.samples]}
+    )
     # model_copy skips validation, as the importer's and capture's manifests do
     manifest = case.manifest.model_copy(update={"bundle_id": name, "redaction": redaction})
     return case, manifest, index
@@ -102,8 +103,9 @@ def test_policy_swapped_after_construction_refused_at_finalize(tmp_path):
 
 
 def test_check_policy_bounds_its_message():
-    text = _one_line(pytest.raises(BundleError, check_policy, {f"f{i}": "hash" for i in range(1000)}, "b").value,
-                     "and 995 more")
+    text = _one_line(
+        pytest.raises(BundleError, check_policy, {f"f{i}": "hash" for i in range(1000)}, "b").value, "and 995 more"
+    )
     assert len(text) < 400
 
 
@@ -117,10 +119,13 @@ def test_bundle_written_with_an_unknown_field_still_reads(tmp_path):
     docs = marker.documents()
     manifest = json.loads(store.get(docs.manifest.blob_ref()))
     manifest["redaction"] = {"Prompt": "hash"}
-    new_docs = Documents(manifest=DocRef.of(store.put(compact_json(manifest))), index=docs.index,
-                         expected=docs.expected)
-    store.backend.write(complete_key("b-00001"), compact_json(
-        marker.model_copy(update={"shards": {"0": new_docs}}).model_dump(mode="json")))
+    new_docs = Documents(
+        manifest=DocRef.of(store.put(compact_json(manifest))), index=docs.index, expected=docs.expected
+    )
+    store.backend.write(
+        complete_key("b-00001"),
+        compact_json(marker.model_copy(update={"shards": {"0": new_docs}}).model_dump(mode="json")),
+    )
 
     reader = BundleReader.open(url)
     assert reader.manifest.redaction == {"Prompt": "hash"} and reader.index.samples[0].prompt == SECRET
@@ -144,7 +149,12 @@ def test_import_refuses_an_unknown_field_with_one_line(tmp_path):
     assert not (store / "b-00065").exists()
     # with the field spelled right the same bundle imports, the prompt hashed
     _, fixed, _ = _case({"prompt": "hash"}, name="b-00066")
-    v1_ok = write_v1_bundle(tmp_path / "v1" / "b-00066", fixed, index.model_copy(update={"bundle_id": "b-00066"}),
-                            case.expected, case.payloads)
+    v1_ok = write_v1_bundle(
+        tmp_path / "v1" / "b-00066",
+        fixed,
+        index.model_copy(update={"bundle_id": "b-00066"}),
+        case.expected,
+        case.payloads,
+    )
     assert runner.invoke(app, ["import", str(v1_ok), str(store)]).exit_code == 0
     assert SECRET not in (BundleReader.open(f"{store}/b-00066").index.samples[0].prompt or "")

@@ -138,16 +138,22 @@ def _entries(blob: bytes) -> dict[str, tuple[int, bytes]]:
         assert z.testzip() is None  # every CRC checks
         for info in z.infolist():
             assert info.compress_type == zipfile.ZIP_STORED
-            name_len, extra_len = struct.unpack("<HH", blob[info.header_offset + 26:info.header_offset + 30])
+            name_len, extra_len = struct.unpack("<HH", blob[info.header_offset + 26 : info.header_offset + 30])
             out[info.filename] = (info.header_offset + 30 + name_len + extra_len, z.read(info))
     return out
 
 
-@pytest.mark.parametrize("tensor", [
-    torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor(2.5, dtype=torch.float64),
-    torch.empty(3, 0, dtype=torch.bool), torch.arange(70000, dtype=torch.int64) % 251,
-    torch.ones(2, 1, 4, dtype=torch.bfloat16),
-], ids=lambda t: f"{t.dtype}{list(t.shape)}")
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        torch.tensor(2.5, dtype=torch.float64),
+        torch.empty(3, 0, dtype=torch.bool),
+        torch.arange(70000, dtype=torch.int64) % 251,
+        torch.ones(2, 1, 4, dtype=torch.bfloat16),
+    ],
+    ids=lambda t: f"{t.dtype}{list(t.shape)}",
+)
 def test_the_file_is_what_torch_save_writes(tensor):
     ours = encode_pt(*raw_tensor(tensor))
     theirs_buffer = io.BytesIO()
@@ -172,12 +178,15 @@ def test_equal_payloads_encode_to_equal_bytes():
     assert encode_pt(data, "torch.float32", (5,)) != encode_pt(data[:-4] + b"\0\0\0\0", "torch.float32", (5,))
 
 
-@pytest.mark.parametrize("args, message", [
-    ((b"\0" * 7, "torch.float32", (2,)), r"^7 bytes do not hold shape \[2\] of torch\.float32 \(8 bytes\)$"),
-    ((b"", "torch.complex64", (0,)), r"^unsupported dtype 'torch.complex64'$"),
-    ((b"", "torch.float32", (-1,)), r"^shape \[-1\] must list non-negative integers$"),
-    ((b"\0" * 4, "torch.float32", (2.0,)), r"^shape \[2.0\] must list non-negative integers$"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((b"\0" * 7, "torch.float32", (2,)), r"^7 bytes do not hold shape \[2\] of torch\.float32 \(8 bytes\)$"),
+        ((b"", "torch.complex64", (0,)), r"^unsupported dtype 'torch.complex64'$"),
+        ((b"", "torch.float32", (-1,)), r"^shape \[-1\] must list non-negative integers$"),
+        ((b"\0" * 4, "torch.float32", (2.0,)), r"^shape \[2.0\] must list non-negative integers$"),
+    ],
+)
 def test_arguments_that_describe_no_tensor_are_refused_in_one_line(args, message):
     with pytest.raises(BundleError, match=message):
         encode_pt(*args)
@@ -197,8 +206,13 @@ print(json.dumps(sys.modules.get("torch") is not None))
 
 def test_encode_pt_runs_where_torch_cannot_be_imported():
     cases = [(_data(dtype, shape), dtype, shape) for dtype in DTYPES for shape in [(), (0,), (2, 3)]]
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps([(d.hex(), t, s) for d, t, s in cases])],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps([(d.hex(), t, s) for d, t, s in cases])],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     files, torch_loaded = [json.loads(line) for line in done.stdout.splitlines()]
     assert torch_loaded is False

@@ -65,8 +65,18 @@ def test_sibling_bundles_share_objects(tmp_path):
 def test_rows_of_selected_samples_are_read_lazily(tmp_path):
     n, tokens = 64, 4096
     index = canonical_case(False).index
-    samples = [SampleRecord(sample_id=f"s-{i}", group_index=i // 8, response_length=tokens, total_length=tokens + 4,
-                            loss_mask=[1] * tokens, raw_reward=float(i), reward=0.0) for i in range(n)]
+    samples = [
+        SampleRecord(
+            sample_id=f"s-{i}",
+            group_index=i // 8,
+            response_length=tokens,
+            total_length=tokens + 4,
+            loss_mask=[1] * tokens,
+            raw_reward=float(i),
+            reward=0.0,
+        )
+        for i in range(n)
+    ]
     index = index.model_copy(update={"samples": samples, "bundle_id": "big"})
     manifest = canonical_case(False).manifest.model_copy(update={"bundle_id": "big"})
     data = torch.randn(n * tokens)
@@ -77,7 +87,7 @@ def test_rows_of_selected_samples_are_read_lazily(tmp_path):
     stats = reader.store.backend.stats
     stats.reset()
     rows = reader.load_payload("old_log_probs", samples=[3, 40])
-    assert torch.equal(rows, torch.cat([data[3 * tokens:4 * tokens], data[40 * tokens:41 * tokens]]))
+    assert torch.equal(rows, torch.cat([data[3 * tokens : 4 * tokens], data[40 * tokens : 41 * tokens]]))
     payload_bytes = reader.manifest.payloads["old_log_probs"].size
     # the record, the header block and the blocks holding two rows: a few percent of the payload
     assert stats.bytes_read < payload_bytes * 0.1, (stats.bytes_read, payload_bytes)
@@ -165,8 +175,9 @@ def test_concurrent_finalizers_agree(s3_root):
 
     def land(rank):
         try:
-            w = BundleWriter(f"{url}/race", manifest, index, case.expected, rank=rank, expected_ranks=[0, 1, 2, 3],
-                             **options)
+            w = BundleWriter(
+                f"{url}/race", manifest, index, case.expected, rank=rank, expected_ranks=[0, 1, 2, 3], **options
+            )
             for name, t in case.payloads.items():
                 w.write_payload(name, t)
             results.append(w.finalize())
@@ -201,11 +212,21 @@ def test_redaction_applied_before_storage(tmp_path):
     root = str(tmp_path / "store")
     case = canonical_case(False)
     secret = "the-secret-prompt-text-42"
-    samples = [s.model_copy(update={"prompt": secret, "response": "answer-" + secret, "label": "LBL-" + secret,
-                                    "tool_output": "TOOL-" + secret}) for s in case.index.samples]
+    samples = [
+        s.model_copy(
+            update={
+                "prompt": secret,
+                "response": "answer-" + secret,
+                "label": "LBL-" + secret,
+                "tool_output": "TOOL-" + secret,
+            }
+        )
+        for s in case.index.samples
+    ]
     index = case.index.model_copy(update={"samples": samples})
-    manifest = case.manifest.model_copy(update={"redaction": {"prompt": "hash", "response": "truncate:3",
-                                                              "label": "drop", "tool_output": "drop"}})
+    manifest = case.manifest.model_copy(
+        update={"redaction": {"prompt": "hash", "response": "truncate:3", "label": "drop", "tool_output": "drop"}}
+    )
     w = BundleWriter(f"{root}/b-00001", manifest, index, case.expected)
     for name, t in case.payloads.items():
         w.write_payload(name, t)
@@ -231,8 +252,9 @@ def test_no_credentials_written(s3_root, tmp_path):
 def test_structure_checked_semantics_written_as_given(tmp_path):
     root = str(tmp_path / "store")
     case = canonical_case(False)
-    index = case.index.model_copy(update={"config": case.index.config.model_copy(
-        update={"advantage_estimator": "my-estimator"})})
+    index = case.index.model_copy(
+        update={"config": case.index.config.model_copy(update={"advantage_estimator": "my-estimator"})}
+    )
     expected = {**case.expected, "reward.raw": {"raw_rewards": [float("nan"), 1.0]}}
     w = BundleWriter(f"{root}/b-00001", case.manifest, index, expected)
     w.write_payload("kl", torch.tensor([float("nan")] * 3))  # wrong length and NaN: data, not structure
@@ -248,16 +270,29 @@ def test_structure_checked_semantics_written_as_given(tmp_path):
     assert reader.load_payload("kl").isnan().all()
 
 
-@pytest.mark.parametrize("mask, ok", [([1, 0, 1], True), ([True, False, True], True), ([1.0, 0.0, 1.0], True),
-                                      ([1, 2, 1], False), ([1, -1, 0], False), ([0.5, 1, 1], False)])
+@pytest.mark.parametrize(
+    "mask, ok",
+    [
+        ([1, 0, 1], True),
+        ([True, False, True], True),
+        ([1.0, 0.0, 1.0], True),
+        ([1, 2, 1], False),
+        ([1, -1, 0], False),
+        ([0.5, 1, 1], False),
+    ],
+)
 def test_loss_mask_values(tmp_path, mask, ok):
     case = canonical_case(False)
     samples = list(case.index.samples)
     # records built with model_copy are not validated: the writer sees the values exactly as given
     samples[1] = samples[1].model_copy(update={"response_length": 3, "loss_mask": mask})
     index = case.index.model_copy(update={"samples": samples})
-    w = BundleWriter(str(tmp_path / "store" / "b"), case.manifest.model_copy(update={"bundle_id": "b"}),
-                     index.model_copy(update={"bundle_id": "b"}), case.expected)
+    w = BundleWriter(
+        str(tmp_path / "store" / "b"),
+        case.manifest.model_copy(update={"bundle_id": "b"}),
+        index.model_copy(update={"bundle_id": "b"}),
+        case.expected,
+    )
     if not ok:
         with pytest.raises(BundleError, match=f"sample {samples[1].sample_id}: loss_mask values must be 0 or 1"):
             w.finalize()
@@ -322,7 +357,7 @@ def test_payload_stored_first_with_other_chunks_is_named_by_its_record(tmp_path)
 
     def plan_then_race(items):
         plans = real(items)
-        if not plan_holder:   # after this writer planned, another stores the same bytes cut at other rows
+        if not plan_holder:  # after this writer planned, another stores the same bytes cut at other rows
             plan_holder["ref"] = other.put(encoded.blob, boundaries=[8])
         return plans
 
@@ -331,7 +366,7 @@ def test_payload_stored_first_with_other_chunks_is_named_by_its_record(tmp_path)
     reader = BundleReader.open(f"{root}/b-00001")
     spec = reader.manifest.payloads[name]
     assert other._read_ref(spec.digest) == plan_holder["ref"].record != spec.record
-    assert len(other.record(plan_holder["ref"]).chunks) == 2   # not how this writer cut it (one chunk)
+    assert len(other.record(plan_holder["ref"]).chunks) == 2  # not how this writer cut it (one chunk)
     assert len(other.record(reader.payload_ref(name)).chunks) == 1
     assert replay(open_native(f"{root}/b-00001")).passed
 
@@ -342,12 +377,24 @@ def test_micro_batch_rows_are_shared_between_bundles(tmp_path):
     base = canonical_case(False)
 
     def write(name: str, mbs: list[int], data: torch.Tensor):
-        samples = [SampleRecord(sample_id=f"s-{m}-{j}", group_index=m, response_length=tokens,
-                                total_length=tokens + 4, loss_mask=[1] * tokens, raw_reward=0.0, reward=0.0,
-                                micro_batch_id=f"mb-{m:04d}") for m in mbs for j in range(2)]
+        samples = [
+            SampleRecord(
+                sample_id=f"s-{m}-{j}",
+                group_index=m,
+                response_length=tokens,
+                total_length=tokens + 4,
+                loss_mask=[1] * tokens,
+                raw_reward=0.0,
+                reward=0.0,
+                micro_batch_id=f"mb-{m:04d}",
+            )
+            for m in mbs
+            for j in range(2)
+        ]
         index = base.index.model_copy(update={"samples": samples, "bundle_id": name})
-        w = BundleWriter(str(tmp_path / "store" / name), base.manifest.model_copy(update={"bundle_id": name}),
-                         index, {})
+        w = BundleWriter(
+            str(tmp_path / "store" / name), base.manifest.model_copy(update={"bundle_id": name}), index, {}
+        )
         w.write_payload("old_log_probs", data)
         w.finalize()
         return w.store
@@ -358,6 +405,8 @@ def test_micro_batch_rows_are_shared_between_bundles(tmp_path):
     reader = BundleReader.open(str(tmp_path / "store" / "step-0-1"))
     assert torch.equal(reader.load_payload("old_log_probs"), rows[2:6].reshape(-1))
     rollout = BundleReader.open(str(tmp_path / "store" / "rollout-0"))
-    chunks = {name: {c.digest for c in store.record(src.payload_ref("old_log_probs")).chunks}
-              for name, src in (("step", reader), ("rollout", rollout))}
+    chunks = {
+        name: {c.digest for c in store.record(src.payload_ref("old_log_probs")).chunks}
+        for name, src in (("step", reader), ("rollout", rollout))
+    }
     assert len(chunks["step"]) == 3 and len(chunks["step"] - chunks["rollout"]) == 1  # only its header

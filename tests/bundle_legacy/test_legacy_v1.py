@@ -14,7 +14,13 @@ import torch
 
 from tests.bundle_legacy.v1_cases import Case, edit_json, make_case, replace_payload, reseal, sha256, v1_json
 from trajectory_replay.bundle.legacy import (
-    LegacyBundle, find_v1_bundles, is_v1_bundle, open_v1, open_v1_bundle, write_v1_bundle, write_v1_multirank,
+    LegacyBundle,
+    find_v1_bundles,
+    is_v1_bundle,
+    open_v1,
+    open_v1_bundle,
+    write_v1_bundle,
+    write_v1_multirank,
 )
 from trajectory_replay.errors import BundleError, NotFoundError
 from trajectory_replay.replay.source import ReplaySource
@@ -38,6 +44,7 @@ def refused(path: Path, match: str, *, load: str | None = None) -> BundleError:
 
 # --------------------------------------------------------------------------- round trip and layout
 
+
 def test_round_trip_gives_back_documents_and_tensors(bundle: Path, case: Case) -> None:
     source = open_v1_bundle(bundle)
     assert isinstance(source, ReplaySource)
@@ -50,14 +57,22 @@ def test_round_trip_gives_back_documents_and_tensors(bundle: Path, case: Case) -
         assert loaded.dtype == torch.float32 and torch.equal(loaded, tensor), name
     spec = source.manifest.payloads
     assert {name: s.role for name, s in spec.items()} == {
-        "old_log_probs": "input", "log_probs": "input", "ref_log_probs": "input", "entropy": "input",
-        "kl": "expected", "advantages": "expected"}
-    assert all(s.codec == "torch-pt" and s.dtype == "torch.float32" and s.shape == [8] and s.digest is None
-               for s in spec.values())
+        "old_log_probs": "input",
+        "log_probs": "input",
+        "ref_log_probs": "input",
+        "entropy": "input",
+        "kl": "expected",
+        "advantages": "expected",
+    }
+    assert all(
+        s.codec == "torch-pt" and s.dtype == "torch.float32" and s.shape == [8] and s.digest is None
+        for s in spec.values()
+    )
     assert {n: s.size for n, s in spec.items()} == {n: (bundle / "payloads" / f"{n}.pt").stat().st_size for n in spec}
     assert source.v1_digests == {n: sha256((bundle / "payloads" / f"{n}.pt").read_bytes()) for n in spec}
-    assert source.sha256_metadata == {f: sha256((bundle / f).read_bytes())
-                                      for f in ("manifest.json", "index.json", "expected.json")}
+    assert source.sha256_metadata == {
+        f: sha256((bundle / f).read_bytes()) for f in ("manifest.json", "index.json", "expected.json")
+    }
 
 
 def test_writer_emits_the_v1_layout(bundle: Path) -> None:
@@ -65,20 +80,40 @@ def test_writer_emits_the_v1_layout(bundle: Path) -> None:
         data = (bundle / filename).read_bytes()
         assert data == v1_json(json.loads(data)), f"{filename} is not indent-2 sorted JSON with a newline"
     complete = json.loads((bundle / "COMPLETE").read_text())
-    assert complete == {"ranks": [0], "expected_ranks": [0], "metadata": {
-        f: sha256((bundle / f).read_bytes()) for f in ("manifest.json", "index.json", "expected.json")}}
+    assert complete == {
+        "ranks": [0],
+        "expected_ranks": [0],
+        "metadata": {f: sha256((bundle / f).read_bytes()) for f in ("manifest.json", "index.json", "expected.json")},
+    }
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["format_version"] == "1.0.0"
-    assert set(manifest) == {"format_version", "bundle_id", "producer", "stage_contracts", "payloads",
-                             "comparison_policy", "redaction"}
+    assert set(manifest) == {
+        "format_version",
+        "bundle_id",
+        "producer",
+        "stage_contracts",
+        "payloads",
+        "comparison_policy",
+        "redaction",
+    }
     assert set(manifest["producer"]) == {"commit", "dirty_patch_digest", "torch_version"}
     assert manifest["stage_contracts"]["reward.post_process"] == {
-        "stage": "reward.post_process", "version": "v1", "capability": "recompute",
-        "implementation": "reimplemented", "inputs": [], "expected_outputs": []}
+        "stage": "reward.post_process",
+        "version": "v1",
+        "capability": "recompute",
+        "implementation": "reimplemented",
+        "inputs": [],
+        "expected_outputs": [],
+    }
     assert manifest["comparison_policy"]["tolerances"] == {"reward.post_process": {"atol": 1e-5}}
     kl = bundle / "payloads" / "kl.pt"
-    assert manifest["payloads"]["kl"] == {"name": "kl", "dtype": "torch.float32", "shape": [8],
-                                          "bytes": kl.stat().st_size, "sha256": sha256(kl.read_bytes())}
+    assert manifest["payloads"]["kl"] == {
+        "name": "kl",
+        "dtype": "torch.float32",
+        "shape": [8],
+        "bytes": kl.stat().st_size,
+        "sha256": sha256(kl.read_bytes()),
+    }
     # loss masks live in the index samples, never as a payload; unset project-only text fields are left out
     assert "loss_mask" not in manifest["payloads"] and not (bundle / "payloads" / "loss_mask.pt").exists()
     sample = json.loads((bundle / "index.json").read_text())["samples"][0]
@@ -102,6 +137,7 @@ def test_writer_keeps_nan_in_expected_values(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- lazy payloads and rows
+
 
 def test_rows_of_scattered_samples_use_response_length_offsets(tmp_path: Path) -> None:
     case = make_case(response_lengths=(1, 3, 2, 2))
@@ -147,6 +183,7 @@ def test_verify_payloads_checks_them_all(bundle: Path) -> None:
 
 # --------------------------------------------------------------------------- refusals, in check order
 
+
 def test_missing_directory_is_not_found(tmp_path: Path) -> None:
     with pytest.raises(NotFoundError, match="no such bundle directory"):
         open_v1_bundle(tmp_path / "nope")
@@ -159,14 +196,20 @@ def test_missing_complete_is_an_incomplete_bundle(bundle: Path) -> None:
     refused(bundle, r"b-1: incomplete bundle \(COMPLETE is missing\)")
 
 
-@pytest.mark.parametrize("content, match", [
-    (b"{not json", r"b-1/COMPLETE: not valid JSON"),
-    (b"[1, 2]", r"b-1/COMPLETE: expected a JSON object, got list"),
-    (b'{"ranks": [0], "expected_ranks": [0]}', r"b-1/COMPLETE: missing required field 'metadata'"),
-    (b'{"ranks": [], "expected_ranks": [0], "metadata": {}}', r"b-1/COMPLETE: field 'ranks'"),
-    (b'{"ranks": [0], "expected_ranks": [0], "metadata": {"manifest.json": "x", "index.json": "x", '
-     b'"expected.json": "x"}}', r"b-1/COMPLETE: field 'metadata.manifest.json': invalid sha256"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"{not json", r"b-1/COMPLETE: not valid JSON"),
+        (b"[1, 2]", r"b-1/COMPLETE: expected a JSON object, got list"),
+        (b'{"ranks": [0], "expected_ranks": [0]}', r"b-1/COMPLETE: missing required field 'metadata'"),
+        (b'{"ranks": [], "expected_ranks": [0], "metadata": {}}', r"b-1/COMPLETE: field 'ranks'"),
+        (
+            b'{"ranks": [0], "expected_ranks": [0], "metadata": {"manifest.json": "x", "index.json": "x", '
+            b'"expected.json": "x"}}',
+            r"b-1/COMPLETE: field 'metadata.manifest.json': invalid sha256",
+        ),
+    ],
+)
 def test_bad_complete(bundle: Path, content: bytes, match: str) -> None:
     (bundle / "COMPLETE").write_bytes(content)
     refused(bundle, match)
@@ -184,36 +227,66 @@ def test_metadata_hash_mismatch(bundle: Path, filename: str) -> None:
     refused(bundle, rf"b-1/{filename}: sha256 mismatch with COMPLETE metadata \(expected [0-9a-f]{{12}}…")
 
 
-@pytest.mark.parametrize("content, match", [
-    (b"{\n  \"bundle_id\": \"b-1\",\n  \"format", r"b-1/manifest.json: not valid JSON \(.* at line 3"),
-    (b"", r"b-1/manifest.json: not valid JSON"),
-    (b"\xff\xfe{}", r"b-1/manifest.json: not UTF-8"),
-    (b'{"bundle_id": "b-1", "format_version": NaN', r"b-1/manifest.json: not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b'{\n  "bundle_id": "b-1",\n  "format', r"b-1/manifest.json: not valid JSON \(.* at line 3"),
+        (b"", r"b-1/manifest.json: not valid JSON"),
+        (b"\xff\xfe{}", r"b-1/manifest.json: not UTF-8"),
+        (b'{"bundle_id": "b-1", "format_version": NaN', r"b-1/manifest.json: not valid JSON"),
+    ],
+)
 def test_non_json_or_truncated_manifest(bundle: Path, content: bytes, match: str) -> None:
     reseal(bundle, "manifest.json", content)
     refused(bundle, match)
 
 
-@pytest.mark.parametrize("filename, mutate, match", [
-    ("manifest.json", lambda d: d.pop("bundle_id"), r"b-1/manifest.json: missing required field 'bundle_id'"),
-    ("manifest.json", lambda d: d.update(format_version="3.0.0"),
-     r"b-1/manifest.json: field 'format_version': unsupported format_version '3.0.0': major version must be 1"),
-    ("manifest.json", lambda d: d["payloads"]["kl"].pop("sha256"),
-     r"b-1/manifest.json: missing required field 'payloads.kl.sha256'"),
-    ("manifest.json", lambda d: d["payloads"]["kl"].update(name="../../kl"),
-     r"b-1/manifest.json: field 'payloads.kl.name': invalid payload name"),
-    ("manifest.json", lambda d: d.update(redaction={"prompt": "rot13"}),
-     r"b-1/manifest.json: field 'redaction': invalid redaction rule 'rot13' for field 'prompt'"),
-    ("manifest.json", lambda d: d["stage_contracts"]["reward.raw"].update(capability="maybe"),
-     r"b-1/manifest.json: field 'stage_contracts.reward.raw.capability'"),
-    ("index.json", lambda d: d["samples"][1].pop("response_length"),
-     r"b-1/index.json: missing required field 'samples.1.response_length'"),
-    ("index.json", lambda d: d["identity"].update(rollout_id=3),
-     r"b-1/index.json: field 'identity': identity must have exactly one of actor_step_id or rollout_id"),
-    ("expected.json", lambda d: d["reward.raw"].update(raw_rewards="many"),
-     r"b-1/expected.json: field 'reward.raw.raw_rewards'"),
-])
+@pytest.mark.parametrize(
+    "filename, mutate, match",
+    [
+        ("manifest.json", lambda d: d.pop("bundle_id"), r"b-1/manifest.json: missing required field 'bundle_id'"),
+        (
+            "manifest.json",
+            lambda d: d.update(format_version="3.0.0"),
+            r"b-1/manifest.json: field 'format_version': unsupported format_version '3.0.0': major version must be 1",
+        ),
+        (
+            "manifest.json",
+            lambda d: d["payloads"]["kl"].pop("sha256"),
+            r"b-1/manifest.json: missing required field 'payloads.kl.sha256'",
+        ),
+        (
+            "manifest.json",
+            lambda d: d["payloads"]["kl"].update(name="../../kl"),
+            r"b-1/manifest.json: field 'payloads.kl.name': invalid payload name",
+        ),
+        (
+            "manifest.json",
+            lambda d: d.update(redaction={"prompt": "rot13"}),
+            r"b-1/manifest.json: field 'redaction': invalid redaction rule 'rot13' for field 'prompt'",
+        ),
+        (
+            "manifest.json",
+            lambda d: d["stage_contracts"]["reward.raw"].update(capability="maybe"),
+            r"b-1/manifest.json: field 'stage_contracts.reward.raw.capability'",
+        ),
+        (
+            "index.json",
+            lambda d: d["samples"][1].pop("response_length"),
+            r"b-1/index.json: missing required field 'samples.1.response_length'",
+        ),
+        (
+            "index.json",
+            lambda d: d["identity"].update(rollout_id=3),
+            r"b-1/index.json: field 'identity': identity must have exactly one of actor_step_id or rollout_id",
+        ),
+        (
+            "expected.json",
+            lambda d: d["reward.raw"].update(raw_rewards="many"),
+            r"b-1/expected.json: field 'reward.raw.raw_rewards'",
+        ),
+    ],
+)
 def test_schema_errors_name_file_and_field(bundle: Path, filename: str, mutate, match: str) -> None:
     edit_json(bundle, filename, mutate)
     refused(bundle, match)
@@ -240,22 +313,28 @@ def test_payload_sha_mismatch(bundle: Path) -> None:
     refused(bundle, r"b-1/payloads/kl.pt: sha256 mismatch \(expected abababababab…, got [0-9a-f]{12}…\)", load="kl")
 
 
-@pytest.mark.parametrize("tensor, match", [
-    (torch.zeros(8, dtype=torch.float64), r"kl.pt: dtype torch.float64 differs from manifest dtype torch.float32"),
-    (torch.zeros(2, 4), r"kl.pt: shape \[2, 4\] differs from manifest shape \[8\]"),
-    (torch.zeros(7), r"kl.pt: shape \[7\] differs from manifest shape \[8\]"),
-])
+@pytest.mark.parametrize(
+    "tensor, match",
+    [
+        (torch.zeros(8, dtype=torch.float64), r"kl.pt: dtype torch.float64 differs from manifest dtype torch.float32"),
+        (torch.zeros(2, 4), r"kl.pt: shape \[2, 4\] differs from manifest shape \[8\]"),
+        (torch.zeros(7), r"kl.pt: shape \[7\] differs from manifest shape \[8\]"),
+    ],
+)
 def test_tensor_dtype_and_shape_must_match_manifest(bundle: Path, tensor: torch.Tensor, match: str) -> None:
     replace_payload(bundle, "kl", tensor_bytes(tensor))
     refused(bundle, match, load="kl")
 
 
-@pytest.mark.parametrize("value, got", [
-    ({"kl": torch.zeros(8)}, "dict"),
-    ([torch.zeros(8)], "list"),
-    (torch.nn.Parameter(torch.zeros(8)), "Parameter"),
-    (torch.zeros(8).to_sparse(), "torch.sparse_coo tensor"),
-])
+@pytest.mark.parametrize(
+    "value, got",
+    [
+        ({"kl": torch.zeros(8)}, "dict"),
+        ([torch.zeros(8)], "list"),
+        (torch.nn.Parameter(torch.zeros(8)), "Parameter"),
+        (torch.zeros(8).to_sparse(), "torch.sparse_coo tensor"),
+    ],
+)
 def test_pickle_that_is_not_a_plain_tensor(bundle: Path, value: object, got: str) -> None:
     replace_payload(bundle, "kl", tensor_bytes(value))
     refused(bundle, rf"b-1/payloads/kl.pt: not a plain tensor \(got {got}\)", load="kl")
@@ -299,10 +378,12 @@ class _PlainObject:
 
 
 @pytest.mark.parametrize("exploit", [_Exploit, _EvalExploit, _PlainObject], ids=["os-system", "eval", "class"])
-@pytest.mark.parametrize("encode", [tensor_bytes, lambda value: pickle.dumps(value, protocol=2)],
-                         ids=["torch-zip", "raw-pickle"])
-def test_refusal_of_a_pickle_is_our_own_line_and_never_advises_loading_unsafely(bundle: Path, tmp_path: Path,
-                                                                                 exploit, encode) -> None:
+@pytest.mark.parametrize(
+    "encode", [tensor_bytes, lambda value: pickle.dumps(value, protocol=2)], ids=["torch-zip", "raw-pickle"]
+)
+def test_refusal_of_a_pickle_is_our_own_line_and_never_advises_loading_unsafely(
+    bundle: Path, tmp_path: Path, exploit, encode
+) -> None:
     marker = tmp_path / "PWNED"
     replace_payload(bundle, "kl", encode(exploit(marker)))
     error = str(refused(bundle, r"b-1/payloads/kl.pt: not a loadable tensor file \(", load="kl"))
@@ -334,10 +415,16 @@ def test_row_selection_needs_tokens_matching_the_index(tmp_path: Path, case: Cas
 
 # --------------------------------------------------------------------------- writer refusals
 
+
 def test_writer_refuses_structural_problems(tmp_path: Path, case: Case) -> None:
     with pytest.raises(BundleError, match="V1 keeps loss masks in index.json samples"):
-        write_v1_bundle(tmp_path / "a", case.manifest, case.index, case.expected,
-                        {**case.payloads, "loss_mask": torch.ones(8, dtype=torch.uint8)})
+        write_v1_bundle(
+            tmp_path / "a",
+            case.manifest,
+            case.index,
+            case.expected,
+            {**case.payloads, "loss_mask": torch.ones(8, dtype=torch.uint8)},
+        )
     with pytest.raises(BundleError, match="expected a torch.Tensor, got list"):
         write_v1_bundle(tmp_path / "b", case.manifest, case.index, case.expected, {"kl": [0.0] * 8})
     with pytest.raises(BundleError, match="invalid payload name '../kl'"):
@@ -346,8 +433,9 @@ def test_writer_refuses_structural_problems(tmp_path: Path, case: Case) -> None:
     with pytest.raises(BundleError, match="manifest bundle_id 'b-1' differs from index bundle_id 'b-2'"):
         write_v1_bundle(tmp_path / "d", case.manifest, other, case.expected, case.payloads)
     with pytest.raises(BundleError, match=r"ranks \[1\] are not all in expected_ranks \[0\]"):
-        write_v1_bundle(tmp_path / "e", case.manifest, case.index, case.expected, case.payloads,
-                        ranks=[1], expected_ranks=[0])
+        write_v1_bundle(
+            tmp_path / "e", case.manifest, case.index, case.expected, case.payloads, ranks=[1], expected_ranks=[0]
+        )
     assert not any((tmp_path / d / "COMPLETE").exists() for d in "abcde")
 
 
@@ -360,6 +448,7 @@ def test_writer_never_rewrites_a_finished_bundle(bundle: Path, case: Case) -> No
 
 
 # --------------------------------------------------------------------------- multi-rank
+
 
 def test_rank_bundle_is_refused_until_the_parent_complete_exists(tmp_path: Path) -> None:
     root = tmp_path / "b-1"

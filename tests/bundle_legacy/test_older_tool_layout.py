@@ -11,7 +11,12 @@ import torch
 from typer.testing import CliRunner
 
 from tests.bundle_legacy.v1_cases import (
-    edit_json, sha256, tool_case, update_rank_markers, write_capture, write_capture_multirank,
+    edit_json,
+    sha256,
+    tool_case,
+    update_rank_markers,
+    write_capture,
+    write_capture_multirank,
 )
 from trajectory_replay.bundle.legacy import capture_dir_name, open_v1, open_v1_bundle, v1_status
 from trajectory_replay.bundle.schema import StageCapability, StageId
@@ -46,15 +51,21 @@ def capture(tmp_path: Path) -> Path:
     """A capture directory of the older tool: a three-rank step bundle with rank-local sample ids, a
     single-producer step bundle and a rollout-level bundle."""
     root = tmp_path / "capture"
-    write_capture_multirank(root, [tool_case(raw_rewards=[1, 3, 10, 12]),
-                                   tool_case(raw_rewards=[5, 1, 2, 2], log_prob=0.1),
-                                   tool_case(raw_rewards=[0, 4, 8, 0, 1, 1])])
+    write_capture_multirank(
+        root,
+        [
+            tool_case(raw_rewards=[1, 3, 10, 12]),
+            tool_case(raw_rewards=[5, 1, 2, 2], log_prob=0.1),
+            tool_case(raw_rewards=[0, 4, 8, 0, 1, 1]),
+        ],
+    )
     write_capture(root, tool_case("b-00002", step=1))
     write_capture(root, tool_case("b-00003", level="rollout"))
     return root
 
 
 # --------------------------------------------------------------------------- what the writers write
+
 
 def test_single_producer_markers_are_shaped_as_the_older_tools(tmp_path: Path) -> None:
     bundle = write_capture(tmp_path, tool_case())
@@ -63,9 +74,13 @@ def test_single_producer_markers_are_shaped_as_the_older_tools(tmp_path: Path) -
     complete = json.loads((bundle / "COMPLETE").read_text())
     assert complete == {"ranks": [0], "expected_ranks": [0], "metadata": metadata}  # no bundle id
     marker = json.loads((bundle / "COMPLETE.0").read_text())
-    assert marker == {"actor_step_id": {"rollout_id": 120, "step_id": 0}, "rollout_id": None,
-                      "expected_ranks": [0], "metadata": metadata,
-                      "payloads": {p.stem: sha256(p.read_bytes()) for p in (bundle / "payloads").iterdir()}}
+    assert marker == {
+        "actor_step_id": {"rollout_id": 120, "step_id": 0},
+        "rollout_id": None,
+        "expected_ranks": [0],
+        "metadata": metadata,
+        "payloads": {p.stem: sha256(p.read_bytes()) for p in (bundle / "payloads").iterdir()},
+    }
     rollout = write_capture(tmp_path, tool_case(level="rollout"))
     assert rollout.name == "replay-rollout-120"
     marker = json.loads((rollout / "COMPLETE.0").read_text())
@@ -75,8 +90,15 @@ def test_single_producer_markers_are_shaped_as_the_older_tools(tmp_path: Path) -
 
 def test_multi_rank_markers_are_shaped_as_the_older_tools(capture: Path) -> None:
     root = capture / "replay-120-0"
-    assert sorted(p.name for p in root.iterdir()) == ["COMPLETE", "COMPLETE.0", "COMPLETE.1", "COMPLETE.2",
-                                                      "rank-0", "rank-1", "rank-2"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "COMPLETE",
+        "COMPLETE.0",
+        "COMPLETE.1",
+        "COMPLETE.2",
+        "rank-0",
+        "rank-1",
+        "rank-2",
+    ]
     parent = json.loads((root / "COMPLETE").read_text())
     assert set(parent) == {"ranks", "shards"} and parent["ranks"] == [0, 1, 2]
     for rank in range(3):
@@ -114,6 +136,7 @@ def test_the_older_tools_format_2_is_refused_in_one_line(tmp_path: Path) -> None
 
 # --------------------------------------------------------------------------- declared capabilities
 
+
 def test_loss_value_declared_unsupported_is_skipped_and_the_bundle_passes(tmp_path: Path) -> None:
     bundle = write_capture(tmp_path, tool_case())
     result = run("validate", bundle)
@@ -127,8 +150,9 @@ def test_loss_value_declared_unsupported_is_skipped_and_the_bundle_passes(tmp_pa
     assert asked.exit_code == 1 and "stage loss.value is declared unsupported" in one_line_error(asked)
 
 
-@pytest.mark.parametrize("capability", [StageCapability.INSPECT_ONLY, StageCapability.RECORDED_ONLY,
-                                        StageCapability.UNSUPPORTED])
+@pytest.mark.parametrize(
+    "capability", [StageCapability.INSPECT_ONLY, StageCapability.RECORDED_ONLY, StageCapability.UNSUPPORTED]
+)
 def test_every_declared_capability_is_skipped_and_reported(tmp_path: Path, capability: StageCapability) -> None:
     case = tool_case(capabilities={StageId.REWARD_POST_PROCESS: capability, StageId.ADVANTAGE_KL: capability})
     case.payloads["kl"] = torch.full((8,), 3.0)  # not what the stage recomputes: it must not run
@@ -154,9 +178,13 @@ def test_an_unsupported_topology_still_fails_loudly(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- capture directories
 
+
 def test_capture_directories_resolve_by_step_and_rollout(capture: Path) -> None:
-    for flags, bundle_id in ((("--step", "120:0"), "replay-120-0"), (("--step", "120:1"), "b-00002"),
-                             (("--rollout", "120"), "b-00003")):
+    for flags, bundle_id in (
+        (("--step", "120:0"), "replay-120-0"),
+        (("--step", "120:1"), "b-00002"),
+        (("--rollout", "120"), "b-00003"),
+    ):
         code, report = report_of("replay", capture, *flags)
         assert code == 0 and report["bundle_id"] == bundle_id, report
         code, shown = report_of("inspect", capture, *flags)
@@ -186,7 +214,8 @@ def test_ls_lists_a_directory_of_older_bundles(capture: Path, tmp_path: Path) ->
     }
     assert rows["unfinished"]["missing_ranks"] == [1]
     assert rows["replay-120-1"]["logical_bytes"] == sum(
-        p.stat().st_size for p in (capture / "replay-120-1" / "payloads").iterdir())
+        p.stat().st_size for p in (capture / "replay-120-1" / "payloads").iterdir()
+    )
     text = run("ls", capture).stdout
     assert "corrupt" not in text and "replay-120-0 [v1]" in text
     write_capture_multirank(unfinished, [tool_case(), tool_case(raw_rewards=[2, 2, 4, 8])], land=[1])
@@ -206,8 +235,10 @@ def test_cp_and_import_resolve_and_convert_like_replay(capture: Path, tmp_path: 
     assert run("cp", capture, store, "--step", "120:1").exit_code == 0
     code, listing = report_of("ls", store)
     assert {b["name"]: (b["anchor"], b["status"], b["format"]) for b in listing["bundles"]} == {
-        "replay-120-0": ("step 120:0", "complete", "native"), "b-00002": ("step 120:1", "complete", "native"),
-        "b-00003": ("rollout 120", "complete", "native")}
+        "replay-120-0": ("step 120:0", "complete", "native"),
+        "b-00002": ("step 120:1", "complete", "native"),
+        "b-00003": ("rollout 120", "complete", "native"),
+    }
     for flags in (("--step", "120:0"), ("--step", "120:1"), ("--rollout", "120")):
         direct, imported_report = report_of("replay", capture, *flags), report_of("replay", store, *flags)
         assert direct[0] == imported_report[0] == 0
@@ -220,20 +251,33 @@ def test_cp_and_import_resolve_and_convert_like_replay(capture: Path, tmp_path: 
 
 # --------------------------------------------------------------------------- rank-local sample ids
 
+
 def test_every_rank_of_a_rank_local_capture_is_replayed_and_reported(capture: Path) -> None:
     code, report = report_of("replay", capture, "--step", "120:0")
     assert code == 0, report
     assert {(s["stage"], s["rank"]) for s in report["stages"]} == {
-        (stage, rank) for stage in ("sample", "reward.raw", "reward.post_process", "advantage.kl",
-                                    "advantage.estimate", "loss.policy", "loss.value") for rank in (0, 1, 2)}
+        (stage, rank)
+        for stage in (
+            "sample",
+            "reward.raw",
+            "reward.post_process",
+            "advantage.kl",
+            "advantage.estimate",
+            "loss.policy",
+            "loss.value",
+        )
+        for rank in (0, 1, 2)
+    }
 
 
 @pytest.mark.parametrize("level", ["step", "loss"])
 def test_a_fault_in_rank_2_fails_the_replay_directly_and_after_import(tmp_path: Path, level: str) -> None:
-    cases = [tool_case(raw_rewards=[1, 3, 10, 12], level=level),
-             tool_case(raw_rewards=[5, 1, 2, 2], log_prob=0.1, level=level),
-             tool_case(raw_rewards=[0, 4, 8, 0], log_prob=-0.2, level=level)]
-    cases[2].expected["loss.policy"]["pg_loss"] += 0.5   # what rank 2 reported is not what its data gives
+    cases = [
+        tool_case(raw_rewards=[1, 3, 10, 12], level=level),
+        tool_case(raw_rewards=[5, 1, 2, 2], log_prob=0.1, level=level),
+        tool_case(raw_rewards=[0, 4, 8, 0], log_prob=-0.2, level=level),
+    ]
+    cases[2].expected["loss.policy"]["pg_loss"] += 0.5  # what rank 2 reported is not what its data gives
     capture = tmp_path / "capture"
     write_capture_multirank(capture, cases)
     code, report = report_of("replay", capture, "--step", "120:0")
@@ -255,8 +299,15 @@ def test_ranks_with_identical_content_are_replicas_reported_per_rank(tmp_path: P
     code, report = report_of("replay", root)
     assert code == 0
     assert [(s["stage"], s["rank"]) for s in report["stages"]] == [
-        ("sample", None), ("reward.raw", None), ("reward.post_process", None), ("advantage.kl", None),
-        ("advantage.estimate", None), ("loss.policy", 0), ("loss.policy", 1), ("loss.value", None)]
+        ("sample", None),
+        ("reward.raw", None),
+        ("reward.post_process", None),
+        ("advantage.kl", None),
+        ("advantage.estimate", None),
+        ("loss.policy", 0),
+        ("loss.policy", 1),
+        ("loss.value", None),
+    ]
     assert report["stages"][6]["message"].endswith("(data identical to rank 0)")
 
 

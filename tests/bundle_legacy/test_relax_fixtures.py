@@ -19,8 +19,9 @@ from tests.conftest import SHARED
 from trajectory_replay.cli import app
 
 FIXTURES = SHARED / "fixtures" / "relax-v1"
-pytestmark = pytest.mark.skipif(not (FIXTURES / "REPORTS.txt").is_file(),
-                                reason="shared/fixtures/relax-v1 is not beside the repository")
+pytestmark = pytest.mark.skipif(
+    not (FIXTURES / "REPORTS.txt").is_file(), reason="shared/fixtures/relax-v1 is not beside the repository"
+)
 runner = CliRunner()
 _STAGE_LINE = re.compile(r"\[\s*(pass|fail|skipped)\]\s+(\S+)(?:\s+—\s+(.*))?")
 _RC_LINE = re.compile(r"(?:\w+_)?rc=(\d+)|exit=(\d+)")
@@ -115,6 +116,7 @@ def test_multirank_capture_is_listed_and_copied(tmp_path: Path) -> None:
     assert listing.exit_code == 0
     rows = json.loads(listing.stdout)["bundles"]
     assert [(r["name"], r["anchor"], r["status"], r["ranks"]) for r in rows] == [
-        ("replay-120-0", "step 120:0", "complete", [0, 1])]
+        ("replay-120-0", "step 120:0", "complete", [0, 1])
+    ]
     assert run("cp", FIXTURES / "multirank", tmp_path / "store", "--step", "120:0").exit_code == 0
     assert run("replay", tmp_path / "store", "--step", "120:0").exit_code == 0

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -13,12 +14,19 @@ from trajectory_replay.bundle.schema import RecomputeConfig
 
 RAW = [1.0, 3.0, 10.0, 12.0]
 GROUPS = [0, 0, 1, 1]
-REWARDS = [-1.0, 1.0, -1.0, 1.0]          # per-group normalized (n = 2, no std normalization)
+REWARDS = [-1.0, 1.0, -1.0, 1.0]  # per-group normalized (n = 2, no std normalization)
 TOKENS = 2
 OLD, REF, ENTROPY, CURRENT = 0.0, 0.25, 0.5, 0.5
 KL_COEF, EPS, ENTROPY_COEF = 0.1, 0.2, 0.01
-CONFIG = RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=2, kl_loss_type="k1", kl_coef=KL_COEF,
-                         eps_clip=EPS, eps_clip_high=EPS, entropy_coef=ENTROPY_COEF)
+CONFIG = RecomputeConfig(
+    advantage_estimator="grpo",
+    n_samples_per_prompt=2,
+    kl_loss_type="k1",
+    kl_coef=KL_COEF,
+    eps_clip=EPS,
+    eps_clip_high=EPS,
+    entropy_coef=ENTROPY_COEF,
+)
 IDS = [f"s-{i}" for i in range(4)]
 
 
@@ -30,25 +38,40 @@ def rollout_kwargs(positions: Sequence[int] = range(4), device: str = "cpu", fla
         parts = [torch.full((TOKENS,), float(value_of(i)), device=device) for i in pos]
         return torch.cat(parts) if flat else parts
 
-    return dict(sample_ids=[IDS[i] for i in pos], group_index=[GROUPS[i] for i in pos],
-                response_lengths=[TOKENS] * len(pos), total_lengths=[TOKENS + 1] * len(pos),
-                loss_masks=[[1] * TOKENS for _ in pos], raw_rewards=[RAW[i] for i in pos],
-                rewards=[REWARDS[i] for i in pos], old_log_probs=per_token(lambda i: OLD),
-                ref_log_probs=per_token(lambda i: REF), kl=per_token(lambda i: OLD - REF),
-                advantages=per_token(lambda i: REWARDS[i]), config=CONFIG,
-                weight_lineage={"rollout_weight": 6, "actor_weight": 7})
+    return dict(
+        sample_ids=[IDS[i] for i in pos],
+        group_index=[GROUPS[i] for i in pos],
+        response_lengths=[TOKENS] * len(pos),
+        total_lengths=[TOKENS + 1] * len(pos),
+        loss_masks=[[1] * TOKENS for _ in pos],
+        raw_rewards=[RAW[i] for i in pos],
+        rewards=[REWARDS[i] for i in pos],
+        old_log_probs=per_token(lambda i: OLD),
+        ref_log_probs=per_token(lambda i: REF),
+        kl=per_token(lambda i: OLD - REF),
+        advantages=per_token(lambda i: REWARDS[i]),
+        config=CONFIG,
+        weight_lineage={"rollout_weight": 6, "actor_weight": 7},
+    )
 
 
 def microbatch_kwargs(positions: Sequence[int], device: str = "cpu") -> dict[str, Any]:
     """capture_microbatch keyword arguments (flat per-token tensors) for the given canonical samples."""
     pos = list(positions)
     n = len(pos) * TOKENS
-    return dict(sample_ids=[IDS[i] for i in pos], group_index=[GROUPS[i] for i in pos],
-                response_lengths=[TOKENS] * len(pos), total_lengths=[TOKENS + 1] * len(pos),
-                loss_masks=[[1] * TOKENS for _ in pos], raw_rewards=[RAW[i] for i in pos],
-                rewards=[REWARDS[i] for i in pos], old_log_probs=torch.full((n,), OLD, device=device),
-                log_probs=torch.full((n,), CURRENT, device=device), entropy=torch.full((n,), ENTROPY, device=device),
-                advantages=torch.tensor([REWARDS[i] for i in pos for _ in range(TOKENS)], device=device))
+    return dict(
+        sample_ids=[IDS[i] for i in pos],
+        group_index=[GROUPS[i] for i in pos],
+        response_lengths=[TOKENS] * len(pos),
+        total_lengths=[TOKENS + 1] * len(pos),
+        loss_masks=[[1] * TOKENS for _ in pos],
+        raw_rewards=[RAW[i] for i in pos],
+        rewards=[REWARDS[i] for i in pos],
+        old_log_probs=torch.full((n,), OLD, device=device),
+        log_probs=torch.full((n,), CURRENT, device=device),
+        entropy=torch.full((n,), ENTROPY, device=device),
+        advantages=torch.tensor([REWARDS[i] for i in pos for _ in range(TOKENS)], device=device),
+    )
 
 
 def loss_scalars(positions: Sequence[int]) -> dict[str, float]:
@@ -61,18 +84,30 @@ def loss_scalars(positions: Sequence[int]) -> dict[str, float]:
         pg += max(-ratio * a, -clipped * a)
         clipfrac += 1.0 if -clipped * a > -ratio * a else 0.0
     ent = ENTROPY * len(positions)
-    return {"loss": pg - ENTROPY_COEF * ent, "pg_loss": pg, "entropy_loss": ent, "pg_clipfrac": clipfrac,
-            "ppo_kl": (OLD - CURRENT) * len(positions)}
+    return {
+        "loss": pg - ENTROPY_COEF * ent,
+        "pg_loss": pg,
+        "entropy_loss": ent,
+        "pg_clipfrac": clipfrac,
+        "ppo_kl": (OLD - CURRENT) * len(positions),
+    }
 
 
-def capture_step(target, rollout_id: int, step_id: int, micro_batches: Sequence[Sequence[int]],
-                 first_mb: int = 0, device: str = "cpu") -> Any:
+def capture_step(
+    target,
+    rollout_id: int,
+    step_id: int,
+    micro_batches: Sequence[Sequence[int]],
+    first_mb: int = 0,
+    device: str = "cpu",
+) -> Any:
     """Feed micro-batches then end the step, through a manager or the hooks module."""
     for j, pos in enumerate(micro_batches):
         target.capture_microbatch(rollout_id, step_id, f"mb-{first_mb + j:04d}", **microbatch_kwargs(pos, device))
     everything = [p for pos in micro_batches for p in pos]
-    return target.capture_step_end(rollout_id, step_id, config=CONFIG, weight_lineage={"actor_weight": 7},
-                                   **loss_scalars(everything))
+    return target.capture_step_end(
+        rollout_id, step_id, config=CONFIG, weight_lineage={"actor_weight": 7}, **loss_scalars(everything)
+    )
 
 
 def writer_processes() -> set[int]:
@@ -99,7 +134,7 @@ def idle_writer(make) -> tuple:
     before = writer_processes()
     manager = make()
     waited = time.monotonic()
-    while time.monotonic() - waited < 120:   # its start: a few milliseconds of work at nice 10 before it is idle
+    while time.monotonic() - waited < 120:  # its start: a few milliseconds of work at nice 10 before it is idle
         started = [pid for pid in writer_processes() - before if os.sched_getscheduler(pid) == os.SCHED_IDLE]
         if started:
             break
@@ -118,7 +153,7 @@ def normal_scheduling(pid: int) -> None:
         try:
             os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
             os.setpriority(os.PRIO_PROCESS, int(tid), 0)
-        except ProcessLookupError:   # a thread that just ended
+        except ProcessLookupError:  # a thread that just ended
             continue
         except PermissionError:
             return

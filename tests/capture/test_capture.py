@@ -8,6 +8,17 @@ import os
 import pytest
 import torch
 
+from tests.capture.helpers import (
+    CONFIG,
+    IDS,
+    RAW,
+    REWARDS,
+    capture_step,
+    idle_writer,
+    loss_scalars,
+    microbatch_kwargs,
+    rollout_kwargs,
+)
 from trajectory_replay import capture
 from trajectory_replay.bundle import open_native
 from trajectory_replay.bundle.markers import COMPLETE, complete_key, rank_key
@@ -16,9 +27,6 @@ from trajectory_replay.capture.config import ENV_CAPTURE, ENV_DIR, ENV_ROLLOUTS,
 from trajectory_replay.errors import TrajectoryReplayError
 from trajectory_replay.replay import replay
 from trajectory_replay.store.layout import INFLIGHT_DIR, OBJECTS_DIR
-from tests.capture.helpers import (
-    CONFIG, IDS, RAW, REWARDS, capture_step, idle_writer, loss_scalars, microbatch_kwargs, rollout_kwargs,
-)
 
 ROLLOUT_STAGES = ["sample", "reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate"]
 
@@ -32,8 +40,12 @@ def _replayed(url: str, **storage_options):
 
 
 def _all_complete(root) -> list[str]:
-    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files
-                  if f == COMPLETE or f.startswith(f"{COMPLETE}."))
+    return sorted(
+        os.path.relpath(os.path.join(d, f), root)
+        for d, _, files in os.walk(root)
+        for f in files
+        if f == COMPLETE or f.startswith(f"{COMPLETE}.")
+    )
 
 
 @pytest.mark.parametrize("flat", [False, True])
@@ -86,13 +98,17 @@ def test_hooks_through_the_environment(tmp_path, monkeypatch):
     assert manager is not None and not manager.multi_producer
     assert capture.capture_rollout(5, **rollout_kwargs()) is False  # filtered out
     assert capture.capture_rollout(6, **rollout_kwargs())
-    assert capture_step(capture, 5, 0, [[0, 1, 2, 3]]) is False     # filtered out
+    assert capture_step(capture, 5, 0, [[0, 1, 2, 3]]) is False  # filtered out
     assert capture_step(capture, 5, 1, [[0, 1, 2, 3]])
     assert manager.flush(30)
     stats = capture.stats()
     assert stats["written"] == 2 and stats["filtered"] == 3 and stats["errors"] == 0
-    assert sorted(p for p in os.listdir(tmp_path / "run-1") if not p.startswith(".")) == \
-        ["blobs", "objects", "rollout-6", "step-5-1"]
+    assert sorted(p for p in os.listdir(tmp_path / "run-1") if not p.startswith(".")) == [
+        "blobs",
+        "objects",
+        "rollout-6",
+        "step-5-1",
+    ]
     _replayed(str(tmp_path / "run-1" / "rollout-6"))
     _replayed(str(tmp_path / "run-1" / "step-5-1"))
     assert capture.shutdown(timeout=10)
@@ -127,7 +143,7 @@ def test_snapshot_isolation(tmp_path, make_manager):
     kwargs = rollout_kwargs(flat=True)
     rewards = list(kwargs["rewards"])
     manager.capture_rollout(1, **kwargs)
-    kwargs["advantages"].fill_(99.0)      # training reuses its buffers right after the hook
+    kwargs["advantages"].fill_(99.0)  # training reuses its buffers right after the hook
     kwargs["kl"].mul_(5)
     kwargs["rewards"][0] = 1234.0
     kwargs["loss_masks"][0][0] = 0
@@ -166,10 +182,10 @@ def test_bad_arguments_are_counted_never_raised(tmp_path, make_manager, caplog):
     caplog.set_level(logging.WARNING, logger="trajectory_replay.capture")
     bad = rollout_kwargs()
     bad["old_log_probs"] = "not a tensor"
-    assert manager.capture_rollout(1, **bad) is False                 # fails on the training thread
+    assert manager.capture_rollout(1, **bad) is False  # fails on the training thread
     short = rollout_kwargs()
     short["rewards"] = short["rewards"][:3]
-    assert manager.capture_rollout(2, **short)                         # fails on the writer thread
+    assert manager.capture_rollout(2, **short)  # fails on the writer thread
     assert manager.capture_step_end(3, 0, config=CONFIG, **loss_scalars([0])) is False  # no micro-batch
     assert manager.flush(30)
     stats = manager.stats()
@@ -181,7 +197,7 @@ def test_bad_arguments_are_counted_never_raised(tmp_path, make_manager, caplog):
 
 
 def test_queue_limits_drop_without_copying(tmp_path, make_manager):
-    manager = make_manager(tmp_path, max_queue_bytes=100)   # smaller than one rollout
+    manager = make_manager(tmp_path, max_queue_bytes=100)  # smaller than one rollout
     assert manager.capture_rollout(1, **rollout_kwargs()) is False
     assert manager.capture_microbatch(1, 0, "mb-0000", **microbatch_kwargs([0, 1, 2, 3])) is False
     assert manager.capture_microbatch(1, 0, "mb-0001", **microbatch_kwargs([0])) is False  # step already dropped
@@ -206,10 +222,18 @@ def test_slime_adapter(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_DIR, str(tmp_path))
     capture.maybe_enable_for_actor(0, True, [0], atexit_timeout=None, writer="thread")
     kw = rollout_kwargs()
-    data = {"tokens": [torch.arange(3) for _ in range(4)], "response_lengths": kw["response_lengths"],
-            "total_lengths": kw["total_lengths"], "loss_masks": [torch.ones(2, dtype=torch.int32) for _ in range(4)],
-            "rewards": kw["rewards"], "raw_reward": kw["raw_rewards"], "rollout_log_probs": kw["old_log_probs"],
-            "ref_log_probs": kw["ref_log_probs"], "advantages": kw["advantages"], "kl": kw["kl"]}
+    data = {
+        "tokens": [torch.arange(3) for _ in range(4)],
+        "response_lengths": kw["response_lengths"],
+        "total_lengths": kw["total_lengths"],
+        "loss_masks": [torch.ones(2, dtype=torch.int32) for _ in range(4)],
+        "rewards": kw["rewards"],
+        "raw_reward": kw["raw_rewards"],
+        "rollout_log_probs": kw["old_log_probs"],
+        "ref_log_probs": kw["ref_log_probs"],
+        "advantages": kw["advantages"],
+        "kl": kw["kl"],
+    }
     # fail closed: no group_index anywhere -> counted, logged, nothing written, nothing raised
     assert capture.capture_slime_rollout(3, data, config=CONFIG) is False
     assert capture.stats()["errors"] == 1
@@ -225,9 +249,19 @@ def test_slime_adapter(tmp_path, monkeypatch):
 
 
 def test_slime_adapter_mapping():
-    data = {"response_lengths": [2], "total_lengths": [3], "loss_masks": [[1, 1]], "rewards": [0.0],
-            "raw_reward": [1.0], "log_probs": ["actor"], "rollout_log_probs": ["sampler"], "advantages": ["a"],
-            "kl": ["k"], "sample_indices": [17], "group_index": [4]}
+    data = {
+        "response_lengths": [2],
+        "total_lengths": [3],
+        "loss_masks": [[1, 1]],
+        "rewards": [0.0],
+        "raw_reward": [1.0],
+        "log_probs": ["actor"],
+        "rollout_log_probs": ["sampler"],
+        "advantages": ["a"],
+        "kl": ["k"],
+        "sample_indices": [17],
+        "group_index": [4],
+    }
     args = capture.slime_rollout_arguments(5, data)
     assert args["old_log_probs"] == ["actor"] and args["sample_ids"] == ["s-5-17"] and args["group_index"] == [4]
     assert args["raw_rewards"] == [1.0] and args["ref_log_probs"] is None
@@ -279,14 +313,16 @@ def test_writer_process_by_default(s3_root, make_manager):
     assert child.pid == pid and child.poll() is None
     for name in ("step-6-0", "rollout-6"):
         _replayed(f"{url}/{name}", **options)
-    assert manager.close(30) and child.poll() is not None   # closing ends the process
+    assert manager.close(30) and child.poll() is not None  # closing ends the process
 
 
 def test_writer_process_never_imports_torch_and_writes_what_the_thread_writer_writes(tmp_path, make_manager):
     """The child builds and encodes bundles from raw tensors: torch is never loaded in it, and every payload (the
     micro-batches joined, the loss mask) has the same digest as the thread writer's."""
-    managers = {"process": idle_writer(lambda: make_manager(tmp_path / "process", writer="process"))[0],
-                "thread": make_manager(tmp_path / "thread", writer="thread")}
+    managers = {
+        "process": idle_writer(lambda: make_manager(tmp_path / "process", writer="process"))[0],
+        "thread": make_manager(tmp_path / "thread", writer="thread"),
+    }
     for manager in managers.values():
         assert capture_step(manager, 4, 1, [[0, 1], [2, 3]])
         assert manager.capture_rollout(4, **rollout_kwargs(flat=True))
@@ -294,7 +330,7 @@ def test_writer_process_never_imports_torch_and_writes_what_the_thread_writer_wr
     child = managers["process"]._writer.proc
     with open(f"/proc/{child.pid}/maps", encoding="utf-8") as maps:
         mapped = maps.read()
-    assert "libtorch" not in mapped and "blake3" in mapped   # it hashed: it is the process that wrote the bundles
+    assert "libtorch" not in mapped and "blake3" in mapped  # it hashed: it is the process that wrote the bundles
     for name in ("step-4-1", "rollout-4"):
         digests = {}
         for mode in managers:
@@ -316,14 +352,14 @@ def test_writer_process_reports_failures(tmp_path, make_manager, caplog):
     root = tmp_path / "cap"
     root.mkdir()
     manager, _ = idle_writer(lambda: make_manager(root, writer="process"))
-    (root / OBJECTS_DIR).write_text("not a directory")   # every object write fails
+    (root / OBJECTS_DIR).write_text("not a directory")  # every object write fails
     with caplog.at_level(logging.ERROR, logger="trajectory_replay.capture"):
         assert manager.capture_rollout(1, **rollout_kwargs())
         assert manager.flush(60)
     assert manager.stats()["errors"] == 1 and manager.stats()["written"] == 0
     assert any("rollout-1" in r.getMessage() for r in caplog.records)
     assert not (root / complete_key("rollout-1")).exists()
-    (root / OBJECTS_DIR).unlink()   # the same process goes on with the next record
+    (root / OBJECTS_DIR).unlink()  # the same process goes on with the next record
     assert manager.capture_rollout(2, **rollout_kwargs()) and manager.flush(60)
     assert manager.stats()["written"] == 1
     _replayed(str(root / "rollout-2"))

@@ -8,14 +8,21 @@ import math
 import pytest
 import torch
 
+from tests.capture.helpers import (
+    CONFIG,
+    CURRENT,
+    RAW,
+    REF,
+    TOKENS,
+    loss_scalars,
+    microbatch_kwargs,
+    rollout_kwargs,
+)
 from trajectory_replay import capture
 from trajectory_replay.bundle import open_native
 from trajectory_replay.bundle.schema import StageId
 from trajectory_replay.errors import UnsupportedError
 from trajectory_replay.replay import replay
-from tests.capture.helpers import (
-    CONFIG, CURRENT, RAW, REF, TOKENS, loss_scalars, microbatch_kwargs, rollout_kwargs,
-)
 
 ALL = range(4)
 GAE = CONFIG.model_copy(update={"advantage_estimator": "gae"})
@@ -42,8 +49,14 @@ def _gae_rollout_kwargs() -> dict:
     count = raw.numel()
     var = (raw - raw.mean()).square().sum() / (count - 1)
     whitened = (raw - raw.mean()) / torch.sqrt(var + 1e-8)
-    return {**rollout_kwargs(), "rewards": list(RAW), "config": GAE, "values": torch.full((N_TOKENS,), VALUES),
-            "returns": raw.clone(), "advantages": whitened}
+    return {
+        **rollout_kwargs(),
+        "rewards": list(RAW),
+        "config": GAE,
+        "values": torch.full((N_TOKENS,), VALUES),
+        "returns": raw.clone(),
+        "advantages": whitened,
+    }
 
 
 def test_gae_rollout_bundle_carries_values_and_returns(tmp_path, make_manager):
@@ -70,8 +83,9 @@ def test_gae_rollout_with_wrong_returns_fails_at_advantage_estimate(tmp_path, ma
 
 
 def _value_kwargs() -> dict:
-    return {name: torch.full((N_TOKENS,), v) for name, v in
-            (("values", VALUES), ("vpreds", VPREDS), ("returns", RETURNS))}
+    return {
+        name: torch.full((N_TOKENS,), v) for name, v in (("values", VALUES), ("vpreds", VPREDS), ("returns", RETURNS))
+    }
 
 
 def _value_scalars() -> dict[str, float]:
@@ -83,7 +97,7 @@ def _value_scalars() -> dict[str, float]:
 def test_value_loss_is_contracted_and_replays(tmp_path, make_manager):
     manager = make_manager(tmp_path, writer=WRITER)
     for j, pos in enumerate(([0, 1], [2, 3])):
-        batch = {name: t[:len(pos) * TOKENS] for name, t in _value_kwargs().items()}
+        batch = {name: t[: len(pos) * TOKENS] for name, t in _value_kwargs().items()}
         assert manager.capture_microbatch(7, 0, f"mb-{j:04d}", **microbatch_kwargs(pos), **batch)
     assert manager.capture_step_end(7, 0, config=GAE, **loss_scalars(ALL), **_value_scalars())
     assert manager.flush(30)
@@ -110,10 +124,11 @@ def test_value_scalars_without_their_inputs_fail_loudly(tmp_path, make_manager):
 
 def test_kl_loss_brings_reference_log_probs_and_its_scalar(tmp_path, make_manager):
     manager = make_manager(tmp_path, writer=WRITER)
-    assert manager.capture_microbatch(8, 0, "mb-0000", **microbatch_kwargs(ALL),
-                                      ref_log_probs=torch.full((N_TOKENS,), REF))
+    assert manager.capture_microbatch(
+        8, 0, "mb-0000", **microbatch_kwargs(ALL), ref_log_probs=torch.full((N_TOKENS,), REF)
+    )
     d = CURRENT - REF
-    kl_loss = 4 * (math.exp(-d) - 1 + d)   # k3 of current vs reference, a sum of four per-sample means
+    kl_loss = 4 * (math.exp(-d) - 1 + d)  # k3 of current vs reference, a sum of four per-sample means
     scalars = loss_scalars(ALL)
     scalars["loss"] += KL_LOSS_COEF * kl_loss
     assert manager.capture_step_end(8, 0, config=WITH_KL_LOSS, kl_loss=kl_loss, **scalars)
@@ -143,10 +158,19 @@ def test_hooks_and_slime_adapter_pass_the_new_inputs(tmp_path):
     # capture off: the new keywords are accepted and cost nothing
     assert capture.capture_microbatch(0, 0, "mb-0000", **microbatch_kwargs(ALL), **_value_kwargs()) is None
     assert capture.capture_step_end(0, 0, config=GAE, **loss_scalars(ALL), kl_loss=0.0, **_value_scalars()) is None
-    data = {"response_lengths": [TOKENS] * 4, "total_lengths": [TOKENS + 1] * 4, "loss_masks": [[1] * TOKENS] * 4,
-            "raw_reward": RAW, "rewards": RAW, "log_probs": torch.zeros(N_TOKENS), "kl": torch.zeros(N_TOKENS),
-            "advantages": torch.zeros(N_TOKENS), "group_index": [0, 0, 1, 1], "values": torch.ones(N_TOKENS),
-            "returns": torch.full((N_TOKENS,), 2.0)}
+    data = {
+        "response_lengths": [TOKENS] * 4,
+        "total_lengths": [TOKENS + 1] * 4,
+        "loss_masks": [[1] * TOKENS] * 4,
+        "raw_reward": RAW,
+        "rewards": RAW,
+        "log_probs": torch.zeros(N_TOKENS),
+        "kl": torch.zeros(N_TOKENS),
+        "advantages": torch.zeros(N_TOKENS),
+        "group_index": [0, 0, 1, 1],
+        "values": torch.ones(N_TOKENS),
+        "returns": torch.full((N_TOKENS,), 2.0),
+    }
     kwargs = capture.slime_rollout_arguments(5, data)
     assert kwargs["values"] is data["values"] and kwargs["returns"] is data["returns"]
     assert capture.slime_rollout_arguments(5, {k: v for k, v in data.items() if k != "values"})["values"] is None

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.capture.helpers import CONFIG, OLD, TOKENS, loss_scalars, microbatch_kwargs, rollout_kwargs
 from trajectory_replay.bundle import open_native
 from trajectory_replay.bundle.schema import StageId
 from trajectory_replay.capture.hooks import slime_rollout_arguments
 from trajectory_replay.replay import replay
-from tests.capture.helpers import CONFIG, OLD, TOKENS, loss_scalars, microbatch_kwargs, rollout_kwargs
 
 N_TOKENS = 4 * TOKENS
-ENGINE = OLD - 0.125   # the engine's log-prob of every token: d = 0.125 everywhere
+ENGINE = OLD - 0.125  # the engine's log-prob of every token: d = 0.125 everywhere
 WRITER = "thread"
 
 
@@ -69,8 +69,11 @@ def test_step_bundle_with_a_token_correction_replays(tmp_path, make_manager):
     assert manager.capture_microbatch(1, 0, "mb-0000", **kwargs)
     scalars = loss_scalars(range(4))
     weight = float(torch.exp(torch.tensor(0.125)))
-    scalars = {**scalars, "pg_loss": scalars["pg_loss"] * weight,
-               "loss": scalars["loss"] + scalars["pg_loss"] * (weight - 1)}   # every token's pg times e^0.125
+    scalars = {
+        **scalars,
+        "pg_loss": scalars["pg_loss"] * weight,
+        "loss": scalars["loss"] + scalars["pg_loss"] * (weight - 1),
+    }  # every token's pg times e^0.125
     assert manager.capture_step_end(1, 0, config=config, **scalars)
     assert manager.flush(30)
     (source,) = open_native(str(tmp_path / "step-1-0"))
@@ -81,9 +84,19 @@ def test_step_bundle_with_a_token_correction_replays(tmp_path, make_manager):
 
 
 def test_the_slime_layout_maps_the_engine_log_probs_beside_the_trainers():
-    data = {"response_lengths": [2], "total_lengths": [4], "loss_masks": [[1, 1]], "raw_reward": [1.0],
-            "rewards": [1.0], "advantages": [torch.ones(2)], "group_index": [0], "kl": [torch.zeros(2)],
-            "log_probs": [torch.zeros(2)], "rollout_log_probs": [torch.full((2,), -0.1)], "policy_versions": [3]}
+    data = {
+        "response_lengths": [2],
+        "total_lengths": [4],
+        "loss_masks": [[1, 1]],
+        "raw_reward": [1.0],
+        "rewards": [1.0],
+        "advantages": [torch.ones(2)],
+        "group_index": [0],
+        "kl": [torch.zeros(2)],
+        "log_probs": [torch.zeros(2)],
+        "rollout_log_probs": [torch.full((2,), -0.1)],
+        "policy_versions": [3],
+    }
     args = slime_rollout_arguments(1, data)
     assert args["old_log_probs"] is data["log_probs"] and args["rollout_log_probs"] is data["rollout_log_probs"]
     assert args["policy_versions"] == [3]

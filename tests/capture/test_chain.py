@@ -10,11 +10,20 @@ import math
 import torch
 from typer.testing import CliRunner
 
+from tests.capture.helpers import (
+    CONFIG,
+    CURRENT,
+    ENTROPY,
+    ENTROPY_COEF,
+    EPS,
+    OLD,
+    REWARDS,
+    TOKENS,
+    microbatch_kwargs,
+    rollout_kwargs,
+)
 from trajectory_replay.bundle import open_native
 from trajectory_replay.cli import app
-from tests.capture.helpers import (
-    CONFIG, CURRENT, ENTROPY, ENTROPY_COEF, EPS, OLD, REWARDS, TOKENS, microbatch_kwargs, rollout_kwargs,
-)
 
 runner = CliRunner()
 WRITER = "thread"
@@ -27,17 +36,26 @@ def _scalars(advantages: list[float]) -> dict[str, float]:
     pg = sum(max(-ratio * a, -clipped * a) for a in advantages)
     clipfrac = sum(1.0 if -clipped * a > -ratio * a else 0.0 for a in advantages)
     ent = ENTROPY * len(advantages)
-    return {"loss": pg - ENTROPY_COEF * ent, "pg_loss": pg, "entropy_loss": ent, "pg_clipfrac": clipfrac,
-            "ppo_kl": (OLD - CURRENT) * len(advantages)}
+    return {
+        "loss": pg - ENTROPY_COEF * ent,
+        "pg_loss": pg,
+        "entropy_loss": ent,
+        "pg_clipfrac": clipfrac,
+        "ppo_kl": (OLD - CURRENT) * len(advantages),
+    }
 
 
-def _capture(manager, *, rollout: bool = True, rewards: list[float] = REWARDS,
-             step_advantages: list[float] | None = None) -> None:
+def _capture(
+    manager, *, rollout: bool = True, rewards: list[float] = REWARDS, step_advantages: list[float] | None = None
+) -> None:
     """rollout-3 (recording `rewards` as post-processed, and advantages from them) and step-3-0 (two micro-batches,
     consuming `step_advantages`, by default the rollout's)."""
     if rollout:
-        kwargs = {**rollout_kwargs(), "rewards": list(rewards),
-                  "advantages": [torch.full((TOKENS,), r) for r in rewards]}
+        kwargs = {
+            **rollout_kwargs(),
+            "rewards": list(rewards),
+            "advantages": [torch.full((TOKENS,), r) for r in rewards],
+        }
         assert manager.capture_rollout(3, **kwargs)
     consumed = list(rewards) if step_advantages is None else step_advantages
     for j, pos in enumerate(([0, 1], [2, 3])):
@@ -87,8 +105,8 @@ def test_an_upstream_fault_is_named_in_the_rollout_bundle_not_at_the_loss(tmp_pa
     first = report["first_divergence"]
     assert (first["bundle"], first["stage"], first["field"]) == ("rollout-3", "reward.post_process", "reward")
     assert first["sample"] == "s-0"
-    assert report["link"]["status"] == "fail"   # the step took advantages the rollout bundle does not recompute
-    assert report["stages"][-1]["status"] == "pass"   # the step's own loss is consistent
+    assert report["link"]["status"] == "fail"  # the step took advantages the rollout bundle does not recompute
+    assert report["stages"][-1]["status"] == "pass"  # the step's own loss is consistent
 
 
 def test_advantages_altered_after_capture_are_named_at_the_link(tmp_path, make_manager):
@@ -98,16 +116,26 @@ def test_advantages_altered_after_capture_are_named_at_the_link(tmp_path, make_m
     result, report = _replay(tmp_path, "--json")
     assert result.exit_code == 1
     assert report["chain"][0]["report"]["passed"] is True and report["stages"][-1]["status"] == "pass"
-    assert report["first_divergence"] == {"bundle": "step-3-0", "stage": "link", "rank": None, "sample": "s-2",
-                                          "field": "advantages", "token": 0}
+    assert report["first_divergence"] == {
+        "bundle": "step-3-0",
+        "stage": "link",
+        "rank": None,
+        "sample": "s-2",
+        "field": "advantages",
+        "token": 0,
+    }
 
 
 def test_missing_rollout_bundles_leave_the_step_alone(tmp_path, make_manager):
     _capture(make_manager(tmp_path, writer=WRITER), rollout=False)
     result, report = _replay(tmp_path, "--json")
     assert result.exit_code == 0, result.stdout
-    assert report["chain"][0] == {"bundle": "rollout-3", "role": "upstream", "report": None,
-                                  "note": "not in the store: the step is replayed alone"}
+    assert report["chain"][0] == {
+        "bundle": "rollout-3",
+        "role": "upstream",
+        "report": None,
+        "note": "not in the store: the step is replayed alone",
+    }
     assert report["link"] is None and report["passed"] is True
     text, _ = _replay(tmp_path)
     assert "== rollout-3 (upstream): not in the store: the step is replayed alone" in text.stdout
@@ -118,13 +146,19 @@ def test_a_step_bundle_from_before_samples_named_their_rollout_replays_alone_wit
 
     _capture(make_manager(tmp_path / "new", writer=WRITER))
     (step,) = open_native(str(tmp_path / "new" / "step-3-0"))
-    masks = step.load_payload("loss_mask").tolist()   # the writer takes loss masks from the records
-    index = step.index.model_copy(update={"samples": [
-        r.model_copy(update={"rollout_id": None, "loss_mask": masks[i * TOKENS:(i + 1) * TOKENS]})
-        for i, r in enumerate(step.index.samples)]})
+    masks = step.load_payload("loss_mask").tolist()  # the writer takes loss masks from the records
+    index = step.index.model_copy(
+        update={
+            "samples": [
+                r.model_copy(update={"rollout_id": None, "loss_mask": masks[i * TOKENS : (i + 1) * TOKENS]})
+                for i, r in enumerate(step.index.samples)
+            ]
+        }
+    )
     old = tmp_path / "old"
-    writer = BundleWriter(str(old / "step-3-0"), step.manifest.model_copy(update={"payloads": {}}), index,
-                          step.expected)
+    writer = BundleWriter(
+        str(old / "step-3-0"), step.manifest.model_copy(update={"payloads": {}}), index, step.expected
+    )
     for name in step.manifest.payloads:
         if name != "loss_mask":
             writer.write_payload(name, step.load_payload(name))
@@ -132,7 +166,8 @@ def test_a_step_bundle_from_before_samples_named_their_rollout_replays_alone_wit
     result, report = _replay(old, "--json")
     assert result.exit_code == 0, result.stdout
     assert report["chain"] == [report["chain"][-1]] and report["notes"][0].startswith(
-        "step bundle step-3-0 records no rollout bundle for its samples")
+        "step bundle step-3-0 records no rollout bundle for its samples"
+    )
     text, _ = _replay(old)
     assert text.stdout.startswith("note: step bundle step-3-0 records no rollout bundle")
 
@@ -150,10 +185,15 @@ def test_the_html_report_of_a_chain_shows_upstream_link_and_step(tmp_path, make_
 
 def _shape(doc: dict) -> dict:
     """The keys of a replay report and of its stage entries, with the type of each value (null as any type)."""
+
     def kinds(d: dict) -> dict:
         return {k: None if v is None else type(v).__name__ for k, v in d.items()}
-    return {"top": set(doc), "stage": {k for s in doc["stages"] for k in s},
-            "types": {k: t for k, t in kinds(doc).items() if t is not None}}
+
+    return {
+        "top": set(doc),
+        "stage": {k for s in doc["stages"] for k in s},
+        "types": {k: t for k, t in kinds(doc).items() if t is not None},
+    }
 
 
 def test_a_chained_report_names_an_upstream_divergence_in_the_keys_of_a_single_report(tmp_path, make_manager):
@@ -173,5 +213,6 @@ def test_a_chained_report_names_an_upstream_divergence_in_the_keys_of_a_single_r
     assert one["stage"] == chain["stage"]
     assert {k: t for k, t in chain["types"].items() if k in one["types"]} == one["types"]
     text = _replay(tmp_path)[0].stdout
-    assert text.startswith("chain rollout-3 -> step-3-0 — first divergence: bundle rollout-3, stage "
-                           "reward.post_process")
+    assert text.startswith(
+        "chain rollout-3 -> step-3-0 — first divergence: bundle rollout-3, stage reward.post_process"
+    )

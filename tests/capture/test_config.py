@@ -7,11 +7,11 @@ import threading
 
 import pytest
 
+from tests.capture.helpers import microbatch_kwargs, rollout_kwargs
 from trajectory_replay import capture
 from trajectory_replay.capture import CaptureConfigError, load_config
 from trajectory_replay.capture.config import ENV_CAPTURE, ENV_DIR, ENV_ROLLOUTS, ENV_STEPS, ENV_WRITER, OLDER_NAMES
 from trajectory_replay.errors import TrajectoryReplayError
-from tests.capture.helpers import microbatch_kwargs, rollout_kwargs
 
 
 def test_off_by_default():
@@ -35,8 +35,9 @@ def test_switch_off_ignores_the_rest(value):
 
 
 def test_filters():
-    config = load_config({ENV_CAPTURE: "1", ENV_DIR: "s3://bucket/run-42", ENV_STEPS: "1:0, 2:3,2:3",
-                          ENV_ROLLOUTS: "4,5"})
+    config = load_config(
+        {ENV_CAPTURE: "1", ENV_DIR: "s3://bucket/run-42", ENV_STEPS: "1:0, 2:3,2:3", ENV_ROLLOUTS: "4,5"}
+    )
     assert config.capture_dir == "s3://bucket/run-42"
     assert config.steps == {(1, 0), (2, 3)} and config.rollouts == {4, 5}
     assert config.wants_step(2, 3) and not config.wants_step(3, 2)
@@ -48,28 +49,31 @@ def test_empty_filters_mean_no_filter():
     assert config.steps is None and config.rollouts is None
 
 
-@pytest.mark.parametrize("env, variable, shown", [
-    ({ENV_CAPTURE: "2"}, ENV_CAPTURE, "'2'"),
-    ({ENV_CAPTURE: "enable"}, ENV_CAPTURE, "'enable'"),
-    ({ENV_CAPTURE: "1"}, ENV_DIR, "not set"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "  "}, ENV_DIR, "not set"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "ftp://host/x"}, ENV_DIR, "'ftp://host/x'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "s3://"}, ENV_DIR, "'s3://'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "3"}, ENV_STEPS, "'3'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:2:3"}, ENV_STEPS, "'1:2:3'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "a:1"}, ENV_STEPS, "'a:1'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:-1"}, ENV_STEPS, "'1:-1'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:1,,2:2"}, ENV_STEPS, "'1:1,,2:2'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:"}, ENV_STEPS, "'1:'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:²"}, ENV_STEPS, "'1:²'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "x"}, ENV_ROLLOUTS, "'x'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1,-2"}, ENV_ROLLOUTS, "'1,-2'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1.5"}, ENV_ROLLOUTS, "'1.5'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1,"}, ENV_ROLLOUTS, "'1,'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1:2"}, ENV_ROLLOUTS, "'1:2'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_WRITER: "fork"}, ENV_WRITER, "'fork'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "memory://run", ENV_WRITER: "process"}, ENV_WRITER, "'process'"),
-])
+@pytest.mark.parametrize(
+    "env, variable, shown",
+    [
+        ({ENV_CAPTURE: "2"}, ENV_CAPTURE, "'2'"),
+        ({ENV_CAPTURE: "enable"}, ENV_CAPTURE, "'enable'"),
+        ({ENV_CAPTURE: "1"}, ENV_DIR, "not set"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "  "}, ENV_DIR, "not set"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "ftp://host/x"}, ENV_DIR, "'ftp://host/x'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "s3://"}, ENV_DIR, "'s3://'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "3"}, ENV_STEPS, "'3'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:2:3"}, ENV_STEPS, "'1:2:3'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "a:1"}, ENV_STEPS, "'a:1'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:-1"}, ENV_STEPS, "'1:-1'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:1,,2:2"}, ENV_STEPS, "'1:1,,2:2'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:"}, ENV_STEPS, "'1:'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:²"}, ENV_STEPS, "'1:²'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "x"}, ENV_ROLLOUTS, "'x'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1,-2"}, ENV_ROLLOUTS, "'1,-2'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1.5"}, ENV_ROLLOUTS, "'1.5'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1,"}, ENV_ROLLOUTS, "'1,'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1:2"}, ENV_ROLLOUTS, "'1:2'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_WRITER: "fork"}, ENV_WRITER, "'fork'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "memory://run", ENV_WRITER: "process"}, ENV_WRITER, "'process'"),
+    ],
+)
 def test_bad_values_name_the_variable(env, variable, shown):
     with pytest.raises(CaptureConfigError) as info:
         load_config(env)
@@ -79,32 +83,46 @@ def test_bad_values_name_the_variable(env, variable, shown):
 
 
 OLD_CAPTURE, OLD_DIR, OLD_STEPS, OLD_ROLLOUTS, OLD_WRITER = (
-    OLDER_NAMES[name] for name in (ENV_CAPTURE, ENV_DIR, ENV_STEPS, ENV_ROLLOUTS, ENV_WRITER))
+    OLDER_NAMES[name] for name in (ENV_CAPTURE, ENV_DIR, ENV_STEPS, ENV_ROLLOUTS, ENV_WRITER)
+)
 
 
 def test_the_names_are_trajectory_replays_and_the_older_tools_names_are_still_read():
     assert ENV_CAPTURE == "TRAJECTORY_REPLAY_CAPTURE" and ENV_DIR == "TRAJECTORY_REPLAY_CAPTURE_DIR"
     assert (OLD_CAPTURE, OLD_DIR, OLD_STEPS, OLD_ROLLOUTS, OLD_WRITER) == (
-        "RELAX_REPLAY_CAPTURE", "RELAX_REPLAY_CAPTURE_DIR", "RELAX_REPLAY_CAPTURE_STEPS",
-        "RELAX_REPLAY_CAPTURE_ROLLOUTS", "RELAX_REPLAY_CAPTURE_WRITER")
-    config = load_config({OLD_CAPTURE: "1", OLD_DIR: "s3://bucket/run-7", OLD_STEPS: "1:0", OLD_ROLLOUTS: "4",
-                          OLD_WRITER: "thread"})
-    assert (config.enabled, config.capture_dir, config.steps, config.rollouts, config.writer) == \
-        (True, "s3://bucket/run-7", {(1, 0)}, {4}, "thread")
+        "RELAX_REPLAY_CAPTURE",
+        "RELAX_REPLAY_CAPTURE_DIR",
+        "RELAX_REPLAY_CAPTURE_STEPS",
+        "RELAX_REPLAY_CAPTURE_ROLLOUTS",
+        "RELAX_REPLAY_CAPTURE_WRITER",
+    )
+    config = load_config(
+        {OLD_CAPTURE: "1", OLD_DIR: "s3://bucket/run-7", OLD_STEPS: "1:0", OLD_ROLLOUTS: "4", OLD_WRITER: "thread"}
+    )
+    assert (config.enabled, config.capture_dir, config.steps, config.rollouts, config.writer) == (
+        True,
+        "s3://bucket/run-7",
+        {(1, 0)},
+        {4},
+        "thread",
+    )
     assert (config.dir_variable, config.writer_variable) == (OLD_DIR, OLD_WRITER)
     mixed = load_config({ENV_CAPTURE: "1", OLD_DIR: "d", ENV_STEPS: "2:3"})
     assert (mixed.capture_dir, mixed.steps, mixed.dir_variable) == ("d", {(2, 3)}, OLD_DIR)
     assert not load_config({OLD_CAPTURE: "0", OLD_STEPS: "garbage"}).enabled
 
 
-@pytest.mark.parametrize("env, variable, shown", [
-    ({OLD_CAPTURE: "2"}, OLD_CAPTURE, "'2'"),
-    ({OLD_CAPTURE: "1"}, ENV_DIR, f"required when {OLD_CAPTURE} is on"),
-    ({ENV_CAPTURE: "1", OLD_DIR: "ftp://host/x"}, OLD_DIR, "'ftp://host/x'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", OLD_STEPS: "3"}, OLD_STEPS, "'3'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", OLD_ROLLOUTS: "x"}, OLD_ROLLOUTS, "'x'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "memory://run", OLD_WRITER: "process"}, OLD_WRITER, "'process'"),
-])
+@pytest.mark.parametrize(
+    "env, variable, shown",
+    [
+        ({OLD_CAPTURE: "2"}, OLD_CAPTURE, "'2'"),
+        ({OLD_CAPTURE: "1"}, ENV_DIR, f"required when {OLD_CAPTURE} is on"),
+        ({ENV_CAPTURE: "1", OLD_DIR: "ftp://host/x"}, OLD_DIR, "'ftp://host/x'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "d", OLD_STEPS: "3"}, OLD_STEPS, "'3'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "d", OLD_ROLLOUTS: "x"}, OLD_ROLLOUTS, "'x'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "memory://run", OLD_WRITER: "process"}, OLD_WRITER, "'process'"),
+    ],
+)
 def test_a_bad_value_under_an_older_name_is_named_as_it_was_set(env, variable, shown):
     with pytest.raises(CaptureConfigError) as info:
         load_config(env)
@@ -112,23 +130,52 @@ def test_a_bad_value_under_an_older_name_is_named_as_it_was_set(env, variable, s
 
 
 def test_both_names_set_to_the_same_meaning_is_that_setting():
-    config = load_config({ENV_CAPTURE: "1", OLD_CAPTURE: " yes", ENV_DIR: "d", OLD_DIR: "d ", ENV_STEPS: "1:0,2:0",
-                          OLD_STEPS: "2:0, 1:0", ENV_WRITER: "thread", OLD_WRITER: "THREAD", OLD_ROLLOUTS: ""})
-    assert (config.enabled, config.capture_dir, config.steps, config.rollouts, config.writer) == \
-        (True, "d", {(1, 0), (2, 0)}, None, "thread")
+    config = load_config(
+        {
+            ENV_CAPTURE: "1",
+            OLD_CAPTURE: " yes",
+            ENV_DIR: "d",
+            OLD_DIR: "d ",
+            ENV_STEPS: "1:0,2:0",
+            OLD_STEPS: "2:0, 1:0",
+            ENV_WRITER: "thread",
+            OLD_WRITER: "THREAD",
+            OLD_ROLLOUTS: "",
+        }
+    )
+    assert (config.enabled, config.capture_dir, config.steps, config.rollouts, config.writer) == (
+        True,
+        "d",
+        {(1, 0), (2, 0)},
+        None,
+        "thread",
+    )
     assert (config.dir_variable, config.writer_variable) == (ENV_DIR, ENV_WRITER)
 
 
-@pytest.mark.parametrize("env, new, old", [
-    ({ENV_CAPTURE: "1", OLD_CAPTURE: "0", ENV_DIR: "d"}, f"{ENV_CAPTURE}='1'", f"{OLD_CAPTURE}='0'"),
-    ({ENV_CAPTURE: "off", OLD_CAPTURE: "on"}, f"{ENV_CAPTURE}='off'", f"{OLD_CAPTURE}='on'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "a", OLD_DIR: "b"}, f"{ENV_DIR}='a'", f"{OLD_DIR}='b'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:0", OLD_STEPS: "1:1"}, f"{ENV_STEPS}='1:0'", f"{OLD_STEPS}='1:1'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1", OLD_ROLLOUTS: "2"}, f"{ENV_ROLLOUTS}='1'",
-     f"{OLD_ROLLOUTS}='2'"),
-    ({ENV_CAPTURE: "1", ENV_DIR: "d", ENV_WRITER: "auto", OLD_WRITER: "thread"}, f"{ENV_WRITER}='auto'",
-     f"{OLD_WRITER}='thread'"),
-])
+@pytest.mark.parametrize(
+    "env, new, old",
+    [
+        ({ENV_CAPTURE: "1", OLD_CAPTURE: "0", ENV_DIR: "d"}, f"{ENV_CAPTURE}='1'", f"{OLD_CAPTURE}='0'"),
+        ({ENV_CAPTURE: "off", OLD_CAPTURE: "on"}, f"{ENV_CAPTURE}='off'", f"{OLD_CAPTURE}='on'"),
+        ({ENV_CAPTURE: "1", ENV_DIR: "a", OLD_DIR: "b"}, f"{ENV_DIR}='a'", f"{OLD_DIR}='b'"),
+        (
+            {ENV_CAPTURE: "1", ENV_DIR: "d", ENV_STEPS: "1:0", OLD_STEPS: "1:1"},
+            f"{ENV_STEPS}='1:0'",
+            f"{OLD_STEPS}='1:1'",
+        ),
+        (
+            {ENV_CAPTURE: "1", ENV_DIR: "d", ENV_ROLLOUTS: "1", OLD_ROLLOUTS: "2"},
+            f"{ENV_ROLLOUTS}='1'",
+            f"{OLD_ROLLOUTS}='2'",
+        ),
+        (
+            {ENV_CAPTURE: "1", ENV_DIR: "d", ENV_WRITER: "auto", OLD_WRITER: "thread"},
+            f"{ENV_WRITER}='auto'",
+            f"{OLD_WRITER}='thread'",
+        ),
+    ],
+)
 def test_both_names_set_to_different_values_is_a_config_error_naming_both(env, new, old):
     with pytest.raises(CaptureConfigError) as info:
         load_config(env)
@@ -172,8 +219,7 @@ def test_capture_off_starts_nothing_and_writes_nothing(tmp_path, monkeypatch):
     assert capture.get_manager() is None and capture.stats() is None
     assert capture.capture_rollout(1, **rollout_kwargs()) is None
     assert capture.capture_microbatch(1, 0, "mb-0000", **microbatch_kwargs([0, 1])) is None
-    assert capture.capture_step_end(1, 0, loss=0, pg_loss=0, entropy_loss=0, pg_clipfrac=0, ppo_kl=0,
-                                    config={}) is None
+    assert capture.capture_step_end(1, 0, loss=0, pg_loss=0, entropy_loss=0, pg_clipfrac=0, ppo_kl=0, config={}) is None
     assert capture.capture_slime_rollout(1, {}, config={}) is None
     assert threading.active_count() == before
     assert not (tmp_path / "cap").exists() and os.listdir(tmp_path) == []
@@ -193,7 +239,7 @@ def test_writer_from_the_environment():
     on = {ENV_CAPTURE: "1", ENV_DIR: "d"}
     assert load_config(on).writer is None and load_config({**on, ENV_WRITER: " "}).writer is None
     assert load_config({**on, ENV_WRITER: " Thread"}).writer == "thread"
-    assert load_config({ENV_WRITER: "fork"}).writer is None   # capture off: not read
+    assert load_config({ENV_WRITER: "fork"}).writer is None  # capture off: not read
 
 
 def test_producer_rank_starts_one_writer(tmp_path, monkeypatch):
@@ -226,8 +272,7 @@ def test_a_writer_process_from_the_environment_with_a_store_object_is_a_config_e
     monkeypatch.setenv(ENV_DIR, str(tmp_path / "cap"))
     monkeypatch.setenv(ENV_WRITER, "process")
     with pytest.raises(CaptureConfigError, match=ENV_WRITER):
-        capture.maybe_enable_for_actor(0, True, [0], atexit_timeout=None,
-                                       store=ObjectStore.open(str(tmp_path / "cap")))
+        capture.maybe_enable_for_actor(0, True, [0], atexit_timeout=None, store=ObjectStore.open(str(tmp_path / "cap")))
     assert capture.get_manager() is None
 
 

@@ -66,8 +66,13 @@ def _train(manager) -> tuple[list[bool], int]:
 
 
 def _store_warnings(caplog) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "trajectory_replay.capture" and r.levelno >= logging.WARNING
-            and "dropped" not in r.getMessage()[:20]]
+    return [
+        r
+        for r in caplog.records
+        if r.name == "trajectory_replay.capture"
+        and r.levelno >= logging.WARNING
+        and "dropped" not in r.getMessage()[:20]
+    ]
 
 
 @pytest.mark.parametrize("endpoint", ["refused", "never answers"])
@@ -82,13 +87,14 @@ def test_capture_to_a_dead_store_backs_off_counts_drops_and_warns_once(endpoint,
         silent.listen(512)
         dead_env.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{silent.getsockname()[1]}")
     try:
-        manager, _ = idle_writer(lambda: make_manager("s3://capture-bucket/run", max_queue_records=QUEUE,
-                                                      default_writer=True))
+        manager, _ = idle_writer(
+            lambda: make_manager("s3://capture-bucket/run", max_queue_records=QUEUE, default_writer=True)
+        )
         assert manager.writer_mode == "process"
         taken, after = _train(manager)
         stats = manager.stats()
         started = time.monotonic()
-        assert manager.close(timeout=30)   # nothing left: what could not be written was dropped
+        assert manager.close(timeout=30)  # nothing left: what could not be written was dropped
         closing = time.monotonic() - started
     finally:
         if silent is not None:
@@ -110,12 +116,13 @@ def test_capture_to_a_dead_store_backs_off_counts_drops_and_warns_once(endpoint,
     assert closing < QUEUE * (0.5 + 1.0) / 2, closing
 
     warnings = _store_warnings(caplog)
-    assert len(warnings) == 1, [r.getMessage() for r in warnings]   # one kind of failure: one line
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]  # one kind of failure: one line
     line = warnings[0].getMessage()
     assert "\n" not in line and "s3://capture-bucket/run" in line and "AWS_ENDPOINT_URL" in line, line
     assert ("connection refused" if endpoint == "refused" else "no answer within the 1s read timeout") in line, line
-    assert all(r.exc_info is None for r in caplog.records if r.name == "trajectory_replay.capture"), \
+    assert all(r.exc_info is None for r in caplog.records if r.name == "trajectory_replay.capture"), (
         "a storage failure is logged without a traceback"
+    )
 
 
 def test_a_store_that_comes_back_is_written_to_again(dead_env, make_manager, caplog, monkeypatch):
@@ -128,15 +135,17 @@ def test_a_store_that_comes_back_is_written_to_again(dead_env, make_manager, cap
     from trajectory_replay.backends.s3 import StoreUnreachableError
 
     def unreachable(*args, **kwargs):
-        raise StoreUnreachableError("memory://dead-then-alive: S3 endpoint http://127.0.0.1:1: connection refused "
-                                    "(1 attempt in 0.0s): check AWS_ENDPOINT_URL and that the server is running")
+        raise StoreUnreachableError(
+            "memory://dead-then-alive: S3 endpoint http://127.0.0.1:1: connection refused "
+            "(1 attempt in 0.0s): check AWS_ENDPOINT_URL and that the server is running"
+        )
 
     backend._create = backend._write = unreachable
     assert capture_step(manager, 2, 0, [[0, 1, 2, 3]])
     assert manager.flush(10)
     assert manager.stats()["errors"] == 1
-    assert not capture_step(manager, 2, 1, [[0, 1, 2, 3]])        # backing off: dropped at once
-    backend._create, backend._write = create, write                  # the store is back
+    assert not capture_step(manager, 2, 1, [[0, 1, 2, 3]])  # backing off: dropped at once
+    backend._create, backend._write = create, write  # the store is back
     time.sleep(0.3)
     assert capture_step(manager, 2, 2, [[0, 1, 2, 3]])
     assert manager.flush(10)

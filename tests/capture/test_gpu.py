@@ -5,26 +5,28 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.capture.helpers import CONFIG, REWARDS, loss_scalars, microbatch_kwargs, rollout_kwargs
 from trajectory_replay import capture
 from trajectory_replay.bundle import open_native
 from trajectory_replay.capture.config import ENV_CAPTURE, ENV_DIR
 from trajectory_replay.replay import replay
-from tests.capture.helpers import CONFIG, REWARDS, loss_scalars, microbatch_kwargs, rollout_kwargs
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() False)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() False)"),
+]
 
 
 def test_cuda_capture_replays_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_CAPTURE, "1")
     monkeypatch.setenv(ENV_DIR, str(tmp_path))
     manager = capture.maybe_enable_for_actor(0, True, [0], atexit_timeout=None)
-    rollout = rollout_kwargs(device="cuda")                 # lists of per-sample CUDA tensors
+    rollout = rollout_kwargs(device="cuda")  # lists of per-sample CUDA tensors
     flat = rollout_kwargs(device="cuda", flat=True)
     mbs = [microbatch_kwargs([0, 1], device="cuda"), microbatch_kwargs([2, 3], device="cuda")]
     scalars = {k: torch.tensor(v, device="cuda") for k, v in loss_scalars(range(4)).items()}
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")                 # any synchronizing call in a hook raises...
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call in a hook raises...
     try:
         assert capture.capture_rollout(1, **rollout)
         assert capture.capture_rollout(2, **flat)
@@ -33,7 +35,7 @@ def test_cuda_capture_replays_on_cpu(tmp_path, monkeypatch):
         assert capture.capture_step_end(1, 0, config=CONFIG, **scalars)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert manager.stats()["errors"] == 0                   # ...and would have been counted here
+    assert manager.stats()["errors"] == 0  # ...and would have been counted here
     # training reuses its device buffers at once: the bundles keep the captured values
     for t in rollout["advantages"]:
         t.fill_(99.0)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.capture.helpers import CONFIG, loss_scalars, microbatch_kwargs, rollout_kwargs
 from trajectory_replay.bundle import open_native
 from trajectory_replay.bundle.markers import COMPLETE, rank_key
 from trajectory_replay.capture import worker
@@ -19,7 +20,6 @@ from trajectory_replay.capture.records import Columns, MicroBatch, Provenance, R
 from trajectory_replay.capture.snapshot import Snapshot
 from trajectory_replay.replay import replay
 from trajectory_replay.store import ObjectStore
-from tests.capture.helpers import CONFIG, loss_scalars, microbatch_kwargs, rollout_kwargs
 
 COLUMNS = ("sample_ids", "group_index", "response_lengths", "total_lengths", "loss_masks", "raw_rewards", "rewards")
 
@@ -57,7 +57,7 @@ def test_a_job_survives_the_pipe_and_commits_the_same_bundle(tmp_path, make_reco
     received = _through_the_pipe(job)
     assert type(received) is BundleJob and type(received.record) is type(job.record)
     assert (received.capture_dir, received.rank, received.expected_ranks) == (job.capture_dir, 0, (0,))
-    assert pickle.loads(pickle.dumps(received)).bundle_id == job.bundle_id   # plain pickle too
+    assert pickle.loads(pickle.dumps(received)).bundle_id == job.bundle_id  # plain pickle too
 
     # the job committed here and its copy committed elsewhere make the same bundle
     there = dataclasses.replace(received, capture_dir=str(tmp_path / "received"))
@@ -73,24 +73,36 @@ def test_a_job_of_one_rank_of_two_lands_only_its_shard(tmp_path):
     job = _through_the_pipe(BundleJob(str(root), _step_record(7, 2), rank=1, expected_ranks=(0, 1)))
     assert (job.rank, job.expected_ranks, job.multi_producer) == (1, (0, 1), True)
     assert commit_bundle(ObjectStore.open(str(root)), job).endswith("/step-7-2")
-    assert sorted(p.relative_to(root).as_posix() for p in (root / "step-7-2").iterdir()
-                  if p.name.startswith(COMPLETE)) == [rank_key("step-7-2", 1)]
+    assert sorted(
+        p.relative_to(root).as_posix() for p in (root / "step-7-2").iterdir() if p.name.startswith(COMPLETE)
+    ) == [rank_key("step-7-2", 1)]
 
 
-@pytest.mark.parametrize("change, error, message", [
-    (dict(capture_dir=None), TypeError, "BundleJob.capture_dir: expected str, got NoneType"),
-    (dict(capture_dir=" "), ValueError, "BundleJob.capture_dir is empty"),
-    (dict(record=("rollout", (4,))), TypeError, "BundleJob.record: expected RolloutRecord or StepRecord, got tuple"),
-    (dict(rank=True), TypeError, "BundleJob.rank: expected int, got bool"),
-    (dict(rank="0"), TypeError, "BundleJob.rank: expected int, got str"),
-    (dict(rank=2, expected_ranks=(0, 1)), ValueError, r"BundleJob.rank: 2 is not among expected ranks \[0, 1\]"),
-    (dict(expected_ranks=[0, 1]), TypeError, "BundleJob.expected_ranks: expected tuple, got list"),
-    (dict(expected_ranks=()), ValueError, r"BundleJob.expected_ranks: expected increasing non-negative ints, got \(\)"),
-    (dict(expected_ranks=(1, 0)), ValueError, "BundleJob.expected_ranks: expected increasing"),
-    (dict(expected_ranks=(0, 0)), ValueError, "BundleJob.expected_ranks: expected increasing"),
-    (dict(expected_ranks=(-1, 0)), ValueError, "BundleJob.expected_ranks: expected increasing non-negative"),
-    (dict(expected_ranks=(0, 1.0)), ValueError, "BundleJob.expected_ranks: expected increasing non-negative ints"),
-])
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (dict(capture_dir=None), TypeError, "BundleJob.capture_dir: expected str, got NoneType"),
+        (dict(capture_dir=" "), ValueError, "BundleJob.capture_dir is empty"),
+        (
+            dict(record=("rollout", (4,))),
+            TypeError,
+            "BundleJob.record: expected RolloutRecord or StepRecord, got tuple",
+        ),
+        (dict(rank=True), TypeError, "BundleJob.rank: expected int, got bool"),
+        (dict(rank="0"), TypeError, "BundleJob.rank: expected int, got str"),
+        (dict(rank=2, expected_ranks=(0, 1)), ValueError, r"BundleJob.rank: 2 is not among expected ranks \[0, 1\]"),
+        (dict(expected_ranks=[0, 1]), TypeError, "BundleJob.expected_ranks: expected tuple, got list"),
+        (
+            dict(expected_ranks=()),
+            ValueError,
+            r"BundleJob.expected_ranks: expected increasing non-negative ints, got \(\)",
+        ),
+        (dict(expected_ranks=(1, 0)), ValueError, "BundleJob.expected_ranks: expected increasing"),
+        (dict(expected_ranks=(0, 0)), ValueError, "BundleJob.expected_ranks: expected increasing"),
+        (dict(expected_ranks=(-1, 0)), ValueError, "BundleJob.expected_ranks: expected increasing non-negative"),
+        (dict(expected_ranks=(0, 1.0)), ValueError, "BundleJob.expected_ranks: expected increasing non-negative ints"),
+    ],
+)
 def test_a_job_rejects_bad_fields(tmp_path, change, error, message):
     fields = dict(capture_dir=str(tmp_path), record=_rollout_record(), rank=0, expected_ranks=(0,)) | change
     with pytest.raises(error, match=message) as caught:
@@ -115,9 +127,9 @@ def test_records_reject_bad_fields_and_nothing_changes_them():
         dataclasses.replace(step, step_id=False)
     job = BundleJob("/tmp/x", good)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        job.rank = 1   # type: ignore[misc]
+        job.rank = 1  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        good.rollout_id = 5   # type: ignore[misc]
+        good.rollout_id = 5  # type: ignore[misc]
 
 
 def _capture_imports(path: Path) -> set[str]:
@@ -141,7 +153,7 @@ def test_capture_modules_import_one_way():
 
     def cycle_from(name: str, trail: tuple[str, ...]) -> tuple[str, ...]:
         if name in trail:
-            return trail[trail.index(name):] + (name,)
+            return trail[trail.index(name) :] + (name,)
         for dep in sorted(graph[name]):
             found = cycle_from(dep, trail + (name,))
             if found:

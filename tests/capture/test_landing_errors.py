@@ -33,14 +33,14 @@ def test_a_rank_landing_after_gc_abandoned_its_cohort_is_a_counted_error(tmp_pat
 
 def test_a_restarted_capture_landing_a_rank_with_other_content_is_a_counted_error(tmp_path, make_manager, caplog):
     root = str(tmp_path / "capture")
-    assert _capture(make_manager, root, 0)["errors"] == 0            # run A: rank 0 landed, rank 1 never did
+    assert _capture(make_manager, root, 0)["errors"] == 0  # run A: rank 0 landed, rank 1 never did
     landed_by_a = open_backend(root).read(rank_key(BUNDLE, 0))
-    lineage = {"rollout_weight": 6, "actor_weight": 8}                 # run B: other content, same directory
+    lineage = {"rollout_weight": 6, "actor_weight": 8}  # run B: other content, same directory
     stats = _capture(make_manager, root, 0, weight_lineage=lineage)
     assert stats["errors"] == 1 and stats["written"] == 0
     assert "rank 0 already landed with different content" in caplog.text
     backend = open_backend(root)
-    assert backend.read(rank_key(BUNDLE, 0)) == landed_by_a   # A's landing kept as it was, B's refused
+    assert backend.read(rank_key(BUNDLE, 0)) == landed_by_a  # A's landing kept as it was, B's refused
     assert not backend.exists(complete_key(BUNDLE))
 
 

@@ -2,7 +2,8 @@
 
 Each producer is a writer as capture runs it (the writer process's code: its own `ObjectStore`, hence its own S3
 client and connections, committing a `BundleJob` with `commit_bundle`), for its own rank's shard of the step.
-`_run_producers` runs them as threads of this process or spread over spawned processes; they are released together twice:
+`_run_producers` runs them as threads of this process or spread over spawned processes; they are released together
+twice:
 once before their payloads and documents are written, and once more right before each lands its COMPLETE.<r>,
 so that all 64 rank markers land at the same moment. All of them then race for the FINALIZER claim before reading
 any other rank's marker: the losers return at once, and only the claimant reads the markers, checks them and writes
@@ -17,17 +18,27 @@ import threading
 import time
 import traceback
 from collections import Counter
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
 
+from tests.capture.helpers import CONFIG, CURRENT, OLD, loss_scalars, microbatch_kwargs
 from trajectory_replay.backends import open_backend
 from trajectory_replay.backends.base import CREATED, DIFFERENT
 from trajectory_replay.bundle import open_native
 from trajectory_replay.bundle.markers import (
-    COMPLETE, FINALIZER, FINALIZER_FORMAT, RANK_MARKER, RankMarker, complete_key, finalizer_claim, finalizer_key, rank_key,
-    read_complete, read_marker,
+    COMPLETE,
+    FINALIZER,
+    FINALIZER_FORMAT,
+    RANK_MARKER,
+    RankMarker,
+    complete_key,
+    finalizer_claim,
+    finalizer_key,
+    rank_key,
+    read_complete,
+    read_marker,
 )
 from trajectory_replay.bundle.status import COMPLETE_STATUS, FINALIZABLE, bundle_status
 from trajectory_replay.capture.commit import BundleJob, commit_bundle
@@ -35,7 +46,6 @@ from trajectory_replay.capture.records import Columns, MicroBatch, Provenance, S
 from trajectory_replay.replay import replay
 from trajectory_replay.replay.validate import validate_bundle
 from trajectory_replay.store import ObjectStore
-from tests.capture.helpers import CONFIG, CURRENT, OLD, loss_scalars, microbatch_kwargs
 
 WORLD = 64
 DELETED = "deleted"
@@ -62,12 +72,18 @@ def _record(rank: int) -> StepRecord:
     payloads = {name: kwargs.pop(name) for name in payload_names}
     columns = Columns(**kwargs)
     micro_batch = MicroBatch(f"mb-{rank:04d}", columns, payloads)
-    return StepRecord(ROLLOUT, STEP, (micro_batch,), loss_scalars([0, 1]), CONFIG, {"actor_weight": 7},
-                      Provenance())
+    return StepRecord(ROLLOUT, STEP, (micro_batch,), loss_scalars([0, 1]), CONFIG, {"actor_weight": 7}, Provenance())
 
 
-def _produce(url: str, storage_options: dict, ranks: list[int], start: Any, landing: Any, results: Any,
-             requests: Optional[Counter] = None) -> None:
+def _produce(
+    url: str,
+    storage_options: dict,
+    ranks: list[int],
+    start: Any,
+    landing: Any,
+    results: Any,
+    requests: Counter | None = None,
+) -> None:
     """Run the producers of `ranks`, one thread each, and put one result per rank on `results`: (rank, error or
     None, outcome of its create of the final COMPLETE or None, what it did with the FINALIZER claim in order (the
     outcome of each create of it, DELETED for each delete), seconds). `requests`, when given, counts the S3
@@ -97,7 +113,7 @@ def _produce(url: str, storage_options: dict, ranks: list[int], start: Any, land
     def one(rank: int) -> None:
         began, final, claim = time.monotonic(), None, []
         try:
-            store = ObjectStore.open(url, **storage_options)   # as the writer process opens it: a client of its own
+            store = ObjectStore.open(url, **storage_options)  # as the writer process opens it: a client of its own
             backend = store.backend
             if backend.capabilities.atomic_create:
                 assert backend.probe().ok
@@ -108,7 +124,7 @@ def _produce(url: str, storage_options: dict, ranks: list[int], start: Any, land
             def watched(key: str, data: bytes) -> str:
                 nonlocal final
                 if key == marker:
-                    landing.wait(BARRIER_TIMEOUT)   # every rank lands its marker at the same moment
+                    landing.wait(BARRIER_TIMEOUT)  # every rank lands its marker at the same moment
                 status = create_status(key, data)
                 if key == final_key:
                     final = status
@@ -121,12 +137,12 @@ def _produce(url: str, storage_options: dict, ranks: list[int], start: Any, land
                 if key == claim_key:
                     claim.append(DELETED)
 
-            backend.create_status, backend.delete = watched, deleted   # create_if_absent goes through it
+            backend.create_status, backend.delete = watched, deleted  # create_if_absent goes through it
             job = BundleJob(url, _record(rank), rank=rank, expected_ranks=tuple(range(WORLD)))
             start.wait(BARRIER_TIMEOUT)
             commit_bundle(store, job)
             results.put((rank, None, final, claim, time.monotonic() - began))
-        except BaseException:   # noqa: BLE001 - reported to the test, which fails on it
+        except BaseException:  # noqa: BLE001 - reported to the test, which fails on it
             landing.abort()
             start.abort()
             results.put((rank, traceback.format_exc(), final, claim, time.monotonic() - began))
@@ -138,18 +154,20 @@ def _produce(url: str, storage_options: dict, ranks: list[int], start: Any, land
         t.join()
 
 
-def _run_producers(url: str, storage_options: dict, processes: int,
-                   requests: Optional[Counter] = None) -> dict[int, tuple]:
+def _run_producers(
+    url: str, storage_options: dict, processes: int, requests: Counter | None = None
+) -> dict[int, tuple]:
     """All WORLD producers, spread over `processes` spawned processes (0: threads of this process, whose S3
     requests `requests` counts)."""
     ctx = multiprocessing.get_context("spawn")
     start, landing, results = ctx.Barrier(WORLD), ctx.Barrier(WORLD), ctx.Queue()
-    shares = [list(range(WORLD))[i::max(processes, 1)] for i in range(max(processes, 1))]
+    shares = [list(range(WORLD))[i :: max(processes, 1)] for i in range(max(processes, 1))]
     children = []
     if processes:
         for share in shares:
-            child = ctx.Process(target=_produce, args=(url, storage_options, share, start, landing, results),
-                                daemon=True)
+            child = ctx.Process(
+                target=_produce, args=(url, storage_options, share, start, landing, results), daemon=True
+            )
             child.start()
             children.append(child)
     else:
@@ -159,7 +177,7 @@ def _run_producers(url: str, storage_options: dict, processes: int,
     while len(got) < WORLD and time.monotonic() < deadline:
         try:
             rank, error, final, claim, seconds = results.get(timeout=1.0)
-        except Exception:   # queue.Empty: a child that died says so below
+        except Exception:  # queue.Empty: a child that died says so below
             if children and not any(c.is_alive() for c in children):
                 break
             continue
@@ -187,8 +205,9 @@ def _check(url: str, storage_options: dict, got: dict[int, tuple]) -> None:
     name = step_bundle_id(ROLLOUT, STEP)
     backend = open_backend(url, **storage_options)
     keys = backend.list(f"{name}/")
-    assert sorted(keys) == sorted([complete_key(name), finalizer_key(name)] + [rank_key(name, r) for r in range(WORLD)]), \
-        keys
+    assert sorted(keys) == sorted(
+        [complete_key(name), finalizer_key(name)] + [rank_key(name, r) for r in range(WORLD)]
+    ), keys
     claim = backend.read(finalizer_key(name))
     assert claim == finalizer_claim(winners[0])
     assert json.loads(claim) == {"format": FINALIZER_FORMAT, "rank": winners[0]}
@@ -205,7 +224,7 @@ def _check(url: str, storage_options: dict, got: dict[int, tuple]) -> None:
     assert state.finalizer_key == finalizer_key(name) and finalizer_key(name) not in state.marker_keys
     assert all(RANK_MARKER.fullmatch(k.rsplit("/", 1)[1]) for k in state.marker_keys if k != complete_key(name))
 
-    report = validate_bundle(f"{url}/{name}", **storage_options)   # every byte of every rank, from the store
+    report = validate_bundle(f"{url}/{name}", **storage_options)  # every byte of every rank, from the store
     assert report.valid, report.problems
     assert sorted(report.ranks) == list(range(WORLD)) and report.payloads_checked >= WORLD * 5
 
@@ -223,10 +242,12 @@ def _check(url: str, storage_options: dict, got: dict[int, tuple]) -> None:
 def _summary(got: dict[int, tuple]) -> str:
     claims = [claim for _, _, claim, _ in got.values()]
     finals = [final for _, final, _, _ in got.values()]
-    return (f"{sum(bool(c) for c in claims)} producers tried the claim, {sum(c[:1] == [CREATED] for c in claims)} got "
-            f"it, {sum(c.count(DELETED) for c in claims)} handed it back; "
-            f"{sum(f is not None for f in finals)} tried the final COMPLETE, {finals.count(CREATED)} created it; "
-            f"slowest producer {max(s for _, _, _, s in got.values()):.1f}s")
+    return (
+        f"{sum(bool(c) for c in claims)} producers tried the claim, {sum(c[:1] == [CREATED] for c in claims)} got "
+        f"it, {sum(c.count(DELETED) for c in claims)} handed it back; "
+        f"{sum(f is not None for f in finals)} tried the final COMPLETE, {finals.count(CREATED)} created it; "
+        f"slowest producer {max(s for _, _, _, s in got.values()):.1f}s"
+    )
 
 
 def test_a_producer_that_loses_the_claim_commits_its_job_cleanly(local_root):
@@ -258,8 +279,10 @@ def test_64_ranks_of_one_step_to_s3(s3_root):
     got = _run_producers(url, storage_options, 0, requests)
     took = time.monotonic() - began
     in_bundle = {f"{op} {where}": n for (op, where), n in sorted(requests.items()) if where != "store"}
-    print(f"\n64 ranks to S3: {_summary(got)}; all done in {took:.1f}s with {sum(requests.values())} requests, "
-          f"{sum(in_bundle.values())} of them to the bundle's markers and claim {in_bundle}")
+    print(
+        f"\n64 ranks to S3: {_summary(got)}; all done in {took:.1f}s with {sum(requests.values())} requests, "
+        f"{sum(in_bundle.values())} of them to the bundle's markers and claim {in_bundle}"
+    )
     _check(url, storage_options, got)
     # Each producer lands its marker, looks for COMPLETE (one HEAD) and tries the claim: a loser reads the claim
     # (one GET) and stops. Only the claimant reads the rank markers (one GET each, no size request first) and their

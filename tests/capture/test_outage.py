@@ -40,14 +40,19 @@ AT_LEAST = 3
 has no room for meanwhile are dropped, as any full queue drops them), so steps go on until this many were taken."""
 
 
-def test_capture_started_during_an_outage_completes_its_bundles_once_the_server_is_back(tmp_path, make_manager,
-                                                                                       monkeypatch):
+def test_capture_started_during_an_outage_completes_its_bundles_once_the_server_is_back(
+    tmp_path, make_manager, monkeypatch
+):
     monkeypatch.setenv(ENV_DIR, str(tmp_path / "cache"))
     port = _free_ports(1)[0]
     # one attempt per request: botocore's own retries of a refused connection (up to about 15 s) would decide
     # by chance whether the writer's first self-test meets the outage or outlasts it
-    options = {"key": ACCESS_KEY, "secret": SECRET_KEY, "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
-               "config_kwargs": {"retries": {"max_attempts": 1}}}
+    options = {
+        "key": ACCESS_KEY,
+        "secret": SECRET_KEY,
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
     bucket = f"outage-{uuid.uuid4().hex[:12]}"
     url = f"s3://{bucket}/run"
     servers: list = []
@@ -61,14 +66,15 @@ def test_capture_started_during_an_outage_completes_its_bundles_once_the_server_
 
     launcher = threading.Thread(target=start, daemon=True)
     t0 = time.monotonic()
-    manager, _ = idle_writer(lambda: make_manager(url, storage_options=options, max_queue_records=4,
-                                                  default_writer=True))
-    assert manager.writer_mode == "process"   # the default for S3: it probes as soon as it has started
+    manager, _ = idle_writer(
+        lambda: make_manager(url, storage_options=options, max_queue_records=4, default_writer=True)
+    )
+    assert manager.writer_mode == "process"  # the default for S3: it probes as soon as it has started
     try:
         watcher = open_backend(url, **options)
         down = watcher.probe()
         assert down.transient and not down.ok, down
-        assert watcher.probe() is down   # within its back-off: no new request
+        assert watcher.probe() is down  # within its back-off: no new request
         with pytest.raises(BackendError, match="could not check that create-if-absent is atomic"):
             watcher.require_atomic_create(patience=0)
 
@@ -76,7 +82,7 @@ def test_capture_started_during_an_outage_completes_its_bundles_once_the_server_
         after: list[str] = []
         step = 0
         while recovered is None or time.monotonic() < recovered + AFTER_RECOVERY or len(after) < AT_LEAST:
-            if not launcher.ident and manager.stats()["errors"]:   # the writer met the outage: end it
+            if not launcher.ident and manager.stats()["errors"]:  # the writer met the outage: end it
                 launcher.start()
             if recovered is None and started.is_set():
                 assert servers, "the outage test's SeaweedFS did not start"
@@ -86,23 +92,24 @@ def test_capture_started_during_an_outage_completes_its_bundles_once_the_server_
             if capture_step(manager, 40, step, [[0, 1], [2, 3]]) and recovered is not None:
                 after.append(f"step-40-{step}")
             time.sleep(STEP_EVERY)
-            if recovered is None:   # the writer meets the outage at once; the server's start has a timeout of its own
+            if recovered is None:  # the writer meets the outage at once; the server's start has a timeout of its own
                 assert time.monotonic() - t0 < 2 * SERVER_START, f"the server never came back: {manager.stats()}"
-            else:   # capture resumes once the writer's back-off ends (twice over, for a loaded host)
-                assert time.monotonic() - recovered < 2 * (STORE_RETRY_MAX + AFTER_RECOVERY + AT_LEAST * STEP_EVERY), \
+            else:  # capture resumes once the writer's back-off ends (twice over, for a loaded host)
+                assert time.monotonic() - recovered < 2 * (STORE_RETRY_MAX + AFTER_RECOVERY + AT_LEAST * STEP_EVERY), (
                     f"capture never resumed: {manager.stats()}"
+                )
         assert manager.flush(20), manager.stats()
-        watcher.require_atomic_create()   # the same backend: its failed probe was not remembered
+        watcher.require_atomic_create()  # the same backend: its failed probe was not remembered
         completed = [b for b in after if read_complete(watcher, b) is not None]
-        verifying = ObjectStore.open(url, trust_cache=False, **options)   # as validate_bundle opens it
+        verifying = ObjectStore.open(url, trust_cache=False, **options)  # as validate_bundle opens it
         reports = {b: validate_sources(b, open_native(f"{url}/{b}", store=verifying)) for b in completed}
     finally:
         if launcher.ident:
             started.wait(60)
         for server in servers:
-            server.stop()   # a short grace, then SIGKILL (weed waits about 10 s on SIGTERM)
+            server.stop()  # a short grace, then SIGKILL (weed waits about 10 s on SIGTERM)
 
-    assert manager.stats()["errors"] > 0, manager.stats()   # what was captured during the outage failed
+    assert manager.stats()["errors"] > 0, manager.stats()  # what was captured during the outage failed
     assert completed == after, (after, manager.stats())
     assert all(r.valid for r in reports.values()), {b: r.problems for b, r in reports.items()}
 

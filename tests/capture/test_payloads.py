@@ -68,9 +68,11 @@ def plugin(tmp_path_factory):
     info = site / "acme_payload_kernels-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-payload-kernels\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[trajectory_replay.kernels]\n"
-                                           f"acme_bonus = {PLUGIN_MODULE}:ACME_BONUS\n"
-                                           f"acme_gated = {PLUGIN_MODULE}:ACME_GATED\n")
+    (info / "entry_points.txt").write_text(
+        "[trajectory_replay.kernels]\n"
+        f"acme_bonus = {PLUGIN_MODULE}:ACME_BONUS\n"
+        f"acme_gated = {PLUGIN_MODULE}:ACME_GATED\n"
+    )
     sys.path.insert(0, str(site))
     importlib.invalidate_caches()
     yield importlib.import_module(PLUGIN_MODULE)
@@ -88,8 +90,9 @@ def _add_payload(monkeypatch, stage: StageId, name: str) -> None:
 def _first_divergence(url: str):
     """The first stage whose recomputation disagrees with the bundle (None: every stage passed)."""
     report = replay(open_native(url))
-    assert all(s.status in ("pass", "fail") for s in report.stages), [(s.stage, s.status, s.message)
-                                                                     for s in report.stages]
+    assert all(s.status in ("pass", "fail") for s in report.stages), [
+        (s.stage, s.status, s.message) for s in report.stages
+    ]
     return report.first_divergent_stage
 
 
@@ -99,12 +102,19 @@ def _rollout(bonus: list[float]) -> dict:
     config = RecomputeConfig(advantage_estimator="acme_bonus", n_samples_per_prompt=2, kl_coef=0.0)
     kwargs = rollout_kwargs(flat=True)
     raw = torch.tensor(kwargs["raw_rewards"]).repeat_interleave(TOKENS)
-    return {**kwargs, "config": config, "rewards": kwargs["raw_rewards"], "kl": torch.zeros(N),
-            "advantages": raw + torch.tensor(BONUS), "payloads": {"token_bonus": torch.tensor(bonus)}}
+    return {
+        **kwargs,
+        "config": config,
+        "rewards": kwargs["raw_rewards"],
+        "kl": torch.zeros(N),
+        "advantages": raw + torch.tensor(BONUS),
+        "payloads": {"token_bonus": torch.tensor(bonus)},
+    }
 
 
-def test_a_payload_added_to_the_table_is_captured_validated_and_read_by_its_kernel(tmp_path, make_manager,
-                                                                                   monkeypatch, plugin):
+def test_a_payload_added_to_the_table_is_captured_validated_and_read_by_its_kernel(
+    tmp_path, make_manager, monkeypatch, plugin
+):
     _add_payload(monkeypatch, StageId.ADVANTAGE_ESTIMATE, "token_bonus")
     assert "token_bonus" in bundle_payloads("rollout")
     capture.set_manager(make_manager(tmp_path))
@@ -126,24 +136,32 @@ def test_a_payload_added_to_the_table_is_captured_validated_and_read_by_its_kern
     # validate expects it: a bundle without it is reported
     url = str(tmp_path / "rollout-3")
     assert validate_sources(url, open_native(url)).problems == [
-        "rollout-3: stage advantage.estimate needs payload 'token_bonus', which is missing"]
+        "rollout-3: stage advantage.estimate needs payload 'token_bonus', which is missing"
+    ]
 
 
-def test_a_step_payload_added_to_the_table_reaches_the_policy_loss_kernel(tmp_path, make_manager, monkeypatch,
-                                                                          plugin):
+def test_a_step_payload_added_to_the_table_reaches_the_policy_loss_kernel(tmp_path, make_manager, monkeypatch, plugin):
     _add_payload(monkeypatch, StageId.LOSS_POLICY, "token_gate")
     config = RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=2, policy_loss="acme_gated")
     halves = [[0, 1], [2, 3]]
     first = microbatch_kwargs(range(4))
-    data = PolicyLossData(first["log_probs"], first["old_log_probs"], first["advantages"], first["entropy"],
-                          torch.ones(N), torch.full((4,), TOKENS), payloads={"token_gate": torch.tensor(GATE)})
+    data = PolicyLossData(
+        first["log_probs"],
+        first["old_log_probs"],
+        first["advantages"],
+        first["entropy"],
+        torch.ones(N),
+        torch.full((4,), TOKENS),
+        payloads={"token_gate": torch.tensor(GATE)},
+    )
     scalars = policy_loss_outputs(data, config, resolve_kernels(config))
     capture.set_manager(make_manager(tmp_path))
     for step, gate in ((0, GATE), (1, [1.0] * N)):
         for j, pos in enumerate(halves):
             rows = slice(j * len(pos) * TOKENS, (j + 1) * len(pos) * TOKENS)
-            assert capture.capture_microbatch(1, step, f"mb-{j}", **microbatch_kwargs(pos),
-                                              payloads={"token_gate": torch.tensor(gate[rows])})
+            assert capture.capture_microbatch(
+                1, step, f"mb-{j}", **microbatch_kwargs(pos), payloads={"token_gate": torch.tensor(gate[rows])}
+            )
         assert capture.capture_step_end(1, step, config=config, **scalars)
     assert capture.shutdown(30)
 
@@ -156,12 +174,16 @@ def test_a_step_payload_added_to_the_table_reaches_the_policy_loss_kernel(tmp_pa
     assert _first_divergence(str(tmp_path / "step-1-1")) == StageId.LOSS_POLICY
 
 
-@pytest.mark.parametrize("payloads,why", [
-    ({"token_bonus": torch.zeros(N)}, "'token_bonus' is not a payload of a rollout-level bundle"),
-    ({"vpreds": torch.zeros(N)}, "'vpreds' is not a payload of a rollout-level bundle"),   # a step-level one
-    ({"loss_mask": torch.ones(N)}, "'loss_mask' is not a payload of a rollout-level bundle"),
-    ({"kl": torch.zeros(N)}, "'kl' is given both as an argument and in payloads"),
-], ids=["undeclared", "other-kind", "loss-mask", "twice"])
+@pytest.mark.parametrize(
+    "payloads,why",
+    [
+        ({"token_bonus": torch.zeros(N)}, "'token_bonus' is not a payload of a rollout-level bundle"),
+        ({"vpreds": torch.zeros(N)}, "'vpreds' is not a payload of a rollout-level bundle"),  # a step-level one
+        ({"loss_mask": torch.ones(N)}, "'loss_mask' is not a payload of a rollout-level bundle"),
+        ({"kl": torch.zeros(N)}, "'kl' is given both as an argument and in payloads"),
+    ],
+    ids=["undeclared", "other-kind", "loss-mask", "twice"],
+)
 def test_a_payload_the_table_does_not_declare_is_a_counted_hook_error(tmp_path, make_manager, caplog, payloads, why):
     manager = make_manager(tmp_path)
     capture.set_manager(manager)
@@ -178,8 +200,12 @@ def test_a_step_payload_not_in_the_table_is_refused_by_the_micro_batch_hook(tmp_
     manager = make_manager(tmp_path)
     capture.set_manager(manager)
     with caplog.at_level(logging.ERROR, logger="trajectory_replay.capture"):
-        assert capture.capture_microbatch(1, 0, "mb-0", **microbatch_kwargs(range(4)),
-                                          payloads={"token_gate": torch.ones(N)}) is False
+        assert (
+            capture.capture_microbatch(
+                1, 0, "mb-0", **microbatch_kwargs(range(4)), payloads={"token_gate": torch.ones(N)}
+            )
+            is False
+        )
     [line] = [r.getMessage() for r in caplog.records]
     assert "capture_microbatch(1, 0, 'mb-0')" in line and "'token_gate' is not a payload of a step-level" in line
     assert manager.stats()["errors"] == 1
@@ -189,11 +215,24 @@ def test_declared_payloads_by_name_are_written_like_the_named_arguments(tmp_path
     kwargs = rollout_kwargs(flat=True)
     by_name = {name: kwargs.pop(name) for name in ("old_log_probs", "ref_log_probs", "kl", "advantages")}
     capture.set_manager(make_manager(tmp_path))
-    assert capture.capture_rollout(1, **kwargs, old_log_probs=None, ref_log_probs=None, kl=None, advantages=None,
-                                   payloads={**by_name, "values": torch.full((N,), 0.5)})
+    assert capture.capture_rollout(
+        1,
+        **kwargs,
+        old_log_probs=None,
+        ref_log_probs=None,
+        kl=None,
+        advantages=None,
+        payloads={**by_name, "values": torch.full((N,), 0.5)},
+    )
     assert capture.shutdown(30)
     [source] = open_native(str(tmp_path / "rollout-1"))
-    assert set(source.manifest.payloads) == {"old_log_probs", "ref_log_probs", "kl", "advantages", "values",
-                                             "loss_mask"}
+    assert set(source.manifest.payloads) == {
+        "old_log_probs",
+        "ref_log_probs",
+        "kl",
+        "advantages",
+        "values",
+        "loss_mask",
+    }
     assert source.load_payload("values").tolist() == [0.5] * N
     assert replay([source]).passed

@@ -40,8 +40,14 @@ def test_hand_built_example_runs_unchanged(tmp_path):
     report = json.loads(bad.stdout)
     assert report["first_divergent_stage"] == "reward.post_process"
     post = next(s for s in report["stages"] if s["stage"] == "reward.post_process")
-    assert post["divergences"][0] == {"field": "reward", "sample_id": "s-0", "token_offset": None,
-                                      "expected": -5.5, "actual": -1.0, "abs_error": 4.5}
+    assert post["divergences"][0] == {
+        "field": "reward",
+        "sample_id": "s-0",
+        "token_offset": None,
+        "expected": -5.5,
+        "actual": -1.0,
+        "abs_error": 4.5,
+    }
 
 
 def test_demo(tmp_path):
@@ -64,13 +70,31 @@ def test_replay_json_shape_and_human_report(tmp_path):
     result = run("replay", path, "--json")
     assert result.exit_code == 1
     report = json.loads(result.stdout)
-    assert set(report) == {"status", "bundle_id", "passed", "first_divergent_stage", "first_divergence", "reason",
-                           "compared", "config_overrides", "stages"}
+    assert set(report) == {
+        "status",
+        "bundle_id",
+        "passed",
+        "first_divergent_stage",
+        "first_divergence",
+        "reason",
+        "compared",
+        "config_overrides",
+        "stages",
+    }
     assert report["status"] == "diverged"
     assert report["passed"] is False and report["first_divergent_stage"] == "reward.post_process"
     for stage in report["stages"]:
-        assert set(stage) == {"bundle", "stage", "rank", "status", "message", "compared", "max_abs_error",
-                              "mismatch_count", "divergences"}
+        assert set(stage) == {
+            "bundle",
+            "stage",
+            "rank",
+            "status",
+            "message",
+            "compared",
+            "max_abs_error",
+            "mismatch_count",
+            "divergences",
+        }
     loss = next(s for s in report["stages"] if s["stage"] == "loss.policy")
     assert loss["status"] == "fail"
     pg = next(d for d in loss["divergences"] if d["field"] == "pg_loss")
@@ -92,8 +116,12 @@ def test_selection_and_stage_flags(tmp_path):
     assert run("replay", path, "--group", "g-7").exit_code == 1
     assert run("replay", path, "--batch", "mb-9999").exit_code == 1
     staged = json.loads(run("replay", path, "--stage", "advantage.estimate", "--json").stdout)
-    assert [s["stage"] for s in staged["stages"]] == ["sample", "reward.raw", "reward.post_process",
-                                                      "advantage.estimate"]
+    assert [s["stage"] for s in staged["stages"]] == [
+        "sample",
+        "reward.raw",
+        "reward.post_process",
+        "advantage.estimate",
+    ]
     assert staged["first_divergent_stage"] == "reward.post_process"  # the upstream bug is still named first
     loose = run("replay", path, "--stage", "reward.post_process", "--atol", "10")
     assert loose.exit_code == 0
@@ -115,8 +143,10 @@ def test_capture_directory_resolution(tmp_path):
     from trajectory_replay.bundle import BundleWriter
     from trajectory_replay.bundle.schema import ActorStepId, Identity
 
-    for name, identity in (("step-121", Identity(actor_step_id=ActorStepId(rollout_id=121, step_id=3))),
-                           ("rollout-121", Identity(rollout_id=121))):
+    for name, identity in (
+        ("step-121", Identity(actor_step_id=ActorStepId(rollout_id=121, step_id=3))),
+        ("rollout-121", Identity(rollout_id=121)),
+    ):
         index = case.index.model_copy(update={"bundle_id": name, "identity": identity})
         w = BundleWriter(f"{root}/{name}", case.manifest.model_copy(update={"bundle_id": name}), index, case.expected)
         for p, t in case.payloads.items():
@@ -154,8 +184,7 @@ def test_v1_bundles_directly_and_imported_give_the_same_verdicts(tmp_path):
     native = json.loads(run("replay", f"{store}/b-00065", "--json").stdout)
 
     def verdicts(report):
-        return [(s["stage"], s["rank"], s["status"], s["mismatch_count"], s["divergences"])
-                for s in report["stages"]]
+        return [(s["stage"], s["rank"], s["status"], s["mismatch_count"], s["divergences"]) for s in report["stages"]]
 
     assert native["first_divergent_stage"] == direct["first_divergent_stage"]
     assert verdicts(native) == verdicts(direct)
@@ -181,8 +210,14 @@ def test_inspect_incomplete_bundle(tmp_path):
     case = canonical_case(False)
     from trajectory_replay.bundle import BundleWriter
 
-    w = BundleWriter(f"{root}/mr", case.manifest.model_copy(update={"bundle_id": "mr"}),
-                     case.index.model_copy(update={"bundle_id": "mr"}), case.expected, rank=1, expected_ranks=[0, 1])
+    w = BundleWriter(
+        f"{root}/mr",
+        case.manifest.model_copy(update={"bundle_id": "mr"}),
+        case.index.model_copy(update={"bundle_id": "mr"}),
+        case.expected,
+        rank=1,
+        expected_ranks=[0, 1],
+    )
     for p, t in case.payloads.items():
         w.write_payload(p, t)
     w.finalize()
@@ -201,8 +236,13 @@ def test_replay_by_s3_url(s3_server, s3_root, tmp_path, monkeypatch):
     write_canonical(url, buggy=True, storage_options=options)
     write_canonical(url, buggy=False, storage_options=options)
     env = {**s3_server.env(), "TRAJECTORY_REPLAY_CACHE_DIR": str(tmp_path / "cache")}
-    bad = subprocess.run([sys.executable, "-m", "trajectory_replay", "replay", f"{url}/b-00065", "--json"],
-                         capture_output=True, text=True, env={**os.environ, **env}, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "trajectory_replay", "replay", f"{url}/b-00065", "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
     assert bad.returncode == 1, bad.stderr
     assert json.loads(bad.stdout)["first_divergent_stage"] == "reward.post_process"
     for key, value in env.items():
@@ -219,7 +259,7 @@ def test_errors_are_one_line_without_traceback(tmp_path):
     bad_dir = tmp_path / "v1bad"
     _write_v1(bad_dir, buggy=False)
     (bad_dir / "index.json").write_text("{not json")
-    for cmd in ("replay", "inspect"):   # in this process: a real process's output is tests/ops/test_cli_ops.py's
+    for cmd in ("replay", "inspect"):  # in this process: a real process's output is tests/ops/test_cli_ops.py's
         out = run(cmd, str(bad_dir))
         assert out.exception is None or isinstance(out.exception, SystemExit), repr(out.exception)
         assert "Traceback" not in out.stdout + out.stderr
@@ -238,8 +278,9 @@ def test_replay_one_rank_of_a_data_parallel_bundle(tmp_path):
     shards = split_ranks(twelve_case(), [range(0, 6), range(6, 12)])
     name = shards[0].manifest.bundle_id
     for r, shard in enumerate(shards):
-        BundleWriter(str(tmp_path / name), shard.manifest, shard.index, shard.expected, rank=r,
-                     expected_ranks=[0, 1]).finalize(payloads=shard.payloads)
+        BundleWriter(
+            str(tmp_path / name), shard.manifest, shard.index, shard.expected, rank=r, expected_ranks=[0, 1]
+        ).finalize(payloads=shard.payloads)
     result = run("replay", str(tmp_path / name / "rank-1"), "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
@@ -252,11 +293,19 @@ def test_replay_one_rank_of_a_data_parallel_bundle(tmp_path):
 
 def test_the_demos_default_directories_are_git_ignored():
     repo = Path(__file__).resolve().parents[2]
-    paths = [f"trajectory-replay-demo/{complete_key('b-00001')}",
-             f"trajectory-replay-demo-2/{object_key(hash_bytes(b'x'))}"]
-    out = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=repo, capture_output=True, text=True,
-                         timeout=60)
+    paths = [
+        f"trajectory-replay-demo/{complete_key('b-00001')}",
+        f"trajectory-replay-demo-2/{object_key(hash_bytes(b'x'))}",
+    ]
+    out = subprocess.run(
+        ["git", "check-ignore", "--no-index", *paths], cwd=repo, capture_output=True, text=True, timeout=60
+    )
     assert out.stdout.split() == paths, (out.returncode, out.stdout, out.stderr)
-    kept = subprocess.run(["git", "check-ignore", "--no-index", "trajectory_replay/demo.py"], cwd=repo,
-                          capture_output=True, text=True, timeout=60)
+    kept = subprocess.run(
+        ["git", "check-ignore", "--no-index", "trajectory_replay/demo.py"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert kept.returncode == 1  # the module of the same name is not

@@ -7,11 +7,10 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from tests.replay.reference64 import algorithm_case
 from trajectory_replay.bundle import BundleWriter
 from trajectory_replay.bundle.schema import BundleIndex, RecomputeConfig
 from trajectory_replay.cli import app
-
-from tests.replay.reference64 import algorithm_case
 
 runner = CliRunner()
 BASE = {"advantage_estimator": "grpo", "grpo_std_normalization": True, "kl_coef": 0.05, "entropy_coef": 0.01}
@@ -29,8 +28,9 @@ def write(root: Path, case, config: dict | RecomputeConfig | None = None) -> str
     if config is not None:
         index = BundleIndex.model_validate({**index.model_dump(), "config": config.model_dump()})
         index.config = config
-    index = index.model_copy(update={"samples": [s.model_copy(update={"loss_mask": list(s.loss_mask)})
-                                                 for s in index.samples]})
+    index = index.model_copy(
+        update={"samples": [s.model_copy(update={"loss_mask": list(s.loss_mask)}) for s in index.samples]}
+    )
     writer = BundleWriter(str(root / manifest.bundle_id), manifest, index, expected)
     for name, tensor in payloads.items():
         writer.write_payload(name, tensor)
@@ -51,8 +51,11 @@ def test_replay_set_overrides_a_field_and_says_so(tmp_path):
 
 def test_replay_set_mistakes_are_one_line_usage_errors(tmp_path):
     bundle = write(tmp_path, algorithm_case(BASE, seed=2))
-    for flag, message in (("std_eps", "expected FIELD=VALUE"), ("nope=1", "unknown config field 'nope'"),
-                          ("std_eps=abc", "config field std_eps")):
+    for flag, message in (
+        ("std_eps", "expected FIELD=VALUE"),
+        ("nope=1", "unknown config field 'nope'"),
+        ("std_eps=abc", "config field std_eps"),
+    ):
         result = run("replay", bundle, "--set", flag)
         assert result.exit_code == 2, result.output
         assert message in result.output and "Traceback" not in result.output
@@ -67,8 +70,11 @@ def test_conventions_names_the_profile_and_the_manifest_records_it(tmp_path):
     manifest = json.loads(run("inspect", recorded, "--json").stdout)
     assert "verl" in json.dumps(manifest)
     assert run("replay", recorded).exit_code == 0
-    unrecorded = write(tmp_path / "b", algorithm_case(verl.model_dump(), seed=7, singleton=True),
-                       {**BASE, "n_samples_per_prompt": 4, "group_size_check": "any"})
+    unrecorded = write(
+        tmp_path / "b",
+        algorithm_case(verl.model_dump(), seed=7, singleton=True),
+        {**BASE, "n_samples_per_prompt": 4, "group_size_check": "any"},
+    )
     result = run("conventions", unrecorded)
     assert result.exit_code == 0, result.output
     assert "every stage reproduced by: profile verl" in result.stdout

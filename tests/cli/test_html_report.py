@@ -16,8 +16,16 @@ from typer.testing import CliRunner
 
 from trajectory_replay.bundle import BundleWriter
 from trajectory_replay.bundle.schema import (
-    ActorStepId, BundleIndex, ComparisonPolicy, Identity, Manifest, RecomputeConfig, SampleRecord,
-    StageCapability, StageContract, StageId,
+    ActorStepId,
+    BundleIndex,
+    ComparisonPolicy,
+    Identity,
+    Manifest,
+    RecomputeConfig,
+    SampleRecord,
+    StageCapability,
+    StageContract,
+    StageId,
 )
 from trajectory_replay.cli import app
 from trajectory_replay.html_report import PAGE_LIMIT, write_diff_html, write_replay_html, write_scan_html
@@ -26,9 +34,20 @@ from trajectory_replay.replay.report import Divergence, ReplayReport, StageResul
 
 runner = CliRunner()
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-         "--enable-logging=stderr", "--v=0", "--virtual-time-budget=8000"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--enable-logging=stderr",
+    "--v=0",
+    "--virtual-time-budget=8000",
+]
 SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY"
 
 
@@ -49,17 +68,33 @@ def _write_large(path: Path, groups: int, tokens: int) -> str:
     raw = [float(i % 7) for i in range(2 * groups)]
     mean = sum(raw) / len(raw)
     buggy = [r - mean for r in raw]
-    samples = [SampleRecord(sample_id=f"sample-{i:05d}", group_index=i // 2, response_length=tokens,
-                            total_length=tokens + 1, loss_mask=[1] * tokens, raw_reward=raw[i], reward=buggy[i])
-               for i in range(2 * groups)]
+    samples = [
+        SampleRecord(
+            sample_id=f"sample-{i:05d}",
+            group_index=i // 2,
+            response_length=tokens,
+            total_length=tokens + 1,
+            loss_mask=[1] * tokens,
+            raw_reward=raw[i],
+            reward=buggy[i],
+        )
+        for i in range(2 * groups)
+    ]
     stages = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCESS, StageId.ADVANTAGE_ESTIMATE)
-    index = BundleIndex(bundle_id="b-large", identity=Identity(actor_step_id=ActorStepId(rollout_id=7, step_id=3)),
-                        samples=samples, config=RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=2))
-    manifest = Manifest(bundle_id="b-large", stage_contracts={
-        s: StageContract(stage=s, capability=StageCapability.RECOMPUTE) for s in stages},
-        comparison_policy=ComparisonPolicy(exact_fields=["sample_id", "loss_mask", "group_index"]))
-    writer = BundleWriter(str(path), manifest, index, {"reward.raw": {"raw_rewards": raw},
-                                                       "reward.post_process": {"rewards": buggy}})
+    index = BundleIndex(
+        bundle_id="b-large",
+        identity=Identity(actor_step_id=ActorStepId(rollout_id=7, step_id=3)),
+        samples=samples,
+        config=RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=2),
+    )
+    manifest = Manifest(
+        bundle_id="b-large",
+        stage_contracts={s: StageContract(stage=s, capability=StageCapability.RECOMPUTE) for s in stages},
+        comparison_policy=ComparisonPolicy(exact_fields=["sample_id", "loss_mask", "group_index"]),
+    )
+    writer = BundleWriter(
+        str(path), manifest, index, {"reward.raw": {"raw_rewards": raw}, "reward.post_process": {"rewards": buggy}}
+    )
     writer.write_payload("advantages", torch.tensor(buggy).repeat_interleave(tokens))
     writer.finalize()
     return str(path)
@@ -72,8 +107,12 @@ def _render(page: Path, tmp: Path) -> tuple[str, str, Path]:
     shot = tmp / f"{page.stem}.png"
 
     def browser(profile: str, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={tmp / profile}", *args, page.as_uri()],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [CHROMIUM, *FLAGS, f"--user-data-dir={tmp / profile}", *args, page.as_uri()],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     dumper = browser("profile-dom", "--dump-dom")
     shooter = browser("profile-shot", "--window-size=1300,2200", f"--screenshot={shot}")
@@ -130,11 +169,11 @@ def test_the_demo_buggy_bundle_report_is_small_and_renders_with_integer_sample_t
     assert "CONSOLE" not in log, log
     # every plot is drawn in the browser: the first divergent stage's values, its heatmap, and the later
     # advantage.estimate's heatmap and first divergent sample per token
-    assert dom.count("<svg class=\"plot\"") == text.count("<svg class='plot'") == 4
+    assert dom.count('<svg class="plot"') == text.count("<svg class='plot'") == 4
     assert "advantage.estimate: advantages of s-0, its first divergent sample, per token" in text
     ticks = _index_ticks(dom)
     assert ticks and all(re.fullmatch(r"\d+", t) for t in ticks), ticks
-    assert shot.stat().st_size > 30_000   # a blank page is a few kilobytes
+    assert shot.stat().st_size > 30_000  # a blank page is a few kilobytes
 
 
 def test_the_page_says_first_which_bundle_and_the_first_divergent_stage_values(demo_page):
@@ -146,40 +185,47 @@ def test_the_page_says_first_which_bundle_and_the_first_divergent_stage_values(d
     headings = _headings(text)
     first = headings.index("first divergent stage: reward.post_process")
     assert first < headings.index("stages") < headings.index("failed: advantage.estimate")
-    section = text[text.index("first divergent stage: reward.post_process</h2>"):text.index("<h2>stages</h2>")]
+    section = text[text.index("first divergent stage: reward.post_process</h2>") : text.index("<h2>stages</h2>")]
     # expected against actual per sample, with the sample ids: the table and the plot
-    for sid, expected, actual in (("s-0", "-5.5", "-1.0"), ("s-1", "-3.5", "1.0"), ("s-2", "3.5", "-1.0"),
-                                  ("s-3", "5.5", "1.0")):
-        assert (f"<td>reward</td><td>{sid}</td><td class='num'></td><td class='num'>{expected}</td>"
-                f"<td class='num'>{actual}</td>") in section
+    for sid, expected, actual in (
+        ("s-0", "-5.5", "-1.0"),
+        ("s-1", "-3.5", "1.0"),
+        ("s-2", "3.5", "-1.0"),
+        ("s-3", "5.5", "1.0"),
+    ):
+        assert (
+            f"<td>reward</td><td>{sid}</td><td class='num'></td><td class='num'>{expected}</td>"
+            f"<td class='num'>{actual}</td>"
+        ) in section
         assert f"<title>{sid}: expected {float(expected):g}</title>" in section
-        assert f"<text class='label'" in section and f">{sid}</text>" in section
+        assert "<text class='label'" in section and f">{sid}</text>" in section
     assert "reward.post_process: reward, expected and actual per sample" in section
-    assert "advantage.estimate" not in section   # no later stage's values stand in for the first one's
+    assert "advantage.estimate" not in section  # no later stage's values stand in for the first one's
 
 
 def test_a_config_field_replayed_with_another_value_is_marked(demo_page, tmp_path):
     page = tmp_path / "override.html"
-    result = runner.invoke(app, ["replay", str(Path(demo_page[1]) / "b-00065"), "--set", "kl_coef=0.2",
-                                 "--html", str(page)])
+    result = runner.invoke(
+        app, ["replay", str(Path(demo_page[1]) / "b-00065"), "--set", "kl_coef=0.2", "--html", str(page)]
+    )
     assert result.exit_code == 1, result.output
     text = page.read_text(encoding="utf-8")
-    assert ("<td class='changed'><code>kl_coef</code></td><td class='changed'><code>0.1 → 0.2</code></td>"
-            in text)
+    assert "<td class='changed'><code>kl_coef</code></td><td class='changed'><code>0.1 → 0.2</code></td>" in text
     assert "replayed with 1 field(s) changed" in text
 
 
 def test_heatmaps_name_their_samples_with_a_readable_colour_bar(demo_page):
     text = demo_page[0].read_text(encoding="utf-8")
-    heatmap = text[text.index("reward.post_process: reward, largest error per sample"):]
-    heatmap = heatmap[:heatmap.index("</svg>")]
+    heatmap = text[text.index("reward.post_process: reward, largest error per sample") :]
+    heatmap = heatmap[: heatmap.index("</svg>")]
     height = int(re.search(r"<svg class='plot'[^>]* height='(\d+)'", heatmap).group(1))
-    assert 80 <= height <= 200   # one row of 4 samples: neither a sliver nor a screenful
+    assert 80 <= height <= 200  # one row of 4 samples: neither a sliver nor a screenful
     for sid in ("s-0", "s-1", "s-2", "s-3"):
         assert f"<title>{sid}: 4.5</title>" in heatmap and f">{sid}</text>" in heatmap
     # the colour bar: the largest error at the top, whole decades below it, labels at least 16 px apart
-    labels = re.findall(r"<line class='tick'[^>]*/><text x='[\d.]+' y='([\d.]+)'>([^<]+)</text>",
-                        heatmap[heatmap.index("|error|"):])
+    labels = re.findall(
+        r"<line class='tick'[^>]*/><text x='[\d.]+' y='([\d.]+)'>([^<]+)</text>", heatmap[heatmap.index("|error|") :]
+    )
     assert [text for _, text in labels] == ["4.5", "1e0"]
     ys = sorted(float(y) for y, _ in labels)
     assert all(b - a >= 16 for a, b in zip(ys, ys[1:]))
@@ -205,8 +251,10 @@ def test_a_large_bundle_page_stays_under_the_limit_and_says_what_it_left_out(tmp
 
 def test_per_rank_mismatch_sections_name_their_rank(tmp_path):
     metrics = {"tokens": 16, "kl_k3": 0.01, "worst_tokens": [{"sample_id": "s-1", "token": 3, "log_ratio": 0.4}]}
-    report = ReplayReport("b-ranks", stages=tuple(
-        StageResult("rollout.mismatch", "pass", "measured", rank=r, metrics=metrics) for r in (0, 1)))
+    report = ReplayReport(
+        "b-ranks",
+        stages=tuple(StageResult("rollout.mismatch", "pass", "measured", rank=r, metrics=metrics) for r in (0, 1)),
+    )
     page = tmp_path / "ranks.html"
     write_replay_html(report, page)
     headings = _headings(page.read_text(encoding="utf-8"))
@@ -216,13 +264,35 @@ def test_per_rank_mismatch_sections_name_their_rank(tmp_path):
 
 def test_a_page_of_very_many_failed_ranks_stays_under_the_limit_and_says_where_it_is_cut(tmp_path):
     ids = [f"s-{i}" for i in range(64)]
-    evidence = {"advantages": {"sample_errors": dict.fromkeys(ids, 1.0), "first_sample": {
-        "sample_id": "s-0", "expected": [1.0] * 64, "actual": [2.0] * 64, "divergent": list(range(64))}}}
+    evidence = {
+        "advantages": {
+            "sample_errors": dict.fromkeys(ids, 1.0),
+            "first_sample": {
+                "sample_id": "s-0",
+                "expected": [1.0] * 64,
+                "actual": [2.0] * 64,
+                "divergent": list(range(64)),
+            },
+        }
+    }
     divergences = tuple(Divergence("advantages", sid, 0, 1.0, 2.0, 1.0) for sid in ids[:10])
-    report = ReplayReport("b-many-ranks", stages=tuple(
-        StageResult(stage, "fail", "advantages: 64 of 64 values differ", rank=r, max_abs_error=1.0,
-                    mismatch_count=64, divergences=divergences, evidence=evidence)
-        for r in range(512) for stage in ("advantage.estimate", "loss.policy")))
+    report = ReplayReport(
+        "b-many-ranks",
+        stages=tuple(
+            StageResult(
+                stage,
+                "fail",
+                "advantages: 64 of 64 values differ",
+                rank=r,
+                max_abs_error=1.0,
+                mismatch_count=64,
+                divergences=divergences,
+                evidence=evidence,
+            )
+            for r in range(512)
+            for stage in ("advantage.estimate", "loss.policy")
+        ),
+    )
     page = tmp_path / "ranks.html"
     assert write_replay_html(report, page) == page.stat().st_size <= PAGE_LIMIT
     text = page.read_text(encoding="utf-8")
@@ -234,16 +304,36 @@ def test_a_page_of_very_many_failed_ranks_stays_under_the_limit_and_says_where_i
 
 def test_non_finite_values_are_drawn_as_such(tmp_path):
     nan, inf = float("nan"), float("inf")
-    evidence = {"advantages": {"sample_errors": {"s-0": nan, "s-1": 0.5, "s-2": 0.0, "s-3": inf}, "first_sample": {
-        "sample_id": "s-0", "expected": [1.0, 1.0, 1.0], "actual": [1.0, nan, 2.0], "divergent": [1, 2]}}}
-    report = ReplayReport("b-nan", stages=(StageResult(
-        "advantage.estimate", "fail", "advantages: 2 of 12 values differ", max_abs_error=nan, mismatch_count=2,
-        divergences=(Divergence("advantages", "s-0", 1, 1.0, nan, nan),), evidence=evidence),))
+    evidence = {
+        "advantages": {
+            "sample_errors": {"s-0": nan, "s-1": 0.5, "s-2": 0.0, "s-3": inf},
+            "first_sample": {
+                "sample_id": "s-0",
+                "expected": [1.0, 1.0, 1.0],
+                "actual": [1.0, nan, 2.0],
+                "divergent": [1, 2],
+            },
+        }
+    }
+    report = ReplayReport(
+        "b-nan",
+        stages=(
+            StageResult(
+                "advantage.estimate",
+                "fail",
+                "advantages: 2 of 12 values differ",
+                max_abs_error=nan,
+                mismatch_count=2,
+                divergences=(Divergence("advantages", "s-0", 1, 1.0, nan, nan),),
+                evidence=evidence,
+            ),
+        ),
+    )
     page = tmp_path / "nan.html"
     write_replay_html(report, page)
     text = page.read_text(encoding="utf-8")
     assert "<title>s-0: not finite</title>" in text and "<title>s-3: not finite</title>" in text
-    assert "<title>s-2: 0</title>" in text and ">not finite</text>" in text   # the legend of the grey cells
+    assert "<title>s-2: 0</title>" in text and ">not finite</text>" in text  # the legend of the grey cells
     assert "<title>s-0 token 1: expected 1, actual not finite</title>" in text
     # no coordinate of a plot is NaN or infinite (the browser would drop the element)
     svgs = re.findall(r"<svg.*?</svg>", text)
@@ -252,8 +342,8 @@ def test_non_finite_values_are_drawn_as_such(tmp_path):
 
 def test_the_diff_page_lists_fields_in_stage_order_without_credentials(bundles, tmp_path):
     from trajectory_replay.bundle import open_bundle
-    from trajectory_replay.replay.diff import diff_bundles
     from trajectory_replay.bundle.schema import STAGE_ORDER
+    from trajectory_replay.replay.diff import diff_bundles
 
     a, b = (open_bundle(p).readers() for p in bundles)
     report = diff_bundles(a, b, a_label=f"s3://AKIDEXAMPLE:{SECRET}@bucket/clean", b_label=bundles[1])
@@ -276,7 +366,7 @@ def test_diff_html_renders_its_chart(bundles, tmp_path):
     dom, log, _ = _render(page, tmp_path)
     assert "CONSOLE" not in log, log
     assert "share of values that differ, per field" in text
-    assert dom.count("<svg class=\"plot\"") == 1
+    assert dom.count('<svg class="plot"') == 1
 
 
 def test_a_clean_bundle_has_a_report_without_error_plots(bundles, tmp_path):
@@ -290,9 +380,17 @@ def test_a_clean_bundle_has_a_report_without_error_plots(bundles, tmp_path):
 def test_a_scan_page_of_many_bundles_stays_under_the_limit_without_credentials(tmp_path):
     from trajectory_replay.ops.scan import ScanReport, Verdict
 
-    verdicts = [Verdict(f"step-{i}", "diverged" if i % 97 == 5 else "pass", rollout_id=i, step_id=0,
-                        first_divergent_stage="reward.post_process" if i % 97 == 5 else None,
-                        detail="x" * 120) for i in range(20_000)]
+    verdicts = [
+        Verdict(
+            f"step-{i}",
+            "diverged" if i % 97 == 5 else "pass",
+            rollout_id=i,
+            step_id=0,
+            first_divergent_stage="reward.post_process" if i % 97 == 5 else None,
+            detail="x" * 120,
+        )
+        for i in range(20_000)
+    ]
     report = ScanReport(f"s3://AKIDEXAMPLE:{SECRET}@bucket/run-7", "local", 2, "1", {}, verdicts=verdicts)
     page = tmp_path / "scan.html"
     assert write_scan_html(report, page) == page.stat().st_size <= PAGE_LIMIT

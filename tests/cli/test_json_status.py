@@ -15,14 +15,23 @@ from tests.ops.conftest import write_ranks
 from trajectory_replay.backends import open_backend
 from trajectory_replay.bundle import BundleWriter
 from trajectory_replay.bundle.schema import RankTopology
+from trajectory_replay.bundle.status import bundle_status
 from trajectory_replay.cli import app
 from trajectory_replay.errors import (
-    BackendError, BundleError, IncompleteBundleError, IntegrityError, NoSuchTargetError, NotFoundError,
-    SelectionError, StorageUnavailableError, TrajectoryReplayError, UnsupportedError, UsageError,
+    BackendError,
+    BundleError,
+    IncompleteBundleError,
+    IntegrityError,
+    NoSuchTargetError,
+    NotFoundError,
+    SelectionError,
+    StorageUnavailableError,
+    TrajectoryReplayError,
+    UnsupportedError,
+    UsageError,
 )
-from trajectory_replay.bundle.status import bundle_status
-from trajectory_replay.outcome import Status, error_status
 from trajectory_replay.ops.walk import Walker
+from trajectory_replay.outcome import Status, error_status
 from trajectory_replay.replay import canonical_case
 from trajectory_replay.store.digest import object_key
 
@@ -51,9 +60,16 @@ def one_object(result, status: str, code: int, *, verdict: bool = False) -> dict
 
 def _args(command: str, root: str, bundle: str, dest: str) -> list[str]:
     """A well-formed command line of `command` on a store root / bundle."""
-    return {"replay": ["replay", bundle], "inspect": ["inspect", bundle], "validate": ["validate", bundle],
-            "ls": ["ls", root], "stats": ["stats", root], "cp": ["cp", bundle, dest, "--quiet"],
-            "gc": ["gc", root, "--dry-run", "--quiet"], "fsck": ["fsck", root, "--quiet"]}[command]
+    return {
+        "replay": ["replay", bundle],
+        "inspect": ["inspect", bundle],
+        "validate": ["validate", bundle],
+        "ls": ["ls", root],
+        "stats": ["stats", root],
+        "cp": ["cp", bundle, dest, "--quiet"],
+        "gc": ["gc", root, "--dry-run", "--quiet"],
+        "fsck": ["fsck", root, "--quiet"],
+    }[command]
 
 
 @pytest.fixture
@@ -95,8 +111,7 @@ def test_usage_errors_without_json_are_one_line(store):
 @pytest.mark.parametrize("command", JSON_COMMANDS)
 def test_a_path_that_is_not_there_is_a_selection_error(tmp_path, command):
     absent = str(tmp_path / "absent")
-    doc = one_object(run(*_args(command, absent, f"{absent}/b-00001", str(tmp_path / "d")), "--json"),
-                     "selection", 1)
+    doc = one_object(run(*_args(command, absent, f"{absent}/b-00001", str(tmp_path / "d")), "--json"), "selection", 1)
     assert "absent" in doc["error"]
 
 
@@ -149,22 +164,39 @@ def test_incomplete_and_invalid_bundles(tmp_path):
 def test_storage_refusing_us_is_io(s3_server, s3_root, tmp_path):
     url, options = s3_root
     write_canonical(url, storage_options=options)
-    wrong = {**os.environ, **s3_server.env(), "AWS_SECRET_ACCESS_KEY": "not-the-secret",
-             "TRAJECTORY_REPLAY_CACHE_DIR": str(tmp_path / "cache")}
-    for args in (["ls", url], ["replay", f"{url}/b-00001"], ["inspect", f"{url}/b-00001"],
-                 ["validate", f"{url}/b-00001"], ["stats", url]):
+    wrong = {
+        **os.environ,
+        **s3_server.env(),
+        "AWS_SECRET_ACCESS_KEY": "not-the-secret",
+        "TRAJECTORY_REPLAY_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    for args in (
+        ["ls", url],
+        ["replay", f"{url}/b-00001"],
+        ["inspect", f"{url}/b-00001"],
+        ["validate", f"{url}/b-00001"],
+        ["stats", url],
+    ):
         doc = one_object(run(*args, "--json", env=wrong), "io", 1)
         assert doc["error"]
 
 
 def test_error_status_is_one_mapping():
-    cases = [(UsageError("x"), ("usage", 2)), (SelectionError("x"), ("selection", 1)),
-             (NoSuchTargetError("x"), ("selection", 1)), (UnsupportedError("x"), ("unsupported", 1)),
-             (IncompleteBundleError("x"), ("incomplete", 1)), (StorageUnavailableError("x"), ("io", 1)),
-             (BackendError("x"), ("io", 1)), (PermissionError(13, "denied"), ("io", 1)),
-             (BundleError("x"), ("invalid", 1)), (IntegrityError("x"), ("invalid", 1)),
-             (NotFoundError("x"), ("invalid", 1)), (TrajectoryReplayError("x"), ("invalid", 1)),
-             (KeyboardInterrupt(), ("incomplete", 130))]
+    cases = [
+        (UsageError("x"), ("usage", 2)),
+        (SelectionError("x"), ("selection", 1)),
+        (NoSuchTargetError("x"), ("selection", 1)),
+        (UnsupportedError("x"), ("unsupported", 1)),
+        (IncompleteBundleError("x"), ("incomplete", 1)),
+        (StorageUnavailableError("x"), ("io", 1)),
+        (BackendError("x"), ("io", 1)),
+        (PermissionError(13, "denied"), ("io", 1)),
+        (BundleError("x"), ("invalid", 1)),
+        (IntegrityError("x"), ("invalid", 1)),
+        (NotFoundError("x"), ("invalid", 1)),
+        (TrajectoryReplayError("x"), ("invalid", 1)),
+        (KeyboardInterrupt(), ("incomplete", 130)),
+    ]
     for exc, expected in cases:
         assert error_status(exc) == expected, exc
         assert expected[0] in set(Status)

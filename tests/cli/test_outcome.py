@@ -45,8 +45,9 @@ def roots(tmp_path_factory) -> dict[str, str]:
     digest, size = next(n for _, spec, n in tree.payloads if spec.name == "advantages").chunks[0]
     backend.write(object_key(digest), b"\x5a" * size)
     case = canonical_case(False)
-    index = case.index.model_copy(update={"identity": case.index.identity.model_copy(
-        update={"rank": RankTopology(cp=2)})})
+    index = case.index.model_copy(
+        update={"identity": case.index.identity.model_copy(update={"rank": RankTopology(cp=2)})}
+    )
     BundleWriter(f"{out['cp2']}/b-00001", case.manifest, index, case.expected).finalize(payloads=case.payloads)
     out["absent"] = str(base / "absent")
     out["dest"] = str(base / "dest")
@@ -70,11 +71,16 @@ def command_lines(roots: dict[str, str]) -> list[list[str]]:
     for name in ("ok", "bad", "partial", "absent"):
         root = roots[name]
         lines += [["ls", root], ["stats", root], ["gc", root, "--dry-run", "--quiet"], ["fsck", root, "--quiet"]]
-    lines += [["cp", b("ok"), roots["dest"], "--quiet"], ["cp", roots["bad"], roots["dest"], "--all", "--quiet"],
-              ["cp", b("absent"), roots["dest"], "--quiet"]]
+    lines += [
+        ["cp", b("ok"), roots["dest"], "--quiet"],
+        ["cp", roots["bad"], roots["dest"], "--all", "--quiet"],
+        ["cp", b("absent"), roots["dest"], "--quiet"],
+    ]
     lines += [["scan", roots[name], "--workers", "1", "--quiet"] for name in ("ok", "bug", "absent")]
-    lines += [[command, roots["ok"], "--no-such-flag"] for command in
-              ("replay", "conventions", "inspect", "validate", "ls", "scan", "stats", "cp", "gc", "fsck")]
+    lines += [
+        [command, roots["ok"], "--no-such-flag"]
+        for command in ("replay", "conventions", "inspect", "validate", "ls", "scan", "stats", "cp", "gc", "fsck")
+    ]
     lines.append(["diff", b("ok"), b("ok"), "--atol", "nan"])
     return lines
 
@@ -87,8 +93,12 @@ def test_every_json_status_and_exit_code_agree_with_the_one_mapping(roots):
         assert next(iter(doc)) == "status", doc  # status first
         status = Status(doc["status"])
         explains = Inspection.explains_incomplete if args[0] == "inspect" else False
-        assert result.exit_code == exit_code(status, explains_incomplete=explains), \
-            (args, status, result.exit_code, result.stderr)
+        assert result.exit_code == exit_code(status, explains_incomplete=explains), (
+            args,
+            status,
+            result.exit_code,
+            result.stderr,
+        )
         if result.exit_code:
             assert status is Status.DIVERGED or doc.get("error"), (args, doc)
         seen.setdefault(status, []).append(args[0])
@@ -99,8 +109,16 @@ def test_every_json_status_and_exit_code_agree_with_the_one_mapping(roots):
 
 def test_the_mapping():
     assert [EXIT_CODES[s] for s in Status] == [0, 1, 1, 1, 1, 1, 2, 1]
-    assert [s.value for s in Status] == ["pass", "diverged", "invalid", "incomplete", "unsupported", "selection",
-                                         "usage", "io"]
+    assert [s.value for s in Status] == [
+        "pass",
+        "diverged",
+        "invalid",
+        "incomplete",
+        "unsupported",
+        "selection",
+        "usage",
+        "io",
+    ]
     assert exit_code(Status.INCOMPLETE) == 1 and exit_code(Status.INCOMPLETE, explains_incomplete=True) == 0
     assert exit_code(Status.INVALID, explains_incomplete=True) == 1
     assert exit_code(Status.INCOMPLETE, interrupted=True) == INTERRUPTED_EXIT == 130
@@ -114,16 +132,34 @@ def _outcomes(cls: type) -> set[type]:
 
 def test_every_report_class_derives_its_exit_code_from_its_status():
     import trajectory_replay.demo  # noqa: F401  (import every module with a report class)
-    import trajectory_replay.ops.cp, trajectory_replay.ops.export, trajectory_replay.ops.fsck  # noqa: E401, F401
-    import trajectory_replay.ops.gc, trajectory_replay.ops.ls, trajectory_replay.ops.stats  # noqa: E401, F401
-    import trajectory_replay.replay.chain, trajectory_replay.replay.convention_search  # noqa: E401, F401
-    import trajectory_replay.replay.diff, trajectory_replay.replay.validate  # noqa: E401, F401
+    import trajectory_replay.ops.cp  # noqa: E401, F401
+    import trajectory_replay.ops.export
+    import trajectory_replay.ops.fsck
+    import trajectory_replay.ops.gc  # noqa: E401, F401
+    import trajectory_replay.ops.ls
     import trajectory_replay.ops.scan  # noqa: F401
+    import trajectory_replay.ops.stats
+    import trajectory_replay.replay.chain  # noqa: E401, F401
+    import trajectory_replay.replay.convention_search
+    import trajectory_replay.replay.diff  # noqa: E401, F401
 
     names = {cls.__name__ for cls in _outcomes(Outcome)}
-    assert {"ReplayReport", "ChainReport", "DiffReport", "ConventionsReport", "Inspection", "ValidationReport",
-            "ListReport", "StoreStats", "GcReport", "CopyReport", "FsckReport", "ExportReport", "DemoResult",
-            "ScanReport"} <= names
+    assert {
+        "ReplayReport",
+        "ChainReport",
+        "DiffReport",
+        "ConventionsReport",
+        "Inspection",
+        "ValidationReport",
+        "ListReport",
+        "StoreStats",
+        "GcReport",
+        "CopyReport",
+        "FsckReport",
+        "ExportReport",
+        "DemoResult",
+        "ScanReport",
+    } <= names
     for cls in _outcomes(Outcome):
         assert cls.exit_code is Outcome.exit_code, f"{cls.__name__} decides its own exit code"
 

@@ -47,11 +47,19 @@ def test_inspect_validate_ls_stats_without_torch(demo_root):
     bundles = sorted(p.name for p in demo_root.iterdir() if (demo_root / complete_key(p.name)).exists())
     assert len(bundles) == 2
     clean = str(demo_root / bundles[0])
-    commands = [["inspect", clean], ["inspect", clean, "--json"], ["validate", clean], ["validate", clean, "--json"],
-                ["ls", str(demo_root)], ["stats", str(demo_root)], ["fsck", str(demo_root)],
-                ["gc", str(demo_root), "--dry-run"]]
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(commands)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    commands = [
+        ["inspect", clean],
+        ["inspect", clean, "--json"],
+        ["validate", clean],
+        ["validate", clean, "--json"],
+        ["ls", str(demo_root)],
+        ["stats", str(demo_root)],
+        ["fsck", str(demo_root)],
+        ["gc", str(demo_root), "--dry-run"],
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(commands)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     *results, tail = [json.loads(line) for line in done.stdout.splitlines()]
     assert tail == {"torch_loaded": False}
@@ -67,8 +75,13 @@ def test_inspect_validate_ls_stats_without_torch(demo_root):
 
 def test_a_command_that_needs_torch_says_so_in_one_line(demo_root):
     bundle = str(sorted(p for p in demo_root.iterdir() if (demo_root / complete_key(p.name)).exists())[0])
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps([["replay", bundle]])], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps([["replay", bundle]])],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[0])
     assert result["code"] == 1

@@ -23,7 +23,6 @@ import typer.main
 from typer.testing import CliRunner
 
 import trajectory_replay
-
 from tests.bundle.helpers import write_canonical
 from tests.replay.cases import split_ranks, twelve_case
 from trajectory_replay.backends import S3_BUCKET_RULE, location_problem, open_backend
@@ -61,12 +60,14 @@ def write_cohort(root: str, name: str = "b-twelve", options: dict | None = None)
     for rank, shard in enumerate(split_ranks(twelve_case(), [range(0, 6), range(6, 12)])):
         manifest = shard.manifest.model_copy(update={"bundle_id": name})
         index = shard.index.model_copy(update={"bundle_id": name})
-        BundleWriter(f"{root}/{name}", manifest, index, shard.expected, rank=rank, expected_ranks=[0, 1],
-                     **(options or {})).finalize(payloads=shard.payloads)
+        BundleWriter(
+            f"{root}/{name}", manifest, index, shard.expected, rank=rank, expected_ranks=[0, 1], **(options or {})
+        ).finalize(payloads=shard.payloads)
     return f"{root}/{name}"
 
 
 # ---- demo ----------------------------------------------------------------------------------------
+
 
 def test_demo_writes_into_the_store_a_url_names(s3_root, s3_env, tmp_path, monkeypatch):
     url, options = s3_root
@@ -84,6 +85,7 @@ def test_demo_writes_into_the_store_a_url_names(s3_root, s3_env, tmp_path, monke
 
 # ---- tolerances ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("flag", ["--atol", "--rtol"])
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1", "-0.001"])
 def test_tolerance_must_be_a_finite_number_not_below_zero(tmp_path, flag, value):
@@ -98,6 +100,7 @@ def test_tolerance_must_be_a_finite_number_not_below_zero(tmp_path, flag, value)
 
 # ---- selections ----------------------------------------------------------------------------------
 
+
 def test_selection_errors_name_the_valid_ids(tmp_path):
     bundle = write_canonical(str(tmp_path / "store"))
     assert "no group '1'; groups: g-0, g-1 " in one_error_line(run("replay", bundle, "--group", "1"))
@@ -106,9 +109,12 @@ def test_selection_errors_name_the_valid_ids(tmp_path):
     line = one_error_line(run("replay", cohort + "/rank-0", "--sample", "s-0"))
     assert "no sample 's-0'; samples: q-0, q-1, q-2, q-3, q-4, q-5 " in line  # the rank's own samples
     twelve = twelve_case()
-    BundleWriter(str(tmp_path / "store" / "b-all"), twelve.manifest.model_copy(update={"bundle_id": "b-all"}),
-                 twelve.index.model_copy(update={"bundle_id": "b-all"}), twelve.expected).finalize(
-        payloads=twelve.payloads)
+    BundleWriter(
+        str(tmp_path / "store" / "b-all"),
+        twelve.manifest.model_copy(update={"bundle_id": "b-all"}),
+        twelve.index.model_copy(update={"bundle_id": "b-all"}),
+        twelve.expected,
+    ).finalize(payloads=twelve.payloads)
     line = one_error_line(run("replay", str(tmp_path / "store" / "b-all"), "--sample", "s-0"))
     listed = re.search(r"samples: (.*?) \(selection", line).group(1)
     assert listed == "q-0, q-1, q-2, q-3, q-4, q-5, q-6, q-7, q-8, q-9, ... (2 more)"  # ten, then a count
@@ -127,6 +133,7 @@ def test_bundles_sharing_an_anchor_are_picked_by_path(tmp_path):
 
 
 # ---- inspect -------------------------------------------------------------------------------------
+
 
 def test_inspect_of_a_directory_that_is_not_a_bundle(tmp_path):
     (tmp_path / "notes").mkdir()
@@ -160,6 +167,7 @@ def test_inspect_of_a_multi_rank_bundle_shows_its_cohort(tmp_path):
 
 
 # ---- import --------------------------------------------------------------------------------------
+
 
 def _v1(path: Path, buggy: bool) -> Path:
     case = canonical_case(buggy=buggy)
@@ -210,6 +218,7 @@ def test_import_onto_a_taken_multi_rank_name_is_refused(tmp_path):
 
 # ---- cp ------------------------------------------------------------------------------------------
 
+
 def test_cp_into_a_bundle_or_onto_itself_is_refused(tmp_path):
     root = str(tmp_path / "store")
     bundle = write_canonical(root)
@@ -237,6 +246,7 @@ def test_cp_into_an_s3_bundle_is_refused(s3_root, s3_env, tmp_path):
 
 # ---- finalizable bundles -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 @pytest.mark.parametrize("command", ["ls", "replay", "replay-root", "inspect", "validate"])
 def test_finalizable_bundles_are_finalized_by_readers(where, command, request, tmp_path, monkeypatch):
@@ -250,8 +260,13 @@ def test_finalizable_bundles_are_finalized_by_readers(where, command, request, t
     backend = open_backend(root, **options)
     backend.delete(complete_key("b-twelve"))  # the last rank died after landing its marker
     assert not backend.exists(complete_key("b-twelve"))
-    args = {"ls": ["ls", root], "replay": ["replay", bundle], "replay-root": ["replay", root, "--rollout", "3"],
-            "inspect": ["inspect", bundle], "validate": ["validate", bundle]}[command]
+    args = {
+        "ls": ["ls", root],
+        "replay": ["replay", bundle],
+        "replay-root": ["replay", root, "--rollout", "3"],
+        "inspect": ["inspect", bundle],
+        "validate": ["validate", bundle],
+    }[command]
     result = run(*args, "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
@@ -264,6 +279,7 @@ def test_finalizable_bundles_are_finalized_by_readers(where, command, request, t
 
 
 # ---- pipes and units ------------------------------------------------------------------------------
+
 
 def _piped(command: list[str], reader: str, tmp_path: Path) -> tuple[int, str]:
     """Run the CLI as its own process with stdout piped into `reader` (another process): (exit code, stderr)."""
@@ -310,6 +326,7 @@ def test_sizes_use_iec_units_and_ls_agrees_with_stats(tmp_path):
 
 # ---- ls ------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("damage", ["record", "marker"])
 def test_ls_names_a_corrupt_bundle_once(tmp_path, damage):
     root = str(tmp_path / "store")
@@ -334,24 +351,35 @@ BAD_LOCATIONS = {  # as typed -> what the one line must say
     "s3://": "s3://: no bucket name: an S3 URL is s3://BUCKET/PREFIX",
     "s3:///x": "s3:///x: no bucket name: an S3 URL is s3://BUCKET/PREFIX",
     "s3://BAD_bucket!/x": f"s3://BAD_bucket!/x: invalid S3 bucket name 'BAD_bucket!': a bucket name is "
-                          f"{S3_BUCKET_RULE}",
+    f"{S3_BUCKET_RULE}",
     "s3://ab/x": f"s3://ab/x: invalid S3 bucket name 'ab': a bucket name is {S3_BUCKET_RULE}",
     "s3://user:secret@Bucket/x": "s3://Bucket/x: credentials in an S3 URL are not used; give them through "
-                                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, an AWS profile, or the key and "
-                                 "secret storage options",
+    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, an AWS profile, or the key and "
+    "secret storage options",
     "s3:/bucket/x": "s3:/bucket/x: not a URL (no // after s3:): write s3://...",
     "http://host/x": "http://host/x: unsupported storage protocol 'http' (use a path, file://, s3:// or memory://)",
     "": "empty path: give a directory or a URL such as s3://bucket/prefix",
 }
 LOCATION_ARGUMENTS = [  # every path or URL a command takes; {x} is the mistake, {ok} a real store or bundle
-    (["replay", "{x}"], "BUNDLE-OR-DIR"), (["conventions", "{x}"], "BUNDLE-OR-DIR"), (["diff", "{x}", "{ok}"], "A"),
-    (["diff", "{ok}", "{x}"], "B"), (["inspect", "{x}"], "BUNDLE-OR-DIR"), (["validate", "{x}"], "BUNDLE-OR-DIR"),
-    (["import", "{x}", "{root}"], "V1-BUNDLE-OR-DIR"), (["import", "{v1}", "{x}"], "STORE-ROOT"),
+    (["replay", "{x}"], "BUNDLE-OR-DIR"),
+    (["conventions", "{x}"], "BUNDLE-OR-DIR"),
+    (["diff", "{x}", "{ok}"], "A"),
+    (["diff", "{ok}", "{x}"], "B"),
+    (["inspect", "{x}"], "BUNDLE-OR-DIR"),
+    (["validate", "{x}"], "BUNDLE-OR-DIR"),
+    (["import", "{x}", "{root}"], "V1-BUNDLE-OR-DIR"),
+    (["import", "{v1}", "{x}"], "STORE-ROOT"),
     (["demo", "{x}"], "DIR-OR-URL"),
-    (["ls", "{x}"], "ROOT"), (["scan", "{x}"], "STORE-OR-CAPTURE"), (["cp", "{x}", "{dest}"], "BUNDLE-OR-ROOT"),
-    (["cp", "{ok}", "{x}"], "DEST-ROOT"), (["gc", "{x}"], "ROOT"), (["fsck", "{x}"], "ROOT"),
-    (["fsck", "{root}", "--repair-from", "{x}"], "--repair-from"), (["stats", "{x}"], "ROOT"),
-    (["export", "{x}", "{dest}"], "BUNDLE"), (["export", "{ok}", "{x}"], "OUT-DIR"),
+    (["ls", "{x}"], "ROOT"),
+    (["scan", "{x}"], "STORE-OR-CAPTURE"),
+    (["cp", "{x}", "{dest}"], "BUNDLE-OR-ROOT"),
+    (["cp", "{ok}", "{x}"], "DEST-ROOT"),
+    (["gc", "{x}"], "ROOT"),
+    (["fsck", "{x}"], "ROOT"),
+    (["fsck", "{root}", "--repair-from", "{x}"], "--repair-from"),
+    (["stats", "{x}"], "ROOT"),
+    (["export", "{x}", "{dest}"], "BUNDLE"),
+    (["export", "{ok}", "{x}"], "OUT-DIR"),
 ]
 
 
@@ -359,8 +387,12 @@ LOCATION_ARGUMENTS = [  # every path or URL a command takes; {x} is the mistake,
 def places(tmp_path, monkeypatch):
     """A store with a bundle, a V1 bundle and a free destination; the current directory is an empty one."""
     root = str(tmp_path / "store")
-    places = {"root": root, "ok": write_canonical(root), "v1": str(_v1(tmp_path / "v1" / "b-old", buggy=False)),
-              "dest": str(tmp_path / "dest")}
+    places = {
+        "root": root,
+        "ok": write_canonical(root),
+        "v1": str(_v1(tmp_path / "v1" / "b-old", buggy=False)),
+        "dest": str(tmp_path / "dest"),
+    }
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
     return places
@@ -394,6 +426,7 @@ def test_open_backend_refuses_an_invalid_bucket_before_any_request():
 
 # ---- options and help ----------------------------------------------------------------------------
 
+
 def _commands():
     return typer.main.get_command(app).commands
 
@@ -411,8 +444,9 @@ def test_an_option_missing_its_value_does_not_swallow_json(places):
                 result = run(*line)
                 assert result.exit_code == 2, (line, result.output)
                 doc = json.loads(result.stdout)  # one object: the JSON flag was not taken as the option's value
-                assert doc["status"] == "usage" and f"{option} is missing its value (--json is an option)" in \
-                    doc["error"], line
+                assert (
+                    doc["status"] == "usage" and f"{option} is missing its value (--json is an option)" in doc["error"]
+                ), line
                 assert result.stderr.strip() == f"trajectory-replay: error: {doc['error']}"
                 checked += 1
     assert checked >= 2 * 25
@@ -457,6 +491,7 @@ def test_help_reads_as_a_persons_cli(name):
 
 # ---- sizes and widths of the human reports -------------------------------------------------------
 
+
 def test_diff_and_html_pages_show_sizes_in_iec_units(tmp_path):
     root = str(tmp_path / "store")
     buggy, clean = write_canonical(root, buggy=True), write_canonical(root, name="clean")
@@ -475,8 +510,9 @@ def _on_terminal(args: list[str], columns: int) -> str:
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}  # the terminal's own width
-    proc = subprocess.Popen([sys.executable, "-m", "trajectory_replay", *args], stdout=slave,
-                            stderr=subprocess.DEVNULL, cwd=REPO, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trajectory_replay", *args], stdout=slave, stderr=subprocess.DEVNULL, cwd=REPO, env=env
+    )
     os.close(slave)
     shown = []
     try:
@@ -509,6 +545,7 @@ def test_inspect_and_diff_fit_a_narrow_terminal(tmp_path):
 
 
 # ---- scan on Ray ---------------------------------------------------------------------------------
+
 
 def test_a_malformed_ray_address_is_refused_also_when_every_verdict_is_cached(tmp_path):
     root = str(tmp_path / "store")

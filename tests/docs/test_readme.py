@@ -43,10 +43,14 @@ def _usage(text: str) -> tuple[list[str], dict[str, str | None]]:
 
 def _help_usage(command) -> tuple[list[str], dict[str, str | None]]:
     """The same from the command itself: its arguments' metavars, its long options and their metavars."""
-    arguments = [p.metavar if p.required else f"[{p.metavar}]" for p in command.params
-                 if p.param_type_name == "argument"]
-    options = {next(o for o in p.opts if o.startswith("--")): None if p.is_flag else p.metavar
-               for p in command.params if p.param_type_name == "option"}
+    arguments = [
+        p.metavar if p.required else f"[{p.metavar}]" for p in command.params if p.param_type_name == "argument"
+    ]
+    options = {
+        next(o for o in p.opts if o.startswith("--")): None if p.is_flag else p.metavar
+        for p in command.params
+        if p.param_type_name == "option"
+    }
     return arguments, options
 
 

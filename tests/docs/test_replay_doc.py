@@ -27,8 +27,10 @@ def test_python_block_runs_as_written(number, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(PYTHON_BLOCKS[number], f"docs/replay.md python block {number + 1}", "exec"),
-             {"__name__": "__main__"})
+        exec(
+            compile(PYTHON_BLOCKS[number], f"docs/replay.md python block {number + 1}", "exec"),
+            {"__name__": "__main__"},
+        )
     # the doc quotes what the example prints: each line must appear in it (line breaks and backticks aside)
     doc_words = " ".join(DOC.replace("`", "").split())
     printed = out.getvalue().splitlines()
@@ -51,6 +53,10 @@ def test_nothing_shipped_points_outside_the_repository():
     shipped = [REPO / "README.md"]
     for folder in ("trajectory_replay", "docs", "examples", "benchmarks"):
         shipped += [p for p in (REPO / folder).rglob("*") if p.suffix in (".py", ".md", ".toml", ".txt", ".sh")]
-    hits = [f"{p.relative_to(REPO)}:{n}: {line.strip()}" for p in shipped
-            for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if EXTERNAL.search(line)]
+    hits = [
+        f"{p.relative_to(REPO)}:{n}: {line.strip()}"
+        for p in shipped
+        for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if EXTERNAL.search(line)
+    ]
     assert hits == []

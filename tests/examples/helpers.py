@@ -19,13 +19,16 @@ SCALARS = ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss")
 SMALL = ("--prompts-per-rollout", "3")
 """The size every example test runs at unless it needs another: 3 prompt groups x 4 samples per rollout, two
 consumer batches of 6 (groups still straddle batches and ranks), a third of the example's default work."""
-STEPS_PER_ROLLOUT = 3 * 4 // 6   # samples per rollout / consumer batch
+STEPS_PER_ROLLOUT = 3 * 4 // 6  # samples per rollout / consumer batch
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """os.environ without any capture or S3 configuration of the developer's shell, plus `extra`."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RELAX_REPLAY_", "AWS_", "FSSPEC_", "TRAJECTORY_REPLAY_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RELAX_REPLAY_", "AWS_", "FSSPEC_", "TRAJECTORY_REPLAY_"))
+    }
     env.update(extra or {})
     return env
 
@@ -39,21 +42,40 @@ class ExampleRun:
     out_json: Path
 
 
-def run_example(workdir: Path, name: str, *extra: str, world_size: int = 2, steps: int = 2,
-                env: Mapping[str, str] | None = None, timeout: float = 240) -> ExampleRun:
+def run_example(
+    workdir: Path,
+    name: str,
+    *extra: str,
+    world_size: int = 2,
+    steps: int = 2,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 240,
+) -> ExampleRun:
     """Run the example in its own fresh working directory `workdir/name` (so what it writes can be listed).
     `timeout` catches a hang, not slowness: on a loaded host a run's writer processes, at idle priority, run only
     when a CPU has nothing else to do."""
     cwd = workdir / name
     cwd.mkdir(parents=True)
     out = cwd / f"{name}.json"
-    cmd = [sys.executable, str(EXAMPLE), "--steps", str(steps), "--world-size", str(world_size),
-           "--seed", "3", "--out-json", str(out), *extra]
+    cmd = [
+        sys.executable,
+        str(EXAMPLE),
+        "--steps",
+        str(steps),
+        "--world-size",
+        str(world_size),
+        "--seed",
+        "3",
+        "--out-json",
+        str(out),
+        *extra,
+    ]
     # A cache of the run's own (listed by the tests: a run without capture must leave nothing behind).
     env = {"TRAJECTORY_REPLAY_CACHE_DIR": str(cwd / "cache"), **(env or {})}
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=cwd, env=clean_env(env), capture_output=True, text=True, timeout=timeout,
-                          check=False)
+    proc = subprocess.run(
+        cmd, cwd=cwd, env=clean_env(env), capture_output=True, text=True, timeout=timeout, check=False
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return ExampleRun(json.loads(out.read_text(encoding="utf-8")), proc.stdout, elapsed, cwd, out)
@@ -73,8 +95,10 @@ class CliResult:
             raise AssertionError(f"not JSON ({exc}): {self}") from None
 
     def __str__(self) -> str:
-        return (f"trajectory-replay {' '.join(self.args)} -> exit {self.returncode}\n"
-                f"stdout:\n{self.stdout}\nstderr:\n{self.stderr}")
+        return (
+            f"trajectory-replay {' '.join(self.args)} -> exit {self.returncode}\n"
+            f"stdout:\n{self.stdout}\nstderr:\n{self.stderr}"
+        )
 
 
 CLI_BATCH = r"""
@@ -97,8 +121,9 @@ print(json.dumps(results))
 """
 
 
-def run_cli_many(calls: Sequence[Sequence[str]], env: Mapping[str, str], timeout: float = 300,
-                 processes: int = 2) -> list[CliResult]:
+def run_cli_many(
+    calls: Sequence[Sequence[str]], env: Mapping[str, str], timeout: float = 300, processes: int = 2
+) -> list[CliResult]:
     """`trajectory-replay ARGS` for each of `calls`, through the console entry point `main()` in `processes`
     real processes configured by `env` alone: one torch import per process, not per call. Each call gets its
     own argv, stdout, stderr and exit code; an exception that escapes a command ends its process and fails
@@ -107,8 +132,16 @@ def run_cli_many(calls: Sequence[Sequence[str]], env: Mapping[str, str], timeout
     shares = [calls[i::processes] for i in range(processes)]
 
     def one(share: list[list[str]]) -> list[CliResult]:
-        proc = subprocess.run([sys.executable, "-c", CLI_BATCH], cwd=REPO, env=clean_env(env), input=json.dumps(share),
-                              capture_output=True, text=True, timeout=timeout, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-c", CLI_BATCH],
+            cwd=REPO,
+            env=clean_env(env),
+            input=json.dumps(share),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
         assert proc.returncode == 0, f"a command escaped the CLI:\n{proc.stderr}"
         return [CliResult(tuple(args), *res) for args, res in zip(share, json.loads(proc.stdout))]
 
@@ -138,9 +171,16 @@ def run_examples(workdir: Path, runs: list[list[str]]) -> str:
     import sys
 
     env = {"TRAJECTORY_REPLAY_CACHE_DIR": str(workdir / "cache"), "TRAJECTORY_REPLAY_CAPTURE_WRITER": "thread"}
-    proc = subprocess.run([sys.executable, "-c", RUNNER, str(EXAMPLE.parent)], input=json.dumps(runs), cwd=workdir,
-                          env=clean_env(env),
-                          capture_output=True, text=True, timeout=240, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(EXAMPLE.parent)],
+        input=json.dumps(runs),
+        cwd=workdir,
+        env=clean_env(env),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc.stdout
 

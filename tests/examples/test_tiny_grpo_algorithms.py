@@ -25,12 +25,26 @@ CASES: dict[str, tuple[str, ...]] = {
     "grpo": ("--std-norm", "--policy-loss", "gspo"),
     "dr_grpo": ("--estimator", "dr_grpo", "--loss-agg-mode", "token_mean"),
     "rloo": ("--estimator", "rloo", "--loss-agg-mode", "seq_mean_token_mean"),
-    "reinforce_plus_plus": ("--estimator", "reinforce_plus_plus", "--kl-in-reward", "--gamma", "0.9",
-                            "--loss-agg-mode", "seq_mean_token_sum", "--policy-loss", "cispo"),
-    "reinforce_plus_plus_baseline": ("--estimator", "reinforce_plus_plus_baseline",
-                                     "--loss-agg-mode", "seq_mean_token_sum_norm", "--kl-loss-coef", "0.1"),
-    "gae": ("--estimator", "gae", "--gamma", "0.9", "--lam", "0.95", "--kl-in-reward", "--loss-agg-mode",
-            "token_mean"),
+    "reinforce_plus_plus": (
+        "--estimator",
+        "reinforce_plus_plus",
+        "--kl-in-reward",
+        "--gamma",
+        "0.9",
+        "--loss-agg-mode",
+        "seq_mean_token_sum",
+        "--policy-loss",
+        "cispo",
+    ),
+    "reinforce_plus_plus_baseline": (
+        "--estimator",
+        "reinforce_plus_plus_baseline",
+        "--loss-agg-mode",
+        "seq_mean_token_sum_norm",
+        "--kl-loss-coef",
+        "0.1",
+    ),
+    "gae": ("--estimator", "gae", "--gamma", "0.9", "--lam", "0.95", "--kl-in-reward", "--loss-agg-mode", "token_mean"),
 }
 WORLD = {"gae": 2}
 """Two data-parallel ranks for gae: whitening and the value loss across rank shards. The others run one rank."""
@@ -38,18 +52,29 @@ PR65 = ("--estimator", "rloo", "--fault", "pr65")
 ROLLOUT_STAGES = ["sample", "reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate"]
 
 
-
 @dataclass
 class Run:
-    root: Path                      # the capture directory
-    result: dict[str, Any]          # --out-json
-    reports: dict[str, Any]         # bundle -> ReplayReport
-    sources: dict[str, list]        # bundle -> its sources (one per rank)
+    root: Path  # the capture directory
+    result: dict[str, Any]  # --out-json
+    reports: dict[str, Any]  # bundle -> ReplayReport
+    sources: dict[str, list]  # bundle -> its sources (one per rank)
 
 
 def _argv(workdir: Path, name: str, extra: tuple[str, ...], steps: int = ROLLOUTS) -> list[str]:
-    return ["--steps", str(steps), "--world-size", str(WORLD.get(name, 1)), "--seed", "3", *SMALL,
-            "--capture-dir", str(workdir / name / "cap"), "--out-json", str(workdir / f"{name}.json"), *extra]
+    return [
+        "--steps",
+        str(steps),
+        "--world-size",
+        str(WORLD.get(name, 1)),
+        "--seed",
+        "3",
+        *SMALL,
+        "--capture-dir",
+        str(workdir / name / "cap"),
+        "--out-json",
+        str(workdir / f"{name}.json"),
+        *extra,
+    ]
 
 
 def _run_many(workdir: Path, runs: list[list[str]]) -> str:
@@ -72,7 +97,7 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     single.append(_argv(workdir, "pr65", PR65, steps=1))
     multi = [_argv(workdir, n, CASES[n]) for n in WORLD]
     # three processes side by side: each run waits on its capture writer's start and flush
-    shares = [multi, single[:len(single) // 2], single[len(single) // 2:]]
+    shares = [multi, single[: len(single) // 2], single[len(single) // 2 :]]
     with ThreadPoolExecutor(max_workers=len(shares)) as pool:
         outputs = list(pool.map(lambda share: _run_many(workdir, share), shares))
     assert all(out.count("capture_flushed=True") == len(share) for out, share in zip(outputs, shares))
@@ -108,19 +133,26 @@ def test_every_bundle_of_the_run_replays_clean(runs, name) -> None:
 
 def test_the_recorded_config_holds_what_each_aggregation_needs(runs) -> None:
     """token_mean and the seq-mean modes record the step's global denominator; the norm mode its scale factor."""
-    for name, expected in (("dr_grpo", "tokens"), ("gae", "tokens"), ("rloo", "sequences"),
-                           ("reinforce_plus_plus", "sequences")):
+    for name, expected in (
+        ("dr_grpo", "tokens"),
+        ("gae", "tokens"),
+        ("rloo", "sequences"),
+        ("reinforce_plus_plus", "sequences"),
+    ):
         for bundle, sources in runs[name].sources.items():
             config = sources[0].index.config
             if bundle.startswith("rollout-"):
                 assert config.loss_denominator is None, (name, bundle)
                 continue
             # every rank's shard of the step: the example's masks leave no sequence without a loss token
-            count = (sum(float(s.load_payload("loss_mask").sum()) for s in sources) if expected == "tokens"
-                     else sum(len(s.index.samples) for s in sources))
+            count = (
+                sum(float(s.load_payload("loss_mask").sum()) for s in sources)
+                if expected == "tokens"
+                else sum(len(s.index.samples) for s in sources)
+            )
             assert config.loss_denominator == count, (name, bundle)
     norm = runs["reinforce_plus_plus_baseline"].sources["step-0-0"][0].index.config
-    assert norm.loss_agg_mode == "seq_mean_token_sum_norm" and norm.loss_scale_factor == 5.0   # 4 digits + EOS
+    assert norm.loss_agg_mode == "seq_mean_token_sum_norm" and norm.loss_scale_factor == 5.0  # 4 digits + EOS
     rfpp = runs["reinforce_plus_plus"].sources["rollout-1"][0].index.config
     assert (rfpp.gamma, rfpp.kl_in_reward, rfpp.policy_loss) == (0.9, True, "cispo")
     assert runs["grpo"].sources["step-1-1"][0].index.config.policy_loss == "gspo"
@@ -143,7 +175,7 @@ def test_gae_carries_values_returns_and_the_value_loss(runs) -> None:
 def test_kl_loss_is_reported_and_replayed(runs) -> None:
     run = runs["reinforce_plus_plus_baseline"]
     kl = [float.fromhex(rec["kl_loss"]) for rec in run.result["steps"]]
-    assert kl[0] == 0 and all(x > 0 for x in kl[1:])   # the first step's live policy is the reference
+    assert kl[0] == 0 and all(x > 0 for x in kl[1:])  # the first step's live policy is the reference
     for rec in run.result["steps"]:
         v = {k: float.fromhex(rec[k]) for k in ("loss", "pg_loss", "entropy_loss", "kl_loss")}
         assert v["loss"] == pytest.approx(v["pg_loss"] - 0.01 * v["entropy_loss"] + 0.1 * v["kl_loss"], abs=1e-6)
@@ -171,11 +203,14 @@ def test_pr65_under_rloo_is_caught_at_reward_post_process(runs) -> None:
         assert result.exit_code == 1 and (first["bundle"], first["stage"]) == ("rollout-0", "reward.post_process")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (("--fault", "pr65", "--estimator", "gae"), "--fault pr65 normalizes rewards per consumer batch"),
-    (("--kl-in-reward",), "--kl-in-reward needs --estimator reinforce_plus_plus or gae, not grpo"),
-    (("--std-norm", "--estimator", "rloo"), "--std-norm applies to --estimator grpo only, not rloo"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--fault", "pr65", "--estimator", "gae"), "--fault pr65 normalizes rewards per consumer batch"),
+        (("--kl-in-reward",), "--kl-in-reward needs --estimator reinforce_plus_plus or gae, not grpo"),
+        (("--std-norm", "--estimator", "rloo"), "--std-norm applies to --estimator grpo only, not rloo"),
+    ],
+)
 def test_settings_that_do_not_go_together_are_one_line_errors(argv, message, capsys) -> None:
     sys.path.insert(0, str(EXAMPLE.parent))
     try:

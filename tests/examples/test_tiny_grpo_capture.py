@@ -33,8 +33,10 @@ ROLLOUTS = 2
 
 
 def bundle_names(rollouts: int) -> tuple[list[str], list[str]]:
-    return ([f"rollout-{k}" for k in range(rollouts)],
-            [f"step-{k}-{s}" for k in range(rollouts) for s in range(STEPS_PER_ROLLOUT)])
+    return (
+        [f"rollout-{k}" for k in range(rollouts)],
+        [f"step-{k}-{s}" for k in range(rollouts) for s in range(STEPS_PER_ROLLOUT)],
+    )
 
 
 ROLLOUT_BUNDLES, STEP_BUNDLES = bundle_names(ROLLOUTS)
@@ -49,13 +51,13 @@ def _selector(bundle: str) -> list[str]:
 @dataclass
 class Captured:
     run: ExampleRun
-    root: str                         # s3://bucket/prefix
-    children: list[str]               # names directly under the root
-    validate: dict[str, CliResult]    # bundle -> `validate ROOT/BUNDLE`
-    by_path: dict[str, CliResult]     # bundle -> `replay ROOT/BUNDLE --json`
-    by_dir: dict[str, CliResult]      # bundle -> `replay ROOT --step R:S | --rollout R --json`
+    root: str  # s3://bucket/prefix
+    children: list[str]  # names directly under the root
+    validate: dict[str, CliResult]  # bundle -> `validate ROOT/BUNDLE`
+    by_path: dict[str, CliResult]  # bundle -> `replay ROOT/BUNDLE --json`
+    by_dir: dict[str, CliResult]  # bundle -> `replay ROOT --step R:S | --rollout R --json`
     storage_options: dict[str, Any]
-    by_rank: dict[tuple[str, int], CliResult]   # (bundle, r) -> `replay ROOT/BUNDLE/rank-r --json`
+    by_rank: dict[tuple[str, int], CliResult]  # (bundle, r) -> `replay ROOT/BUNDLE/rank-r --json`
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +65,22 @@ def s3_capture_env(s3_server, s3_bucket, tmp_path_factory) -> tuple[str, dict[st
     """A fresh prefix of the session's bucket ("bucket/prefix"), and the environment a user would set:
     AWS_* for the server, a private read cache."""
     cache = tmp_path_factory.mktemp("replay-cache")
-    return f"{s3_bucket}/capture-{uuid.uuid4().hex[:12]}", {**s3_server.env(), "TRAJECTORY_REPLAY_CACHE_DIR": str(cache)}
+    return f"{s3_bucket}/capture-{uuid.uuid4().hex[:12]}", {
+        **s3_server.env(),
+        "TRAJECTORY_REPLAY_CACHE_DIR": str(cache),
+    }
 
 
-def _capture(s3_server, env: dict[str, str], workdir: Path, name: str, root: str, *extra: str,
-             run_env: dict[str, str], rollouts: int = ROLLOUTS) -> Captured:
+def _capture(
+    s3_server,
+    env: dict[str, str],
+    workdir: Path,
+    name: str,
+    root: str,
+    *extra: str,
+    run_env: dict[str, str],
+    rollouts: int = ROLLOUTS,
+) -> Captured:
     import s3fs
 
     run = run_example(workdir, name, *SMALL, *extra, steps=rollouts, env={**env, **run_env})
@@ -75,15 +88,24 @@ def _capture(s3_server, env: dict[str, str], workdir: Path, name: str, root: str
     children = sorted(Path(p).name for p in fs.ls(root.removeprefix("s3://"), detail=False))
     rollout_bundles, step_bundles = bundle_names(rollouts)
     bundles = rollout_bundles + step_bundles
-    calls = ([["validate", f"{root}/{b}"] for b in bundles]
-             + [["replay", f"{root}/{b}", "--json"] for b in bundles]
-             + [["replay", root, *_selector(b), "--json"] for b in bundles]
-             + [["replay", f"{root}/{b}/rank-{r}", "--json"] for b in bundles for r in (0, 1)])
+    calls = (
+        [["validate", f"{root}/{b}"] for b in bundles]
+        + [["replay", f"{root}/{b}", "--json"] for b in bundles]
+        + [["replay", root, *_selector(b), "--json"] for b in bundles]
+        + [["replay", f"{root}/{b}/rank-{r}", "--json"] for b in bundles for r in (0, 1)]
+    )
     results = run_cli_many(calls, env)
     n = len(bundles)
-    return Captured(run, root, children, dict(zip(bundles, results[:n])), dict(zip(bundles, results[n:2 * n])),
-                    dict(zip(bundles, results[2 * n:3 * n])), s3_server.storage_options(),
-                    dict(zip([(b, r) for b in bundles for r in (0, 1)], results[3 * n:])))
+    return Captured(
+        run,
+        root,
+        children,
+        dict(zip(bundles, results[:n])),
+        dict(zip(bundles, results[n : 2 * n])),
+        dict(zip(bundles, results[2 * n : 3 * n])),
+        s3_server.storage_options(),
+        dict(zip([(b, r) for b in bundles for r in (0, 1)], results[3 * n :])),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +117,29 @@ def captures(s3_server, s3_capture_env, tmp_path_factory) -> dict[str, Captured]
     run_root, pr65_root = f"s3://{bucket}/run", f"s3://{bucket}/pr65"
     run_dir, pr65_dir = tmp_path_factory.mktemp("capture"), tmp_path_factory.mktemp("capture-pr65")
     with ThreadPoolExecutor(max_workers=2) as pool:
-        run = pool.submit(_capture, s3_server, env, run_dir, "run", run_root,
-                          run_env={"TRAJECTORY_REPLAY_CAPTURE": "1", "TRAJECTORY_REPLAY_CAPTURE_DIR": run_root})
-        pr65 = pool.submit(_capture, s3_server, env, pr65_dir, "pr65", pr65_root,
-                           "--fault", "pr65", "--capture-dir", pr65_root, run_env={}, rollouts=1)
+        run = pool.submit(
+            _capture,
+            s3_server,
+            env,
+            run_dir,
+            "run",
+            run_root,
+            run_env={"TRAJECTORY_REPLAY_CAPTURE": "1", "TRAJECTORY_REPLAY_CAPTURE_DIR": run_root},
+        )
+        pr65 = pool.submit(
+            _capture,
+            s3_server,
+            env,
+            pr65_dir,
+            "pr65",
+            pr65_root,
+            "--fault",
+            "pr65",
+            "--capture-dir",
+            pr65_root,
+            run_env={},
+            rollouts=1,
+        )
         return {"run": run.result(), "pr65": pr65.result()}
 
 
@@ -122,6 +163,7 @@ def uncaptured(baseline) -> ExampleRun:
 
 
 # ---- the capture run -------------------------------------------------------------------------------------
+
 
 def test_every_rank_flushed_every_bundle_before_exit(captured) -> None:
     cap = captured.run.result["capture"]
@@ -151,11 +193,12 @@ def test_bundle_validates_and_replays_by_url_and_through_the_capture_dir(capture
         assert report["first_divergent_stage"] is None
     if bundle.startswith("rollout-"):
         assert by_path.json() == by_dir.json()
-    else:   # --step through the capture directory: the step chained to the rollout bundle that produced it
+    else:  # --step through the capture directory: the step chained to the rollout bundle that produced it
         chained, alone = by_dir.json(), by_path.json()
         # one schema: the chain's object has every key of the step's own, describing the whole chain
-        assert {k: chained[k] for k in alone if k not in ("stages", "compared")} == \
-            {k: v for k, v in alone.items() if k not in ("stages", "compared")}
+        assert {k: chained[k] for k in alone if k not in ("stages", "compared")} == {
+            k: v for k, v in alone.items() if k not in ("stages", "compared")
+        }
         assert [s for s in chained["stages"] if s["bundle"] == bundle and s["stage"] != "link"] == alone["stages"]
         assert chained["compared"] > alone["compared"]
         assert [e["bundle"] for e in chained["chain"]] == [f"rollout-{bundle.split('-')[1]}", bundle]
@@ -165,8 +208,9 @@ def test_bundle_validates_and_replays_by_url_and_through_the_capture_dir(capture
     mismatch = [("sample", None, "pass"), ("rollout.mismatch", 0, "pass"), ("rollout.mismatch", 1, "pass")]
     if bundle.startswith("rollout-"):
         # rank shards with disjoint samples: the group-level stages see their union
-        assert stages == mismatch + [(st, None, "pass") for st in ("reward.raw", "reward.post_process",
-                                                                   "advantage.kl", "advantage.estimate")]
+        assert stages == mismatch + [
+            (st, None, "pass") for st in ("reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate")
+        ]
     else:
         assert stages == mismatch + [("loss.policy", 0, "pass"), ("loss.policy", 1, "pass")]
     for r in (0, 1):
@@ -184,15 +228,17 @@ def test_bundles_are_two_rank_shards_with_weight_lineage(captured) -> None:
         sources = open_sources(f"{captured.root}/{bundle}", **captured.storage_options)
         assert [s.rank for s in sources] == [0, 1]
         ids = [{r.sample_id for r in s.index.samples} for s in sources]
-        assert ids[0] and ids[1] and not ids[0] & ids[1]        # data-parallel shards: disjoint samples
+        assert ids[0] and ids[1] and not ids[0] & ids[1]  # data-parallel shards: disjoint samples
         k = int(bundle.split("-")[1])
         for s in sources:
             lineage = s.index.identity.weight_lineage
             # rollout k was generated by version max(k-1, 0) and consumed by the live version k
             assert (lineage.rollout_weight, lineage.actor_weight) == (max(k - 1, 0), k)
             assert s.index.identity.rank.dp == 2
-    groups = [{r.group_index for r in s.index.samples} for s in open_sources(f"{captured.root}/rollout-1",
-                                                                             **captured.storage_options)]
+    groups = [
+        {r.group_index for r in s.index.samples}
+        for s in open_sources(f"{captured.root}/rollout-1", **captured.storage_options)
+    ]
     assert groups[0] & groups[1], "prompt groups are split across the ranks' shards"
 
 
@@ -209,10 +255,11 @@ def test_capture_does_not_change_numerics(captured, uncaptured) -> None:
 
 # ---- the PR #65 fault ------------------------------------------------------------------------------------
 
+
 def test_pr65_fault_changes_the_losses(captured_pr65, uncaptured) -> None:
     faulty, base = captured_pr65.run.result, uncaptured.result
     assert faulty["fault"] == "pr65"
-    n = STEPS_PER_ROLLOUT   # the first rollout: same seeded samples, different reward normalization
+    n = STEPS_PER_ROLLOUT  # the first rollout: same seeded samples, different reward normalization
     assert [r["mean_raw_reward"] for r in faulty["steps"]] == [r["mean_raw_reward"] for r in base["steps"][:n]]
     assert [[r[k] for k in SCALARS] for r in faulty["steps"]] != [[r[k] for k in SCALARS] for r in base["steps"][:n]]
     assert faulty["steps"][0]["pg_loss"] != base["steps"][0]["pg_loss"]
@@ -227,8 +274,14 @@ def test_pr65_rollout_replay_names_reward_post_process(captured_pr65, bundle) ->
         assert report["bundle_id"] == bundle and report["passed"] is False
         assert report["first_divergent_stage"] == "reward.post_process"
         status = {s["stage"]: s["status"] for s in report["stages"]}
-        assert status == {"sample": "pass", "rollout.mismatch": "pass", "reward.raw": "pass",
-                          "reward.post_process": "fail", "advantage.kl": "pass", "advantage.estimate": "fail"}
+        assert status == {
+            "sample": "pass",
+            "rollout.mismatch": "pass",
+            "reward.raw": "pass",
+            "reward.post_process": "fail",
+            "advantage.kl": "pass",
+            "advantage.estimate": "fail",
+        }
         post = next(s for s in report["stages"] if s["stage"] == "reward.post_process")
         assert post["mismatch_count"] > 0 and post["divergences"][0]["field"]
     for r in (0, 1):

@@ -18,26 +18,54 @@ from tests.examples.helpers import EXAMPLE, SMALL, STEPS_PER_ROLLOUT, ExampleRun
 READ_TIMEOUT = 3.0
 CONNECT_TIMEOUT = 1.0
 ROLLOUTS = 2
-RECORDS = ROLLOUTS * (1 + STEPS_PER_ROLLOUT)   # per rank: each rollout, and each of its actor steps
+RECORDS = ROLLOUTS * (1 + STEPS_PER_ROLLOUT)  # per rank: each rollout, and each of its actor steps
 
 
-def test_capture_to_a_silent_store_costs_one_timeout_and_reports_nothing_flushed(baseline: ExampleRun,
-                                                                                 tmp_path) -> None:
+def test_capture_to_a_silent_store_costs_one_timeout_and_reports_nothing_flushed(
+    baseline: ExampleRun, tmp_path
+) -> None:
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(512)
     endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
     out = tmp_path / "dead.json"
-    env = clean_env({"AWS_ACCESS_KEY_ID": "key", "AWS_SECRET_ACCESS_KEY": "secret", "AWS_DEFAULT_REGION": "us-east-1",
-                     "AWS_ENDPOINT_URL": endpoint, "AWS_EC2_METADATA_DISABLED": "true",
-                     "TRAJECTORY_REPLAY_CACHE_DIR": str(tmp_path / "cache"),
-                     "TRAJECTORY_REPLAY_S3_READ_TIMEOUT": str(READ_TIMEOUT),
-                     "TRAJECTORY_REPLAY_S3_CONNECT_TIMEOUT": str(CONNECT_TIMEOUT),
-                     "TRAJECTORY_REPLAY_S3_MAX_ATTEMPTS": "1"})
+    env = clean_env(
+        {
+            "AWS_ACCESS_KEY_ID": "key",
+            "AWS_SECRET_ACCESS_KEY": "secret",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "TRAJECTORY_REPLAY_CACHE_DIR": str(tmp_path / "cache"),
+            "TRAJECTORY_REPLAY_S3_READ_TIMEOUT": str(READ_TIMEOUT),
+            "TRAJECTORY_REPLAY_S3_CONNECT_TIMEOUT": str(CONNECT_TIMEOUT),
+            "TRAJECTORY_REPLAY_S3_MAX_ATTEMPTS": "1",
+        }
+    )
     try:
-        proc = subprocess.run([sys.executable, str(EXAMPLE), "--steps", str(ROLLOUTS), "--world-size", "2", "--seed",
-                               "3", *SMALL, "--capture-dir", "s3://capture-bucket/run", "--out-json", str(out)],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(EXAMPLE),
+                "--steps",
+                str(ROLLOUTS),
+                "--world-size",
+                "2",
+                "--seed",
+                "3",
+                *SMALL,
+                "--capture-dir",
+                "s3://capture-bucket/run",
+                "--out-json",
+                str(out),
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
     finally:
         silent.close()
     assert proc.returncode == 0, proc.stderr
@@ -66,7 +94,7 @@ def test_capture_to_a_silent_store_costs_one_timeout_and_reports_nothing_flushed
     lines = proc.stderr.strip().splitlines()
     assert "Traceback" not in proc.stderr, proc.stderr
     store_lines = [line for line in lines if line.startswith("capture:")]
-    assert len(store_lines) == 2 and len(lines) == 2, proc.stderr   # one per rank, and nothing else
+    assert len(store_lines) == 2 and len(lines) == 2, proc.stderr  # one per rank, and nothing else
     for line in store_lines:
         assert "s3://capture-bucket/run" in line and endpoint in line and "AWS_ENDPOINT_URL" in line, line
         assert f"no answer within the {READ_TIMEOUT:g}s read timeout" in line, line

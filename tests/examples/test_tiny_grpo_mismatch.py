@@ -28,7 +28,7 @@ CASES: dict[str, tuple[tuple[str, ...], int, int]] = {
     # name: (extra argv, rollouts, world size)
     "clean": ((), 2, 1),
     "token": (("--rollout-is", "token"), 2, 1),
-    "sequence": (("--rollout-is", "sequence"), 2, 2),   # two ranks: per-sample weights on rank shards
+    "sequence": (("--rollout-is", "sequence"), 2, 2),  # two ranks: per-sample weights on rank shards
     "stale": (("--fault", "stale-old-logprobs"), 2, 1),
     "future": (("--fault", "future-version"), 1, 1),
 }
@@ -36,18 +36,29 @@ SHARES = (("sequence",), ("clean", "token", "stale", "future"))
 """The runs of each of the two processes: the two-rank run spawns its own workers."""
 
 
-
 @dataclass
 class Run:
-    result: dict[str, Any]            # --out-json
-    reports: dict[str, Any]           # bundle -> ReplayReport
-    sources: dict[str, list]          # bundle -> its sources (one per rank)
+    result: dict[str, Any]  # --out-json
+    reports: dict[str, Any]  # bundle -> ReplayReport
+    sources: dict[str, list]  # bundle -> its sources (one per rank)
 
 
 def _argv(workdir: Path, name: str) -> list[str]:
     extra, rollouts, world = CASES[name]
-    return ["--steps", str(rollouts), "--world-size", str(world), "--seed", "3", *SMALL,
-            "--capture-dir", str(workdir / name / "cap"), "--out-json", str(workdir / f"{name}.json"), *extra]
+    return [
+        "--steps",
+        str(rollouts),
+        "--world-size",
+        str(world),
+        "--seed",
+        "3",
+        *SMALL,
+        "--capture-dir",
+        str(workdir / name / "cap"),
+        "--out-json",
+        str(workdir / f"{name}.json"),
+        *extra,
+    ]
 
 
 def _run_many(workdir: Path, names: tuple[str, ...]) -> str:
@@ -73,8 +84,9 @@ def runs(tmp_path_factory) -> dict[str, Run]:
 
 
 def _bundles(rollouts: int) -> list[str]:
-    return [f"rollout-{k}" for k in range(rollouts)] + [f"step-{k}-{s}" for k in range(rollouts)
-                                                        for s in range(STEPS_PER_ROLLOUT)]
+    return [f"rollout-{k}" for k in range(rollouts)] + [
+        f"step-{k}-{s}" for k in range(rollouts) for s in range(STEPS_PER_ROLLOUT)
+    ]
 
 
 def _stages(report) -> list[tuple[str, Any, str]]:
@@ -137,8 +149,9 @@ def test_rollout_is_captures_replay_with_a_pass(runs, mode) -> None:
         assert run.sources[bundle][0].index.config.rollout_is == mode
         if bundle.startswith("step-"):
             assert _stages(report) == [("sample", None, "pass")] + [
-                (s, r, "pass") for s in ("rollout.mismatch", "loss.policy") for r in ranks], bundle
-    if world == 1:   # rollout 0 has no mismatch (weights of 1); from rollout 1 on the correction changes the loss
+                (s, r, "pass") for s in ("rollout.mismatch", "loss.policy") for r in ranks
+            ], bundle
+    if world == 1:  # rollout 0 has no mismatch (weights of 1); from rollout 1 on the correction changes the loss
         n = STEPS_PER_ROLLOUT
         for got, want in zip(_scalars(run)[:n], _scalars(clean)[:n]):
             assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
@@ -173,7 +186,7 @@ def test_stale_old_logprobs_are_caught_at_loss_policy(runs) -> None:
 
 def test_future_version_is_caught_at_rollout_mismatch(runs) -> None:
     run = runs["future"]
-    for bundle in ("rollout-0", "step-0-0"):       # s-0-0 is trained in the first step
+    for bundle in ("rollout-0", "step-0-0"):  # s-0-0 is trained in the first step
         report = run.reports[bundle]
         assert not report.passed and report.first_divergent_stage == "rollout.mismatch", (bundle, _stages(report))
         stage = _mismatch(report)
@@ -186,9 +199,15 @@ def test_future_version_is_caught_at_rollout_mismatch(runs) -> None:
     assert versions.pop("s-0-0") == 1 and set(versions.values()) == {0}
 
 
-@pytest.mark.parametrize("argv", [("--rollout-is", "none"), ("--rollout-is", "sequence", "--estimator", "gae"),
-                                  ("--fault", "stale-old-logprobs", "--estimator", "rloo"),
-                                  ("--fault", "future-version", "--estimator", "reinforce_plus_plus")])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--rollout-is", "none"),
+        ("--rollout-is", "sequence", "--estimator", "gae"),
+        ("--fault", "stale-old-logprobs", "--estimator", "rloo"),
+        ("--fault", "future-version", "--estimator", "reinforce_plus_plus"),
+    ],
+)
 def test_the_new_settings_parse_with_any_estimator(argv) -> None:
     sys.path.insert(0, str(EXAMPLE.parent))
     try:

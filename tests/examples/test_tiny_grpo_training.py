@@ -17,8 +17,9 @@ def test_two_ranks_two_steps_complete(baseline) -> None:
     # the run's timeout)
     result, stdout = baseline.result, baseline.stdout
     assert len(result["steps"]) == 2 * STEPS_PER_ROLLOUT
-    assert [(r["rollout_id"], r["step_id"]) for r in result["steps"]] == \
-        [(k, s) for k in range(2) for s in range(STEPS_PER_ROLLOUT)]
+    assert [(r["rollout_id"], r["step_id"]) for r in result["steps"]] == [
+        (k, s) for k in range(2) for s in range(STEPS_PER_ROLLOUT)
+    ]
     lines = [ln for ln in stdout.splitlines() if ln.startswith("rollout=")]
     assert len(lines) == len(result["steps"])
     for line in lines:
@@ -31,8 +32,9 @@ def test_two_ranks_two_steps_complete(baseline) -> None:
         assert values["loss"] == pytest.approx(values["pg_loss"] - 0.01 * values["entropy_loss"], abs=1e-6)
         assert values["entropy_loss"] > 0 and values["pg_clipfrac"] >= 0
     # Per-step timing of rank 0's training thread is recorded beside (not inside) the compared scalars.
-    assert [(t["rollout_id"], t["step_id"]) for t in result["timing"]] == \
-        [(r["rollout_id"], r["step_id"]) for r in result["steps"]]
+    assert [(t["rollout_id"], t["step_id"]) for t in result["timing"]] == [
+        (r["rollout_id"], r["step_id"]) for r in result["steps"]
+    ]
     assert all(0 <= t["capture_seconds"] <= t["step_seconds"] for t in result["timing"])
 
 
@@ -68,8 +70,14 @@ def test_capture_off_starts_nothing_and_writes_nothing(baseline) -> None:
 def test_single_process_runs_without_spawning(tmp_path: Path) -> None:
     # TRAJECTORY_REPLAY_CAPTURE=0 switches capture off even with a directory configured: nothing is created there.
     cap_dir = tmp_path / "not-written"
-    run = run_example(tmp_path, "w1", *SMALL, world_size=1, steps=1,
-                      env={"TRAJECTORY_REPLAY_CAPTURE": "0", "TRAJECTORY_REPLAY_CAPTURE_DIR": str(cap_dir)})
+    run = run_example(
+        tmp_path,
+        "w1",
+        *SMALL,
+        world_size=1,
+        steps=1,
+        env={"TRAJECTORY_REPLAY_CAPTURE": "0", "TRAJECTORY_REPLAY_CAPTURE_DIR": str(cap_dir)},
+    )
     result = run.result
     assert len(result["steps"]) == STEPS_PER_ROLLOUT and result["world_size"] == 1
     assert result["split_across_ranks"] == 0 and result["split_across_batches"] > 0
@@ -85,8 +93,20 @@ def test_long_responses_share_rollout_chunks(tmp_path) -> None:
     from trajectory_replay.replay import replay
     from trajectory_replay.store import ObjectStore
 
-    run = run_example(tmp_path, "long", *SMALL, "--digits", "128", "--min-response", "128", "--capture-dir",
-                      str(tmp_path / "cap"), world_size=1, steps=1, env={"TRAJECTORY_REPLAY_CAPTURE_WRITER": "thread"})
+    run = run_example(
+        tmp_path,
+        "long",
+        *SMALL,
+        "--digits",
+        "128",
+        "--min-response",
+        "128",
+        "--capture-dir",
+        str(tmp_path / "cap"),
+        world_size=1,
+        steps=1,
+        env={"TRAJECTORY_REPLAY_CAPTURE_WRITER": "thread"},
+    )
     assert len(run.result["steps"]) == STEPS_PER_ROLLOUT
     [rollout] = open_native(str(tmp_path / "cap" / "rollout-0"))
     assert {s.response_length for s in rollout.index.samples} == {129}
@@ -100,7 +120,7 @@ def test_long_responses_share_rollout_chunks(tmp_path) -> None:
         assert replay([step]).passed
         for name in ("old_log_probs", "advantages"):
             mine = chunks(step, name)
-            assert len(mine - chunks(rollout, name)) == 1, (s, name)   # its own header only
+            assert len(mine - chunks(rollout, name)) == 1, (s, name)  # its own header only
     assert replay([rollout]).passed
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -18,14 +18,23 @@ from trajectory_replay.store.chunking import ChunkingParams
 
 def renamed_case(name: str, buggy: bool = False):
     case = canonical_case(buggy=buggy)
-    return case._replace(manifest=case.manifest.model_copy(update={"bundle_id": name}),
-                         index=case.index.model_copy(update={"bundle_id": name}))
+    return case._replace(
+        manifest=case.manifest.model_copy(update={"bundle_id": name}),
+        index=case.index.model_copy(update={"bundle_id": name}),
+    )
 
 
 def rank_writer(root: str, name: str, rank: int, expected_ranks: Sequence[int], **kwargs) -> BundleWriter:
     case = renamed_case(name)
-    return BundleWriter(f"{root}/{name}", case.manifest, case.index, case.expected, rank=rank,
-                        expected_ranks=list(expected_ranks), **kwargs)
+    return BundleWriter(
+        f"{root}/{name}",
+        case.manifest,
+        case.index,
+        case.expected,
+        rank=rank,
+        expected_ranks=list(expected_ranks),
+        **kwargs,
+    )
 
 
 def write_ranks(root: str, name: str, land: Sequence[int], expected_ranks: Sequence[int], **kwargs) -> None:
@@ -38,11 +47,13 @@ def write_ranks(root: str, name: str, land: Sequence[int], expected_ranks: Seque
         writer.finalize()
 
 
-def write_big(root: str, name: str, seed: int, *, chunks: int = 600, chunk_size: int = 8 << 10,
-              store: Optional[ObjectStore] = None) -> str:
+def write_big(
+    root: str, name: str, seed: int, *, chunks: int = 600, chunk_size: int = 8 << 10, store: ObjectStore | None = None
+) -> str:
     """A canonical bundle plus an `extra` 2-D payload cut into `chunks` small chunks (many objects)."""
-    store = store or ObjectStore(open_backend(root), chunking=ChunkingParams(
-        chunk_size=chunk_size, min_size=chunk_size, target_size=chunk_size))
+    store = store or ObjectStore(
+        open_backend(root), chunking=ChunkingParams(chunk_size=chunk_size, min_size=chunk_size, target_size=chunk_size)
+    )
     case = renamed_case(name)
     writer = BundleWriter(f"{root}/{name}", case.manifest, case.index, case.expected, store=store)
     for payload, tensor in case.payloads.items():

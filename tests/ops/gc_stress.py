@@ -30,7 +30,7 @@ from trajectory_replay.ops.gc import collect_garbage
 from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.chunking import ChunkingParams
 
-if TYPE_CHECKING:   # the gc role never builds a tensor: it runs without torch, as the gc command does
+if TYPE_CHECKING:  # the gc role never builds a tensor: it runs without torch, as the gc command does
     import torch
 
 ROUND = float(os.environ.get("GC_STRESS_ROUND", "0.6"))
@@ -41,7 +41,7 @@ MINIMUM = {"aborter": ("aborted", 3), "writer": ("completed", 1)}
 OVERTIME = 60.0
 
 
-def content(k: int) -> dict[str, "torch.Tensor"]:
+def content(k: int) -> dict[str, torch.Tensor]:
     """The payloads of content k: the canonical ones plus one of its own, cut into many chunks."""
     import torch
 
@@ -64,7 +64,7 @@ def main(role: str, root: str, start: float | str, seconds: float, options: dict
     store = ObjectStore.open(root, cache=False, **options)
     store.chunking = CHUNKING
     if role != "gc":
-        content(0)   # the first round is not slowed by what runs once (torch's first operations)
+        content(0)  # the first round is not slowed by what runs once (torch's first operations)
     if start == "stdin":
         print("ready", flush=True)
         start = float(sys.stdin.readline())
@@ -95,8 +95,12 @@ def main(role: str, root: str, start: float | str, seconds: float, options: dict
             # plus garbage of its own that no writer reuses, so every sweep has something to remove
             import torch
 
-            writer.write_payloads({**content(k), "noise": torch.rand(2048, generator=torch.Generator().manual_seed(
-                rng.randrange(1 << 62)))})
+            writer.write_payloads(
+                {
+                    **content(k),
+                    "noise": torch.rand(2048, generator=torch.Generator().manual_seed(rng.randrange(1 << 62))),
+                }
+            )
             writer.abort()
             counts["aborted"] += 1
         else:
@@ -107,7 +111,7 @@ def main(role: str, root: str, start: float | str, seconds: float, options: dict
                 try:
                     if rng.random() < 0.5:  # everything in one batch: lost objects can be stored again
                         writer.finalize(payloads=payloads)
-                    else:                   # payloads first: a lost one refuses the commit
+                    else:  # payloads first: a lost one refuses the commit
                         writer.write_payloads(payloads)
                         writer.finalize()
                     counts["completed"] += 1
@@ -127,5 +131,11 @@ def main(role: str, root: str, start: float | str, seconds: float, options: dict
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3] if sys.argv[3] == "stdin" else float(sys.argv[3]), float(sys.argv[4]),
-         json.loads(sys.argv[5]), *sys.argv[6:])
+    main(
+        sys.argv[1],
+        sys.argv[2],
+        sys.argv[3] if sys.argv[3] == "stdin" else float(sys.argv[3]),
+        float(sys.argv[4]),
+        json.loads(sys.argv[5]),
+        *sys.argv[6:],
+    )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 from typer.testing import CliRunner
 
@@ -27,8 +27,16 @@ INCOMPLETE = "partial"
 """A two-rank bundle whose rank 1 never landed."""
 
 
-def write_step(root: str, name: str, rollout: int, step: int, *, buggy: bool = False, current_logprob: float = 0.0,
-               storage_options: Optional[dict] = None) -> str:
+def write_step(
+    root: str,
+    name: str,
+    rollout: int,
+    step: int,
+    *,
+    buggy: bool = False,
+    current_logprob: float = 0.0,
+    storage_options: dict | None = None,
+) -> str:
     """The canonical step (buggy: the physical-batch bug) as bundle `name` at anchor `rollout:step`."""
     case = canonical_case(buggy=buggy, current_logprob=current_logprob)
     identity = Identity(actor_step_id=ActorStepId(rollout_id=rollout, step_id=step))
@@ -41,7 +49,7 @@ def write_step(root: str, name: str, rollout: int, step: int, *, buggy: bool = F
     return f"{root}/{name}"
 
 
-def corrupt_payload(root: str, name: str, payload: str, storage_options: Optional[dict] = None) -> None:
+def corrupt_payload(root: str, name: str, payload: str, storage_options: dict | None = None) -> None:
     """Overwrite the chunks of one payload of bundle `name` with other bytes of the same size."""
     backend = open_backend(root, **(storage_options or {}))
     state = bundle_status(backend, name)
@@ -52,7 +60,7 @@ def corrupt_payload(root: str, name: str, payload: str, storage_options: Optiona
         backend.write(object_key(digest), b"\x5a" * size)
 
 
-def populate(root: str, storage_options: Optional[dict] = None, *, corrupt: bool = True) -> None:
+def populate(root: str, storage_options: dict | None = None, *, corrupt: bool = True) -> None:
     """Clean and divergent step bundles, one incomplete two-rank bundle, and (with `corrupt`) one whose
     `log_probs` payload no longer matches its digest (its log-probs are its own: no other bundle shares them)."""
     opts = storage_options or {}
@@ -82,21 +90,50 @@ def cli_json(*args: str) -> tuple[int, dict[str, Any]]:
 def check_summary(summary: dict[str, Any], *, corrupt: bool = True) -> None:
     """The summary of a `populate`d store: counts, earliest divergence, the incomplete bundle, every verdict."""
     counts = summary["counts"]
-    assert counts == {"pass": len(CLEAN), "diverged": len(DIVERGED), "invalid": len(CORRUPT) if corrupt else 0,
-                      "incomplete": 1, "unsupported": 0, "error": 0}, counts
+    assert counts == {
+        "pass": len(CLEAN),
+        "diverged": len(DIVERGED),
+        "invalid": len(CORRUPT) if corrupt else 0,
+        "incomplete": 1,
+        "unsupported": 0,
+        "error": 0,
+    }, counts
     first = summary["earliest_divergence"]
-    assert (first["name"], first["anchor"], first["first_divergent_stage"], first["sample_id"], first["field"]) == \
-        ("s-2-1", "step 2:1", "reward.post_process", "s-0", "reward")
-    assert [(i["name"], i["missing_ranks"], i["expected_ranks"]) for i in summary["incomplete"]] == \
-        [(INCOMPLETE, [1], [0, 1])]
+    assert (first["name"], first["anchor"], first["first_divergent_stage"], first["sample_id"], first["field"]) == (
+        "s-2-1",
+        "step 2:1",
+        "reward.post_process",
+        "s-0",
+        "reward",
+    )
+    assert [(i["name"], i["missing_ranks"], i["expected_ranks"]) for i in summary["incomplete"]] == [
+        (INCOMPLETE, [1], [0, 1])
+    ]
     by_name = {v["name"]: v for v in summary["verdicts"]}
-    assert [v["name"] for v in summary["verdicts"]] == ["s-1-0", "s-1-1", "s-2-1", *(["s-3-0"] if corrupt else []),
-                                                        "s-4-0", "a-late", INCOMPLETE], "anchor order"
+    assert [v["name"] for v in summary["verdicts"]] == [
+        "s-1-0",
+        "s-1-1",
+        "s-2-1",
+        *(["s-3-0"] if corrupt else []),
+        "s-4-0",
+        "a-late",
+        INCOMPLETE,
+    ], "anchor order"
     if corrupt:
         assert by_name["s-3-0"]["status"] == "invalid"
         assert "s-3-0" not in [v["name"] for v in summary["verdicts"] if v["cached"]]
     assert by_name["a-late"]["first_divergent_stage"] == "reward.post_process"
 
 
-__all__ = ["CLEAN", "CORRUPT", "DIVERGED", "INCOMPLETE", "check_summary", "cli", "cli_json", "corrupt_payload",
-           "populate", "write_step"]
+__all__ = [
+    "CLEAN",
+    "CORRUPT",
+    "DIVERGED",
+    "INCOMPLETE",
+    "check_summary",
+    "cli",
+    "cli_json",
+    "corrupt_payload",
+    "populate",
+    "write_step",
+]

@@ -19,21 +19,24 @@ from trajectory_replay.store.layout import OBJECTS_DIR
 runner = CliRunner()
 
 
-@pytest.mark.parametrize("args, code", [
-    (["gc", "{root}", "--grace", "5x"], 2),
-    (["gc", "{root}", "--grace", ""], 2),
-    (["gc", "{missing}"], 1),
-    (["ls", "{missing}"], 1),
-    (["stats", "{missing}"], 1),
-    (["fsck", "{missing}"], 1),
-    (["cp", "{missing}", "{dest}", "--all"], 1),
-    (["cp", "{root}", "{dest}", "--all", "--rollout", "3"], 2),
-    (["cp", "{root}", "{dest}", "--step", "nope"], 2),
-    (["cp", "{root}/b-00001/rank-0", "{dest}"], 2),
-    (["export", "{missing}/b-00001", "{dest}"], 1),
-    (["ls", "s3://x"], 2),  # a bucket name needs 3+ characters: refused as typed
-    (["gc", "{root}", "--bogus"], 2),
-])
+@pytest.mark.parametrize(
+    "args, code",
+    [
+        (["gc", "{root}", "--grace", "5x"], 2),
+        (["gc", "{root}", "--grace", ""], 2),
+        (["gc", "{missing}"], 1),
+        (["ls", "{missing}"], 1),
+        (["stats", "{missing}"], 1),
+        (["fsck", "{missing}"], 1),
+        (["cp", "{missing}", "{dest}", "--all"], 1),
+        (["cp", "{root}", "{dest}", "--all", "--rollout", "3"], 2),
+        (["cp", "{root}", "{dest}", "--step", "nope"], 2),
+        (["cp", "{root}/b-00001/rank-0", "{dest}"], 2),
+        (["export", "{missing}/b-00001", "{dest}"], 1),
+        (["ls", "s3://x"], 2),  # a bucket name needs 3+ characters: refused as typed
+        (["gc", "{root}", "--bogus"], 2),
+    ],
+)
 def test_bad_arguments_are_one_line_errors(tmp_path, args, code):
     root = str(tmp_path / "store")
     write_canonical(root)
@@ -49,8 +52,9 @@ def test_bad_arguments_are_one_line_errors(tmp_path, args, code):
 
 def test_subprocess_errors_have_no_traceback(tmp_path):
     for argv in (["gc", str(tmp_path), "--grace", "1y"], ["fsck", str(tmp_path / "absent")]):
-        out = subprocess.run([sys.executable, "-m", "trajectory_replay", *argv], capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "trajectory_replay", *argv], capture_output=True, text=True, timeout=60
+        )
         assert out.returncode in (1, 2) and "Traceback" not in out.stderr
         assert len(out.stderr.strip().splitlines()) == 1
 

@@ -19,12 +19,11 @@ from tests.bundle.helpers import write_canonical
 from tests.ops.conftest import validates
 from trajectory_replay.backends import open_backend
 from trajectory_replay.bundle.documents import compact_json
-from trajectory_replay.bundle.markers import MAX_RANKS
-from trajectory_replay.cli import app
+from trajectory_replay.bundle.markers import MAX_RANKS, complete_key, rank_key
 from trajectory_replay.bundle.status import COMPLETE_STATUS, CORRUPT, scan_bundles
+from trajectory_replay.cli import app
 from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.digest import hash_bytes, object_key
-from trajectory_replay.bundle.markers import complete_key, rank_key
 
 runner = CliRunner()
 
@@ -68,8 +67,7 @@ def _multi_rank_with_key(marker: dict, key: str) -> None:
 def _hostile_manifest(backend) -> None:
     """The manifest blob is stored honestly (chunks, record, ref) but its content nests too deeply."""
     ref = ObjectStore(backend).put(b'{"bundle_id":"bad","producer":' + nested(5000) + b"}")
-    _edit(backend, lambda m: m["shards"]["0"]["manifest"].update(digest=ref.digest, record=ref.record,
-                                                                  size=ref.size))
+    _edit(backend, lambda m: m["shards"]["0"]["manifest"].update(digest=ref.digest, record=ref.record, size=ref.size))
 
 
 def _hostile_record(backend) -> None:
@@ -86,17 +84,27 @@ CORRUPTIONS = {
     "complete-not-json": (lambda b: _set_marker(b, b'{"bundle_id": "bad", '), [complete_key("bad"), "not valid JSON"]),
     "complete-not-utf8": (lambda b: _set_marker(b, b"\xff\xfe\x00"), [complete_key("bad"), "not UTF-8"]),
     "complete-nested": (lambda b: _set_marker(b, nested(100_000)), [complete_key("bad"), "nested more than"]),
-    "shard-key-traversal": (lambda b: _edit(b, lambda m: _multi_rank_with_key(m, "../../x")),
-                            [complete_key("bad"), "field 'shards'", "'../../x'"]),
+    "shard-key-traversal": (
+        lambda b: _edit(b, lambda m: _multi_rank_with_key(m, "../../x")),
+        [complete_key("bad"), "field 'shards'", "'../../x'"],
+    ),
     "anchor-int": (lambda b: _edit(b, lambda m: m.update(anchor=5)), [complete_key("bad"), "field 'anchor'"]),
-    "anchor-step-string": (lambda b: _edit(b, lambda m: m.update(anchor={"actor_step_id": "x"})),
-                           [complete_key("bad"), "field 'anchor'", "actor_step_id"]),
-    "anchor-rollout-list": (lambda b: _edit(b, lambda m: m.update(anchor={"rollout_id": [1]})),
-                            [complete_key("bad"), "field 'anchor'", "rollout_id"]),
-    "digest-unparsable": (lambda b: _edit(b, lambda m: m["shards"]["0"]["manifest"].update(digest="blake3:no")),
-                          [complete_key("bad"), "shards.0.manifest.digest"]),
-    "too-many-ranks": (lambda b: _edit(b, lambda m: m.update(expected_ranks=list(range(MAX_RANKS + 1)))),
-                       [complete_key("bad"), "expected_ranks", str(MAX_RANKS)]),
+    "anchor-step-string": (
+        lambda b: _edit(b, lambda m: m.update(anchor={"actor_step_id": "x"})),
+        [complete_key("bad"), "field 'anchor'", "actor_step_id"],
+    ),
+    "anchor-rollout-list": (
+        lambda b: _edit(b, lambda m: m.update(anchor={"rollout_id": [1]})),
+        [complete_key("bad"), "field 'anchor'", "rollout_id"],
+    ),
+    "digest-unparsable": (
+        lambda b: _edit(b, lambda m: m["shards"]["0"]["manifest"].update(digest="blake3:no")),
+        [complete_key("bad"), "shards.0.manifest.digest"],
+    ),
+    "too-many-ranks": (
+        lambda b: _edit(b, lambda m: m.update(expected_ranks=list(range(MAX_RANKS + 1)))),
+        [complete_key("bad"), "expected_ranks", str(MAX_RANKS)],
+    ),
     "rank-marker-garbage": (lambda b: _rank_marker_only(b, b"\x00garbage"), [rank_key("bad", 0), "not"]),
     "manifest-nested": (_hostile_manifest, ["manifest", "nested more than"]),
     "record-nested": (_hostile_record, ["malformed blob record", "nested more than"]),

@@ -16,11 +16,11 @@ from tests.bundle.helpers import write_canonical
 from tests.ops.conftest import reachable, validates, write_big
 from trajectory_replay.backends import open_backend
 from trajectory_replay.bundle import open_sources
+from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.cli import app
-from trajectory_replay.errors import IntegrityError, SelectionError, UsageError
+from trajectory_replay.errors import IntegrityError, SelectionError, TrajectoryReplayError, UsageError
 from trajectory_replay.ops.cp import copy_bundles
 from trajectory_replay.replay import replay
-from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.store.layout import OBJECTS_DIR
 
 NAMES = ("b-00001", "b-00065")
@@ -70,8 +70,9 @@ def test_corrupt_source_object_is_not_copied(tmp_path):
     src, dest = str(tmp_path / "src"), str(tmp_path / "dest")
     path = write_canonical(src)
     backend = open_backend(src)
-    chunk = next(k for k in sorted(reachable(src, "b-00001")) if k.startswith(f"{OBJECTS_DIR}/")
-                 and backend.size(k) > 100)
+    chunk = next(
+        k for k in sorted(reachable(src, "b-00001")) if k.startswith(f"{OBJECTS_DIR}/") and backend.size(k) > 100
+    )
     data = bytearray(backend.read(chunk))
     data[50] ^= 0xFF
     backend.write(chunk, bytes(data))
@@ -90,8 +91,10 @@ def test_killed_copy_resumes_and_then_transfers_nothing(tmp_path):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
         # count committed objects only: temporary files of writes in flight are not objects yet
-        if objects.is_dir() and sum(1 for _, _, files in os.walk(objects) for f in files
-                                    if not f.startswith(".tmp-")) >= 100:
+        if (
+            objects.is_dir()
+            and sum(1 for _, _, files in os.walk(objects) for f in files if not f.startswith(".tmp-")) >= 100
+        ):
             break
         time.sleep(0.005)
     assert proc.poll() is None, "cp finished before it could be killed: make the store bigger"
@@ -99,7 +102,7 @@ def test_killed_copy_resumes_and_then_transfers_nothing(tmp_path):
     proc.wait(timeout=10)
     backend = open_backend(dest)
     assert not backend.exists(complete_key("big-a")) and not backend.exists(complete_key("big-b"))
-    with pytest.raises(Exception):
+    with pytest.raises(TrajectoryReplayError):
         open_sources(f"{dest}/big-a")  # not visible: no COMPLETE
     partial = len(backend.list(f"{OBJECTS_DIR}/"))
     assert partial >= 100
@@ -111,7 +114,7 @@ def test_killed_copy_resumes_and_then_transfers_nothing(tmp_path):
             assert open_backend(src).read(key) == backend.read(key)
         assert validates(f"{dest}/{name}")
 
-    third = CliRunner().invoke(app, cmd[3:])   # the same command line, in this process
+    third = CliRunner().invoke(app, cmd[3:])  # the same command line, in this process
     assert third.exit_code == 0 and third.exception is None, third.output
     import json
 

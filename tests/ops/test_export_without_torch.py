@@ -22,10 +22,12 @@ from trajectory_replay.demo import run_demo
 REPO = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
-EXTRA = {"scores_bf16": torch.linspace(-3, 3, 6).reshape(2, 3).to(torch.bfloat16),
-         "flags": torch.tensor([True, False, True, True, False, False, True, False]),
-         "ids": torch.arange(8, dtype=torch.int64).reshape(2, 4) * 1_000_000_007,
-         "nothing": torch.empty(0, 3, dtype=torch.float16)}
+EXTRA = {
+    "scores_bf16": torch.linspace(-3, 3, 6).reshape(2, 3).to(torch.bfloat16),
+    "flags": torch.tensor([True, False, True, True, False, False, True, False]),
+    "ids": torch.arange(8, dtype=torch.int64).reshape(2, 4) * 1_000_000_007,
+    "nothing": torch.empty(0, 3, dtype=torch.float16),
+}
 """Payloads no stage reads, of other dtypes and shapes, carried through export as they are (not replayed: the
 older format takes every payload for a flat per-token one)."""
 
@@ -47,20 +49,25 @@ def exported(tmp_path_factory) -> dict[str, tuple[str, Path, dict]]:
     pairs = [(str(root / name), str(tmp / "v1" / name)) for name in names]
     commands = [["export", bundle, out, "--quiet"] for bundle, out in pairs]
     # one process where any import of torch fails runs every export
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(commands)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(commands)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     *results, tail = [json.loads(line) for line in done.stdout.splitlines()]
     assert tail == {"torch_loaded": False}
-    return {name: (bundle, Path(out), result)
-            for name, (bundle, out), result in zip(names, pairs, results, strict=True)}
+    return {
+        name: (bundle, Path(out), result) for name, (bundle, out), result in zip(names, pairs, results, strict=True)
+    }
 
 
 def _replay(path: str) -> tuple[int, str, list]:
     result = runner.invoke(app, ["replay", path, "--json"])
     report = json.loads(result.stdout)
-    return result.exit_code, report["first_divergent_stage"], [
-        (s["stage"], s["rank"], s["status"], s["mismatch_count"], s["divergences"]) for s in report["stages"]]
+    return (
+        result.exit_code,
+        report["first_divergent_stage"],
+        [(s["stage"], s["rank"], s["status"], s["mismatch_count"], s["divergences"]) for s in report["stages"]],
+    )
 
 
 @pytest.mark.parametrize("name", ["b-00001", "b-00065", "cohort"])
@@ -89,7 +96,7 @@ def test_exported_payloads_are_the_native_tensors(exported, name):
         for payload in names:
             spec = native.spec(payload)
             file = old.path / "payloads" / f"{payload}.pt"
-            loaded = torch.load(file, weights_only=True)   # as the older tool loads it
+            loaded = torch.load(file, weights_only=True)  # as the older tool loads it
             want = native.load_payload(payload).reshape(spec.shape)
             assert loaded.dtype == want.dtype and loaded.shape == want.shape and loaded.is_contiguous()
             assert torch.equal(loaded, want), payload

@@ -6,14 +6,12 @@ from __future__ import annotations
 from tests.bundle.helpers import write_canonical
 from tests.ops.conftest import reachable, validates, write_ranks
 from trajectory_replay.backends import open_backend
+from trajectory_replay.bundle.markers import complete_key
+from trajectory_replay.bundle.status import scan_bundles
 from trajectory_replay.ops.cp import copy_bundles
 from trajectory_replay.ops.fsck import check_store
-from trajectory_replay.ops.ls import list_bundles
-from trajectory_replay.bundle.status import scan_bundles
 from trajectory_replay.store import ObjectStore
-from trajectory_replay.store.digest import blob_ref_key
-from trajectory_replay.bundle.markers import complete_key
-from trajectory_replay.store.digest import object_key
+from trajectory_replay.store.digest import blob_ref_key, object_key
 
 
 def _payload_chunk(root: str, name: str, options: dict | None = None) -> str:

@@ -13,18 +13,17 @@ from tests.bundle.helpers import write_canonical
 from tests.ops.conftest import validates, write_ranks
 from trajectory_replay.backends import open_backend
 from trajectory_replay.bundle.documents import compact_json
-from trajectory_replay.bundle.markers import try_finalize
+from trajectory_replay.bundle.markers import complete_key, rank_key, try_finalize
 from trajectory_replay.bundle.reader import open_native
+from trajectory_replay.bundle.status import bundle_status
 from trajectory_replay.cli import app
 from trajectory_replay.errors import BundleError
 from trajectory_replay.ops.cp import copy_bundles
 from trajectory_replay.ops.fsck import check_store
 from trajectory_replay.ops.ls import list_bundles
-from trajectory_replay.bundle.status import bundle_status
 from trajectory_replay.ops.walk import Walker
-from trajectory_replay.store.inventory import BlobNode
 from trajectory_replay.store.digest import blob_ref_key, object_key
-from trajectory_replay.bundle.markers import complete_key, rank_key
+from trajectory_replay.store.inventory import BlobNode
 
 
 def _payload(backend, bundle: str, payload: str) -> BlobNode:
@@ -82,6 +81,7 @@ def test_a_ref_naming_another_blobs_record_is_the_culprit_s3(tmp_path, s3_root):
 
 
 # ---- rank markers checked against their documents -------------------------------------------------
+
 
 def _rank_shifted(backend, root, options):
     _edit_marker(backend, rank_key("cohort", 1), rank=0)
@@ -145,8 +145,13 @@ def test_an_incomplete_bundles_corrupt_rank_marker_is_reported(tmp_path):
     _edit_marker(backend, rank_key("cohort", 0), bundle_id="someone-else")
     report = check_store(root)
     assert report.corrupt == [rank_key("cohort", 0)] and not report.healthy
-    assert report.damaged_bundles == [{"name": "cohort", "detail": "cohort/COMPLETE.0: corrupt rank marker: bundle_id "
-                                                            "'someone-else' differs from 'cohort' in its manifest"}]
+    assert report.damaged_bundles == [
+        {
+            "name": "cohort",
+            "detail": "cohort/COMPLETE.0: corrupt rank marker: bundle_id "
+            "'someone-else' differs from 'cohort' in its manifest",
+        }
+    ]
     assert report.incomplete == []  # a capture in progress is no damage; this marker is
 
 
@@ -175,6 +180,7 @@ def test_unreadable_rank_documents_block_finalizing_until_repaired(tmp_path):
 
 
 # ---- after --repair-from: healthy, or the first fsck said what it could not repair ---------------
+
 
 def test_repairable_damage_leaves_a_healthy_store(tmp_path):
     root, copy = str(tmp_path / "store"), str(tmp_path / "copy")

@@ -15,10 +15,10 @@ from trajectory_replay.bundle.documents import compact_json
 from trajectory_replay.bundle.markers import complete_key, rank_key
 from trajectory_replay.bundle.status import bundle_status
 from trajectory_replay.cli import app
+from trajectory_replay.ops.cp import copy_bundles
 from trajectory_replay.ops.fsck import check_store
 from trajectory_replay.ops.gc import collect_garbage
 from trajectory_replay.ops.walk import Walker
-from trajectory_replay.ops.cp import copy_bundles
 from trajectory_replay.store.digest import blob_ref_key, object_key
 
 runner = CliRunner()
@@ -30,7 +30,7 @@ def test_a_rank_marker_that_disagrees_with_complete_is_corrupt(tmp_path):
     backend = open_backend(root)
     assert check_store(root).healthy
     doc = json.loads(backend.read(rank_key("mr", 1)))
-    doc["documents"]["index"]["digest"] = "blake3:" + "0" * 64   # latent while COMPLETE exists
+    doc["documents"]["index"]["digest"] = "blake3:" + "0" * 64  # latent while COMPLETE exists
     backend.write(rank_key("mr", 1), compact_json(doc))
 
     report = check_store(root)
@@ -63,10 +63,10 @@ def test_keys_under_a_corrupt_record_are_kept_by_gc_and_fsck_says_so(tmp_path):
     assert report.orphans_kept_by == ["b-00001"]
     text = report.render_text()
     assert "gc removes them" not in text
-    assert f"gc keeps them, and every other object, while b-00001 cannot be read whole" in text
+    assert "gc keeps them, and every other object, while b-00001 cannot be read whole" in text
     gc = collect_garbage(root, grace="0s")
     assert gc.kept_everything and gc.objects_removed == 0
-    assert all(backend.exists(k) for k in chunks)   # what fsck said: kept
+    assert all(backend.exists(k) for k in chunks)  # what fsck said: kept
 
 
 def test_repair_from_a_store_that_does_not_exist_is_a_one_line_error(tmp_path):

@@ -9,16 +9,15 @@ import pytest
 import torch
 
 from tests.bundle.helpers import write_canonical
-from tests.ops.conftest import reachable, rank_writer, renamed_case, validates, write_ranks
+from tests.ops.conftest import rank_writer, reachable, renamed_case, validates, write_ranks
 from trajectory_replay.backends import open_backend
 from trajectory_replay.bundle import BundleWriter
+from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.errors import UsageError
 from trajectory_replay.ops.fsck import check_store
 from trajectory_replay.ops.gc import collect_garbage, parse_duration
 from trajectory_replay.ops.ls import list_bundles
-from trajectory_replay.store.digest import object_key
-from trajectory_replay.bundle.markers import complete_key
-from trajectory_replay.store.digest import blob_ref_key
+from trajectory_replay.store.digest import blob_ref_key, object_key
 from trajectory_replay.store.layout import OBJECTS_DIR
 
 
@@ -33,8 +32,9 @@ def test_parse_duration():
 def _crashed_capture(root: str, how: str) -> BundleWriter:
     """A writer that stored payloads (some shared, one of its own) and its documents, then died."""
     case = renamed_case("crashed")
-    writer = BundleWriter(f"{root}/crashed", case.manifest, case.index, case.expected,
-                          inflight_ttl=0.0 if how == "expired" else 3600.0)
+    writer = BundleWriter(
+        f"{root}/crashed", case.manifest, case.index, case.expected, inflight_ttl=0.0 if how == "expired" else 3600.0
+    )
     for payload, tensor in case.payloads.items():
         writer.write_payload(payload, tensor)
     writer.write_payload("only_mine", torch.arange(5000, dtype=torch.float32))
@@ -52,8 +52,9 @@ def test_crashed_capture_is_collected_and_other_bundles_stay_valid(tmp_path, how
     keep = reachable(root, "b-00001") | reachable(root, "b-00065")
     writer = _crashed_capture(root, how)
     backend = open_backend(root)
-    unshared = {k for d in writer.inflight.digests for k in (object_key(d), blob_ref_key(d))
-                if backend.exists(k)} - keep
+    unshared = {
+        k for d in writer.inflight.digests for k in (object_key(d), blob_ref_key(d)) if backend.exists(k)
+    } - keep
     assert unshared
     dry = collect_garbage(root, grace="0s", dry_run=True)
     assert set(dry.removed) >= unshared and all(backend.exists(k) for k in unshared)
@@ -128,7 +129,7 @@ def test_gc_loop_with_grace_zero_races_a_multirank_capture(tmp_path):
         writers = [rank_writer(root, name, r, [0, 1, 2, 3]) for r in range(4)]
         started = threading.Barrier(4)
 
-        def capture(writer):
+        def capture(writer, case=case, started=started):
             try:
                 items = list(case.payloads.items())
                 writer.write_payload(*items[0])
@@ -212,8 +213,11 @@ def test_a_capture_that_starts_reusing_inside_a_batch_window_is_reported(tmp_pat
     write_canonical(root)
     writer = _crashed_capture(root, "removed")
     backend = open_backend(root)
-    target = next(object_key(d) for d in writer.inflight.digests if backend.exists(object_key(d))
-                  and object_key(d) not in reachable(root, "b-00001"))
+    target = next(
+        object_key(d)
+        for d in writer.inflight.digests
+        if backend.exists(object_key(d)) and object_key(d) not in reachable(root, "b-00001")
+    )
     real_delete = gc_mod._Collector._delete
 
     def delete_after_a_capture_listed(self, keys):
@@ -274,7 +278,7 @@ def test_writer_waits_for_a_running_sweep_before_committing(tmp_path, caplog):
         write_canonical(root, name=name)
         return _time.monotonic() - started
 
-    before = writing("b-1")   # with no lease: what a write costs on this host now
+    before = writing("b-1")  # with no lease: what a write costs on this host now
     backend.write(f"{LEASE_PREFIX}{'d' * 32}", json.dumps({"expires": _time.time() - 1}).encode())
     elapsed = writing("b-2")  # an expired lease (its gc died) is not waited for
     backend.delete(f"{LEASE_PREFIX}{'d' * 32}")

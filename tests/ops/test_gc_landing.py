@@ -8,13 +8,12 @@ import json
 
 import pytest
 
-from tests.ops.conftest import rank_writer, renamed_case, validates, write_ranks
+from tests.ops.conftest import rank_writer, renamed_case, validates
 from trajectory_replay.backends import open_backend
 from trajectory_replay.bundle.markers import ABANDONED_FORMAT, abandoned_key, complete_key, rank_key
 from trajectory_replay.bundle.status import COMPLETE_STATUS, bundle_status
 from trajectory_replay.errors import BundleError
 from trajectory_replay.ops.gc import collect_garbage
-from trajectory_replay.replay import canonical_case
 from trajectory_replay.store.liveness import read_inflight
 
 
@@ -34,7 +33,7 @@ def root(request, tmp_path) -> tuple[str, dict]:
 def test_a_rank_landing_after_gc_abandoned_its_cohort_fails_and_relanding_completes(root):
     url, options = root
     assert _land(url, "cohort", 0, [0, 1], **options) is None
-    report = collect_garbage(url, grace="0s", **options)   # between the two ranks' landings
+    report = collect_garbage(url, grace="0s", **options)  # between the two ranks' landings
     assert report.abandoned_bundles == ["cohort"]
     backend = open_backend(url, **options)
     assert not backend.exists(rank_key("cohort", 0))
@@ -43,7 +42,7 @@ def test_a_rank_landing_after_gc_abandoned_its_cohort_fails_and_relanding_comple
 
     with pytest.raises(BundleError, match=r"gc removed the landed rank marker\(s\) \[0\] of this bundle"):
         _land(url, "cohort", 1, [0, 1], **options)
-    assert read_inflight(backend) == []   # a writer that failed leaves nothing for gc to wait out
+    assert read_inflight(backend) == []  # a writer that failed leaves nothing for gc to wait out
     assert not backend.exists(complete_key("cohort"))
 
     # the step captured again: rank 0 lands anew, the note is consumed, the bundle completes
@@ -60,7 +59,7 @@ def test_a_note_alone_in_its_directory_goes_only_once_no_writer_can_be_at_work(t
     collect_garbage(url, grace="0s")
     backend = open_backend(url)
     assert backend.list_dir("cohort") == ["ABANDONED"]
-    collect_garbage(url, grace="0s")   # younger than an in-flight record's TTL: a writer may still read it
+    collect_garbage(url, grace="0s")  # younger than an in-flight record's TTL: a writer may still read it
     assert backend.list_dir("cohort") == ["ABANDONED"]
     collect_garbage(url, grace="30d")
     assert backend.list_dir("cohort") == ["ABANDONED"]

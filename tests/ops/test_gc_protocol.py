@@ -22,16 +22,15 @@ from tests.bundle.helpers import write_canonical
 from tests.ops.conftest import reachable, renamed_case, validates
 from trajectory_replay.backends import open_backend
 from trajectory_replay.bundle import BundleWriter, open_sources
-from trajectory_replay.cli import app
-from trajectory_replay.errors import TrajectoryReplayError
-from trajectory_replay.ops.gc import collect_garbage
+from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.bundle.status import scan_bundles
+from trajectory_replay.cli import app
+from trajectory_replay.ops.gc import collect_garbage
 from trajectory_replay.replay.validate import validate_sources
 from trajectory_replay.store import ObjectStore, object_key
-from trajectory_replay.store.liveness import DEAD_LEASE_AGE, LEASE_PREFIX, SweepLease
-from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.store.digest import blob_ref_key
 from trajectory_replay.store.layout import INFLIGHT_DIR, OBJECTS_DIR, REFS_DIR
+from trajectory_replay.store.liveness import DEAD_LEASE_AGE, LEASE_PREFIX, SweepLease
 
 REPO = Path(__file__).resolve().parents[2]
 STRESS_SECONDS = 8.0
@@ -50,6 +49,7 @@ def _crashed(root: str, name: str = "crashed") -> BundleWriter:
 
 
 # ---- 1. gc during writes --------------------------------------------------------------------------------
+
 
 def test_a_reused_blob_whose_chunks_are_gone_is_stored_again(tmp_path):
     """The probe's deterministic case: the blob's ref and record are there, its chunks are not."""
@@ -91,6 +91,7 @@ def test_commit_re_stores_what_an_overlapping_sweep_removed(tmp_path, caplog):
             lease.acquire()
             backend.delete(victim)
             import threading
+
             threading.Timer(0.5, lease.release).start()
         return refs
 
@@ -105,11 +106,30 @@ def test_commit_re_stores_what_an_overlapping_sweep_removed(tmp_path, caplog):
 
 def _stress(root: str, options: dict, env: dict, seconds: float) -> list[dict]:
     roles = [("gc", "0"), ("aborter", "0"), ("writer", "1"), ("writer", "2")]
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.ops.gc_stress", role, root, "stdin", str(seconds),
-                               json.dumps(options), ident], cwd=REPO, env=env, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for role, ident in roles]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.ops.gc_stress",
+                role,
+                root,
+                "stdin",
+                str(seconds),
+                json.dumps(options),
+                ident,
+            ],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for role, ident in roles
+    ]
     try:
-        for proc in procs:   # the clocks start together once every process has imported and opened the store
+        for proc in procs:  # the clocks start together once every process has imported and opened the store
             assert proc.stdout.readline() == "ready\n", proc.communicate(timeout=60)[1][-3000:]
         start = time.time() + 0.1
         for proc in procs:
@@ -121,7 +141,7 @@ def _stress(root: str, options: dict, env: dict, seconds: float) -> list[dict]:
             assert proc.returncode == 0, err[-3000:]
             results.append(json.loads(out.strip().splitlines()[-1]))
     finally:
-        for proc in procs:   # none is left waiting for a start that will not come
+        for proc in procs:  # none is left waiting for a start that will not come
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -142,7 +162,7 @@ def _check_stress(root: str, options: dict, results: list[dict]) -> None:
         return validate_sources(url, open_sources(url, cache=False, **options))
 
     names = [s.name for s in states]
-    with ThreadPoolExecutor(max_workers=4) as pool:   # the bundles are independent; a remote store's reads wait
+    with ThreadPoolExecutor(max_workers=4) as pool:  # the bundles are independent; a remote store's reads wait
         reports = dict(zip(names, pool.map(validate, names)))
     invalid = [(name, report.problems[:1]) for name, report in reports.items() if not report.valid]
     assert invalid == [], invalid
@@ -180,8 +200,9 @@ _HOLD_LEASE = textwrap.dedent("""
 
 
 def _lease_holder(root: str, seconds: float, hold: float) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD_LEASE, root, str(seconds), str(hold)], cwd=REPO,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LEASE, root, str(seconds), str(hold)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     key = proc.stdout.readline().strip()
     assert key.startswith(LEASE_PREFIX), key
     return proc, key
@@ -190,7 +211,7 @@ def _lease_holder(root: str, seconds: float, hold: float) -> tuple[subprocess.Po
 def test_a_killed_gc_stalls_writers_only_until_its_lease_expires(tmp_path, caplog):
     root = str(tmp_path / "store")
     started = time.monotonic()
-    write_canonical(str(tmp_path / "quiet"))   # with no lease: what a write costs on this host now
+    write_canonical(str(tmp_path / "quiet"))  # with no lease: what a write costs on this host now
     baseline = time.monotonic() - started
     open_backend(root).write("seed", b"")
     proc, key = _lease_holder(root, seconds=2.0, hold=600)
@@ -222,18 +243,19 @@ def test_a_live_gc_keeps_its_lease_by_heartbeat(tmp_path):
 
 
 def test_a_sweep_that_cannot_renew_its_lease_stops_deleting(tmp_path):
-    from trajectory_replay.store.liveness import LeaseLost
+    from trajectory_replay.store.liveness import LeaseLostError
 
     lease = SweepLease(open_backend(str(tmp_path)), seconds=1.0, renew_every=60)
     lease.acquire()
     lease.check()
     time.sleep(0.6)
-    with pytest.raises(LeaseLost, match="stopped deleting"):
+    with pytest.raises(LeaseLostError, match="stopped deleting"):
         lease.check()
     lease.release()
 
 
 # ---- 3. gc deletes only its own objects ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("linked", [OBJECTS_DIR, REFS_DIR, INFLIGHT_DIR])
 def test_gc_never_deletes_through_a_link_out_of_the_root(tmp_path, linked):
@@ -258,8 +280,12 @@ def test_gc_ignores_keys_that_are_not_its_layout_and_links_inside_it(tmp_path):
     _crashed(str(root))
     victim = tmp_path / "precious.txt"
     victim.write_text("keep me")
-    strangers = [root / OBJECTS_DIR / "notes.txt", root / OBJECTS_DIR / "ab" / "not-a-digest",
-                 root / REFS_DIR / "README", root / INFLIGHT_DIR / "someone-else.json"]
+    strangers = [
+        root / OBJECTS_DIR / "notes.txt",
+        root / OBJECTS_DIR / "ab" / "not-a-digest",
+        root / REFS_DIR / "README",
+        root / INFLIGHT_DIR / "someone-else.json",
+    ]
     for path in strangers:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("{}")
@@ -282,8 +308,9 @@ def test_dry_run_lists_what_it_would_delete(tmp_path):
     write_canonical(root)
     writer = _crashed(root)
     backend = open_backend(root)
-    garbage = {k for d in writer.inflight.digests for k in (object_key(d), blob_ref_key(d))
-               if backend.exists(k)} - reachable(root, "b-00001")
+    garbage = {
+        k for d in writer.inflight.digests for k in (object_key(d), blob_ref_key(d)) if backend.exists(k)
+    } - reachable(root, "b-00001")
     result = CliRunner().invoke(app, ["gc", root, "--grace", "0s", "--dry-run"])
     assert result.exit_code == 0, result.output
     listed = {line.strip() for line in result.output.splitlines() if line.startswith("    ")}
@@ -354,7 +381,7 @@ def test_a_truncated_complete_keeps_every_object(tmp_path, cut):
     write_canonical(root, name="damaged", buggy=True)
     needed = reachable(root, "damaged") - {complete_key("damaged")}
     raw = (Path(root) / complete_key("damaged")).read_bytes()
-    _damage_marker(root, "damaged", raw[:int(len(raw) * cut)])
+    _damage_marker(root, "damaged", raw[: int(len(raw) * cut)])
     _crashed(root)
     backend = open_backend(root)
     keys = set(backend.list(f"{OBJECTS_DIR}/")) | set(backend.list(f"{REFS_DIR}/"))

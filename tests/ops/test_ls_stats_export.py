@@ -12,6 +12,7 @@ from tests.bundle.helpers import write_canonical
 from tests.ops.conftest import renamed_case, validates, write_ranks
 from trajectory_replay.backends import open_backend
 from trajectory_replay.bundle import BundleWriter, open_sources
+from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.cli import app
 from trajectory_replay.errors import BundleError
 from trajectory_replay.ops.export import export_bundle
@@ -19,7 +20,6 @@ from trajectory_replay.ops.importer import import_v1
 from trajectory_replay.ops.ls import list_bundles
 from trajectory_replay.ops.stats import store_stats
 from trajectory_replay.replay import replay
-from trajectory_replay.bundle.markers import complete_key
 
 runner = CliRunner()
 
@@ -53,7 +53,10 @@ def test_ls_statuses_sizes_and_age(tmp_path):
     assert cli.exit_code == 0, cli.output
     doc = json.loads(cli.stdout)
     assert doc["status"] == "pass" and {r["name"]: r["status"] for r in doc["bundles"]} == {
-        "b-00001": "complete", "lastdied": "complete", "partial": "incomplete"}
+        "b-00001": "complete",
+        "lastdied": "complete",
+        "partial": "incomplete",
+    }
 
 
 def _random_capture(root: str, name: str, **options) -> None:
@@ -96,8 +99,9 @@ def test_export_then_import_keeps_verdicts(tmp_path):
         assert _verdicts(original) == _verdicts(v1) == _verdicts(imported)
         assert original["first_divergent_stage"] == imported["first_divergent_stage"]
         full = open_sources(f"{root}/{name}")[0].full_index()
-        assert [s.loss_mask for s in open_sources(f"{back}/{name}")[0].full_index().samples] == \
-            [s.loss_mask for s in full.samples]
+        assert [s.loss_mask for s in open_sources(f"{back}/{name}")[0].full_index().samples] == [
+            s.loss_mask for s in full.samples
+        ]
     assert replay(open_sources(f"{root}/b-00065")).to_dict()["first_divergent_stage"] == "reward.post_process"
     with pytest.raises(BundleError, match="not an empty directory"):
         export_bundle(f"{root}/b-00065", tmp_path / "v1" / "b-00065")
@@ -112,7 +116,10 @@ def test_every_command_on_s3_through_the_cli(tmp_path, s3_root, s3_env, monkeypa
     ls = runner.invoke(app, ["ls", url, "--json"])
     assert ls.exit_code == 0, ls.output
     assert {r["name"]: r["status"] for r in json.loads(ls.stdout)["bundles"]} == {
-        "first": "complete", "second": "complete", "partial": "incomplete"}
+        "first": "complete",
+        "second": "complete",
+        "partial": "incomplete",
+    }
     stats = runner.invoke(app, ["stats", url, "--json"])
     assert stats.exit_code == 0, stats.output
     doc = json.loads(stats.stdout)
@@ -133,5 +140,7 @@ def test_every_command_on_s3_through_the_cli(tmp_path, s3_root, s3_env, monkeypa
     imported = runner.invoke(app, ["import", str(out), str(tmp_path / "again")])
     assert imported.exit_code == 0, imported.output
     assert open_sources(f"{local}/first")[0].load_payload("big").numel() == 50000
-    assert replay(open_sources(str(tmp_path / "again" / "first"))).to_dict() == \
-        replay(open_sources(f"{local}/first")).to_dict()
+    assert (
+        replay(open_sources(str(tmp_path / "again" / "first"))).to_dict()
+        == replay(open_sources(f"{local}/first")).to_dict()
+    )

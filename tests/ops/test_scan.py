@@ -100,8 +100,14 @@ def test_killed_scan_is_resumed(tmp_path):
         write_step(root, name, i, 0)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # the command as a user runs it, where the driver cannot import torch (only its workers do)
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_NO_TORCH_CLI, "scan", root, "--workers", "1"], cwd=REPO,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_NO_TORCH_CLI, "scan", root, "--workers", "1"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while verdict_count(root) < 3 and proc.poll() is None and time.monotonic() < deadline:
@@ -153,10 +159,12 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch):
     missing = cli("scan", str(tmp_path / "nothing"))
     assert missing.exit_code == 1 and "no such store root" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
-    for args, message in ((["--workers", "0"], "--workers 0: must be at least 1"),
-                          (["--engine", "spark"], "--engine 'spark': expected local or ray"),
-                          (["--atol", "nan"], "--atol nan"),
-                          (["--ray-address", "ray://x:1"], "--ray-address needs --engine ray")):
+    for args, message in (
+        (["--workers", "0"], "--workers 0: must be at least 1"),
+        (["--engine", "spark"], "--engine 'spark': expected local or ray"),
+        (["--atol", "nan"], "--atol nan"),
+        (["--ray-address", "ray://x:1"], "--ray-address needs --engine ray"),
+    ):
         bad = cli("scan", str(tmp_path), *args)
         assert bad.exit_code == 2 and message in bad.stderr, (args, bad.stderr)
         assert len(bad.stderr.strip().splitlines()) == 1
@@ -294,7 +302,8 @@ def test_an_unreachable_ray_cluster_is_one_line(tmp_path):
     assert result.exit_code == 1, result.output  # the cluster, not the command line: 2 is for malformed lines
     assert result.stderr.strip().splitlines() == [
         "trajectory-replay: error: cannot reach the Ray cluster at 127.0.0.1:1: Connection refused (check "
-        "--ray-address or RAY_ADDRESS)"]
+        "--ray-address or RAY_ADDRESS)"
+    ]
 
 
 def _verdict_files(root: Path) -> dict[str, Path]:
@@ -355,8 +364,9 @@ def test_only_verdicts_this_users_scans_wrote_are_trusted(tmp_path, monkeypatch)
     assert key_file.stat().st_mode & 0o777 == 0o600 and len(key_file.read_bytes()) == 32
     files = _verdict_files(root)
     forged = json.loads(files["s-1-0"].read_bytes())
-    forged["verdict"].update(status="pass", first_divergent_stage=None, rank=None, sample_id=None, field=None,
-                             token_offset=None, detail="")
+    forged["verdict"].update(
+        status="pass", first_divergent_stage=None, rank=None, sample_id=None, field=None, token_offset=None, detail=""
+    )
     files["s-1-0"].write_text(json.dumps(forged))
     again = scan_store(str(root), workers=1)
     by_name = {v.name: v for v in again.verdicts}
@@ -364,7 +374,7 @@ def test_only_verdicts_this_users_scans_wrote_are_trusted(tmp_path, monkeypatch)
     assert by_name["s-1-0"].status == "diverged" and not by_name["s-1-0"].cached
     assert by_name["s-0-0"].status == "pass" and by_name["s-0-0"].cached
 
-    monkeypatch.setenv("TRAJECTORY_REPLAY_CACHE_DIR", str(tmp_path / "other-user"))   # another key
+    monkeypatch.setenv("TRAJECTORY_REPLAY_CACHE_DIR", str(tmp_path / "other-user"))  # another key
     other = scan_store(str(root), workers=1)
     assert (other.replayed, other.cached) == (2, 0)
     assert [v.status for v in other.verdicts] == ["pass", "diverged"]
@@ -376,7 +386,7 @@ def test_without_a_key_for_verdicts_every_bundle_is_replayed_and_none_kept(tmp_p
     root = tmp_path / "store"
     write_step(str(root), "s-0-0", 0, 0)
     monkeypatch.setenv("TRAJECTORY_REPLAY_CACHE_DIR", str(tmp_path / "cache"))
-    assert scan_store(str(root), workers=1).replayed == 1   # a verdict kept under a key
+    assert scan_store(str(root), workers=1).replayed == 1  # a verdict kept under a key
     (tmp_path / "not-a-dir").write_bytes(b"")
     monkeypatch.setenv("TRAJECTORY_REPLAY_CACHE_DIR", str(tmp_path / "not-a-dir" / "cache"))
     report = scan_store(str(root), workers=1)

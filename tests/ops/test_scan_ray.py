@@ -27,8 +27,10 @@ def store(tmp_path_factory) -> str:
 
 
 def _outcomes(report) -> list[tuple]:
-    return [(v.name, v.anchor, v.status, v.first_divergent_stage, v.sample_id, v.field, v.missing_ranks)
-            for v in report.verdicts]
+    return [
+        (v.name, v.anchor, v.status, v.first_divergent_stage, v.sample_id, v.field, v.missing_ranks)
+        for v in report.verdicts
+    ]
 
 
 def test_ray_engine_gives_the_local_summary(cluster, store):

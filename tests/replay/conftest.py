@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -20,27 +21,41 @@ class MemorySource:
     given, and declares every payload in the manifest (dtype, shape) unless the manifest already does.
     """
 
-    def __init__(self, manifest: Manifest, index: BundleIndex, expected: dict[str, Any],
-                 payloads: dict[str, torch.Tensor], rank: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        index: BundleIndex,
+        expected: dict[str, Any],
+        payloads: dict[str, torch.Tensor],
+        rank: int | None = None,
+    ) -> None:
         self.payloads = dict(payloads)
         if "loss_mask" not in self.payloads:
-            self.payloads["loss_mask"] = torch.tensor([v for r in index.samples for v in r.loss_mask],
-                                                      dtype=torch.uint8)
+            self.payloads["loss_mask"] = torch.tensor(
+                [v for r in index.samples for v in r.loss_mask], dtype=torch.uint8
+            )
         specs = dict(manifest.payloads)
         for name, tensor in self.payloads.items():
-            specs.setdefault(name, PayloadSpec(name=name, dtype=str(tensor.dtype), shape=list(tensor.shape),
-                                               size=tensor.numel() * tensor.element_size()))
+            specs.setdefault(
+                name,
+                PayloadSpec(
+                    name=name,
+                    dtype=str(tensor.dtype),
+                    shape=list(tensor.shape),
+                    size=tensor.numel() * tensor.element_size(),
+                ),
+            )
         self.manifest = manifest.model_copy(update={"payloads": specs})
         self.index = index
         self.expected = copy.deepcopy(expected)
         self.bundle_id = index.bundle_id
         self.rank = rank
-        self.loads: list[tuple[str, Optional[tuple[int, ...]]]] = []
+        self.loads: list[tuple[str, tuple[int, ...] | None]] = []
 
     def has_payload(self, name: str) -> bool:
         return name in self.payloads
 
-    def load_payload(self, name: str, samples: Optional[Sequence[int]] = None) -> torch.Tensor:
+    def load_payload(self, name: str, samples: Sequence[int] | None = None) -> torch.Tensor:
         self.loads.append((name, None if samples is None else tuple(samples)))
         if name not in self.payloads:
             raise BundleError(f"bundle {self.bundle_id} has no payload {name!r}")
@@ -52,14 +67,14 @@ class MemorySource:
             starts.append(offset)
             offset += max(record.response_length, 0)
         lengths = [max(r.response_length, 0) for r in self.index.samples]
-        return torch.cat([tensor[starts[i]:starts[i] + lengths[i]] for i in samples]) if samples else tensor[:0]
+        return torch.cat([tensor[starts[i] : starts[i] + lengths[i]] for i in samples]) if samples else tensor[:0]
 
     def loaded_names(self) -> set[str]:
         """Names of every payload loaded so far."""
         return {name for name, _ in self.loads}
 
 
-def source_of(case, rank: Optional[int] = None, **payload_overrides: torch.Tensor) -> MemorySource:
+def source_of(case, rank: int | None = None, **payload_overrides: torch.Tensor) -> MemorySource:
     """A MemorySource of a (manifest, index, expected, payloads) case, with payloads replaced as given."""
     manifest, index, expected, payloads = case
     return MemorySource(manifest, index, expected, {**payloads, **payload_overrides}, rank=rank)
@@ -68,6 +83,8 @@ def source_of(case, rank: Optional[int] = None, **payload_overrides: torch.Tenso
 @pytest.fixture
 def canonical_source():
     """Factory: a MemorySource of the canonical case."""
+
     def make(buggy: bool = False, current_logprob: float = 0.0) -> MemorySource:
         return source_of(canonical_case(buggy, current_logprob))
+
     return make

@@ -11,13 +11,20 @@ bundle builder flattens them into payloads at the end.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
 from trajectory_replay.bundle.schema import (
-    BundleIndex, Identity, Manifest, RecomputeConfig, SampleRecord, StageContract, StageId,
+    BundleIndex,
+    Identity,
+    Manifest,
+    RecomputeConfig,
+    SampleRecord,
+    StageContract,
+    StageId,
 )
 from trajectory_replay.replay.fixtures import CanonicalCase
 
@@ -49,30 +56,30 @@ class Settings:
     kl_in_reward: bool = False
     kl_loss_type: str = "k1"
     kl_coef: float = 0.0
-    kl_log_ratio_clamp: Optional[float] = None
-    kl_output_clamp: Optional[float] = None
+    kl_log_ratio_clamp: float | None = None
+    kl_output_clamp: float | None = None
     policy_loss: str = "ppo_clip"
     eps_clip: float = 0.2
     eps_clip_high: float = 0.2
-    eps_clip_c: Optional[float] = None
-    ratio_log_clamp: Optional[float] = None
+    eps_clip_c: float | None = None
+    ratio_log_clamp: float | None = None
     loss_agg_mode: str = "sum_of_sample_means"
-    loss_denominator: Optional[float] = None
-    loss_scale_factor: Optional[float] = None
+    loss_denominator: float | None = None
+    loss_scale_factor: float | None = None
     loss_scale: float = 1.0
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"
     cliprange_value: float = 0.2
-    actor_version: Optional[int] = None
-    max_staleness: Optional[int] = None
+    actor_version: int | None = None
+    max_staleness: int | None = None
     rollout_is: str = "none"
     rollout_is_threshold: float = 2.0
     rollout_rs: str = "none"
-    rollout_rs_lower: Optional[float] = None
-    rollout_rs_upper: Optional[float] = None
-    mismatch_max_kl_k3: Optional[float] = None
-    mismatch_max_token_log_ratio: Optional[float] = None
+    rollout_rs_lower: float | None = None
+    rollout_rs_upper: float | None = None
+    mismatch_max_kl_k3: float | None = None
+    mismatch_max_token_log_ratio: float | None = None
     expect_on_policy: bool = False
 
     @property
@@ -80,7 +87,7 @@ class Settings:
         return self.rollout_is != "none" or self.rollout_rs != "none"
 
     @classmethod
-    def of(cls, config: dict[str, Any]) -> "Settings":
+    def of(cls, config: dict[str, Any]) -> Settings:
         """Settings from a config dict; a key that is not a field is a typo in the test (KeyError)."""
         known = {f.name for f in fields(cls)}
         unknown = set(config) - known
@@ -96,9 +103,10 @@ def clamp(x: float, low: float, high: float) -> float:
 
 # --------------------------------------------------------------------------- reward post-processing
 
-def group_members(groups: Sequence[Optional[int]]) -> dict[Optional[int], list[int]]:
+
+def group_members(groups: Sequence[int | None]) -> dict[int | None, list[int]]:
     """The sample positions of each group key, groups in order of first appearance."""
-    members: dict[Optional[int], list[int]] = {}
+    members: dict[int | None, list[int]] = {}
     for i, g in enumerate(groups):
         members.setdefault(g, []).append(i)
     return members
@@ -113,7 +121,7 @@ def _grpo_one_group(values: list[float], s: Settings) -> list[float]:
         mean = sum(values) / n
         dof = n - 1 if s.std_unbiased else n
         squares = sum((v - mean) ** 2 for v in values)
-        std = math.sqrt(squares / dof) if dof > 0 else math.nan   # 0/0 for one value, unbiased
+        std = math.sqrt(squares / dof) if dof > 0 else math.nan  # 0/0 for one value, unbiased
     out = [v - mean for v in values]
     if s.grpo_std_normalization:
         out = [c / (std + s.std_eps) for c in out]
@@ -135,11 +143,15 @@ def _rloo_one_group(values: list[float], s: Settings) -> list[float]:
     return [v - (total - v) / (n - 1) for v in values]
 
 
-_PER_GROUP = {"grpo": _grpo_one_group, "dr_grpo": _mean_baseline_one_group, "rloo": _rloo_one_group,
-              "reinforce_plus_plus_baseline": _mean_baseline_one_group}
+_PER_GROUP = {
+    "grpo": _grpo_one_group,
+    "dr_grpo": _mean_baseline_one_group,
+    "rloo": _rloo_one_group,
+    "reinforce_plus_plus_baseline": _mean_baseline_one_group,
+}
 
 
-def post_process(raw: Sequence[float], groups: Sequence[Optional[int]], s: Settings) -> list[float]:
+def post_process(raw: Sequence[float], groups: Sequence[int | None], s: Settings) -> list[float]:
     """r' per sample: normalized within prompt groups, or r itself for the token-reward estimators."""
     if s.advantage_estimator in TOKEN_REWARD_ESTIMATORS:
         return [float(r) for r in raw]
@@ -153,8 +165,10 @@ def post_process(raw: Sequence[float], groups: Sequence[Optional[int]], s: Setti
 
 # --------------------------------------------------------------------------- KL
 
-def kl_value(log_p: float, log_q: float, kind: str, log_ratio_clamp: Optional[float] = None,
-             output_clamp: Optional[float] = None) -> float:
+
+def kl_value(
+    log_p: float, log_q: float, kind: str, log_ratio_clamp: float | None = None, output_clamp: float | None = None
+) -> float:
     """One token's KL estimate from d = log_p - log_q, with the optional clamps on d and on the estimate."""
     d = log_p - log_q
     if log_ratio_clamp is not None:
@@ -176,11 +190,13 @@ def kl_value(log_p: float, log_q: float, kind: str, log_ratio_clamp: Optional[fl
     return k
 
 
-def kl_tokens(log_p: Ragged, log_q: Ragged, kind: str, log_ratio_clamp: Optional[float] = None,
-              output_clamp: Optional[float] = None) -> Ragged:
+def kl_tokens(
+    log_p: Ragged, log_q: Ragged, kind: str, log_ratio_clamp: float | None = None, output_clamp: float | None = None
+) -> Ragged:
     """The KL estimate of every token."""
-    return [[kl_value(p, q, kind, log_ratio_clamp, output_clamp) for p, q in zip(ps, qs)]
-            for ps, qs in zip(log_p, log_q)]
+    return [
+        [kl_value(p, q, kind, log_ratio_clamp, output_clamp) for p, q in zip(ps, qs)] for ps, qs in zip(log_p, log_q)
+    ]
 
 
 def reward_kl(old: Ragged, ref: Ragged, s: Settings) -> Ragged:
@@ -191,6 +207,7 @@ def reward_kl(old: Ragged, ref: Ragged, s: Settings) -> Ragged:
 
 
 # --------------------------------------------------------------------------- advantages
+
 
 def masked_whiten(x: Ragged, masks: Sequence[Sequence[int]]) -> Ragged:
     """(x - mean) / sqrt(var + 1e-8) over the cohort's masked tokens, var unbiased; every token whitened."""
@@ -251,8 +268,9 @@ def _times_mask(x: Ragged, masks: Sequence[Sequence[int]]) -> Ragged:
     return [[v * m for v, m in zip(row, mask)] for row, mask in zip(x, masks)]
 
 
-def advantages(rewards: Sequence[float], masks: Sequence[Sequence[int]], kl: Ragged, s: Settings,
-               values: Optional[Ragged] = None) -> tuple[Ragged, Optional[Ragged]]:
+def advantages(
+    rewards: Sequence[float], masks: Sequence[Sequence[int]], kl: Ragged, s: Settings, values: Ragged | None = None
+) -> tuple[Ragged, Ragged | None]:
     """(per-token advantages, returns or None) of the config's estimator from the post-processed rewards."""
     est = s.advantage_estimator
     if est in OUTCOME_ESTIMATORS:
@@ -272,6 +290,7 @@ def advantages(rewards: Sequence[float], masks: Sequence[Sequence[int]], kl: Rag
 
 
 # --------------------------------------------------------------------------- losses
+
 
 @dataclass(frozen=True)
 class PolicyTerms:
@@ -306,8 +325,9 @@ def _cispo_token(cur: float, old: float, a: float, s: Settings) -> tuple[float, 
     return -weight * a * cur, float(weight != ratio), -log_ratio
 
 
-def _gspo_sample(cur: list[float], old: list[float], adv: list[float], mask: Sequence[int],
-                 s: Settings) -> list[tuple[float, float, float]]:
+def _gspo_sample(
+    cur: list[float], old: list[float], adv: list[float], mask: Sequence[int], s: Settings
+) -> list[tuple[float, float, float]]:
     """One sequence's tokens under GSPO: one ratio, exp of the masked mean log ratio (log capped at 10)."""
     total = sum((c - o) * m for c, o, m in zip(cur, old, mask))
     ratio = math.exp(min(total / max(sum(mask), 1), GSPO_LOG_CAP))
@@ -354,8 +374,9 @@ def aggregate(x: Ragged, masks: Sequence[Sequence[int]], s: Settings) -> float:
 LOG_RATIO_SAFETY = 20.0
 
 
-def rollout_correction(old: Ragged, rollout: Ragged, masks: Sequence[Sequence[int]],
-                       s: Settings) -> tuple[Optional[Ragged], list[list[int]]]:
+def rollout_correction(
+    old: Ragged, rollout: Ragged, masks: Sequence[Sequence[int]], s: Settings
+) -> tuple[Ragged | None, list[list[int]]]:
     """(importance weights per token or None, the loss masks after rejection) of the mismatch correction."""
     weights: Ragged = []
     kept: list[list[int]] = []
@@ -379,14 +400,24 @@ def mismatch_metrics(old: Ragged, rollout: Ragged, masks: Sequence[Sequence[int]
     """The rollout.mismatch metrics of d = old - rollout over the masked-in tokens."""
     ds = [[(o - r, m) for o, r, m in zip(o_row, r_row, mask)] for o_row, r_row, mask in zip(old, rollout, masks)]
     inside = [x for row in ds for x, m in row if m]
-    return {"kl_k1": sum(-x for x in inside) / len(inside),
-            "kl_k3": sum(math.exp(x) - 1 - x for x in inside) / len(inside),
-            "log_ratio_max_abs": max(abs(x) for x in inside),
-            "seq_log_ratio_max_abs": max(abs(sum(x for x, m in row if m)) for row in ds)}
+    return {
+        "kl_k1": sum(-x for x in inside) / len(inside),
+        "kl_k3": sum(math.exp(x) - 1 - x for x in inside) / len(inside),
+        "log_ratio_max_abs": max(abs(x) for x in inside),
+        "seq_log_ratio_max_abs": max(abs(sum(x for x, m in row if m)) for row in ds),
+    }
 
 
-def policy_loss(cur: Ragged, old: Ragged, ref: Ragged, adv: Ragged, entropy: Ragged,
-                masks: Sequence[Sequence[int]], s: Settings, rollout: Optional[Ragged] = None) -> dict[str, float]:
+def policy_loss(
+    cur: Ragged,
+    old: Ragged,
+    ref: Ragged,
+    adv: Ragged,
+    entropy: Ragged,
+    masks: Sequence[Sequence[int]],
+    s: Settings,
+    rollout: Ragged | None = None,
+) -> dict[str, float]:
     """The loss.policy scalars: loss_scale on the loss terms only, kl_loss only with a KL loss coefficient; with a
     rollout correction, pg weighted by the importance weights and every term over the masks after rejection."""
     weights = None
@@ -394,12 +425,17 @@ def policy_loss(cur: Ragged, old: Ragged, ref: Ragged, adv: Ragged, entropy: Rag
         assert rollout is not None
         weights, masks = rollout_correction(old, rollout, masks, s)
     terms = policy_terms(cur, old, adv, masks, s)
-    pg = terms.pg if weights is None else [[p * w for p, w in zip(p_row, w_row)]
-                                           for p_row, w_row in zip(terms.pg, weights)]
-    out = {"pg_loss": aggregate(pg, masks, s) * s.loss_scale,
-           "pg_clipfrac": aggregate(terms.clipped, masks, s),
-           "ppo_kl": aggregate(terms.ppo_kl, masks, s),
-           "entropy_loss": aggregate(entropy, masks, s) * s.loss_scale}
+    pg = (
+        terms.pg
+        if weights is None
+        else [[p * w for p, w in zip(p_row, w_row)] for p_row, w_row in zip(terms.pg, weights)]
+    )
+    out = {
+        "pg_loss": aggregate(pg, masks, s) * s.loss_scale,
+        "pg_clipfrac": aggregate(terms.clipped, masks, s),
+        "ppo_kl": aggregate(terms.ppo_kl, masks, s),
+        "entropy_loss": aggregate(entropy, masks, s) * s.loss_scale,
+    }
     out["loss"] = out["pg_loss"] - s.entropy_coef * out["entropy_loss"]
     if s.kl_loss_coef != 0:
         kl = kl_tokens(cur, ref, s.kl_loss_estimator, s.kl_log_ratio_clamp, s.kl_output_clamp)
@@ -408,8 +444,9 @@ def policy_loss(cur: Ragged, old: Ragged, ref: Ragged, adv: Ragged, entropy: Rag
     return out
 
 
-def value_loss(values: Ragged, vpreds: Ragged, returns: Ragged, masks: Sequence[Sequence[int]],
-               s: Settings) -> dict[str, float]:
+def value_loss(
+    values: Ragged, vpreds: Ragged, returns: Ragged, masks: Sequence[Sequence[int]], s: Settings
+) -> dict[str, float]:
     """The loss.value scalars: half the aggregated clipped squared error, and how often the clip won."""
     c = s.cliprange_value
     losses, clipped = [], []
@@ -450,7 +487,7 @@ def _ragged(flat: torch.Tensor, lengths: Sequence[int]) -> Ragged:
     """A flat per-token tensor split into one list per sample."""
     out, start = [], 0
     for n in lengths:
-        out.append(flat[start:start + n].tolist())
+        out.append(flat[start : start + n].tolist())
         start += n
     return out
 
@@ -467,20 +504,22 @@ def draw_inputs(num_samples: int, seed: int, empty_sample: bool = False) -> Draw
     masks[FULLY_MASKED] = [0] * lengths[FULLY_MASKED]
     for i, mask in enumerate(masks):
         if i != FULLY_MASKED and mask and not any(mask):
-            mask[-1] = 1   # one fully masked sample is the case under test; others keep a token
+            mask[-1] = 1  # one fully masked sample is the case under test; others keep a token
     n = sum(lengths)
     old = -torch.rand(n, generator=g) * 1.5 - 0.1
     moved = old + torch.randn(n, generator=g) * 0.3
-    moved[::4] += torch.randn(len(moved[::4]), generator=g)   # a few far-off ratios, so every clip engages
-    tokens = {"old_log_probs": old,
-              "ref_log_probs": old + torch.randn(n, generator=g) * 0.3,
-              "log_probs": moved,
-              "entropy": torch.rand(n, generator=g) * 2.0,
-              "values": torch.randn(n, generator=g) * 0.5}
+    moved[::4] += torch.randn(len(moved[::4]), generator=g)  # a few far-off ratios, so every clip engages
+    tokens = {
+        "old_log_probs": old,
+        "ref_log_probs": old + torch.randn(n, generator=g) * 0.3,
+        "log_probs": moved,
+        "entropy": torch.rand(n, generator=g) * 2.0,
+        "values": torch.randn(n, generator=g) * 0.5,
+    }
     tokens["vpreds"] = tokens["values"] + torch.randn(n, generator=g) * 0.3
     raw = (torch.randn(num_samples, generator=g) * 1.5).tolist()
-    rollout = old + torch.randn(n, generator=g) * 0.2   # the inference engine's log-probs of the same tokens
-    rollout[1::5] -= torch.rand(len(rollout[1::5]), generator=g) * 1.5   # a few far off, so corrections engage
+    rollout = old + torch.randn(n, generator=g) * 0.2  # the inference engine's log-probs of the same tokens
+    rollout[1::5] -= torch.rand(len(rollout[1::5]), generator=g) * 1.5  # a few far off, so corrections engage
     tokens["rollout_log_probs"] = rollout
     return Draw(lengths, masks, raw, {k: _ragged(v.to(torch.float32), lengths) for k, v in tokens.items()})
 
@@ -499,13 +538,24 @@ def default_stages(s: Settings) -> tuple[StageId, ...]:
     """Every stage the config can be replayed with: all but loss.value, which only gae (with returns) has, and
     rollout.mismatch, which a config with a rollout correction or a mismatch ceiling has."""
     mismatch = s.corrected or s.mismatch_max_kl_k3 is not None or s.mismatch_max_token_log_ratio is not None
-    return tuple(st for st in StageId if st in ALL_STAGES or (st == StageId.LOSS_VALUE and s.advantage_estimator == "gae")
-                 or (st == StageId.ROLLOUT_MISMATCH and mismatch))
+    return tuple(
+        st
+        for st in StageId
+        if st in ALL_STAGES
+        or (st == StageId.LOSS_VALUE and s.advantage_estimator == "gae")
+        or (st == StageId.ROLLOUT_MISMATCH and mismatch)
+    )
 
 
-def algorithm_case(config: dict[str, Any], *, seed: int = 0, groups: Sequence[Optional[int]] = GROUPS,
-                   singleton: bool = False, empty_sample: bool = False,
-                   stages: Optional[Sequence[StageId]] = None) -> CanonicalCase:
+def algorithm_case(
+    config: dict[str, Any],
+    *,
+    seed: int = 0,
+    groups: Sequence[int | None] = GROUPS,
+    singleton: bool = False,
+    empty_sample: bool = False,
+    stages: Sequence[StageId] | None = None,
+) -> CanonicalCase:
     """A random bundle for `config` whose expected values are this module's: (manifest, index, expected, payloads).
 
     `singleton` appends a sample in a group of its own; `empty_sample` gives sample 1 no response tokens;
@@ -526,8 +576,16 @@ def algorithm_case(config: dict[str, Any], *, seed: int = 0, groups: Sequence[Op
     expected: dict[str, Any] = {
         "reward.raw": {"raw_rewards": list(d.raw)},
         "reward.post_process": {"rewards": rewards},
-        "loss.policy": policy_loss(t["log_probs"], t["old_log_probs"], t["ref_log_probs"], loss_adv, t["entropy"],
-                                   d.masks, s, t["rollout_log_probs"]),
+        "loss.policy": policy_loss(
+            t["log_probs"],
+            t["old_log_probs"],
+            t["ref_log_probs"],
+            loss_adv,
+            t["entropy"],
+            d.masks,
+            s,
+            t["rollout_log_probs"],
+        ),
     }
     payloads = {name: _flat(t[name]) for name in ("old_log_probs", "log_probs", "ref_log_probs", "entropy")}
     if StageId.ROLLOUT_MISMATCH in chosen or s.corrected:
@@ -539,12 +597,22 @@ def algorithm_case(config: dict[str, Any], *, seed: int = 0, groups: Sequence[Op
         loss_returns = returns if StageId.ADVANTAGE_ESTIMATE in chosen else _rounded(returns)
         expected["loss.value"] = value_loss(t["values"], t["vpreds"], loss_returns, d.masks, s)
         payloads.update(values=_flat(t["values"]), vpreds=_flat(t["vpreds"]), returns=_flat(returns))
-    records = [SampleRecord(sample_id=f"a-{i}", group_index=g, response_length=d.lengths[i],
-                            total_length=d.lengths[i] + 4, loss_mask=d.masks[i], raw_reward=d.raw[i],
-                            reward=rewards[i]) for i, g in enumerate(groups)]
+    records = [
+        SampleRecord(
+            sample_id=f"a-{i}",
+            group_index=g,
+            response_length=d.lengths[i],
+            total_length=d.lengths[i] + 4,
+            loss_mask=d.masks[i],
+            raw_reward=d.raw[i],
+            reward=rewards[i],
+        )
+        for i, g in enumerate(groups)
+    ]
     bundle_id = f"b-alg-{seed}"
-    index = BundleIndex(bundle_id=bundle_id, identity=Identity(rollout_id=seed), samples=records,
-                        config=RecomputeConfig(**config))
+    index = BundleIndex(
+        bundle_id=bundle_id, identity=Identity(rollout_id=seed), samples=records, config=RecomputeConfig(**config)
+    )
     manifest = Manifest(bundle_id=bundle_id, stage_contracts={st: StageContract(stage=st) for st in chosen})
     return CanonicalCase(manifest, index, expected, payloads)
 
@@ -559,9 +627,34 @@ def token_with_mask(index: BundleIndex, sample: int, masked_in: bool = True) -> 
     return index.samples[sample].loss_mask.index(1 if masked_in else 0)
 
 
-__all__ = ["ALL_STAGES", "FULLY_MASKED", "GROUPS", "PolicyTerms", "Ragged", "SINGLETON_GROUP", "Settings",
-           "advantages", "aggregate", "algorithm_case", "clamp", "default_stages", "discounted_returns",
-           "draw_inputs", "gae", "group_members", "kl_tokens", "kl_value", "masked_whiten", "mismatch_metrics", "policy_loss",
-           "rollout_correction",
-           "policy_terms", "post_process", "reward_kl", "token_position", "token_rewards", "token_with_mask",
-           "value_loss"]
+__all__ = [
+    "ALL_STAGES",
+    "FULLY_MASKED",
+    "GROUPS",
+    "PolicyTerms",
+    "Ragged",
+    "SINGLETON_GROUP",
+    "Settings",
+    "advantages",
+    "aggregate",
+    "algorithm_case",
+    "clamp",
+    "default_stages",
+    "discounted_returns",
+    "draw_inputs",
+    "gae",
+    "group_members",
+    "kl_tokens",
+    "kl_value",
+    "masked_whiten",
+    "mismatch_metrics",
+    "policy_loss",
+    "rollout_correction",
+    "policy_terms",
+    "post_process",
+    "reward_kl",
+    "token_position",
+    "token_rewards",
+    "token_with_mask",
+    "value_loss",
+]

@@ -15,8 +15,17 @@ import torch
 
 from tests.replay.conftest import source_of
 from tests.replay.reference64 import (
-    FULLY_MASKED, Settings, aggregate, algorithm_case, discounted_returns, gae, masked_whiten, post_process,
-    token_position, token_rewards, token_with_mask,
+    FULLY_MASKED,
+    Settings,
+    aggregate,
+    algorithm_case,
+    discounted_returns,
+    gae,
+    masked_whiten,
+    post_process,
+    token_position,
+    token_rewards,
+    token_with_mask,
 )
 from trajectory_replay.bundle.schema import RecomputeConfig, StageCapability, StageContract, StageId
 from trajectory_replay.errors import UnsupportedError
@@ -33,8 +42,9 @@ UNEVEN_GROUPS = (1, 1, 3, 4, 3, 1, 3, 4, 4, 4, 4, 3)
 
 def _matrix(*rows: tuple[str, dict[str, Any], dict[str, Any]]) -> list[Any]:
     """pytest params (config, builder options), each row with its own seed."""
-    return [pytest.param(config, {"seed": 100 + i, **options}, id=name)
-            for i, (name, config, options) in enumerate(rows)]
+    return [
+        pytest.param(config, {"seed": 100 + i, **options}, id=name) for i, (name, config, options) in enumerate(rows)
+    ]
 
 
 MATRIX = _matrix(
@@ -43,42 +53,109 @@ MATRIX = _matrix(
     ("grpo-std", {"grpo_std_normalization": True}, {}),
     ("grpo-std-biased", {"grpo_std_normalization": True, "std_unbiased": False}, {}),
     ("grpo-std-eps-0.1", {"grpo_std_normalization": True, "std_eps": 0.1}, {}),
-    ("grpo-mask-advantages", {"grpo_std_normalization": True, "mask_advantages": True, "loss_agg_mode": "token_mean"},
-     {}),
+    (
+        "grpo-mask-advantages",
+        {"grpo_std_normalization": True, "mask_advantages": True, "loss_agg_mode": "token_mean"},
+        {},
+    ),
     ("dr_grpo", {"advantage_estimator": "dr_grpo", "loss_agg_mode": "seq_mean_token_mean"}, {}),
-    ("dr_grpo-mask-advantages", {"advantage_estimator": "dr_grpo", "mask_advantages": True,
-                                 "loss_agg_mode": "seq_mean_token_sum"}, {}),
+    (
+        "dr_grpo-mask-advantages",
+        {"advantage_estimator": "dr_grpo", "mask_advantages": True, "loss_agg_mode": "seq_mean_token_sum"},
+        {},
+    ),
     ("rloo", {"advantage_estimator": "rloo", "loss_agg_mode": "token_mean", "loss_denominator": 80}, {}),
-    ("rloo-mask-advantages-k2", {"advantage_estimator": "rloo", "mask_advantages": True, "kl_coef": 0.05,
-                                 "kl_loss_type": "k2"}, {}),
+    (
+        "rloo-mask-advantages-k2",
+        {"advantage_estimator": "rloo", "mask_advantages": True, "kl_coef": 0.05, "kl_loss_type": "k2"},
+        {},
+    ),
     ("rloo-uneven-groups", {"advantage_estimator": "rloo", **ANY}, {"groups": UNEVEN_GROUPS}),
     ("rf++", {"advantage_estimator": "reinforce_plus_plus"}, {}),
-    ("rf++-gamma-kl-in-reward", {"advantage_estimator": "reinforce_plus_plus", "gamma": 0.9, "kl_coef": 0.1,
-                                 "kl_in_reward": True}, {}),
-    ("rf++-k3-in-reward-clamped", {"advantage_estimator": "reinforce_plus_plus", "kl_coef": 0.2, "kl_in_reward": True,
-                                   "kl_loss_type": "k3", "kl_log_ratio_clamp": 0.3}, {}),
-    ("rf++-kl-not-in-reward", {"advantage_estimator": "reinforce_plus_plus", "kl_coef": 0.1, "kl_loss_type": "abs"},
-     {}),
+    (
+        "rf++-gamma-kl-in-reward",
+        {"advantage_estimator": "reinforce_plus_plus", "gamma": 0.9, "kl_coef": 0.1, "kl_in_reward": True},
+        {},
+    ),
+    (
+        "rf++-k3-in-reward-clamped",
+        {
+            "advantage_estimator": "reinforce_plus_plus",
+            "kl_coef": 0.2,
+            "kl_in_reward": True,
+            "kl_loss_type": "k3",
+            "kl_log_ratio_clamp": 0.3,
+        },
+        {},
+    ),
+    (
+        "rf++-kl-not-in-reward",
+        {"advantage_estimator": "reinforce_plus_plus", "kl_coef": 0.1, "kl_loss_type": "abs"},
+        {},
+    ),
     ("rf++-baseline", {"advantage_estimator": "reinforce_plus_plus_baseline"}, {}),
-    ("rf++-baseline-gspo", {"advantage_estimator": "reinforce_plus_plus_baseline", "policy_loss": "gspo",
-                            "loss_agg_mode": "seq_mean_token_mean"}, {}),
+    (
+        "rf++-baseline-gspo",
+        {
+            "advantage_estimator": "reinforce_plus_plus_baseline",
+            "policy_loss": "gspo",
+            "loss_agg_mode": "seq_mean_token_mean",
+        },
+        {},
+    ),
     ("gae", {"advantage_estimator": "gae"}, {}),
     ("gae-gamma-lam", {"advantage_estimator": "gae", "gamma": 0.9, "lam": 0.8}, {}),
-    ("gae-kl-in-reward", {"advantage_estimator": "gae", "gamma": 0.95, "lam": 0.9, "kl_coef": 0.1, "kl_in_reward": True,
-                          "kl_loss_type": "low_var_kl", "loss_agg_mode": "token_mean", "loss_denominator": 64,
-                          "loss_scale": 2.0, "cliprange_value": 0.1}, {}),
-    ("gae-sum-norm", {"advantage_estimator": "gae", "lam": 0.95, "loss_agg_mode": "seq_mean_token_sum_norm",
-                      "loss_scale_factor": 12.0}, {}),
-    ("gae-cispo-seq-mean", {"advantage_estimator": "gae", "gamma": 0.99, "policy_loss": "cispo",
-                            "loss_agg_mode": "seq_mean_token_mean", "loss_denominator": 16}, {}),
+    (
+        "gae-kl-in-reward",
+        {
+            "advantage_estimator": "gae",
+            "gamma": 0.95,
+            "lam": 0.9,
+            "kl_coef": 0.1,
+            "kl_in_reward": True,
+            "kl_loss_type": "low_var_kl",
+            "loss_agg_mode": "token_mean",
+            "loss_denominator": 64,
+            "loss_scale": 2.0,
+            "cliprange_value": 0.1,
+        },
+        {},
+    ),
+    (
+        "gae-sum-norm",
+        {
+            "advantage_estimator": "gae",
+            "lam": 0.95,
+            "loss_agg_mode": "seq_mean_token_sum_norm",
+            "loss_scale_factor": 12.0,
+        },
+        {},
+    ),
+    (
+        "gae-cispo-seq-mean",
+        {
+            "advantage_estimator": "gae",
+            "gamma": 0.99,
+            "policy_loss": "cispo",
+            "loss_agg_mode": "seq_mean_token_mean",
+            "loss_denominator": 16,
+        },
+        {},
+    ),
     # every policy loss
     ("gspo-token-mean", {"policy_loss": "gspo", "loss_agg_mode": "token_mean"}, {}),
-    ("gspo-tight-clip", {"policy_loss": "gspo", "eps_clip": 3e-4, "eps_clip_high": 4e-4,
-                         "loss_agg_mode": "seq_mean_token_mean"}, {}),
+    (
+        "gspo-tight-clip",
+        {"policy_loss": "gspo", "eps_clip": 3e-4, "eps_clip_high": 4e-4, "loss_agg_mode": "seq_mean_token_mean"},
+        {},
+    ),
     ("gspo-ignores-ppo-clamps", {"policy_loss": "gspo", "ratio_log_clamp": 0.2, "eps_clip_c": 1.5}, {}),
     ("cispo", {"policy_loss": "cispo"}, {}),
-    ("cispo-ratio-log-clamp", {"policy_loss": "cispo", "ratio_log_clamp": 0.2, "eps_clip_high": 5.0,
-                               "loss_agg_mode": "token_mean"}, {}),
+    (
+        "cispo-ratio-log-clamp",
+        {"policy_loss": "cispo", "ratio_log_clamp": 0.2, "eps_clip_high": 5.0, "loss_agg_mode": "token_mean"},
+        {},
+    ),
     ("ppo-ratio-log-clamp", {"ratio_log_clamp": 0.2}, {}),
     ("ppo-dual-clip", {"grpo_std_normalization": True, "eps_clip_c": 1.5, "eps_clip_high": 0.28}, {}),
     # every aggregation mode, with and without the recorded denominator
@@ -89,10 +166,26 @@ MATRIX = _matrix(
     ("seq-mean-token-sum-norm", {"loss_agg_mode": "seq_mean_token_sum_norm", "loss_scale_factor": 6.0}, {}),
     ("loss-scale", {"loss_scale": 0.25, "entropy_coef": 0.01, "kl_loss_coef": 0.05}, {}),
     # the KL loss with each estimator, and the two KL clamps
-    *[(f"kl-loss-{k}", {"kl_loss_coef": 0.1, "kl_loss_estimator": k, "entropy_coef": 0.001,
-                        "loss_agg_mode": "token_mean"}, {}) for k in KL_TYPES],
-    ("kl-clamps", {"kl_coef": 0.1, "kl_loss_type": "low_var_kl", "kl_log_ratio_clamp": 0.2, "kl_output_clamp": 0.01,
-                   "kl_loss_coef": 0.1, "kl_loss_estimator": "k2"}, {}),
+    *[
+        (
+            f"kl-loss-{k}",
+            {"kl_loss_coef": 0.1, "kl_loss_estimator": k, "entropy_coef": 0.001, "loss_agg_mode": "token_mean"},
+            {},
+        )
+        for k in KL_TYPES
+    ],
+    (
+        "kl-clamps",
+        {
+            "kl_coef": 0.1,
+            "kl_loss_type": "low_var_kl",
+            "kl_log_ratio_clamp": 0.2,
+            "kl_output_clamp": 0.01,
+            "kl_loss_coef": 0.1,
+            "kl_loss_estimator": "k2",
+        },
+        {},
+    ),
     ("kl-output-clamp", {"kl_coef": 0.1, "kl_output_clamp": 0.1}, {}),
     # a prompt group of one
     ("grpo-singleton-unit", {"grpo_std_normalization": True, "singleton_group": "unit", **ANY}, SINGLETON),
@@ -100,8 +193,11 @@ MATRIX = _matrix(
     ("grpo-singleton-nan-biased-std", {"grpo_std_normalization": True, "std_unbiased": False, **ANY}, SINGLETON),
     ("dr_grpo-singleton-nan", {"advantage_estimator": "dr_grpo", **ANY}, SINGLETON),
     ("rloo-singleton-unit", {"advantage_estimator": "rloo", "singleton_group": "unit", **ANY}, SINGLETON),
-    ("rf++-baseline-singleton-unit", {"advantage_estimator": "reinforce_plus_plus_baseline", "singleton_group": "unit",
-                                      **ANY}, SINGLETON),
+    (
+        "rf++-baseline-singleton-unit",
+        {"advantage_estimator": "reinforce_plus_plus_baseline", "singleton_group": "unit", **ANY},
+        SINGLETON,
+    ),
     # a response with no tokens at all
     ("gae-empty-response", {"advantage_estimator": "gae", "gamma": 0.9, "lam": 0.8}, {"empty_sample": True}),
     ("rf++-empty-response", {"advantage_estimator": "reinforce_plus_plus", "gamma": 0.9}, {"empty_sample": True}),
@@ -126,39 +222,64 @@ def test_every_supported_combination_replays_clean(config, options):
 
 # --------------------------------------------------------------------------- every varied field matters
 
+
 def _named_by_change(at: int, *rows: tuple) -> list[Any]:
     """pytest params named after the config fields their item `at` (a dict) changes."""
     return [pytest.param(*row, id="+".join(row[at])) for row in rows]
 
 
-@pytest.mark.parametrize("config, options, override, stage", _named_by_change(
-    2,
-    ({"grpo_std_normalization": True, "std_unbiased": False}, {}, {"std_unbiased": True}, "reward.post_process"),
-    ({"grpo_std_normalization": True, "std_eps": 0.1}, {}, {"std_eps": 1e-6}, "reward.post_process"),
-    ({"grpo_std_normalization": True, "singleton_group": "unit", **ANY}, SINGLETON, {"singleton_group": "nan"},
-     "reward.post_process"),
-    ({"advantage_estimator": "rloo"}, {}, {"advantage_estimator": "dr_grpo"}, "reward.post_process"),
-    ({"kl_coef": 0.1, "kl_loss_type": "low_var_kl", "kl_log_ratio_clamp": 0.2}, {}, {"kl_log_ratio_clamp": None},
-     "advantage.kl"),
-    ({"kl_coef": 0.1, "kl_output_clamp": 0.1}, {}, {"kl_output_clamp": None}, "advantage.kl"),
-    ({"mask_advantages": True}, {}, {"mask_advantages": False}, "advantage.estimate"),
-    ({"advantage_estimator": "reinforce_plus_plus", "gamma": 0.9}, {}, {"gamma": 1.0}, "advantage.estimate"),
-    ({"advantage_estimator": "reinforce_plus_plus", "kl_coef": 0.1, "kl_in_reward": True}, {},
-     {"kl_in_reward": False}, "advantage.estimate"),
-    ({"advantage_estimator": "gae", "lam": 0.8}, {}, {"lam": 1.0}, "advantage.estimate"),
-    ({"advantage_estimator": "gae", "kl_coef": 0.1, "kl_in_reward": True}, {}, {"kl_coef": 0.2}, "advantage.estimate"),
-    ({"ratio_log_clamp": 0.2}, {}, {"ratio_log_clamp": None}, "loss.policy"),
-    ({"grpo_std_normalization": True, "eps_clip_c": 1.5}, {}, {"eps_clip_c": None}, "loss.policy"),
-    ({"eps_clip_high": 0.28}, {}, {"eps_clip_high": 0.2}, "loss.policy"),
-    ({"policy_loss": "gspo"}, {}, {"policy_loss": "ppo_clip"}, "loss.policy"),
-    ({"policy_loss": "cispo"}, {}, {"policy_loss": "ppo_clip"}, "loss.policy"),
-    ({"loss_agg_mode": "token_mean"}, {}, {"loss_agg_mode": "seq_mean_token_mean"}, "loss.policy"),
-    ({"loss_agg_mode": "seq_mean_token_sum"}, {}, {"loss_denominator": 16}, "loss.policy"),
-    ({"loss_scale": 0.25}, {}, {"loss_scale": 1.0}, "loss.policy"),
-    ({"kl_loss_coef": 0.1, "kl_loss_estimator": "k3"}, {}, {"kl_loss_estimator": "low_var_kl", "kl_output_clamp": 0.01},
-     "loss.policy"),
-    ({"advantage_estimator": "gae", "cliprange_value": 0.1}, {}, {"cliprange_value": 0.2}, "loss.value"),
-))
+@pytest.mark.parametrize(
+    "config, options, override, stage",
+    _named_by_change(
+        2,
+        ({"grpo_std_normalization": True, "std_unbiased": False}, {}, {"std_unbiased": True}, "reward.post_process"),
+        ({"grpo_std_normalization": True, "std_eps": 0.1}, {}, {"std_eps": 1e-6}, "reward.post_process"),
+        (
+            {"grpo_std_normalization": True, "singleton_group": "unit", **ANY},
+            SINGLETON,
+            {"singleton_group": "nan"},
+            "reward.post_process",
+        ),
+        ({"advantage_estimator": "rloo"}, {}, {"advantage_estimator": "dr_grpo"}, "reward.post_process"),
+        (
+            {"kl_coef": 0.1, "kl_loss_type": "low_var_kl", "kl_log_ratio_clamp": 0.2},
+            {},
+            {"kl_log_ratio_clamp": None},
+            "advantage.kl",
+        ),
+        ({"kl_coef": 0.1, "kl_output_clamp": 0.1}, {}, {"kl_output_clamp": None}, "advantage.kl"),
+        ({"mask_advantages": True}, {}, {"mask_advantages": False}, "advantage.estimate"),
+        ({"advantage_estimator": "reinforce_plus_plus", "gamma": 0.9}, {}, {"gamma": 1.0}, "advantage.estimate"),
+        (
+            {"advantage_estimator": "reinforce_plus_plus", "kl_coef": 0.1, "kl_in_reward": True},
+            {},
+            {"kl_in_reward": False},
+            "advantage.estimate",
+        ),
+        ({"advantage_estimator": "gae", "lam": 0.8}, {}, {"lam": 1.0}, "advantage.estimate"),
+        (
+            {"advantage_estimator": "gae", "kl_coef": 0.1, "kl_in_reward": True},
+            {},
+            {"kl_coef": 0.2},
+            "advantage.estimate",
+        ),
+        ({"ratio_log_clamp": 0.2}, {}, {"ratio_log_clamp": None}, "loss.policy"),
+        ({"grpo_std_normalization": True, "eps_clip_c": 1.5}, {}, {"eps_clip_c": None}, "loss.policy"),
+        ({"eps_clip_high": 0.28}, {}, {"eps_clip_high": 0.2}, "loss.policy"),
+        ({"policy_loss": "gspo"}, {}, {"policy_loss": "ppo_clip"}, "loss.policy"),
+        ({"policy_loss": "cispo"}, {}, {"policy_loss": "ppo_clip"}, "loss.policy"),
+        ({"loss_agg_mode": "token_mean"}, {}, {"loss_agg_mode": "seq_mean_token_mean"}, "loss.policy"),
+        ({"loss_agg_mode": "seq_mean_token_sum"}, {}, {"loss_denominator": 16}, "loss.policy"),
+        ({"loss_scale": 0.25}, {}, {"loss_scale": 1.0}, "loss.policy"),
+        (
+            {"kl_loss_coef": 0.1, "kl_loss_estimator": "k3"},
+            {},
+            {"kl_loss_estimator": "low_var_kl", "kl_output_clamp": 0.01},
+            "loss.policy",
+        ),
+        ({"advantage_estimator": "gae", "cliprange_value": 0.1}, {}, {"cliprange_value": 0.2}, "loss.value"),
+    ),
+)
 def test_each_varied_field_changes_the_verdict(config, options, override, stage):
     """The matrix above would not notice a kernel that ignores a field unless its cases exercise that field."""
     source = source_of(algorithm_case(config, seed=7, **options))
@@ -168,6 +289,7 @@ def test_each_varied_field_changes_the_verdict(config, options, override, stage)
 
 
 # --------------------------------------------------------------------------- worked by hand
+
 
 def _rewards(raw, groups, **config):
     """(reference, replay) post-processed rewards."""
@@ -222,9 +344,15 @@ def test_gae_three_tokens_with_a_masked_middle_token():
     ref_raw, ref_returns = gae([[0.0, 0.0, 1.0]], [GAE_VALUES], [GAE_MASK], 0.9, 0.8)
     assert ref_raw[0] == pytest.approx(raw_advantages) and ref_returns[0] == pytest.approx(returns)
     assert masked_whiten(ref_raw, [GAE_MASK])[0] == pytest.approx(whitened)
-    out = estimators.gae_advantages(estimators.AdvantageInputs(
-        torch.tensor([1.0]), torch.tensor([3]), torch.tensor(GAE_MASK), RecomputeConfig(gamma=0.9, lam=0.8),
-        values=torch.tensor(GAE_VALUES)))
+    out = estimators.gae_advantages(
+        estimators.AdvantageInputs(
+            torch.tensor([1.0]),
+            torch.tensor([3]),
+            torch.tensor(GAE_MASK),
+            RecomputeConfig(gamma=0.9, lam=0.8),
+            values=torch.tensor(GAE_VALUES),
+        )
+    )
     assert out.advantages.tolist() == pytest.approx(whitened, rel=1e-5)
     assert out.returns.tolist() == pytest.approx(returns, rel=1e-6)
 
@@ -237,8 +365,11 @@ def test_reinforce_plus_plus_return_restarts_behind_a_masked_token():
     rho = token_rewards([1.0], [GAE_MASK], [[0.0, 0.0, 0.0]], s)
     assert discounted_returns(rho, [GAE_MASK], 0.5) == [[0.0, 0.5, 1.0]]
     h = 1 / math.sqrt(2)
-    out = estimators.reinforce_plus_plus_advantages(estimators.AdvantageInputs(
-        torch.tensor([1.0]), torch.tensor([3]), torch.tensor(GAE_MASK), RecomputeConfig(gamma=0.5)))
+    out = estimators.reinforce_plus_plus_advantages(
+        estimators.AdvantageInputs(
+            torch.tensor([1.0]), torch.tensor([3]), torch.tensor(GAE_MASK), RecomputeConfig(gamma=0.5)
+        )
+    )
     assert out.advantages.tolist() == pytest.approx([-h, 0.0, h], rel=1e-6)
 
 
@@ -247,24 +378,33 @@ AGG_VALUES = [[1.0, 2.0, 3.0, 100.0], [10.0], [50.0, 50.0]]
 AGG_MASKS = [[1, 1, 1, 0], [1], [0, 0]]
 
 
-@pytest.mark.parametrize("config, expected", [
-    ({"loss_agg_mode": "sum_of_sample_means"}, 2 + 10 + 0),           # the fully masked sample adds 0 / 1
-    ({"loss_agg_mode": "token_mean"}, 16 / 4),                        # all tokens alike: the long sample weighs more
-    ({"loss_agg_mode": "token_mean", "loss_denominator": 8}, 16 / 8),
-    ({"loss_agg_mode": "seq_mean_token_mean"}, (2 + 10) / 2),         # every sequence alike; T = 0 not counted
-    ({"loss_agg_mode": "seq_mean_token_mean", "loss_denominator": 4}, (2 + 10) / 4),
-    ({"loss_agg_mode": "seq_mean_token_sum"}, (6 + 10) / 2),
-    ({"loss_agg_mode": "seq_mean_token_sum", "loss_denominator": 4}, (6 + 10) / 4),
-    ({"loss_agg_mode": "seq_mean_token_sum_norm", "loss_scale_factor": 8}, 16 / 8),
-])
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ({"loss_agg_mode": "sum_of_sample_means"}, 2 + 10 + 0),  # the fully masked sample adds 0 / 1
+        ({"loss_agg_mode": "token_mean"}, 16 / 4),  # all tokens alike: the long sample weighs more
+        ({"loss_agg_mode": "token_mean", "loss_denominator": 8}, 16 / 8),
+        ({"loss_agg_mode": "seq_mean_token_mean"}, (2 + 10) / 2),  # every sequence alike; T = 0 not counted
+        ({"loss_agg_mode": "seq_mean_token_mean", "loss_denominator": 4}, (2 + 10) / 4),
+        ({"loss_agg_mode": "seq_mean_token_sum"}, (6 + 10) / 2),
+        ({"loss_agg_mode": "seq_mean_token_sum", "loss_denominator": 4}, (6 + 10) / 4),
+        ({"loss_agg_mode": "seq_mean_token_sum_norm", "loss_scale_factor": 8}, 16 / 8),
+    ],
+)
 def test_aggregation_modes_on_two_samples(config, expected):
     assert aggregate(AGG_VALUES, AGG_MASKS, Settings.of(config)) == pytest.approx(expected, rel=1e-8)
     # replay's aggregation of the entropy (pg is 0: ratio 1, advantages 0)
     cfg = RecomputeConfig(**config)
     flat = torch.tensor([v for row in AGG_VALUES for v in row])
     n = flat.numel()
-    data = losses.PolicyLossData(torch.zeros(n), torch.zeros(n), torch.zeros(n), flat,
-                                 torch.tensor([m for row in AGG_MASKS for m in row]), torch.tensor([4, 1, 2]))
+    data = losses.PolicyLossData(
+        torch.zeros(n),
+        torch.zeros(n),
+        torch.zeros(n),
+        flat,
+        torch.tensor([m for row in AGG_MASKS for m in row]),
+        torch.tensor([4, 1, 2]),
+    )
     out = losses.policy_loss_outputs(data, cfg, resolve_kernels(cfg))
     assert out["entropy_loss"] == pytest.approx(expected, rel=1e-8)
     assert out["pg_loss"] == 0.0
@@ -289,10 +429,13 @@ def _only_failure(report, stage: str):
     return report.stage(stage)
 
 
-@pytest.mark.parametrize("config, sample", [
-    ({"grpo_std_normalization": True}, 8),
-    ({"advantage_estimator": "rloo"}, 3),
-])
+@pytest.mark.parametrize(
+    "config, sample",
+    [
+        ({"grpo_std_normalization": True}, 8),
+        ({"advantage_estimator": "rloo"}, 3),
+    ],
+)
 def test_a_wrong_expected_reward_is_located_at_reward_post_process(config, sample):
     case = algorithm_case(config, seed=SEED)
     case.expected["reward.post_process"]["rewards"][sample] += 0.5
@@ -300,19 +443,22 @@ def test_a_wrong_expected_reward_is_located_at_reward_post_process(config, sampl
     assert [(d.field, d.sample_id, d.token_offset) for d in result.divergences] == [("reward", f"a-{sample}", None)]
 
 
-@pytest.mark.parametrize("config, payload, sample, stage", [
-    ({"kl_coef": 0.1, "kl_loss_type": "k3"}, "kl", 4, "advantage.kl"),
-    ({"advantage_estimator": "reinforce_plus_plus", "kl_coef": 0.1, "kl_in_reward": True}, "kl", 9, "advantage.kl"),
-    ({"advantage_estimator": "gae", "kl_coef": 0.1, "kl_in_reward": True}, "kl", FULLY_MASKED, "advantage.kl"),
-    ({"grpo_std_normalization": True}, "advantages", 10, "advantage.estimate"),
-    ({"advantage_estimator": "reinforce_plus_plus", "gamma": 0.9}, "advantages", 3, "advantage.estimate"),
-    ({"advantage_estimator": "gae", "gamma": 0.9, "lam": 0.8}, "advantages", 8, "advantage.estimate"),
-    ({"advantage_estimator": "gae", "gamma": 0.9, "lam": 0.8}, "returns", 5, "advantage.estimate"),
-])
+@pytest.mark.parametrize(
+    "config, payload, sample, stage",
+    [
+        ({"kl_coef": 0.1, "kl_loss_type": "k3"}, "kl", 4, "advantage.kl"),
+        ({"advantage_estimator": "reinforce_plus_plus", "kl_coef": 0.1, "kl_in_reward": True}, "kl", 9, "advantage.kl"),
+        ({"advantage_estimator": "gae", "kl_coef": 0.1, "kl_in_reward": True}, "kl", FULLY_MASKED, "advantage.kl"),
+        ({"grpo_std_normalization": True}, "advantages", 10, "advantage.estimate"),
+        ({"advantage_estimator": "reinforce_plus_plus", "gamma": 0.9}, "advantages", 3, "advantage.estimate"),
+        ({"advantage_estimator": "gae", "gamma": 0.9, "lam": 0.8}, "advantages", 8, "advantage.estimate"),
+        ({"advantage_estimator": "gae", "gamma": 0.9, "lam": 0.8}, "returns", 5, "advantage.estimate"),
+    ],
+)
 def test_a_single_token_fault_is_located_at_its_stage_sample_and_token(config, payload, sample, stage):
     case = algorithm_case(config, seed=SEED)
     offset = case.index.samples[sample].response_length - 1
-    assert offset > 0   # the offset inside the response is checked, not only the sample
+    assert offset > 0  # the offset inside the response is checked, not only the sample
     result = _only_failure(replay([source_of(_with_payload(case, payload, sample, offset, 0.5))]), stage)
     assert result.mismatch_count == 1
     assert [(d.field, d.sample_id, d.token_offset) for d in result.divergences] == [(payload, f"a-{sample}", offset)]
@@ -329,7 +475,7 @@ def test_a_current_log_prob_fault_shows_at_loss_policy_only_on_a_masked_token(po
     result = _only_failure(replay([source_of(masked_in)]), "loss.policy")
     fields = {d.field for d in result.divergences}
     assert {"loss", "ppo_kl", "kl_loss"} <= fields
-    assert {(d.sample_id, d.token_offset) for d in result.divergences} == {(None, None)}   # cohort-level scalars
+    assert {(d.sample_id, d.token_offset) for d in result.divergences} == {(None, None)}  # cohort-level scalars
     masked_out = _with_payload(case, "log_probs", 4, token_with_mask(case.index, 4, masked_in=False), 0.5)
     assert replay([source_of(masked_out)]).passed
 
@@ -346,8 +492,13 @@ def test_a_value_prediction_fault_shows_at_loss_value_only_on_a_masked_token():
 
 def test_without_advantage_kl_the_token_rewards_take_the_recorded_kl():
     config = {"advantage_estimator": "reinforce_plus_plus", "gamma": 0.9, "kl_coef": 0.1, "kl_in_reward": True}
-    case = algorithm_case(config, seed=SEED, stages=tuple(s for s in StageId if s not in (StageId.ADVANTAGE_KL, StageId.ROLLOUT_MISMATCH,
-                                                                                          StageId.LOSS_VALUE)))
+    case = algorithm_case(
+        config,
+        seed=SEED,
+        stages=tuple(
+            s for s in StageId if s not in (StageId.ADVANTAGE_KL, StageId.ROLLOUT_MISMATCH, StageId.LOSS_VALUE)
+        ),
+    )
     assert replay([source_of(case)]).passed
     faulty = _with_payload(case, "kl", 4, token_with_mask(case.index, 4), 0.5)
     report = replay([source_of(faulty)])
@@ -359,8 +510,11 @@ def test_without_advantage_kl_the_token_rewards_take_the_recorded_kl():
 
 
 def test_a_loss_only_gae_bundle_reads_the_recorded_returns():
-    case = algorithm_case({"advantage_estimator": "gae", "lam": 0.9}, seed=SEED,
-                          stages=(StageId.SAMPLE, StageId.LOSS_POLICY, StageId.LOSS_VALUE))
+    case = algorithm_case(
+        {"advantage_estimator": "gae", "lam": 0.9},
+        seed=SEED,
+        stages=(StageId.SAMPLE, StageId.LOSS_POLICY, StageId.LOSS_VALUE),
+    )
     assert _statuses(replay([source_of(case)])) == {"sample": "pass", "loss.policy": "pass", "loss.value": "pass"}
     faulty = _with_payload(case, "returns", 4, token_with_mask(case.index, 4), 3.0)
     _only_failure(replay([source_of(faulty)]), "loss.value")
@@ -396,6 +550,7 @@ def test_group_sizes_are_checked_for_grouped_estimators_only():
 
 # --------------------------------------------------------------------------- what replay refuses
 
+
 def _refused(config: dict[str, Any], **change: Any) -> str:
     """The UnsupportedError message of replaying a valid `config` case whose recorded config is then changed;
     nothing may be loaded before the refusal."""
@@ -409,19 +564,22 @@ def _refused(config: dict[str, Any], **change: Any) -> str:
     return str(refused.value)
 
 
-@pytest.mark.parametrize("config, change, says", _named_by_change(
-    1,
-    ({}, {"advantage_estimator": "ppo"}, "unsupported advantage_estimator 'ppo'"),
-    ({}, {"policy_loss": "dapo"}, "unsupported policy_loss 'dapo'"),
-    ({}, {"loss_agg_mode": "token_sum"}, "unsupported loss_agg_mode 'token_sum'"),
-    ({"kl_coef": 0.1}, {"kl_loss_type": "k4"}, "unsupported kl_loss_type 'k4'"),
-    ({"kl_loss_coef": 0.1}, {"kl_loss_estimator": "mse"}, "unsupported kl_loss_estimator 'mse'"),
-    ({}, {"singleton_group": "zero"}, "unsupported singleton_group 'zero'"),
-    ({}, {"group_size_check": "at_least"}, "unsupported group_size_check 'at_least'"),
-    ({}, {"loss_agg_mode": "seq_mean_token_sum_norm"}, "'seq_mean_token_sum_norm' needs loss_scale_factor"),
-    ({}, {"loss_agg_mode": "token_mean", "loss_denominator": 0}, "unsupported loss_denominator 0"),
-    ({}, {"eps_clip_c": 1.0}, "unsupported eps_clip_c 1.0"),
-))
+@pytest.mark.parametrize(
+    "config, change, says",
+    _named_by_change(
+        1,
+        ({}, {"advantage_estimator": "ppo"}, "unsupported advantage_estimator 'ppo'"),
+        ({}, {"policy_loss": "dapo"}, "unsupported policy_loss 'dapo'"),
+        ({}, {"loss_agg_mode": "token_sum"}, "unsupported loss_agg_mode 'token_sum'"),
+        ({"kl_coef": 0.1}, {"kl_loss_type": "k4"}, "unsupported kl_loss_type 'k4'"),
+        ({"kl_loss_coef": 0.1}, {"kl_loss_estimator": "mse"}, "unsupported kl_loss_estimator 'mse'"),
+        ({}, {"singleton_group": "zero"}, "unsupported singleton_group 'zero'"),
+        ({}, {"group_size_check": "at_least"}, "unsupported group_size_check 'at_least'"),
+        ({}, {"loss_agg_mode": "seq_mean_token_sum_norm"}, "'seq_mean_token_sum_norm' needs loss_scale_factor"),
+        ({}, {"loss_agg_mode": "token_mean", "loss_denominator": 0}, "unsupported loss_denominator 0"),
+        ({}, {"eps_clip_c": 1.0}, "unsupported eps_clip_c 1.0"),
+    ),
+)
 def test_an_unsupported_config_value_is_refused_naming_the_field(config, change, says):
     assert says in _refused(config, **change)
 
@@ -463,8 +621,9 @@ def _declared(case: CanonicalCase, stage: StageId, capability: StageCapability) 
     return case._replace(manifest=case.manifest.model_copy(update={"stage_contracts": contracts}))
 
 
-@pytest.mark.parametrize("capability", [StageCapability.UNSUPPORTED, StageCapability.INSPECT_ONLY,
-                                        StageCapability.RECORDED_ONLY])
+@pytest.mark.parametrize(
+    "capability", [StageCapability.UNSUPPORTED, StageCapability.INSPECT_ONLY, StageCapability.RECORDED_ONLY]
+)
 def test_a_loss_stage_the_bundle_declares_not_replayable_is_skipped_never_failed(capability):
     gae_case = algorithm_case({"advantage_estimator": "gae"}, seed=SEED)
     # loss.value without its payloads and with a wrong expected value: it would be refused or fail if it ran

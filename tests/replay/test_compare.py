@@ -7,15 +7,23 @@ import torch
 
 from trajectory_replay.bundle.schema import ComparisonPolicy, Manifest, Tolerance
 from trajectory_replay.replay.compare import (
-    SampleLayout, Tolerances, compare_scalar, compare_tensors, resolve_tolerance,
+    SampleLayout,
+    Tolerances,
+    compare_scalar,
+    compare_tensors,
+    resolve_tolerance,
 )
 
 LAYOUT = SampleLayout.per_token(["a", "b", "c", "d"], torch.tensor([2, 0, 3, 1]))
 
 
 def test_resolve_tolerance_override_beats_policy_beats_default():
-    manifest = Manifest(bundle_id="b", comparison_policy=ComparisonPolicy(
-        tolerances={"advantage.kl": Tolerance(atol=1e-3), "reward.raw": Tolerance(atol=0.5, rtol=0.0)}))
+    manifest = Manifest(
+        bundle_id="b",
+        comparison_policy=ComparisonPolicy(
+            tolerances={"advantage.kl": Tolerance(atol=1e-3), "reward.raw": Tolerance(atol=0.5, rtol=0.0)}
+        ),
+    )
     assert resolve_tolerance(manifest, "sample") == Tolerances(1e-6, 1e-5)
     assert resolve_tolerance(manifest, "advantage.kl") == Tolerances(1e-3, 1e-5)
     assert resolve_tolerance(manifest, "reward.raw") == Tolerances(0.5, 0.0)
@@ -37,15 +45,29 @@ def test_divergences_are_located_by_sample_and_token_offset():
     result = compare_tensors("kl", expected, actual, LAYOUT, Tolerances())
     assert result.mismatch_count == 3 and result.max_abs_error == 3.0
     assert [(d.sample_id, d.token_offset, d.actual) for d in result.divergences] == [
-        ("a", 1, 1.0), ("c", 2, 2.0), ("d", 0, 3.0)]
+        ("a", 1, 1.0),
+        ("c", 2, 2.0),
+        ("d", 0, 3.0),
+    ]
 
 
 def test_per_sample_divergences_have_no_token_offset():
-    result = compare_tensors("reward", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 5.0]),
-                             SampleLayout.per_sample(["s-0", "s-1"]), Tolerances())
+    result = compare_tensors(
+        "reward",
+        torch.tensor([1.0, 2.0]),
+        torch.tensor([1.0, 5.0]),
+        SampleLayout.per_sample(["s-0", "s-1"]),
+        Tolerances(),
+    )
     d = result.divergences[0]
-    assert (d.field, d.sample_id, d.token_offset, d.expected, d.actual, d.abs_error) == ("reward", "s-1", None, 2.0,
-                                                                                          5.0, 3.0)
+    assert (d.field, d.sample_id, d.token_offset, d.expected, d.actual, d.abs_error) == (
+        "reward",
+        "s-1",
+        None,
+        2.0,
+        5.0,
+        3.0,
+    )
 
 
 def test_nan_in_expected_fails_and_says_where():
@@ -71,15 +93,15 @@ def test_nan_on_both_sides_still_fails():
 
 
 def test_length_mismatch_fails_with_both_lengths_and_compares_no_prefix():
-    result = compare_tensors("reward", torch.zeros(3), torch.zeros(4), SampleLayout.per_sample("abcd"),
-                             Tolerances())
+    result = compare_tensors("reward", torch.zeros(3), torch.zeros(4), SampleLayout.per_sample("abcd"), Tolerances())
     assert result.failed and result.compared == 0
     assert result.problems == ("reward: expected has 3 values, actual has 4",)
 
 
 def test_at_most_ten_divergences_are_listed_but_all_are_counted():
-    result = compare_tensors("x", torch.zeros(25), torch.ones(25), SampleLayout.per_sample(list("abcdefghijklmnopqrstuvwxy")),
-                             Tolerances())
+    result = compare_tensors(
+        "x", torch.zeros(25), torch.ones(25), SampleLayout.per_sample(list("abcdefghijklmnopqrstuvwxy")), Tolerances()
+    )
     assert result.mismatch_count == 25 and len(result.divergences) == 10
 
 
@@ -109,14 +131,14 @@ def _full(expected, actual, layout, tol):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_chunked_check_of_a_passing_field_equals_the_full_comparison(seed):
     expected, actual, layout = _long_pair(seed, 1e-7)
-    assert expected.numel() > 4 * (1 << 16)   # long enough to be checked chunk by chunk
+    assert expected.numel() > 4 * (1 << 16)  # long enough to be checked chunk by chunk
     tol = Tolerances(atol=1e-6, rtol=0.0)
     fast = compare_tensors("x", expected, actual, layout, tol, sample_errors=True)
     full = _full(expected, actual, layout, tol)
     assert not fast.failed and fast.max_abs_error == full.max_abs_error > 0
     assert fast.compared == full.compared and fast.per_token and full.per_token
     assert torch.equal(fast.sample_errors, full.sample_errors)
-    assert fast.sample_errors[0] == 0 and fast.sample_errors[199] == 0   # empty responses
+    assert fast.sample_errors[0] == 0 and fast.sample_errors[199] == 0  # empty responses
 
 
 def test_chunked_check_hands_a_failing_or_non_finite_field_to_the_full_comparison():

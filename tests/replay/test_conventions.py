@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from tests.replay.conftest import MemorySource
+from tests.replay.reference64 import algorithm_case
 from trajectory_replay.bundle.profiles import PROFILES
 from trajectory_replay.bundle.schema import BundleIndex, RecomputeConfig
 from trajectory_replay.replay.convention_search import find_conventions
 from trajectory_replay.replay.runner import replay
-
-from tests.replay.conftest import MemorySource
-from tests.replay.reference64 import algorithm_case
 
 
 def _recorded_as(case, recorded: dict) -> MemorySource:
@@ -25,17 +24,35 @@ BASE = {"advantage_estimator": "grpo", "grpo_std_normalization": True, "kl_coef"
 
 
 def test_from_profile_maps_the_frameworks_names_and_remembers_the_profile():
-    config = RecomputeConfig.from_profile("verl", norm_adv_by_std_in_grpo=False, loss_agg_mode="seq-mean-token-mean",
-                                          clip_ratio=0.3, kl_loss_type="mse", kl_coef=0.001)
-    assert (config.grpo_std_normalization, config.loss_agg_mode, config.eps_clip, config.eps_clip_high) == \
-        (False, "seq_mean_token_mean", 0.3, 0.3)
-    assert config.kl_loss_estimator == "k2" and config.kl_loss_type == "k1"   # verl's kl_loss_type is the loss's
-    assert (config.singleton_group, config.mask_advantages, config.eps_clip_c, config.kl_coef) == \
-        ("unit", True, 3.0, 0.001)
+    config = RecomputeConfig.from_profile(
+        "verl",
+        norm_adv_by_std_in_grpo=False,
+        loss_agg_mode="seq-mean-token-mean",
+        clip_ratio=0.3,
+        kl_loss_type="mse",
+        kl_coef=0.001,
+    )
+    assert (config.grpo_std_normalization, config.loss_agg_mode, config.eps_clip, config.eps_clip_high) == (
+        False,
+        "seq_mean_token_mean",
+        0.3,
+        0.3,
+    )
+    assert config.kl_loss_estimator == "k2" and config.kl_loss_type == "k1"  # verl's kl_loss_type is the loss's
+    assert (config.singleton_group, config.mask_advantages, config.eps_clip_c, config.kl_coef) == (
+        "unit",
+        True,
+        3.0,
+        0.001,
+    )
     assert config.profile == "verl" and RecomputeConfig().profile is None
     trl = RecomputeConfig.from_profile("trl", loss_type="grpo", beta=0.04, scale_rewards="none")
-    assert (trl.loss_agg_mode, trl.kl_loss_coef, trl.grpo_std_normalization, trl.std_eps) == \
-        ("seq_mean_token_mean", 0.04, False, 1e-4)
+    assert (trl.loss_agg_mode, trl.kl_loss_coef, trl.grpo_std_normalization, trl.std_eps) == (
+        "seq_mean_token_mean",
+        0.04,
+        False,
+        1e-4,
+    )
 
 
 def test_from_profile_refuses_unknown_profiles_and_options_by_name():
@@ -54,19 +71,27 @@ def test_relax_is_the_default_config_and_every_profile_is_replayable():
 
 
 def test_with_conventions_of_a_profile_changes_conventions_and_keeps_the_runs_hyperparameters():
-    recorded = RecomputeConfig(kl_coef=0.3, eps_clip=0.1, n_samples_per_prompt=8, loss_agg_mode="token_mean",
-                               loss_denominator=512)
+    recorded = RecomputeConfig(
+        kl_coef=0.3, eps_clip=0.1, n_samples_per_prompt=8, loss_agg_mode="token_mean", loss_denominator=512
+    )
     applied = recorded.with_conventions_of("trl")
-    assert (applied.kl_coef, applied.eps_clip, applied.n_samples_per_prompt, applied.loss_denominator) == \
-        (0.3, 0.1, 8, 512)
+    assert (applied.kl_coef, applied.eps_clip, applied.n_samples_per_prompt, applied.loss_denominator) == (
+        0.3,
+        0.1,
+        8,
+        512,
+    )
     assert (applied.std_eps, applied.grpo_std_normalization) == (1e-4, True)
     assert applied.with_conventions_of("relax").loss_agg_mode == "sum_of_sample_means"
 
 
-@pytest.mark.parametrize("production, named", [
-    ({"std_unbiased": False}, "std_unbiased=False"),
-    ({"std_eps": 1e-4}, "std_eps=0.0001"),
-])
+@pytest.mark.parametrize(
+    "production, named",
+    [
+        ({"std_unbiased": False}, "std_unbiased=False"),
+        ({"std_eps": 1e-4}, "std_eps=0.0001"),
+    ],
+)
 def test_search_names_the_single_field_production_used(production, named):
     source = _recorded_as(algorithm_case({**BASE, **production}, seed=3), BASE)
     found = find_conventions([source])
@@ -85,8 +110,10 @@ def test_search_solves_a_global_token_denominator():
 
 def test_search_names_the_profile_of_a_bundle_built_with_verl_defaults():
     verl = RecomputeConfig.from_profile("verl", kl_coef=0.05, entropy_coef=0.01, n_samples_per_prompt=4)
-    source = _recorded_as(algorithm_case(verl.model_dump(), seed=7, singleton=True),
-                          {**BASE, "n_samples_per_prompt": 4, "group_size_check": "any"})
+    source = _recorded_as(
+        algorithm_case(verl.model_dump(), seed=7, singleton=True),
+        {**BASE, "n_samples_per_prompt": 4, "group_size_check": "any"},
+    )
     found = find_conventions([source])
     assert found.best is not None and found.best.name == "profile verl"
     everything = [c.name for c in found.candidates if c.reproduces_all]

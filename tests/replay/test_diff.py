@@ -4,7 +4,8 @@ the store, where blocks with equal digests are equal without being read."""
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -39,13 +40,24 @@ def _ranks(case, groups: Sequence[Sequence[int]]) -> list[MemorySource]:
         rows = torch.cat([torch.arange(starts[i], starts[i] + index.samples[i].response_length) for i in positions])
         sub = {k: v[rows] for k, v in payloads.items()}
         sub["loss_mask"] = torch.tensor([m for i in positions for m in index.samples[i].loss_mask], dtype=torch.uint8)
-        docs = {k: {key: [vals[i] for i in positions]} for k, v in expected.items()
-                for key, vals in v.items() if isinstance(vals, list)}
+        docs = {
+            k: {key: [vals[i] for i in positions]}
+            for k, v in expected.items()
+            for key, vals in v.items()
+            if isinstance(vals, list)
+        }
         if len(groups) == 1:
             docs.update({k: v for k, v in expected.items() if not any(isinstance(x, list) for x in v.values())})
         records = [index.samples[i] for i in positions]
-        out.append(MemorySource(manifest, index.model_copy(update={"samples": records}), docs, sub,
-                                rank=None if len(groups) == 1 else rank))
+        out.append(
+            MemorySource(
+                manifest,
+                index.model_copy(update={"samples": records}),
+                docs,
+                sub,
+                rank=None if len(groups) == 1 else rank,
+            )
+        )
     return out
 
 
@@ -71,35 +83,55 @@ def test_reordered_and_resharded_is_no_difference(case):
     assert scalars and "ranks hold different samples" in scalars[0].note
 
 
-@pytest.mark.parametrize("payload, stage", [("loss_mask", "sample"), ("rollout_log_probs", "rollout.mismatch"),
-                                            ("old_log_probs", "rollout.mismatch"), ("kl", "advantage.kl"),
-                                            ("advantages", "advantage.estimate"), ("log_probs", "loss.policy"),
-                                            ("entropy", "loss.policy"), ("ref_log_probs", "advantage.kl")])
+@pytest.mark.parametrize(
+    "payload, stage",
+    [
+        ("loss_mask", "sample"),
+        ("rollout_log_probs", "rollout.mismatch"),
+        ("old_log_probs", "rollout.mismatch"),
+        ("kl", "advantage.kl"),
+        ("advantages", "advantage.estimate"),
+        ("log_probs", "loss.policy"),
+        ("entropy", "loss.policy"),
+        ("ref_log_probs", "advantage.kl"),
+    ],
+)
 def test_one_token_changed_in_each_payload_kind(case, payload, stage):
     sample, offset = 5, 1
     changed = {k: v.clone() for k, v in case.payloads.items()}
-    changed.setdefault("loss_mask", torch.tensor([m for r in case.index.samples for m in r.loss_mask],
-                                                 dtype=torch.uint8))
+    changed.setdefault(
+        "loss_mask", torch.tensor([m for r in case.index.samples for m in r.loss_mask], dtype=torch.uint8)
+    )
     at = token_position(case.index, sample, offset)
     changed[payload][at] = 1 - changed[payload][at] if payload == "loss_mask" else changed[payload][at] + 0.25
     b = [MemorySource(case.manifest, case.index, case.expected, changed)]
     report = diff_bundles(_whole(case), b)
     first = report.first
     assert report.exit_code == 1 and first is not None
-    assert (first.stage, first.name, first.first["sample"], first.first["token"]) == \
-        (stage, f"payload.{payload}", "a-5", offset)
+    assert (first.stage, first.name, first.first["sample"], first.first["token"]) == (
+        stage,
+        f"payload.{payload}",
+        "a-5",
+        offset,
+    )
     assert first.differing == 1
     assert [f.name for f in report.differences] == [f"payload.{payload}"]
 
 
 def test_a_record_field_changed_is_placed_at_the_stage_that_reads_it(case):
-    records = [r.model_copy(update={"raw_reward": r.raw_reward + 1.0}) if r.sample_id == "a-3" else r
-               for r in case.index.samples]
-    b = _whole(CanonicalCase(case.manifest, case.index.model_copy(update={"samples": records}), case.expected,
-                             case.payloads))
+    records = [
+        r.model_copy(update={"raw_reward": r.raw_reward + 1.0}) if r.sample_id == "a-3" else r
+        for r in case.index.samples
+    ]
+    b = _whole(
+        CanonicalCase(case.manifest, case.index.model_copy(update={"samples": records}), case.expected, case.payloads)
+    )
     report = diff_bundles(_whole(case), b)
-    assert (report.first.stage, report.first.name, report.first.first["sample"]) == \
-        ("reward.raw", "record.raw_reward", "a-3")
+    assert (report.first.stage, report.first.name, report.first.first["sample"]) == (
+        "reward.raw",
+        "record.raw_reward",
+        "a-3",
+    )
     assert report.first.max_abs_diff == pytest.approx(1.0)
 
 
@@ -161,7 +193,7 @@ def test_a_lazy_diff_on_s3_fetches_about_the_differing_group(s3_root, tmp_path):
     group = [i for i, r in enumerate(big.index.samples) if r.group_index == 3]
     assert len(group) == GROUP_SIZE
     for i in group:
-        changed["advantages"][i * 1024:(i + 1) * 1024] += 0.5
+        changed["advantages"][i * 1024 : (i + 1) * 1024] += 0.5
     b = _write(root, big, "b", changed, cache_dir=str(tmp_path / "wb"), **options)
     left = open_sources(a, cache_dir=str(tmp_path / "ca"), **options)
     right = open_sources(b, cache_dir=str(tmp_path / "cb"), **options)

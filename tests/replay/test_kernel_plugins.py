@@ -28,8 +28,11 @@ from trajectory_replay.replay.registry import installed_kernels, resolve_kernels
 PLUGIN_SOURCE = Path(__file__).resolve().parents[1] / "kernel_plugin"
 PACKAGE, MODULE, VERSION = "acme-rl-kernels", "acme_rl_kernels", "0.3.1"
 NOT_INSTALLED = f"kernel acme_grpo from package {PACKAGE} is not installed"
-PINNED_STAGES = {StageId.REWARD_POST_PROCESS: "acme_grpo", StageId.ADVANTAGE_ESTIMATE: "acme_grpo",
-                 StageId.LOSS_POLICY: "acme_token_sum"}
+PINNED_STAGES = {
+    StageId.REWARD_POST_PROCESS: "acme_grpo",
+    StageId.ADVANTAGE_ESTIMATE: "acme_grpo",
+    StageId.LOSS_POLICY: "acme_token_sum",
+}
 
 
 @pytest.fixture(scope="session")
@@ -38,9 +41,26 @@ def plugin_site(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("acme")
     source, site = root / "src", root / "site"
     shutil.copytree(PLUGIN_SOURCE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    out = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-                          "--no-cache-dir", "--disable-pip-version-check", "--quiet", "--target", str(site),
-                          str(source)], capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--no-cache-dir",
+            "--disable-pip-version-check",
+            "--quiet",
+            "--target",
+            str(site),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "[trajectory_replay.kernels]" in (site / f"{MODULE}-{VERSION}.dist-info" / "entry_points.txt").read_text()
     return site
@@ -86,8 +106,12 @@ def token_sum_loss(rewards: list[float], payloads: dict[str, torch.Tensor], cfg:
     unclipped, clipped = -ratio * adv, -ratio.clamp(1 - cfg["eps_clip"], 1 + cfg["eps_clip_high"]) * adv
     pg = torch.maximum(unclipped, clipped)
     pg = torch.where(adv < 0, torch.minimum(-cfg["eps_clip_c"] * adv, pg), pg)
-    out = {"pg_loss": float((pg * mask).sum()), "pg_clipfrac": float(((clipped > unclipped) * mask).sum()),
-           "ppo_kl": float(((old - cur) * mask).sum()), "entropy_loss": float((payloads["entropy"] * mask).sum())}
+    out = {
+        "pg_loss": float((pg * mask).sum()),
+        "pg_clipfrac": float(((clipped > unclipped) * mask).sum()),
+        "ppo_kl": float(((old - cur) * mask).sum()),
+        "entropy_loss": float((payloads["entropy"] * mask).sum()),
+    }
     out["loss"] = out["pg_loss"] - cfg["entropy_coef"] * out["entropy_loss"]
     return out
 
@@ -97,25 +121,33 @@ def acme_case(produced: list[float] | None = None, package: str = PACKAGE, **con
     its stage contracts pinning those kernels to `package`; `config` overrides the recorded config."""
     manifest, index, expected, payloads = twelve_case()
     rewards = produced or [2.0 * r for r in group_baseline(RAW, GROUPS)]
-    cfg = {**index.config.model_dump(), "advantage_estimator": "acme_grpo", "loss_agg_mode": "acme_token_sum",
-           **config}
-    contracts = {s: c.model_copy(update={"kernel": KernelRef(name=PINNED_STAGES[s], package=package,
-                                                             version=VERSION)}) if s in PINNED_STAGES else c
-                 for s, c in manifest.stage_contracts.items()}
+    cfg = {**index.config.model_dump(), "advantage_estimator": "acme_grpo", "loss_agg_mode": "acme_token_sum", **config}
+    contracts = {
+        s: c.model_copy(update={"kernel": KernelRef(name=PINNED_STAGES[s], package=package, version=VERSION)})
+        if s in PINNED_STAGES
+        else c
+        for s, c in manifest.stage_contracts.items()
+    }
     records = [r.model_copy(update={"reward": rewards[i]}) for i, r in enumerate(index.samples)]
-    expected = {**expected, "reward.post_process": {"rewards": rewards},
-                "loss.policy": token_sum_loss(rewards, payloads, cfg)}
+    expected = {
+        **expected,
+        "reward.post_process": {"rewards": rewards},
+        "loss.policy": token_sum_loss(rewards, payloads, cfg),
+    }
     payloads = {**payloads, "advantages": torch.tensor([rewards[i] for i, n in enumerate(LENGTHS) for _ in range(n)])}
-    return CanonicalCase(manifest.model_copy(update={"stage_contracts": contracts}),
-                         index.model_copy(update={"samples": records,
-                                                  "config": index.config.model_validate(cfg)}),
-                         expected, payloads)
+    return CanonicalCase(
+        manifest.model_copy(update={"stage_contracts": contracts}),
+        index.model_copy(update={"samples": records, "config": index.config.model_validate(cfg)}),
+        expected,
+        payloads,
+    )
 
 
 def unpinned(case: CanonicalCase) -> CanonicalCase:
     """`case` with stage contracts that name no kernel."""
-    return case._replace(manifest=case.manifest.model_copy(
-        update={"stage_contracts": twelve_case().manifest.stage_contracts}))
+    return case._replace(
+        manifest=case.manifest.model_copy(update={"stage_contracts": twelve_case().manifest.stage_contracts})
+    )
 
 
 def write_bundle(case: CanonicalCase, path: Path) -> str:
@@ -150,8 +182,11 @@ def test_the_plugin_estimator_does_not_hide_a_fault(acme_installed):
     assert report.first_divergent_stage == "reward.post_process"
     first = report.stage("reward.post_process").divergences[0]
     right = 2.0 * group_baseline(RAW, GROUPS)[0]
-    assert (first.sample_id, first.expected, first.actual) == ("q-0", pytest.approx(produced[0]),
-                                                               pytest.approx(right, rel=1e-6))
+    assert (first.sample_id, first.expected, first.actual) == (
+        "q-0",
+        pytest.approx(produced[0]),
+        pytest.approx(right, rel=1e-6),
+    )
 
 
 def test_a_missing_plugin_fails_naming_kernel_and_package(acme_absent):
@@ -207,7 +242,7 @@ def test_a_broken_entry_point_is_an_unknown_kernel_not_a_crash(acme_installed):
 
 def test_a_broken_entry_point_does_not_stop_other_bundles(acme_installed):
     assert replay([source_of(twelve_case())]).passed  # built-in kernels only
-    assert replay([source_of(acme_case())]).passed    # the package's working kernels beside its broken one
+    assert replay([source_of(acme_case())]).passed  # the package's working kernels beside its broken one
     assert resolve_kernels(acme_case().index.config, acme_case().manifest).estimator.name == "acme_grpo"
 
 
@@ -218,21 +253,33 @@ def test_stages_that_use_no_pinned_kernel_replay_without_the_package(acme_absent
 
 def test_a_pinned_kernel_that_does_not_load_says_so_rather_than_not_installed(acme_installed):
     manifest, index, expected, payloads = acme_case()
-    contracts = {s: c.model_copy(update={"kernel": KernelRef(name="acme_broken", package=PACKAGE)})
-                 if s in PINNED_STAGES and PINNED_STAGES[s] == "acme_grpo" else c
-                 for s, c in manifest.stage_contracts.items()}
-    broken = CanonicalCase(manifest.model_copy(update={"stage_contracts": contracts}),
-                           index.model_copy(update={"config": index.config.model_copy(
-                               update={"advantage_estimator": "acme_broken"})}), expected, payloads)
-    with pytest.raises(UnsupportedError, match="^kernel acme_broken from package acme-rl-kernels is installed but "
-                                               "does not load: ModuleNotFoundError"):
+    contracts = {
+        s: c.model_copy(update={"kernel": KernelRef(name="acme_broken", package=PACKAGE)})
+        if s in PINNED_STAGES and PINNED_STAGES[s] == "acme_grpo"
+        else c
+        for s, c in manifest.stage_contracts.items()
+    }
+    broken = CanonicalCase(
+        manifest.model_copy(update={"stage_contracts": contracts}),
+        index.model_copy(update={"config": index.config.model_copy(update={"advantage_estimator": "acme_broken"})}),
+        expected,
+        payloads,
+    )
+    with pytest.raises(
+        UnsupportedError,
+        match="^kernel acme_broken from package acme-rl-kernels is installed but does not load: ModuleNotFoundError",
+    ):
         replay([source_of(broken)])
 
 
 def test_a_pinned_kernel_of_another_version_replays_with_a_warning(acme_installed):
     manifest, index, expected, payloads = acme_case()
-    contracts = {s: c.model_copy(update={"kernel": c.kernel.model_copy(update={"version": "0.1.0"})})
-                 if c.kernel is not None else c for s, c in manifest.stage_contracts.items()}
+    contracts = {
+        s: c.model_copy(update={"kernel": c.kernel.model_copy(update={"version": "0.1.0"})})
+        if c.kernel is not None
+        else c
+        for s, c in manifest.stage_contracts.items()
+    }
     older = CanonicalCase(manifest.model_copy(update={"stage_contracts": contracts}), index, expected, payloads)
     with pytest.warns(RuntimeWarning, match=f"produced with {PACKAGE} 0.1.0, replaying with {VERSION}"):
         assert replay([source_of(older)]).passed

@@ -47,29 +47,35 @@ def test_std_normalization_of_a_group_of_one_is_nan_by_default_and_unit_under_ve
     assert math.isnan(literal[0])
     assert literal[1:].tolist() == pytest.approx([-1 / (math.sqrt(2) + 1e-6), 1 / (math.sqrt(2) + 1e-6)], rel=1e-6)
     unit = _post([4.0, 1.0, 3.0], [0, 1, 1], grpo_std_normalization=True, singleton_group="unit")
-    assert unit[0].item() == pytest.approx(4.0 / (1 + 1e-6), rel=1e-6)   # mean 0, std 1
+    assert unit[0].item() == pytest.approx(4.0 / (1 + 1e-6), rel=1e-6)  # mean 0, std 1
     assert unit[1:].tolist() == literal[1:].tolist()
 
 
-@pytest.mark.parametrize("estimator, expected", [
-    ("dr_grpo", [0.0, -1.0, 1.0]),
-    ("reinforce_plus_plus_baseline", [0.0, -1.0, 1.0]),
-    ("rloo", [math.nan, -2.0, 2.0]),
-    ("reinforce_plus_plus", [4.0, 1.0, 3.0]),
-    ("gae", [4.0, 1.0, 3.0]),
-])
+@pytest.mark.parametrize(
+    "estimator, expected",
+    [
+        ("dr_grpo", [0.0, -1.0, 1.0]),
+        ("reinforce_plus_plus_baseline", [0.0, -1.0, 1.0]),
+        ("rloo", [math.nan, -2.0, 2.0]),
+        ("reinforce_plus_plus", [4.0, 1.0, 3.0]),
+        ("gae", [4.0, 1.0, 3.0]),
+    ],
+)
 def test_baselines_with_a_group_of_one_under_the_literal_convention(estimator, expected):
     out = _post([4.0, 1.0, 3.0], [0, 1, 1], advantage_estimator=estimator, group_size_check="any")
     assert out.tolist() == pytest.approx(expected, nan_ok=True)
 
 
-@pytest.mark.parametrize("kl_type, expected", [
-    ("k1", [-0.25, 0.5]),
-    ("k2", [0.03125, 0.125]),
-    ("k3", [math.exp(0.25) - 1 - 0.25, math.exp(-0.5) - 1 + 0.5]),
-    ("low_var_kl", [math.exp(0.25) - 1 - 0.25, math.exp(-0.5) - 1 + 0.5]),
-    ("abs", [0.25, 0.5]),
-])
+@pytest.mark.parametrize(
+    "kl_type, expected",
+    [
+        ("k1", [-0.25, 0.5]),
+        ("k2", [0.03125, 0.125]),
+        ("k3", [math.exp(0.25) - 1 - 0.25, math.exp(-0.5) - 1 + 0.5]),
+        ("low_var_kl", [math.exp(0.25) - 1 - 0.25, math.exp(-0.5) - 1 + 0.5]),
+        ("abs", [0.25, 0.5]),
+    ],
+)
 def test_kl_estimators(kl_type, expected):
     old, ref = torch.tensor([0.0, 0.5]), torch.tensor([0.25, 0.0])
     assert kernels.kl_estimate(old, ref, kl_type).tolist() == pytest.approx(expected, rel=1e-6)
@@ -102,8 +108,9 @@ def test_unknown_kl_type_is_unsupported_naming_the_field():
 
 def _advantage_inputs(rewards, lengths, mask, **config):
     """AdvantageInputs from plain lists."""
-    return estimators.AdvantageInputs(torch.tensor(rewards), torch.tensor(lengths),
-                                      torch.tensor(mask, dtype=torch.uint8), RecomputeConfig(**config))
+    return estimators.AdvantageInputs(
+        torch.tensor(rewards), torch.tensor(lengths), torch.tensor(mask, dtype=torch.uint8), RecomputeConfig(**config)
+    )
 
 
 def test_outcome_advantages_broadcast_each_reward_to_its_tokens():
@@ -116,8 +123,9 @@ def test_outcome_advantages_broadcast_each_reward_to_its_tokens():
 def test_token_rewards_put_the_reward_on_the_last_token_and_skip_empty_responses():
     inputs = _advantage_inputs([1.0, 5.0, 2.0], [2, 0, 3], [1, 1, 1, 0, 0], kl_coef=0.5)
     assert estimators.token_rewards(inputs).tolist() == [0.0, 1.0, 0.0, 0.0, 2.0]
-    with_kl = estimators.AdvantageInputs(inputs.rewards, inputs.lengths, inputs.mask, inputs.config,
-                                         kl=torch.tensor([0.2, 0.4, 0.2, 0.4, 0.6]))
+    with_kl = estimators.AdvantageInputs(
+        inputs.rewards, inputs.lengths, inputs.mask, inputs.config, kl=torch.tensor([0.2, 0.4, 0.2, 0.4, 0.6])
+    )
     # -0.5 * kl on the masked tokens only
     assert estimators.token_rewards(with_kl).tolist() == pytest.approx([-0.1, 0.8, -0.1, 0.0, 2.0])
 
@@ -143,9 +151,14 @@ def _loss(current, advantages, **config):
     """The canonical loss.policy scalars: two fully masked-in tokens per advantage, old log-prob 0, entropy .5."""
     n = len(advantages)
     cfg = RecomputeConfig(**{"eps_clip": 0.2, "eps_clip_high": 0.2, "entropy_coef": 0.01, **config})
-    data = losses.PolicyLossData(torch.full((2 * n,), current), torch.zeros(2 * n),
-                                 torch.tensor([a for a in advantages for _ in "xx"]), torch.full((2 * n,), 0.5),
-                                 torch.ones(2 * n, dtype=torch.uint8), torch.full((n,), 2))
+    data = losses.PolicyLossData(
+        torch.full((2 * n,), current),
+        torch.zeros(2 * n),
+        torch.tensor([a for a in advantages for _ in "xx"]),
+        torch.full((2 * n,), 0.5),
+        torch.ones(2 * n, dtype=torch.uint8),
+        torch.full((n,), 2),
+    )
     return losses.policy_loss_outputs(data, cfg, resolve_kernels(cfg))
 
 
@@ -179,10 +192,15 @@ def test_the_loss_does_not_depend_on_how_samples_are_blocked(monkeypatch):
     lengths = torch.tensor([3, 1, 4, 2, 5])
     n = int(lengths.sum())
     cfg = RecomputeConfig(loss_agg_mode="seq_mean_token_mean", kl_loss_coef=0.1)
-    data = losses.PolicyLossData(torch.randn(n, generator=g) * 0.3 - 1, torch.randn(n, generator=g) * 0.3 - 1,
-                                 torch.randn(n, generator=g), torch.rand(n, generator=g),
-                                 (torch.rand(n, generator=g) < 0.7).to(torch.uint8), lengths,
-                                 torch.randn(n, generator=g) * 0.3 - 1)
+    data = losses.PolicyLossData(
+        torch.randn(n, generator=g) * 0.3 - 1,
+        torch.randn(n, generator=g) * 0.3 - 1,
+        torch.randn(n, generator=g),
+        torch.rand(n, generator=g),
+        (torch.rand(n, generator=g) < 0.7).to(torch.uint8),
+        lengths,
+        torch.randn(n, generator=g) * 0.3 - 1,
+    )
     whole = losses.policy_loss_outputs(data, cfg, resolve_kernels(cfg))
     monkeypatch.setattr(losses, "BLOCK_TOKENS", 4)
     blocked = losses.policy_loss_outputs(data, cfg, resolve_kernels(cfg))
@@ -193,9 +211,14 @@ def test_the_loss_does_not_depend_on_how_samples_are_blocked(monkeypatch):
 def _policy_inputs(log_probs, advantages, old=None, lengths=None, mask=None, **config):
     """PolicyInputs from plain lists: old log-probs 0, one fully masked-in sample unless given."""
     n = len(log_probs)
-    return losses.PolicyInputs(torch.tensor(log_probs), torch.tensor(old if old is not None else [0.0] * n),
-                               torch.tensor(advantages), torch.tensor(mask if mask is not None else [1] * n),
-                               torch.tensor(lengths if lengths is not None else [n]), RecomputeConfig(**config))
+    return losses.PolicyInputs(
+        torch.tensor(log_probs),
+        torch.tensor(old if old is not None else [0.0] * n),
+        torch.tensor(advantages),
+        torch.tensor(mask if mask is not None else [1] * n),
+        torch.tensor(lengths if lengths is not None else [n]),
+        RecomputeConfig(**config),
+    )
 
 
 def test_asymmetric_clip_uses_the_high_bound_for_ratios_above_one():
@@ -221,13 +244,14 @@ def test_ratio_log_clamp_bounds_the_ratio_and_the_reported_ppo_kl():
 
 def test_gspo_uses_one_ratio_per_sequence_from_its_masked_mean_log_ratio():
     # sample 0: masked log ratios [0.2, 0.4] (the 3.0 is masked out) -> s = e^0.3; sample 1: fully masked -> s = 1
-    inputs = _policy_inputs([0.2, 3.0, 0.4, 5.0], [1.0, 1.0, -1.0, 2.0], lengths=[3, 1], mask=[1, 0, 1, 0],
-                            eps_clip_high=0.5)
+    inputs = _policy_inputs(
+        [0.2, 3.0, 0.4, 5.0], [1.0, 1.0, -1.0, 2.0], lengths=[3, 1], mask=[1, 0, 1, 0], eps_clip_high=0.5
+    )
     terms = losses.gspo_tokens(inputs)
     s = math.exp(0.3)
     assert terms.pg.tolist() == pytest.approx([-s, -s, s, -2.0], rel=1e-6)
     assert terms.clipfrac.tolist() == [False, False, False, False]
-    assert terms.ppo_kl.tolist() == pytest.approx([-0.2, -3.0, -0.4, -5.0])   # per token, unclamped
+    assert terms.ppo_kl.tolist() == pytest.approx([-0.2, -3.0, -0.4, -5.0])  # per token, unclamped
 
 
 def test_gspo_caps_the_sequence_log_ratio_at_ten():
@@ -251,21 +275,38 @@ def test_cispo_weights_the_log_prob_by_the_clipped_ratio():
 
 def test_value_loss_clips_the_prediction_around_the_old_value():
     cfg = RecomputeConfig(cliprange_value=0.2)
-    data = losses.ValueLossData(values=torch.tensor([0.0, 0.0]), vpreds=torch.tensor([1.0, 0.1]),
-                                returns=torch.tensor([0.0, 0.5]), mask=torch.tensor([1, 1]), lengths=torch.tensor([2]))
+    data = losses.ValueLossData(
+        values=torch.tensor([0.0, 0.0]),
+        vpreds=torch.tensor([1.0, 0.1]),
+        returns=torch.tensor([0.0, 0.5]),
+        mask=torch.tensor([1, 1]),
+        lengths=torch.tensor([2]),
+    )
     out = losses.value_loss_outputs(data, cfg, resolve_kernels(cfg))
     # token 0: clipped to 0.2, (0.2 - 0)^2 = .04 < (1 - 0)^2 = 1; token 1: 0.1 is inside the clip range
     assert out == pytest.approx({"vf_loss": 0.5 * (1.0 + 0.16) / 2, "vf_clipfrac": 0.0})
-    worse = losses.ValueLossData(values=torch.tensor([0.0]), vpreds=torch.tensor([-1.0]), returns=torch.tensor([0.5]),
-                                 mask=torch.tensor([1]), lengths=torch.tensor([1]))
+    worse = losses.ValueLossData(
+        values=torch.tensor([0.0]),
+        vpreds=torch.tensor([-1.0]),
+        returns=torch.tensor([0.5]),
+        mask=torch.tensor([1]),
+        lengths=torch.tensor([1]),
+    )
     # clipped to -0.2: (-0.2 - .5)^2 = .49 < (-1 - .5)^2 = 2.25, so the max is the plain term: not clipped
     assert losses.value_loss_outputs(worse, cfg, resolve_kernels(cfg)) == pytest.approx(
-        {"vf_loss": 0.5 * 2.25, "vf_clipfrac": 0.0})
-    pulled = losses.ValueLossData(values=torch.tensor([0.0]), vpreds=torch.tensor([1.0]), returns=torch.tensor([2.0]),
-                                  mask=torch.tensor([1]), lengths=torch.tensor([1]))
+        {"vf_loss": 0.5 * 2.25, "vf_clipfrac": 0.0}
+    )
+    pulled = losses.ValueLossData(
+        values=torch.tensor([0.0]),
+        vpreds=torch.tensor([1.0]),
+        returns=torch.tensor([2.0]),
+        mask=torch.tensor([1]),
+        lengths=torch.tensor([1]),
+    )
     # (1 - 2)^2 = 1 < (0.2 - 2)^2 = 3.24: the clipped term wins
     assert losses.value_loss_outputs(pulled, cfg, resolve_kernels(cfg)) == pytest.approx(
-        {"vf_loss": 0.5 * 3.24, "vf_clipfrac": 1.0})
+        {"vf_loss": 0.5 * 3.24, "vf_clipfrac": 1.0}
+    )
 
 
 def test_segment_sums_match_a_float64_loop_with_empty_segments_anywhere():
@@ -276,7 +317,7 @@ def test_segment_sums_match_a_float64_loop_with_empty_segments_anywhere():
     values = torch.randn(2, int(lengths.sum()), generator=g, dtype=torch.float64)
     got = segment_sums(values, lengths)
     ends = torch.cumsum(lengths, 0).tolist()
-    want = torch.stack([torch.stack([row[e - n:e].sum() for e, n in zip(ends, lengths.tolist())]) for row in values])
+    want = torch.stack([torch.stack([row[e - n : e].sum() for e, n in zip(ends, lengths.tolist())]) for row in values])
     assert got.shape == (2, 7) and torch.allclose(got, want, rtol=0, atol=1e-12)
     assert segment_sums(values[:, :0], torch.zeros(3, dtype=torch.int64)).eq(0).all()
 
@@ -284,11 +325,11 @@ def test_segment_sums_match_a_float64_loop_with_empty_segments_anywhere():
 def test_stacked_sample_sums_keep_float64_rows_in_float64():
     from trajectory_replay.replay.kernels import Workspace, stacked_sample_sums
 
-    fine = torch.tensor([1.0 + 2.0 ** -40, 3.0], dtype=torch.float64)
+    fine = torch.tensor([1.0 + 2.0**-40, 3.0], dtype=torch.float64)
     coarse = torch.tensor([0.5, 0.25])
     for workspace in (None, Workspace()):
         sums = stacked_sample_sums([coarse, fine], torch.tensor([1, 1]), torch.tensor([2]), workspace)
-        assert sums.dtype == torch.float64 and sums[1].item() == 4.0 + 2.0 ** -40 and sums[0].item() == 0.75
+        assert sums.dtype == torch.float64 and sums[1].item() == 4.0 + 2.0**-40 and sums[0].item() == 0.75
 
 
 @pytest.mark.parametrize("mask_kind", ["uint8", "bool", "weighted", "float"])
@@ -302,13 +343,19 @@ def test_count_rows_summed_in_float32_give_the_float64_sums_bit_for_bit(mask_kin
     lengths = torch.randint(0, 3000, (200,), generator=g)
     lengths[::9] = 0
     total = int(lengths.sum())
-    mask = {"uint8": (torch.rand(total, generator=g) < 0.8).to(torch.uint8),
-            "bool": torch.rand(total, generator=g) < 0.8,
-            "weighted": torch.randint(0, 4, (total,), generator=g, dtype=torch.uint8),
-            "float": (torch.rand(total, generator=g) < 0.8).to(torch.float32)}[mask_kind]
-    rows = [torch.randn(total, generator=g), (torch.rand(total, generator=g) < 0.3).float(),
-            torch.randn(total, generator=g, dtype=torch.float64), torch.rand(total, generator=g) < 0.5,
-            torch.randn(total, generator=g).to(torch.bfloat16)]
+    mask = {
+        "uint8": (torch.rand(total, generator=g) < 0.8).to(torch.uint8),
+        "bool": torch.rand(total, generator=g) < 0.8,
+        "weighted": torch.randint(0, 4, (total,), generator=g, dtype=torch.uint8),
+        "float": (torch.rand(total, generator=g) < 0.8).to(torch.float32),
+    }[mask_kind]
+    rows = [
+        torch.randn(total, generator=g),
+        (torch.rand(total, generator=g) < 0.3).float(),
+        torch.randn(total, generator=g, dtype=torch.float64),
+        torch.rand(total, generator=g) < 0.5,
+        torch.randn(total, generator=g).to(torch.bfloat16),
+    ]
     plain = stacked_sample_sums(rows, mask, lengths)
     for workspace in (None, Workspace()):
         counted = stacked_sample_sums(rows, mask, lengths, workspace, counts=(1, 3))
@@ -317,7 +364,7 @@ def test_count_rows_summed_in_float32_give_the_float64_sums_bit_for_bit(mask_kin
         stacked_sample_sums(rows, mask, lengths, workspace, out=table[:, 50:250], counts=(1, 3))
         assert torch.equal(table[:, 50:250], plain) and table[:, :50].eq(7).all() and table[:, 250:].eq(7).all()
     ends = torch.cumsum(lengths, 0).tolist()
-    want = [float(mask[e - n:e].double().sum()) for e, n in zip(ends, lengths.tolist())]
+    want = [float(mask[e - n : e].double().sum()) for e, n in zip(ends, lengths.tolist())]
     assert plain[-1].tolist() == want
 
 
@@ -328,7 +375,7 @@ def test_counts_are_widened_where_float32_could_not_hold_their_sums():
     assert _counts_exact_in_float32(torch.ones(10, dtype=torch.bool), torch.tensor([(1 << 24) - 1]))
     assert not _counts_exact_in_float32(torch.ones(10, dtype=torch.bool), torch.tensor([1 << 24]))
     assert not _counts_exact_in_float32(torch.full((10,), 2, dtype=torch.uint8), torch.tensor([1 << 23]))
-    assert not _counts_exact_in_float32(torch.ones(10), torch.tensor([10]))   # a float mask may hold any value
+    assert not _counts_exact_in_float32(torch.ones(10), torch.tensor([10]))  # a float mask may hold any value
 
 
 def _greedy_blocks(lengths: list[int], block_tokens: int) -> list[tuple[int, int, int, int]]:

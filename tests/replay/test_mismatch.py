@@ -14,9 +14,16 @@ import pytest
 import torch
 
 from tests.replay.conftest import MemorySource, source_of
-from tests.replay.reference64 import algorithm_case, mismatch_metrics as reference_metrics, token_position
+from tests.replay.reference64 import algorithm_case, token_position
+from tests.replay.reference64 import mismatch_metrics as reference_metrics
 from trajectory_replay.bundle.schema import (
-    BundleIndex, Identity, Manifest, RecomputeConfig, SampleRecord, StageContract, StageId,
+    BundleIndex,
+    Identity,
+    Manifest,
+    RecomputeConfig,
+    SampleRecord,
+    StageContract,
+    StageId,
 )
 from trajectory_replay.errors import UnsupportedError
 from trajectory_replay.replay import losses, mismatch, replay
@@ -48,8 +55,8 @@ def test_metrics_of_the_ragged_case_by_hand():
     got = mismatch.mismatch_metrics(mismatch.log_ratio(_t(OLD), _t(ROLLOUT)), _t(FLAT_MASK), _lengths())
     assert got.kl_k1 == pytest.approx(-(0.125 - 0.25 + 0.5 - 0.125 + 1.0) / 5)
     assert got.kl_k3 == pytest.approx(sum(E(d) - 1 - d for d in INSIDE) / 5)
-    assert got.log_ratio_max_abs == 1.0   # the masked-out 3.0 does not count
-    assert got.seq_log_ratio_max_abs == 1.0   # sums -0.125, 0.375, 1.0
+    assert got.log_ratio_max_abs == 1.0  # the masked-out 3.0 does not count
+    assert got.seq_log_ratio_max_abs == 1.0  # sums -0.125, 0.375, 1.0
 
 
 def test_token_and_sequence_importance_weights_by_hand():
@@ -57,19 +64,21 @@ def test_token_and_sequence_importance_weights_by_hand():
     token = mismatch.correction(d, m, _lengths(), _config(rollout_is="token"))
     assert token.weights.tolist() == pytest.approx([E(0.125), E(-0.25), E(0.5), 2.0, E(-0.125), 2.0])
     assert mismatch.recorded_weights(token, m).tolist() == pytest.approx(
-        [E(0.125), E(-0.25), E(0.5), 0.0, E(-0.125), 2.0])
-    assert token.mask.tolist() == FLAT_MASK   # no rejection asked for
+        [E(0.125), E(-0.25), E(0.5), 0.0, E(-0.125), 2.0]
+    )
+    assert token.mask.tolist() == FLAT_MASK  # no rejection asked for
     seq = mismatch.correction(d, m, _lengths(), _config(rollout_is="sequence", rollout_is_threshold=1.5))
     assert seq.weights.tolist() == pytest.approx([E(-0.125)] * 2 + [E(0.375)] * 3 + [1.5])
 
 
 def test_token_and_sequence_rejection_by_hand():
     d, m = mismatch.log_ratio(_t(OLD), _t(ROLLOUT)), _t(FLAT_MASK)
-    token = mismatch.correction(d, m, _lengths(), _config(rollout_rs="token"))   # bounds [1/2, 2]
-    assert token.weights is None and token.mask.tolist() == [1, 1, 1, 0, 1, 0]   # e^1 > 2 rejected
-    seq = mismatch.correction(d, m, _lengths(), _config(rollout_rs="sequence", rollout_rs_lower=0.9,
-                                                         rollout_rs_upper=2.0))
-    assert seq.mask.tolist() == [0, 0, 1, 0, 1, 0]   # e^-0.125 < 0.9 and e^1 > 2: samples 0 and 2 rejected
+    token = mismatch.correction(d, m, _lengths(), _config(rollout_rs="token"))  # bounds [1/2, 2]
+    assert token.weights is None and token.mask.tolist() == [1, 1, 1, 0, 1, 0]  # e^1 > 2 rejected
+    seq = mismatch.correction(
+        d, m, _lengths(), _config(rollout_rs="sequence", rollout_rs_lower=0.9, rollout_rs_upper=2.0)
+    )
+    assert seq.mask.tolist() == [0, 0, 1, 0, 1, 0]  # e^-0.125 < 0.9 and e^1 > 2: samples 0 and 2 rejected
     both = mismatch.correction(d, m, _lengths(), _config(rollout_is="token", rollout_rs="token"))
     assert both.weights is not None and both.mask.tolist() == [1, 1, 1, 0, 1, 0]
 
@@ -83,7 +92,7 @@ def test_the_loss_takes_the_weights_and_the_rejection_mask_by_hand():
     assert out["pg_loss"] == pytest.approx(-(E(0.125) + E(-0.25) + E(0.5) + E(-0.125) + 2.0) / 5)
     rejected = _config(rollout_rs="token", loss_agg_mode="sum_of_sample_means")
     out = losses.policy_loss_outputs(data, rejected, resolve_kernels(rejected))
-    assert out["pg_loss"] == pytest.approx(-2.0)   # samples 0 and 1 keep their tokens, sample 2 has none left
+    assert out["pg_loss"] == pytest.approx(-2.0)  # samples 0 and 1 keep their tokens, sample 2 has none left
     both = _config(rollout_is="sequence", rollout_rs="token")
     out = losses.policy_loss_outputs(data, both, resolve_kernels(both))
     assert out["pg_loss"] == pytest.approx(-(2 * E(-0.125) + 2 * E(0.375)) / 4)
@@ -92,25 +101,57 @@ def test_the_loss_takes_the_weights_and_the_rejection_mask_by_hand():
 # --------------------------------------------------------------------------- replay of a bundle
 
 
-def _bundle(config: dict[str, Any] | None = None, *, versions: list[int | None] | None = None,
-            expected_metrics: dict[str, float] | None = None, log_probs: list[float] | None = None,
-            with_rollout: bool = True, extra: dict[str, torch.Tensor] | None = None) -> MemorySource:
+def _bundle(
+    config: dict[str, Any] | None = None,
+    *,
+    versions: list[int | None] | None = None,
+    expected_metrics: dict[str, float] | None = None,
+    log_probs: list[float] | None = None,
+    with_rollout: bool = True,
+    extra: dict[str, torch.Tensor] | None = None,
+) -> MemorySource:
     """The hand case as a bundle contracting sample, rollout.mismatch and loss.policy."""
     cfg = RecomputeConfig(**{"loss_agg_mode": "token_mean", **(config or {})})
     versions = versions or [None] * 3
-    records = [SampleRecord(sample_id=f"s-{i}", group_index=i, response_length=n, total_length=n + 2,
-                            loss_mask=MASKS[i], raw_reward=0.0, reward=0.0, policy_version=versions[i])
-               for i, n in enumerate(LENGTHS)]
+    records = [
+        SampleRecord(
+            sample_id=f"s-{i}",
+            group_index=i,
+            response_length=n,
+            total_length=n + 2,
+            loss_mask=MASKS[i],
+            raw_reward=0.0,
+            reward=0.0,
+            policy_version=versions[i],
+        )
+        for i, n in enumerate(LENGTHS)
+    ]
     lp = _t(log_probs or OLD)
-    payloads = {"old_log_probs": _t(OLD), "log_probs": lp, "entropy": torch.full((6,), 0.5),
-                "advantages": _t([1.0, -1.0, 0.5, 0.5, 0.5, -2.0])}
+    payloads = {
+        "old_log_probs": _t(OLD),
+        "log_probs": lp,
+        "entropy": torch.full((6,), 0.5),
+        "advantages": _t([1.0, -1.0, 0.5, 0.5, 0.5, -2.0]),
+    }
     if with_rollout:
         payloads["rollout_log_probs"] = _t(ROLLOUT)
     payloads.update(extra or {})
     mask = torch.tensor(FLAT_MASK, dtype=torch.uint8)
-    expected: dict[str, Any] = {"loss.policy": losses.policy_loss_outputs(losses.PolicyLossData(
-        _t(OLD), _t(OLD), payloads["advantages"], payloads["entropy"], mask, _lengths(),
-        rollout_log_probs=_t(ROLLOUT)), cfg, resolve_kernels(cfg))}
+    expected: dict[str, Any] = {
+        "loss.policy": losses.policy_loss_outputs(
+            losses.PolicyLossData(
+                _t(OLD),
+                _t(OLD),
+                payloads["advantages"],
+                payloads["entropy"],
+                mask,
+                _lengths(),
+                rollout_log_probs=_t(ROLLOUT),
+            ),
+            cfg,
+            resolve_kernels(cfg),
+        )
+    }
     if expected_metrics is not None:
         expected["rollout.mismatch"] = expected_metrics
     stages = (StageId.SAMPLE, StageId.ROLLOUT_MISMATCH, StageId.LOSS_POLICY)
@@ -120,18 +161,39 @@ def _bundle(config: dict[str, Any] | None = None, *, versions: list[int | None] 
 
 
 def test_a_clean_bundle_passes_and_the_report_shows_the_metrics_and_worst_tokens():
-    report = replay([_bundle(expected_metrics=reference_metrics([OLD[:2], OLD[2:5], OLD[5:]],
-                                                                [ROLLOUT[:2], ROLLOUT[2:5], ROLLOUT[5:]], MASKS))])
+    report = replay(
+        [
+            _bundle(
+                expected_metrics=reference_metrics(
+                    [OLD[:2], OLD[2:5], OLD[5:]], [ROLLOUT[:2], ROLLOUT[2:5], ROLLOUT[5:]], MASKS
+                )
+            )
+        ]
+    )
     assert report.passed, report.render_text()
     entry = report.stage("rollout.mismatch")
     assert entry.metrics["kl_k1"] == pytest.approx(-0.25) and entry.metrics["staleness_max"] is None
     worst = entry.metrics["worst_tokens"]
-    assert [(w["sample_id"], w["token_offset"]) for w in worst] == [("s-2", 0), ("s-1", 0), ("s-0", 1), ("s-0", 0),
-                                                                    ("s-1", 2)]   # masked-in tokens by |d|
-    assert worst[0] == {"sample_id": "s-2", "token_offset": 0, "rollout_log_prob": -1.75, "trainer_log_prob": -0.75,
-                        "log_ratio": 1.0}
+    assert [(w["sample_id"], w["token_offset"]) for w in worst] == [
+        ("s-2", 0),
+        ("s-1", 0),
+        ("s-0", 1),
+        ("s-0", 0),
+        ("s-1", 2),
+    ]  # masked-in tokens by |d|
+    assert worst[0] == {
+        "sample_id": "s-2",
+        "token_offset": 0,
+        "rollout_log_prob": -1.75,
+        "trainer_log_prob": -0.75,
+        "log_ratio": 1.0,
+    }
     text = report.render_text()
-    assert "metrics: kl_k1=-0.25" in text and "worst tokens:" in text and "sample_id=s-2 token_offset=0 rollout_log_prob=-1.75 trainer_log_prob=-0.75 log_ratio=1.0" in text
+    assert (
+        "metrics: kl_k1=-0.25" in text
+        and "worst tokens:" in text
+        and "sample_id=s-2 token_offset=0 rollout_log_prob=-1.75 trainer_log_prob=-0.75 log_ratio=1.0" in text
+    )
     as_json = json.loads(report.to_json())
     assert as_json["stages"][1]["stage"] == "rollout.mismatch" and as_json["stages"][1]["metrics"]["kl_k1"] == -0.25
 
@@ -148,9 +210,14 @@ def test_the_token_log_ratio_ceiling_trips_at_the_worst_token():
     assert report.first_divergent_stage == "rollout.mismatch"
     assert "1 tokens have |log ratio| above mismatch_max_token_log_ratio 0.75" in entry.message
     first = entry.divergences[0]
-    assert (first.field, first.sample_id, first.token_offset, first.expected, first.actual) == \
-        ("log_ratio", "s-2", 0, -1.75, -0.75)
-    assert replay([_bundle({"mismatch_max_token_log_ratio": 1.0})]).passed   # |d| <= the ceiling passes
+    assert (first.field, first.sample_id, first.token_offset, first.expected, first.actual) == (
+        "log_ratio",
+        "s-2",
+        0,
+        -1.75,
+        -0.75,
+    )
+    assert replay([_bundle({"mismatch_max_token_log_ratio": 1.0})]).passed  # |d| <= the ceiling passes
 
 
 def test_the_kl_k3_ceiling_trips():
@@ -170,36 +237,42 @@ def test_staleness_both_ways():
     assert "sample s-1 has policy_version 6, newer than actor_version 5" in entry.message
     assert (entry.divergences[0].field, entry.divergences[0].sample_id) == ("policy_version", "s-1")
     stale = replay([_bundle({"actor_version": 5, "max_staleness": 1}, versions=[5, 4, 3])])
-    assert "sample s-2 has policy_version 3, 2 versions behind actor_version 5 (max_staleness 1)" in \
-        stale.stage("rollout.mismatch").message
+    assert (
+        "sample s-2 has policy_version 3, 2 versions behind actor_version 5 (max_staleness 1)"
+        in stale.stage("rollout.mismatch").message
+    )
 
 
 def test_staleness_alone_is_checked_without_rollout_log_probs():
     source = _bundle({"actor_version": 2}, versions=[2, 3, 2], with_rollout=False)
     report = replay([source])
-    assert report.first_divergent_stage == "rollout.mismatch" and "newer than actor_version" in \
-        report.stage("rollout.mismatch").message
+    assert (
+        report.first_divergent_stage == "rollout.mismatch"
+        and "newer than actor_version" in report.stage("rollout.mismatch").message
+    )
     assert "rollout_log_probs" not in source.loaded_names()
 
 
 def test_the_on_policy_check_names_the_first_token_whose_log_prob_moved():
     assert replay([_bundle({"expect_on_policy": True})]).passed
     moved = list(OLD)
-    moved[4] += 0.5   # sample 1, token 2
+    moved[4] += 0.5  # sample 1, token 2
     report = replay([_bundle({"expect_on_policy": True}, log_probs=moved)])
     assert report.first_divergent_stage == "loss.policy"
     first = report.stage("loss.policy").divergences[0]
     assert (first.field, first.sample_id, first.token_offset) == ("log_probs", "s-1", 2)
     assert (first.expected, first.actual) == pytest.approx((OLD[4], OLD[4] + 0.5))  # old, then current
     masked_only = list(OLD)
-    masked_only[3] += 0.5   # a masked-out token does not count
+    masked_only[3] += 0.5  # a masked-out token does not count
     assert replay([_bundle({"expect_on_policy": True}, log_probs=masked_only)]).passed
 
 
 def test_recorded_importance_weights_are_compared():
     cfg = {"rollout_is": "token"}
-    good = mismatch.recorded_weights(mismatch.correction(mismatch.log_ratio(_t(OLD), _t(ROLLOUT)), _t(FLAT_MASK),
-                                                         _lengths(), _config(**cfg)), _t(FLAT_MASK))
+    good = mismatch.recorded_weights(
+        mismatch.correction(mismatch.log_ratio(_t(OLD), _t(ROLLOUT)), _t(FLAT_MASK), _lengths(), _config(**cfg)),
+        _t(FLAT_MASK),
+    )
     assert replay([_bundle(cfg, extra={"rollout_is_weights": good})]).passed
     bad = good.clone()
     bad[2] = 1.0
@@ -224,26 +297,34 @@ MODES = ["sum_of_sample_means", "token_mean", "seq_mean_token_mean"]
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("correction", CORRECTIONS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_corrected_losses_match_the_float64_reference(correction, mode):
-    config = {"grpo_std_normalization": True, "loss_agg_mode": mode, "kl_loss_coef": 0.1, "entropy_coef": 0.01,
-              **correction}
+    config = {
+        "grpo_std_normalization": True,
+        "loss_agg_mode": mode,
+        "kl_loss_coef": 0.1,
+        "entropy_coef": 0.01,
+        **correction,
+    }
     case = algorithm_case(config, seed=31)
     report = replay([source_of(case)])
     assert report.passed, report.render_text()
     plain = algorithm_case({k: v for k, v in config.items() if k not in correction}, seed=31)
-    assert plain.expected["loss.policy"]["pg_loss"] != case.expected["loss.policy"]["pg_loss"]   # it matters
+    assert plain.expected["loss.policy"]["pg_loss"] != case.expected["loss.policy"]["pg_loss"]  # it matters
     assert case.expected["rollout.mismatch"]["kl_k3"] > 0
 
 
 @pytest.mark.parametrize("policy_loss", ["gspo", "cispo"])
 def test_corrections_combine_with_the_other_policy_losses(policy_loss):
-    case = algorithm_case({"policy_loss": policy_loss, "rollout_is": "token", "rollout_rs": "token",
-                           "loss_agg_mode": "token_mean"}, seed=32)
+    case = algorithm_case(
+        {"policy_loss": policy_loss, "rollout_is": "token", "rollout_rs": "token", "loss_agg_mode": "token_mean"},
+        seed=32,
+    )
     assert replay([source_of(case)]).passed
 
 
 def test_a_wrong_rollout_log_prob_is_found_at_the_loss_with_the_correction():
-    case = algorithm_case({"rollout_is": "token", "loss_agg_mode": "token_mean"}, seed=33,
-                          stages=(StageId.SAMPLE, StageId.LOSS_POLICY))
+    case = algorithm_case(
+        {"rollout_is": "token", "loss_agg_mode": "token_mean"}, seed=33, stages=(StageId.SAMPLE, StageId.LOSS_POLICY)
+    )
     rollout = case.payloads["rollout_log_probs"].clone()
     rollout[token_position(case.index, 2, 0)] -= 1.0
     report = replay([source_of(case, rollout_log_probs=rollout)])
@@ -265,7 +346,7 @@ def test_unsupported_corrections_fail_naming_the_field():
 
 def test_a_non_finite_log_prob_fails_the_stage_and_leads_the_worst_tokens():
     broken = list(ROLLOUT)
-    broken[4] = float("nan")   # sample 1, token 2 (masked in)
+    broken[4] = float("nan")  # sample 1, token 2 (masked in)
     source = _bundle()
     source.payloads["rollout_log_probs"] = _t(broken)
     report = replay([source])
@@ -283,7 +364,7 @@ def test_a_non_finite_log_prob_on_a_masked_out_token_changes_nothing(value):
     so the stage passes with the metrics and worst tokens of the clean bundle, in one block or streamed."""
     clean = replay([_bundle()])
     garbage = list(ROLLOUT)
-    garbage[3] = value   # sample 1, token 1: masked out
+    garbage[3] = value  # sample 1, token 1: masked out
     source = _bundle()
     source.payloads["rollout_log_probs"] = _t(garbage)
     for report in (replay([source]), replay([source], block_tokens=2)):
@@ -311,9 +392,11 @@ def _brute_force(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, cei
     scored = [(i, abs(v)) for i, (v, m) in enumerate(zip(values, inside)) if m and (math.isnan(v) or v != 0)]
     scored.sort(key=lambda p: (not math.isnan(p[1]), -p[1] if not math.isnan(p[1]) else 0.0, p[0]))
     bad = [i for i, (v, m) in enumerate(zip(values, inside)) if m and not math.isfinite(v)]
-    return {"worst": [i for i, _ in scored[:mismatch.WORST_TOKENS]],
-            "over": sum(1 for v, m in zip(values, inside) if m and (math.isnan(v) or abs(v) > ceiling)),
-            "nonfinite": (bad[0], len(bad)) if bad else None}
+    return {
+        "worst": [i for i, _ in scored[: mismatch.WORST_TOKENS]],
+        "over": sum(1 for v, m in zip(values, inside) if m and (math.isnan(v) or abs(v) > ceiling)),
+        "nonfinite": (bad[0], len(bad)) if bad else None,
+    }
 
 
 @pytest.mark.parametrize("chunk_tokens", [1, 7, 1000, 1 << 16])
@@ -324,7 +407,7 @@ def test_the_pass_gives_the_same_results_whatever_its_chunks(kind, chunk_tokens)
     non-finite token are those of a token-by-token search."""
     g = torch.Generator().manual_seed(11)
     lengths = torch.randint(0, 700, (40,), generator=g)
-    lengths[5] = 3000   # one sample longer than several windows
+    lengths[5] = 3000  # one sample longer than several windows
     total = int(lengths.sum())
     old = -torch.rand(total, generator=g)
     rollout = old - 0.05 * torch.randn(total, generator=g)
@@ -336,18 +419,21 @@ def test_the_pass_gives_the_same_results_whatever_its_chunks(kind, chunk_tokens)
     if kind == "non-finite inside":
         inside = mask.nonzero().flatten()
         rollout[inside[[100, 2000, 9000]]] = torch.tensor([math.nan, math.inf, -math.inf])
-    if kind == "ties":   # equal |d| in windows far apart, the largest of them all
+    if kind == "ties":  # equal |d| in windows far apart, the largest of them all
         inside = mask.nonzero().flatten()
         for at, sign in zip(inside[[9000, 50, 4500, 12000]].tolist(), (1, -1, 1, -1)):
             rollout[at] = old[at] - sign * 0.75
     d = mismatch.log_ratio(old, rollout)
     found = mismatch.mismatch_pass(old, rollout, mask, lengths, ceiling=0.1, chunk_tokens=chunk_tokens)
     reference = mismatch.mismatch_sums(d, mask, lengths)
-    for got, want in ((found.sums.seq, reference.seq), (found.sums.k3, reference.k3)):   # exactly, NaN for NaN
+    for got, want in ((found.sums.seq, reference.seq), (found.sums.k3, reference.k3)):  # exactly, NaN for NaN
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert found.sums.tokens == reference.tokens
-    assert found.sums.max_score == reference.max_score or math.isnan(found.sums.max_score) and math.isnan(
-        reference.max_score)
+    assert (
+        found.sums.max_score == reference.max_score
+        or math.isnan(found.sums.max_score)
+        and math.isnan(reference.max_score)
+    )
     expected = _brute_force(d, mask, lengths, 0.1)
     assert {"worst": found.worst.tolist(), "over": found.over, "nonfinite": found.nonfinite} == expected
     if kind == "ties":
@@ -358,7 +444,7 @@ def test_worst_tokens_over_many_windows_match_a_full_sort():
     g = torch.Generator().manual_seed(5)
     old = -torch.rand(50_000, generator=g)
     d = torch.randn(50_000, generator=g)
-    d[[7, 31_000, 49_999]] = torch.tensor([9.0, -9.0, 8.5])   # a tie across windows, and the last token
+    d[[7, 31_000, 49_999]] = torch.tensor([9.0, -9.0, 8.5])  # a tie across windows, and the last token
     mask = torch.rand(50_000, generator=g) < 0.8
     mask[[7, 31_000, 49_999]] = True
     lengths = torch.tensor([10_000] * 5)
@@ -370,21 +456,46 @@ def test_worst_tokens_over_many_windows_match_a_full_sort():
 
 
 def test_verl_option_names_map_to_the_correction_fields():
-    config = RecomputeConfig.from_profile("verl", rollout_is=None, rollout_rs="sequence", rollout_rs_threshold=1.5,
-                                          rollout_rs_threshold_lower=0.8, rollout_is_threshold=3.0)
-    assert (config.rollout_is, config.rollout_rs, config.rollout_rs_upper, config.rollout_rs_lower,
-            config.rollout_is_threshold) == ("none", "sequence", 1.5, 0.8, 3.0)
+    config = RecomputeConfig.from_profile(
+        "verl",
+        rollout_is=None,
+        rollout_rs="sequence",
+        rollout_rs_threshold=1.5,
+        rollout_rs_threshold_lower=0.8,
+        rollout_is_threshold=3.0,
+    )
+    assert (
+        config.rollout_is,
+        config.rollout_rs,
+        config.rollout_rs_upper,
+        config.rollout_rs_lower,
+        config.rollout_is_threshold,
+    ) == ("none", "sequence", 1.5, 0.8, 3.0)
 
 
-@pytest.mark.parametrize("estimator", [{"advantage_estimator": "gae", "gamma": 0.9, "lam": 0.8},
-                                       {"advantage_estimator": "reinforce_plus_plus", "gamma": 0.95},
-                                       {"advantage_estimator": "rloo", "group_size_check": "any"},
-                                       {"advantage_estimator": "dr_grpo"}],
-                         ids=lambda e: e["advantage_estimator"])
+@pytest.mark.parametrize(
+    "estimator",
+    [
+        {"advantage_estimator": "gae", "gamma": 0.9, "lam": 0.8},
+        {"advantage_estimator": "reinforce_plus_plus", "gamma": 0.95},
+        {"advantage_estimator": "rloo", "group_size_check": "any"},
+        {"advantage_estimator": "dr_grpo"},
+    ],
+    ids=lambda e: e["advantage_estimator"],
+)
 def test_corrections_combine_with_every_estimator(estimator):
-    case = algorithm_case({**estimator, "rollout_is": "sequence", "rollout_rs": "token", "rollout_rs_upper": 3.0,
-                           "loss_agg_mode": "seq_mean_token_mean", "actor_version": 4,
-                           "mismatch_max_token_log_ratio": 5.0}, seed=35)
+    case = algorithm_case(
+        {
+            **estimator,
+            "rollout_is": "sequence",
+            "rollout_rs": "token",
+            "rollout_rs_upper": 3.0,
+            "loss_agg_mode": "seq_mean_token_mean",
+            "actor_version": 4,
+            "mismatch_max_token_log_ratio": 5.0,
+        },
+        seed=35,
+    )
     report = replay([source_of(case)])
     assert report.passed, report.render_text()
     assert {s.stage for s in report.stages} >= {"rollout.mismatch", "advantage.estimate", "loss.policy"}

@@ -27,11 +27,12 @@ def test_two_disjoint_ranks_plan_one_cohort_of_shards_and_loss_per_rank():
     (one,) = plan.passes
     assert [(p.source.rank, len(p.positions)) for p in one.parts] == [(0, 5), (1, 7)]
     assert one.label is None and one.copies == () and one.cohort_ranks == ((0,), (1,)) and one.cohort_skip == ""
-    assert [(p.stage.id, p.action) for p in plan.stages] == [(s, "run") for s in STAGES
-                                                             if s not in (StageId.LOSS_VALUE, StageId.ROLLOUT_MISMATCH)]
+    assert [(p.stage.id, p.action) for p in plan.stages] == [
+        (s, "run") for s in STAGES if s not in (StageId.LOSS_VALUE, StageId.ROLLOUT_MISMATCH)
+    ]
     assert plan.describe().splitlines()[0] == "bundle b-twelve ranks 0, 1: data-parallel"
     assert "pass 1: samples rank 0: 5/5, rank 1: 7/7; verdicts once; cohort-level stages for ranks 0, 1" in str(plan)
-    assert all(s.loads == [] for s in sources)   # telling shards apart read no payload
+    assert all(s.loads == [] for s in sources)  # telling shards apart read no payload
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.layout = "single"
 
@@ -40,7 +41,7 @@ def test_a_partial_selection_plans_loss_policy_skipped_with_the_reason():
     plan = plan_replay([source_of(canonical_case(buggy=True))], Selection(samples=("s-2",)))
     (one,) = plan.passes
     assert plan.layout == "single" and one.cohort_skip == PARTIAL_SELECTION
-    assert [p.positions for p in one.parts] == [(2, 3)]   # s-2 and its group partner s-3
+    assert [p.positions for p in one.parts] == [(2, 3)]  # s-2 and its group partner s-3
     assert f"cohort-level stages skipped ({PARTIAL_SELECTION})" in plan.describe()
     report = execute(plan)
     assert report.stage("loss.policy").status == "skipped" and report.stage("loss.policy").message == PARTIAL_SELECTION
@@ -85,7 +86,8 @@ def test_one_rank_of_a_data_parallel_bundle_reports_the_cohort_stage_for_that_ra
 def test_stages_declared_recorded_only_are_planned_with_why():
     case = canonical_case(buggy=False)
     case.manifest.stage_contracts[StageId.REWARD_POST_PROCESS] = StageContract(
-        stage=StageId.REWARD_POST_PROCESS, capability=StageCapability.RECORDED_ONLY)
+        stage=StageId.REWARD_POST_PROCESS, capability=StageCapability.RECORDED_ONLY
+    )
     planned = {p.stage.id: p for p in plan_replay([source_of(case)]).stages}
     assert planned[StageId.REWARD_POST_PROCESS].action == "recorded"
     assert planned[StageId.REWARD_POST_PROCESS].reason.startswith("capability=recorded-only")
@@ -96,7 +98,7 @@ def test_refusals_are_raised_by_the_plan_before_anything_is_loaded():
     with pytest.raises(SelectionError, match="no sample 's-9'"):
         plan_replay(sources, Selection(samples=("s-9",)))
     with pytest.raises(SelectionError, match="no sample 'q-0'"):
-        plan_replay(sources, Selection(samples=("q-0",)), rank=1)   # q-0 is rank 0's
+        plan_replay(sources, Selection(samples=("q-0",)), rank=1)  # q-0 is rank 0's
     sources[1].index.identity.rank.cp = 2
     with pytest.raises(UnsupportedError, match="cp=2"):
         plan_replay(sources)

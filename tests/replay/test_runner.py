@@ -23,20 +23,32 @@ def _divs(result):
 
 # --- the canonical case -----------------------------------------------------------------------------
 
+
 def test_canonical_correct_bundle_passes(canonical_source):
     report = replay([canonical_source(buggy=False, current_logprob=0.5)])
     assert report.passed and report.first_divergent_stage is None and report.exit_code == 0
-    assert [s.stage for s in report.stages] == ["sample", "reward.raw", "reward.post_process", "advantage.kl",
-                                                "advantage.estimate", "loss.policy"]
+    assert [s.stage for s in report.stages] == [
+        "sample",
+        "reward.raw",
+        "reward.post_process",
+        "advantage.kl",
+        "advantage.estimate",
+        "loss.policy",
+    ]
     assert all(s.rank is None for s in report.stages)
 
 
 def test_canonical_bug_with_ratio_one_names_reward_post_process(canonical_source):
     report = replay([canonical_source(buggy=True)])
     assert report.first_divergent_stage == "reward.post_process" and report.exit_code == 1
-    assert _statuses(report) == {("sample", None): "pass", ("reward.raw", None): "pass",
-                                 ("reward.post_process", None): "fail", ("advantage.kl", None): "pass",
-                                 ("advantage.estimate", None): "fail", ("loss.policy", None): "pass"}
+    assert _statuses(report) == {
+        ("sample", None): "pass",
+        ("reward.raw", None): "pass",
+        ("reward.post_process", None): "fail",
+        ("advantage.kl", None): "pass",
+        ("advantage.estimate", None): "fail",
+        ("loss.policy", None): "pass",
+    }
     post = report.stage("reward.post_process")
     assert post.mismatch_count == 4 and len(post.divergences) == 4 and post.max_abs_error == 4.5
     assert _divs(post)[0] == ("reward", "s-0", None, -5.5, -1.0, 4.5)
@@ -64,11 +76,18 @@ def test_canonical_bug_with_ratio_e_half_fails_loss_policy_too(canonical_source)
 def test_json_report_of_the_canonical_bug(canonical_source):
     data = json.loads(replay([canonical_source(buggy=True)]).to_json())
     assert data["passed"] is False and data["first_divergent_stage"] == "reward.post_process"
-    assert data["stages"][2]["divergences"][0] == {"field": "reward", "sample_id": "s-0", "token_offset": None,
-                                                   "expected": -5.5, "actual": -1.0, "abs_error": 4.5}
+    assert data["stages"][2]["divergences"][0] == {
+        "field": "reward",
+        "sample_id": "s-0",
+        "token_offset": None,
+        "expected": -5.5,
+        "actual": -1.0,
+        "abs_error": 4.5,
+    }
 
 
 # --- the 12-sample case ---------------------------------------------------------------------------
+
 
 def test_twelve_sample_case_passes():
     report = replay([source_of(twelve_case())])
@@ -76,12 +95,15 @@ def test_twelve_sample_case_passes():
     assert len(report.stages) == 6
 
 
-@pytest.mark.parametrize("payload, sample, offset, stage, field", [
-    ("kl", 4, 3, "advantage.kl", "kl"),
-    ("advantages", 9, 2, "advantage.estimate", "advantages"),
-    ("old_log_probs", 2, 1, "advantage.kl", "kl"),
-    ("ref_log_probs", 11, 2, "advantage.kl", "kl"),
-])
+@pytest.mark.parametrize(
+    "payload, sample, offset, stage, field",
+    [
+        ("kl", 4, 3, "advantage.kl", "kl"),
+        ("advantages", 9, 2, "advantage.estimate", "advantages"),
+        ("old_log_probs", 2, 1, "advantage.kl", "kl"),
+        ("ref_log_probs", 11, 2, "advantage.kl", "kl"),
+    ],
+)
 def test_a_single_token_fault_is_located(payload, sample, offset, stage, field):
     manifest, index, expected, payloads = twelve_case()
     faulty = payloads[payload].clone()
@@ -113,17 +135,21 @@ def test_a_loss_mask_fault_shows_at_the_sample_stage():
     assert _divs(report.stage("sample")) == [("loss_mask", "q-4", 1, 1.0, 0.0, 1.0)]
 
 
-@pytest.mark.parametrize("stage, key, position, field", [
-    ("reward.raw", "raw_rewards", 5, "raw_reward"),
-    ("reward.post_process", "rewards", 7, "reward"),
-])
+@pytest.mark.parametrize(
+    "stage, key, position, field",
+    [
+        ("reward.raw", "raw_rewards", 5, "raw_reward"),
+        ("reward.post_process", "rewards", 7, "reward"),
+    ],
+)
 def test_a_per_sample_expected_fault_is_located(stage, key, position, field):
     manifest, index, expected, payloads = twelve_case()
     expected[stage][key][position] += 0.25
     report = replay([source_of((manifest, index, expected, payloads))])
     assert report.first_divergent_stage == stage
     assert [(d.field, d.sample_id, d.token_offset) for d in report.stage(stage).divergences] == [
-        (field, f"q-{position}", None)]
+        (field, f"q-{position}", None)
+    ]
 
 
 @pytest.mark.parametrize("field", ["loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl"])
@@ -192,14 +218,17 @@ def test_missing_expected_list_fails():
 
 # --- structural failures ----------------------------------------------------------------------------
 
+
 def test_null_group_index_fails_post_process_and_estimate_says_why():
     case = canonical_case(buggy=False)
     case.index.samples[2].group_index = None
     report = replay([source_of(case)])
     assert report.first_divergent_stage == "reward.post_process"
     assert report.stage("reward.post_process").message == "sample s-2 has no group_index"
-    assert "needs rewards from upstream stage reward.post_process, which produced none" in \
-        report.stage("advantage.estimate").message
+    assert (
+        "needs rewards from upstream stage reward.post_process, which produced none"
+        in report.stage("advantage.estimate").message
+    )
 
 
 def test_wrong_group_size_fails():
@@ -207,15 +236,19 @@ def test_wrong_group_size_fails():
     case.index.samples[2].group_index = 0
     report = replay([source_of(case)])
     assert report.stage("reward.post_process").message == (
-        "reward group g-0 has 3 samples, expected 2; reward group g-1 has 1 samples, expected 2")
+        "reward group g-0 has 3 samples, expected 2; reward group g-1 has 1 samples, expected 2"
+    )
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda r: setattr(r, "response_length", -1), "sample s-1: response_length -1, total_length 3"),
-    (lambda r: setattr(r, "total_length", 1), "sample s-1: response_length 2, total_length 1"),
-    (lambda r: setattr(r, "loss_mask", [1, 1, 1]), "sample s-1: loss_mask has 3 values, response_length 2"),
-    (lambda r: setattr(r, "sample_id", "s-0"), "duplicate sample ids: s-0"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda r: setattr(r, "response_length", -1), "sample s-1: response_length -1, total_length 3"),
+        (lambda r: setattr(r, "total_length", 1), "sample s-1: response_length 2, total_length 1"),
+        (lambda r: setattr(r, "loss_mask", [1, 1, 1]), "sample s-1: loss_mask has 3 values, response_length 2"),
+        (lambda r: setattr(r, "sample_id", "s-0"), "duplicate sample ids: s-0"),
+    ],
+)
 def test_sample_stage_record_checks(mutate, message):
     case = canonical_case(buggy=False)
     payloads = dict(case.payloads, loss_mask=torch.ones(8, dtype=torch.uint8))
@@ -256,14 +289,14 @@ def test_a_missing_input_payload_fails_the_stage_naming_it():
 
 def test_a_loss_only_bundle_uses_the_advantages_payload():
     case = canonical_case(buggy=True, current_logprob=0.5)
-    contracts = {s: c for s, c in case.manifest.stage_contracts.items()
-                 if s in (StageId.SAMPLE, StageId.LOSS_POLICY)}
+    contracts = {s: c for s, c in case.manifest.stage_contracts.items() if s in (StageId.SAMPLE, StageId.LOSS_POLICY)}
     manifest = case.manifest.model_copy(update={"stage_contracts": contracts})
     report = replay([source_of((manifest, case.index, case.expected, case.payloads))])
     assert report.passed and [s.stage for s in report.stages] == ["sample", "loss.policy"]
 
 
 # --- capability matrix --------------------------------------------------------------------------
+
 
 def test_unsupported_estimator_fails_loudly():
     case = canonical_case(buggy=False)
@@ -301,8 +334,9 @@ def test_a_loss_value_contract_without_its_payloads_is_unsupported_and_names_the
     assert replay([source], stages=["advantage.estimate"]).passed
 
 
-@pytest.mark.parametrize("capability", [StageCapability.UNSUPPORTED, StageCapability.INSPECT_ONLY,
-                                        StageCapability.RECORDED_ONLY])
+@pytest.mark.parametrize(
+    "capability", [StageCapability.UNSUPPORTED, StageCapability.INSPECT_ONLY, StageCapability.RECORDED_ONLY]
+)
 def test_a_stage_the_bundle_declares_not_replayable_is_skipped_with_its_capability(capability):
     """The older tool's capture declares loss.value unsupported in every bundle: that must not fail a clean one."""
     case = canonical_case(buggy=False)
@@ -365,13 +399,21 @@ def test_a_skipped_upstream_hands_its_recorded_values_to_the_stage_after_it(capa
     case = canonical_case(buggy=False)
     advantages = case.payloads["advantages"].clone()
     advantages[5] = 3.0  # s-2 token 1: the stage after the skipped one still finds it
-    report = replay([_with_contract(case._replace(payloads={**case.payloads, "advantages": advantages}),
-                                    StageId.REWARD_POST_PROCESS, capability)])
+    report = replay(
+        [
+            _with_contract(
+                case._replace(payloads={**case.payloads, "advantages": advantages}),
+                StageId.REWARD_POST_PROCESS,
+                capability,
+            )
+        ]
+    )
     assert report.first_divergent_stage == "advantage.estimate"
     assert _divs(report.stage("advantage.estimate"))[0][:3] == ("advantages", "s-2", 1)
 
 
 # --- --stage closure ----------------------------------------------------------------------------
+
 
 def test_stage_selection_runs_its_contracted_dependencies_and_names_the_upstream_bug():
     report = replay([canonical_source_of(buggy=True)], stages=["advantage.estimate"])
@@ -402,6 +444,7 @@ def canonical_source_of(buggy=False, current_logprob=0.0):
 
 
 # --- selection through the runner ------------------------------------------------------------------
+
 
 def test_partial_selection_runs_the_subset_and_skips_loss_policy():
     report = replay([canonical_source_of(buggy=True)], samples=["s-2"])
@@ -437,6 +480,7 @@ def test_tolerance_overrides_reach_the_comparison():
 
 # --- lazy loading -------------------------------------------------------------------------------
 
+
 def test_partial_selection_loads_only_closure_rows():
     source = source_of(twelve_case())
     replay([source], groups=["g-1"])
@@ -467,6 +511,7 @@ def test_stage_post_process_loads_only_the_loss_mask():
 
 
 # --- multi-rank ---------------------------------------------------------------------------------
+
 
 def _replicas(case, n=2):
     return [source_of(case, rank=r) for r in range(n)]
@@ -510,7 +555,7 @@ def test_rank_local_ids_with_other_groups_are_normalized_within_their_rank():
 def test_rank_local_ids_in_another_order_are_replayed_as_recorded():
     case = canonical_case(buggy=False)
     other = canonical_case(buggy=False)
-    other.index.samples.reverse()   # the rank's records no longer line up with its expected lists
+    other.index.samples.reverse()  # the rank's records no longer line up with its expected lists
     report = replay([source_of(case, rank=0), source_of(other, rank=1)])
     assert report.stage("reward.raw", rank=0).status == "pass"
     assert report.stage("reward.raw", rank=1).status == "fail"
@@ -522,18 +567,23 @@ def test_a_fault_in_the_third_of_three_rank_local_shards_fails_the_replay():
         for record in case.index.samples:
             record.micro_batch_id = f"mb-{r}"
     advantages = cases[2].payloads["advantages"].clone()
-    advantages[6] = 5.0   # s-3 token 0
-    sources = [source_of(c, rank=r) for r, c in enumerate(cases[:2])] + [source_of(cases[2], rank=2,
-                                                                                   advantages=advantages)]
+    advantages[6] = 5.0  # s-3 token 0
+    sources = [source_of(c, rank=r) for r, c in enumerate(cases[:2])] + [
+        source_of(cases[2], rank=2, advantages=advantages)
+    ]
     report = replay(sources)
     assert not report.passed and report.first_divergent_stage == "advantage.estimate"
     assert [(r.stage, r.rank) for r in report.stages if r.failed] == [("advantage.estimate", 2)]
     assert _divs(report.stage("advantage.estimate", rank=2))[0][:3] == ("advantages", "s-3", 0)
-    assert [(r.rank, r.status) for r in report.stages if r.stage == "loss.policy"] == [(0, "pass"), (1, "pass"),
-                                                                                      (2, "pass")]
-    fresh = [source_of(c, rank=r) for r, c in enumerate(cases[:2])] + [source_of(cases[2], rank=2,
-                                                                                 advantages=advantages)]
-    alone = replay(fresh, rank=2)   # the rank by itself: its own data, nothing of the others
+    assert [(r.rank, r.status) for r in report.stages if r.stage == "loss.policy"] == [
+        (0, "pass"),
+        (1, "pass"),
+        (2, "pass"),
+    ]
+    fresh = [source_of(c, rank=r) for r, c in enumerate(cases[:2])] + [
+        source_of(cases[2], rank=2, advantages=advantages)
+    ]
+    alone = replay(fresh, rank=2)  # the rank by itself: its own data, nothing of the others
     assert alone.first_divergent_stage == "advantage.estimate" and fresh[0].loads == fresh[1].loads == []
 
 
@@ -541,8 +591,7 @@ def test_replicas_among_rank_local_shards_are_reported_for_every_rank():
     same = canonical_case(buggy=False)
     other = canonical_case(buggy=False)
     other.expected["reward.post_process"]["rewards"] = [-5.5, -3.5, 3.5, 5.5]
-    report = replay([source_of(same, rank=0), source_of(canonical_case(buggy=False), rank=1),
-                     source_of(other, rank=2)])
+    report = replay([source_of(same, rank=0), source_of(canonical_case(buggy=False), rank=1), source_of(other, rank=2)])
     post = [(s.rank, s.status) for s in report.stages if s.stage == "reward.post_process"]
     assert post == [(0, "pass"), (1, "pass"), (2, "fail")]
     assert report.stage("reward.post_process", rank=1).message.endswith("(data identical to rank 0)")
@@ -557,8 +606,10 @@ def test_selection_over_rank_local_ids_selects_in_each_rank():
     report = replay(sources, samples=["s-0"])
     assert report.stage("reward.post_process", rank=0).status == "pass"
     assert report.stage("reward.post_process", rank=1).status == "fail"
-    assert {(s.stage, s.rank) for s in report.stages if s.stage == "loss.policy"} == {("loss.policy", 0),
-                                                                                      ("loss.policy", 1)}
+    assert {(s.stage, s.rank) for s in report.stages if s.stage == "loss.policy"} == {
+        ("loss.policy", 0),
+        ("loss.policy", 1),
+    }
     assert all(s.status == "skipped" for s in report.stages if s.stage == "loss.policy")
     only_rank_1 = replay(sources, batches=["mb-0042"])
     assert {s.rank for s in only_rank_1.stages} == {1}
@@ -571,8 +622,14 @@ def test_data_parallel_ranks_form_one_cohort_and_loss_runs_per_rank():
     report = replay([source_of(shard, rank=r) for r, shard in enumerate(shards)])
     assert report.passed, report.render_text()
     assert [(s.stage, s.rank) for s in report.stages] == [
-        ("sample", None), ("reward.raw", None), ("reward.post_process", None), ("advantage.kl", None),
-        ("advantage.estimate", None), ("loss.policy", 0), ("loss.policy", 1)]
+        ("sample", None),
+        ("reward.raw", None),
+        ("reward.post_process", None),
+        ("advantage.kl", None),
+        ("advantage.estimate", None),
+        ("loss.policy", 0),
+        ("loss.policy", 1),
+    ]
 
 
 def test_data_parallel_divergence_is_located_in_its_rank():
@@ -600,9 +657,9 @@ def test_data_parallel_partial_selection_closes_over_a_group_split_across_ranks(
 def test_one_rank_of_a_data_parallel_bundle_closes_its_groups_over_the_other_ranks():
     """Replaying rank r alone: its groups' members on other ranks join the group-level stages (a group split
     across ranks is normalized over all of its members), and loss.policy runs for rank r only."""
-    shards = split_ranks(twelve_case(), [range(0, 6), range(6, 12)])   # every group has members on both ranks
+    shards = split_ranks(twelve_case(), [range(0, 6), range(6, 12)])  # every group has members on both ranks
     sources = [source_of(shard, rank=r) for r, shard in enumerate(shards)]
-    alone = replay([sources[1]])   # the rank's rows by themselves: groups are incomplete
+    alone = replay([sources[1]])  # the rank's rows by themselves: groups are incomplete
     assert alone.first_divergent_stage == "reward.post_process"
     report = replay(sources, rank=1)
     assert report.passed, report.render_text()
@@ -612,7 +669,7 @@ def test_one_rank_of_a_data_parallel_bundle_closes_its_groups_over_the_other_ran
 
 def test_one_rank_finds_a_divergence_in_its_group_on_another_rank():
     shards = split_ranks(twelve_case(), [range(0, 6), range(6, 12)])
-    shards[0].expected["reward.post_process"]["rewards"][0] += 1.0   # q-0, in group 2 with q-8 and q-11 (rank 1)
+    shards[0].expected["reward.post_process"]["rewards"][0] += 1.0  # q-0, in group 2 with q-8 and q-11 (rank 1)
     sources = [source_of(shard, rank=r) for r, shard in enumerate(shards)]
     report = replay(sources, rank=1)
     assert report.first_divergent_stage == "reward.post_process"
@@ -623,10 +680,10 @@ def test_one_rank_selection_picks_among_its_own_samples():
     shards = split_ranks(twelve_case(), [range(0, 6), range(6, 12)])
     sources = [source_of(shard, rank=r) for r, shard in enumerate(shards)]
     with pytest.raises(SelectionError, match="no sample 'q-0'"):
-        replay(sources, rank=1, samples=["q-0"])   # q-0 is rank 0's
-    report = replay(sources, rank=1, samples=["q-8"])   # group 2: q-8, q-11 here, q-0, q-4 on rank 0
+        replay(sources, rank=1, samples=["q-0"])  # q-0 is rank 0's
+    report = replay(sources, rank=1, samples=["q-8"])  # group 2: q-8, q-11 here, q-0, q-4 on rank 0
     assert report.stage("reward.post_process").status == "pass"
-    assert report.stage("loss.policy").status == "skipped"   # not all of rank 1's samples
+    assert report.stage("loss.policy").status == "skipped"  # not all of rank 1's samples
     with pytest.raises(BundleError, match="has no rank 7"):
         replay(sources, rank=7)
 
@@ -651,13 +708,20 @@ def test_ranks_of_different_bundles_are_an_error():
         replay([canonical_source_of(buggy=False), source_of(canonical_case(buggy=True), rank=1)])
 
 
-@pytest.mark.parametrize("config, kept", [
-    ({"kl_coef": 0.1}, {"old_log_probs", "log_probs", "entropy", "advantages", "loss_mask"}),
-    ({"kl_coef": 0.1, "kl_loss_coef": 0.01}, {"old_log_probs", "log_probs", "entropy", "advantages", "loss_mask",
-                                               "ref_log_probs"}),
-    ({"kl_coef": 0.1, "kl_in_reward": True, "advantage_estimator": "reinforce_plus_plus"},
-     {"old_log_probs", "log_probs", "entropy", "advantages", "loss_mask", "kl"}),
-])
+@pytest.mark.parametrize(
+    "config, kept",
+    [
+        ({"kl_coef": 0.1}, {"old_log_probs", "log_probs", "entropy", "advantages", "loss_mask"}),
+        (
+            {"kl_coef": 0.1, "kl_loss_coef": 0.01},
+            {"old_log_probs", "log_probs", "entropy", "advantages", "loss_mask", "ref_log_probs"},
+        ),
+        (
+            {"kl_coef": 0.1, "kl_in_reward": True, "advantage_estimator": "reinforce_plus_plus"},
+            {"old_log_probs", "log_probs", "entropy", "advantages", "loss_mask", "kl"},
+        ),
+    ],
+)
 def test_after_advantage_kl_the_payloads_no_later_stage_reads_under_the_config_are_let_go(config, kept):
     """The reference log-probs and the recorded KL stay loaded only while a later stage can read them under the
     config (a KL loss term; the KL in the token rewards), not whenever some config could."""

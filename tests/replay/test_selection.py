@@ -8,8 +8,18 @@ from trajectory_replay.replay.selection import Selection, resolve_selection
 
 GROUPS = [0, 1, 0, None, 2, 1, 2, 0]
 BATCHES = ["mb-0001", "mb-0001", "mb-0002", "mb-0002", "mb-0003", None, "mb-0003", "mb-0003"]
-RECORDS = [SampleRecord(sample_id=f"s-{i}", group_index=g, response_length=1, total_length=2, raw_reward=0.0,
-                        reward=0.0, micro_batch_id=b) for i, (g, b) in enumerate(zip(GROUPS, BATCHES))]
+RECORDS = [
+    SampleRecord(
+        sample_id=f"s-{i}",
+        group_index=g,
+        response_length=1,
+        total_length=2,
+        raw_reward=0.0,
+        reward=0.0,
+        micro_batch_id=b,
+    )
+    for i, (g, b) in enumerate(zip(GROUPS, BATCHES))
+]
 
 
 def _closure(**kw):
@@ -48,13 +58,16 @@ def test_a_selection_covering_everything_is_not_partial():
     assert not _closure(groups=["g-0", "g-1", "g-2"], samples=["s-3"]).partial
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"samples": ["s-99"]}, "no sample 's-99'"),
-    ({"groups": ["g-9"]}, "no group 'g-9'"),
-    ({"groups": ["0"]}, "no group '0'"),
-    ({"batches": ["mb-0009"]}, "no batch 'mb-0009'"),
-    ({"samples": ["s-0", "s-42"]}, "no sample 's-42'"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"samples": ["s-99"]}, "no sample 's-99'"),
+        ({"groups": ["g-9"]}, "no group 'g-9'"),
+        ({"groups": ["0"]}, "no group '0'"),
+        ({"batches": ["mb-0009"]}, "no batch 'mb-0009'"),
+        ({"samples": ["s-0", "s-42"]}, "no sample 's-42'"),
+    ],
+)
 def test_any_miss_fails_closed(kw, message):
     with pytest.raises(SelectionError, match=message):
         _closure(**kw)

@@ -16,11 +16,22 @@ from tests.replay.cases import GROUPS, LENGTHS, MASKS, RAW
 from trajectory_replay.bundle import BundleWriter, open_sources
 from trajectory_replay.bundle.schema import RecomputeConfig, StageId
 from trajectory_replay.bundle.stage_io import (
-    BUILTIN_ESTIMATOR_FLAGS, LOSS_MASK, RECORDED_PAYLOADS, STAGE_IO, EstimatorFlags, Setting, payloads_of,
+    BUILTIN_ESTIMATOR_FLAGS,
+    LOSS_MASK,
+    RECORDED_PAYLOADS,
+    STAGE_IO,
+    EstimatorFlags,
+    Setting,
+    payloads_of,
 )
 from trajectory_replay.capture import hooks
 from trajectory_replay.capture.records import (
-    Columns, MicroBatch, Provenance, RolloutRecord, StepRecord, bundle_payloads,
+    Columns,
+    MicroBatch,
+    Provenance,
+    RolloutRecord,
+    StepRecord,
+    bundle_payloads,
 )
 from trajectory_replay.errors import UnsupportedError
 from trajectory_replay.replay import flags
@@ -35,7 +46,7 @@ PLUGIN_MODULE = "acme_flag_kernels"
 PLUGINS = {"acme_values": EstimatorFlags(needs_values=True), "acme_kl": EstimatorFlags(reads_kl=True)}
 """The plugin estimators the test distribution registers, with the flags they declare."""
 
-PLUGIN_CODE = '''
+PLUGIN_CODE = """
 from trajectory_replay.replay import estimators
 from trajectory_replay.replay.registry import EstimatorKernel
 
@@ -43,7 +54,7 @@ ACME_VALUES = EstimatorKernel("acme_values", estimators.raw_rewards, estimators.
                               needs_values=True, whitened=True)
 ACME_KL = EstimatorKernel("acme_kl", estimators.raw_rewards, estimators.reinforce_plus_plus_advantages,
                           grouped=False, whitened=True, reads_kl=True)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +66,10 @@ def plugins(tmp_path_factory):
     info = site / "acme_flag_kernels-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-flag-kernels\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[trajectory_replay.kernels]\nacme_values = acme_flag_kernels:ACME_VALUES\n"
-                                           "acme_kl = acme_flag_kernels:ACME_KL\n")
+    (info / "entry_points.txt").write_text(
+        "[trajectory_replay.kernels]\nacme_values = acme_flag_kernels:ACME_VALUES\n"
+        "acme_kl = acme_flag_kernels:ACME_KL\n"
+    )
     sys.path.insert(0, str(site))
     importlib.invalidate_caches()
     yield site
@@ -69,8 +82,11 @@ def _kernel_configs() -> list[tuple[str, dict]]:
     """(kernel name, config fields that select it) for every built-in kernel and every plugin estimator."""
     out = []
     for name, kernel in BUILTIN.items():
-        field = {"EstimatorKernel": "advantage_estimator", "PolicyLossKernel": "policy_loss",
-                 "AggregationKernel": "loss_agg_mode"}[type(kernel).__name__]
+        field = {
+            "EstimatorKernel": "advantage_estimator",
+            "PolicyLossKernel": "policy_loss",
+            "AggregationKernel": "loss_agg_mode",
+        }[type(kernel).__name__]
         out.append((name, {field: name, **({"loss_scale_factor": 8} if name == "seq_mean_token_sum_norm" else {})}))
     return out + [(name, {"advantage_estimator": name}) for name in PLUGINS]
 
@@ -92,30 +108,53 @@ def _tokens(seed: int) -> torch.Tensor:
 
 def _columns() -> Columns:
     n = len(RAW)
-    return Columns(sample_ids=[f"s-{i}" for i in range(n)], group_index=GROUPS, response_lengths=LENGTHS,
-                   total_lengths=[x + 2 for x in LENGTHS], loss_masks=MASKS, raw_rewards=RAW, rewards=RAW,
-                   policy_versions=[3] * n)
+    return Columns(
+        sample_ids=[f"s-{i}" for i in range(n)],
+        group_index=GROUPS,
+        response_lengths=LENGTHS,
+        total_lengths=[x + 2 for x in LENGTHS],
+        loss_masks=MASKS,
+        raw_rewards=RAW,
+        rewards=RAW,
+        policy_versions=[3] * n,
+    )
 
 
 def _hook_payloads(hook) -> list[str]:
     """The payloads a capture hook takes by name: its tensor arguments."""
-    columns = {"sample_ids", "group_index", "response_lengths", "total_lengths", "loss_masks", "raw_rewards",
-               "rewards", "micro_batch_ids", "policy_versions"}
-    skip = columns | {"rollout_id", "step_id", "micro_batch_id", "config", "weight_lineage", "mismatch_metrics",
-                      "payloads"}
+    columns = {
+        "sample_ids",
+        "group_index",
+        "response_lengths",
+        "total_lengths",
+        "loss_masks",
+        "raw_rewards",
+        "rewards",
+        "micro_batch_ids",
+        "policy_versions",
+    }
+    skip = columns | {
+        "rollout_id",
+        "step_id",
+        "micro_batch_id",
+        "config",
+        "weight_lineage",
+        "mismatch_metrics",
+        "payloads",
+    }
     return [p for p in inspect.signature(hook).parameters if p not in skip]
 
 
 def _capture(config: RecomputeConfig, leave_out: str = ""):
     """The rollout- and step-level bundles capture builds when every hook argument is given (but `leave_out`)."""
     provenance = Provenance()
-    rollout = {name: _tokens(i) for i, name in enumerate(_hook_payloads(hooks.capture_rollout))
-               if name != leave_out}
-    step = {name: _tokens(i) for i, name in enumerate(_hook_payloads(hooks.capture_microbatch))
-            if name != leave_out}
+    rollout = {name: _tokens(i) for i, name in enumerate(_hook_payloads(hooks.capture_rollout)) if name != leave_out}
+    step = {name: _tokens(i) for i, name in enumerate(_hook_payloads(hooks.capture_microbatch)) if name != leave_out}
     scalars = {name: 0.5 for name in STAGE_IO[StageId.LOSS_POLICY].outputs + STAGE_IO[StageId.LOSS_VALUE].outputs}
-    return (RolloutRecord(1, _columns(), rollout, config, None, provenance).build(),
-            StepRecord(1, 0, (MicroBatch("mb-0", _columns(), step),), scalars, config, None, provenance).build())
+    return (
+        RolloutRecord(1, _columns(), rollout, config, None, provenance).build(),
+        StepRecord(1, 0, (MicroBatch("mb-0", _columns(), step),), scalars, config, None, provenance).build(),
+    )
 
 
 def _written(tmp_path: Path, parts) -> list:
@@ -155,7 +194,7 @@ def test_capture_writes_and_declares_what_replay_reads(plugins, tmp_path, kernel
             io = STAGE_IO[stage]
             assert contract.inputs == list(io.declared_inputs(setting)), (stage, contract.inputs)
             assert contract.expected_outputs == list(io.outputs_for(setting)), stage
-            for name in io.needed_payloads(setting):   # every payload the stage needs is written
+            for name in io.needed_payloads(setting):  # every payload the stage needs is written
                 assert name == LOSS_MASK or name in parts.payloads, (stage, name)
         # and nothing that no contracted stage reads
         assert set(parts.payloads) <= set(payloads_of(list(contracts))), parts.manifest.bundle_id
@@ -181,8 +220,9 @@ def test_a_missing_payload_the_estimator_reads_is_found_by_validate_and_the_plan
     problems = validate_sources(str(tmp_path), sources).problems
     assert any("advantage.estimate needs payload 'values'" in p for p in problems) == needs_values, problems
     if needs_values:
-        with pytest.raises(UnsupportedError, match=f"advantage_estimator={config.advantage_estimator} needs payload "
-                                                   "'values'"):
+        with pytest.raises(
+            UnsupportedError, match=f"advantage_estimator={config.advantage_estimator} needs payload 'values'"
+        ):
             plan_replay(sources)
     else:
         plan_replay(sources)

@@ -28,20 +28,41 @@ CONFIGS = {
     "grpo": {},
     "grpo-std-biased": {"grpo_std_normalization": True, "std_unbiased": False},
     "dr_grpo-seq-mean-token-mean": {"advantage_estimator": "dr_grpo", "loss_agg_mode": "seq_mean_token_mean"},
-    "rloo-token-mean-denominator": {"advantage_estimator": "rloo", "loss_agg_mode": "token_mean",
-                                    "loss_denominator": 80},
-    "rf++-kl-in-reward": {"advantage_estimator": "reinforce_plus_plus", "gamma": 0.9, "kl_coef": 0.1,
-                          "kl_in_reward": True},
+    "rloo-token-mean-denominator": {
+        "advantage_estimator": "rloo",
+        "loss_agg_mode": "token_mean",
+        "loss_denominator": 80,
+    },
+    "rf++-kl-in-reward": {
+        "advantage_estimator": "reinforce_plus_plus",
+        "gamma": 0.9,
+        "kl_coef": 0.1,
+        "kl_in_reward": True,
+    },
     "rf++-baseline": {"advantage_estimator": "reinforce_plus_plus_baseline"},
-    "gae-value": {"advantage_estimator": "gae", "gamma": 0.99, "lam": 0.95, "kl_coef": 0.05, "kl_in_reward": True,
-                  "cliprange_value": 0.2},
+    "gae-value": {
+        "advantage_estimator": "gae",
+        "gamma": 0.99,
+        "lam": 0.95,
+        "kl_coef": 0.05,
+        "kl_in_reward": True,
+        "cliprange_value": 0.2,
+    },
     "gspo-seq-mean-token-sum": {"policy_loss": "gspo", "loss_agg_mode": "seq_mean_token_sum"},
     "cispo-norm": {"policy_loss": "cispo", "loss_agg_mode": "seq_mean_token_sum_norm", "loss_scale_factor": 8},
     "dual-clip-kl-loss": {"eps_clip_c": 3.0, "kl_loss_coef": 0.1, "kl_loss_estimator": "low_var_kl"},
-    "rollout-is-token-rs-sequence": {"rollout_is": "token", "rollout_rs": "sequence", "rollout_rs_lower": 0.5,
-                                     "rollout_rs_upper": 2.0, "loss_agg_mode": "token_mean"},
-    "rollout-is-sequence-ceilings": {"rollout_is": "sequence", "mismatch_max_token_log_ratio": 0.5,
-                                     "mismatch_max_kl_k3": 0.001},
+    "rollout-is-token-rs-sequence": {
+        "rollout_is": "token",
+        "rollout_rs": "sequence",
+        "rollout_rs_lower": 0.5,
+        "rollout_rs_upper": 2.0,
+        "loss_agg_mode": "token_mean",
+    },
+    "rollout-is-sequence-ceilings": {
+        "rollout_is": "sequence",
+        "mismatch_max_token_log_ratio": 0.5,
+        "mismatch_max_kl_k3": 0.001,
+    },
     "on-policy": {"expect_on_policy": True},
 }
 
@@ -52,8 +73,12 @@ def _both(sources: list, **options: Any) -> tuple[dict, dict]:
     streamed = replay(sources, block_tokens=SMALL, **options)
 
     def as_dict(report) -> dict:
-        return {"report": report.to_dict(), "evidence": [s.evidence for s in report.stages],
-                "metrics": [s.metrics for s in report.stages]}
+        return {
+            "report": report.to_dict(),
+            "evidence": [s.evidence for s in report.stages],
+            "metrics": [s.metrics for s in report.stages],
+        }
+
     return as_dict(whole), as_dict(streamed)
 
 
@@ -78,8 +103,11 @@ def test_streamed_replay_equals_the_replay_in_one_block(config):
     assert streamed == whole
 
 
-@pytest.mark.parametrize("config", [CONFIGS["grpo"], CONFIGS["gae-value"], CONFIGS["rf++-kl-in-reward"],
-                                    CONFIGS["rollout-is-token-rs-sequence"]], ids=["grpo", "gae", "rf++", "rollout-is"])
+@pytest.mark.parametrize(
+    "config",
+    [CONFIGS["grpo"], CONFIGS["gae-value"], CONFIGS["rf++-kl-in-reward"], CONFIGS["rollout-is-token-rs-sequence"]],
+    ids=["grpo", "gae", "rf++", "rollout-is"],
+)
 def test_streamed_faults_are_found_at_the_same_stage_sample_and_token(config):
     case = algorithm_case(config, seed=3)
     late = token_position(case.index, 10, token_with_mask(case.index, 10))
@@ -98,7 +126,7 @@ def test_streamed_faults_are_found_at_the_same_stage_sample_and_token(config):
 def test_streamed_advantage_faults_keep_their_evidence_and_order():
     case = algorithm_case({"grpo_std_normalization": True}, seed=5)
     faulty = case
-    for sample in (11, 0, 6, 3):   # written out of order, across blocks
+    for sample in (11, 0, 6, 3):  # written out of order, across blocks
         faulty = _with_payload(faulty, "advantages", token_position(case.index, sample, 0), 1.0)
     whole, streamed = _both([source_of(faulty)])
     assert streamed == whole
@@ -122,14 +150,14 @@ def test_a_block_holds_whole_groups_and_reads_only_its_rows():
     case = algorithm_case({}, seed=1)
     source = source_of(case)
     blocks = _blocks_of(source)
-    assert len(blocks) == len(set(GROUPS))   # the groups of 4 members each exceed SMALL tokens: one a block
+    assert len(blocks) == len(set(GROUPS))  # the groups of 4 members each exceed SMALL tokens: one a block
     for block in blocks:
         groups = {r.group_index for r in block.cohort.records}
         members = [i for i, g in enumerate(GROUPS) if g in groups]
-        assert block.index.tolist() == members   # every member of its groups, in cohort order
+        assert block.index.tolist() == members  # every member of its groups, in cohort order
     assert replay([source], block_tokens=SMALL).passed
     read = {rows for _, rows in source.loads if rows is not None}
-    assert read   # every read is of some rows, and those rows are whole groups
+    assert read  # every read is of some rows, and those rows are whole groups
     for rows in read:
         groups = {GROUPS[i] for i in rows}
         assert set(rows) == {i for i, g in enumerate(GROUPS) if g in groups}
@@ -239,7 +267,7 @@ def _recorded_reads(tmp_path, monkeypatch, helper: bool) -> tuple[list[str], lis
         time.sleep(0.02)
         return per_part(self, *args, **kwargs)
 
-    sources, rank = open_for_replay(str(tmp_path / "b"))   # the manifest and index: read here, before the replay
+    sources, rank = open_for_replay(str(tmp_path / "b"))  # the manifest and index: read here, before the replay
     monkeypatch.setattr(LocalBackend, "read_into", recording)
     monkeypatch.setattr(reading_process.ReadingProcess, "read", asking)
     monkeypatch.setattr(runner._PassRunner, "_per_part", slow)
@@ -268,8 +296,9 @@ def test_without_a_reading_process_the_thread_ahead_reads_a_local_bundle_on_its_
     assert here and {name.split("_")[0] for name in here} == {"replay-ahead"}, set(here)
 
 
-def test_with_one_cpu_free_a_streamed_replay_reads_and_computes_on_the_callers_thread_alone(tmp_path, monkeypatch,
-                                                                                          cpus):
+def test_with_one_cpu_free_a_streamed_replay_reads_and_computes_on_the_callers_thread_alone(
+    tmp_path, monkeypatch, cpus
+):
     """With one CPU free, a thread ahead, a reading process or a pool of readers would only take turns with the
     kernels on it: every chunk is read and hashed on the caller's thread, and the kernels run on one thread."""
     import threading
@@ -280,16 +309,19 @@ def test_with_one_cpu_free_a_streamed_replay_reads_and_computes_on_the_callers_t
     from trajectory_replay.replay import runner
 
     cpus(2)
-    monkeypatch.setenv(THREADS_ENV, "1")   # torch would run two threads: one CPU is free
-    seen = []   # (thread, torch's threads) of every stage computation
+    monkeypatch.setenv(THREADS_ENV, "1")  # torch would run two threads: one CPU is free
+    seen = []  # (thread, torch's threads) of every stage computation
     compute = runner._PassRunner._compute
-    monkeypatch.setattr(runner._PassRunner, "_compute", lambda *a: (
-        seen.append((threading.current_thread().name, torch.get_num_threads())), compute(*a))[1])
+    monkeypatch.setattr(
+        runner._PassRunner,
+        "_compute",
+        lambda *a: (seen.append((threading.current_thread().name, torch.get_num_threads())), compute(*a))[1],
+    )
     before = torch.get_num_threads()
     here, asked = _recorded_reads(tmp_path, monkeypatch, helper=True)
     assert asked == [] and here and set(here) == {threading.main_thread().name}, set(here)
     assert seen and set(seen) == {(threading.main_thread().name, 1)}, set(seen)
-    assert torch.get_num_threads() == before == 2   # given back after the pass
+    assert torch.get_num_threads() == before == 2  # given back after the pass
 
 
 def _stage_threads(monkeypatch) -> list[tuple[str, str]]:
@@ -328,8 +360,7 @@ def test_the_thread_ahead_and_the_caller_share_each_blocks_stages_and_agree(monk
     seen = _stage_threads(monkeypatch)
     if slow == "losses":
         per_part = runner._PassRunner._per_part
-        monkeypatch.setattr(runner._PassRunner, "_per_part",
-                            lambda *a, **k: (time.sleep(0.02), per_part(*a, **k))[1])
+        monkeypatch.setattr(runner._PassRunner, "_per_part", lambda *a, **k: (time.sleep(0.02), per_part(*a, **k))[1])
     else:
         read = runner._read
         monkeypatch.setattr(runner, "_read", lambda *a, **k: (time.sleep(0.05), read(*a, **k))[1])
@@ -338,11 +369,12 @@ def test_the_thread_ahead_and_the_caller_share_each_blocks_stages_and_agree(monk
     here = {stage for stage, thread in seen if not thread.startswith("replay-ahead")}
     if slow == "losses":
         assert {"advantage.kl", "advantage.estimate"} <= ahead, seen
-        assert "loss.policy" not in ahead   # cohort-level stages run on the caller's thread only
+        assert "loss.policy" not in ahead  # cohort-level stages run on the caller's thread only
     else:
         # the first block runs here anyway; every later one is taken over as soon as its read is done
-        assert sum(1 for stage, thread in seen if stage == "advantage.estimate"
-                   and not thread.startswith("replay-ahead")) == len(_blocks_of(sources[0]))
+        assert sum(
+            1 for stage, thread in seen if stage == "advantage.estimate" and not thread.startswith("replay-ahead")
+        ) == len(_blocks_of(sources[0]))
         assert "advantage.estimate" in here
 
 
@@ -370,4 +402,4 @@ def test_a_failure_on_the_thread_ahead_surfaces_in_the_replay_and_leaves_no_thre
     with pytest.raises(IntegrityError, match=last.digest):
         replay(sources, rank=rank, block_tokens=1 << 16)
     assert not [t for t in threading.enumerate() if t.name.startswith("replay-ahead")]
-    assert reading_process._active is None   # and no reading process: it ended with the pass
+    assert reading_process._active is None  # and no reading process: it ended with the pass

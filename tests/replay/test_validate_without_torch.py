@@ -47,10 +47,10 @@ def _bundle_with_non_finite_values(root: Path) -> str:
     url = f"{root}/{case.manifest.bundle_id}"
     payloads = dict(case.payloads)
     entropy = payloads["entropy"].clone()
-    entropy[5] = float("nan")   # s-2 token 1 (two tokens per sample)
+    entropy[5] = float("nan")  # s-2 token 1 (two tokens per sample)
     payloads["entropy"] = entropy
     ref = payloads["ref_log_probs"].to(torch.bfloat16)
-    ref[2] = float("-inf")   # s-1 token 0
+    ref[2] = float("-inf")  # s-1 token 0
     payloads["ref_log_probs"] = ref
     writer = BundleWriter(url, case.manifest, case.index, case.expected)
     for name, tensor in payloads.items():
@@ -79,7 +79,7 @@ def test_validate_of_a_native_bundle_runs_without_torch_and_locates_non_finite_v
     report, outcome = _validate_without_torch(url)
     assert outcome == {"code": 0, "torch": False}
     assert report["status"] == "pass" and report["problems"] == []
-    assert report["payloads_checked"] == 7   # the six of the canonical case and the loss mask
+    assert report["payloads_checked"] == 7  # the six of the canonical case and the loss mask
     assert report["warnings"] == [
         "b-00001: payload 'entropy' has 1 non-finite value(s); first nan at s-2 token 1",
         "b-00001: payload 'ref_log_probs' has 1 non-finite value(s); first -inf at s-1 token 0",

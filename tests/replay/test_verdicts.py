@@ -21,8 +21,10 @@ runner = CliRunner()
 def _all_unsupported(case):
     """`case` with every contracted stage declared unsupported, as a capture of an algorithm replay lacks does."""
     manifest = case.manifest
-    contracts = {stage: StageContract(stage=stage, version=c.version, capability=StageCapability.UNSUPPORTED)
-                 for stage, c in manifest.stage_contracts.items()}
+    contracts = {
+        stage: StageContract(stage=stage, version=c.version, capability=StageCapability.UNSUPPORTED)
+        for stage, c in manifest.stage_contracts.items()
+    }
     return manifest.model_copy(update={"stage_contracts": contracts})
 
 
@@ -33,8 +35,11 @@ def test_a_bundle_whose_every_stage_is_unsupported_is_not_a_pass():
     assert report.first_divergent_stage is None and report.compared == 0
     assert "every stage was skipped: capability=unsupported" in report.unsupported_reason
     assert report.to_dict()["reason"] == report.unsupported_reason
-    assert report.render_text().splitlines()[0].startswith(f"bundle {case.index.bundle_id} — unsupported: nothing "
-                                                           "compared (every stage was skipped")
+    assert (
+        report.render_text()
+        .splitlines()[0]
+        .startswith(f"bundle {case.index.bundle_id} — unsupported: nothing compared (every stage was skipped")
+    )
 
 
 def test_a_clean_replay_counts_what_it_compared():
@@ -46,8 +51,9 @@ def test_a_clean_replay_counts_what_it_compared():
 def test_an_older_format_capture_of_an_unsupported_algorithm_exits_1_with_the_reason(tmp_path):
     """The older tool declares every stage unsupported in a capture of an algorithm it cannot replay (ppo)."""
     case = tool_case(capabilities={s: StageCapability.UNSUPPORTED for s in StageId})
-    case.index = case.index.model_copy(update={"config": case.index.config.model_copy(
-        update={"advantage_estimator": "ppo"})})
+    case.index = case.index.model_copy(
+        update={"config": case.index.config.model_copy(update={"advantage_estimator": "ppo"})}
+    )
     bundle = case.write(tmp_path / "replay-120-0")
     result = runner.invoke(app, ["replay", str(bundle), "--json"])
     assert result.exit_code == 1, result.stdout
@@ -100,8 +106,13 @@ def test_scan_counts_a_bundle_with_nothing_compared_as_unsupported(tmp_path):
     write_canonical(str(root), name="clean")
     case = canonical_case(False)
     from trajectory_replay.bundle import BundleWriter
-    writer = BundleWriter(f"{root}/unchecked", _all_unsupported(case).model_copy(update={"bundle_id": "unchecked"}),
-                          case.index.model_copy(update={"bundle_id": "unchecked"}), case.expected)
+
+    writer = BundleWriter(
+        f"{root}/unchecked",
+        _all_unsupported(case).model_copy(update={"bundle_id": "unchecked"}),
+        case.index.model_copy(update={"bundle_id": "unchecked"}),
+        case.expected,
+    )
     for name, tensor in case.payloads.items():
         writer.write_payload(name, tensor)
     writer.finalize()

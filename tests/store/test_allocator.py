@@ -51,8 +51,14 @@ _PROBE = textwrap.dedent("""
 
 
 def test_block_buffers_come_from_the_heap_while_a_replay_streams_and_free_pages_go_back():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}   # a user's own settings win
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # a user's own settings win
     out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True, env=env)
     seen = json.loads(out.stdout)
-    assert seen == {"tuned": True, "mapped_small": 1, "streaming_block": 0, "streaming_huge": 1,
-                    "after_block": 1, "handed_back": True}, seen
+    assert seen == {
+        "tuned": True,
+        "mapped_small": 1,
+        "streaming_block": 0,
+        "streaming_huge": 1,
+        "after_block": 1,
+        "handed_back": True,
+    }, seen

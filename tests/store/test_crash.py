@@ -14,26 +14,26 @@ import json
 import os
 import random
 import signal
-import time
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from trajectory_replay.bundle import open_native
+from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.errors import TrajectoryReplayError
 from trajectory_replay.ops.gc import TEMPORARY_MIN_AGE, collect_garbage
 from trajectory_replay.store import ObjectStore, hash_bytes, object_key
 from trajectory_replay.store.digest import blob_ref_key
-from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.store.layout import OBJECTS_DIR, REFS_DIR
 from trajectory_replay.store.liveness import GC_PREFIX, INFLIGHT_PREFIX
 
 REPO = Path(__file__).resolve().parents[2]
 BUNDLE = "b-crash"
 PUT_BYTES = 1 << 20
-PUT_BOUNDARIES = list(range(128 << 10, PUT_BYTES, 128 << 10))   # eight chunks, so a kill can fall between them
+PUT_BOUNDARIES = list(range(128 << 10, PUT_BYTES, 128 << 10))  # eight chunks, so a kill can fall between them
 
 CHILD = r"""
 import json, random, sys, threading
@@ -92,8 +92,13 @@ threading.Event().wait()
 def start_writer(root: Path, scenario: str, stop: str, *, ttl: float = 3600.0) -> subprocess.Popen:
     """The writer of `scenario` on `root`, running until it reaches `stop`."""
     extra = str(PUT_BYTES) if scenario == "put" else BUNDLE
-    return subprocess.Popen([sys.executable, "-c", CHILD, str(root), scenario, stop, str(ttl), extra], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(root), scenario, stop, str(ttl), extra],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def kill_when_stopped(proc: subprocess.Popen) -> str:
@@ -132,6 +137,7 @@ def assert_whole(root: Path, keys: set[str]) -> None:
 
 # ---- ObjectStore.put -------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def put_plan(tmp_path_factory):
     """What the child's put writes: its chunks, record and ref (planned on a scratch store: nothing written)."""
@@ -152,20 +158,20 @@ def test_killed_while_writing_a_chunk_leaves_only_an_unlisted_temporary_file(tmp
     data, plan, chunks, _, _ = put_plan
     key = crash_at(tmp_path, "put", f"temp:{OBJECTS_DIR}/:1")
     assert key in chunks
-    assert keys_of(tmp_path) == set()                    # nothing is listed: the store holds no object yet
-    [tmp] = temp_files(tmp_path)                          # the chunk's bytes, under a name no reader looks up
+    assert keys_of(tmp_path) == set()  # nothing is listed: the store holds no object yet
+    [tmp] = temp_files(tmp_path)  # the chunk's bytes, under a name no reader looks up
     assert tmp.parent == tmp_path / os.path.dirname(key)
     assert tmp.name.startswith(f".tmp-{os.path.basename(key)}.")
     assert object_key(hash_bytes(tmp.read_bytes())) == key
     assert not (tmp_path / key).exists()
     _gc_empties(tmp_path)
-    assert temp_files(tmp_path) == [tmp]     # young: it might be a write in progress, so gc keeps it
+    assert temp_files(tmp_path) == [tmp]  # young: it might be a write in progress, so gc keeps it
     old = time.time() - TEMPORARY_MIN_AGE - 60
     os.utime(tmp, (old, old))
     report = collect_garbage(str(tmp_path), grace="0s")
     assert report.temporaries_removed == [str(tmp.relative_to(tmp_path))]
-    assert temp_files(tmp_path) == []        # an hour old, it can only be a killed writer's leftover
-    store = ObjectStore.open(str(tmp_path))   # the interrupted put completes when run again
+    assert temp_files(tmp_path) == []  # an hour old, it can only be a killed writer's leftover
+    store = ObjectStore.open(str(tmp_path))  # the interrupted put completes when run again
     assert store.get(store.put(data, boundaries=PUT_BOUNDARIES)) == data
 
 
@@ -174,9 +180,9 @@ def test_killed_between_chunks_leaves_whole_chunks_and_no_record_or_ref(tmp_path
     key = crash_at(tmp_path, "put", f"create:{OBJECTS_DIR}/:3")
     assert key in chunks
     left = keys_of(tmp_path)
-    assert len(left) == 2 and left < chunks - {key}       # exactly the two chunks created before the stop
+    assert len(left) == 2 and left < chunks - {key}  # exactly the two chunks created before the stop
     assert_whole(tmp_path, left)
-    assert temp_files(tmp_path) == []                    # each create cleans up its temporary file
+    assert temp_files(tmp_path) == []  # each create cleans up its temporary file
     store = ObjectStore.open(str(tmp_path))
     assert not store.has(plan.ref.digest)
     _gc_empties(tmp_path)
@@ -186,11 +192,11 @@ def test_killed_between_chunks_leaves_whole_chunks_and_no_record_or_ref(tmp_path
 def test_killed_before_the_ref_leaves_chunks_and_record_but_no_blob(tmp_path, put_plan):
     data, plan, chunks, record, ref = put_plan
     assert crash_at(tmp_path, "put", f"create:{REFS_DIR}/:1") == ref
-    assert keys_of(tmp_path) == chunks | {record}         # the ref is what makes the blob exist: not there
+    assert keys_of(tmp_path) == chunks | {record}  # the ref is what makes the blob exist: not there
     assert_whole(tmp_path, chunks | {record})
     store = ObjectStore.open(str(tmp_path))
     assert not store.has(plan.ref.digest)
-    _gc_empties(tmp_path)                                  # chunks and record nobody names are garbage
+    _gc_empties(tmp_path)  # chunks and record nobody names are garbage
     assert store.get(store.put(data, boundaries=PUT_BOUNDARIES)) == data
 
 
@@ -206,7 +212,7 @@ def test_killed_after_the_put_leaves_the_whole_blob_which_gc_removes_when_no_bun
 
 # ---- BundleWriter ----------------------------------------------------------------------------------------
 
-BUNDLE_STOPS = {   # test -> (where its writer stops, the TTL of its in-flight record)
+BUNDLE_STOPS = {  # test -> (where its writer stops, the TTL of its in-flight record)
     "listed": (f"create:{OBJECTS_DIR}/:1", 3600.0),
     "before ref": (f"create:{REFS_DIR}/:1", 3600.0),
     "before complete": (f"create:{complete_key(BUNDLE)}:1", 0.0),
@@ -246,15 +252,18 @@ def _named_keys(doc: dict) -> set[str]:
 
 
 def _assert_not_complete(root: Path) -> None:
-    assert not [k for k in keys_of(root) if k.startswith(f"{BUNDLE}/")]   # no marker of any kind
+    assert not [k for k in keys_of(root) if k.startswith(f"{BUNDLE}/")]  # no marker of any kind
     with pytest.raises(TrajectoryReplayError) as refused:
         open_native(str(root / BUNDLE))
     assert BUNDLE in str(refused.value) and "\n" not in str(refused.value)
 
 
 def _split(keys: set[str]) -> tuple[set[str], set[str], set[str]]:
-    return ({k for k in keys if k.startswith(f"{OBJECTS_DIR}/")}, {k for k in keys if k.startswith(f"{REFS_DIR}/")},
-            {k for k in keys if not k.startswith((f"{OBJECTS_DIR}/", f"{REFS_DIR}/"))})
+    return (
+        {k for k in keys if k.startswith(f"{OBJECTS_DIR}/")},
+        {k for k in keys if k.startswith(f"{REFS_DIR}/")},
+        {k for k in keys if not k.startswith((f"{OBJECTS_DIR}/", f"{REFS_DIR}/"))},
+    )
 
 
 def test_bundle_killed_after_listing_its_objects_has_written_none(bundle_writers):
@@ -265,7 +274,7 @@ def test_bundle_killed_after_listing_its_objects_has_written_none(bundle_writers
     doc = _inflight(tmp_path)
     assert other == {f"{INFLIGHT_PREFIX}{doc['attempt']}.json"} and doc["digests"]
     _assert_not_complete(tmp_path)
-    report = collect_garbage(str(tmp_path), grace=0)      # a live record: gc leaves it alone
+    report = collect_garbage(str(tmp_path), grace=0)  # a live record: gc leaves it alone
     assert report.active_captures == 1 and report.inflight_removed == 0
     assert keys_of(tmp_path) - {k for k in keys_of(tmp_path) if k.startswith(GC_PREFIX)} == other
 
@@ -276,7 +285,7 @@ def test_bundle_killed_before_its_first_ref_leaves_only_listed_objects_which_gc_
     objects, refs, other = _split(keys_of(tmp_path))
     doc = _inflight(tmp_path)
     assert objects and refs == set() and other == {f"{INFLIGHT_PREFIX}{doc['attempt']}.json"}
-    assert objects <= _named_keys(doc)                    # nothing is written before it is listed
+    assert objects <= _named_keys(doc)  # nothing is written before it is listed
     assert_whole(tmp_path, objects)
     _assert_not_complete(tmp_path)
     before = keys_of(tmp_path)
@@ -295,7 +304,7 @@ def test_bundle_killed_before_complete_is_garbage_once_its_record_expires(bundle
     assert objects | refs <= _named_keys(doc) | {blob_ref_key(d) for d in doc["digests"]}
     assert_whole(tmp_path, objects)
     _assert_not_complete(tmp_path)
-    report = collect_garbage(str(tmp_path), grace=0)      # the record expired: nothing protects the objects
+    report = collect_garbage(str(tmp_path), grace=0)  # the record expired: nothing protects the objects
     assert report.inflight_removed == 1
     assert report.objects_removed == len(objects) and report.refs_removed == len(refs)
     assert {k for k in keys_of(tmp_path) if not k.startswith(GC_PREFIX)} == set()
@@ -310,7 +319,7 @@ def test_bundle_killed_after_complete_opens_and_gc_removes_only_its_record(bundl
     [reader] = open_native(str(tmp_path / BUNDLE))
     for payload in reader.manifest.payloads:
         reader.load_payload(payload)
-    report = collect_garbage(str(tmp_path), grace=0)      # the bundle names every object: only the record goes
+    report = collect_garbage(str(tmp_path), grace=0)  # the bundle names every object: only the record goes
     assert report.inflight_removed == 1 and report.objects_removed == report.refs_removed == 0
     assert {k for k in keys_of(tmp_path) if not k.startswith(GC_PREFIX)} == objects | refs | {complete_key(BUNDLE)}
     [reader] = open_native(str(tmp_path / BUNDLE))

@@ -9,9 +9,9 @@ import pytest
 from trajectory_replay.errors import IntegrityError
 from trajectory_replay.store import ChunkingParams, ObjectStore, blob_ref_key, hash_bytes, object_key
 from trajectory_replay.store.digest import OBJECT, REF
-from trajectory_replay.store.inventory import Inventory, write_layers
-from trajectory_replay.store.records import RecordError
+from trajectory_replay.store.inventory import write_layers
 from trajectory_replay.store.layout import OBJECTS_DIR
+from trajectory_replay.store.records import RecordError
 
 SMALL = ChunkingParams(chunk_size=64 << 10, min_size=16 << 10, target_size=32 << 10)
 
@@ -92,8 +92,11 @@ def test_closure_names_ref_record_and_chunks_and_blames_the_right_key(store):
     assert node.chunks == tuple((c.digest, c.size) for c in record.chunks)
     assert not (node.missing or node.corrupt or node.problems)
     chunks, records, refs = write_layers([node])  # the store's write order: chunks, then records, then refs
-    assert (set(chunks), list(records), list(refs)) == (chunk_keys, [object_key(ref.record)],
-                                                        [blob_ref_key(ref.digest)])
+    assert (set(chunks), list(records), list(refs)) == (
+        chunk_keys,
+        [object_key(ref.record)],
+        [blob_ref_key(ref.digest)],
+    )
     assert chunks[object_key(record.chunks[0].digest)] == record.chunks[0].size
 
     store.backend.write(blob_ref_key(ref.digest), other.record.encode())  # the ref names another blob's record
@@ -175,10 +178,10 @@ def test_concurrently_keeps_busy_items_on_this_thread_and_sends_waiting_ones_to_
 
     def waits(x: int) -> tuple[int, str]:
         if x >= 3:
-            time.sleep(0.005)   # a round trip to a remote store
+            time.sleep(0.005)  # a round trip to a remote store
         return x, threading.current_thread().name
 
     got = concurrently(waits, range(20), 4)
     assert [v for v, _ in got] == list(range(20))
-    assert {t for _, t in got[:4]} == {here}   # up to and including the first item that waited
+    assert {t for _, t in got[:4]} == {here}  # up to and including the first item that waited
     assert here not in {t for _, t in got[4:]}

@@ -19,7 +19,15 @@ from trajectory_replay.ops.gc import collect_garbage
 from trajectory_replay.ops.ls import list_bundles
 from trajectory_replay.store import Inventory
 from trajectory_replay.store.layout import (
-    FSCK, GC, INFLIGHT_DIR, LS, RESERVED_NAMES, ROOT_ENTRIES, VERDICTS_DIR, is_bundle_dir, touched_by,
+    FSCK,
+    GC,
+    INFLIGHT_DIR,
+    LS,
+    RESERVED_NAMES,
+    ROOT_ENTRIES,
+    VERDICTS_DIR,
+    is_bundle_dir,
+    touched_by,
 )
 
 

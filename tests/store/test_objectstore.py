@@ -112,8 +112,10 @@ def test_flipped_byte_in_chunk_detected(store):
     with pytest.raises(IntegrityError, match=chunk.digest):
         store.read_range(ref, chunk.offset + 90, chunk.offset + 110)
     # a range in an intact block of the same chunk is still served, verified
-    assert store.read_range(ref, chunk.offset + 40000, chunk.offset + 40010) == data[chunk.offset + 40000:
-                                                                                     chunk.offset + 40010]
+    assert (
+        store.read_range(ref, chunk.offset + 40000, chunk.offset + 40010)
+        == data[chunk.offset + 40000 : chunk.offset + 40010]
+    )
 
 
 def test_flipped_byte_in_record_detected(store):
@@ -150,7 +152,7 @@ def test_cdc_dedups_shared_rows(store):
     cuts = list(range(0, len(rows), row))
     store.put(rows, cuts=cuts)
     before = store.stats.bytes_written
-    half = rows[100 * row: 356 * row]
+    half = rows[100 * row : 356 * row]
     ref = store.put(half, cuts=list(range(0, len(half), row)))
     new = store.stats.bytes_written - before
     assert store.get(ref) == half
@@ -179,8 +181,11 @@ def test_boundaries_are_kept_and_change_nothing_without_them():
     ends = chunk_ends(data, cuts, SMALL, boundaries=[0, 77, 120_000, len(data)])
     assert {77, 120_000} <= set(ends) and ends[-1] == len(data)
     # without cut points each segment is cut at fixed sizes from its own start
-    assert chunk_ends(data, None, SMALL, boundaries=[100]) == [100, *range(100 + SMALL.chunk_size, len(data),
-                                                                         SMALL.chunk_size), len(data)]
+    assert chunk_ends(data, None, SMALL, boundaries=[100]) == [
+        100,
+        *range(100 + SMALL.chunk_size, len(data), SMALL.chunk_size),
+        len(data),
+    ]
 
 
 def test_aligned_runs_are_shared_whatever_surrounds_them(store):
@@ -257,16 +262,19 @@ def test_a_record_with_unclean_block_hashes_or_chunk_digests_is_refused_naming_i
     store = ObjectStore.open(tmp_path / "s")
     ref = store.put(bytes(range(256)) * 300)
     good = json.loads(store.get_object(ref.record))
-    assert BlobRecord.from_bytes(json.dumps(good).encode(), ref.record).chunks[0].blocks == \
-        base64.b64decode(good["chunks"][0][2])
+    assert BlobRecord.from_bytes(json.dumps(good).encode(), ref.record).chunks[0].blocks == base64.b64decode(
+        good["chunks"][0][2]
+    )
     text = good["chunks"][0][2]
-    for field, value in ((2, text[:-4] + "!" + text[-3:]),     # not in the alphabet
-                         (2, text.rstrip("=") + "A"),          # wrong length: padding left out
-                         (2, text + "===="),                   # padding past the end
-                         (2, "=" + text[1:]),                  # padding first
-                         (2, 7),                               # not text
-                         (0, good["chunks"][0][0].upper()),    # a digest not in lowercase
-                         (0, "blake3:" + "0" * 63)):           # a digest too short
+    for field, value in (
+        (2, text[:-4] + "!" + text[-3:]),  # not in the alphabet
+        (2, text.rstrip("=") + "A"),  # wrong length: padding left out
+        (2, text + "===="),  # padding past the end
+        (2, "=" + text[1:]),  # padding first
+        (2, 7),  # not text
+        (0, good["chunks"][0][0].upper()),  # a digest not in lowercase
+        (0, "blake3:" + "0" * 63),
+    ):  # a digest too short
         doc = json.loads(json.dumps(good))
         doc["chunks"][0][field] = value
         with pytest.raises(RecordError, match="malformed blob record"):

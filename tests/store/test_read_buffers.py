@@ -69,5 +69,13 @@ def test_large_read_buffers_nothing_refers_to_serve_the_next_read_of_the_command
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     out = subprocess.run([sys.executable, "-c", _POOL_PROBE], capture_output=True, text=True, check=True, env=env)
-    assert json.loads(out.stdout) == {"kept_untuned": 0, "tuned": True, "not_while_referenced": True, "reused": True,
-                                      "size": True, "small_is_new": True, "spares": 2, "streamed_not_kept": True}
+    assert json.loads(out.stdout) == {
+        "kept_untuned": 0,
+        "tuned": True,
+        "not_while_referenced": True,
+        "reused": True,
+        "size": True,
+        "small_is_new": True,
+        "spares": 2,
+        "streamed_not_kept": True,
+    }

@@ -26,17 +26,17 @@ def test_cpu_work_runs_on_the_calling_thread_only_inside_the_context():
     assert here not in _threads_of(cpu) and here not in _threads_of(remote)
     with one_core_for_cpu_work():
         assert _threads_of(cpu) == {here}
-        assert here not in _threads_of(remote)   # waiting on a server: still concurrent
+        assert here not in _threads_of(remote)  # waiting on a server: still concurrent
         with one_core_for_cpu_work():
             pass
-        assert _threads_of(cpu) == {here}        # a nested context leaves the outer one in force
-    assert here not in _threads_of(cpu)           # and leaving it restores the fan-out
+        assert _threads_of(cpu) == {here}  # a nested context leaves the outer one in force
+    assert here not in _threads_of(cpu)  # and leaving it restores the fan-out
 
 
 def test_a_local_ranged_read_stays_on_the_reading_thread(tmp_path):
     store = ObjectStore.open(str(tmp_path / "s"))
     data = os.urandom(2 << 20)
-    ref = store.put(data, cuts=range(0, len(data), 4096))   # content-defined chunks of about 160 KiB
+    ref = store.put(data, cuts=range(0, len(data), 4096))  # content-defined chunks of about 160 KiB
     assert len(store.record(ref).chunks) > 4
     seen: list[int] = []
     read_into = store.backend.read_into
@@ -47,7 +47,7 @@ def test_a_local_ranged_read_stays_on_the_reading_thread(tmp_path):
 
     store.backend.read_into = recording
     assert store.read_range(ref, 100, len(data) - 100) == data[100:-100]
-    assert threading.get_ident() not in seen        # fanned out to the store's pool
+    assert threading.get_ident() not in seen  # fanned out to the store's pool
     seen.clear()
     with one_core_for_cpu_work():
         assert store.read_range(ref, 100, len(data) - 100) == data[100:-100]

@@ -40,7 +40,7 @@ def test_the_helper_reads_whole_chunks_into_its_arena(local):
     with process.reading_process(1 << 20) as helper:
         assert helper is not None and process.active() is helper
         got = _read(store, ref)
-        assert isinstance(got, memoryview) and got.obj.base.obj is helper._map   # a part of the arena
+        assert isinstance(got, memoryview) and got.obj.base.obj is helper._map  # a part of the arena
         assert bytes(got) == data
         # a range with partial chunks at both edges: the whole chunks by the helper, the edges by blocks here
         inner = _read(store, ref, 70_000, 330_000)
@@ -84,8 +84,11 @@ def test_several_ranges_are_joined_in_one_buffer_whole_chunks_read_whole(local, 
         got = store.read_joined(ref, spans, for_tensor=True)
         assert bytes(got) == b"".join(data[a:b] for a, b in spans)
         assert isinstance(got, memoryview) == helper
-    inside = {object_key(c.digest) for c in store.record(ref).chunks
-              if any(a <= c.offset and c.offset + c.size <= b for a, b in spans)}
+    inside = {
+        object_key(c.digest)
+        for c in store.record(ref).chunks
+        if any(a <= c.offset and c.offset + c.size <= b for a, b in spans)
+    }
     assert inside and (whole_reads == [] if helper else set(whole_reads) == inside)
     assert (block_reads == []) == helper
     with pytest.raises(TrajectoryReplayError, match="outside blob"):
@@ -96,19 +99,19 @@ def test_an_arena_part_is_written_again_only_once_nothing_refers_to_it(local):
     with process.reading_process(1 << 20) as helper:
         first, second = helper.allocate(1000), helper.allocate(1000)
         assert first.offset == 0 and second.offset == 1000
-        tensor = torch.frombuffer(first.view, dtype=torch.uint8)   # a tensor on a part keeps it in use
+        tensor = torch.frombuffer(first.view, dtype=torch.uint8)  # a tensor on a part keeps it in use
         del first
         third = helper.allocate(1000)
         assert third.offset == 2000
         del tensor, third
         again = helper.allocate(1000)
-        assert again.offset == 0   # free again: the lowest free run
-        piece = second.view[10:20]   # so does a slice of a part, on its own
+        assert again.offset == 0  # free again: the lowest free run
+        piece = second.view[10:20]  # so does a slice of a part, on its own
         del second
-        assert helper.allocate(1000).offset == 1000 + 1000   # the run after `again` and `piece`'s part
+        assert helper.allocate(1000).offset == 1000 + 1000  # the run after `again` and `piece`'s part
         del piece
         assert helper.allocate(2000).offset == 1000
-        assert helper.allocate(1 << 21) is None   # larger than the arena: the caller reads into memory of its own
+        assert helper.allocate(1 << 21) is None  # larger than the arena: the caller reads into memory of its own
 
 
 @pytest.mark.parametrize("read", ["whole", "edge"])
@@ -124,11 +127,14 @@ def test_a_damaged_chunk_fails_as_it_does_without_the_helper(local, damage, read
     if damage == "missing":
         os.remove(path)
     else:
-        changed = {"flipped": content[:100] + bytes([content[100] ^ 1]) + content[101:], "short": content[:-1],
-                   "long": content + b"x"}[damage]
+        changed = {
+            "flipped": content[:100] + bytes([content[100] ^ 1]) + content[101:],
+            "short": content[:-1],
+            "long": content + b"x",
+        }[damage]
         with open(path, "wb") as f:
             f.write(changed)
-    start = 0 if read == "whole" else chunk.offset + 50   # chunk 3 read from its byte 50: an edge, by blocks
+    start = 0 if read == "whole" else chunk.offset + 50  # chunk 3 read from its byte 50: an edge, by blocks
     if read == "edge" and damage == "long":
         assert bytes(store.read_joined(ref, [(start, len(data))])) == data[start:]
         with process.reading_process(1 << 20):
@@ -140,7 +146,7 @@ def test_a_damaged_chunk_fails_as_it_does_without_the_helper(local, damage, read
     with process.reading_process(1 << 20) as helper:
         with pytest.raises(kind) as helped:
             _read(store, ref, start)
-        assert helper.broken is None   # a damaged store is the store's fault, not the helper's
+        assert helper.broken is None  # a damaged store is the store's fault, not the helper's
     assert str(helped.value) == str(alone.value)
     assert chunk.digest in str(alone.value) or store.record(ref).digest in str(alone.value)
 
@@ -151,7 +157,7 @@ def test_a_helper_that_dies_leaves_the_reads_to_this_process(local):
         assert bytes(_read(store, ref)) == data
         helper._proc.kill()
         helper._proc.wait()
-        assert bytes(_read(store, ref)) == data   # read here instead, as correct
+        assert bytes(_read(store, ref)) == data  # read here instead, as correct
         assert helper.broken is not None and process.active() is None
 
 
@@ -159,12 +165,12 @@ def test_the_helper_ends_with_the_last_use(local):
     store, ref, data = local
     with process.reading_process(1 << 20) as outer:
         with process.reading_process(1 << 20) as inner:
-            assert inner is outer   # one helper per process
+            assert inner is outer  # one helper per process
         assert process.active() is outer and outer._proc.poll() is None
         kept = _read(store, ref)
     assert process.active() is None
-    assert outer._proc.poll() is not None   # the helper process has exited
-    assert bytes(kept) == data   # what was read stays valid after the helper is gone
+    assert outer._proc.poll() is not None  # the helper process has exited
+    assert bytes(kept) == data  # what was read stays valid after the helper is gone
 
 
 def test_where_no_helper_can_run_reads_stay_here(local, monkeypatch):
@@ -186,10 +192,19 @@ def test_the_helper_answers_requests_with_named_failures(local):
     with process.reading_process(1 << 20) as helper:
         part = helper.allocate(one.size + size)
         whole = process.WholeChunk(_chunk_file(store, ref, 1), part.offset, one.size, parse_digest(one.digest))
-        blocks = process.ChunkBlocks(_chunk_file(store, ref, 2), part.offset + one.size, lo=0, hi=size,
-                                     block_size=size, first=0, hashes=two.blocks[:32], a=0, b=size)
+        blocks = process.ChunkBlocks(
+            _chunk_file(store, ref, 2),
+            part.offset + one.size,
+            lo=0,
+            hi=size,
+            block_size=size,
+            first=0,
+            hashes=two.blocks[:32],
+            a=0,
+            b=size,
+        )
         assert helper.read([whole, blocks]) == []
-        assert bytes(part.view) == data[one.offset:one.offset + one.size] + data[two.offset:two.offset + size]
+        assert bytes(part.view) == data[one.offset : one.offset + one.size] + data[two.offset : two.offset + size]
         wrong = blocks._replace(hashes=one.blocks[:32])
         missing = whole._replace(path=whole.path + "-gone")
         failures = helper.read([whole, wrong, missing])

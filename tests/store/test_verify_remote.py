@@ -43,8 +43,9 @@ def _cli(*args: str):
     return result
 
 
-def test_validate_and_fsck_see_a_server_object_damaged_after_the_cache_was_warmed(s3_root, s3_env, tmp_path,
-                                                                                  monkeypatch):
+def test_validate_and_fsck_see_a_server_object_damaged_after_the_cache_was_warmed(
+    s3_root, s3_env, tmp_path, monkeypatch
+):
     url, options = s3_root
     bundle = write_canonical(url, storage_options=options)
     monkeypatch.setenv(ENV_DIR, str(tmp_path / "cache"))
@@ -92,12 +93,14 @@ def test_a_store_that_does_not_trust_its_cache_reads_every_byte_from_the_server(
 
     cache_dir = tmp_path / "cache"
     trusting = ObjectStore.open(url, cache_dir=cache_dir, **options)
-    expected = read(trusting)                      # warms the cache
+    expected = read(trusting)  # warms the cache
     verifying = ObjectStore.open(url, cache_dir=cache_dir, trust_cache=False, **options)
     assert read(verifying) == expected
-    writer.backend.write(object_key(chunk.digest), bytes(b ^ 0xFF for b in writer.backend.read(object_key(chunk.digest))))
+    writer.backend.write(
+        object_key(chunk.digest), bytes(b ^ 0xFF for b in writer.backend.read(object_key(chunk.digest)))
+    )
 
-    assert read(trusting) == expected              # content addressing: the cached copy is still right
+    assert read(trusting) == expected  # content addressing: the cached copy is still right
     with pytest.raises(IntegrityError, match=object_key(chunk.digest)):
         read(verifying)
 

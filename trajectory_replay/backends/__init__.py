@@ -10,11 +10,22 @@ import os
 from typing import Any
 
 from trajectory_replay.backends.base import (
-    Backend, ByteRange, Capabilities, IOStats, KeyStat, validate_key, validate_prefix,
+    Backend,
+    ByteRange,
+    Capabilities,
+    IOStats,
+    KeyStat,
+    validate_key,
+    validate_prefix,
 )
 from trajectory_replay.backends.probe import ProbeResult
 from trajectory_replay.backends.urls import (
-    S3_BUCKET_RULE, location_problem, redact_url, s3_bucket_problem, split_url, unsupported_protocol,
+    S3_BUCKET_RULE,
+    location_problem,
+    redact_url,
+    s3_bucket_problem,
+    split_url,
+    unsupported_protocol,
 )
 from trajectory_replay.errors import BackendError
 
@@ -42,6 +53,18 @@ def open_backend(path_or_url: str | os.PathLike[str], **storage_options: Any) ->
 
 
 __all__ = [
-    "Backend", "BackendError", "ByteRange", "Capabilities", "IOStats", "KeyStat", "ProbeResult", "S3_BUCKET_RULE",
-    "location_problem", "open_backend", "redact_url", "split_url", "validate_key", "validate_prefix",
+    "Backend",
+    "BackendError",
+    "ByteRange",
+    "Capabilities",
+    "IOStats",
+    "KeyStat",
+    "ProbeResult",
+    "S3_BUCKET_RULE",
+    "location_problem",
+    "open_backend",
+    "redact_url",
+    "split_url",
+    "validate_key",
+    "validate_prefix",
 ]

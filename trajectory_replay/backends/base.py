@@ -14,9 +14,10 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional, Sequence, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from trajectory_replay.backends.probe import ProbeResult, run_probe
 from trajectory_replay.cpus import on_one_core
@@ -25,7 +26,7 @@ from trajectory_replay.errors import BackendError, InvalidKeyError, ValueTooLarg
 log = logging.getLogger(__name__)
 
 
-_PROBES: dict[tuple[Any, ...], "ProbeResult"] = {}
+_PROBES: dict[tuple[Any, ...], ProbeResult] = {}
 _PROBE_LOCK = threading.Lock()
 
 PROBE_RETRY_FIRST = 0.5
@@ -51,7 +52,7 @@ class WorkerPool:
     def __init__(self, max_workers: int, cpu_work: bool = False) -> None:
         self.max_workers = max_workers
         self.cpu_work = cpu_work
-        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool: ThreadPoolExecutor | None = None
         self._pid = 0
         self._lock = threading.Lock()
 
@@ -159,7 +160,7 @@ class KeyStat(NamedTuple):
     """Last modification time, POSIX seconds."""
 
 
-def raise_too_large(url: str, key: str, limit: int, size: Optional[int] = None) -> None:
+def raise_too_large(url: str, key: str, limit: int, size: int | None = None) -> None:
     """Refuse the value at `key` for being over the `limit` its reader allows (`size`: its size, when known)."""
     held = f"{size} bytes" if size is not None else f"more than {limit} bytes"
     raise ValueTooLargeError(f"{url}: {key!r} holds {held}, over the {limit}-byte bound for what is stored there")
@@ -175,7 +176,7 @@ class Backend(ABC):
     def __init__(self) -> None:
         self.stats = IOStats()
         self.pool = WorkerPool(self.max_workers, cpu_work=self.reads_are_cpu_work)
-        self._probe: Optional[ProbeResult] = None
+        self._probe: ProbeResult | None = None
         self._probe_lock = threading.Lock()
         self._probe_delay = 0.0
         self._probe_retry_at = 0.0
@@ -222,7 +223,7 @@ class Backend(ABC):
     def _list_dir(self, prefix: str) -> list[str]: ...
 
     # ---- public API ----------------------------------------------------------------------------
-    def read(self, key: str, limit: Optional[int] = None) -> bytes:
+    def read(self, key: str, limit: int | None = None) -> bytes:
         """The whole value at `key`; NotFoundError if absent. With `limit`, a value larger than `limit` bytes is
         refused (ValueTooLargeError naming the key and the bound) having read no more than `limit` + 1 bytes of it:
         a reader that knows how large a value can be passes that bound, so hostile content costs nothing."""
@@ -267,7 +268,7 @@ class Backend(ABC):
     def _read_into(self, key: str, target: memoryview) -> int:
         data = self._read(key)
         if len(data) <= len(target):
-            target[:len(data)] = data
+            target[: len(data)] = data
         return len(data)
 
     def read_many(self, keys: Sequence[str]) -> list[bytes]:
@@ -360,7 +361,7 @@ class Backend(ABC):
         """Delete one path `leftover_temporaries` returned (gone already is fine)."""
         raise NotImplementedError(f"{type(self).__name__} writes no temporary files")
 
-    def child(self, prefix: str) -> "Backend":
+    def child(self, prefix: str) -> Backend:
         """A backend rooted at `prefix` under this one (same storage, same options)."""
         raise NotImplementedError
 
@@ -386,8 +387,12 @@ class Backend(ABC):
             if result.transient:
                 self._probe_delay = min(PROBE_RETRY_MAX, 2 * self._probe_delay or PROBE_RETRY_FIRST)
                 self._probe_retry_at = time.monotonic() + self._probe_delay
-                log.warning("%s: create-once self-test could not reach the target (%s); retrying in %.1fs",
-                            self.url, result.detail, self._probe_delay)
+                log.warning(
+                    "%s: create-once self-test could not reach the target (%s); retrying in %.1fs",
+                    self.url,
+                    result.detail,
+                    self._probe_delay,
+                )
             else:
                 self._probe_delay = 0.0
             self._probe = result
@@ -403,13 +408,17 @@ class Backend(ABC):
         return (type(self).__name__, self.url)
 
     def require_atomic_create(self, *, unsafe: bool = False, patience: float = PROBE_PATIENCE) -> None:
-        """Raise BackendError unless create-once markers can be trusted here; `unsafe=True` downgrades to a logged warning.
+        """Raise BackendError unless create-once markers can be trusted here; `unsafe=True` downgrades to a logged
+        warning.
 
         A probe that could not reach the target is retried, with its backoff, for up to `patience` seconds:
         a writer whose data just went through should not lose its bundle to a brief outage."""
         deadline = time.monotonic() + patience
-        result = self.probe() if self.capabilities.atomic_create else ProbeResult(
-            False, {"declared": False}, "backend does not declare atomic create")
+        result = (
+            self.probe()
+            if self.capabilities.atomic_create
+            else ProbeResult(False, {"declared": False}, "backend does not declare atomic create")
+        )
         while result.transient and not unsafe:
             wait = max(0.0, self._probe_retry_at - time.monotonic())
             if time.monotonic() + wait > deadline:

@@ -14,15 +14,18 @@ import os
 import stat
 import uuid
 from pathlib import Path
-from typing import Optional
 
 from trajectory_replay.backends.base import Backend, Capabilities, KeyStat, raise_too_large, validate_key
 from trajectory_replay.errors import BackendError, IntegrityError, NotFoundError
 
 TMP_PREFIX = ".tmp-"
 
-_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-               (stat.S_ISSOCK, "a socket"))
+_FILE_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def _file_kind(mode: int) -> str:
@@ -44,7 +47,7 @@ class LocalBackend(Backend):
         if self.root.exists() and not self.root.is_dir():
             raise BackendError(f"{self.root}: exists and is not a directory")
 
-    def child(self, prefix: str) -> "LocalBackend":
+    def child(self, prefix: str) -> LocalBackend:
         return LocalBackend(self.root / prefix, fsync=self.fsync)
 
     def _path(self, key: str) -> Path:
@@ -79,17 +82,19 @@ class LocalBackend(Backend):
             os.close(fd)
             if stat.S_ISDIR(info.st_mode):
                 raise NotFoundError(f"{self.url}: {key!r} is a directory, not a value")
-            raise IntegrityError(f"{self.url}: {key!r} is {_file_kind(info.st_mode)}, not a regular file (a store "
-                                 "holds only regular files: remove it, or restore the file)")
+            raise IntegrityError(
+                f"{self.url}: {key!r} is {_file_kind(info.st_mode)}, not a regular file (a store "
+                "holds only regular files: remove it, or restore the file)"
+            )
         return fd, info.st_size
 
     def _read(self, key: str) -> bytes:
         return self._read_limited(key, None)
 
-    def _read_limited(self, key: str, limit: Optional[int]) -> bytes:
+    def _read_limited(self, key: str, limit: int | None) -> bytes:
         fd, size = self._open_value(key)
         try:
-            if limit is not None and size > limit:   # refused from the file's size: not a byte of it is read
+            if limit is not None and size > limit:  # refused from the file's size: not a byte of it is read
                 raise_too_large(self.url, key, limit, size)
             with os.fdopen(fd, "rb", closefd=False) as f:
                 # a file that grew past the bound since its size was taken is still read no further than the bound
@@ -121,7 +126,7 @@ class LocalBackend(Backend):
         fd, _ = self._open_value(key)
         try:
             parts, at = [], start
-            while at < end:   # one pread returns at most about 2 GiB
+            while at < end:  # one pread returns at most about 2 GiB
                 part = os.pread(fd, end - at, at)
                 if not part:
                     break
@@ -168,8 +173,10 @@ class LocalBackend(Backend):
             return False
         except OSError as exc:
             if exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
-                raise BackendError(f"{self.url}: hard links are not supported here ({exc.strerror}); "
-                                   "create-if-absent cannot be made atomic") from None
+                raise BackendError(
+                    f"{self.url}: hard links are not supported here ({exc.strerror}); "
+                    "create-if-absent cannot be made atomic"
+                ) from None
             raise
         finally:
             tmp.unlink(missing_ok=True)
@@ -179,7 +186,7 @@ class LocalBackend(Backend):
         # that every listing would pass over in silence; only a directory holds no value
         try:
             return not stat.S_ISDIR(os.stat(self._file(key)).st_mode)
-        except OSError as exc:   # as Path.is_file: absent is False, anything else (a permission) is an error
+        except OSError as exc:  # as Path.is_file: absent is False, anything else (a permission) is an error
             if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP):
                 return False
             raise

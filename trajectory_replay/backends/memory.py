@@ -29,7 +29,7 @@ class MemoryBackend(Backend):
         self.root = "/" + root.strip("/")
         self.url = f"memory://{self.root.lstrip('/')}"
 
-    def child(self, prefix: str) -> "MemoryBackend":
+    def child(self, prefix: str) -> MemoryBackend:
         return MemoryBackend(f"{self.root}/{prefix}")
 
     def _path(self, key: str) -> str:

@@ -20,7 +20,7 @@ class OverlayBackend(Backend):
     capabilities = Capabilities(atomic_create=True, ranged_reads=True, listing=True, deletes=True, remote=False)
 
     def __init__(self, base: Backend) -> None:
-        self.base = base   # before the base class sizes the pool after it
+        self.base = base  # before the base class sizes the pool after it
         self.max_workers = base.max_workers
         super().__init__()
         self.top = MemoryBackend(f".overlay-{uuid.uuid4().hex}")
@@ -37,7 +37,7 @@ class OverlayBackend(Backend):
         except FileNotFoundError:
             pass
 
-    def __enter__(self) -> "OverlayBackend":
+    def __enter__(self) -> OverlayBackend:
         return self
 
     def __exit__(self, *exc) -> None:

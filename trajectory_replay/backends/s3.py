@@ -39,18 +39,28 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 import aiohttp
 import fsspec
 from botocore.exceptions import (
-    BotoCoreError, ConnectionError as BotoConnectionError, ConnectTimeoutError, CredentialRetrievalError,
-    HTTPClientError, NoCredentialsError, NoRegionError, PartialCredentialsError, ReadTimeoutError,
+    BotoCoreError,
+    ConnectTimeoutError,
+    CredentialRetrievalError,
+    HTTPClientError,
+    NoCredentialsError,
+    NoRegionError,
+    PartialCredentialsError,
+    ReadTimeoutError,
+)
+from botocore.exceptions import (
+    ConnectionError as BotoConnectionError,
 )
 from botocore.handlers import add_expect_header
-from s3fs.core import _error_wrapper as _s3_retrying
 from fsspec.asyn import _run_coros_in_chunks, sync
+from s3fs.core import _error_wrapper as _s3_retrying
 
 from trajectory_replay.backends.base import Backend, ByteRange, Capabilities, KeyStat, validate_key
 from trajectory_replay.backends.urls import redact_url
@@ -97,14 +107,16 @@ class RequestPolicy:
     deadline: float = 120.0
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "RequestPolicy":
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> RequestPolicy:
         """The defaults, overridden by the variables ENV_CONNECT_TIMEOUT, ENV_READ_TIMEOUT, ENV_MAX_ATTEMPTS and
         ENV_RETRY_DEADLINE name."""
         values: dict[str, Any] = {}
-        for name, field, kind in ((ENV_CONNECT_TIMEOUT, "connect_timeout", float),
-                                  (ENV_READ_TIMEOUT, "read_timeout", float),
-                                  (ENV_MAX_ATTEMPTS, "max_attempts", int),
-                                  (ENV_RETRY_DEADLINE, "deadline", float)):
+        for name, field, kind in (
+            (ENV_CONNECT_TIMEOUT, "connect_timeout", float),
+            (ENV_READ_TIMEOUT, "read_timeout", float),
+            (ENV_MAX_ATTEMPTS, "max_attempts", int),
+            (ENV_RETRY_DEADLINE, "deadline", float),
+        ):
             text = environ.get(name, "").strip()
             if not text:
                 continue
@@ -171,10 +183,11 @@ def _client_options(storage_options: Mapping[str, Any], policy: RequestPolicy) -
     config = dict(configured)
     config.setdefault("connect_timeout", policy.connect_timeout)
     config.setdefault("read_timeout", policy.read_timeout)
-    config.setdefault("retries", {"total_max_attempts": 1})   # attempts are made (and counted) here
+    config.setdefault("retries", {"total_max_attempts": 1})  # attempts are made (and counted) here
     options["config_kwargs"] = config
-    effective = replace(policy, connect_timeout=float(config["connect_timeout"]),
-                        read_timeout=float(config["read_timeout"]))
+    effective = replace(
+        policy, connect_timeout=float(config["connect_timeout"]), read_timeout=float(config["read_timeout"])
+    )
     if "retries" in configured:
         effective = replace(effective, max_attempts=1)
     return options, effective
@@ -183,8 +196,12 @@ def _client_options(storage_options: Mapping[str, Any], policy: RequestPolicy) -
 def _policy_of(fs: Any, policy: RequestPolicy) -> RequestPolicy:
     """The timeouts an s3fs filesystem made elsewhere really uses (its own retries come on top)."""
     config = getattr(fs, "config_kwargs", None) or {}
-    return replace(policy, connect_timeout=float(config.get("connect_timeout", getattr(fs, "connect_timeout", 5))),
-                   read_timeout=float(config.get("read_timeout", getattr(fs, "read_timeout", 15))), max_attempts=1)
+    return replace(
+        policy,
+        connect_timeout=float(config.get("connect_timeout", getattr(fs, "connect_timeout", 5))),
+        read_timeout=float(config.get("read_timeout", getattr(fs, "read_timeout", 15))),
+        max_attempts=1,
+    )
 
 
 def _error_code(exc: BaseException | None) -> str | None:
@@ -233,8 +250,8 @@ class _Failure:
     """What went wrong with a request, before it is worded for one backend's URL."""
 
     error: type[StoreUnreachableError | StoreAccessError | NoSuchBucketError | StoreConfigError]
-    what: str          # the problem, in words
-    check: str         # what the user should check (names of variables or options)
+    what: str  # the problem, in words
+    check: str  # what the user should check (names of variables or options)
 
 
 class _Sources:
@@ -266,48 +283,60 @@ def _timeout_text(seconds: float) -> str:
     return f"{seconds:g}s"
 
 
-def _classify(exc: BaseException, sources: _Sources, policy: RequestPolicy) -> Optional[_Failure]:
+def _classify(exc: BaseException, sources: _Sources, policy: RequestPolicy) -> _Failure | None:
     """The storage failure `exc` stands for, or None when it is not one (a missing key, a refused condition, a bug)."""
     chain = _chain(exc)
     if any(isinstance(e, (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError)) for e in chain):
-        return _Failure(StoreAccessError, "no usable S3 credentials were found",
-                        f"set {sources.key} and {sources.secret} (or AWS_PROFILE)")
+        return _Failure(
+            StoreAccessError,
+            "no usable S3 credentials were found",
+            f"set {sources.key} and {sources.secret} (or AWS_PROFILE)",
+        )
     if any(isinstance(e, NoRegionError) for e in chain):
         return _Failure(StoreConfigError, "no S3 region is configured", "set AWS_DEFAULT_REGION")
     code = _error_code(exc)
     if code in _CREDENTIAL_CODES:
-        check = {"InvalidAccessKeyId": sources.key, "InvalidClientTokenId": sources.key,
-                 "SignatureDoesNotMatch": f"{sources.secret} (and {sources.key})"}.get(code, sources.token)
+        check = {
+            "InvalidAccessKeyId": sources.key,
+            "InvalidClientTokenId": sources.key,
+            "SignatureDoesNotMatch": f"{sources.secret} (and {sources.key})",
+        }.get(code, sources.token)
         return _Failure(StoreAccessError, f"{_CREDENTIAL_CODES[code]} ({code})", f"check {check}")
     if code in _DENIED_CODES:
-        return _Failure(StoreAccessError, f"access denied ({'403 Forbidden' if code == '403' else code})",
-                        f"check {sources.key} and {sources.secret}, and that they may use this bucket")
+        return _Failure(
+            StoreAccessError,
+            f"access denied ({'403 Forbidden' if code == '403' else code})",
+            f"check {sources.key} and {sources.secret}, and that they may use this bucket",
+        )
     if code == "NoSuchBucket":
-        return _Failure(NoSuchBucketError, "the bucket does not exist",
-                        f"check the bucket name in the URL (and {sources.endpoint})")
+        return _Failure(
+            NoSuchBucketError, "the bucket does not exist", f"check the bucket name in the URL (and {sources.endpoint})"
+        )
     if code in _UNAVAILABLE:
-        return _Failure(StoreUnreachableError, f"the endpoint cannot serve requests now ({code})",
-                        "try again later")
+        return _Failure(StoreUnreachableError, f"the endpoint cannot serve requests now ({code})", "try again later")
     if code is not None:
-        return None   # any other answer is the server's word on this request
+        return None  # any other answer is the server's word on this request
     endpoint = f"check {sources.endpoint}"
     for e in chain:
         if isinstance(e, _DNS_ERRORS):
             return _Failure(StoreUnreachableError, "its host name does not resolve", endpoint)
     for e in chain:
         if isinstance(e, _CONNECT_TIMEOUTS):
-            return _Failure(StoreUnreachableError,
-                            f"no connection within the {_timeout_text(policy.connect_timeout)} connect timeout",
-                            f"{endpoint} and the network (the wait is {ENV_CONNECT_TIMEOUT})")
+            return _Failure(
+                StoreUnreachableError,
+                f"no connection within the {_timeout_text(policy.connect_timeout)} connect timeout",
+                f"{endpoint} and the network (the wait is {ENV_CONNECT_TIMEOUT})",
+            )
     for e in chain:
         if isinstance(e, ConnectionRefusedError):
-            return _Failure(StoreUnreachableError, "connection refused",
-                            f"{endpoint} and that the server is running")
+            return _Failure(StoreUnreachableError, "connection refused", f"{endpoint} and that the server is running")
     for e in chain:
         if isinstance(e, _READ_TIMEOUTS):
-            return _Failure(StoreUnreachableError,
-                            f"connected, but no answer within the {_timeout_text(policy.read_timeout)} read timeout",
-                            f"{endpoint} names an S3 server that is up (the wait is {ENV_READ_TIMEOUT})")
+            return _Failure(
+                StoreUnreachableError,
+                f"connected, but no answer within the {_timeout_text(policy.read_timeout)} read timeout",
+                f"{endpoint} names an S3 server that is up (the wait is {ENV_READ_TIMEOUT})",
+            )
     for e in chain:
         if isinstance(e, ValueError) and "endpoint" in str(e).lower():
             return _Failure(StoreConfigError, f"the endpoint URL is not valid ({e})", endpoint)
@@ -319,7 +348,7 @@ def _classify(exc: BaseException, sources: _Sources, policy: RequestPolicy) -> O
     return None
 
 
-class _Silent(TimeoutError):
+class _SilenceError(TimeoutError):
     """The endpoint answered none of the waiting requests for one attempt's limit (a read timeout, for the
     requests still queued for a connection)."""
 
@@ -368,14 +397,16 @@ def _answered(endpoint: str, **_event: Any) -> None:
         state = _SILENCE.setdefault(endpoint, _Silence())
         state.quiet_since = state.last_answer = now
         _DOWN.pop(endpoint, None)
-_PREPARED_CLIENTS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+_PREPARED_CLIENTS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _storage_call(method):
     """Run a primitive with the backend's retries, turning a storage failure into a StorageUnavailableError."""
 
     @functools.wraps(method)
-    def call(self: "S3Backend", *args: Any, **kwargs: Any) -> Any:
+    def call(self: S3Backend, *args: Any, **kwargs: Any) -> Any:
         return self._attempts(method, args, kwargs)
 
     return call
@@ -387,8 +418,9 @@ class S3Backend(Backend):
     capabilities = Capabilities(atomic_create=True, ranged_reads=True, listing=True, deletes=True, remote=True)
     max_workers = 16
 
-    def __init__(self, path: str, fs: Any = None, *, request_policy: Optional[RequestPolicy] = None,
-                 **storage_options: Any) -> None:
+    def __init__(
+        self, path: str, fs: Any = None, *, request_policy: RequestPolicy | None = None, **storage_options: Any
+    ) -> None:
         super().__init__()
         path = path.split("://", 1)[-1].strip("/")
         if not path or len(path.split("/", 1)[0]) < 3:
@@ -402,7 +434,7 @@ class S3Backend(Backend):
             options, policy = _client_options(storage_options, policy)
             # fresh instance: listings are never cached, so exists/list see other writers at once
             fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False, **options)
-            fs.retries = 1   # s3fs's own retry loop would multiply the attempts made here
+            fs.retries = 1  # s3fs's own retry loop would multiply the attempts made here
         elif request_policy is None:
             policy = _policy_of(fs, policy)
         self.fs = fs
@@ -429,14 +461,23 @@ class S3Backend(Backend):
         seen = 0
         link: BaseException | None = exc
         while link is not None and seen < 8:
-            if isinstance(link, (OSError, TimeoutError, asyncio.TimeoutError, BotoConnectionError, HTTPClientError,
-                                 aiohttp.ClientError)):
+            if isinstance(
+                link,
+                (
+                    OSError,
+                    TimeoutError,
+                    asyncio.TimeoutError,
+                    BotoConnectionError,
+                    HTTPClientError,
+                    aiohttp.ClientError,
+                ),
+            ):
                 return True
             link = link.__cause__ or link.__context__
             seen += 1
         return False
 
-    def child(self, prefix: str) -> "S3Backend":
+    def child(self, prefix: str) -> S3Backend:
         return S3Backend(f"{self.path}/{prefix}", fs=self.fs, request_policy=self.policy, **self.storage_options)
 
     # ---- failures --------------------------------------------------------------------------------
@@ -445,9 +486,12 @@ class S3Backend(Backend):
         client = getattr(self.fs, "_s3", None)
         host = getattr(getattr(client, "_endpoint", None), "host", None)
         if not host:
-            host = ((getattr(self.fs, "client_kwargs", None) or {}).get("endpoint_url")
-                    or getattr(self.fs, "endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL_S3")
-                    or os.environ.get("AWS_ENDPOINT_URL"))
+            host = (
+                (getattr(self.fs, "client_kwargs", None) or {}).get("endpoint_url")
+                or getattr(self.fs, "endpoint_url", None)
+                or os.environ.get("AWS_ENDPOINT_URL_S3")
+                or os.environ.get("AWS_ENDPOINT_URL")
+            )
         return redact_url(str(host).rstrip("/")) if host else "AWS S3"
 
     def forget_outage(self) -> None:
@@ -456,9 +500,9 @@ class S3Backend(Backend):
         with _DOWN_LOCK:
             _DOWN.pop(self.endpoint(), None)
 
-    async def _watched(self, endpoint: str, coro, silence_limit: Optional[float]) -> Any:
+    async def _watched(self, endpoint: str, coro, silence_limit: float | None) -> Any:
         """Await `coro`; with `silence_limit`, counted among the requests waiting for `endpoint`, and failed
-        (`_Silent`) once the endpoint has answered none of them for that many seconds, wherever they wait (a
+        (`_SilenceError`) once the endpoint has answered none of them for that many seconds, wherever they wait (a
         connection of the pool, a read)."""
         if silence_limit is None:
             return await coro
@@ -473,7 +517,7 @@ class S3Backend(Backend):
                 with _DOWN_LOCK:
                     left = state.quiet_since + silence_limit - time.monotonic()
                 if left <= 0:
-                    raise _Silent(f"no answer for {silence_limit:g}s")
+                    raise _SilenceError(f"no answer for {silence_limit:g}s")
                 done, _ = await asyncio.wait({task}, timeout=left)
                 if done:
                     return task.result()
@@ -486,8 +530,7 @@ class S3Backend(Backend):
     def _sync(self, coro, *, upload: bool = False) -> Any:
         """Run a request's coroutine in s3fs's event loop, watched (an upload is not: it gets no answer until its
         body is sent, which may take long, and is bounded by its own limit)."""
-        return sync(self.fs.loop, self._watched, self.endpoint(), coro,
-                    None if upload else self.policy.attempt_limit())
+        return sync(self.fs.loop, self._watched, self.endpoint(), coro, None if upload else self.policy.attempt_limit())
 
     def _refuse_during_outage(self) -> None:
         """Fail at once while the endpoint is in an outage and asking it could not end within the outage's
@@ -533,10 +576,13 @@ class S3Backend(Backend):
                 if failure.error.transient:
                     delay = self.policy.backoff(attempt)
                     now = time.monotonic()
-                    if (self.policy.retry_allowed(attempt, now - started, delay)
-                            and now + delay + self.policy.attempt_limit() <= silent_since + self.policy.deadline):
-                        log.debug("%s: attempt %d failed (%s); retrying in %.1fs", self.url, attempt, failure.what,
-                                  delay)
+                    if (
+                        self.policy.retry_allowed(attempt, now - started, delay)
+                        and now + delay + self.policy.attempt_limit() <= silent_since + self.policy.deadline
+                    ):
+                        log.debug(
+                            "%s: attempt %d failed (%s); retrying in %.1fs", self.url, attempt, failure.what, delay
+                        )
                         time.sleep(delay)
                         continue
                 note = ""
@@ -552,7 +598,7 @@ class S3Backend(Backend):
     def _missing(self, exc: BaseException) -> None:
         """A "no such key" that is really "no such bucket" is a storage failure, not an absent value."""
         failure = _classify(exc, self._sources, self.policy) if _error_code(exc) == "NoSuchBucket" else None
-        if failure is not None:   # the code is always classified: a NoSuchBucketError
+        if failure is not None:  # the code is always classified: a NoSuchBucketError
             raise self._error(failure) from exc
 
     # ---- primitives ------------------------------------------------------------------------------
@@ -573,15 +619,17 @@ class S3Backend(Backend):
                 body = await resp["Body"].read()
             finally:
                 resp["Body"].close()
-            _answered(self.endpoint())   # the body came too: a long one is no silence
+            _answered(self.endpoint())  # the body came too: a long one is no silence
             return body
 
         return await _s3_retrying(call_and_read, retries=self.fs.retries)
 
     async def _put(self, path: str, body: bytes, **conditions: Any) -> None:
         bucket, obj_key, _ = self.fs.split_path(path)
-        await asyncio.wait_for(self.fs._call_s3("put_object", Bucket=bucket, Key=obj_key, Body=body, **conditions),
-                               self.policy.attempt_limit(len(body)))
+        await asyncio.wait_for(
+            self.fs._call_s3("put_object", Bucket=bucket, Key=obj_key, Body=body, **conditions),
+            self.policy.attempt_limit(len(body)),
+        )
 
     @_storage_call
     def _read(self, key: str) -> bytes:
@@ -605,9 +653,10 @@ class S3Backend(Backend):
         paths = [self._path(validate_key(k)) for k in keys]
         if not paths:
             return []
-        results = self._sync(_run_coros_in_chunks([self._get(p) for p in paths], batch_size=self.max_workers * 4,
-                                                  return_exceptions=True))
-        for value in results:   # a storage failure of any request is the whole call's
+        results = self._sync(
+            _run_coros_in_chunks([self._get(p) for p in paths], batch_size=self.max_workers * 4, return_exceptions=True)
+        )
+        for value in results:  # a storage failure of any request is the whole call's
             if isinstance(value, BaseException) and not isinstance(value, FileNotFoundError):
                 raise value
         values = []
@@ -626,8 +675,9 @@ class S3Backend(Backend):
             return []
         paths = [self._path(validate_key(r.key)) for r in ranges]
         try:
-            values = self._sync(self.fs._cat_ranges(paths, [r.start for r in ranges], [r.end for r in ranges],
-                                                    on_error="return"))
+            values = self._sync(
+                self.fs._cat_ranges(paths, [r.start for r in ranges], [r.end for r in ranges], on_error="return")
+            )
         except FileNotFoundError as exc:
             self._missing(exc)
             raise self._not_found(ranges[0].key) from None
@@ -670,7 +720,7 @@ class S3Backend(Backend):
         raise BackendError(f"{self.url}: conditional write of {key!r} kept conflicting")
 
     @_storage_call
-    def _head(self, key: str) -> Optional[dict]:
+    def _head(self, key: str) -> dict | None:
         """One HEAD request (s3fs's `info` adds a LIST for a missing key, to look for a directory)."""
         bucket, obj_key, _ = self.fs.split_path(self._path(key))
 
@@ -726,7 +776,7 @@ class S3Backend(Backend):
             self._missing(exc)
             return []
         # a key ending in "/" is a directory placeholder some tools create, not a value
-        return [k[len(base):] for k in found if not k.endswith("/")]
+        return [k[len(base) :] for k in found if not k.endswith("/")]
 
     @_storage_call
     def _delete(self, key: str) -> None:
@@ -739,8 +789,11 @@ class S3Backend(Backend):
     def _list_dir(self, prefix: str) -> list[str]:
         base = self._path(prefix) if prefix else self.path
         try:
-            return [p.rstrip("/").rsplit("/", 1)[-1]
-                    for p in self._sync(self.fs._ls(base, detail=False, refresh=True)) if p.rstrip("/") != base]
+            return [
+                p.rstrip("/").rsplit("/", 1)[-1]
+                for p in self._sync(self.fs._ls(base, detail=False, refresh=True))
+                if p.rstrip("/") != base
+            ]
         except FileNotFoundError as exc:
             self._missing(exc)
             return []

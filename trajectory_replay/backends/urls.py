@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Optional
 
 
 def split_url(path_or_url: str) -> tuple[str, str]:
@@ -22,13 +21,14 @@ def split_url(path_or_url: str) -> tuple[str, str]:
     return protocol, rest
 
 
-S3_BUCKET_RULE = ("3-63 characters: lowercase letters, digits, dots and hyphens, beginning and ending with a "
-                  "letter or digit")
+S3_BUCKET_RULE = (
+    "3-63 characters: lowercase letters, digits, dots and hyphens, beginning and ending with a letter or digit"
+)
 _S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _SLASHLESS_URL = re.compile(r"(s3|s3a|s3n|file|local|memory):(?!//)", re.IGNORECASE)
 
 
-def location_problem(path_or_url: str | os.PathLike) -> Optional[str]:
+def location_problem(path_or_url: str | os.PathLike) -> str | None:
     """What makes `path_or_url` name no store at all, as written and before any request (an empty path, a URL
     missing its //, an unknown protocol, an S3 URL without a valid bucket name), one line naming it and what to
     write instead; None when it can name one."""
@@ -50,12 +50,14 @@ def unsupported_protocol(url: str, protocol: str) -> str:
     return f"{redact_url(url)}: unsupported storage protocol {protocol!r} (use a path, file://, s3:// or memory://)"
 
 
-def s3_bucket_problem(url: str, rest: str) -> Optional[str]:
+def s3_bucket_problem(url: str, rest: str) -> str | None:
     """What is wrong with an S3 URL (`rest`: its text after s3://) as written: credentials in it (never handed on:
     the client would echo them inside its own bucket-name error), no bucket, an invalid bucket name."""
     if _userinfo_end(rest):
-        return (f"{redact_url(url)}: credentials in an S3 URL are not used; give them through AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY, an AWS profile, or the key and secret storage options")
+        return (
+            f"{redact_url(url)}: credentials in an S3 URL are not used; give them through AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, an AWS profile, or the key and secret storage options"
+        )
     bucket = rest.split("/", 1)[0]
     if not bucket:
         return f"{redact_url(url)}: no bucket name: an S3 URL is s3://BUCKET/PREFIX"
@@ -81,7 +83,7 @@ def redact_url(url: str) -> str:
     if "://" not in url:
         return url
     protocol, rest = url.split("://", 1)
-    return f"{protocol}://{rest[_userinfo_end(rest):]}"
+    return f"{protocol}://{rest[_userinfo_end(rest) :]}"
 
 
 __all__ = ["S3_BUCKET_RULE", "location_problem", "redact_url", "s3_bucket_problem", "split_url", "unsupported_protocol"]

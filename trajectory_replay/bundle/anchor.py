@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from trajectory_replay.errors import UsageError
 
@@ -30,7 +30,7 @@ class Anchor:
     """(rollout_id, step_id) of a step-level bundle; (rollout_id, None) of a rollout-level one."""
 
     rollout_id: int
-    step_id: Optional[int] = None
+    step_id: int | None = None
 
     @property
     def level(self) -> str:
@@ -43,18 +43,19 @@ class Anchor:
     @property
     def flag(self) -> str:
         """The command-line filter that designates this anchor: `--step R:S` or `--rollout R`."""
-        return f"--step {self.rollout_id}:{self.step_id}" if self.step_id is not None else \
-            f"--rollout {self.rollout_id}"
+        return (
+            f"--step {self.rollout_id}:{self.step_id}" if self.step_id is not None else f"--rollout {self.rollout_id}"
+        )
 
     # ---- from and to the forms it is stored and written in -------------------------------------------
     @classmethod
-    def of(cls, identity: Any) -> "Anchor":
+    def of(cls, identity: Any) -> Anchor:
         """The anchor of an index identity (its `actor_step_id`, else its `rollout_id`)."""
         step = identity.actor_step_id
         return cls(step.rollout_id, step.step_id) if step is not None else cls(identity.rollout_id)
 
     @classmethod
-    def from_marker(cls, value: Any) -> "Anchor":
+    def from_marker(cls, value: Any) -> Anchor:
         """The anchor a marker stores; ValueError naming the field that is wrong otherwise."""
         if isinstance(value, Anchor):
             return value
@@ -67,8 +68,10 @@ class Anchor:
             return cls(_int64(rollout, "rollout_id"))
         if not isinstance(step, dict):
             raise ValueError(f"actor_step_id must be an object {{rollout_id, step_id}}, got {type(step).__name__}")
-        return cls(_int64(step.get("rollout_id"), "actor_step_id.rollout_id"),
-                   _int64(step.get("step_id"), "actor_step_id.step_id"))
+        return cls(
+            _int64(step.get("rollout_id"), "actor_step_id.rollout_id"),
+            _int64(step.get("step_id"), "actor_step_id.step_id"),
+        )
 
     def to_marker(self) -> dict[str, Any]:
         """The form markers store."""
@@ -78,7 +81,7 @@ class Anchor:
 
     # ---- from the command line -------------------------------------------------------------------------
     @classmethod
-    def parse_step(cls, text: Optional[str]) -> "Anchor":
+    def parse_step(cls, text: str | None) -> Anchor:
         """`R:S` (the value of `--step`) as a step-level anchor; UsageError (exit 2) when malformed."""
         match = _STEP_TEXT.fullmatch(text or "")
         if not match:
@@ -86,7 +89,7 @@ class Anchor:
         return cls(int(match.group(1)), int(match.group(2)))
 
     @classmethod
-    def requested(cls, step: Optional[str] = None, rollout: Optional[int] = None) -> Optional["Anchor"]:
+    def requested(cls, step: str | None = None, rollout: int | None = None) -> Anchor | None:
         """The anchor `--step` or `--rollout` asks for; None when neither is given (no filter)."""
         if step is not None and rollout is not None:
             raise UsageError("--step and --rollout are mutually exclusive")

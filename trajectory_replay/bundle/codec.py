@@ -15,7 +15,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from trajectory_replay.bundle.documents import MAX_JSON_DEPTH, nesting_exceeds
 from trajectory_replay.errors import BundleError
@@ -37,15 +37,22 @@ MAX_TENSOR_BYTES = 1 << 62
 even when it is empty (a zero dimension would otherwise let the others be anything)."""
 
 _DTYPES: dict[str, tuple[str, int]] = {
-    "F64": ("torch.float64", 8), "F32": ("torch.float32", 4), "F16": ("torch.float16", 2),
-    "BF16": ("torch.bfloat16", 2), "I64": ("torch.int64", 8), "I32": ("torch.int32", 4),
-    "I16": ("torch.int16", 2), "I8": ("torch.int8", 1), "U8": ("torch.uint8", 1), "BOOL": ("torch.bool", 1),
+    "F64": ("torch.float64", 8),
+    "F32": ("torch.float32", 4),
+    "F16": ("torch.float16", 2),
+    "BF16": ("torch.bfloat16", 2),
+    "I64": ("torch.int64", 8),
+    "I32": ("torch.int32", 4),
+    "I16": ("torch.int16", 2),
+    "I8": ("torch.int8", 1),
+    "U8": ("torch.uint8", 1),
+    "BOOL": ("torch.bool", 1),
 }
 """safetensors dtype code -> (the manifest's spelling of the dtype, bytes per element)."""
 _MANIFEST_NAMES = {name: code for code, (name, _) in _DTYPES.items()}
 
 
-def dtype_name(dtype: "torch.dtype | str") -> str:
+def dtype_name(dtype: torch.dtype | str) -> str:
     """The manifest spelling of a dtype (`torch.float32`; a `RawTensor`'s dtype is spelled so already), shared with
     the older format."""
     return str(dtype)
@@ -65,14 +72,14 @@ def itemsize(name: str) -> int:
     return _DTYPES[_MANIFEST_NAMES[manifest_dtype(name)]][1]
 
 
-def torch_dtype(name: str) -> "torch.dtype":
+def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype for a manifest dtype string; BundleError for an unknown one."""
     import torch
 
     return getattr(torch, manifest_dtype(name).removeprefix("torch."))
 
 
-def check_storable(name: str, tensor: object) -> "torch.Tensor | RawTensor":
+def check_storable(name: str, tensor: object) -> torch.Tensor | RawTensor:
     """The tensor, contiguous on the CPU, if it can be stored; BundleError naming the payload otherwise. A
     `RawTensor` is stored as it is (checked when it was made)."""
     if isinstance(tensor, RawTensor):
@@ -90,14 +97,16 @@ def check_storable(name: str, tensor: object) -> "torch.Tensor | RawTensor":
     return tensor.detach().to("cpu").contiguous()
 
 
-def encode(tensor: "torch.Tensor | RawTensor") -> tuple[bytes, int]:
+def encode(tensor: torch.Tensor | RawTensor) -> tuple[bytes, int]:
     """(safetensors bytes, offset where the tensor data starts). A `RawTensor` is laid out without torch, byte for
     byte as safetensors lays out the same torch tensor: the header's compact JSON padded with spaces to a multiple
     of 8 bytes, then the data."""
     if isinstance(tensor, RawTensor):
         code = _MANIFEST_NAMES[tensor.dtype]
-        header = json.dumps({TENSOR_NAME: {"dtype": code, "shape": list(tensor.shape),
-                                           "data_offsets": [0, len(tensor.data)]}}, separators=(",", ":")).encode()
+        header = json.dumps(
+            {TENSOR_NAME: {"dtype": code, "shape": list(tensor.shape), "data_offsets": [0, len(tensor.data)]}},
+            separators=(",", ":"),
+        ).encode()
         header += b" " * (-len(header) % 8)
         return struct.pack("<Q", len(header)) + header + bytes(tensor.data), 8 + len(header)
     from safetensors.torch import save as st_save
@@ -107,13 +116,24 @@ def encode(tensor: "torch.Tensor | RawTensor") -> tuple[bytes, int]:
     return blob, 8 + header_len
 
 
-_LIST_FORMATS = {"torch.float64": "d", "torch.float32": "f", "torch.float16": "e", "torch.int64": "q",
-                 "torch.int32": "i", "torch.int16": "h", "torch.int8": "b", "torch.uint8": "B", "torch.bool": "?",
-                 "torch.uint16": "H", "torch.uint32": "I", "torch.uint64": "Q"}
+_LIST_FORMATS = {
+    "torch.float64": "d",
+    "torch.float32": "f",
+    "torch.float16": "e",
+    "torch.int64": "q",
+    "torch.int32": "i",
+    "torch.int16": "h",
+    "torch.int8": "b",
+    "torch.uint8": "B",
+    "torch.bool": "?",
+    "torch.uint16": "H",
+    "torch.uint32": "I",
+    "torch.uint64": "Q",
+}
 """The `struct` format of each dtype's elements (bfloat16, which has none, is widened to float32 by hand)."""
 
 
-def _element_bytes(dtype: str) -> Optional[int]:
+def _element_bytes(dtype: str) -> int | None:
     """Bytes per element: the stored dtypes' from `_DTYPES`, the few others' from their `struct` format."""
     if dtype in _MANIFEST_NAMES:
         return _DTYPES[_MANIFEST_NAMES[dtype]][1]
@@ -127,7 +147,7 @@ def _nested(flat: list, shape: tuple[int, ...]):
     if len(shape) == 1:
         return flat
     step = math.prod(shape[1:])
-    return [_nested(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+    return [_nested(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
 @dataclass(frozen=True)
@@ -161,7 +181,7 @@ class RawTensor:
             raise BundleError(f"dtype {self.dtype} is not known here")
         return size
 
-    def reshape(self, *shape: int) -> "RawTensor":
+    def reshape(self, *shape: int) -> RawTensor:
         """The same bytes under another shape; one dimension may be -1."""
         dims = list(shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
         if dims.count(-1) == 1:
@@ -174,7 +194,7 @@ class RawTensor:
     def tolist(self):
         """The values as Python numbers, nested by the shape (one number for a 0-d tensor)."""
         n = self.numel()
-        if self.dtype == "torch.bfloat16":   # the high half of a float32
+        if self.dtype == "torch.bfloat16":  # the high half of a float32
             wide = struct.pack(f"<{n}I", *(v << 16 for v in struct.unpack(f"<{n}H", self.data)))
             flat = list(struct.unpack(f"<{n}f", wide))
         elif self.dtype in _LIST_FORMATS:
@@ -189,7 +209,7 @@ class RawTensor:
         return self.reshape(-1).tolist()[0]
 
     @staticmethod
-    def cat(parts: "list[RawTensor]") -> "RawTensor":
+    def cat(parts: list[RawTensor]) -> RawTensor:
         """The flat concatenation of tensors of one dtype."""
         dtypes = {p.dtype for p in parts}
         if len(dtypes) != 1:
@@ -217,7 +237,7 @@ class Header:
         return _DTYPES[self.code][1]
 
     @property
-    def dtype(self) -> "torch.dtype":
+    def dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype_name)
 
 
@@ -243,8 +263,9 @@ def _header_int(value: object, where: str, field: str) -> int:
 
     Floats (1e400 is infinity, 8.5 is not a size) and booleans are refused rather than converted."""
     if type(value) is not int:
-        raise BundleError(f"{where}: safetensors header field {field} holds {one_line(repr(value), 40)}, "
-                          "not an integer")
+        raise BundleError(
+            f"{where}: safetensors header field {field} holds {one_line(repr(value), 40)}, not an integer"
+        )
     if not 0 <= value <= MAX_HEADER_INT:
         raise BundleError(f"{where}: safetensors header field {field} holds {value}, outside [0, 2^63)")
     return value
@@ -255,7 +276,7 @@ def parse_header(head: bytes | bytearray, blob_size: int, where: str) -> Header:
     n = header_length(head, where)
     if len(head) < 8 + n or 8 + n > blob_size:
         raise BundleError(f"{where}: safetensors header is truncated")
-    text = bytes(head[8:8 + n])
+    text = bytes(head[8 : 8 + n])
     if nesting_exceeds(text):
         raise BundleError(f"{where}: safetensors header nests more than {MAX_JSON_DEPTH} levels deep")
     try:
@@ -273,50 +294,65 @@ def parse_header(head: bytes | bytearray, blob_size: int, where: str) -> Header:
         raise BundleError(f"{where}: expected exactly one tensor named {TENSOR_NAME!r}, found {shown}")
     entry = doc[TENSOR_NAME]
     if not isinstance(entry, dict) or not all(k in entry for k in ("dtype", "shape", "data_offsets")):
-        raise BundleError(f"{where}: malformed tensor entry in the safetensors header "
-                          "(needs dtype, shape and data_offsets)")
+        raise BundleError(
+            f"{where}: malformed tensor entry in the safetensors header (needs dtype, shape and data_offsets)"
+        )
     dtype_text = entry["dtype"]
     if not isinstance(dtype_text, str) or dtype_text not in _DTYPES:
-        raise BundleError(f"{where}: malformed tensor entry in the safetensors header "
-                          f"(dtype {one_line(repr(dtype_text), 40)} is not one of {sorted(_DTYPES)})")
+        raise BundleError(
+            f"{where}: malformed tensor entry in the safetensors header "
+            f"(dtype {one_line(repr(dtype_text), 40)} is not one of {sorted(_DTYPES)})"
+        )
     raw_shape, offsets = entry["shape"], entry["data_offsets"]
     if not isinstance(raw_shape, list):
         raise BundleError(f"{where}: safetensors header field shape is not a list")
     if len(raw_shape) > MAX_DIMS:
-        raise BundleError(f"{where}: safetensors header shape has {len(raw_shape)} dimensions, more than "
-                          f"{MAX_DIMS}")
+        raise BundleError(f"{where}: safetensors header shape has {len(raw_shape)} dimensions, more than {MAX_DIMS}")
     for i, d in enumerate(raw_shape):
         if type(d) is int and d < 0:
             raise BundleError(f"{where}: negative dimension in shape {_shape_text(raw_shape)}")
         _header_int(d, where, f"shape[{i}]")
     shape = tuple(raw_shape)
     if not isinstance(offsets, list) or len(offsets) != 2:
-        raise BundleError(f"{where}: malformed tensor entry in the safetensors header "
-                          "(data_offsets is not a pair [start, end])")
+        raise BundleError(
+            f"{where}: malformed tensor entry in the safetensors header (data_offsets is not a pair [start, end])"
+        )
     itemsize = _DTYPES[dtype_text][1]
     if math.prod(max(d, 1) for d in shape) * itemsize > MAX_TENSOR_BYTES:
-        raise BundleError(f"{where}: safetensors header shape {_shape_text(raw_shape)} of {dtype_text} is too large "
-                          "(its dimensions, zeros counted as ones, times its element size pass 2^62 bytes)")
+        raise BundleError(
+            f"{where}: safetensors header shape {_shape_text(raw_shape)} of {dtype_text} is too large "
+            "(its dimensions, zeros counted as ones, times its element size pass 2^62 bytes)"
+        )
     start = _header_int(offsets[0], where, "data_offsets[0]")
     end = _header_int(offsets[1], where, "data_offsets[1]")
     # Python integers do not wrap, so a product of huge dimensions is compared exactly, never overflowed
     expected_bytes = math.prod(shape) * itemsize
     data_len = blob_size - 8 - n
     if start != 0 or end != data_len or end - start != expected_bytes:
-        why = ("inverted" if end < start else "past the end of the blob" if end > data_len
-               else "not starting at the data" if start != 0 else "not covering the data" if end != data_len
-               else "not the size of the shape")
-        raise BundleError(f"{where}: safetensors offsets [{start}, {end}) do not match {data_len} data bytes "
-                          f"for shape {_shape_text(raw_shape)} of {dtype_text} ({why})")
+        why = (
+            "inverted"
+            if end < start
+            else "past the end of the blob"
+            if end > data_len
+            else "not starting at the data"
+            if start != 0
+            else "not covering the data"
+            if end != data_len
+            else "not the size of the shape"
+        )
+        raise BundleError(
+            f"{where}: safetensors offsets [{start}, {end}) do not match {data_len} data bytes "
+            f"for shape {_shape_text(raw_shape)} of {dtype_text} ({why})"
+        )
     return Header(dtype_text, shape, 8 + n, blob_size)
 
 
 def buffer_header(buffer: bytes | bytearray, where: str) -> Header:
     """The checked header of a whole one-tensor safetensors blob held in memory."""
-    return parse_header(bytes(buffer[:8 + header_length(bytes(buffer[:8]), where)]), len(buffer), where)
+    return parse_header(bytes(buffer[: 8 + header_length(bytes(buffer[:8]), where)]), len(buffer), where)
 
 
-def decode_buffer(buffer: bytearray, where: str) -> "torch.Tensor":
+def decode_buffer(buffer: bytearray, where: str) -> torch.Tensor:
     """The tensor of a one-tensor safetensors blob held in a writable buffer, without copying the data.
 
     The header is checked first (the same checks as `decode`); the tensor then shares the buffer's memory."""
@@ -330,12 +366,21 @@ def decode_buffer(buffer: bytearray, where: str) -> "torch.Tensor":
     return flat.reshape(header.shape)
 
 
-_NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
-                 "U8": "u1", "BOOL": "?"}
+_NUMPY_DTYPES = {
+    "F64": "<f8",
+    "F32": "<f4",
+    "F16": "<f2",
+    "I64": "<i8",
+    "I32": "<i4",
+    "I16": "<i2",
+    "I8": "i1",
+    "U8": "u1",
+    "BOOL": "?",
+}
 """safetensors dtype code -> numpy dtype (bfloat16 has none: it is widened to float32)."""
 
 
-def decode_array(buffer: bytes | bytearray, where: str) -> tuple[Header, "numpy.ndarray"]:
+def decode_array(buffer: bytes | bytearray, where: str) -> tuple[Header, numpy.ndarray]:
     """The header and values of a whole one-tensor safetensors blob held in memory, without torch (validate
     checks native bundles where torch is not installed). The header is checked as `decode_buffer` checks it;
     the values share the buffer's memory, except bfloat16, which is widened exactly to float32."""
@@ -343,7 +388,7 @@ def decode_array(buffer: bytes | bytearray, where: str) -> tuple[Header, "numpy.
 
     header = buffer_header(buffer, where)
     count = math.prod(header.shape)
-    if header.code == "BF16":   # the upper half of a float32: shift the bits into place
+    if header.code == "BF16":  # the upper half of a float32: shift the bits into place
         raw = numpy.frombuffer(buffer, dtype="<u2", count=count, offset=header.data_start)
         values = (raw.astype("<u4") << 16).view("<f4")
     else:
@@ -351,12 +396,12 @@ def decode_array(buffer: bytes | bytearray, where: str) -> tuple[Header, "numpy.
     return header, values.reshape(header.shape)
 
 
-def from_bytes(data: bytes, dtype: "torch.dtype") -> "torch.Tensor":
+def from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
     """A 1-D tensor over raw little-endian bytes (a copy, so it owns its memory)."""
     return from_buffer(bytearray(data), dtype)
 
 
-def from_buffer(buffer: "bytearray | memoryview", dtype: "torch.dtype") -> "torch.Tensor":
+def from_buffer(buffer: bytearray | memoryview, dtype: torch.dtype) -> torch.Tensor:
     """A 1-D tensor over the raw little-endian bytes of a buffer the caller hands over (no copy: the tensor shares
     the buffer's memory)."""
     import torch

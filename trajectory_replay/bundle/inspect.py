@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from trajectory_replay.backends import redact_url
 from trajectory_replay.bundle.markers import RANKS_SHOWN, CompleteMarker, ranks_brief
@@ -25,7 +25,14 @@ from trajectory_replay.bundle.redaction import unknown_fields
 from trajectory_replay.bundle.resolve import V1, Bundle, open_bundle
 from trajectory_replay.bundle.schema import STAGE_ORDER, PayloadSpec, RecomputeConfig
 from trajectory_replay.bundle.status import (
-    COMPLETE_STATUS, CORRUPT, FINALIZABLE, INCOMPLETE, BundleState, bundle_status, describe_missing, finalize,
+    COMPLETE_STATUS,
+    CORRUPT,
+    FINALIZABLE,
+    INCOMPLETE,
+    BundleState,
+    bundle_status,
+    describe_missing,
+    finalize,
 )
 from trajectory_replay.errors import BundleError, IncompleteBundleError, StorageUnavailableError, TrajectoryReplayError
 from trajectory_replay.outcome import Outcome, Status
@@ -45,17 +52,17 @@ class Inspection(Outcome):
     state: str
     """complete | incomplete | finalizable (could not be finalized here) | invalid (an older-format bundle that
     does not open)"""
-    bundle_id: Optional[str] = None
+    bundle_id: str | None = None
     format: str = "native"
     detail: str = ""
-    anchor: Optional[str] = None
+    anchor: str | None = None
     identity: dict[str, Any] = field(default_factory=dict)
     producer: dict[str, Any] = field(default_factory=dict)
     ranks: list[int] = field(default_factory=list)
     expected_ranks: list[int] = field(default_factory=list)
     stages: dict[str, str] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
-    conventions: Optional[dict[str, Any]] = None
+    conventions: dict[str, Any] | None = None
     """The convention profile the producer built its config from (manifest `conventions`), if recorded."""
     samples: int = 0
     """Samples of the whole cohort (every rank shown)."""
@@ -64,7 +71,7 @@ class Inspection(Outcome):
     """Samples per rank of a multi-rank bundle."""
     payloads: list[dict[str, Any]] = field(default_factory=list)
     logical_bytes: int = 0
-    unique_chunk_bytes: Optional[int] = None
+    unique_chunk_bytes: int | None = None
     unreadable_bytes: int = 0
     """Logical bytes of payloads whose record could not be read; not part of the dedup figure."""
     redaction: dict[str, str] = field(default_factory=dict)
@@ -76,7 +83,7 @@ class Inspection(Outcome):
         return bool(self.problems)
 
     @property
-    def dedup_ratio(self) -> Optional[float]:
+    def dedup_ratio(self) -> float | None:
         """Readable logical bytes over the unique chunk bytes they are stored in (None when nothing is)."""
         if not self.unique_chunk_bytes:
             return None
@@ -101,20 +108,28 @@ class Inspection(Outcome):
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 
-    def render_text(self, width: Optional[int] = None) -> str:
+    def render_text(self, width: int | None = None) -> str:
         """The report; lines longer than `width` (default: the terminal's, no limit when piped) wrap under their
         value column and a payload name too long for its column ends in an ellipsis."""
         width = width or report_width()
-        lines = [self._title(), *self._provenance_lines(), *self._config_lines(), *self._content_lines(),
-                 *self._payload_lines(width), *self._damage_lines()]
+        lines = [
+            self._title(),
+            *self._provenance_lines(),
+            *self._config_lines(),
+            *self._content_lines(),
+            *self._payload_lines(width),
+            *self._damage_lines(),
+        ]
         return "\n".join(part for line in lines for part in fit(line, width, VALUE_COLUMN))
 
     def _title(self) -> str:
         """The first line: the bundle, its format and state, and how many problems it has."""
         count = len(self.problems)
-        return (f"bundle {self.bundle_id or self.target} [{self.format}] — {self.state}"
-                + (f": {self.detail}" if self.detail else "")
-                + (f"; DAMAGED ({count} problem{'s' if count > 1 else ''})" if self.damaged else ""))
+        return (
+            f"bundle {self.bundle_id or self.target} [{self.format}] — {self.state}"
+            + (f": {self.detail}" if self.detail else "")
+            + (f"; DAMAGED ({count} problem{'s' if count > 1 else ''})" if self.damaged else "")
+        )
 
     def _provenance_lines(self) -> list[str]:
         """Where the bundle comes from: its anchor, its ranks, its producer, its weight lineage and topology."""
@@ -127,14 +142,17 @@ class Inspection(Outcome):
         elif self.ranks:
             lines.append(f"  ranks      {ranks_text(self.ranks)}")
         if self.producer:
-            lines.append("  producer   " + ", ".join(f"{k}={v}" for k, v in self.producer.items()
-                                                      if v not in (None, "")))
+            lines.append(
+                "  producer   " + ", ".join(f"{k}={v}" for k, v in self.producer.items() if v not in (None, ""))
+            )
         if self.identity:
             lineage = self.identity.get("weight_lineage") or {}
             rank = self.identity.get("rank") or {}
-            lines.append(f"  lineage    rollout_weight={value_text(lineage.get('rollout_weight'))} "
-                         f"actor_weight={value_text(lineage.get('actor_weight'))}; topology " +
-                         " ".join(f"{k}={value_text(v)}" for k, v in rank.items()))
+            lines.append(
+                f"  lineage    rollout_weight={value_text(lineage.get('rollout_weight'))} "
+                f"actor_weight={value_text(lineage.get('actor_weight'))}; topology "
+                + " ".join(f"{k}={value_text(v)}" for k, v in rank.items())
+            )
         return lines
 
     def _config_lines(self) -> list[str]:
@@ -147,8 +165,9 @@ class Inspection(Outcome):
             lines.append("  config     " + ", ".join(f"{k}={value_text(v)}" for k, v in shown.items()))
         if self.conventions:
             c = self.conventions
-            lines.append(f"  conventions profile {c.get('profile')} "
-                         f"({c.get('framework')} {c.get('framework_version')})")
+            lines.append(
+                f"  conventions profile {c.get('profile')} ({c.get('framework')} {c.get('framework_version')})"
+            )
         return lines
 
     def _content_lines(self) -> list[str]:
@@ -162,22 +181,31 @@ class Inspection(Outcome):
         lines += [f"  stage      {stage:<22} {cap}" for stage, cap in self.stages.items()]
         if self.redaction:
             unknown = set(unknown_fields(self.redaction))
-            lines.append("  redaction  " + ", ".join(
-                f"{k}={v}" + (" (not a redactable field: was not applied)" if k in unknown else "")
-                for k, v in self.redaction.items()))
+            lines.append(
+                "  redaction  "
+                + ", ".join(
+                    f"{k}={v}" + (" (not a redactable field: was not applied)" if k in unknown else "")
+                    for k, v in self.redaction.items()
+                )
+            )
         return lines
 
-    def _payload_lines(self, width: Optional[int]) -> list[str]:
+    def _payload_lines(self, width: int | None) -> list[str]:
         """One line per payload (its name clipped to its column when the report has a `width`), then the total."""
         lines = []
         for p in self.payloads:
             chunks = f", {p['chunks']} chunks" if p.get("chunks") is not None else ""
-            damage = "".join(f"  {label}: {p[key]}" for key, label in (("error", "UNREADABLE"),
-                                                                         ("ref_error", "DAMAGED")) if p.get(key))
+            damage = "".join(
+                f"  {label}: {p[key]}"
+                for key, label in (("error", "UNREADABLE"), ("ref_error", "DAMAGED"))
+                if p.get(key)
+            )
             shape = "[" + ", ".join(map(str, p["shape"])) + "]"
             name = clip(p["name"], None if width is None else 16)
-            lines.append(f"  payload    {name:<16} {p['role']:<8} {p['dtype']:<14} {shape:<12} "
-                         f"{human_bytes(p['size'])}{chunks}{damage}")
+            lines.append(
+                f"  payload    {name:<16} {p['role']:<8} {p['dtype']:<14} {shape:<12} "
+                f"{human_bytes(p['size'])}{chunks}{damage}"
+            )
         if self.payloads:
             lines.append(self._total())
         return lines
@@ -187,10 +215,14 @@ class Inspection(Outcome):
         unreadable = f" ({human_bytes(self.unreadable_bytes)} unreadable)" if self.unreadable_bytes else ""
         dedup = ""
         if self.dedup_ratio is not None:
-            of = f" of the {human_bytes(self.logical_bytes - self.unreadable_bytes)} readable" \
-                if self.unreadable_bytes else ""
-            dedup = (f", {human_bytes(self.unique_chunk_bytes or 0)} in unique chunks "
-                     f"(dedup {self.dedup_ratio:.2f}x{of})")
+            of = (
+                f" of the {human_bytes(self.logical_bytes - self.unreadable_bytes)} readable"
+                if self.unreadable_bytes
+                else ""
+            )
+            dedup = (
+                f", {human_bytes(self.unique_chunk_bytes or 0)} in unique chunks (dedup {self.dedup_ratio:.2f}x{of})"
+            )
         shown = f" (rank {self.ranks[0]})" if len(self.rank_samples) > 1 and self.ranks else ""
         return f"  total      {human_bytes(self.logical_bytes)} of payloads{shown}{unreadable}{dedup}"
 
@@ -199,8 +231,10 @@ class Inspection(Outcome):
         shown = {f"payload {p['name']!r}" for p in self.payloads}
         lines = [f"  damage     {problem}" for problem in self.problems if problem.split(":", 1)[0] not in shown]
         if self.damaged:
-            lines.append("  damage     run `trajectory-replay fsck` on the store root: it re-links a missing blob ref; "
-                         "--repair-from URL re-fetches missing or corrupt objects from a copy")
+            lines.append(
+                "  damage     run `trajectory-replay fsck` on the store root: it re-links a missing blob ref; "
+                "--repair-from URL re-fetches missing or corrupt objects from a copy"
+            )
         return lines
 
 
@@ -213,13 +247,14 @@ class _PayloadState:
     """What the store holds for one payload: its verified record, or why it cannot be read; and what is wrong
     with its blob ref (the bytes stay readable through the manifest's record, but cp refuses the bundle)."""
 
-    record: Optional[BlobRecord] = None
-    error: Optional[str] = None
-    ref_error: Optional[str] = None
+    record: BlobRecord | None = None
+    error: str | None = None
+    ref_error: str | None = None
 
 
-def _record_problem(digest: str, record_digest: str, size: int,
-                    got: BlobRecord | RecordError | None) -> BlobRecord | str:
+def _record_problem(
+    digest: str, record_digest: str, size: int, got: BlobRecord | RecordError | None
+) -> BlobRecord | str:
     """The record `record_digest` of blob `digest` as the store read it, or a one-line reason it is not usable."""
     key = object_key(record_digest)
     if got is None:
@@ -237,7 +272,7 @@ def _payload_states(store: ObjectStore, payloads: dict[str, PayloadSpec]) -> dic
     """Read every payload's record and blob ref through the store's inventory, which reads the backend itself
     (a read cache would hide a record deleted or altered in the store)."""
     states = {name: _PayloadState() for name in payloads}
-    usable: dict[str, tuple[str, str, int]] = {}   # name -> the blob's digest, its record's digest, its size
+    usable: dict[str, tuple[str, str, int]] = {}  # name -> the blob's digest, its record's digest, its size
     for name, spec in payloads.items():
         if spec.digest is None or spec.record is None:
             states[name].error = "no digest in the manifest"
@@ -284,7 +319,7 @@ def _problems(states: dict[str, _PayloadState], prefix: str = "") -> list[str]:
     return out
 
 
-def _fill_from_source(out: Inspection, source, store: Optional[ObjectStore]) -> None:
+def _fill_from_source(out: Inspection, source, store: ObjectStore | None) -> None:
     out.bundle_id = source.bundle_id
     ident = source.index.identity
     out.anchor = ident.anchor()
@@ -301,8 +336,15 @@ def _fill_from_source(out: Inspection, source, store: Optional[ObjectStore]) -> 
     states = _payload_states(store, source.manifest.payloads) if store is not None else {}
     seen: dict[str, int] = {}
     for name, spec in source.manifest.payloads.items():
-        entry = {"name": name, "role": spec.role, "dtype": spec.dtype, "shape": spec.shape, "size": spec.size,
-                 "digest": spec.digest, "codec": spec.codec}
+        entry = {
+            "name": name,
+            "role": spec.role,
+            "dtype": spec.dtype,
+            "shape": spec.shape,
+            "size": spec.size,
+            "digest": spec.digest,
+            "codec": spec.codec,
+        }
         state = states.get(name)
         if state is not None:
             entry["readable"] = state.record is not None
@@ -321,7 +363,7 @@ def _fill_from_source(out: Inspection, source, store: Optional[ObjectStore]) -> 
         out.problems += _problems(states)
 
 
-def _check_shards(out: Inspection, store: Optional[ObjectStore], first, open_rank, ranks) -> None:
+def _check_shards(out: Inspection, store: ObjectStore | None, first, open_rank, ranks) -> None:
     """Count the samples of every rank of a multi-rank bundle (`first` is the one shown) and add the damage of
     the other shards to `out.problems`; a shard whose documents cannot be read is one problem, not a failure of
     the whole report."""
@@ -362,8 +404,9 @@ def value_text(value: Any) -> str:
     return str(value)
 
 
-def inspect_bundle(path_or_url: str | os.PathLike, *, step: Optional[str] = None, rollout: Optional[int] = None,
-                   **storage_options: Any) -> Inspection:
+def inspect_bundle(
+    path_or_url: str | os.PathLike, *, step: str | None = None, rollout: int | None = None, **storage_options: Any
+) -> Inspection:
     """Inspect the native or older-format bundle an address designates (`open_bundle` without choosing among a
     store root's bundles); one that is not complete is described, not refused."""
     # the server's copy of every marker, document and record (all small), never this host's read cache: a
@@ -410,7 +453,7 @@ def _inspect_older(bundle: Bundle) -> Inspection:
     return out
 
 
-def _inspect_unfinished(out: Inspection, store: ObjectStore, name: str, state: Optional[BundleState]) -> Inspection:
+def _inspect_unfinished(out: Inspection, store: ObjectStore, name: str, state: BundleState | None) -> Inspection:
     """A native bundle without its final COMPLETE: what is missing, and the shards that landed, described as a
     reader would see them (documents are committed before a rank marker)."""
     out.detail = describe_missing(store.backend, name, state)  # NoSuchTargetError when it is no bundle at all
@@ -428,9 +471,13 @@ def _inspect_unfinished(out: Inspection, store: ObjectStore, name: str, state: O
         else:
             out.detail = state.detail
     markers = [state.rank_markers[r] for r in out.ranks]
-    shard = CompleteMarker(bundle_id=markers[0].bundle_id, anchor=markers[0].anchor,
-                           expected_ranks=out.expected_ranks, multi_rank=True,
-                           shards={str(r): m.documents for r, m in zip(out.ranks, markers)})
+    shard = CompleteMarker(
+        bundle_id=markers[0].bundle_id,
+        anchor=markers[0].anchor,
+        expected_ranks=out.expected_ranks,
+        multi_rank=True,
+        shards={str(r): m.documents for r, m in zip(out.ranks, markers)},
+    )
     first = BundleReader(store, name, shard, out.ranks[0])
     _fill_from_source(out, first, store)
     _check_shards(out, store, first, lambda r: BundleReader(store, name, shard, r), out.ranks[1:])

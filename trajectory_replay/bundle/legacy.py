@@ -36,31 +36,43 @@ import stat
 import sys
 import tempfile
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Any, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from trajectory_replay.bundle.schema import (
-    TEXT_FIELDS, ActorStepId, BundleIndex, Expected, Manifest, RecomputeConfig, StageContract, StageId, check_name,
-)
-from trajectory_replay.bundle.documents import DEFAULT_MAX_DOCUMENT_BYTES, check_document_size, max_document_bytes
-from trajectory_replay.outcome import QUOTE_LIMIT, one_line
-from trajectory_replay.bundle.documents import parse_json as _parse_json
-from trajectory_replay.bundle.documents import validate_document as _validate
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.codec import manifest_dtype
+from trajectory_replay.bundle.documents import DEFAULT_MAX_DOCUMENT_BYTES, check_document_size, max_document_bytes
+from trajectory_replay.bundle.documents import parse_json as _parse_json
+from trajectory_replay.bundle.documents import validate_document as _validate
 from trajectory_replay.bundle.markers import MAX_RANK, MAX_RANKS
-from trajectory_replay.bundle.stage_io import LOSS_MASK, RECORDED_PAYLOADS
 from trajectory_replay.bundle.paths import check_directory, find_v1_bundles, is_v1_bundle, rank_of_dir
+from trajectory_replay.bundle.schema import (
+    TEXT_FIELDS,
+    ActorStepId,
+    BundleIndex,
+    Expected,
+    Manifest,
+    RecomputeConfig,
+    StageContract,
+    StageId,
+    check_name,
+)
+from trajectory_replay.bundle.stage_io import LOSS_MASK, RECORDED_PAYLOADS
 from trajectory_replay.bundle.status import BundleStatus
 from trajectory_replay.bundle.torchsave import RawTensor, encode_pt, raw_tensor
 from trajectory_replay.errors import (
-    BundleError, IncompleteBundleError, NoSuchTargetError, NotFoundError, TrajectoryReplayError, UnsupportedError,
+    BundleError,
+    IncompleteBundleError,
+    TrajectoryReplayError,
+    UnsupportedError,
 )
+from trajectory_replay.outcome import QUOTE_LIMIT, one_line
 
-if TYPE_CHECKING:   # torch is imported where payloads are decoded; writing them needs none
+if TYPE_CHECKING:  # torch is imported where payloads are decoded; writing them needs none
     import torch
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -79,6 +91,7 @@ _M = TypeVar("_M", bound=BaseModel)
 
 
 # --------------------------------------------------------------------------- V1 document models
+
 
 class _V1Model(BaseModel):
     """Base of the V1-only documents: unknown keys are ignored, as the older tool did."""
@@ -100,8 +113,9 @@ def _check_ranks(ranks: list[int]) -> list[int]:
     if len(ranks) > MAX_RANKS:
         raise ValueError(f"lists {len(ranks)} ranks, more than the bound of {MAX_RANKS}")
     if len(set(ranks)) != len(ranks) or any(not 0 <= r <= MAX_RANK for r in ranks):
-        raise ValueError(f"ranks {ranks[:16]}{'…' if len(ranks) > 16 else ''} must be distinct integers "
-                         f"in [0, {MAX_RANK}]")
+        raise ValueError(
+            f"ranks {ranks[:16]}{'…' if len(ranks) > 16 else ''} must be distinct integers in [0, {MAX_RANK}]"
+        )
     return sorted(ranks)
 
 
@@ -134,7 +148,7 @@ class V1Ranks(_V1Model):
         return _check_ranks(v)
 
     @model_validator(mode="after")
-    def _landed_are_expected(self) -> "V1Ranks":
+    def _landed_are_expected(self) -> V1Ranks:
         if not set(self.ranks) <= set(self.expected_ranks):
             raise ValueError(f"ranks {self.ranks} are not all in expected_ranks {self.expected_ranks}")
         return self
@@ -150,12 +164,12 @@ class V1Shard(_V1Model):
     """COMPLETE.<r>: rank r landed; also the entries of the parent COMPLETE's `shards`. The copy inside the
     bundle directory itself (single producer, or rank-<r>/) has no `relpath`."""
 
-    actor_step_id: Optional[ActorStepId] = None
-    rollout_id: Optional[int] = None
+    actor_step_id: ActorStepId | None = None
+    rollout_id: int | None = None
     payloads: dict[str, str] = Field(default_factory=dict)
     metadata: V1Metadata
     expected_ranks: list[int]
-    relpath: Optional[str] = None
+    relpath: str | None = None
 
     @field_validator("expected_ranks")
     @classmethod
@@ -175,7 +189,7 @@ class V1CohortComplete(_V1Model):
         return _check_ranks(v)
 
     @model_validator(mode="after")
-    def _shards_match_ranks(self) -> "V1CohortComplete":
+    def _shards_match_ranks(self) -> V1CohortComplete:
         if sorted(self.shards) != sorted(str(r) for r in self.ranks):
             raise ValueError(f"shards {sorted(self.shards)} do not match ranks {self.ranks}")
         for key, shard in self.shards.items():
@@ -225,7 +239,7 @@ class V1Manifest(_V1Model):
         return v
 
     @model_validator(mode="after")
-    def _keys_match(self) -> "V1Manifest":
+    def _keys_match(self) -> V1Manifest:
         for key, entry in self.payloads.items():
             if entry.name != key:
                 raise ValueError(f"payload {key!r} has name {entry.name!r}")
@@ -241,22 +255,30 @@ class V1Manifest(_V1Model):
         for contract in self.stage_contracts.values():
             expected_names.update(contract.expected_outputs)
         payloads = {
-            name: {"name": name, "role": "expected" if name in expected_names else "input", "codec": V1_CODEC,
-                   "dtype": entry.dtype, "shape": entry.shape, "size": entry.bytes}
+            name: {
+                "name": name,
+                "role": "expected" if name in expected_names else "input",
+                "codec": V1_CODEC,
+                "dtype": entry.dtype,
+                "shape": entry.shape,
+                "size": entry.bytes,
+            }
             for name, entry in self.payloads.items()
         }
-        return {"format_version": self.format_version, "bundle_id": self.bundle_id, "producer": self.producer,
-                "stage_contracts": {stage.value: contract.model_dump(mode="json")
-                                    for stage, contract in self.stage_contracts.items()},
-                "payloads": payloads, "comparison_policy": self.comparison_policy, "redaction": self.redaction}
+        return {
+            "format_version": self.format_version,
+            "bundle_id": self.bundle_id,
+            "producer": self.producer,
+            "stage_contracts": {
+                stage.value: contract.model_dump(mode="json") for stage, contract in self.stage_contracts.items()
+            },
+            "payloads": payloads,
+            "comparison_policy": self.comparison_policy,
+            "redaction": self.redaction,
+        }
 
 
 # --------------------------------------------------------------------------- shared helpers
-
-
-
-
-
 
 
 def _read_bounded(path: Path, label: str, limit: int) -> bytes:
@@ -284,8 +306,6 @@ def _read_bounded(path: Path, label: str, limit: int) -> bytes:
     return data
 
 
-
-
 def _read_document(path: Path, label: str) -> bytes:
     """A JSON document's bytes, refused before reading when it is over the document bound."""
     try:
@@ -296,7 +316,7 @@ def _read_document(path: Path, label: str) -> bytes:
     return _read_bounded(path, label, max_document_bytes())
 
 
-def _load_document(path: Path, label: str, model: type[_M], data: Optional[bytes] = None) -> tuple[Any, _M]:
+def _load_document(path: Path, label: str, model: type[_M], data: bytes | None = None) -> tuple[Any, _M]:
     """Read (unless `data` is given), parse and validate one JSON document: (raw value, model)."""
     if data is None:
         data = _read_document(path, label)
@@ -328,6 +348,7 @@ def _label_of(directory: Path) -> str:
 
 # --------------------------------------------------------------------------- tensors
 
+
 def _payload_file(where: str, value: object) -> tuple[bytes, RawTensor]:
     """The `.pt` file of one payload and what it holds. `value` is a tensor or a RawTensor (bytes, dtype,
     shape): export hands over a native payload's bytes as they are, so it needs no torch."""
@@ -358,9 +379,13 @@ def _safe_loader_reason(exc: BaseException) -> str:
         found = _REFUSED_GLOBAL.search(text)
         what = f"it calls or builds {one_line(found.group(1), 80)}" if found else "it holds pickled objects"
         return f"refused by the safe loader: {what}; only plain tensors are loaded from payload files"
-    for line in text.splitlines():   # a zip or format error: its first line, unless it is advice about loading
+    for line in text.splitlines():  # a zip or format error: its first line, unless it is advice about loading
         line = line.strip()
-        if line and "weights_only" not in line and not line.startswith(("Please file an issue", "Check the documentation")):
+        if (
+            line
+            and "weights_only" not in line
+            and not line.startswith(("Please file an issue", "Check the documentation"))
+        ):
             return one_line(line, QUOTE_LIMIT)
     return type(exc).__name__
 
@@ -384,6 +409,7 @@ def _decode_tensor(data: bytes, label: str) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- writer
 
+
 def _write_atomic(path: Path, data: bytes, *, create_only: bool = False) -> bool:
     """Write `path` so no reader sees a partial file; with `create_only`, False (and no write) if it exists."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -406,8 +432,17 @@ def _write_atomic(path: Path, data: bytes, *, create_only: bool = False) -> bool
             os.unlink(tmp)
 
 
-V1_CONFIG_FIELDS = ("advantage_estimator", "n_samples_per_prompt", "grpo_std_normalization", "kl_loss_type",
-                    "kl_coef", "eps_clip", "eps_clip_high", "eps_clip_c", "entropy_coef")
+V1_CONFIG_FIELDS = (
+    "advantage_estimator",
+    "n_samples_per_prompt",
+    "grpo_std_normalization",
+    "kl_loss_type",
+    "kl_coef",
+    "eps_clip",
+    "eps_clip_high",
+    "eps_clip_c",
+    "entropy_coef",
+)
 """The recompute config fields the older format has."""
 
 
@@ -418,13 +453,16 @@ def _v1_manifest_doc(manifest: Manifest, payload_entries: dict[str, dict[str, An
         "format_version": V1_FORMAT_VERSION,
         "bundle_id": manifest.bundle_id,
         "producer": manifest.producer.model_dump(mode="json"),
-        "stage_contracts": {stage.value: contract.model_dump(mode="json", exclude_none=contract.kernel is None)
-                            for stage, contract in manifest.stage_contracts.items()},
+        "stage_contracts": {
+            stage.value: contract.model_dump(mode="json", exclude_none=contract.kernel is None)
+            for stage, contract in manifest.stage_contracts.items()
+        },
         "payloads": payload_entries,
         "comparison_policy": {
             "exact_fields": list(policy.exact_fields),
-            "tolerances": {stage: tol.model_dump(mode="json", exclude_none=True)
-                           for stage, tol in policy.tolerances.items()},
+            "tolerances": {
+                stage: tol.model_dump(mode="json", exclude_none=True) for stage, tol in policy.tolerances.items()
+            },
         },
         "redaction": dict(manifest.redaction),
     }
@@ -447,31 +485,41 @@ def _v1_index_doc(index: BundleIndex) -> dict[str, Any]:
 def _anchor_fields(index: BundleIndex) -> dict[str, Any]:
     """The identity anchor as a rank marker records it: `actor_step_id` and `rollout_id`, both keys always."""
     step = index.identity.actor_step_id
-    return {"actor_step_id": None if step is None else step.model_dump(mode="json"),
-            "rollout_id": index.identity.rollout_id}
+    return {
+        "actor_step_id": None if step is None else step.model_dump(mode="json"),
+        "rollout_id": index.identity.rollout_id,
+    }
 
 
-def _write_bundle(path: Path, manifest: Manifest, index: BundleIndex, expected: Mapping[str, Any],
-                  payloads: Mapping[str, Payload], ranks: Sequence[int],
-                  expected_ranks: Sequence[int], rank_marker: bool = True) -> tuple[V1Metadata, dict[str, str]]:
+def _write_bundle(
+    path: Path,
+    manifest: Manifest,
+    index: BundleIndex,
+    expected: Mapping[str, Any],
+    payloads: Mapping[str, Payload],
+    ranks: Sequence[int],
+    expected_ranks: Sequence[int],
+    rank_marker: bool = True,
+) -> tuple[V1Metadata, dict[str, str]]:
     """Write one V1 bundle directory, COMPLETE last; return its metadata and {payload: sha256}.
 
     With `rank_marker`, `COMPLETE.<r>` of the (one) producing rank comes just before COMPLETE, as the
     older tool writes it; without, the bundle looks like one from before that tool wrote rank markers."""
     label = _label_of(path)
     if manifest.bundle_id != index.bundle_id:
-        raise BundleError(f"{label}: manifest bundle_id {manifest.bundle_id!r} differs from index "
-                          f"bundle_id {index.bundle_id!r}")
-    rank_sets = _validate(V1Ranks, {"ranks": list(ranks), "expected_ranks": list(expected_ranks)},
-                          f"{label}/COMPLETE")
+        raise BundleError(
+            f"{label}: manifest bundle_id {manifest.bundle_id!r} differs from index bundle_id {index.bundle_id!r}"
+        )
+    rank_sets = _validate(V1Ranks, {"ranks": list(ranks), "expected_ranks": list(expected_ranks)}, f"{label}/COMPLETE")
     if (path / "COMPLETE").exists():
         raise BundleError(f"{label}/COMPLETE: already exists; a finished bundle is never rewritten")
 
     encoded: dict[str, tuple[bytes, RawTensor]] = {}
     for name, value in payloads.items():
         if name == LOSS_MASK:
-            raise BundleError(f"{label}/payloads/{name}.pt: V1 keeps loss masks in index.json samples, "
-                              "not as a payload")
+            raise BundleError(
+                f"{label}/payloads/{name}.pt: V1 keeps loss masks in index.json samples, not as a payload"
+            )
         try:
             check_name(name, "payload name")
         except ValueError as exc:
@@ -482,11 +530,19 @@ def _write_bundle(path: Path, manifest: Manifest, index: BundleIndex, expected: 
     entries: dict[str, dict[str, Any]] = {}
     for name, (data, raw) in encoded.items():
         _write_atomic(path / "payloads" / f"{name}.pt", data)
-        entries[name] = {"name": name, "dtype": manifest_dtype(raw.dtype), "shape": list(raw.shape),
-                         "bytes": len(data), "sha256": _sha256(data)}
+        entries[name] = {
+            "name": name,
+            "dtype": manifest_dtype(raw.dtype),
+            "shape": list(raw.shape),
+            "bytes": len(data),
+            "sha256": _sha256(data),
+        }
 
-    documents = {"manifest.json": _v1_manifest_doc(manifest, entries), "index.json": _v1_index_doc(index),
-                 "expected.json": dict(expected)}
+    documents = {
+        "manifest.json": _v1_manifest_doc(manifest, entries),
+        "index.json": _v1_index_doc(index),
+        "expected.json": dict(expected),
+    }
     hashes: dict[str, str] = {}
     for filename, doc in documents.items():
         data = _json_bytes(doc)
@@ -496,25 +552,49 @@ def _write_bundle(path: Path, manifest: Manifest, index: BundleIndex, expected: 
     metadata = V1Metadata.model_validate(hashes)
     payload_shas = {name: entry["sha256"] for name, entry in entries.items()}
     if rank_marker and len(rank_sets.ranks) == 1:
-        marker = {**_anchor_fields(index), "payloads": payload_shas, "metadata": metadata.by_document(),
-                  "expected_ranks": rank_sets.expected_ranks}
+        marker = {
+            **_anchor_fields(index),
+            "payloads": payload_shas,
+            "metadata": metadata.by_document(),
+            "expected_ranks": rank_sets.expected_ranks,
+        }
         _write_atomic(path / f"COMPLETE.{rank_sets.ranks[0]}", _json_bytes(marker))
-    complete_doc = {"ranks": rank_sets.ranks, "expected_ranks": rank_sets.expected_ranks,
-                    "metadata": metadata.by_document()}
+    complete_doc = {
+        "ranks": rank_sets.ranks,
+        "expected_ranks": rank_sets.expected_ranks,
+        "metadata": metadata.by_document(),
+    }
     if not _write_atomic(path / "COMPLETE", _json_bytes(complete_doc), create_only=True):
         raise BundleError(f"{label}/COMPLETE: another writer finished this bundle first")
     return metadata, payload_shas
 
 
-def write_v1_bundle(path: PathLike, manifest: Manifest, index: BundleIndex, expected: Mapping[str, Any],
-                    payloads: Mapping[str, Payload], *, ranks: Sequence[int] = (0,),
-                    expected_ranks: Optional[Sequence[int]] = None, rank_marker: bool = True) -> Path:
+def write_v1_bundle(
+    path: PathLike,
+    manifest: Manifest,
+    index: BundleIndex,
+    expected: Mapping[str, Any],
+    payloads: Mapping[str, Payload],
+    *,
+    ranks: Sequence[int] = (0,),
+    expected_ranks: Sequence[int] | None = None,
+    rank_marker: bool = True,
+) -> Path:
     """Write a single-producer V1 bundle directory at `path` (the payload table is built from `payloads`,
-    tensors or RawTensor values) and return it: COMPLETE.<r> then COMPLETE `{ranks, expected_ranks, metadata}`, as the older tool does
+    tensors or RawTensor values) and return it: COMPLETE.<r> then COMPLETE `{ranks, expected_ranks, metadata}`, as the
+    older tool does
     (`rank_marker=False` leaves COMPLETE.<r> out)."""
     target = Path(path)
-    _write_bundle(target, manifest, index, expected, payloads, ranks,
-                  ranks if expected_ranks is None else expected_ranks, rank_marker)
+    _write_bundle(
+        target,
+        manifest,
+        index,
+        expected,
+        payloads,
+        ranks,
+        ranks if expected_ranks is None else expected_ranks,
+        rank_marker,
+    )
     return target
 
 
@@ -530,8 +610,14 @@ def capture_dir_name(index: BundleIndex) -> str:
 ShardDocs = tuple[Manifest, BundleIndex, Mapping[str, Any], Mapping[str, Payload]]
 
 
-def write_v1_multirank(path: PathLike, shards: Mapping[int, ShardDocs], expected_ranks: Sequence[int], *,
-                       land: Optional[Sequence[int]] = None, rank_markers: bool = True) -> Path:
+def write_v1_multirank(
+    path: PathLike,
+    shards: Mapping[int, ShardDocs],
+    expected_ranks: Sequence[int],
+    *,
+    land: Sequence[int] | None = None,
+    rank_markers: bool = True,
+) -> Path:
     """Write ranks `land` (default: all of `shards`) of a multi-rank V1 bundle as the older tool does: each
     rank a full bundle in `rank-<r>/` (with its own COMPLETE.<r> unless `rank_markers` is False), then
     `COMPLETE.<r>` (with `relpath`) beside them, and the parent COMPLETE `{ranks, shards}` once all landed.
@@ -546,10 +632,16 @@ def write_v1_multirank(path: PathLike, shards: Mapping[int, ShardDocs], expected
     for rank in to_land:
         manifest, index, docs, payloads = shards[rank]
         relpath = f"rank-{rank}"
-        metadata, payload_shas = _write_bundle(root / relpath, manifest, index, docs, payloads, [rank], expected,
-                                               rank_markers)
-        marker = {**_anchor_fields(index), "payloads": payload_shas, "metadata": metadata.by_document(),
-                  "expected_ranks": expected, "relpath": relpath}
+        metadata, payload_shas = _write_bundle(
+            root / relpath, manifest, index, docs, payloads, [rank], expected, rank_markers
+        )
+        marker = {
+            **_anchor_fields(index),
+            "payloads": payload_shas,
+            "metadata": metadata.by_document(),
+            "expected_ranks": expected,
+            "relpath": relpath,
+        }
         if not _write_atomic(root / f"COMPLETE.{rank}", _json_bytes(marker), create_only=True):
             raise BundleError(f"{root.name}/COMPLETE.{rank}: already exists")
     _finalize_cohort(root, expected)
@@ -577,6 +669,7 @@ def _finalize_cohort(root: Path, expected_ranks: list[int]) -> bool:
 
 # --------------------------------------------------------------------------- reader
 
+
 class LegacyBundle:
     """One verified V1 bundle (or one rank of a multi-rank one) as a ReplaySource; payloads load lazily, once."""
 
@@ -584,10 +677,19 @@ class LegacyBundle:
     manifest: Manifest
     index: BundleIndex
     expected: dict[str, Any]
-    rank: Optional[int]
+    rank: int | None
 
-    def __init__(self, path: Path, label: str, rank: Optional[int], v1_manifest: V1Manifest, manifest: Manifest,
-                 index: BundleIndex, expected: dict[str, Any], metadata: V1Metadata) -> None:
+    def __init__(
+        self,
+        path: Path,
+        label: str,
+        rank: int | None,
+        v1_manifest: V1Manifest,
+        manifest: Manifest,
+        index: BundleIndex,
+        expected: dict[str, Any],
+        metadata: V1Metadata,
+    ) -> None:
         self.path = path
         self.label = label
         self.rank = rank
@@ -619,7 +721,7 @@ class LegacyBundle:
         """True when the bundle holds per-token payload `name`; `loss_mask` always exists (from the index)."""
         return name == LOSS_MASK or name in self._v1_manifest.payloads
 
-    def load_payload(self, name: str, samples: Optional[Sequence[int]] = None) -> torch.Tensor:
+    def load_payload(self, name: str, samples: Sequence[int] | None = None) -> torch.Tensor:
         """The flat per-token tensor `name`, or only the rows of sample positions `samples`, in that order."""
         if name == LOSS_MASK:
             return self._loss_mask(samples)
@@ -630,13 +732,14 @@ class LegacyBundle:
             raise BundleError(f"{self.label}/payloads/{name}.pt: shape {list(tensor.shape)} is not flat per-token")
         offsets = self._token_offsets()
         if tensor.numel() != offsets[-1]:
-            raise BundleError(f"{self.label}/payloads/{name}.pt: {tensor.numel()} elements, but the index samples "
-                              f"have {offsets[-1]} response tokens")
+            raise BundleError(
+                f"{self.label}/payloads/{name}.pt: {tensor.numel()} elements, but the index samples "
+                f"have {offsets[-1]} response tokens"
+            )
         positions = self._check_positions(samples)
         import torch
 
-        return torch.cat([tensor[offsets[i]:offsets[i + 1]] for i in positions]) if positions \
-            else tensor.new_empty(0)
+        return torch.cat([tensor[offsets[i] : offsets[i + 1]] for i in positions]) if positions else tensor.new_empty(0)
 
     def verify_payloads(self) -> None:
         """Load (and so verify) every payload now instead of on first use."""
@@ -650,12 +753,16 @@ class LegacyBundle:
             return cached
         entry = self._v1_manifest.payloads.get(name)
         if entry is None:
-            raise BundleError(f"{self.label}: no payload {name!r} (manifest.json lists "
-                              f"{sorted(self._v1_manifest.payloads) or 'none'})")
+            raise BundleError(
+                f"{self.label}: no payload {name!r} (manifest.json lists "
+                f"{sorted(self._v1_manifest.payloads) or 'none'})"
+            )
         label = f"{self.label}/payloads/{name}.pt"
         data = _read_payload_file(self.path / "payloads" / f"{name}.pt", label, entry)
         if _sha256(data) != entry.sha256:
-            raise BundleError(f"{label}: sha256 mismatch (expected {_short(entry.sha256)}, got {_short(_sha256(data))})")
+            raise BundleError(
+                f"{label}: sha256 mismatch (expected {_short(entry.sha256)}, got {_short(_sha256(data))})"
+            )
         tensor = _decode_tensor(data, label)
         if str(tensor.dtype) != entry.dtype:
             raise BundleError(f"{label}: dtype {tensor.dtype} differs from manifest dtype {entry.dtype}")
@@ -664,7 +771,7 @@ class LegacyBundle:
         self._cache[name] = tensor
         return tensor
 
-    def _loss_mask(self, samples: Optional[Sequence[int]]) -> torch.Tensor:
+    def _loss_mask(self, samples: Sequence[int] | None) -> torch.Tensor:
         """The per-token uint8 loss mask built from the index samples' loss_mask lists."""
         records = self.index.samples
         positions = range(len(records)) if samples is None else self._check_positions(samples)
@@ -672,8 +779,10 @@ class LegacyBundle:
         for i in positions:
             mask = records[i].loss_mask
             if any(v not in (0, 1) for v in mask):
-                raise BundleError(f"{self.label}/index.json: sample {records[i].sample_id!r} loss_mask holds "
-                                  "values other than 0 and 1")
+                raise BundleError(
+                    f"{self.label}/index.json: sample {records[i].sample_id!r} loss_mask holds "
+                    "values other than 0 and 1"
+                )
             values.extend(mask)
         import torch
 
@@ -684,8 +793,10 @@ class LegacyBundle:
         offsets = [0]
         for record in self.index.samples:
             if record.response_length < 0:
-                raise BundleError(f"{self.label}/index.json: sample {record.sample_id!r} has negative "
-                                  f"response_length {record.response_length}")
+                raise BundleError(
+                    f"{self.label}/index.json: sample {record.sample_id!r} has negative "
+                    f"response_length {record.response_length}"
+                )
             offsets.append(offsets[-1] + record.response_length)
         return offsets
 
@@ -734,17 +845,21 @@ def _check_parent_cohort(directory: Path, label: str, rank: int, complete: V1Com
     """The parent COMPLETE's entry for `rank`; refused until the parent exists and lists every expected rank."""
     parent_label = f"{directory.parent.name}/COMPLETE"
     if not (directory.parent / "COMPLETE").is_file():
-        raise IncompleteBundleError(f"{label}: refused until the multi-rank bundle is complete "
-                                    f"({parent_label} is missing)")
+        raise IncompleteBundleError(
+            f"{label}: refused until the multi-rank bundle is complete ({parent_label} is missing)"
+        )
     _, cohort = _load_document(directory.parent / "COMPLETE", parent_label, V1CohortComplete)
     if sorted(cohort.ranks) != complete.expected_ranks:
-        raise BundleError(f"{parent_label}: ranks {sorted(cohort.ranks)} differ from expected_ranks "
-                          f"{complete.expected_ranks} of {label}")
+        raise BundleError(
+            f"{parent_label}: ranks {sorted(cohort.ranks)} differ from expected_ranks "
+            f"{complete.expected_ranks} of {label}"
+        )
     return cohort.shards[str(rank)]
 
 
-def _check_shard(directory: Path, label: str, shard: V1Shard, complete: V1Complete, manifest: V1Manifest,
-                 index: BundleIndex) -> None:
+def _check_shard(
+    directory: Path, label: str, shard: V1Shard, complete: V1Complete, manifest: V1Manifest, index: BundleIndex
+) -> None:
     """The parent COMPLETE's shard entry must describe exactly this rank bundle."""
     where = f"{directory.parent.name}/COMPLETE: shard {directory.name}"
     if shard.metadata != complete.metadata:
@@ -758,8 +873,9 @@ def _check_shard(directory: Path, label: str, shard: V1Shard, complete: V1Comple
         raise BundleError(f"{where}: anchor differs from {label}/index.json identity ({identity.anchor()})")
 
 
-def _check_own_marker(directory: Path, label: str, complete: V1Complete, manifest: V1Manifest,
-                      index: BundleIndex) -> None:
+def _check_own_marker(
+    directory: Path, label: str, complete: V1Complete, manifest: V1Manifest, index: BundleIndex
+) -> None:
     """The bundle's own COMPLETE.<r> (the older tool writes one beside COMPLETE) must describe this bundle;
     bundles written before that tool wrote them have none, which is fine."""
     for rank in complete.ranks:
@@ -773,8 +889,7 @@ def _check_own_marker(directory: Path, label: str, complete: V1Complete, manifes
         if marker.payloads != {name: entry.sha256 for name, entry in manifest.payloads.items()}:
             raise BundleError(f"{where}: payloads differ from {label}/manifest.json")
         if sorted(marker.expected_ranks) != complete.expected_ranks:
-            raise BundleError(f"{where}: expected_ranks {sorted(marker.expected_ranks)} differ from "
-                              f"{label}/COMPLETE")
+            raise BundleError(f"{where}: expected_ranks {sorted(marker.expected_ranks)} differ from {label}/COMPLETE")
         identity = index.identity
         if marker.actor_step_id != identity.actor_step_id or marker.rollout_id != identity.rollout_id:
             raise BundleError(f"{where}: anchor differs from {label}/index.json identity ({identity.anchor()})")
@@ -785,9 +900,11 @@ def _check_format_version(raw: Any, label: str) -> None:
     raw_reward, a reward may be a per-token list), so reading it as format 1 would replay the wrong thing."""
     version = raw.get("format_version") if isinstance(raw, dict) else None
     if isinstance(version, str) and version.split(".", 1)[0] == "2":
-        raise UnsupportedError(f"{label}: format_version {version!r} is the older tool's format 2 (no reward "
-                               "stages, per-token rewards), which this version does not read; only format 1 is "
-                               "read")
+        raise UnsupportedError(
+            f"{label}: format_version {version!r} is the older tool's format 2 (no reward "
+            "stages, per-token rewards), which this version does not read; only format 1 is "
+            "read"
+        )
 
 
 def open_v1_bundle(path: PathLike) -> LegacyBundle:
@@ -805,29 +922,34 @@ def open_v1_bundle(path: PathLike) -> LegacyBundle:
     if rank is not None and complete.ranks != [rank]:
         raise BundleError(f"{label}/COMPLETE: ranks {complete.ranks} do not match the directory (expected [{rank}])")
     if rank is None and complete.ranks != complete.expected_ranks:
-        raise IncompleteBundleError(f"{label}/COMPLETE: incomplete bundle (ranks {complete.ranks} of expected "
-                          f"{complete.expected_ranks})")
+        raise IncompleteBundleError(
+            f"{label}/COMPLETE: incomplete bundle (ranks {complete.ranks} of expected {complete.expected_ranks})"
+        )
     shard = _check_parent_cohort(directory, label, rank, complete) if rank is not None else None
 
     documents: dict[str, bytes] = {}
     for filename, sha in complete.metadata.by_document().items():
         data = _read_document(directory / filename, f"{label}/{filename}")
         if _sha256(data) != sha:
-            raise BundleError(f"{label}/{filename}: sha256 mismatch with COMPLETE metadata "
-                              f"(expected {_short(sha)}, got {_short(_sha256(data))})")
+            raise BundleError(
+                f"{label}/{filename}: sha256 mismatch with COMPLETE metadata "
+                f"(expected {_short(sha)}, got {_short(_sha256(data))})"
+            )
         documents[filename] = data
 
     raw_manifest = _parse_json(documents["manifest.json"], f"{label}/manifest.json")
     _check_format_version(raw_manifest, f"{label}/manifest.json")
     v1_manifest = _validate(V1Manifest, raw_manifest, f"{label}/manifest.json")
     manifest = _validate(Manifest, v1_manifest.manifest_data(), f"{label}/manifest.json")
-    _, index = _load_document(directory / "index.json", f"{label}/index.json", BundleIndex,
-                              documents["index.json"])
-    expected, _ = _load_document(directory / "expected.json", f"{label}/expected.json", Expected,
-                                 documents["expected.json"])
+    _, index = _load_document(directory / "index.json", f"{label}/index.json", BundleIndex, documents["index.json"])
+    expected, _ = _load_document(
+        directory / "expected.json", f"{label}/expected.json", Expected, documents["expected.json"]
+    )
     if manifest.bundle_id != index.bundle_id:
-        raise BundleError(f"{label}/index.json: bundle_id {index.bundle_id!r} differs from manifest.json "
-                          f"bundle_id {manifest.bundle_id!r}")
+        raise BundleError(
+            f"{label}/index.json: bundle_id {index.bundle_id!r} differs from manifest.json "
+            f"bundle_id {manifest.bundle_id!r}"
+        )
     if shard is not None:
         _check_shard(directory, label, shard, complete, v1_manifest, index)
     _check_own_marker(directory, label, complete, v1_manifest, index)
@@ -862,15 +984,15 @@ class V1Status:
     status: BundleStatus
     """complete | incomplete | finalizable (every rank landed, the parent COMPLETE missing; no reader writes it) |
     corrupt | unsupported (the older tool's format 2)"""
-    rollout_id: Optional[int] = None
-    step_id: Optional[int] = None
+    rollout_id: int | None = None
+    step_id: int | None = None
     """The identity anchor (step level when step_id is set), when known."""
     ranks: tuple[int, ...] = ()
     expected_ranks: tuple[int, ...] = ()
     missing_ranks: tuple[int, ...] = ()
     payload_bytes: int = 0
     """Sum of the payload file sizes of every rank (the format stores each payload whole, once per rank)."""
-    mtime: Optional[float] = None
+    mtime: float | None = None
     detail: str = ""
 
     @property
@@ -878,7 +1000,7 @@ class V1Status:
         return self.path.name
 
     @property
-    def anchor(self) -> Optional[Anchor]:
+    def anchor(self) -> Anchor | None:
         """The identity's anchor, read as a native bundle's `BundleState.anchor` (None when unknown)."""
         return None if self.rollout_id is None else Anchor(self.rollout_id, self.step_id)
 
@@ -893,8 +1015,9 @@ def v1_status(path: PathLike) -> V1Status:
     directory = Path(path)
     try:
         sources = open_v1(directory)
-        complete = _parse_json(_read_document(directory / "COMPLETE", f"{directory.name}/COMPLETE"),
-                               f"{directory.name}/COMPLETE")
+        complete = _parse_json(
+            _read_document(directory / "COMPLETE", f"{directory.name}/COMPLETE"), f"{directory.name}/COMPLETE"
+        )
         mtime = (directory / "COMPLETE").stat().st_mtime
     except IncompleteBundleError as exc:
         return _unfinished_status(directory, str(exc))
@@ -906,9 +1029,17 @@ def v1_status(path: PathLike) -> V1Status:
     step = ident.actor_step_id
     ranks = sorted(int(r) for r in complete.get("ranks", [])) or [0]
     expected = sorted(complete.get("expected_ranks") or ranks)
-    return V1Status(directory, BundleStatus.COMPLETE, ident.rollout_id if step is None else step.rollout_id,
-                    None if step is None else step.step_id, tuple(ranks), tuple(expected), (),
-                    sum(spec.size for s in sources for spec in s.manifest.payloads.values()), mtime)
+    return V1Status(
+        directory,
+        BundleStatus.COMPLETE,
+        ident.rollout_id if step is None else step.rollout_id,
+        None if step is None else step.step_id,
+        tuple(ranks),
+        tuple(expected),
+        (),
+        sum(spec.size for s in sources for spec in s.manifest.payloads.values()),
+        mtime,
+    )
 
 
 def _unfinished_status(directory: Path, reason: str) -> V1Status:
@@ -918,8 +1049,7 @@ def _unfinished_status(directory: Path, reason: str) -> V1Status:
         for marker_path in directory.glob("COMPLETE.*"):
             suffix = marker_path.name.removeprefix("COMPLETE.")
             if suffix.isdigit() and str(int(suffix)) == suffix:
-                _, markers[int(suffix)] = _load_document(marker_path, f"{directory.name}/{marker_path.name}",
-                                                         V1Shard)
+                _, markers[int(suffix)] = _load_document(marker_path, f"{directory.name}/{marker_path.name}", V1Shard)
         mtimes = [p.stat().st_mtime for p in directory.glob("COMPLETE.*")]
     except (TrajectoryReplayError, OSError) as exc:
         return V1Status(directory, BundleStatus.CORRUPT, detail=one_line(exc, QUOTE_LIMIT))
@@ -929,15 +1059,38 @@ def _unfinished_status(directory: Path, reason: str) -> V1Status:
     step = first.actor_step_id
     expected = sorted(first.expected_ranks)
     missing = tuple(r for r in expected if r not in markers)
-    status, detail = (BundleStatus.INCOMPLETE, f"missing ranks {list(missing)} of {expected}") if missing else \
-        (BundleStatus.FINALIZABLE,
-         "every rank landed; the parent COMPLETE is missing (older format: readers do not write it)")
-    return V1Status(directory, status, first.rollout_id if step is None else step.rollout_id,
-                    None if step is None else step.step_id, tuple(sorted(markers)), tuple(expected), missing,
-                    mtime=max(mtimes) if mtimes else None, detail=detail)
+    status, detail = (
+        (BundleStatus.INCOMPLETE, f"missing ranks {list(missing)} of {expected}")
+        if missing
+        else (
+            BundleStatus.FINALIZABLE,
+            "every rank landed; the parent COMPLETE is missing (older format: readers do not write it)",
+        )
+    )
+    return V1Status(
+        directory,
+        status,
+        first.rollout_id if step is None else step.rollout_id,
+        None if step is None else step.step_id,
+        tuple(sorted(markers)),
+        tuple(expected),
+        missing,
+        mtime=max(mtimes) if mtimes else None,
+        detail=detail,
+    )
 
 
 __all__ = [
-    "LegacyBundle", "V1Status", "V1_CODEC", "V1_FORMAT_VERSION", "capture_dir_name", "find_v1_bundles",
-    "is_v1_bundle", "open_v1", "open_v1_bundle", "v1_status", "write_v1_bundle", "write_v1_multirank",
+    "LegacyBundle",
+    "V1Status",
+    "V1_CODEC",
+    "V1_FORMAT_VERSION",
+    "capture_dir_name",
+    "find_v1_bundles",
+    "is_v1_bundle",
+    "open_v1",
+    "open_v1_bundle",
+    "v1_status",
+    "write_v1_bundle",
+    "write_v1_multirank",
 ]

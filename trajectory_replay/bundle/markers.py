@@ -66,7 +66,7 @@ import operator
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Optional, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, field_validator, model_validator
 
@@ -74,7 +74,11 @@ from trajectory_replay.backends import Backend
 from trajectory_replay.backends.base import DIFFERENT
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.documents import (
-    check_document_size, compact_json, nesting_exceeds, parse_json, validate_document,
+    check_document_size,
+    compact_json,
+    nesting_exceeds,
+    parse_json,
+    validate_document,
 )
 from trajectory_replay.bundle.schema import BundleIndex, Expected, Identity, Manifest
 from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError, ValueTooLargeError
@@ -187,7 +191,7 @@ class DocRef(BaseModel):
         return v
 
     @classmethod
-    def of(cls, ref: BlobRef) -> "DocRef":
+    def of(cls, ref: BlobRef) -> DocRef:
         return cls(digest=ref.digest, size=ref.size, record=ref.record)
 
     def blob_ref(self) -> BlobRef:
@@ -229,7 +233,7 @@ class RankMarker(_MarkerFields):
     documents: Documents
     attempt: str
     created: float = 0.0
-    run: Optional[str] = None
+    run: str | None = None
     """The launch of the training job that landed it (a capture's run identity), where one is known: ranks of two
     launches are two captures, never one bundle."""
 
@@ -248,7 +252,7 @@ class CompleteMarker(_MarkerFields):
     expected_ranks: list[int]
     multi_rank: bool
     shards: dict[str, Documents] = Field(min_length=1)
-    attempt: Optional[str] = None
+    attempt: str | None = None
 
     @field_validator("shards", mode="before")
     @classmethod
@@ -263,17 +267,19 @@ class CompleteMarker(_MarkerFields):
         return v
 
     @model_validator(mode="after")
-    def _one_shard_unless_multi_rank(self) -> "CompleteMarker":
+    def _one_shard_unless_multi_rank(self) -> CompleteMarker:
         if not self.multi_rank and len(self.shards) != 1:
             raise ValueError(f"field 'shards': a single-producer bundle has one shard, this lists {len(self.shards)}")
         return self
 
-    def documents(self, rank: Optional[int] = None) -> Documents:
+    def documents(self, rank: int | None = None) -> Documents:
         """The documents of `rank` (or of the only shard of a single-producer bundle)."""
         if rank is None:
             if self.multi_rank:
-                raise BundleError(f"{self.bundle_id}: a multi-rank bundle; address one rank as "
-                                  f"{self.bundle_id}/rank-<r> (ranks {self.expected_ranks})")
+                raise BundleError(
+                    f"{self.bundle_id}: a multi-rank bundle; address one rank as "
+                    f"{self.bundle_id}/rank-<r> (ranks {self.expected_ranks})"
+                )
             return next(iter(self.shards.values()))
         try:
             return self.shards[str(rank)]
@@ -328,7 +334,7 @@ def finalizer_claim(rank: int) -> bytes:
     return compact_json({"format": FINALIZER_FORMAT, "rank": _rank(rank, "rank")})
 
 
-def read_marker(backend: Backend, key: str, model: type[_M]) -> Optional[_M]:
+def read_marker(backend: Backend, key: str, model: type[_M]) -> _M | None:
     """The parsed marker at `key`, or None when absent; BundleError when malformed (or larger than MAX_MARKER_BYTES).
     One request: every bundle's status reads its COMPLETE, and a store may hold thousands of bundles."""
     data = _read_bounded(backend, key)
@@ -353,7 +359,7 @@ def _read_bounded(backend: Backend, key: str) -> bytes | ValueTooLargeError | No
         return exc
 
 
-def read_complete(backend: Backend, name: str) -> Optional[CompleteMarker]:
+def read_complete(backend: Backend, name: str) -> CompleteMarker | None:
     """The final COMPLETE of bundle `name`, or None."""
     return read_marker(backend, complete_key(name), CompleteMarker)
 
@@ -362,8 +368,11 @@ def final_marker_bytes(markers: list[RankMarker]) -> bytes:
     """The final COMPLETE written for agreeing rank markers: deterministic, so racing finalizers agree."""
     first = markers[0]
     marker = CompleteMarker(
-        bundle_id=first.bundle_id, anchor=first.anchor, expected_ranks=sorted(first.expected_ranks),
-        multi_rank=True, shards={str(m.rank): m.documents for m in sorted(markers, key=lambda m: m.rank)},
+        bundle_id=first.bundle_id,
+        anchor=first.anchor,
+        expected_ranks=sorted(first.expected_ranks),
+        multi_rank=True,
+        shards={str(m.rank): m.documents for m in sorted(markers, key=lambda m: m.rank)},
     )
     return compact_json(marker.model_dump(mode="json", exclude={"attempt"}))
 
@@ -377,7 +386,7 @@ def cohort_state(backend: Backend, name: str, expected_ranks: list[int]) -> tupl
     learn nothing more."""
     landed: list[RankMarker] = []
     for start in range(0, len(expected_ranks), MARKER_WINDOW):
-        window = expected_ranks[start:start + MARKER_WINDOW]
+        window = expected_ranks[start : start + MARKER_WINDOW]
         keys = [rank_key(name, rank) for rank in window]
         values = backend.pool.map(lambda key: _read_bounded(backend, key), keys)
         for rank, key, data in zip(window, keys, values):
@@ -394,8 +403,9 @@ def claim_finalizer(backend: Backend, name: str, rank: int, *, unsafe: bool = Fa
     return backend.create_status(finalizer_key(name), finalizer_claim(rank)) != DIFFERENT
 
 
-def _claimed_cohort(backend: Backend, name: str, expected_ranks: list[int], rank: int,
-                    *, unsafe: bool) -> Optional[list[RankMarker]]:
+def _claimed_cohort(
+    backend: Backend, name: str, expected_ranks: list[int], rank: int, *, unsafe: bool
+) -> list[RankMarker] | None:
     """The landed rank markers, in rank order, for the producer of `rank`, which holds the FINALIZER claim; None
     when it is to finalize nothing.
 
@@ -411,7 +421,7 @@ def _claimed_cohort(backend: Backend, name: str, expected_ranks: list[int], rank
     data = _read_bounded(backend, rank_key(name, gap))
     if data is None:
         return None
-    more, missing = cohort_state(backend, name, expected_ranks[expected_ranks.index(gap) + 1:])
+    more, missing = cohort_state(backend, name, expected_ranks[expected_ranks.index(gap) + 1 :])
     if missing or not claim_finalizer(backend, name, rank, unsafe=unsafe):
         return None
     return landed + [_parse_marker(backend, rank_key(name, gap), data, RankMarker)] + more
@@ -424,16 +434,24 @@ def check_agreement(name: str, markers: list[RankMarker]) -> None:
     for m in markers[1:]:
         for field in ("bundle_id", "anchor", "expected_ranks", "run"):
             if getattr(m, field) != getattr(first, field):
-                raise BundleError(f"{name}: rank markers disagree on {field} (rank {first.rank}: "
-                                  f"{one_line(str(getattr(first, field)), 120)}, rank {m.rank}: "
-                                  f"{one_line(str(getattr(m, field)), 120)})")
+                raise BundleError(
+                    f"{name}: rank markers disagree on {field} (rank {first.rank}: "
+                    f"{one_line(str(getattr(first, field)), 120)}, rank {m.rank}: "
+                    f"{one_line(str(getattr(m, field)), 120)})"
+                )
     for m in markers:
         if m.rank not in first.expected_ranks:
             raise BundleError(f"{name}: rank {m.rank} landed but is not among expected ranks {first.expected_ranks}")
 
 
-def try_finalize(backend: Backend, name: str, expected_ranks: Optional[list[int]] = None,
-                 *, unsafe: bool = False, claim: Optional[int] = None) -> Optional[CompleteMarker]:
+def try_finalize(
+    backend: Backend,
+    name: str,
+    expected_ranks: list[int] | None = None,
+    *,
+    unsafe: bool = False,
+    claim: int | None = None,
+) -> CompleteMarker | None:
     """Write the final COMPLETE if every expected rank landed and all agree; return it, or None if ranks are missing.
 
     `claim` is the rank of a producer that just landed: it claims finalizing before it reads the cohort
@@ -466,9 +484,11 @@ def try_finalize(backend: Backend, name: str, expected_ranks: Optional[list[int]
         raise BundleError(f"{backend.url}/{problems[0]}{more}; the bundle is not finalized")
     check_agreement(name, landed)
     if sorted(set(landed[0].expected_ranks)) != sorted(set(expected_ranks)):
-        raise BundleError(f"{backend.url}/{name}: the rank markers expect ranks "
-                          f"{one_line(str(landed[0].expected_ranks), 120)}, not "
-                          f"{one_line(str(sorted(expected_ranks)), 120)}; the bundle is not finalized")
+        raise BundleError(
+            f"{backend.url}/{name}: the rank markers expect ranks "
+            f"{one_line(str(landed[0].expected_ranks), 120)}, not "
+            f"{one_line(str(sorted(expected_ranks)), 120)}; the bundle is not finalized"
+        )
     data = final_marker_bytes(landed)
     backend.require_atomic_create(unsafe=unsafe)
     if not backend.create_if_absent(complete_key(name), data):
@@ -487,13 +507,14 @@ def landed_ranks(backend: Backend, name: str) -> list[int]:
     """Ranks with a COMPLETE.<r> marker, found by listing the bundle's directory (inspect, ls, gc)."""
     ranks = []
     for key in backend.list(f"{name}/"):
-        match = RANK_MARKER.fullmatch(key[len(name) + 1:])
+        match = RANK_MARKER.fullmatch(key[len(name) + 1 :])
         if match:
             ranks.append(int(match.group(1)))
     return sorted(ranks)
 
 
 # ---- checking rank markers against their documents -----------------------------------------------
+
 
 @dataclass(frozen=True)
 class MarkerProblem:
@@ -515,13 +536,18 @@ def rank_marker_problems(backend: Backend, name: str, markers: Mapping[int, Rank
     problems: dict[int, MarkerProblem] = {}
     for rank, marker in markers.items():
         if marker.rank != rank:
-            problems[rank] = MarkerProblem(rank_key(name, rank), f"holds rank {marker.rank}, not the {rank} of its key",
-                                           True)
+            problems[rank] = MarkerProblem(
+                rank_key(name, rank), f"holds rank {marker.rank}, not the {rank} of its key", True
+            )
         elif rank not in marker.expected_ranks:
-            problems[rank] = MarkerProblem(rank_key(name, rank), f"rank {rank} is not among its expected ranks "
-                                                                 f"{one_line(str(marker.expected_ranks), 120)}", True)
-    contents = _read_documents(backend, [getattr(m.documents, label) for r, m in markers.items()
-                                         if r not in problems for label in _DOCUMENTS])
+            problems[rank] = MarkerProblem(
+                rank_key(name, rank),
+                f"rank {rank} is not among its expected ranks {one_line(str(marker.expected_ranks), 120)}",
+                True,
+            )
+    contents = _read_documents(
+        backend, [getattr(m.documents, label) for r, m in markers.items() if r not in problems for label in _DOCUMENTS]
+    )
     for rank, marker in markers.items():
         if rank not in problems:
             found = _disagreement(marker, contents)
@@ -543,14 +569,15 @@ def index_anchor(store: ObjectStore, ref: DocRef, label: str) -> Anchor:
         head = store.read_range(ref.blob_ref(), 0, min(ref.size, INDEX_HEAD_BYTES))
         identity = _leading_field(head, "identity") if ref.size > INDEX_HEAD_BYTES else None
         if identity is None:
-            identity = parse_json(head if ref.size <= INDEX_HEAD_BYTES else store.get(ref.blob_ref()),
-                                  label).get("identity")
+            identity = parse_json(head if ref.size <= INDEX_HEAD_BYTES else store.get(ref.blob_ref()), label).get(
+                "identity"
+            )
     except (TrajectoryReplayError, ValueError) as exc:
         raise BundleError(f"{label}: {exc}") from None
     return Anchor.of(validate_document(Identity, identity, f"{label}: identity"))
 
 
-def _leading_field(head: bytes | bytearray, name: str) -> Optional[Any]:
+def _leading_field(head: bytes | bytearray, name: str) -> Any | None:
     """The value of top-level field `name` of the JSON object whose first bytes are `head`, when it and every field
     before it lie whole within `head`; None otherwise (the caller reads the whole document then)."""
     if nesting_exceeds(head):
@@ -578,7 +605,7 @@ def _skip(text: str, pos: int, expected: str = "") -> int:
     return pos + len(expected)
 
 
-def anchor_problem(store: ObjectStore, name: str, complete: CompleteMarker) -> Optional[str]:
+def anchor_problem(store: ObjectStore, name: str, complete: CompleteMarker) -> str | None:
     """Why COMPLETE of bundle `name` is corrupt in its anchor: it differs from the identity in a shard's index
     (`ls` would show one anchor, `inspect` the other, and `--step` would select by the wrong one); None when
     every shard agrees, or when an index cannot be read (the tree walk names that)."""
@@ -589,13 +616,15 @@ def anchor_problem(store: ObjectStore, name: str, complete: CompleteMarker) -> O
             continue
         if anchor != complete.anchor:
             shard = f" of rank {key}" if complete.multi_rank else ""
-            return (f"{name}/{COMPLETE}: corrupt marker: anchor {complete.anchor} differs from {anchor} in the "
-                    f"index{shard}")
+            return (
+                f"{name}/{COMPLETE}: corrupt marker: anchor {complete.anchor} differs from {anchor} in the index{shard}"
+            )
     return None
 
 
-def complete_disagreements(name: str, complete: CompleteMarker,
-                           markers: Mapping[int, RankMarker]) -> list[MarkerProblem]:
+def complete_disagreements(
+    name: str, complete: CompleteMarker, markers: Mapping[int, RankMarker]
+) -> list[MarkerProblem]:
     """The rank markers (rank -> the marker found under COMPLETE.<rank>) of a bundle whose COMPLETE exists that do
     not say what COMPLETE says of their rank: bundle id, anchor, expected ranks and documents. COMPLETE is what
     readers use, so such a marker harms nothing yet; but it is what a lost COMPLETE would be finalized from again
@@ -611,8 +640,11 @@ def complete_disagreements(name: str, complete: CompleteMarker,
             fields = [f for f in ("bundle_id", "anchor") if getattr(marker, f) != getattr(complete, f)]
             if sorted(marker.expected_ranks) != sorted(complete.expected_ranks):
                 fields.append("expected_ranks")
-            fields += [f"documents.{label}" for label in _DOCUMENTS
-                       if getattr(marker.documents, label) != getattr(shard, label)]
+            fields += [
+                f"documents.{label}"
+                for label in _DOCUMENTS
+                if getattr(marker.documents, label) != getattr(shard, label)
+            ]
             if not fields:
                 continue
             why = f"{', '.join(fields)} differ{'s' if len(fields) == 1 else ''} from COMPLETE's rank {rank}"
@@ -630,7 +662,7 @@ class _Unreadable:
     """True when the objects read back whole but are not what the marker's reference says."""
 
 
-def _disagreement(marker: RankMarker, contents: Mapping[DocRef, bytes | _Unreadable]) -> Optional[tuple[str, bool]]:
+def _disagreement(marker: RankMarker, contents: Mapping[DocRef, bytes | _Unreadable]) -> tuple[str, bool] | None:
     """(why, whether the marker is at fault) when `marker` disagrees with its documents or they cannot be read."""
     docs: dict[str, Any] = {}
     for label, model in _DOCUMENTS.items():
@@ -644,8 +676,11 @@ def _disagreement(marker: RankMarker, contents: Mapping[DocRef, bytes | _Unreada
             return f"its {label} {ref.digest} is not a valid {label} ({exc})", True
     for label in ("manifest", "index"):
         if docs[label].bundle_id != marker.bundle_id:
-            return (f"bundle_id {one_line(repr(marker.bundle_id), 80)} differs from {docs[label].bundle_id!r} in its "
-                    f"{label}", True)
+            return (
+                f"bundle_id {one_line(repr(marker.bundle_id), 80)} differs from {docs[label].bundle_id!r} in its "
+                f"{label}",
+                True,
+            )
     anchor = Anchor.of(docs["index"].identity)
     if marker.anchor != anchor:
         return f"anchor {marker.anchor} differs from {anchor} in its index", True
@@ -678,8 +713,10 @@ def _read_documents(backend: Backend, refs: Sequence[DocRef]) -> dict[DocRef, by
             out[ref] = _Unreadable(str(exc), False)
             continue
         if record.digest != ref.digest or record.size != ref.size:
-            out[ref] = _Unreadable(f"record {key} describes {record.size} bytes of {record.digest}, not "
-                                   f"{ref.size} bytes of {ref.digest}", True)
+            out[ref] = _Unreadable(
+                f"record {key} describes {record.size} bytes of {record.digest}, not {ref.size} bytes of {ref.digest}",
+                True,
+            )
             continue
         try:
             check_document_size(record.size, key)
@@ -693,12 +730,16 @@ def _read_documents(backend: Backend, refs: Sequence[DocRef]) -> dict[DocRef, by
         for chunk in record.chunks:
             data = chunks[object_key(chunk.digest)]
             if data is None or hash_bytes(data) != chunk.digest:
-                out[ref] = _Unreadable(f"{'missing' if data is None else 'corrupt'} chunk {object_key(chunk.digest)}",
-                                       False)
+                out[ref] = _Unreadable(
+                    f"{'missing' if data is None else 'corrupt'} chunk {object_key(chunk.digest)}", False
+                )
                 break
             parts.append(data)
         else:
             content = b"".join(parts)
-            out[ref] = content if hash_bytes(content) == ref.digest else \
-                _Unreadable(f"the chunks of record {keys[ref]} do not hash to {ref.digest}", False)
+            out[ref] = (
+                content
+                if hash_bytes(content) == ref.digest
+                else _Unreadable(f"the chunks of record {keys[ref]} do not hash to {ref.digest}", False)
+            )
     return out

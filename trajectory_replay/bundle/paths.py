@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Optional, Union
 
 from trajectory_replay.errors import BundleError, NoSuchTargetError
 
 RANK_DIR = re.compile(r"rank-(0|[1-9][0-9]*)")
 
 
-def split_bundle_path(path_or_url: str) -> tuple[str, str, Optional[int]]:
+def split_bundle_path(path_or_url: str) -> tuple[str, str, int | None]:
     """(store root, bundle name, addressed rank or None) of a bundle path or URL."""
     text = os.fspath(path_or_url)
     scheme = ""
@@ -33,21 +32,24 @@ def split_bundle_path(path_or_url: str) -> tuple[str, str, Optional[int]]:
     return scheme + root, name, rank
 
 
-def rank_of_dir(directory: Path) -> Optional[int]:
+def rank_of_dir(directory: Path) -> int | None:
     """r when `directory` is `<bundle>/rank-<r>`, else None."""
     match = RANK_DIR.fullmatch(directory.name)
     return int(match.group(1)) if match else None
 
 
-def is_v1_bundle(path: Union[str, os.PathLike]) -> bool:
+def is_v1_bundle(path: str | os.PathLike) -> bool:
     """True when `path` looks like a V1 bundle: it holds manifest.json, or rank-<r> bundle directories."""
     directory = Path(path)
     if not directory.is_dir():
         return False
     if (directory / "manifest.json").is_file():
         return True
-    return any(rank_of_dir(child) is not None and (child / "manifest.json").is_file()
-               for child in directory.iterdir() if child.is_dir())
+    return any(
+        rank_of_dir(child) is not None and (child / "manifest.json").is_file()
+        for child in directory.iterdir()
+        if child.is_dir()
+    )
 
 
 def check_directory(path: Path) -> None:
@@ -58,7 +60,7 @@ def check_directory(path: Path) -> None:
         raise BundleError(f"{path}: not a directory")
 
 
-def find_v1_bundles(capture_dir: Union[str, os.PathLike]) -> list[Path]:
+def find_v1_bundles(capture_dir: str | os.PathLike) -> list[Path]:
     """The children of `capture_dir` that are V1 bundles, sorted by name."""
     directory = Path(capture_dir)
     check_directory(directory)

@@ -20,9 +20,20 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-CONVENTION_FIELDS = ("group_size_check", "grpo_std_normalization", "std_unbiased", "std_eps", "singleton_group",
-                     "mask_advantages", "kl_log_ratio_clamp", "kl_output_clamp", "eps_clip_c", "ratio_log_clamp",
-                     "loss_agg_mode", "kl_loss_estimator")
+CONVENTION_FIELDS = (
+    "group_size_check",
+    "grpo_std_normalization",
+    "std_unbiased",
+    "std_eps",
+    "singleton_group",
+    "mask_advantages",
+    "kl_log_ratio_clamp",
+    "kl_output_clamp",
+    "eps_clip_c",
+    "ratio_log_clamp",
+    "loss_agg_mode",
+    "kl_loss_estimator",
+)
 """The fields a framework decides by convention (or by a default users rarely change). Applying a profile to a
 recorded config (`RecomputeConfig.with_conventions_of`) changes these and keeps the run's own hyperparameters
 (kl_coef, eps_clip, n_samples_per_prompt, the recorded denominators, ...)."""
@@ -64,8 +75,10 @@ class Profile:
                 fields[key] = value
             else:
                 known = ", ".join(self.options) or "none"
-                raise ValueError(f"{key!r} is neither a recompute config field nor a {self.framework} option of "
-                                 f"profile {self.name!r} (its options: {known})")
+                raise ValueError(
+                    f"{key!r} is neither a recompute config field nor a {self.framework} option of "
+                    f"profile {self.name!r} (its options: {known})"
+                )
         return fields
 
 
@@ -91,90 +104,190 @@ def _both(*fields: str) -> Callable[[Any], Mapping[str, Any]]:
 
 _VERL_KL = {"kl": "k1", "mse": "k2", "k3+": "k3", "low_var_kl+": "low_var_kl"}
 
-PROFILES: dict[str, Profile] = {p.name: p for p in (
-    Profile("relax", "relax", "1.0", {}),
-    Profile("verl", "verl", "0.8.0.dev (b178a3cd)", {
-        "group_size_check": "any", "grpo_std_normalization": True, "singleton_group": "unit",
-        "mask_advantages": True, "kl_log_ratio_clamp": 20.0, "kl_output_clamp": 10.0, "eps_clip_c": 3.0,
-        "ratio_log_clamp": 20.0, "loss_agg_mode": "token_mean", "kl_loss_estimator": "low_var_kl",
-        "cliprange_value": 0.5,
-    }, {
-        "adv_estimator": Option("advantage_estimator"),
-        "norm_adv_by_std_in_grpo": Option("grpo_std_normalization"),
-        "clip_ratio": Option("eps_clip", _both("eps_clip", "eps_clip_high")),
-        "clip_ratio_low": Option("eps_clip"), "clip_ratio_high": Option("eps_clip_high"),
-        "clip_ratio_c": Option("eps_clip_c"), "loss_agg_mode": Option("loss_agg_mode", _mode),
-        "entropy_coeff": Option("entropy_coef"), "kl_loss_type": Option("kl_loss_estimator",
-                                                                       _named("kl_loss_estimator", _VERL_KL)),
-        "kl_penalty": Option("kl_loss_type", _named("kl_loss_type", _VERL_KL)),
-        "use_kl_in_reward": Option("kl_in_reward"), "loss_mode": Option("policy_loss",
-                                                                       _named("policy_loss", {"vanilla": "ppo_clip"})),
-        # algorithm.rollout_correction: null means off
-        "rollout_is": Option("rollout_is", lambda v: {"rollout_is": "none" if v is None else v}),
-        "rollout_rs": Option("rollout_rs", lambda v: {"rollout_rs": "none" if v is None else v}),
-        "rollout_rs_threshold": Option("rollout_rs_upper"), "rollout_rs_threshold_lower": Option("rollout_rs_lower"),
-    }),
-    Profile("slime", "slime", "0.3.1 (624b824a)", {"grpo_std_normalization": True, "kl_loss_estimator": "k1"}, {
-        "disable_grpo_std_normalization": Option("grpo_std_normalization",
-                                                 lambda v: {"grpo_std_normalization": not v}),
-        "kl_loss_type": Option("kl_loss_type", _both("kl_loss_type", "kl_loss_estimator")),
-        "lambd": Option("lam"), "value_clip": Option("cliprange_value"),
-        "advantage_estimator": Option("advantage_estimator", _choices("advantage_estimator", {
-            "ppo": {"advantage_estimator": "gae"},
-            "gspo": {"advantage_estimator": "grpo", "policy_loss": "gspo"},
-            "cispo": {"advantage_estimator": "grpo", "policy_loss": "cispo"},
-        })),
-    }),
-    Profile("openrlhf", "OpenRLHF", "0.11.0 (3c3be623)", {
-        "grpo_std_normalization": True, "std_eps": 1e-9, "mask_advantages": True, "kl_output_clamp": 10.0,
-        "ratio_log_clamp": 20.0, "loss_agg_mode": "token_mean", "kl_loss_estimator": "k1", "cliprange_value": 0.5,
-    }, {
-        "estimator": Option("advantage_estimator", _choices("advantage_estimator", {
-            "group_norm": {"advantage_estimator": "grpo", "grpo_std_normalization": True},
-            "reinforce": {"advantage_estimator": "reinforce_plus_plus"},
-            "reinforce_baseline": {"advantage_estimator": "reinforce_plus_plus_baseline"},
-        })),
-        "init_coef": Option("kl_coef"), "dual_clip": Option("eps_clip_c"), "value_clip": Option("cliprange_value"),
-        "lambd": Option("lam"), "policy_loss_type": Option("policy_loss", _named("policy_loss", {"ppo": "ppo_clip"})),
-    }),
-    Profile("trl", "TRL", "1.10.0.dev0 (f2cd5771)", {
-        "grpo_std_normalization": True, "std_eps": 1e-4, "loss_agg_mode": "token_mean",
-    }, {
-        "beta": Option("kl_loss_coef"), "epsilon": Option("eps_clip"), "epsilon_high": Option("eps_clip_high"),
-        "num_generations": Option("n_samples_per_prompt"),
-        "scale_rewards": Option("grpo_std_normalization",
-                                lambda v: {"grpo_std_normalization": v not in (False, "none", "false")}),
-        "loss_type": Option("loss_agg_mode", _choices("loss_agg_mode", {
-            "dapo": {"loss_agg_mode": "token_mean"}, "bnpo": {"loss_agg_mode": "token_mean"},
-            "grpo": {"loss_agg_mode": "seq_mean_token_mean"},
-            "dr_grpo": {"loss_agg_mode": "seq_mean_token_sum_norm"},
-            "cispo": {"loss_agg_mode": "token_mean", "policy_loss": "cispo"},
-        })),
-    }),
-    Profile("nemo_rl", "NeMo-RL", "0.6.0 (7ea279ab)", {
-        "group_size_check": "any", "grpo_std_normalization": True, "kl_log_ratio_clamp": 20.0,
-        "kl_output_clamp": 10.0, "loss_agg_mode": "token_mean", "kl_loss_coef": 0.01,
-    }, {
-        "normalize_rewards": Option("grpo_std_normalization"),
-        "reference_policy_kl_penalty": Option("kl_loss_coef"),
-        "reference_policy_kl_type": Option("kl_loss_estimator"),
-        "kl_input_clamp_value": Option("kl_log_ratio_clamp"), "kl_output_clamp_value": Option("kl_output_clamp"),
-        "ratio_clip_min": Option("eps_clip"), "ratio_clip_max": Option("eps_clip_high"),
-        "ratio_clip_c": Option("eps_clip_c"), "use_kl_in_reward": Option("kl_in_reward"),
-        "token_level_loss": Option("loss_agg_mode", lambda v: {
-            "loss_agg_mode": "token_mean" if v else "seq_mean_token_mean"}),
-        "gae_gamma": Option("gamma"), "gae_lambda": Option("lam"),
-        "num_generations_per_prompt": Option("n_samples_per_prompt"),
-    }),
-    Profile("areal", "AReaL", "1.0.4 (4aef98d8)", {
-        "grpo_std_normalization": True, "std_eps": 1e-5, "kl_output_clamp": 10.0, "loss_agg_mode": "token_mean",
-        "cliprange_value": 0.5,
-    }, {
-        "eps_clip_higher": Option("eps_clip_high"), "c_clip": Option("eps_clip_c"), "discount": Option("gamma"),
-        "gae_lambda": Option("lam"), "kl_ctl": Option("kl_coef"), "kl_estimator": Option("kl_loss_type"),
-        "group_size": Option("n_samples_per_prompt"),
-    }),
-)}
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in (
+        Profile("relax", "relax", "1.0", {}),
+        Profile(
+            "verl",
+            "verl",
+            "0.8.0.dev (b178a3cd)",
+            {
+                "group_size_check": "any",
+                "grpo_std_normalization": True,
+                "singleton_group": "unit",
+                "mask_advantages": True,
+                "kl_log_ratio_clamp": 20.0,
+                "kl_output_clamp": 10.0,
+                "eps_clip_c": 3.0,
+                "ratio_log_clamp": 20.0,
+                "loss_agg_mode": "token_mean",
+                "kl_loss_estimator": "low_var_kl",
+                "cliprange_value": 0.5,
+            },
+            {
+                "adv_estimator": Option("advantage_estimator"),
+                "norm_adv_by_std_in_grpo": Option("grpo_std_normalization"),
+                "clip_ratio": Option("eps_clip", _both("eps_clip", "eps_clip_high")),
+                "clip_ratio_low": Option("eps_clip"),
+                "clip_ratio_high": Option("eps_clip_high"),
+                "clip_ratio_c": Option("eps_clip_c"),
+                "loss_agg_mode": Option("loss_agg_mode", _mode),
+                "entropy_coeff": Option("entropy_coef"),
+                "kl_loss_type": Option("kl_loss_estimator", _named("kl_loss_estimator", _VERL_KL)),
+                "kl_penalty": Option("kl_loss_type", _named("kl_loss_type", _VERL_KL)),
+                "use_kl_in_reward": Option("kl_in_reward"),
+                "loss_mode": Option("policy_loss", _named("policy_loss", {"vanilla": "ppo_clip"})),
+                # algorithm.rollout_correction: null means off
+                "rollout_is": Option("rollout_is", lambda v: {"rollout_is": "none" if v is None else v}),
+                "rollout_rs": Option("rollout_rs", lambda v: {"rollout_rs": "none" if v is None else v}),
+                "rollout_rs_threshold": Option("rollout_rs_upper"),
+                "rollout_rs_threshold_lower": Option("rollout_rs_lower"),
+            },
+        ),
+        Profile(
+            "slime",
+            "slime",
+            "0.3.1 (624b824a)",
+            {"grpo_std_normalization": True, "kl_loss_estimator": "k1"},
+            {
+                "disable_grpo_std_normalization": Option(
+                    "grpo_std_normalization", lambda v: {"grpo_std_normalization": not v}
+                ),
+                "kl_loss_type": Option("kl_loss_type", _both("kl_loss_type", "kl_loss_estimator")),
+                "lambd": Option("lam"),
+                "value_clip": Option("cliprange_value"),
+                "advantage_estimator": Option(
+                    "advantage_estimator",
+                    _choices(
+                        "advantage_estimator",
+                        {
+                            "ppo": {"advantage_estimator": "gae"},
+                            "gspo": {"advantage_estimator": "grpo", "policy_loss": "gspo"},
+                            "cispo": {"advantage_estimator": "grpo", "policy_loss": "cispo"},
+                        },
+                    ),
+                ),
+            },
+        ),
+        Profile(
+            "openrlhf",
+            "OpenRLHF",
+            "0.11.0 (3c3be623)",
+            {
+                "grpo_std_normalization": True,
+                "std_eps": 1e-9,
+                "mask_advantages": True,
+                "kl_output_clamp": 10.0,
+                "ratio_log_clamp": 20.0,
+                "loss_agg_mode": "token_mean",
+                "kl_loss_estimator": "k1",
+                "cliprange_value": 0.5,
+            },
+            {
+                "estimator": Option(
+                    "advantage_estimator",
+                    _choices(
+                        "advantage_estimator",
+                        {
+                            "group_norm": {"advantage_estimator": "grpo", "grpo_std_normalization": True},
+                            "reinforce": {"advantage_estimator": "reinforce_plus_plus"},
+                            "reinforce_baseline": {"advantage_estimator": "reinforce_plus_plus_baseline"},
+                        },
+                    ),
+                ),
+                "init_coef": Option("kl_coef"),
+                "dual_clip": Option("eps_clip_c"),
+                "value_clip": Option("cliprange_value"),
+                "lambd": Option("lam"),
+                "policy_loss_type": Option("policy_loss", _named("policy_loss", {"ppo": "ppo_clip"})),
+            },
+        ),
+        Profile(
+            "trl",
+            "TRL",
+            "1.10.0.dev0 (f2cd5771)",
+            {
+                "grpo_std_normalization": True,
+                "std_eps": 1e-4,
+                "loss_agg_mode": "token_mean",
+            },
+            {
+                "beta": Option("kl_loss_coef"),
+                "epsilon": Option("eps_clip"),
+                "epsilon_high": Option("eps_clip_high"),
+                "num_generations": Option("n_samples_per_prompt"),
+                "scale_rewards": Option(
+                    "grpo_std_normalization", lambda v: {"grpo_std_normalization": v not in (False, "none", "false")}
+                ),
+                "loss_type": Option(
+                    "loss_agg_mode",
+                    _choices(
+                        "loss_agg_mode",
+                        {
+                            "dapo": {"loss_agg_mode": "token_mean"},
+                            "bnpo": {"loss_agg_mode": "token_mean"},
+                            "grpo": {"loss_agg_mode": "seq_mean_token_mean"},
+                            "dr_grpo": {"loss_agg_mode": "seq_mean_token_sum_norm"},
+                            "cispo": {"loss_agg_mode": "token_mean", "policy_loss": "cispo"},
+                        },
+                    ),
+                ),
+            },
+        ),
+        Profile(
+            "nemo_rl",
+            "NeMo-RL",
+            "0.6.0 (7ea279ab)",
+            {
+                "group_size_check": "any",
+                "grpo_std_normalization": True,
+                "kl_log_ratio_clamp": 20.0,
+                "kl_output_clamp": 10.0,
+                "loss_agg_mode": "token_mean",
+                "kl_loss_coef": 0.01,
+            },
+            {
+                "normalize_rewards": Option("grpo_std_normalization"),
+                "reference_policy_kl_penalty": Option("kl_loss_coef"),
+                "reference_policy_kl_type": Option("kl_loss_estimator"),
+                "kl_input_clamp_value": Option("kl_log_ratio_clamp"),
+                "kl_output_clamp_value": Option("kl_output_clamp"),
+                "ratio_clip_min": Option("eps_clip"),
+                "ratio_clip_max": Option("eps_clip_high"),
+                "ratio_clip_c": Option("eps_clip_c"),
+                "use_kl_in_reward": Option("kl_in_reward"),
+                "token_level_loss": Option(
+                    "loss_agg_mode", lambda v: {"loss_agg_mode": "token_mean" if v else "seq_mean_token_mean"}
+                ),
+                "gae_gamma": Option("gamma"),
+                "gae_lambda": Option("lam"),
+                "num_generations_per_prompt": Option("n_samples_per_prompt"),
+            },
+        ),
+        Profile(
+            "areal",
+            "AReaL",
+            "1.0.4 (4aef98d8)",
+            {
+                "grpo_std_normalization": True,
+                "std_eps": 1e-5,
+                "kl_output_clamp": 10.0,
+                "loss_agg_mode": "token_mean",
+                "cliprange_value": 0.5,
+            },
+            {
+                "eps_clip_higher": Option("eps_clip_high"),
+                "c_clip": Option("eps_clip_c"),
+                "discount": Option("gamma"),
+                "gae_lambda": Option("lam"),
+                "kl_ctl": Option("kl_coef"),
+                "kl_estimator": Option("kl_loss_type"),
+                "group_size": Option("n_samples_per_prompt"),
+            },
+        ),
+    )
+}
 """Every profile, by name; `relax` (this tool's own conventions) is the default config."""
 
 

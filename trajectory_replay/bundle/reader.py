@@ -14,10 +14,10 @@ the payload, so a partial selection never has to fetch every sample's mask.
 from __future__ import annotations
 
 import bisect
-
 import os
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Optional, Sequence, TypeVar
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -33,7 +33,7 @@ from trajectory_replay.bundle.writer import LOSS_MASK
 from trajectory_replay.errors import BundleError, IncompleteBundleError, TrajectoryReplayError
 from trajectory_replay.store import BlobRecord, BlobRef, ObjectStore
 
-if TYPE_CHECKING:   # tensors are built only when a payload is loaded; opening and headers need no torch
+if TYPE_CHECKING:  # tensors are built only when a payload is loaded; opening and headers need no torch
     import numpy
     import torch
 
@@ -45,7 +45,7 @@ _M = TypeVar("_M", bound=BaseModel)
 class BundleReader:
     """One bundle, or one rank of a multi-rank bundle, in a store. Satisfies `replay.source.ReplaySource`."""
 
-    def __init__(self, store: ObjectStore, name: str, marker: CompleteMarker, rank: Optional[int] = None) -> None:
+    def __init__(self, store: ObjectStore, name: str, marker: CompleteMarker, rank: int | None = None) -> None:
         self.store, self.name, self.marker = store, name, marker
         self.rank = rank if marker.multi_rank else None
         self.label = f"{redact_url(store.url)}/{name}" + (f"/rank-{rank}" if self.rank is not None else "")
@@ -57,11 +57,14 @@ class BundleReader:
         self.expected: dict[str, Any] = expected_raw
         for what, value in (("manifest", self.manifest.bundle_id), ("index", self.index.bundle_id)):
             if value != marker.bundle_id:
-                raise BundleError(f"{self.label}: bundle_id {value!r} in the {what} differs from "
-                                  f"{marker.bundle_id!r} in COMPLETE")
+                raise BundleError(
+                    f"{self.label}: bundle_id {value!r} in the {what} differs from {marker.bundle_id!r} in COMPLETE"
+                )
         if Anchor.of(self.index.identity) != marker.anchor:  # ls and --step go by the marker's: both must agree
-            raise BundleError(f"{self.label}: corrupt COMPLETE: anchor {marker.anchor} differs from "
-                              f"{Anchor.of(self.index.identity)} in the index")
+            raise BundleError(
+                f"{self.label}: corrupt COMPLETE: anchor {marker.anchor} differs from "
+                f"{Anchor.of(self.index.identity)} in the index"
+            )
         self._offsets = self.index.token_offsets()
         self._headers: dict[str, codec.Header] = {}
         self._records: dict[str, BlobRecord] = {}
@@ -70,20 +73,25 @@ class BundleReader:
     def bundle_id(self) -> str:
         return self.manifest.bundle_id
 
-    def peers(self) -> list["BundleReader"]:
+    def peers(self) -> list[BundleReader]:
         """Readers of the other ranks of this reader's multi-rank bundle (none for a single producer)."""
         if self.rank is None:
             return []
-        return [BundleReader(self.store, self.name, self.marker, r)
-                for r in sorted(int(k) for k in self.marker.shards) if r != self.rank]
+        return [
+            BundleReader(self.store, self.name, self.marker, r)
+            for r in sorted(int(k) for k in self.marker.shards)
+            if r != self.rank
+        ]
 
     @classmethod
-    def open(cls, path_or_url: str | os.PathLike[str], **storage_options: Any) -> "BundleReader":
+    def open(cls, path_or_url: str | os.PathLike[str], **storage_options: Any) -> BundleReader:
         """Open a single-producer bundle, or one rank addressed as `<bundle>/rank-<r>`."""
         sources = open_native(os.fspath(path_or_url), **storage_options)
         if len(sources) != 1:
-            raise BundleError(f"{path_or_url}: a multi-rank bundle (ranks {[s.rank for s in sources]}); "
-                              "address one rank as <bundle>/rank-<r>")
+            raise BundleError(
+                f"{path_or_url}: a multi-rank bundle (ranks {[s.rank for s in sources]}); "
+                "address one rank as <bundle>/rank-<r>"
+            )
         return sources[0]
 
     # ---- documents -----------------------------------------------------------------------------
@@ -107,8 +115,10 @@ class BundleReader:
         if LOSS_MASK not in self.manifest.payloads:
             return self.index
         mask = self.load_array(LOSS_MASK).tolist()  # numpy: export restores masks where torch is absent
-        samples = [s.model_copy(update={"loss_mask": mask[a:b]})
-                   for s, a, b in zip(self.index.samples, self._offsets[:-1], self._offsets[1:])]
+        samples = [
+            s.model_copy(update={"loss_mask": mask[a:b]})
+            for s, a, b in zip(self.index.samples, self._offsets[:-1], self._offsets[1:])
+        ]
         return self.index.model_copy(update={"samples": samples})
 
     # ---- payloads ------------------------------------------------------------------------------
@@ -122,7 +132,7 @@ class BundleReader:
         except KeyError:
             raise BundleError(f"{self.label}: no payload {name!r} (has {sorted(self.manifest.payloads)})") from None
 
-    def load_payload(self, name: str, samples: Optional[Sequence[int]] = None) -> "torch.Tensor":
+    def load_payload(self, name: str, samples: Sequence[int] | None = None) -> torch.Tensor:
         """The flat tensor `name`, or only the rows of the given sample positions (index order), verified.
 
         Nothing is kept: replay's own cache decides what stays loaded, so memory follows what it still needs."""
@@ -148,7 +158,7 @@ class BundleReader:
                 raise
             raise type(exc)(f"{where}: {exc}") from None
 
-    def reading_ahead(self, capacity: int) -> ContextManager[None]:
+    def reading_ahead(self, capacity: int) -> AbstractContextManager[None]:
         """Within it, payload rows are read as suits a thread that reads ahead of the kernels (the store decides how:
         `ObjectStore.reading_ahead`, about `capacity` bytes in use at a time)."""
         return self.store.reading_ahead(capacity)
@@ -159,13 +169,13 @@ class BundleReader:
             raise BundleError(f"{self.label}: payload {name!r}: no digest in the manifest")
         return BlobRef(spec.digest, spec.size, spec.record)
 
-    def _load_whole(self, name: str, spec: PayloadSpec) -> "torch.Tensor":
+    def _load_whole(self, name: str, spec: PayloadSpec) -> torch.Tensor:
         where = f"{self.label}: payload {name!r}"
         tensor = codec.decode_buffer(self._whole_blob(name), where)
         _check_spec(codec.dtype_name(tensor.dtype), tuple(tensor.shape), spec, where)
         return tensor.reshape(-1)
 
-    def load_array(self, name: str) -> "numpy.ndarray":
+    def load_array(self, name: str) -> numpy.ndarray:
         """Payload `name` (one the manifest lists) whole, as a flat numpy array, verified as `load_payload`
         verifies it but without torch: validate checks native bundles where torch is not installed."""
         spec, where = self.spec(name), f"{self.label}: payload {name!r}"
@@ -204,21 +214,22 @@ class BundleReader:
             self._records[name] = self.store.record(self.payload_ref(name))
         return self._records[name]
 
-    def _load_rows(self, name: str, spec: PayloadSpec, positions: list[int]) -> "torch.Tensor":
+    def _load_rows(self, name: str, spec: PayloadSpec, positions: list[int]) -> torch.Tensor:
         header = self.header(name)
         total = self._offsets[-1]
         numel = 1
         for d in header.shape:
             numel *= d
         if numel != total:
-            raise BundleError(f"{self.label}: payload {name!r} has {numel} elements, the index has {total} "
-                              "response tokens")
+            raise BundleError(
+                f"{self.label}: payload {name!r} has {numel} elements, the index has {total} response tokens"
+            )
         size, offsets, start = header.itemsize, self._offsets, header.data_start
         spans: list[tuple[int, int]] = []
-        if positions and positions == list(range(positions[0], positions[-1] + 1)):   # one run of rows: one range
+        if positions and positions == list(range(positions[0], positions[-1] + 1)):  # one run of rows: one range
             spans.append((start + offsets[positions[0]] * size, start + offsets[positions[-1] + 1] * size))
         else:
-            for p in positions:   # adjacent rows are one range (a block of whole groups is mostly runs of rows)
+            for p in positions:  # adjacent rows are one range (a block of whole groups is mostly runs of rows)
                 lo, hi = start + offsets[p] * size, start + offsets[p + 1] * size
                 if spans and spans[-1][1] == lo:
                     spans[-1] = (spans[-1][0], hi)
@@ -246,12 +257,14 @@ class BundleReader:
                 chunk = record.chunks[ci]
                 first = (max(lo, chunk.offset) - chunk.offset) // block
                 last = (min(hi, chunk.offset + chunk.size) - chunk.offset - 1) // block
-                keys += [(chunk.offset + b * block, chunk.blocks[32 * b:32 * (b + 1)]) for b in range(first, last + 1)]
+                keys += [
+                    (chunk.offset + b * block, chunk.blocks[32 * b : 32 * (b + 1)]) for b in range(first, last + 1)
+                ]
                 ci += 1
             out.append((lo, hi, tuple(keys)))
         return out
 
-    def _mask_from_records(self, samples: Optional[Sequence[int]]) -> "torch.Tensor":
+    def _mask_from_records(self, samples: Sequence[int] | None) -> torch.Tensor:
         import torch
 
         records = self.index.samples
@@ -285,28 +298,30 @@ def _check_spec(dtype: str, shape: tuple[int, ...], spec: PayloadSpec, where: st
         raise BundleError(f"{where}: shape {list(shape)} does not match the manifest's {spec.shape}")
 
 
-def _take_rows(flat: "torch.Tensor", offsets: list[int], positions: list[int], label: str,
-               name: str) -> "torch.Tensor":
+def _take_rows(flat: torch.Tensor, offsets: list[int], positions: list[int], label: str, name: str) -> torch.Tensor:
     import torch
 
     if flat.numel() != offsets[-1]:
-        raise BundleError(f"{label}: payload {name!r} has {flat.numel()} elements, the index has "
-                          f"{offsets[-1]} response tokens")
+        raise BundleError(
+            f"{label}: payload {name!r} has {flat.numel()} elements, the index has {offsets[-1]} response tokens"
+        )
     if not positions:
         return flat[:0].clone()
-    return torch.cat([flat[offsets[p]:offsets[p + 1]] for p in positions])
+    return torch.cat([flat[offsets[p] : offsets[p + 1]] for p in positions])
 
 
 # ---- opening ---------------------------------------------------------------------------------------
 
-def open_native(path_or_url: str, *, store: Optional[ObjectStore] = None, **storage_options: Any) -> list[BundleReader]:
+
+def open_native(path_or_url: str, *, store: ObjectStore | None = None, **storage_options: Any) -> list[BundleReader]:
     """One reader per rank of the native bundle at `path_or_url` (`<root>/<bundle>` or `.../rank-<r>`)."""
     root, name, rank = split_bundle_path(path_or_url)
     return native_readers(store or ObjectStore.open(root, **storage_options), name, rank)
 
 
-def native_readers(store: ObjectStore, name: str, rank: Optional[int] = None,
-                   marker: Optional[CompleteMarker] = None) -> list[BundleReader]:
+def native_readers(
+    store: ObjectStore, name: str, rank: int | None = None, marker: CompleteMarker | None = None
+) -> list[BundleReader]:
     """One reader per rank of bundle `name` of `store` (only rank `rank`'s when given), from its COMPLETE
     (`marker` when already read); finalized first when every rank landed; IncompleteBundleError otherwise."""
     if marker is None:
@@ -319,8 +334,9 @@ def native_readers(store: ObjectStore, name: str, rank: Optional[int] = None,
         where = f"{redact_url(store.url)}/{name}"
         reason = describe_missing(store.backend, name, state)
         if rank is not None:
-            raise IncompleteBundleError(f"{where}/rank-{rank}: refused until the bundle's final COMPLETE exists "
-                                        f"({reason})")
+            raise IncompleteBundleError(
+                f"{where}/rank-{rank}: refused until the bundle's final COMPLETE exists ({reason})"
+            )
         raise IncompleteBundleError(f"{where}: {reason}")
     if rank is not None:
         if not marker.multi_rank:

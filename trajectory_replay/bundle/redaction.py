@@ -9,7 +9,8 @@ this check (whose policy may name such a field) still open.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import blake3
 
@@ -43,25 +44,30 @@ def check_policy(policy: Any, where: str) -> dict[str, str]:
     """`policy` as a dict if every field is a redactable SampleRecord field and every rule is valid;
     else a one-line BundleError naming `where`, the field and the fields a policy may name."""
     if not isinstance(policy, Mapping):
-        raise BundleError(f"{where}: manifest field 'redaction': expected a mapping of field -> rule, "
-                          f"got {type(policy).__name__}")
+        raise BundleError(
+            f"{where}: manifest field 'redaction': expected a mapping of field -> rule, got {type(policy).__name__}"
+        )
     unknown = unknown_fields(policy)
     if unknown:
         named = [_short(f) + _hint(f) for f in unknown[:5]]
         if len(unknown) > 5:
             named.append(f"and {len(unknown) - 5} more")
-        raise BundleError(f"{where}: manifest field 'redaction': unknown field{'s' if len(unknown) > 1 else ''} "
-                          f"{', '.join(named)}; known fields: {', '.join(REDACTABLE_FIELDS)}; "
-                          "the bundle was not written")
+        raise BundleError(
+            f"{where}: manifest field 'redaction': unknown field{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(named)}; known fields: {', '.join(REDACTABLE_FIELDS)}; "
+            "the bundle was not written"
+        )
     for field, rule in policy.items():
         # ASCII digits only: int() of other Unicode digits fails or surprises at finalize
         if not isinstance(rule, str) or not _RULE.fullmatch(rule):
-            raise BundleError(f"{where}: manifest field 'redaction.{field}': invalid rule {_short(rule)}: "
-                              "expected hash, drop or truncate:N; the bundle was not written")
+            raise BundleError(
+                f"{where}: manifest field 'redaction.{field}': invalid rule {_short(rule)}: "
+                "expected hash, drop or truncate:N; the bundle was not written"
+            )
     return dict(policy)
 
 
-def redact_text(value: Optional[str], rule: str) -> Optional[str]:
+def redact_text(value: str | None, rule: str) -> str | None:
     """Apply one rule: `hash` (blake3 of the UTF-8 text), `truncate:N` (first N characters), `drop`."""
     if value is None:
         return None
@@ -74,8 +80,9 @@ def redact_text(value: Optional[str], rule: str) -> Optional[str]:
     raise ValueError(f"unknown redaction rule {rule!r}")
 
 
-def redact_samples(samples: Sequence[SampleRecord], policy: Mapping[str, str],
-                   where: str = "bundle") -> list[SampleRecord]:
+def redact_samples(
+    samples: Sequence[SampleRecord], policy: Mapping[str, str], where: str = "bundle"
+) -> list[SampleRecord]:
     """Copies of `samples` with every text field the policy names redacted; BundleError on a policy
     `check_policy` refuses (never a silent skip, which would store the text in clear)."""
     rules = check_policy(policy, where)

@@ -18,9 +18,10 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from trajectory_replay.backends import open_backend, redact_url
 from trajectory_replay.bundle.anchor import Anchor
@@ -28,7 +29,12 @@ from trajectory_replay.bundle.markers import COMPLETE, RANK_MARKER
 from trajectory_replay.bundle.paths import find_v1_bundles, is_v1_bundle, split_bundle_path
 from trajectory_replay.bundle.reader import BundleReader, native_readers
 from trajectory_replay.bundle.status import (
-    CORRUPT, FINALIZABLE, BundleState, bundle_status, finalize_landed, scan_bundles,
+    CORRUPT,
+    FINALIZABLE,
+    BundleState,
+    bundle_status,
+    finalize_landed,
+    scan_bundles,
 )
 from trajectory_replay.errors import BundleError, NoMatchingBundleError, SelectionError, TrajectoryReplayError
 from trajectory_replay.store import ObjectStore
@@ -50,24 +56,30 @@ class Bundle:
     """The bundle's own path or URL (for a store root or capture directory, the bundle chosen in it)."""
     format: str
     name: str
-    rank: Optional[int] = None
-    store: Optional[ObjectStore] = None
-    path: Optional[Path] = None
+    rank: int | None = None
+    store: ObjectStore | None = None
+    path: Path | None = None
 
     def readers(self) -> list:
         """One source per rank (BundleReader or LegacyBundle), verified as far as opening goes; a bundle that is
         not complete is refused (IncompleteBundleError saying what is missing)."""
         if self.format == V1:
-            from trajectory_replay.bundle import legacy   # only an older-format bundle loads its reader
+            from trajectory_replay.bundle import legacy  # only an older-format bundle loads its reader
 
-            assert self.path is not None   # an older-format bundle is a directory
+            assert self.path is not None  # an older-format bundle is a directory
             return legacy.open_v1(self.path)
-        assert self.store is not None   # a native bundle is in a store
+        assert self.store is not None  # a native bundle is in a store
         return native_readers(self.store, self.name, self.rank)
 
 
-def open_bundle(address: str | os.PathLike, *, step: Optional[str] = None, rollout: Optional[int] = None,
-                choose: bool = True, **storage_options: Any) -> Bundle:
+def open_bundle(
+    address: str | os.PathLike,
+    *,
+    step: str | None = None,
+    rollout: int | None = None,
+    choose: bool = True,
+    **storage_options: Any,
+) -> Bundle:
     """The bundle `address` designates under `--step`/`--rollout` (SelectionError when none or several do).
 
     Without a filter, an address that is a bundle designates itself (whatever state it is in: opening it
@@ -89,8 +101,9 @@ def open_sources(path_or_url: str | os.PathLike, **storage_options: Any) -> list
     return open_bundle(path_or_url, choose=False, **storage_options).readers()
 
 
-def open_for_replay(path_or_url: str | os.PathLike, *, step: Optional[str] = None, rollout: Optional[int] = None,
-                    **storage_options: Any) -> tuple[list, Optional[int]]:
+def open_for_replay(
+    path_or_url: str | os.PathLike, *, step: str | None = None, rollout: int | None = None, **storage_options: Any
+) -> tuple[list, int | None]:
     """(sources, rank) to replay what `path_or_url` designates (see `open_bundle`). A rank of a native
     multi-rank bundle (`<bundle>/rank-<r>`) comes with its peer ranks and `rank = r`: a prompt group split across
     ranks is normalized over all of its members, so the group-level stages need the peers' rows of the rank's
@@ -117,6 +130,7 @@ def is_native_bundle(path_or_url: str | os.PathLike, **storage_options: Any) -> 
 
 # ---- the one place --step / --rollout are matched ----------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Candidate:
     """A bundle found at an address: where it is, its anchor (None when its markers cannot be read), and for one
@@ -124,14 +138,14 @@ class Candidate:
 
     name: str
     url: str
-    anchor: Optional[Anchor]
+    anchor: Anchor | None
     format: str = NATIVE
     detail: str = ""
-    state: Optional[BundleState] = field(default=None, compare=False)
+    state: BundleState | None = field(default=None, compare=False)
     """A native bundle's state, as its markers say."""
 
     @classmethod
-    def of(cls, state: BundleState, url: str) -> "Candidate":
+    def of(cls, state: BundleState, url: str) -> Candidate:
         return cls(state.name, url, state.anchor, detail=state.detail, state=state)
 
     def __str__(self) -> str:
@@ -145,7 +159,7 @@ class Selection:
 
     shown: str
     """The address as messages show it (credentials redacted)."""
-    want: Optional[Anchor]
+    want: Anchor | None
     found: list[Candidate]
     unreadable: list[Candidate] = field(default_factory=list)
     direct: bool = False
@@ -177,11 +191,14 @@ class Selection:
         if len(matches) > 1 or (not what and self.unreadable):
             hint = "" if what else "; choose one with --step ROLLOUT:STEP or --rollout ROLLOUT"
             if len({c.anchor for c in matches}) < len(matches):  # no flag tells these apart: only a path does
-                hint = (f"; {'they' if what else 'some'} share an anchor, which --step/--rollout cannot tell apart: "
-                        f"give one bundle's path instead, e.g. {redact_url(matches[0].url)}")
+                hint = (
+                    f"; {'they' if what else 'some'} share an anchor, which --step/--rollout cannot tell apart: "
+                    f"give one bundle's path instead, e.g. {redact_url(matches[0].url)}"
+                )
             count = len(matches) + (0 if what else len(self.unreadable))
-            raise SelectionError(f"{self.shown}: {count} bundles match{' ' + what if what else ''}: "
-                                 f"{listing(matches)}{bad}{hint}")
+            raise SelectionError(
+                f"{self.shown}: {count} bundles match{' ' + what if what else ''}: {listing(matches)}{bad}{hint}"
+            )
         for entry in self.unreadable:
             warnings.warn(f"{self.shown}: skipped unreadable bundle {entry}", stacklevel=3)
         return matches[0]
@@ -196,11 +213,14 @@ class Selection:
         found = listing(self.found) or "none"
         bad = "".join(f"; corrupt: {c}" for c in covered)
         if not chosen:
-            raise SelectionError(f"{self.shown}: no complete bundle{' matches ' + what if what else ''} "
-                                 f"(found: {found}){bad}")
+            raise SelectionError(
+                f"{self.shown}: no complete bundle{' matches ' + what if what else ''} (found: {found}){bad}"
+            )
         if not self.direct and not what and not all_bundles and len(chosen) + len(covered) > 1:
-            raise SelectionError(f"{self.shown}: {len(chosen) + len(covered)} bundles ({found}){bad}; choose with "
-                                 "--step ROLLOUT:STEP, --rollout ROLLOUT or --all")
+            raise SelectionError(
+                f"{self.shown}: {len(chosen) + len(covered)} bundles ({found}){bad}; choose with "
+                "--step ROLLOUT:STEP, --rollout ROLLOUT or --all"
+            )
         return chosen, skipped
 
 
@@ -213,7 +233,8 @@ def listing(candidates: Sequence[Candidate]) -> str:
 
 # ---- from an address to a bundle ------------------------------------------------------------------
 
-def _local_path(text: str) -> Optional[Path]:
+
+def _local_path(text: str) -> Path | None:
     """The local path an address names (None for a URL of a remote store)."""
     if "://" in text and not text.startswith("file://"):
         return None
@@ -225,7 +246,7 @@ def _is_older(local: Path) -> bool:
     return is_v1_bundle(local) or (local.name.startswith("rank-") and is_v1_bundle(local.parent))
 
 
-def _bundle_at(text: str, local: Optional[Path], options: dict) -> Bundle:
+def _bundle_at(text: str, local: Path | None, options: dict) -> Bundle:
     """The address itself as a bundle: older-format when it is one, else native (whatever its directory holds)."""
     if local is not None and _is_older(local):
         return Bundle(text, V1, local.name, path=local)
@@ -233,7 +254,7 @@ def _bundle_at(text: str, local: Optional[Path], options: dict) -> Bundle:
     return Bundle(text, NATIVE, name, rank, store=ObjectStore.open(root, **options))
 
 
-def _native_bundle(text: str, options: dict) -> Optional[Bundle]:
+def _native_bundle(text: str, options: dict) -> Bundle | None:
     """The native bundle at `text` when its directory holds a marker, else None."""
     try:
         root, name, rank = split_bundle_path(text)
@@ -245,7 +266,7 @@ def _native_bundle(text: str, options: dict) -> Optional[Bundle]:
     return Bundle(text, NATIVE, name, rank, store=store)
 
 
-def _holds_older_bundles(text: str, local: Optional[Path], options: dict) -> bool:
+def _holds_older_bundles(text: str, local: Path | None, options: dict) -> bool:
     """True for a local directory that is no bundle but holds older-format bundles (a capture directory)."""
     if local is None or not local.is_dir() or is_v1_bundle(local) or not find_v1_bundles(local):
         return False
@@ -260,7 +281,7 @@ def _has_pending_writer(local: Path) -> bool:
     return any(r.bundle == local.name for r in read_inflight(open_backend(str(parent))))
 
 
-def _designated(text: str, local: Optional[Path], want: Optional[Anchor], options: dict) -> Bundle:
+def _designated(text: str, local: Path | None, want: Anchor | None, options: dict) -> Bundle:
     """The bundle `text` designates under `want`: itself when it is one (checked against `want`), else the one
     bundle of the place it is (a root's finalizable bundles finalized first, as every reader does)."""
     shown = redact_url(text)
@@ -283,8 +304,11 @@ def _designated(text: str, local: Optional[Path], want: Optional[Anchor], option
     store = ObjectStore.open(text, **options)
     states, _ = finalize_landed(store.backend, scan_bundles(store.backend))
     found = [Candidate.of(s, f"{text.rstrip('/')}/{s.name}") for s in states if s.complete is not None]
-    unreadable = [Candidate.of(s, f"{text.rstrip('/')}/{s.name}") for s in states
-                  if s.complete is None and s.status in (CORRUPT, FINALIZABLE)]
+    unreadable = [
+        Candidate.of(s, f"{text.rstrip('/')}/{s.name}")
+        for s in states
+        if s.complete is None and s.status in (CORRUPT, FINALIZABLE)
+    ]
     older = _older_candidates(older_bundles(text))
     found += [c for c in older if not c.detail]
     unreadable += [c for c in older if c.detail]
@@ -313,6 +337,16 @@ def _older_candidates(paths: Sequence[Path]) -> list[Candidate]:
 
 
 __all__ = [
-    "Bundle", "Candidate", "MAX_LISTED", "NATIVE", "Selection", "V1", "is_native_bundle", "listing", "older_bundles",
-    "open_bundle", "open_for_replay", "open_sources",
+    "Bundle",
+    "Candidate",
+    "MAX_LISTED",
+    "NATIVE",
+    "Selection",
+    "V1",
+    "is_native_bundle",
+    "listing",
+    "older_bundles",
+    "open_bundle",
+    "open_for_replay",
+    "open_sources",
 ]

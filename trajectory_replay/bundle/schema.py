@@ -13,7 +13,7 @@ import itertools
 import re
 import warnings
 from enum import Enum
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -29,8 +29,18 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 DIGEST_PATTERN = re.compile(r"blake3:[0-9a-f]{64}")
 
-DTYPES = ("torch.float64", "torch.float32", "torch.float16", "torch.bfloat16", "torch.int64", "torch.int32",
-          "torch.int16", "torch.int8", "torch.uint8", "torch.bool")
+DTYPES = (
+    "torch.float64",
+    "torch.float32",
+    "torch.float16",
+    "torch.bfloat16",
+    "torch.int64",
+    "torch.int32",
+    "torch.int16",
+    "torch.int8",
+    "torch.uint8",
+    "torch.bool",
+)
 """Payload dtypes, spelled as torch prints them (the older format's spelling)."""
 
 
@@ -41,8 +51,10 @@ class SchemaWarning(UserWarning):
 def check_name(value: str, what: str) -> str:
     """Return `value` if it is a valid bundle id / payload name, else raise ValueError naming `what`."""
     if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value) or value in RESERVED_NAMES:
-        raise ValueError(f"invalid {what} {value!r}: must match [A-Za-z0-9][A-Za-z0-9._-]* "
-                         "and not be a reserved name (objects, blobs)")
+        raise ValueError(
+            f"invalid {what} {value!r}: must match [A-Za-z0-9][A-Za-z0-9._-]* "
+            "and not be a reserved name (objects, blobs)"
+        )
     if ".." in value:
         raise ValueError(f"invalid {what} {value!r}: '..' is not allowed")
     return value
@@ -92,7 +104,7 @@ class StageCapability(str, Enum):
     UNSUPPORTED = "unsupported"
 
     @classmethod
-    def _missing_(cls, value: object) -> "StageCapability | None":
+    def _missing_(cls, value: object) -> StageCapability | None:
         # the older tool wrote underscores in places; accept both spellings
         if isinstance(value, str):
             norm = value.strip().lower().replace("_", "-")
@@ -120,8 +132,8 @@ class ActorStepId(_Model):
 class WeightLineage(_Model):
     """Weight versions that generated (rollout) and consumed (actor) the samples."""
 
-    rollout_weight: Optional[int | str] = None
-    actor_weight: Optional[int | str] = None
+    rollout_weight: int | str | None = None
+    actor_weight: int | str | None = None
 
 
 class RankTopology(_Model):
@@ -134,10 +146,11 @@ class RankTopology(_Model):
 
 
 class Identity(_Model):
-    """Exactly one anchor (actor_step_id for a step-level bundle, rollout_id for a rollout-level one) plus provenance."""
+    """Exactly one anchor (actor_step_id for a step-level bundle, rollout_id for a rollout-level one) plus
+    provenance."""
 
-    actor_step_id: Optional[ActorStepId] = None
-    rollout_id: Optional[int] = None
+    actor_step_id: ActorStepId | None = None
+    rollout_id: int | None = None
     rollout_partition_ids: list[str] = Field(default_factory=list)
     consumer_batch_ids: list[str] = Field(default_factory=list)
     micro_batch_ids: list[str] = Field(default_factory=list)
@@ -147,7 +160,7 @@ class Identity(_Model):
     rank: RankTopology = Field(default_factory=RankTopology)
 
     @model_validator(mode="after")
-    def _one_anchor(self) -> "Identity":
+    def _one_anchor(self) -> Identity:
         if (self.actor_step_id is None) == (self.rollout_id is None):
             raise ValueError("identity must have exactly one of actor_step_id or rollout_id")
         return self
@@ -166,23 +179,23 @@ class SampleRecord(_Model):
     """Per-sample scalars (and optional text, redacted before storage)."""
 
     sample_id: str
-    group_index: Optional[int] = None
+    group_index: int | None = None
     response_length: int
     total_length: int
     loss_mask: list[int] = Field(default_factory=list)
     raw_reward: float
     reward: float
-    label_hash: Optional[str] = None
-    micro_batch_id: Optional[str] = None
-    policy_version: Optional[int] = None
+    label_hash: str | None = None
+    micro_batch_id: str | None = None
+    policy_version: int | None = None
     """The weights version that generated the sample (rollout.mismatch checks its staleness)."""
-    rollout_id: Optional[int] = None
+    rollout_id: int | None = None
     """In a step-level bundle: the rollout-level bundle (its rollout_id anchor) that produced the sample, which a
     chained replay checks the step's inputs against."""
-    prompt: Optional[str] = None
-    response: Optional[str] = None
-    label: Optional[str] = None
-    tool_output: Optional[str] = None
+    prompt: str | None = None
+    response: str | None = None
+    label: str | None = None
+    tool_output: str | None = None
 
 
 TEXT_FIELDS = ("prompt", "response", "label", "tool_output")
@@ -210,54 +223,54 @@ class RecomputeConfig(_Model):
     kl_in_reward: bool = False
     kl_loss_type: str = "k1"
     kl_coef: float = 0.0
-    kl_log_ratio_clamp: Optional[float] = None
-    kl_output_clamp: Optional[float] = None
+    kl_log_ratio_clamp: float | None = None
+    kl_output_clamp: float | None = None
     policy_loss: str = "ppo_clip"
     eps_clip: float = 0.2
     eps_clip_high: float = 0.2
-    eps_clip_c: Optional[float] = None
-    ratio_log_clamp: Optional[float] = None
+    eps_clip_c: float | None = None
+    ratio_log_clamp: float | None = None
     loss_agg_mode: str = "sum_of_sample_means"
-    loss_denominator: Optional[float] = None
-    loss_scale_factor: Optional[float] = None
+    loss_denominator: float | None = None
+    loss_scale_factor: float | None = None
     loss_scale: float = 1.0
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"
     cliprange_value: float = 0.2
-    actor_version: Optional[int] = None
+    actor_version: int | None = None
     """The weights version of the trainer consuming the samples (staleness = actor_version - policy_version)."""
-    max_staleness: Optional[int] = None
+    max_staleness: int | None = None
     rollout_is: str = "none"
     """Importance-sampling correction of the training-inference mismatch: none, token or sequence."""
     rollout_is_threshold: float = 2.0
     rollout_rs: str = "none"
     """Rejection sampling on the same ratio: none, token or sequence."""
-    rollout_rs_lower: Optional[float] = None
+    rollout_rs_lower: float | None = None
     """Lower bound on the ratio rejection keeps (None: 1 / the upper bound)."""
-    rollout_rs_upper: Optional[float] = None
+    rollout_rs_upper: float | None = None
     """Upper bound on the ratio rejection keeps (None: rollout_is_threshold)."""
-    mismatch_max_kl_k3: Optional[float] = None
-    mismatch_max_token_log_ratio: Optional[float] = None
+    mismatch_max_kl_k3: float | None = None
+    mismatch_max_token_log_ratio: float | None = None
     expect_on_policy: bool = False
     """The step's current log-probs must equal its old ones (the first mini-batch after they were computed)."""
 
-    _profile: Optional[str] = PrivateAttr(default=None)
+    _profile: str | None = PrivateAttr(default=None)
 
     @property
-    def profile(self) -> Optional[str]:
+    def profile(self) -> str | None:
         """The convention profile this config was built from (`from_profile`), if any; the writer records it."""
         return self._profile
 
     @classmethod
-    def from_profile(cls, profile: str, **overrides: Any) -> "RecomputeConfig":
+    def from_profile(cls, profile: str, **overrides: Any) -> RecomputeConfig:
         """The config a framework's defaults amount to (`bundle/profiles.py`), with `overrides` given by our field
         names or the framework's own option names; it remembers the profile (`profile`)."""
         config = cls.model_validate(profiles.profile(profile).fields(overrides, cls.model_fields))
         config._profile = profile
         return config
 
-    def with_conventions_of(self, profile: str) -> "RecomputeConfig":
+    def with_conventions_of(self, profile: str) -> RecomputeConfig:
         """This config with profile `profile`'s conventions (the `CONVENTION_FIELDS`, at the profile's values or the
         defaults) and the run's own hyperparameters kept."""
         defaults, settings = RecomputeConfig(), profiles.profile(profile).settings
@@ -270,18 +283,18 @@ class KernelRef(_Model):
 
     name: str
     package: str
-    version: Optional[str] = None
+    version: str | None = None
 
 
 class ConventionsRecord(_Model):
     """The convention profile a producer built its recompute config from, and the framework version it follows."""
 
     profile: str
-    framework: Optional[str] = None
-    framework_version: Optional[str] = None
+    framework: str | None = None
+    framework_version: str | None = None
 
     @classmethod
-    def of_profile(cls, profile: str) -> "ConventionsRecord":
+    def of_profile(cls, profile: str) -> ConventionsRecord:
         """What a manifest records of profile `profile`."""
         prof = profiles.profile(profile)
         return cls(profile=prof.name, framework=prof.framework, framework_version=prof.framework_version)
@@ -296,7 +309,7 @@ class StageContract(_Model):
     implementation: Literal["reuse", "reimplemented"] = "reimplemented"
     inputs: list[str] = Field(default_factory=list)
     expected_outputs: list[str] = Field(default_factory=list)
-    kernel: Optional[KernelRef] = None
+    kernel: KernelRef | None = None
     """The production kernel the stage must be replayed with (absent: replay's own implementation)."""
 
 
@@ -309,8 +322,8 @@ class PayloadSpec(_Model):
     dtype: str
     shape: list[int]
     size: int = Field(ge=0, description="Size in bytes of the encoded payload blob.")
-    digest: Optional[str] = Field(default=None, description="blake3 digest of the encoded payload blob.")
-    record: Optional[str] = Field(default=None, description="blake3 digest of the blob's record.")
+    digest: str | None = Field(default=None, description="blake3 digest of the encoded payload blob.")
+    record: str | None = Field(default=None, description="blake3 digest of the blob's record.")
     per_token: bool = Field(default=True, description="Flat concatenation of the samples' response tokens.")
 
     @field_validator("name")
@@ -327,7 +340,7 @@ class PayloadSpec(_Model):
 
     @field_validator("digest", "record")
     @classmethod
-    def _digest(cls, v: Optional[str]) -> Optional[str]:
+    def _digest(cls, v: str | None) -> str | None:
         if v is not None and not DIGEST_PATTERN.fullmatch(v):
             raise ValueError(f"invalid digest {v!r}: expected blake3:<64 lowercase hex>")
         return v
@@ -337,15 +350,15 @@ class ProducerInfo(_Model):
     """Which code produced the bundle."""
 
     commit: str = "unknown"
-    dirty_patch_digest: Optional[str] = None
-    torch_version: Optional[str] = None
+    dirty_patch_digest: str | None = None
+    torch_version: str | None = None
 
 
 class Tolerance(_Model):
     """Absolute and relative tolerance of one stage; a missing value takes the default."""
 
-    atol: Optional[float] = None
-    rtol: Optional[float] = None
+    atol: float | None = None
+    rtol: float | None = None
 
 
 class ComparisonPolicy(_Model):
@@ -365,7 +378,7 @@ class Manifest(_Model):
     payloads: dict[str, PayloadSpec] = Field(default_factory=dict)
     comparison_policy: ComparisonPolicy = Field(default_factory=ComparisonPolicy)
     redaction: dict[str, str] = Field(default_factory=dict)
-    conventions: Optional[ConventionsRecord] = None
+    conventions: ConventionsRecord | None = None
 
     @field_validator("bundle_id")
     @classmethod
@@ -397,10 +410,9 @@ class Manifest(_Model):
         for field, rule in v.items():
             if rule in ("hash", "drop"):
                 continue
-            if rule.startswith("truncate:") and rule[len("truncate:"):].isdigit():
+            if rule.startswith("truncate:") and rule[len("truncate:") :].isdigit():
                 continue
-            raise ValueError(f"invalid redaction rule {rule!r} for field {field!r}: "
-                             "expected hash, drop or truncate:N")
+            raise ValueError(f"invalid redaction rule {rule!r} for field {field!r}: expected hash, drop or truncate:N")
         return v
 
 
@@ -434,39 +446,39 @@ class RewardPostProcessExpected(_Model):
 class LossPolicyExpected(_Model):
     """The loss scalars production reported. Each may be missing (replay then fails that field)."""
 
-    loss: Optional[float] = None
-    pg_loss: Optional[float] = None
-    entropy_loss: Optional[float] = None
-    pg_clipfrac: Optional[float] = None
-    ppo_kl: Optional[float] = None
-    kl_loss: Optional[float] = None
+    loss: float | None = None
+    pg_loss: float | None = None
+    entropy_loss: float | None = None
+    pg_clipfrac: float | None = None
+    ppo_kl: float | None = None
+    kl_loss: float | None = None
 
 
 class RolloutMismatchExpected(_Model):
     """The training-inference mismatch metrics production reported; each is compared when present."""
 
-    kl_k1: Optional[float] = None
-    kl_k3: Optional[float] = None
-    log_ratio_max_abs: Optional[float] = None
-    seq_log_ratio_max_abs: Optional[float] = None
-    staleness_max: Optional[float] = None
+    kl_k1: float | None = None
+    kl_k3: float | None = None
+    log_ratio_max_abs: float | None = None
+    seq_log_ratio_max_abs: float | None = None
+    staleness_max: float | None = None
 
 
 class LossValueExpected(_Model):
     """The value-loss scalars production reported."""
 
-    vf_loss: Optional[float] = None
-    vf_clipfrac: Optional[float] = None
+    vf_loss: float | None = None
+    vf_clipfrac: float | None = None
 
 
 class Expected(_Model):
     """expected.json: the scalar outputs production reported (per-token ones are payloads)."""
 
-    rollout_mismatch: Optional[RolloutMismatchExpected] = Field(default=None, alias="rollout.mismatch")
-    reward_raw: Optional[RewardRawExpected] = Field(default=None, alias="reward.raw")
-    reward_post_process: Optional[RewardPostProcessExpected] = Field(default=None, alias="reward.post_process")
-    loss_policy: Optional[LossPolicyExpected] = Field(default=None, alias="loss.policy")
-    loss_value: Optional[LossValueExpected] = Field(default=None, alias="loss.value")
+    rollout_mismatch: RolloutMismatchExpected | None = Field(default=None, alias="rollout.mismatch")
+    reward_raw: RewardRawExpected | None = Field(default=None, alias="reward.raw")
+    reward_post_process: RewardPostProcessExpected | None = Field(default=None, alias="reward.post_process")
+    loss_policy: LossPolicyExpected | None = Field(default=None, alias="loss.policy")
+    loss_value: LossValueExpected | None = Field(default=None, alias="loss.value")
 
 
 def json_schemas() -> dict[str, Any]:
@@ -479,8 +491,32 @@ def json_schemas() -> dict[str, Any]:
 
 
 __all__ = [
-    "ActorStepId", "BundleIndex", "ComparisonPolicy", "ConventionsRecord", "DTYPES", "Expected", "FORMAT_VERSION", "Identity",
-    "KernelRef", "LossPolicyExpected", "LossValueExpected", "Manifest", "RolloutMismatchExpected", "PayloadSpec", "ProducerInfo", "RankTopology", "RecomputeConfig",
-    "SampleRecord", "SchemaWarning", "STAGE_ORDER", "StageCapability", "StageContract", "StageId",
-    "TEXT_FIELDS", "Tolerance", "WeightLineage", "check_name", "json_schemas",
+    "ActorStepId",
+    "BundleIndex",
+    "ComparisonPolicy",
+    "ConventionsRecord",
+    "DTYPES",
+    "Expected",
+    "FORMAT_VERSION",
+    "Identity",
+    "KernelRef",
+    "LossPolicyExpected",
+    "LossValueExpected",
+    "Manifest",
+    "RolloutMismatchExpected",
+    "PayloadSpec",
+    "ProducerInfo",
+    "RankTopology",
+    "RecomputeConfig",
+    "SampleRecord",
+    "SchemaWarning",
+    "STAGE_ORDER",
+    "StageCapability",
+    "StageContract",
+    "StageId",
+    "TEXT_FIELDS",
+    "Tolerance",
+    "WeightLineage",
+    "check_name",
+    "json_schemas",
 ]

@@ -17,13 +17,15 @@ resolves (`replay.flags`) and hands in. The table never looks a kernel up itself
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Mapping
+from typing import Literal
 
 from trajectory_replay.bundle.schema import RecomputeConfig, StageId
 
 LOSS_MASK = "loss_mask"
 """The payload of every sample's loss mask (the writers make it from the records)."""
+
 
 @dataclass(frozen=True)
 class EstimatorFlags:
@@ -79,8 +81,10 @@ KL_USED = When(lambda s: s.config.kl_coef != 0, lambda s: f"kl_coef={s.config.kl
 KL_IN_REWARD = When(kl_in_reward, lambda s: f"kl_in_reward with advantage_estimator={s.config.advantage_estimator}")
 NEEDS_VALUES = When(lambda s: s.estimator.needs_values, lambda s: f"advantage_estimator={s.config.advantage_estimator}")
 KL_LOSS = When(lambda s: s.config.kl_loss_coef != 0, lambda s: f"kl_loss_coef={s.config.kl_loss_coef}")
-CORRECTED = When(lambda s: rollout_correction(s.config),
-                 lambda s: f"rollout_is={s.config.rollout_is!r}, rollout_rs={s.config.rollout_rs!r}")
+CORRECTED = When(
+    lambda s: rollout_correction(s.config),
+    lambda s: f"rollout_is={s.config.rollout_is!r}, rollout_rs={s.config.rollout_rs!r}",
+)
 
 
 @dataclass(frozen=True)
@@ -160,8 +164,9 @@ class StageIO:
             return ()
         return tuple((stage.value, name) for name in self.outputs_for(setting) if name not in self.optional)
 
-    def planned_payloads(self, setting: Setting, contracted: frozenset[StageId] | set[StageId],
-                         stage: StageId) -> tuple[tuple[str, str], ...]:
+    def planned_payloads(
+        self, setting: Setting, contracted: frozenset[StageId] | set[StageId], stage: StageId
+    ) -> tuple[tuple[str, str], ...]:
         """(payload, what needs it) for each of `planned` the stage needs under `setting`, given the stages the
         bundle contracts: a payload that an upstream stage produces is needed only when that stage is not there."""
         from_stage = {name: s for s, name in self.upstream}
@@ -188,43 +193,67 @@ STAGE_IO: dict[StageId, StageIO] = {
     StageId.SAMPLE: StageIO(payloads=(LOSS_MASK,), fields=("sample_id", "response_length", "total_length")),
     # the inference engine's log-probs against the trainer's old ones, and each sample's weights version; the
     # importance weights are compared when the bundle holds production's (`rollout_is_weights`)
-    StageId.ROLLOUT_MISMATCH: StageIO(payloads=("rollout_log_probs", "old_log_probs", "loss_mask",
-                                                "rollout_is_weights"),
-                                      fields=("policy_version",), outputs=MISMATCH_FIELDS,
-                                      optional=("rollout_log_probs", "old_log_probs", "rollout_is_weights")
-                                      + MISMATCH_FIELDS),
-    StageId.REWARD_RAW: StageIO(fields=("raw_reward",), outputs=("raw_rewards",), per="sample",
-                                in_records={"raw_rewards": "raw_reward"}),
-    StageId.REWARD_POST_PROCESS: StageIO(fields=("group_index",), upstream=((StageId.REWARD_RAW, "raw_rewards"),),
-                                         outputs=("rewards",), per="sample", in_records={"rewards": "reward"}),
-    StageId.ADVANTAGE_KL: StageIO(payloads=("old_log_probs", "ref_log_probs"), outputs=("kl",), per="token",
-                                  only_when={"old_log_probs": KL_USED, "ref_log_probs": KL_USED}),
+    StageId.ROLLOUT_MISMATCH: StageIO(
+        payloads=("rollout_log_probs", "old_log_probs", "loss_mask", "rollout_is_weights"),
+        fields=("policy_version",),
+        outputs=MISMATCH_FIELDS,
+        optional=("rollout_log_probs", "old_log_probs", "rollout_is_weights") + MISMATCH_FIELDS,
+    ),
+    StageId.REWARD_RAW: StageIO(
+        fields=("raw_reward",), outputs=("raw_rewards",), per="sample", in_records={"raw_rewards": "raw_reward"}
+    ),
+    StageId.REWARD_POST_PROCESS: StageIO(
+        fields=("group_index",),
+        upstream=((StageId.REWARD_RAW, "raw_rewards"),),
+        outputs=("rewards",),
+        per="sample",
+        in_records={"rewards": "reward"},
+    ),
+    StageId.ADVANTAGE_KL: StageIO(
+        payloads=("old_log_probs", "ref_log_probs"),
+        outputs=("kl",),
+        per="token",
+        only_when={"old_log_probs": KL_USED, "ref_log_probs": KL_USED},
+    ),
     # the reward-side KL comes from advantage.kl when it is contracted, else from the recorded `kl` payload
-    StageId.ADVANTAGE_ESTIMATE: StageIO(payloads=("loss_mask", "values", "kl"),
-                                        upstream=((StageId.REWARD_POST_PROCESS, "rewards"),
-                                                  (StageId.ADVANTAGE_KL, "kl")),
-                                        outputs=("advantages", "returns"), per="token",
-                                        only_when={"values": NEEDS_VALUES, "returns": NEEDS_VALUES,
-                                                   "kl": KL_IN_REWARD},
-                                        planned=("values",)),
+    StageId.ADVANTAGE_ESTIMATE: StageIO(
+        payloads=("loss_mask", "values", "kl"),
+        upstream=((StageId.REWARD_POST_PROCESS, "rewards"), (StageId.ADVANTAGE_KL, "kl")),
+        outputs=("advantages", "returns"),
+        per="token",
+        only_when={"values": NEEDS_VALUES, "returns": NEEDS_VALUES, "kl": KL_IN_REWARD},
+        planned=("values",),
+    ),
     # `advantages` is both: the recomputed ones when advantage.estimate is contracted, else the payload
-    StageId.LOSS_POLICY: StageIO(payloads=("old_log_probs", "log_probs", "entropy", "advantages", "loss_mask",
-                                           "ref_log_probs", "rollout_log_probs"),
-                                 upstream=((StageId.ADVANTAGE_ESTIMATE, "advantages"),),
-                                 outputs=LOSS_FIELDS + ("kl_loss",),
-                                 only_when={"ref_log_probs": KL_LOSS, "kl_loss": KL_LOSS,
-                                            "rollout_log_probs": CORRECTED},
-                                 planned=("rollout_log_probs", "ref_log_probs")),
+    StageId.LOSS_POLICY: StageIO(
+        payloads=(
+            "old_log_probs",
+            "log_probs",
+            "entropy",
+            "advantages",
+            "loss_mask",
+            "ref_log_probs",
+            "rollout_log_probs",
+        ),
+        upstream=((StageId.ADVANTAGE_ESTIMATE, "advantages"),),
+        outputs=LOSS_FIELDS + ("kl_loss",),
+        only_when={"ref_log_probs": KL_LOSS, "kl_loss": KL_LOSS, "rollout_log_probs": CORRECTED},
+        planned=("rollout_log_probs", "ref_log_probs"),
+    ),
     # `returns` likewise: recomputed by an advantage.estimate whose estimator reads values when contracted, else
     # the payload
-    StageId.LOSS_VALUE: StageIO(payloads=("values", "vpreds", "returns", "loss_mask"),
-                                upstream=((StageId.ADVANTAGE_ESTIMATE, "returns"),), outputs=VALUE_LOSS_FIELDS,
-                                planned=("values", "vpreds", "returns")),
+    StageId.LOSS_VALUE: StageIO(
+        payloads=("values", "vpreds", "returns", "loss_mask"),
+        upstream=((StageId.ADVANTAGE_ESTIMATE, "returns"),),
+        outputs=VALUE_LOSS_FIELDS,
+        planned=("values", "vpreds", "returns"),
+    ),
 }
 """Every stage's inputs and outputs, in stage order."""
 
-RECORDED_PAYLOADS = frozenset(name for io in STAGE_IO.values() if io.recorded_as == "payload"
-                              for name in io.outputs if name not in io.only_when)
+RECORDED_PAYLOADS = frozenset(
+    name for io in STAGE_IO.values() if io.recorded_as == "payload" for name in io.outputs if name not in io.only_when
+)
 """The payloads that hold production's values of a stage output under every setting (`kl`, `advantages`): a
 writer marks them `expected` whatever the contracts list."""
 
@@ -234,6 +263,19 @@ def payloads_of(stages: tuple[StageId, ...] | list[StageId]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(name for stage in stages for name in STAGE_IO[stage].payloads_read))
 
 
-__all__ = ["BUILTIN_ESTIMATOR_FLAGS", "EstimatorFlags", "kl_in_reward", "LOSS_FIELDS", "LOSS_MASK", "MISMATCH_FIELDS",
-           "payloads_of", "RECORDED_PAYLOADS", "rollout_correction", "Setting", "STAGE_IO", "StageIO",
-           "VALUE_LOSS_FIELDS", "When"]
+__all__ = [
+    "BUILTIN_ESTIMATOR_FLAGS",
+    "EstimatorFlags",
+    "kl_in_reward",
+    "LOSS_FIELDS",
+    "LOSS_MASK",
+    "MISMATCH_FIELDS",
+    "payloads_of",
+    "RECORDED_PAYLOADS",
+    "rollout_correction",
+    "Setting",
+    "STAGE_IO",
+    "StageIO",
+    "VALUE_LOSS_FIELDS",
+    "When",
+]

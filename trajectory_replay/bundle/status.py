@@ -20,27 +20,43 @@ in, so a directory holding only a claim (its rank markers removed) has no state 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Iterable, Optional
 
 from trajectory_replay.backends import Backend, redact_url
 from trajectory_replay.bundle.anchor import Anchor
-from trajectory_replay.bundle.paths import is_v1_bundle
 from trajectory_replay.bundle.markers import (
-    COMPLETE, FINALIZER, RANK_MARKER, CompleteMarker, Documents, RankMarker, anchor_problem, check_agreement,
+    COMPLETE,
+    FINALIZER,
+    RANK_MARKER,
+    CompleteMarker,
+    Documents,
+    RankMarker,
+    anchor_problem,
+    check_agreement,
     complete_key,
-    finalizer_key, rank_key, rank_marker_problems, ranks_brief, read_marker, try_finalize,
+    finalizer_key,
+    rank_key,
+    rank_marker_problems,
+    ranks_brief,
+    read_marker,
+    try_finalize,
 )
+from trajectory_replay.bundle.paths import is_v1_bundle
 from trajectory_replay.errors import (
-    BackendError, BundleError, NoSuchTargetError, NotFoundError, StorageUnavailableError, TrajectoryReplayError,
+    BackendError,
+    BundleError,
+    NoSuchTargetError,
+    NotFoundError,
+    StorageUnavailableError,
+    TrajectoryReplayError,
     UsageError,
 )
 from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.inventory import concurrently
 from trajectory_replay.store.layout import is_bundle_dir
 from trajectory_replay.store.liveness import read_inflight
-
 
 
 class BundleStatus(str, Enum):
@@ -70,21 +86,21 @@ class BundleState:
     name: str
     status: BundleStatus
     """complete | incomplete (ranks missing) | finalizable (all ranks landed, COMPLETE missing) | corrupt"""
-    complete: Optional[CompleteMarker] = None
+    complete: CompleteMarker | None = None
     rank_markers: dict[int, RankMarker] = field(default_factory=dict)
     expected_ranks: list[int] = field(default_factory=list)
     """Sorted; empty when a marker could not be read."""
     missing_ranks: list[int] = field(default_factory=list)
     marker_keys: list[str] = field(default_factory=list)
-    finalizer_key: Optional[str] = None
+    finalizer_key: str | None = None
     """The FINALIZER claim's key when the directory holds one (never among `marker_keys`: it is copied by no
     one and names no document; gc removes it with an abandoned cohort's markers)."""
-    mtime: Optional[float] = None
+    mtime: float | None = None
     """Modification time of COMPLETE, else of the newest rank marker or FINALIZER claim."""
     detail: str = ""
 
     @property
-    def anchor(self) -> Optional[Anchor]:
+    def anchor(self) -> Anchor | None:
         """The anchor its markers record (None when none could be read)."""
         if self.complete is not None:
             return self.complete.anchor
@@ -106,7 +122,7 @@ class BundleState:
         cannot be finalized."""
         return self.status == CORRUPT and not self.expected_ranks
 
-    def documents(self) -> list[tuple[Optional[int], Documents]]:
+    def documents(self) -> list[tuple[int | None, Documents]]:
         """(rank, documents) of every shard the markers pin: COMPLETE's shards, else the landed ranks'."""
         if self.complete is not None:
             if not self.complete.multi_rank:
@@ -125,14 +141,18 @@ def bundle_names(backend: Backend) -> list[str]:
     return [n for n in names if not is_v1_bundle(os.path.join(root, n))]
 
 
-def bundle_status(backend: Backend, name: str, *, retry: bool = True) -> Optional[BundleState]:
+def bundle_status(backend: Backend, name: str, *, retry: bool = True) -> BundleState | None:
     """The state of bundle `name` from its markers; None when its directory holds no marker."""
     names = backend.list_dir(name)
     marker_names = [n for n in names if n == COMPLETE or RANK_MARKER.fullmatch(n)]
     if not marker_names:
         return None
-    state = BundleState(name, INCOMPLETE, marker_keys=[f"{name}/{n}" for n in sorted(marker_names)],
-                        finalizer_key=finalizer_key(name) if FINALIZER in names else None)
+    state = BundleState(
+        name,
+        INCOMPLETE,
+        marker_keys=[f"{name}/{n}" for n in sorted(marker_names)],
+        finalizer_key=finalizer_key(name) if FINALIZER in names else None,
+    )
     try:
         mtimes = [backend.mtime(k) for k in state.marker_keys]
         if COMPLETE in marker_names:
@@ -181,7 +201,7 @@ def bundle_status(backend: Backend, name: str, *, retry: bool = True) -> Optiona
     return state
 
 
-def scan_bundles(backend: Backend, names: Optional[Iterable[str]] = None) -> list[BundleState]:
+def scan_bundles(backend: Backend, names: Iterable[str] | None = None) -> list[BundleState]:
     """Every bundle of the root (or of `names`), markers read concurrently, sorted by name."""
     names = bundle_names(backend) if names is None else list(names)
     states = concurrently(lambda n: bundle_status(backend, n), names, backend.max_workers)
@@ -207,7 +227,8 @@ def finalize(backend: Backend, state: BundleState, *, raising: bool = False) -> 
     `markers.try_finalize`'s BundleError naming the bad marker where every rank landed but the markers cannot be
     finalized (a corrupt state is then tried too, for that error)."""
     landed = state.status == FINALIZABLE or (
-        raising and state.status == CORRUPT and bool(state.expected_ranks) and not state.missing_ranks)
+        raising and state.status == CORRUPT and bool(state.expected_ranks) and not state.missing_ranks
+    )
     if not landed:
         return state
     try:
@@ -236,28 +257,44 @@ def finalize_landed(backend: Backend, states: list[BundleState]) -> tuple[list[B
     return after, [s.name for s in after if s.name in landed and s.status == COMPLETE_STATUS]
 
 
-def describe_missing(backend: Backend, name: str, state: Optional[BundleState]) -> str:
+def describe_missing(backend: Backend, name: str, state: BundleState | None) -> str:
     """Why bundle `name` (whose state is `state`) has no final COMPLETE: which ranks landed and which are missing,
     or that a writer has not committed. NoSuchTargetError when the directory is no bundle at all; BundleError when
     a marker cannot be read."""
     if state is None:
         pending = [r for r in read_inflight(backend) if r.bundle == name]
         if pending:
-            return (f"incomplete bundle: COMPLETE is missing (documents written by {len(pending)} writer "
-                    "attempt(s) that did not commit: in progress, or crashed)")
+            return (
+                f"incomplete bundle: COMPLETE is missing (documents written by {len(pending)} writer "
+                "attempt(s) that did not commit: in progress, or crashed)"
+            )
         if backend.list(f"{name}/"):
             # a bundle directory holds only its markers, and a writer records its attempt before writing
-            raise NoSuchTargetError(f"{redact_url(backend.url)}/{name}: not a bundle (no COMPLETE, no rank marker, "
-                                    "no writer in progress)")
+            raise NoSuchTargetError(
+                f"{redact_url(backend.url)}/{name}: not a bundle (no COMPLETE, no rank marker, no writer in progress)"
+            )
         raise NoSuchTargetError(f"{redact_url(backend.url)}/{name}: no such bundle")
     if state.markers_unreadable:
         raise BundleError(state.detail)
-    return (f"incomplete bundle: ranks {ranks_brief(state.landed_ranks)} landed, missing ranks "
-            f"{ranks_brief(state.missing_ranks)} of {ranks_brief(state.expected_ranks)}")
+    return (
+        f"incomplete bundle: ranks {ranks_brief(state.landed_ranks)} landed, missing ranks "
+        f"{ranks_brief(state.missing_ranks)} of {ranks_brief(state.expected_ranks)}"
+    )
 
 
 __all__ = [
-    "BundleState", "BundleStatus", "COMPLETE_STATUS", "CORRUPT", "FINALIZABLE", "INCOMPLETE", "UNSUPPORTED",
-    "anchor_problems", "bundle_names", "bundle_status", "describe_missing", "finalize", "finalize_landed",
+    "BundleState",
+    "BundleStatus",
+    "COMPLETE_STATUS",
+    "CORRUPT",
+    "FINALIZABLE",
+    "INCOMPLETE",
+    "UNSUPPORTED",
+    "anchor_problems",
+    "bundle_names",
+    "bundle_status",
+    "describe_missing",
+    "finalize",
+    "finalize_landed",
     "scan_bundles",
 ]

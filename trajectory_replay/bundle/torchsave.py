@@ -30,7 +30,8 @@ import math
 import pickle
 import struct
 import zlib
-from typing import TYPE_CHECKING, NamedTuple, Sequence, Union
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from trajectory_replay.bundle import codec
 from trajectory_replay.errors import BundleError
@@ -38,7 +39,7 @@ from trajectory_replay.errors import BundleError
 if TYPE_CHECKING:
     import torch
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 ARCHIVE = "archive"
 """The entries' folder; torch names it after the file when saving to a path and `archive` for a stream,
@@ -46,9 +47,15 @@ and its reader takes whatever the first entry uses."""
 ALIGNMENT = 64
 
 _STORAGE_CLASSES = {
-    "torch.float64": "DoubleStorage", "torch.float32": "FloatStorage", "torch.float16": "HalfStorage",
-    "torch.bfloat16": "BFloat16Storage", "torch.int64": "LongStorage", "torch.int32": "IntStorage",
-    "torch.int16": "ShortStorage", "torch.int8": "CharStorage", "torch.uint8": "ByteStorage",
+    "torch.float64": "DoubleStorage",
+    "torch.float32": "FloatStorage",
+    "torch.float16": "HalfStorage",
+    "torch.bfloat16": "BFloat16Storage",
+    "torch.int64": "LongStorage",
+    "torch.int32": "IntStorage",
+    "torch.int16": "ShortStorage",
+    "torch.int8": "CharStorage",
+    "torch.uint8": "ByteStorage",
     "torch.bool": "BoolStorage",
 }
 """Manifest dtype -> the typed-storage class torch names in the pickle (torch maps it back to the dtype)."""
@@ -62,7 +69,7 @@ class RawTensor(NamedTuple):
     shape: tuple[int, ...]
 
 
-def raw_tensor(tensor: "torch.Tensor") -> RawTensor:
+def raw_tensor(tensor: torch.Tensor) -> RawTensor:
     """The bytes, dtype and shape of a contiguous CPU copy of `tensor` (its storage may be larger: a view)."""
     import torch
 
@@ -88,14 +95,21 @@ def encode_pt(data: Buffer, dtype: str, shape: Sequence[int]) -> bytes:
     pickled = _pickle(_STORAGE_CLASSES[name], count, dims)
     # from the content only: equal payloads must give byte-identical files (their SHA-256 is in the manifest)
     serial = f"{zlib.crc32(pickled):020d}{zlib.crc32(data):020d}"
-    return _stored_zip([
-        ("data.pkl", pickled), (".format_version", b"1"), (".storage_alignment", str(ALIGNMENT).encode()),
-        ("byteorder", b"little"), ("data/0", data), ("version", b"3\n"),
-        (".data/serialization_id", serial.encode()),
-    ])
+    return _stored_zip(
+        [
+            ("data.pkl", pickled),
+            (".format_version", b"1"),
+            (".storage_alignment", str(ALIGNMENT).encode()),
+            ("byteorder", b"little"),
+            ("data/0", data),
+            ("version", b"3\n"),
+            (".data/serialization_id", serial.encode()),
+        ]
+    )
 
 
 # ---- the pickle ---------------------------------------------------------------------------------
+
 
 def _global(module: str, name: str) -> bytes:
     return pickle.GLOBAL + f"{module}\n{name}\n".encode()
@@ -129,24 +143,27 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _pickle(storage_class: str, count: int, shape: tuple[int, ...]) -> bytes:
     storage = _tuple([_text("storage"), _global("torch", storage_class), _text("0"), _text("cpu"), _int(count)])
-    args = _tuple([
-        storage + pickle.BINPERSID,
-        _int(0),
-        _tuple([_int(d) for d in shape]),
-        _tuple([_int(s) for s in _contiguous_strides(shape)]),
-        pickle.NEWFALSE,
-        _global("collections", "OrderedDict") + pickle.EMPTY_TUPLE + pickle.REDUCE,
-    ])
-    return (pickle.PROTO + bytes([2]) + _global("torch._utils", "_rebuild_tensor_v2") + args + pickle.REDUCE
-            + pickle.STOP)
+    args = _tuple(
+        [
+            storage + pickle.BINPERSID,
+            _int(0),
+            _tuple([_int(d) for d in shape]),
+            _tuple([_int(s) for s in _contiguous_strides(shape)]),
+            pickle.NEWFALSE,
+            _global("collections", "OrderedDict") + pickle.EMPTY_TUPLE + pickle.REDUCE,
+        ]
+    )
+    return (
+        pickle.PROTO + bytes([2]) + _global("torch._utils", "_rebuild_tensor_v2") + args + pickle.REDUCE + pickle.STOP
+    )
 
 
 # ---- the zip ------------------------------------------------------------------------------------
 
 _ZIP64_VERSION = 45
-_DOS_DATE = (1 << 5) | 1   # 1980-01-01: the earliest date a zip can state
+_DOS_DATE = (1 << 5) | 1  # 1980-01-01: the earliest date a zip can state
 _UNSET32 = 0xFFFFFFFF
-_PAD_FIELD = b"FB"         # an extra field no reader interprets; torch pads with the same id
+_PAD_FIELD = b"FB"  # an extra field no reader interprets; torch pads with the same id
 
 
 def _stored_zip(entries: list[tuple[str, Buffer]]) -> bytes:
@@ -161,19 +178,53 @@ def _stored_zip(entries: list[tuple[str, Buffer]]) -> bytes:
         unpadded = offset + 30 + len(name) + len(zip64) + 4
         pad = _PAD_FIELD + struct.pack("<H", -unpadded % ALIGNMENT) + b"Z" * (-unpadded % ALIGNMENT)
         extra = zip64 + pad
-        local = struct.pack("<IHHHHHIIIHH", 0x04034B50, _ZIP64_VERSION, 0, 0, 0, _DOS_DATE, crc, _UNSET32,
-                            _UNSET32, len(name), len(extra))
+        local = struct.pack(
+            "<IHHHHHIIIHH",
+            0x04034B50,
+            _ZIP64_VERSION,
+            0,
+            0,
+            0,
+            _DOS_DATE,
+            crc,
+            _UNSET32,
+            _UNSET32,
+            len(name),
+            len(extra),
+        )
         parts += [local, name, extra, data]
         central_extra = struct.pack("<HHQQQ", 1, 24, len(data), len(data), offset)
-        central.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, _ZIP64_VERSION, _ZIP64_VERSION, 0, 0, 0,
-                                   _DOS_DATE, crc, _UNSET32, _UNSET32, len(name), len(central_extra), 0, 0, 0, 0,
-                                   _UNSET32) + name + central_extra)
+        central.append(
+            struct.pack(
+                "<IHHHHHHIIIHHHHHII",
+                0x02014B50,
+                _ZIP64_VERSION,
+                _ZIP64_VERSION,
+                0,
+                0,
+                0,
+                _DOS_DATE,
+                crc,
+                _UNSET32,
+                _UNSET32,
+                len(name),
+                len(central_extra),
+                0,
+                0,
+                0,
+                0,
+                _UNSET32,
+            )
+            + name
+            + central_extra
+        )
         offset += len(local) + len(name) + len(extra) + len(data)
     directory = b"".join(central)
     count, end64 = len(entries), offset + len(directory)
     tail = (
-        struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, _ZIP64_VERSION, _ZIP64_VERSION, 0, 0, count, count,
-                    len(directory), offset)
+        struct.pack(
+            "<IQHHIIQQQQ", 0x06064B50, 44, _ZIP64_VERSION, _ZIP64_VERSION, 0, 0, count, count, len(directory), offset
+        )
         + struct.pack("<IIQI", 0x07064B50, 0, end64, 1)
         + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, len(directory), min(offset, _UNSET32), 0)
     )

@@ -9,7 +9,8 @@ record (`store.liveness.InflightRecord`), which gc treats as a root until the wr
 after commit or it passes its TTL.
 
 Only structure is checked here (names, tensor-ness, sizes against dtype and shape); NaNs,
-wrong-length lists and unsupported algorithms are written as given: a bundle that reproduces a broken step must be writable.
+wrong-length lists and unsupported algorithms are written as given: a bundle that reproduces a broken step must be
+writable.
 """
 
 from __future__ import annotations
@@ -19,23 +20,45 @@ import os
 import time
 import uuid
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any
 
 from trajectory_replay.backends import redact_url
 from trajectory_replay.bundle import codec
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.documents import (
-    MAX_JSON_DEPTH, compact_json, nesting_exceeds, validate_document,
+    MAX_JSON_DEPTH,
+    compact_json,
+    nesting_exceeds,
+    validate_document,
 )
 from trajectory_replay.bundle.markers import (
-    CompleteMarker, DocRef, Documents, RankMarker, abandoned_key, check_rank_list, complete_key, rank_key,
-    abandoned_note, read_abandoned, read_complete, read_marker, try_finalize,
+    CompleteMarker,
+    DocRef,
+    Documents,
+    RankMarker,
+    abandoned_key,
+    abandoned_note,
+    check_rank_list,
+    complete_key,
+    rank_key,
+    read_abandoned,
+    read_complete,
+    read_marker,
+    try_finalize,
 )
 from trajectory_replay.bundle.paths import split_bundle_path
 from trajectory_replay.bundle.redaction import check_policy, redact_samples
 from trajectory_replay.bundle.schema import (
-    BundleIndex, ConventionsRecord, Expected, Manifest, PayloadSpec, SampleRecord, SchemaWarning, check_name,
+    BundleIndex,
+    ConventionsRecord,
+    Expected,
+    Manifest,
+    PayloadSpec,
+    SampleRecord,
+    SchemaWarning,
+    check_name,
 )
 from trajectory_replay.bundle.stage_io import LOSS_MASK, RECORDED_PAYLOADS
 from trajectory_replay.errors import BundleError, StorageUnavailableError, TrajectoryReplayError
@@ -43,15 +66,17 @@ from trajectory_replay.outcome import one_line
 from trajectory_replay.store import BlobRef, ObjectStore, PutPlan
 from trajectory_replay.store.liveness import DEFAULT_INFLIGHT_TTL, GcWatch, InflightRecord
 
-if TYPE_CHECKING:   # the reader imports this module; commands that only read must not pay for torch
+if TYPE_CHECKING:  # the reader imports this module; commands that only read must not pay for torch
     import torch
 
 log = logging.getLogger(__name__)
 
 
-
-def _documents(name: str, manifest: Manifest | Mapping[str, Any], index: BundleIndex | Mapping[str, Any],
-               ) -> tuple[Manifest, BundleIndex]:
+def _documents(
+    name: str,
+    manifest: Manifest | Mapping[str, Any],
+    index: BundleIndex | Mapping[str, Any],
+) -> tuple[Manifest, BundleIndex]:
     """The manifest and index of bundle `name`, validated and agreeing on the bundle id; a manifest of a config built
     from a convention profile records which."""
     manifest = manifest if isinstance(manifest, Manifest) else validate_document(Manifest, manifest, "manifest")
@@ -63,8 +88,9 @@ def _documents(name: str, manifest: Manifest | Mapping[str, Any], index: BundleI
     check_or_raise(manifest.bundle_id, "bundle_id")
     check_policy(manifest.redaction, name)
     if manifest.bundle_id != index.bundle_id:
-        raise BundleError(f"{name}: bundle_id differs between manifest ({manifest.bundle_id!r}) "
-                          f"and index ({index.bundle_id!r})")
+        raise BundleError(
+            f"{name}: bundle_id differs between manifest ({manifest.bundle_id!r}) and index ({index.bundle_id!r})"
+        )
     return manifest, index
 
 
@@ -88,7 +114,7 @@ def _expected_document(name: str, expected: Mapping[str, Any]) -> tuple[dict[str
     return document, encoded
 
 
-def _expected_ranks(name: str, rank: Optional[int], expected_ranks: Optional[Sequence[int]]) -> Optional[list[int]]:
+def _expected_ranks(name: str, rank: int | None, expected_ranks: Sequence[int] | None) -> list[int] | None:
     """The sorted ranks of a multi-producer bundle, which include `rank`; None for a bundle of one producer."""
     if rank is None:
         if expected_ranks is not None:
@@ -108,12 +134,21 @@ class BundleWriter:
     `run_id` (several producers): the launch of the job that writes this rank, the same for every rank of it; rank
     markers of different runs never complete one bundle together (a capture restarted into the same directory)."""
 
-    def __init__(self, path_or_url: str | os.PathLike[str], manifest: Manifest | Mapping[str, Any],
-                 index: BundleIndex | Mapping[str, Any],
-                 expected: Mapping[str, Any], *, rank: Optional[int] = None,
-                 expected_ranks: Optional[Sequence[int]] = None, store: Optional[ObjectStore] = None,
-                 unsafe_markers: bool = False, inflight_ttl: float = DEFAULT_INFLIGHT_TTL,
-                 run_id: Optional[str] = None, **storage_options: Any) -> None:
+    def __init__(
+        self,
+        path_or_url: str | os.PathLike[str],
+        manifest: Manifest | Mapping[str, Any],
+        index: BundleIndex | Mapping[str, Any],
+        expected: Mapping[str, Any],
+        *,
+        rank: int | None = None,
+        expected_ranks: Sequence[int] | None = None,
+        store: ObjectStore | None = None,
+        unsafe_markers: bool = False,
+        inflight_ttl: float = DEFAULT_INFLIGHT_TTL,
+        run_id: str | None = None,
+        **storage_options: Any,
+    ) -> None:
         root, name, addressed_rank = split_bundle_path(os.fspath(path_or_url))
         if addressed_rank is not None:
             raise BundleError(f"{path_or_url}: write to the bundle path and pass rank={addressed_rank} instead")
@@ -154,13 +189,15 @@ class BundleWriter:
         self.payloads.update(specs)
         return specs
 
-    def _encode_payloads(self, tensors: Mapping[str, torch.Tensor]) -> list["_Encoded"]:
+    def _encode_payloads(self, tensors: Mapping[str, torch.Tensor]) -> list[_Encoded]:
         encoded: list[_Encoded] = []
         for name, tensor in tensors.items():
             check_or_raise(name, "payload name")
             if name == LOSS_MASK:
-                raise BundleError(f"{self.url}: payload name 'loss_mask' is reserved: loss masks are written from "
-                                  "SampleRecord.loss_mask")
+                raise BundleError(
+                    f"{self.url}: payload name 'loss_mask' is reserved: loss masks are written from "
+                    "SampleRecord.loss_mask"
+                )
             if name in self.payloads or any(e.name == name for e in encoded):
                 raise BundleError(f"{self.url}: payload {name!r} was already written")
             encoded.append(self._encode(name, codec.check_storable(name, tensor), role=self._role(name)))
@@ -170,7 +207,7 @@ class BundleWriter:
         expected = {o for c in self.manifest.stage_contracts.values() for o in c.expected_outputs}
         return "expected" if name in expected or name in RECORDED_PAYLOADS else "input"
 
-    def _encode(self, name: str, tensor: torch.Tensor | codec.RawTensor, role: str) -> "_Encoded":
+    def _encode(self, name: str, tensor: torch.Tensor | codec.RawTensor, role: str) -> _Encoded:
         blob, data_start = codec.encode(tensor)
         per_token = tensor.dim() == 1
         cuts = boundaries = None
@@ -183,12 +220,22 @@ class BundleWriter:
             # chunking, which finds the same cuts inside them in both blobs (forcing their edges would only
             # cut differently from a blob that does not know the micro-batches).
             small = range(ALIGNED_RUN_BYTES, self.store.chunking.min_size)
-            boundaries = sorted({data_start + t * itemsize for a, b in self._batch_rows
-                                 if (b - a) * itemsize in small for t in (a, b)}) or None
-        return _Encoded(name, role, blob, cuts, boundaries, codec.dtype_name(tensor.dtype), list(tensor.shape),
-                        per_token)
+            boundaries = (
+                sorted(
+                    {
+                        data_start + t * itemsize
+                        for a, b in self._batch_rows
+                        if (b - a) * itemsize in small
+                        for t in (a, b)
+                    }
+                )
+                or None
+            )
+        return _Encoded(
+            name, role, blob, cuts, boundaries, codec.dtype_name(tensor.dtype), list(tensor.shape), per_token
+        )
 
-    def _put_encoded(self, encoded: Sequence["_Encoded"]) -> dict[str, PayloadSpec]:
+    def _put_encoded(self, encoded: Sequence[_Encoded]) -> dict[str, PayloadSpec]:
         refs = self._put_many([(e.blob, e.cuts, e.boundaries) for e in encoded])
         return {e.name: e.spec(ref) for e, ref in zip(encoded, refs)}
 
@@ -208,8 +255,9 @@ class BundleWriter:
         return refs
 
     # ---- commit --------------------------------------------------------------------------------
-    def finalize(self, ranks: Optional[Sequence[int]] = None, *,
-                 payloads: Optional[Mapping[str, torch.Tensor]] = None) -> Optional[CompleteMarker]:
+    def finalize(
+        self, ranks: Sequence[int] | None = None, *, payloads: Mapping[str, torch.Tensor] | None = None
+    ) -> CompleteMarker | None:
         """Write the documents, then the markers (COMPLETE, or COMPLETE.<r> then try the final COMPLETE).
 
         `payloads` (name -> tensor) not written yet are written here, in one batch with the documents: one
@@ -229,30 +277,35 @@ class BundleWriter:
         backend.require_atomic_create(unsafe=self.unsafe_markers)
         if self.rank is None:
             ranks = ranks if ranks is not None else [0]
-            marker = CompleteMarker(bundle_id=self.manifest.bundle_id, anchor=Anchor.of(self.index.identity),
-                                    expected_ranks=sorted(ranks), multi_rank=False, shards={str(ranks[0]): documents},
-                                    attempt=self.attempt)
+            marker = CompleteMarker(
+                bundle_id=self.manifest.bundle_id,
+                anchor=Anchor.of(self.index.identity),
+                expected_ranks=sorted(ranks),
+                multi_rank=False,
+                shards={str(ranks[0]): documents},
+                attempt=self.attempt,
+            )
             if not backend.create_if_absent(complete_key(self.name), compact_json(marker.model_dump(mode="json"))):
                 existing = read_complete(backend, self.name)
                 if existing is None or existing.all_digests() != marker.all_digests():
-                    raise BundleError(f"{self.url}: bundle already exists with different content; refusing to "
-                                      "overwrite it")
+                    raise BundleError(
+                        f"{self.url}: bundle already exists with different content; refusing to overwrite it"
+                    )
                 marker = existing
-            result: Optional[CompleteMarker] = marker
+            result: CompleteMarker | None = marker
         else:
             ranks = list(ranks) if ranks is not None else [self.rank]
             for r in ranks:
                 if r not in (self.expected_ranks or []):
                     raise BundleError(f"{self.url}: rank {r} is not among expected ranks {self.expected_ranks}")
                 self._land_rank(r, documents)
-            result = try_finalize(backend, self.name, self.expected_ranks, unsafe=self.unsafe_markers,
-                                  claim=self.rank)
+            result = try_finalize(backend, self.name, self.expected_ranks, unsafe=self.unsafe_markers, claim=self.rank)
             # read after the cohort: gc writes its note before it removes a marker, so a rank found missing
             # because gc removed it is in the note by now
             removed = self._relanded(ranks, complete=result is not None)
         self.inflight.remove()
         self._finalized = True
-        if result is None and removed:   # this rank landed (its marker is there): the record can go first
+        if result is None and removed:  # this rank landed (its marker is there): the record can go first
             self._check_cohort_kept(removed)
         return result
 
@@ -280,10 +333,16 @@ class BundleWriter:
             lost = [d for d in broken if d not in sources]
             if lost or attempt:
                 first = next(k for k in self._needs[(lost or broken)[0]] if k in absent)
-                raise BundleError(f"{self.url}: {len(absent)} object(s) this bundle needs were removed by a "
-                                  f"concurrent gc (first {first}); nothing was committed, write the bundle again")
-            log.warning("%s: a concurrent gc removed %d object(s) of %d blob(s) this bundle reuses; storing them "
-                        "again", self.url, len(absent), len(broken))
+                raise BundleError(
+                    f"{self.url}: {len(absent)} object(s) this bundle needs were removed by a "
+                    f"concurrent gc (first {first}); nothing was committed, write the bundle again"
+                )
+            log.warning(
+                "%s: a concurrent gc removed %d object(s) of %d blob(s) this bundle reuses; storing them again",
+                self.url,
+                len(absent),
+                len(broken),
+            )
             self._put_many([sources[d] for d in broken])
 
     def _relanded(self, ranks: Sequence[int], complete: bool) -> list[int]:
@@ -311,7 +370,8 @@ class BundleWriter:
                 f"{self.url}: gc removed the landed rank marker(s) {one_line(str(gone), 80)} of this bundle as an "
                 f"abandoned cohort (older than its --grace; see {abandoned_key(self.name)}); this rank landed, but "
                 "the bundle completes only once those ranks land again: capture the step again, and give gc a "
-                "--grace longer than a step's capture")
+                "--grace longer than a step's capture"
+            )
 
     def _land_rank(self, rank: int, documents: Documents) -> None:
         """Create COMPLETE.<rank>; a marker already there is this rank landed by an earlier attempt, accepted
@@ -319,9 +379,16 @@ class BundleWriter:
         Different content is another run's landing (a capture restarted into the same directory): taking it
         as landed would mix the two runs in one bundle, so the write is refused."""
         backend = self.store.backend
-        marker = RankMarker(bundle_id=self.manifest.bundle_id, rank=rank, anchor=Anchor.of(self.index.identity),
-                            expected_ranks=list(self.expected_ranks or []), documents=documents,
-                            attempt=self.attempt, created=time.time(), run=self.run_id)
+        marker = RankMarker(
+            bundle_id=self.manifest.bundle_id,
+            rank=rank,
+            anchor=Anchor.of(self.index.identity),
+            expected_ranks=list(self.expected_ranks or []),
+            documents=documents,
+            attempt=self.attempt,
+            created=time.time(),
+            run=self.run_id,
+        )
         document = marker.model_dump(mode="json", exclude={"run"} if self.run_id is None else set())
         if backend.create_if_absent(rank_key(self.name, rank), compact_json(document)):
             return
@@ -329,21 +396,27 @@ class BundleWriter:
         try:
             earlier = read_marker(backend, rank_key(self.name, rank), RankMarker)
         except BundleError as exc:
-            raise BundleError(f"{key}: rank {rank} already landed, and its marker cannot be read ({exc}); refusing "
-                              "to land it again") from None
+            raise BundleError(
+                f"{key}: rank {rank} already landed, and its marker cannot be read ({exc}); refusing to land it again"
+            ) from None
         if earlier is None:
-            raise BundleError(f"{key}: rank {rank}'s marker was removed while it landed (by gc?); nothing is "
-                              "landed, write the bundle again")
+            raise BundleError(
+                f"{key}: rank {rank}'s marker was removed while it landed (by gc?); nothing is "
+                "landed, write the bundle again"
+            )
         if _landing(earlier) != _landing(marker):
             runs = f", run {earlier.run}, this run {self.run_id}" if earlier.run != self.run_id else ""
-            raise BundleError(f"{key}: rank {rank} already landed with different content (attempt "
-                              f"{earlier.attempt}{runs}); refusing to mix two captures in one bundle: "
-                              "write into a new directory, or remove the bundle first")
+            raise BundleError(
+                f"{key}: rank {rank} already landed with different content (attempt "
+                f"{earlier.attempt}{runs}); refusing to mix two captures in one bundle: "
+                "write into a new directory, or remove the bundle first"
+            )
         # the same landing from an earlier attempt of this rank's job: its retry stops here
         log.info("%s: rank %d already landed (attempt %s)", self.url, rank, earlier.attempt)
 
-    def _write_documents(self, pending: Sequence["_Encoded"] = (),
-                         sources: Optional[dict[str, tuple[Any, ...]]] = None) -> Documents:
+    def _write_documents(
+        self, pending: Sequence[_Encoded] = (), sources: dict[str, tuple[Any, ...]] | None = None
+    ) -> Documents:
         """Write the payloads still `pending`, the loss mask and the three documents, in one batch.
 
         `sources` receives digest -> (data, cuts, boundaries) of every blob of the batch."""
@@ -351,8 +424,9 @@ class BundleWriter:
         encoded = list(pending)
         if all(len(s.loss_mask) == s.response_length for s in index.samples):
             encoded.append(self._encode(LOSS_MASK, self._mask_tensor(index.samples), role="input"))
-            index = index.model_copy(update={"samples": [s.model_copy(update={"loss_mask": []})
-                                                         for s in index.samples]})
+            index = index.model_copy(
+                update={"samples": [s.model_copy(update={"loss_mask": []}) for s in index.samples]}
+            )
         # else: a mask whose length differs from its response is kept in the record as given, for replay to report
         # the manifest names the payloads' digests before anything is written: hash them, write them with the rest
         plans = self.store.plan_many([(e.blob, e.cuts, e.boundaries) for e in encoded])
@@ -362,13 +436,14 @@ class BundleWriter:
         refs = self._put_many([*plans, *((d, None) for d in docs)])
         if sources is not None:
             sources.update((p.ref.digest, p.source) for p in plans)
-            sources.update((ref.digest, (doc, None, None)) for ref, doc in zip(refs[len(plans):], docs))
-        stored, refs = refs[:len(plans)], refs[len(plans):]
+            sources.update((ref.digest, (doc, None, None)) for ref, doc in zip(refs[len(plans) :], docs))
+        stored, refs = refs[: len(plans)], refs[len(plans) :]
         moved = {e.name: ref for e, plan, ref in zip(encoded, plans, stored) if ref.record != plan.ref.record}
         if moved:
             # a concurrent writer stored the same payload first, chunked differently: name its record
-            payloads.update({name: payloads[name].model_copy(update={"record": ref.record})
-                             for name, ref in moved.items()})
+            payloads.update(
+                {name: payloads[name].model_copy(update={"record": ref.record}) for name, ref in moved.items()}
+            )
             manifest = self._manifest_bytes(payloads)
             refs[0] = self._put_many([(manifest, None)])[0]
             if sources is not None:
@@ -394,7 +469,7 @@ class BundleWriter:
             data = b"".join(bytes(s.loss_mask) for s in samples)
         except (TypeError, ValueError):  # not all ints in 0..255 (1.0, True, -1, 256, ...): the exact slow path
             data = None
-        if data is None or data.translate(None, b"\x00\x01"):   # some byte other than 0 and 1
+        if data is None or data.translate(None, b"\x00\x01"):  # some byte other than 0 and 1
             bad = next((s for s in samples if any(v not in (0, 1) for v in s.loss_mask)), None)
             if bad is not None:
                 raise BundleError(f"{self.url}: sample {bad.sample_id}: loss_mask values must be 0 or 1")
@@ -413,8 +488,14 @@ class BundleWriter:
 
 def _landing(marker: RankMarker) -> tuple[Any, ...]:
     """What makes two rank markers the same landing (the attempt and the time aside)."""
-    return (marker.bundle_id, marker.rank, marker.anchor, sorted(marker.expected_ranks), marker.documents.digests(),
-            marker.run)
+    return (
+        marker.bundle_id,
+        marker.rank,
+        marker.anchor,
+        sorted(marker.expected_ranks),
+        marker.documents.digests(),
+        marker.run,
+    )
 
 
 @dataclass(frozen=True)
@@ -424,16 +505,25 @@ class _Encoded:
     name: str
     role: str
     blob: bytes
-    cuts: Optional[list[int]]
-    boundaries: Optional[list[int]]
+    cuts: list[int] | None
+    boundaries: list[int] | None
     dtype: str
     shape: list[int]
     per_token: bool
 
     def spec(self, ref: BlobRef) -> PayloadSpec:
         """The manifest entry of this payload, stored as `ref`."""
-        return PayloadSpec(name=self.name, role=self.role, codec="safetensors", dtype=self.dtype, shape=self.shape,
-                           size=ref.size, digest=ref.digest, record=ref.record, per_token=self.per_token)
+        return PayloadSpec(
+            name=self.name,
+            role=self.role,
+            codec="safetensors",
+            dtype=self.dtype,
+            shape=self.shape,
+            size=ref.size,
+            digest=ref.digest,
+            record=ref.record,
+            per_token=self.per_token,
+        )
 
 
 ALIGNED_RUN_BYTES = 1 << 10
@@ -458,7 +548,6 @@ def check_or_raise(value: str, what: str) -> str:
         return check_name(value, what)
     except ValueError as exc:
         raise BundleError(str(exc)) from None
-
 
 
 __all__ = ["BundleWriter", "LOSS_MASK"]

@@ -8,13 +8,24 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "CaptureConfig": "config", "CaptureConfigError": "config", "load_config": "config",
-    "capture_microbatch": "hooks", "capture_rollout": "hooks", "capture_slime_rollout": "hooks",
-    "capture_step_end": "hooks", "disable": "hooks", "get_manager": "hooks", "maybe_enable": "hooks",
-    "maybe_enable_for_actor": "hooks", "set_manager": "hooks", "shutdown": "hooks",
-    "slime_rollout_arguments": "hooks", "stats": "hooks",
+    "CaptureConfig": "config",
+    "CaptureConfigError": "config",
+    "load_config": "config",
+    "capture_microbatch": "hooks",
+    "capture_rollout": "hooks",
+    "capture_slime_rollout": "hooks",
+    "capture_step_end": "hooks",
+    "disable": "hooks",
+    "get_manager": "hooks",
+    "maybe_enable": "hooks",
+    "maybe_enable_for_actor": "hooks",
+    "set_manager": "hooks",
+    "shutdown": "hooks",
+    "slime_rollout_arguments": "hooks",
+    "stats": "hooks",
     "CaptureManager": "manager",
-    "rollout_bundle_id": "records", "step_bundle_id": "records",
+    "rollout_bundle_id": "records",
+    "step_bundle_id": "records",
 }
 """Each public name and its module, imported on first use: the capture writer process imports this package's
 record and commit modules, which must not pull in torch through the hooks."""
@@ -34,8 +45,22 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "CaptureConfig", "CaptureConfigError", "CaptureManager", "capture_microbatch", "capture_rollout",
-    "capture_slime_rollout", "capture_step_end", "disable", "get_manager", "load_config", "maybe_enable",
-    "maybe_enable_for_actor", "rollout_bundle_id", "set_manager", "shutdown", "slime_rollout_arguments", "stats",
+    "CaptureConfig",
+    "CaptureConfigError",
+    "CaptureManager",
+    "capture_microbatch",
+    "capture_rollout",
+    "capture_slime_rollout",
+    "capture_step_end",
+    "disable",
+    "get_manager",
+    "load_config",
+    "maybe_enable",
+    "maybe_enable_for_actor",
+    "rollout_bundle_id",
+    "set_manager",
+    "shutdown",
+    "slime_rollout_arguments",
+    "stats",
     "step_bundle_id",
 ]

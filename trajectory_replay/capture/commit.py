@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
 
 from trajectory_replay.bundle.writer import BundleWriter
 from trajectory_replay.capture.records import CAPTURE_RECORDS, CaptureRecord, check_fields
@@ -32,7 +31,7 @@ class BundleJob:
     record: CaptureRecord
     rank: int = 0
     expected_ranks: tuple[int, ...] = (0,)
-    run_id: Optional[str] = None
+    run_id: str | None = None
     """The launch that captured it (`config.run_identity`), recorded in its rank marker."""
 
     def __post_init__(self) -> None:
@@ -61,15 +60,21 @@ def commit_bundle(store: ObjectStore, job: BundleJob) -> str:
     redacted). On failure nothing looks complete: the writer is aborted and the error raised."""
     parts = job.record.build()
     forget = getattr(store.backend, "forget_outage", None)
-    if forget is not None:   # each record asks the store again; the manager's backoff spaced the attempts out
+    if forget is not None:  # each record asks the store again; the manager's backoff spaced the attempts out
         forget()
-    multi = job.multi_producer   # a single producer's bundle names no rank
-    writer = BundleWriter(f"{job.capture_dir.rstrip('/')}/{job.bundle_id}", parts.manifest, parts.index,
-                          parts.expected, store=store, rank=job.rank if multi else None,
-                          expected_ranks=list(job.expected_ranks) if multi else None,
-                          run_id=job.run_id if multi else None)
+    multi = job.multi_producer  # a single producer's bundle names no rank
+    writer = BundleWriter(
+        f"{job.capture_dir.rstrip('/')}/{job.bundle_id}",
+        parts.manifest,
+        parts.index,
+        parts.expected,
+        store=store,
+        rank=job.rank if multi else None,
+        expected_ranks=list(job.expected_ranks) if multi else None,
+        run_id=job.run_id if multi else None,
+    )
     try:
-        writer.finalize(payloads=parts.payloads)   # payloads and documents in one batch
+        writer.finalize(payloads=parts.payloads)  # payloads and documents in one batch
     except BaseException:
         try:
             writer.abort()
@@ -94,7 +99,7 @@ class InThreadWriter:
         """Nothing to stop: the store belongs to the manager."""
 
 
-def storage_failure(exc: Optional[BaseException]) -> Optional[StorageUnavailableError]:
+def storage_failure(exc: BaseException | None) -> StorageUnavailableError | None:
     """The StorageUnavailableError behind `exc` (itself, or one it was raised from), if any: the store could not
     be used, so the manager backs off instead of failing record after record."""
     seen = 0

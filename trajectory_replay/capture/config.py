@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence, TypeVar
+from typing import TypeVar
 
 from trajectory_replay.errors import TrajectoryReplayError
 
@@ -41,8 +41,10 @@ ENV_STEPS = "TRAJECTORY_REPLAY_CAPTURE_STEPS"
 ENV_ROLLOUTS = "TRAJECTORY_REPLAY_CAPTURE_ROLLOUTS"
 ENV_WRITER = "TRAJECTORY_REPLAY_CAPTURE_WRITER"
 ENV_RUN_ID = "TRAJECTORY_REPLAY_RUN_ID"
-OLDER_NAMES = {name: name.replace("TRAJECTORY_REPLAY_", "RELAX_REPLAY_", 1)
-               for name in (ENV_CAPTURE, ENV_DIR, ENV_STEPS, ENV_ROLLOUTS, ENV_WRITER)}
+OLDER_NAMES = {
+    name: name.replace("TRAJECTORY_REPLAY_", "RELAX_REPLAY_", 1)
+    for name in (ENV_CAPTURE, ENV_DIR, ENV_STEPS, ENV_ROLLOUTS, ENV_WRITER)
+}
 """The older tool's name of each capture variable (RELAX_REPLAY_CAPTURE, ...), still read."""
 MAX_RUN_ID = 200
 _RUN_ID = re.compile(r"[\x21-\x7e]+")
@@ -69,11 +71,11 @@ class CaptureConfig:
     means the manager's own default."""
 
     enabled: bool = False
-    capture_dir: Optional[str] = None
-    steps: Optional[frozenset[tuple[int, int]]] = None
-    rollouts: Optional[frozenset[int]] = None
-    writer: Optional[str] = None
-    run_id: Optional[str] = None
+    capture_dir: str | None = None
+    steps: frozenset[tuple[int, int]] | None = None
+    rollouts: frozenset[int] | None = None
+    writer: str | None = None
+    run_id: str | None = None
     """The launch this capture belongs to (`run_identity`), or None when nothing names it."""
     dir_variable: str = ENV_DIR
     """The variable `capture_dir` was read from (ENV_DIR, or its older name when only that is set)."""
@@ -93,7 +95,7 @@ def _bad(variable: str, value: str, why: str) -> CaptureConfigError:
     return CaptureConfigError(f"{variable}={value!r}: {why}")
 
 
-def parse_switch(value: Optional[str], variable: str = ENV_CAPTURE) -> bool:
+def parse_switch(value: str | None, variable: str = ENV_CAPTURE) -> bool:
     """The on/off switch; unset or empty is off."""
     if value is None or value.strip() == "":
         return False
@@ -112,7 +114,7 @@ def _int(text: str, variable: str, value: str, what: str) -> int:
     return int(text)
 
 
-def parse_steps(value: Optional[str], variable: str = ENV_STEPS) -> Optional[frozenset[tuple[int, int]]]:
+def parse_steps(value: str | None, variable: str = ENV_STEPS) -> frozenset[tuple[int, int]] | None:
     """`R:S,R:S,...` -> {(R, S), ...}; unset or empty -> None (no filter)."""
     if value is None or value.strip() == "":
         return None
@@ -127,7 +129,7 @@ def parse_steps(value: Optional[str], variable: str = ENV_STEPS) -> Optional[fro
     return frozenset(out)
 
 
-def parse_rollouts(value: Optional[str], variable: str = ENV_ROLLOUTS) -> Optional[frozenset[int]]:
+def parse_rollouts(value: str | None, variable: str = ENV_ROLLOUTS) -> frozenset[int] | None:
     """`R,R,...` -> {R, ...}; unset or empty -> None (no filter)."""
     if value is None or value.strip() == "":
         return None
@@ -139,24 +141,26 @@ def parse_rollouts(value: Optional[str], variable: str = ENV_ROLLOUTS) -> Option
     return frozenset(out)
 
 
-def parse_dir(value: Optional[str], variable: str = ENV_DIR, switch: str = ENV_CAPTURE) -> str:
+def parse_dir(value: str | None, variable: str = ENV_DIR, switch: str = ENV_CAPTURE) -> str:
     """The capture directory: required (when the variable `switch` is on), a path or a URL of a supported
     protocol."""
     if value is None or value.strip() == "":
-        raise CaptureConfigError(f"{variable} is not set: it is required when {switch} is on "
-                                 "(a path or a URL such as s3://bucket/run-42)")
+        raise CaptureConfigError(
+            f"{variable} is not set: it is required when {switch} is on (a path or a URL such as s3://bucket/run-42)"
+        )
     text = value.strip()
     if "://" in text:
         protocol, rest = text.split("://", 1)
         if protocol.lower() not in _PROTOCOLS:
-            raise _bad(variable, value, f"unsupported storage protocol {protocol!r} "
-                       "(use a path, file://, s3:// or memory://)")
+            raise _bad(
+                variable, value, f"unsupported storage protocol {protocol!r} (use a path, file://, s3:// or memory://)"
+            )
         if not rest.strip("/"):
             raise _bad(variable, value, "the URL has no path")
     return text
 
 
-def parse_writer(value: Optional[str], variable: str = ENV_WRITER) -> Optional[str]:
+def parse_writer(value: str | None, variable: str = ENV_WRITER) -> str | None:
     """The writer mode (`auto`, `process` or `thread`, case-insensitive); unset or empty -> None."""
     if value is None or value.strip() == "":
         return None
@@ -169,7 +173,7 @@ def parse_writer(value: Optional[str], variable: str = ENV_WRITER) -> Optional[s
 _T = TypeVar("_T")
 
 
-def read_variable(env: Mapping[str, str], name: str, parse: Callable[[Optional[str], str], _T]) -> tuple[str, _T]:
+def read_variable(env: Mapping[str, str], name: str, parse: Callable[[str | None, str], _T]) -> tuple[str, _T]:
     """The capture variable `name` as `parse` (its value, the variable's name) reads it, and the name it was read
     from: `name`, or its older name (`OLDER_NAMES`) when only that is set. Empty counts as unset. Set under both
     names to values that `parse` reads differently: CaptureConfigError naming both."""
@@ -181,12 +185,14 @@ def read_variable(env: Mapping[str, str], name: str, parse: Callable[[Optional[s
     parsed = parse(value, variable)
     for other, other_value in others:
         if parse(other_value, other) != parsed:
-            raise CaptureConfigError(f"{variable}={value!r} and {other}={other_value!r} disagree: set one of them "
-                                     f"({other} is the older name of {variable})")
+            raise CaptureConfigError(
+                f"{variable}={value!r} and {other}={other_value!r} disagree: set one of them "
+                f"({other} is the older name of {variable})"
+            )
     return variable, parsed
 
 
-def load_config(environ: Optional[Mapping[str, str]] = None) -> CaptureConfig:
+def load_config(environ: Mapping[str, str] | None = None) -> CaptureConfig:
     """Read the capture configuration from `environ` (default `os.environ`)."""
     env = os.environ if environ is None else environ
     switch, enabled = read_variable(env, ENV_CAPTURE, parse_switch)
@@ -196,12 +202,19 @@ def load_config(environ: Optional[Mapping[str, str]] = None) -> CaptureConfig:
     writer_variable, writer = read_variable(env, ENV_WRITER, parse_writer)
     if writer is not None:
         check_env_writer(writer, env[writer_variable], capture_dir, store_given=False, variable=writer_variable)
-    return CaptureConfig(enabled=True, capture_dir=capture_dir, steps=read_variable(env, ENV_STEPS, parse_steps)[1],
-                         rollouts=read_variable(env, ENV_ROLLOUTS, parse_rollouts)[1], writer=writer,
-                         run_id=run_identity(env), dir_variable=dir_variable, writer_variable=writer_variable)
+    return CaptureConfig(
+        enabled=True,
+        capture_dir=capture_dir,
+        steps=read_variable(env, ENV_STEPS, parse_steps)[1],
+        rollouts=read_variable(env, ENV_ROLLOUTS, parse_rollouts)[1],
+        writer=writer,
+        run_id=run_identity(env),
+        dir_variable=dir_variable,
+        writer_variable=writer_variable,
+    )
 
 
-def run_identity(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+def run_identity(environ: Mapping[str, str] | None = None) -> str | None:
     """The identity of this launch of the training job: the same on every rank of it, different after a restart.
 
     TRAJECTORY_REPLAY_RUN_ID when set (a launcher or the user sets it once for all ranks); else torchrun's
@@ -234,8 +247,10 @@ def choose_writer(writer: str, writer_priority: str, capture_dir: str, store_giv
     # a store object given here (or an in-memory one) lives in this process only
     in_process_only = store_given or capture_dir.startswith("memory://")
     if writer == "process" and in_process_only:
-        raise ValueError("writer='process' needs a path or URL the writer process can open itself, "
-                         "not a store object or a memory:// store")
+        raise ValueError(
+            "writer='process' needs a path or URL the writer process can open itself, "
+            "not a store object or a memory:// store"
+        )
     if writer == "auto":
         # a process of its own keeps the writer's Python work off training's GIL
         return "thread" if in_process_only else "process"
@@ -252,7 +267,7 @@ def check_env_writer(writer: str, value: str, capture_dir: str, store_given: boo
         raise _bad(variable, value, f"{exc} (use thread or auto)") from None
 
 
-def producer_ranks(rank: int, expected_ranks: Optional[Sequence[int]]) -> list[int]:
+def producer_ranks(rank: int, expected_ranks: Sequence[int] | None) -> list[int]:
     """The producer ranks of one bundle, sorted (default: `rank` alone); `rank` must be among them."""
     ranks = sorted({int(r) for r in expected_ranks}) if expected_ranks is not None else [rank]
     if rank not in ranks:
@@ -260,7 +275,27 @@ def producer_ranks(rank: int, expected_ranks: Optional[Sequence[int]]) -> list[i
     return ranks
 
 
-__all__ = ["CaptureConfig", "CaptureConfigError", "ENV_CAPTURE", "ENV_DIR", "ENV_ROLLOUTS", "ENV_RUN_ID", "ENV_STEPS",
-           "ENV_WRITER", "OLDER_NAMES", "read_variable", "run_identity",
-           "WRITER_MODES", "WRITER_PRIORITIES", "check_env_writer", "choose_writer", "load_config", "parse_dir",
-           "parse_rollouts", "parse_steps", "parse_switch", "parse_writer", "producer_ranks"]
+__all__ = [
+    "CaptureConfig",
+    "CaptureConfigError",
+    "ENV_CAPTURE",
+    "ENV_DIR",
+    "ENV_ROLLOUTS",
+    "ENV_RUN_ID",
+    "ENV_STEPS",
+    "ENV_WRITER",
+    "OLDER_NAMES",
+    "read_variable",
+    "run_identity",
+    "WRITER_MODES",
+    "WRITER_PRIORITIES",
+    "check_env_writer",
+    "choose_writer",
+    "load_config",
+    "parse_dir",
+    "parse_rollouts",
+    "parse_steps",
+    "parse_switch",
+    "parse_writer",
+    "producer_ranks",
+]

@@ -36,8 +36,9 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -45,11 +46,25 @@ from trajectory_replay.bundle.schema import ProducerInfo, RankTopology
 from trajectory_replay.capture.commit import BundleJob, storage_failure
 from trajectory_replay.capture.config import choose_writer, producer_ranks, run_identity
 from trajectory_replay.capture.records import (
-    CaptureRecord, Columns, MicroBatch, Provenance, RolloutRecord, StepRecord, check_mismatch_metrics,
-    given_payloads, rollout_bundle_id, step_bundle_id, step_scalars,
+    CaptureRecord,
+    Columns,
+    MicroBatch,
+    Provenance,
+    RolloutRecord,
+    StepRecord,
+    check_mismatch_metrics,
+    given_payloads,
+    rollout_bundle_id,
+    step_bundle_id,
+    step_scalars,
 )
 from trajectory_replay.capture.runtime import (
-    Writer, close_at_exit, forget_at_exit, lower_thread_priority, open_store, start_writer,
+    Writer,
+    close_at_exit,
+    forget_at_exit,
+    lower_thread_priority,
+    open_store,
+    start_writer,
 )
 from trajectory_replay.capture.snapshot import Snapshot, estimate_nbytes
 from trajectory_replay.store import ObjectStore
@@ -94,22 +109,34 @@ class _PendingStep:
 class CaptureManager:
     """One capture writer for one producer rank. Thread-safe; every public method is safe to call from training."""
 
-    def __init__(self, capture_dir: str | os.PathLike, *, rank: int = 0,
-                 expected_ranks: Optional[Sequence[int]] = None,
-                 steps: Optional[frozenset[tuple[int, int]]] = None, rollouts: Optional[frozenset[int]] = None,
-                 store: Optional[ObjectStore] = None, storage_options: Optional[Mapping[str, Any]] = None,
-                 max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES, max_queue_records: int = DEFAULT_MAX_QUEUE_RECORDS,
-                 max_pending_steps: int = DEFAULT_MAX_PENDING_STEPS, producer: Optional[ProducerInfo] = None,
-                 topology: Optional[RankTopology | Mapping[str, int]] = None,
-                 atexit_timeout: Optional[float] = DEFAULT_ATEXIT_TIMEOUT, start: bool = True,
-                 writer: str = "auto", writer_priority: str = "idle", run_id: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        capture_dir: str | os.PathLike,
+        *,
+        rank: int = 0,
+        expected_ranks: Sequence[int] | None = None,
+        steps: frozenset[tuple[int, int]] | None = None,
+        rollouts: frozenset[int] | None = None,
+        store: ObjectStore | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
+        max_queue_records: int = DEFAULT_MAX_QUEUE_RECORDS,
+        max_pending_steps: int = DEFAULT_MAX_PENDING_STEPS,
+        producer: ProducerInfo | None = None,
+        topology: RankTopology | Mapping[str, int] | None = None,
+        atexit_timeout: float | None = DEFAULT_ATEXIT_TIMEOUT,
+        start: bool = True,
+        writer: str = "auto",
+        writer_priority: str = "idle",
+        run_id: str | None = None,
+    ) -> None:
         self.capture_dir = os.fspath(capture_dir)
         # the launch this capture belongs to, in every rank marker it writes (default: what the environment says)
         self.run_id = run_id if run_id is not None else run_identity()
         self.writer_mode = choose_writer(writer, writer_priority, self.capture_dir, store is not None)
         self.writer_priority = writer_priority
-        self._writer: Optional[Writer] = None
-        self._scheduling = threading.Lock()   # the writer's scheduling: hurried while the program waits for it
+        self._writer: Writer | None = None
+        self._scheduling = threading.Lock()  # the writer's scheduling: hurried while the program waits for it
         self._hurry_wanted = False
         self.rank = int(rank)
         self.expected_ranks = producer_ranks(self.rank, expected_ranks)
@@ -119,18 +146,27 @@ class CaptureManager:
         self.max_pending_steps = int(max_pending_steps)
         # one store per manager (and one in its writer process): the create-once probe runs once per process
         self._storage_options = dict(storage_options or {})
-        self.store = store if store is not None else open_store(self.capture_dir, self._storage_options,
-                                                                self.writer_mode)
+        self.store = (
+            store if store is not None else open_store(self.capture_dir, self._storage_options, self.writer_mode)
+        )
         self.provenance = Provenance.of(producer, topology)
 
         self._cond = threading.Condition(threading.Lock())
         self._queue: deque[_Queued] = deque()
-        self._bytes_in_use = 0      # queued + being written + pending micro-batches
-        self._active: Optional[_Queued] = None
+        self._bytes_in_use = 0  # queued + being written + pending micro-batches
+        self._active: _Queued | None = None
         self._closing = False
-        self._pending: "OrderedDict[tuple[int, int], _PendingStep]" = OrderedDict()
-        self._counts = dict(enqueued=0, dropped=0, written=0, errors=0, filtered=0, ignored_microbatches=0,
-                            bytes_enqueued=0, hook_calls=0)
+        self._pending: OrderedDict[tuple[int, int], _PendingStep] = OrderedDict()
+        self._counts = dict(
+            enqueued=0,
+            dropped=0,
+            written=0,
+            errors=0,
+            filtered=0,
+            ignored_microbatches=0,
+            bytes_enqueued=0,
+            hook_calls=0,
+        )
         self._max_enqueue = 0.0
         self._total_enqueue = 0.0
         # the store's health as the writer last saw it: no new captures are taken until _retry_at
@@ -138,7 +174,7 @@ class CaptureManager:
         self._retry_delay = 0.0
         self._down_drops = 0
         self._warned: set[str] = set()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._atexit_timeout = atexit_timeout
         if start:
             self.start()
@@ -157,7 +193,7 @@ class CaptureManager:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def flush(self, timeout: Optional[float] = None) -> bool:
+    def flush(self, timeout: float | None = None) -> bool:
         """Wait until every enqueued record is written or has failed; True if done within `timeout`.
 
         Micro-batches of a step not yet ended are not records yet and are not waited for."""
@@ -200,9 +236,9 @@ class CaptureManager:
         with self._scheduling:
             self._writer = writer
             if self._hurry_wanted:
-                writer.hurry()   # type: ignore[union-attr]
+                writer.hurry()  # type: ignore[union-attr]
 
-    def close(self, timeout: Optional[float] = None) -> bool:
+    def close(self, timeout: float | None = None) -> bool:
         """Stop accepting records, write what is queued (up to `timeout`), stop the thread. True if all done.
 
         Steps whose micro-batches were captured but that never ended are dropped (counted). While the store is
@@ -227,8 +263,12 @@ class CaptureManager:
         with self._cond:
             left = len(self._queue) + (self._active is not None)
         if left:
-            log.warning("capture: writer still busy after %.1fs with %d record(s) left; they will not complete "
-                        "if the process exits now", timeout or 0.0, left)
+            log.warning(
+                "capture: writer still busy after %.1fs with %d record(s) left; they will not complete "
+                "if the process exits now",
+                timeout or 0.0,
+                left,
+            )
         return left == 0
 
     def _close_at_exit(self) -> None:
@@ -242,9 +282,13 @@ class CaptureManager:
         hook_calls, max_enqueue_seconds, total_enqueue_seconds, queued_records, bytes_in_use, pending_steps."""
         with self._cond:
             out: dict[str, Any] = dict(self._counts)
-            out.update(max_enqueue_seconds=self._max_enqueue, total_enqueue_seconds=self._total_enqueue,
-                       queued_records=len(self._queue) + (self._active is not None), bytes_in_use=self._bytes_in_use,
-                       pending_steps=len(self._pending))
+            out.update(
+                max_enqueue_seconds=self._max_enqueue,
+                total_enqueue_seconds=self._total_enqueue,
+                queued_records=len(self._queue) + (self._active is not None),
+                bytes_in_use=self._bytes_in_use,
+                pending_steps=len(self._pending),
+            )
         return out
 
     # ---- accounting ----------------------------------------------------------------------------
@@ -262,21 +306,28 @@ class CaptureManager:
 
     def _hook_error(self, what: str, exc: BaseException) -> None:
         self._count("errors")
-        log.error("capture: %s failed on the training thread (nothing written): %s: %s", what,
-                  type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+        log.error(
+            "capture: %s failed on the training thread (nothing written): %s: %s",
+            what,
+            type(exc).__name__,
+            exc,
+            exc_info=log.isEnabledFor(logging.DEBUG),
+        )
 
-    def _refusal(self, nbytes: int, record: bool) -> Optional[tuple[str, str]]:
+    def _refusal(self, nbytes: int, record: bool) -> tuple[str, str] | None:
         """(lock held) (kind, reason) why a capture of `nbytes` cannot be taken now, or None."""
         if self._closing:
             return "closed", "the capture manager is closed"
         if time.monotonic() < self._retry_at:
-            return "store", (f"the store failed {self._retry_delay:.0f}s ago or less; capture resumes once "
-                             "it answers again")
+            return "store", (
+                f"the store failed {self._retry_delay:.0f}s ago or less; capture resumes once it answers again"
+            )
         if record and len(self._queue) >= self.max_queue_records:
             return "queue", f"the queue holds {len(self._queue)} records (max {self.max_queue_records})"
         if self._bytes_in_use + nbytes > self.max_queue_bytes:
-            return "queue", (f"{self._bytes_in_use + nbytes} bytes would exceed the queue's "
-                             f"{self.max_queue_bytes} bytes")
+            return "queue", (
+                f"{self._bytes_in_use + nbytes} bytes would exceed the queue's {self.max_queue_bytes} bytes"
+            )
         return None
 
     def _log_drop(self, kind: str, what: str, reason: str) -> None:
@@ -329,11 +380,25 @@ class CaptureManager:
     def wants_step(self, rollout_id: int, step_id: int) -> bool:
         return self.steps is None or (rollout_id, step_id) in self.steps
 
-    def capture_rollout(self, rollout_id: int, *, sample_ids: Sequence[str], group_index: Any, response_lengths: Any,
-                        total_lengths: Any, loss_masks: Any, raw_rewards: Any, rewards: Any, config: Any,
-                        weight_lineage: Any = None, micro_batch_ids: Any = None, policy_versions: Any = None,
-                        mismatch_metrics: Optional[Mapping[str, Any]] = None,
-                        payloads: Optional[Mapping[str, Any]] = None, **named_payloads: Any) -> bool:
+    def capture_rollout(
+        self,
+        rollout_id: int,
+        *,
+        sample_ids: Sequence[str],
+        group_index: Any,
+        response_lengths: Any,
+        total_lengths: Any,
+        loss_masks: Any,
+        raw_rewards: Any,
+        rewards: Any,
+        config: Any,
+        weight_lineage: Any = None,
+        micro_batch_ids: Any = None,
+        policy_versions: Any = None,
+        mismatch_metrics: Mapping[str, Any] | None = None,
+        payloads: Mapping[str, Any] | None = None,
+        **named_payloads: Any,
+    ) -> bool:
         """Enqueue the rollout-level bundle `rollout-<R>` (this rank's shard). True if enqueued. Its per-token payloads
         are given by name, as keywords or in `payloads`: any payload the stage table declares for a rollout-level
         bundle (`records.bundle_payloads`); another name is refused (a counted error, nothing written)."""
@@ -342,11 +407,19 @@ class CaptureManager:
             if not self.wants_rollout(rollout_id):
                 self._count("filtered")
                 return False
-            check_mismatch_metrics(mismatch_metrics or {})   # here, in the hook: a counted error, not a write
+            check_mismatch_metrics(mismatch_metrics or {})  # here, in the hook: a counted error, not a write
             tensors = given_payloads("rollout", named_payloads, payloads)
-            cols = dict(sample_ids=sample_ids, group_index=group_index, response_lengths=response_lengths,
-                        total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards,
-                        micro_batch_ids=micro_batch_ids, policy_versions=policy_versions)
+            cols = dict(
+                sample_ids=sample_ids,
+                group_index=group_index,
+                response_lengths=response_lengths,
+                total_lengths=total_lengths,
+                loss_masks=loss_masks,
+                raw_rewards=raw_rewards,
+                rewards=rewards,
+                micro_batch_ids=micro_batch_ids,
+                policy_versions=policy_versions,
+            )
             nbytes = Columns.estimate(**cols) + sum(estimate_nbytes(v) for v in tensors.values())
             bundle_id = rollout_bundle_id(rollout_id)
             if not self._reserve(nbytes, bundle_id, record=True):
@@ -355,11 +428,21 @@ class CaptureManager:
                 snap = Snapshot()
                 columns = Columns.take(snap, **cols)
                 payloads = {k: snap.flat(v, k) for k, v in tensors.items()}
-                metrics = {k: snap.tensor(v) if isinstance(v, torch.Tensor) else v
-                           for k, v in (mismatch_metrics or {}).items()}
+                metrics = {
+                    k: snap.tensor(v) if isinstance(v, torch.Tensor) else v for k, v in (mismatch_metrics or {}).items()
+                }
                 snap.finish()
-                job = self._job(RolloutRecord(int(rollout_id), columns, payloads, _freeze(config),
-                                              _freeze(weight_lineage), self.provenance, metrics))
+                job = self._job(
+                    RolloutRecord(
+                        int(rollout_id),
+                        columns,
+                        payloads,
+                        _freeze(config),
+                        _freeze(weight_lineage),
+                        self.provenance,
+                        metrics,
+                    )
+                )
             except BaseException:
                 self._release(nbytes)
                 raise
@@ -370,10 +453,23 @@ class CaptureManager:
         finally:
             self._hook_done(t0)
 
-    def capture_microbatch(self, rollout_id: int, step_id: int, micro_batch_id: str, *, sample_ids: Sequence[str],
-                           group_index: Any, response_lengths: Any, total_lengths: Any, loss_masks: Any,
-                           raw_rewards: Any, rewards: Any, policy_versions: Any = None,
-                           payloads: Optional[Mapping[str, Any]] = None, **named_payloads: Any) -> bool:
+    def capture_microbatch(
+        self,
+        rollout_id: int,
+        step_id: int,
+        micro_batch_id: str,
+        *,
+        sample_ids: Sequence[str],
+        group_index: Any,
+        response_lengths: Any,
+        total_lengths: Any,
+        loss_masks: Any,
+        raw_rewards: Any,
+        rewards: Any,
+        policy_versions: Any = None,
+        payloads: Mapping[str, Any] | None = None,
+        **named_payloads: Any,
+    ) -> bool:
         """Snapshot one micro-batch of actor step (R, S). A repeated micro_batch_id of the same step is ignored. Its
         per-token payloads are given by name, as keywords or in `payloads`: any payload the stage table declares for
         a step-level bundle; another name is refused (a counted error)."""
@@ -395,12 +491,20 @@ class CaptureManager:
                 log.debug("capture: micro-batch %s of step %d:%d already captured; ignored", mb_id, *key)
                 return False
             tensors = given_payloads("step", named_payloads, payloads)
-            cols = dict(sample_ids=sample_ids, group_index=group_index, response_lengths=response_lengths,
-                        total_lengths=total_lengths, loss_masks=loss_masks, raw_rewards=raw_rewards, rewards=rewards,
-                        policy_versions=policy_versions)
+            cols = dict(
+                sample_ids=sample_ids,
+                group_index=group_index,
+                response_lengths=response_lengths,
+                total_lengths=total_lengths,
+                loss_masks=loss_masks,
+                raw_rewards=raw_rewards,
+                rewards=rewards,
+                policy_versions=policy_versions,
+            )
             nbytes = Columns.estimate(**cols) + sum(estimate_nbytes(v) for v in tensors.values())
-            if not self._reserve(nbytes, f"{step_bundle_id(*key)} (micro-batch {mb_id}; the whole step is dropped)",
-                                 record=False):
+            if not self._reserve(
+                nbytes, f"{step_bundle_id(*key)} (micro-batch {mb_id}; the whole step is dropped)", record=False
+            ):
                 self._drop_pending(key, step)
                 return False
             try:
@@ -419,8 +523,9 @@ class CaptureManager:
         finally:
             self._hook_done(t0)
 
-    def capture_step_end(self, rollout_id: int, step_id: int, *, config: Any, weight_lineage: Any = None,
-                         **scalars: Any) -> bool:
+    def capture_step_end(
+        self, rollout_id: int, step_id: int, *, config: Any, weight_lineage: Any = None, **scalars: Any
+    ) -> bool:
         """Enqueue the step-level bundle `step-<R>-<S>` from the micro-batches captured for it, with the loss scalars
         production reported, by name (the outputs the stage table declares for loss.policy and loss.value; those
         not given are reported by validate and replay). True if enqueued."""
@@ -441,11 +546,19 @@ class CaptureManager:
                 return False
             try:
                 snap = step.snapshot
-                reported = {name: snap.tensor(v) if isinstance(v, torch.Tensor) else v
-                            for name, v in given.items()}
+                reported = {name: snap.tensor(v) if isinstance(v, torch.Tensor) else v for name, v in given.items()}
                 snap.finish()
-                job = self._job(StepRecord(key[0], key[1], tuple(step.micro_batches), reported, _freeze(config),
-                                           _freeze(weight_lineage), self.provenance))
+                job = self._job(
+                    StepRecord(
+                        key[0],
+                        key[1],
+                        tuple(step.micro_batches),
+                        reported,
+                        _freeze(config),
+                        _freeze(weight_lineage),
+                        self.provenance,
+                    )
+                )
             except BaseException:
                 self._release(step.nbytes)
                 raise
@@ -463,8 +576,11 @@ class CaptureManager:
             self._bytes_in_use -= old.nbytes
             if not old.dropped:
                 self._counts["dropped"] += 1
-                log.warning("capture: step %d:%d never ended (more than %d steps open); dropped", *old_key,
-                            self.max_pending_steps)
+                log.warning(
+                    "capture: step %d:%d never ended (more than %d steps open); dropped",
+                    *old_key,
+                    self.max_pending_steps,
+                )
         step = _PendingStep()
         if self._closing:  # counted once; the step's later micro-batches are ignored
             step.dropped = True
@@ -490,11 +606,17 @@ class CaptureManager:
     def _run(self) -> None:
         lower_thread_priority()
         # started from this thread, so that a writer process dies with it (WriterProcess.start sets its priority)
-        writer, failure = start_writer(self.writer_mode, self.store, self.capture_dir, self._storage_options,
-                                       self.writer_priority, made=self._writer_made)
+        writer, failure = start_writer(
+            self.writer_mode,
+            self.store,
+            self.capture_dir,
+            self._storage_options,
+            self.writer_priority,
+            made=self._writer_made,
+        )
         with self._scheduling:
             self._writer, self.writer_mode = writer, writer.mode
-        if failure is not None:   # said now; the first record still tries (the store may be back by then)
+        if failure is not None:  # said now; the first record still tries (the store may be back by then)
             self._store_failed(failure, "the writer's first contact with the store", back_off=False)
         try:
             self._serve()
@@ -524,8 +646,13 @@ class CaptureManager:
                 if failure is not None:
                     self._store_failed(failure, f"writing {queued.bundle_id}")
                 else:
-                    log.error("capture: writing %s failed; it is not complete (left as garbage for gc): %s: %s",
-                              queued.bundle_id, type(exc).__name__, exc, exc_info=True)
+                    log.error(
+                        "capture: writing %s failed; it is not complete (left as garbage for gc): %s: %s",
+                        queued.bundle_id,
+                        type(exc).__name__,
+                        exc,
+                        exc_info=True,
+                    )
             else:
                 with self._cond:
                     self._counts["written"] += 1
@@ -558,9 +685,14 @@ class CaptureManager:
         if not first:
             log.debug("capture: %s failed: %s", doing, failure)
         elif back_off:
-            log.warning("capture: %s failed, nothing of it was written: %s; until the store answers again (tried "
-                        "after %.0fs, backing off up to %.0fs) captures are dropped and counted", doing, failure,
-                        self._retry_delay, STORE_RETRY_MAX)
+            log.warning(
+                "capture: %s failed, nothing of it was written: %s; until the store answers again (tried "
+                "after %.0fs, backing off up to %.0fs) captures are dropped and counted",
+                doing,
+                failure,
+                self._retry_delay,
+                STORE_RETRY_MAX,
+            )
         else:
             log.warning("capture: %s failed: %s; capture goes on, and backs off if writing fails too", doing, failure)
 
@@ -574,7 +706,7 @@ class CaptureManager:
 
     def _write(self, queued: _Queued) -> None:
         queued.snapshot.wait()
-        assert self._writer is not None   # the loop that calls this starts the writer first
+        assert self._writer is not None  # the loop that calls this starts the writer first
         url = self._writer.write(queued.job)
         log.info("capture: wrote %s%s", url, f" (rank {self.rank})" if self.multi_producer else "")
 

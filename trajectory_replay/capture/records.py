@@ -30,28 +30,49 @@ thereby taken, snapshotted and written with no change here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any
 
 from trajectory_replay.bundle.codec import RawTensor
 from trajectory_replay.bundle.schema import (
-    ActorStepId, BundleIndex, ComparisonPolicy, Identity, Manifest, ProducerInfo, RankTopology, RecomputeConfig,
-    SampleRecord, StageCapability, StageContract, StageId, WeightLineage,
+    ActorStepId,
+    BundleIndex,
+    ComparisonPolicy,
+    Identity,
+    Manifest,
+    ProducerInfo,
+    RankTopology,
+    RecomputeConfig,
+    SampleRecord,
+    StageCapability,
+    StageContract,
+    StageId,
+    WeightLineage,
 )
 from trajectory_replay.bundle.stage_io import (
-    LOSS_FIELDS, LOSS_MASK, MISMATCH_FIELDS, STAGE_IO, Setting, payloads_of,
+    LOSS_FIELDS,
+    LOSS_MASK,
+    MISMATCH_FIELDS,
+    STAGE_IO,
+    Setting,
+    payloads_of,
 )
 from trajectory_replay.capture.values import materialize_float, materialize_masks, required_list
 from trajectory_replay.replay.flags import setting as setting_of
 
-if TYPE_CHECKING:   # the capture writer process builds bundles from these records without importing torch
+if TYPE_CHECKING:  # the capture writer process builds bundles from these records without importing torch
     import torch
 
     from trajectory_replay.capture.snapshot import Snapshot
 
-ROLLOUT_STAGES = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCESS, StageId.ADVANTAGE_KL,
-                  StageId.ADVANTAGE_ESTIMATE)
+ROLLOUT_STAGES = (
+    StageId.SAMPLE,
+    StageId.REWARD_RAW,
+    StageId.REWARD_POST_PROCESS,
+    StageId.ADVANTAGE_KL,
+    StageId.ADVANTAGE_ESTIMATE,
+)
 """The stages a rollout-level bundle always contracts (rollout.mismatch follows sample when its inputs are given)."""
 STEP_STAGES = (StageId.SAMPLE, StageId.LOSS_POLICY)
 """The stages a step-level bundle always contracts (+ rollout.mismatch as above, + loss.value when given)."""
@@ -73,7 +94,7 @@ def value_loss_payloads() -> tuple[str, ...]:
     return tuple(n for n in payloads_of((StageId.LOSS_VALUE,)) if n != LOSS_MASK)
 
 
-def given_payloads(kind: str, named: Mapping[str, Any], extra: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+def given_payloads(kind: str, named: Mapping[str, Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:
     """The payloads a hook was given, by name: its named arguments, then its `payloads` mapping (`extra`), those
     that are None left out. ValueError naming the payload when one is not a payload of a bundle of `kind` (as the
     stage table declares them: `bundle_payloads`), or is given twice."""
@@ -82,8 +103,10 @@ def given_payloads(kind: str, named: Mapping[str, Any], extra: Optional[Mapping[
     for source in (named, extra or {}):
         for name, value in source.items():
             if name not in accepted:
-                raise ValueError(f"payloads: {name!r} is not a payload of a {kind}-level bundle (the stage table "
-                                 f"declares: {', '.join(accepted)})")
+                raise ValueError(
+                    f"payloads: {name!r} is not a payload of a {kind}-level bundle (the stage table "
+                    f"declares: {', '.join(accepted)})"
+                )
             if value is not None:
                 if name in given:
                     raise ValueError(f"payloads: {name!r} is given both as an argument and in payloads")
@@ -94,8 +117,12 @@ def given_payloads(kind: str, named: Mapping[str, Any], extra: Optional[Mapping[
 def step_scalars(named: Mapping[str, Any]) -> dict[str, Any]:
     """The loss scalars `capture_step_end` was given, those that are None left out. ValueError naming one that is
     not an output of a loss stage (as the stage table declares them)."""
-    fields = tuple(n for stage in BUNDLE_STAGES["step"] if stage != StageId.ROLLOUT_MISMATCH
-                   and STAGE_IO[stage].recorded_as == "expected" for n in STAGE_IO[stage].outputs)
+    fields = tuple(
+        n
+        for stage in BUNDLE_STAGES["step"]
+        if stage != StageId.ROLLOUT_MISMATCH and STAGE_IO[stage].recorded_as == "expected"
+        for n in STAGE_IO[stage].outputs
+    )
     unknown = [k for k in named if k not in fields]
     if unknown:
         raise ValueError(f"{unknown[0]!r} is not a loss scalar of a step-level bundle (scalars: {', '.join(fields)})")
@@ -103,7 +130,7 @@ def step_scalars(named: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _torch_version() -> str:
-    import torch   # a Provenance is made in the training process, which has torch
+    import torch  # a Provenance is made in the training process, which has torch
 
     return torch.__version__
 
@@ -129,6 +156,8 @@ def _mismatch_stage(records: Sequence[SampleRecord], tensors: Mapping[str, Any])
     if "rollout_log_probs" in tensors or any(r.policy_version is not None for r in records):
         return (StageId.ROLLOUT_MISMATCH,)
     return ()
+
+
 EXACT_FIELDS = ["sample_id", "loss_mask", "group_index"]
 
 
@@ -180,10 +209,10 @@ class Columns:
         return sum(estimate_nbytes(v) for v in values.values())
 
     @classmethod
-    def take(cls, snap: Snapshot, **values: Any) -> "Columns":
+    def take(cls, snap: Snapshot, **values: Any) -> Columns:
         return cls(**{k: snap.values(v, k) for k, v in values.items()})
 
-    def records(self, micro_batch_id: Optional[str] = None, rollout_id: Optional[int] = None) -> list[SampleRecord]:
+    def records(self, micro_batch_id: str | None = None, rollout_id: int | None = None) -> list[SampleRecord]:
         """Sample records (writer thread). Lists of different lengths are a structural error."""
         ids = required_list(self.sample_ids, "sample_ids")
         n = len(ids)
@@ -193,17 +222,31 @@ class Columns:
         raw = required_list(self.raw_rewards, "raw_rewards", n)
         rewards = required_list(self.rewards, "rewards", n)
         masks = materialize_masks(self.loss_masks, [int(r) for r in resp])
-        mbs: list[Any] = required_list(self.micro_batch_ids, "micro_batch_ids", n) \
-            if self.micro_batch_ids is not None else [micro_batch_id] * n
-        versions: list[Any] = required_list(self.policy_versions, "policy_versions", n) \
-            if self.policy_versions is not None else [None] * n
-        return [SampleRecord(sample_id=str(ids[i]), group_index=None if groups[i] is None else int(groups[i]),
-                             response_length=int(resp[i]), total_length=int(total[i]), loss_mask=masks[i],
-                             raw_reward=float(raw[i]), reward=float(rewards[i]),
-                             micro_batch_id=None if mbs[i] is None else str(mbs[i]),
-                             policy_version=None if versions[i] is None else int(versions[i]),
-                             rollout_id=rollout_id)
-                for i in range(n)]
+        mbs: list[Any] = (
+            required_list(self.micro_batch_ids, "micro_batch_ids", n)
+            if self.micro_batch_ids is not None
+            else [micro_batch_id] * n
+        )
+        versions: list[Any] = (
+            required_list(self.policy_versions, "policy_versions", n)
+            if self.policy_versions is not None
+            else [None] * n
+        )
+        return [
+            SampleRecord(
+                sample_id=str(ids[i]),
+                group_index=None if groups[i] is None else int(groups[i]),
+                response_length=int(resp[i]),
+                total_length=int(total[i]),
+                loss_mask=masks[i],
+                raw_reward=float(raw[i]),
+                reward=float(rewards[i]),
+                micro_batch_id=None if mbs[i] is None else str(mbs[i]),
+                policy_version=None if versions[i] is None else int(versions[i]),
+                rollout_id=rollout_id,
+            )
+            for i in range(n)
+        ]
 
 
 @dataclass(frozen=True)
@@ -214,16 +257,18 @@ class Provenance:
     topology: RankTopology = field(default_factory=RankTopology)
 
     @classmethod
-    def of(cls, producer: Optional[ProducerInfo] = None,
-           topology: Optional[RankTopology | Mapping[str, int]] = None) -> "Provenance":
+    def of(
+        cls, producer: ProducerInfo | None = None, topology: RankTopology | Mapping[str, int] | None = None
+    ) -> Provenance:
         """From the manager's options `producer` and `topology` (a RankTopology or a mapping of its fields);
         None keeps the default."""
         given: dict[str, Any] = {}
         if producer is not None:
             given["producer"] = producer
         if topology is not None:
-            given["topology"] = topology if isinstance(topology, RankTopology) else RankTopology.model_validate(
-                dict(topology))
+            given["topology"] = (
+                topology if isinstance(topology, RankTopology) else RankTopology.model_validate(dict(topology))
+            )
         return cls(**given)
 
 
@@ -246,14 +291,25 @@ def _lineage(weight_lineage: Any) -> WeightLineage:
 
 
 def _manifest(bundle_id: str, stages: Sequence[StageId], prov: Provenance, setting: Setting) -> Manifest:
-    contracts = {s: StageContract(stage=s, capability=StageCapability.RECOMPUTE, implementation="reimplemented",
-                                  inputs=list(STAGE_IO[s].declared_inputs(setting)),
-                                  expected_outputs=list(STAGE_IO[s].outputs_for(setting))) for s in stages}
-    return Manifest(bundle_id=bundle_id, producer=prov.producer, stage_contracts=contracts,
-                    comparison_policy=ComparisonPolicy(exact_fields=list(EXACT_FIELDS)))
+    contracts = {
+        s: StageContract(
+            stage=s,
+            capability=StageCapability.RECOMPUTE,
+            implementation="reimplemented",
+            inputs=list(STAGE_IO[s].declared_inputs(setting)),
+            expected_outputs=list(STAGE_IO[s].outputs_for(setting)),
+        )
+        for s in stages
+    }
+    return Manifest(
+        bundle_id=bundle_id,
+        producer=prov.producer,
+        stage_contracts=contracts,
+        comparison_policy=ComparisonPolicy(exact_fields=list(EXACT_FIELDS)),
+    )
 
 
-def _unique(values: Sequence[Optional[str]]) -> list[str]:
+def _unique(values: Sequence[str | None]) -> list[str]:
     return list(dict.fromkeys(v for v in values if v is not None))
 
 
@@ -267,16 +323,17 @@ class RolloutRecord:
 
     rollout_id: int
     columns: Columns
-    payloads: Mapping[str, Optional[torch.Tensor]]
-    config: Any            # a RecomputeConfig or a mapping of its fields; checked by build()
-    weight_lineage: Any    # a WeightLineage, a mapping of its fields, or None; checked by build()
+    payloads: Mapping[str, torch.Tensor | None]
+    config: Any  # a RecomputeConfig or a mapping of its fields; checked by build()
+    weight_lineage: Any  # a WeightLineage, a mapping of its fields, or None; checked by build()
     provenance: Provenance
     mismatch_metrics: Mapping[str, Any] = field(default_factory=dict)
     """rollout.mismatch metrics production reported (numbers or one-element tensors), by field name."""
 
     def __post_init__(self) -> None:
-        check_fields(self, rollout_id=int, columns=Columns, payloads=Mapping, provenance=Provenance,
-                     mismatch_metrics=Mapping)
+        check_fields(
+            self, rollout_id=int, columns=Columns, payloads=Mapping, provenance=Provenance, mismatch_metrics=Mapping
+        )
 
     @property
     def bundle_id(self) -> str:
@@ -286,12 +343,18 @@ class RolloutRecord:
         """The documents and payloads of `rollout-<R>`."""
         bundle_id, prov = self.bundle_id, self.provenance
         records = self.columns.records()
-        identity = Identity(rollout_id=self.rollout_id, weight_lineage=_lineage(self.weight_lineage),
-                            rank=prov.topology, micro_batch_ids=_unique([r.micro_batch_id for r in records]),
-                            semantic_group_ids=_group_ids(records))
+        identity = Identity(
+            rollout_id=self.rollout_id,
+            weight_lineage=_lineage(self.weight_lineage),
+            rank=prov.topology,
+            micro_batch_ids=_unique([r.micro_batch_id for r in records]),
+            semantic_group_ids=_group_ids(records),
+        )
         index = BundleIndex(bundle_id=bundle_id, identity=identity, samples=records, config=_config(self.config))
-        expected: dict[str, dict[str, Any]] = {"reward.raw": {"raw_rewards": [r.raw_reward for r in records]},
-                    "reward.post_process": {"rewards": [r.reward for r in records]}}
+        expected: dict[str, dict[str, Any]] = {
+            "reward.raw": {"raw_rewards": [r.raw_reward for r in records]},
+            "reward.post_process": {"rewards": [r.reward for r in records]},
+        }
         tensors = {k: v for k in bundle_payloads("rollout") if (v := self.payloads.get(k)) is not None}
         check_mismatch_metrics(self.mismatch_metrics)
         if self.mismatch_metrics:
@@ -306,7 +369,7 @@ class MicroBatch:
 
     micro_batch_id: str
     columns: Columns
-    payloads: Mapping[str, Optional[torch.Tensor]]
+    payloads: Mapping[str, torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -315,15 +378,14 @@ class StepRecord:
 
     rollout_id: int
     step_id: int
-    micro_batches: tuple[MicroBatch, ...]   # in the order they were fed
-    scalars: Mapping[str, Any]              # the reported loss scalars: numbers or one-element tensors
+    micro_batches: tuple[MicroBatch, ...]  # in the order they were fed
+    scalars: Mapping[str, Any]  # the reported loss scalars: numbers or one-element tensors
     config: Any
     weight_lineage: Any
     provenance: Provenance
 
     def __post_init__(self) -> None:
-        check_fields(self, rollout_id=int, step_id=int, micro_batches=tuple, scalars=Mapping,
-                     provenance=Provenance)
+        check_fields(self, rollout_id=int, step_id=int, micro_batches=tuple, scalars=Mapping, provenance=Provenance)
         for i, mb in enumerate(self.micro_batches):
             if not isinstance(mb, MicroBatch):
                 raise TypeError(f"StepRecord.micro_batches[{i}]: expected MicroBatch, got {type(mb).__name__}")
@@ -338,10 +400,13 @@ class StepRecord:
         records: list[SampleRecord] = []
         for mb in micro_batches:
             records.extend(mb.columns.records(mb.micro_batch_id, rollout_id=self.rollout_id))
-        identity = Identity(actor_step_id=ActorStepId(rollout_id=self.rollout_id, step_id=self.step_id),
-                            weight_lineage=_lineage(self.weight_lineage), rank=prov.topology,
-                            micro_batch_ids=[mb.micro_batch_id for mb in micro_batches],
-                            semantic_group_ids=_group_ids(records))
+        identity = Identity(
+            actor_step_id=ActorStepId(rollout_id=self.rollout_id, step_id=self.step_id),
+            weight_lineage=_lineage(self.weight_lineage),
+            rank=prov.topology,
+            micro_batch_ids=[mb.micro_batch_id for mb in micro_batches],
+            semantic_group_ids=_group_ids(records),
+        )
         index = BundleIndex(bundle_id=bundle_id, identity=identity, samples=records, config=_config(self.config))
         tensors: dict[str, torch.Tensor] = {}
         for name in bundle_payloads("step"):
@@ -349,27 +414,53 @@ class StepRecord:
             if len(parts) != len(micro_batches):
                 continue  # written as given: a payload missing in any micro-batch is left out (replay reports it)
             tensors[name] = _concat([p.reshape(-1) for p in parts]) if len(parts) != 1 else parts[0]
-        stages = STEP_STAGES[:1] + _mismatch_stage(records, tensors) + STEP_STAGES[1:] \
+        stages = (
+            STEP_STAGES[:1]
+            + _mismatch_stage(records, tensors)
+            + STEP_STAGES[1:]
             + ((StageId.LOSS_VALUE,) if self.has_value_loss else ())
+        )
         setting = setting_of(index.config)
-        expected = {stage.value: {k: materialize_float(self.scalars.get(k))
-                                  for k in STAGE_IO[stage].outputs_for(setting)}
-                    for stage in stages if stage not in (StageId.SAMPLE, StageId.ROLLOUT_MISMATCH)}
+        expected = {
+            stage.value: {k: materialize_float(self.scalars.get(k)) for k in STAGE_IO[stage].outputs_for(setting)}
+            for stage in stages
+            if stage not in (StageId.SAMPLE, StageId.ROLLOUT_MISMATCH)
+        }
         return BundleParts(_manifest(bundle_id, stages, prov, setting), index, expected, tensors)
 
     @property
     def has_value_loss(self) -> bool:
         """True when any value-loss input or scalar was given: loss.value is then contracted, and whatever of it is
         missing is reported by validate and replay rather than silently not checked."""
-        return (any(mb.payloads.get(name) is not None for mb in self.micro_batches for name in value_loss_payloads())
-                or any(self.scalars.get(name) is not None for name in STAGE_IO[StageId.LOSS_VALUE].outputs))
+        return any(
+            mb.payloads.get(name) is not None for mb in self.micro_batches for name in value_loss_payloads()
+        ) or any(self.scalars.get(name) is not None for name in STAGE_IO[StageId.LOSS_VALUE].outputs)
 
 
-CaptureRecord = Union[RolloutRecord, StepRecord]
+CaptureRecord = RolloutRecord | StepRecord
 CAPTURE_RECORDS = (RolloutRecord, StepRecord)
 
 
-__all__ = ["BUNDLE_STAGES", "BundleParts", "CAPTURE_RECORDS", "CaptureRecord", "Columns", "EXACT_FIELDS", "LOSS_FIELDS",
-           "MicroBatch", "Provenance", "ROLLOUT_STAGES", "RolloutRecord", "STEP_STAGES", "StepRecord",
-           "bundle_payloads", "check_fields", "check_mismatch_metrics", "given_payloads", "rollout_bundle_id",
-           "step_bundle_id", "step_scalars", "value_loss_payloads"]
+__all__ = [
+    "BUNDLE_STAGES",
+    "BundleParts",
+    "CAPTURE_RECORDS",
+    "CaptureRecord",
+    "Columns",
+    "EXACT_FIELDS",
+    "LOSS_FIELDS",
+    "MicroBatch",
+    "Provenance",
+    "ROLLOUT_STAGES",
+    "RolloutRecord",
+    "STEP_STAGES",
+    "StepRecord",
+    "bundle_payloads",
+    "check_fields",
+    "check_mismatch_metrics",
+    "given_payloads",
+    "rollout_bundle_id",
+    "step_bundle_id",
+    "step_scalars",
+    "value_loss_payloads",
+]

@@ -17,7 +17,8 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, Callable, Mapping, Optional, Union
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from trajectory_replay.capture.commit import InThreadWriter
 from trajectory_replay.capture.worker import WriterProcess, WriterSettings
@@ -26,12 +27,18 @@ from trajectory_replay.store import ObjectStore
 
 log = logging.getLogger("trajectory_replay.capture")
 
-Writer = Union[InThreadWriter, WriterProcess]
+Writer = InThreadWriter | WriterProcess
 """What the manager's writer thread hands jobs to: `write(job) -> url`, `stop()`, and its `mode`."""
 
 
-def start_writer(mode: str, store: ObjectStore, capture_dir: str, storage_options: Mapping[str, Any], priority: str,
-                 made: Optional[Callable[[Writer], None]] = None) -> tuple[Writer, Optional[StorageUnavailableError]]:
+def start_writer(
+    mode: str,
+    store: ObjectStore,
+    capture_dir: str,
+    storage_options: Mapping[str, Any],
+    priority: str,
+    made: Callable[[Writer], None] | None = None,
+) -> tuple[Writer, StorageUnavailableError | None]:
     """The writer for `mode` ("process" or "thread"), started, and the storage failure its first contact with the
     store met, if any (it still serves: the store may be back by the first job). The in-thread writer uses
     `store`; a writer process opens a store of its own, on `capture_dir` with `storage_options`.
@@ -46,8 +53,11 @@ def start_writer(mode: str, store: ObjectStore, capture_dir: str, storage_option
         try:
             return process, process.start()
         except Exception as exc:  # noqa: BLE001 - capture goes on in this thread rather than not at all
-            log.warning("capture: the writer process could not start (%s: %s); writing from a thread instead",
-                        type(exc).__name__, exc)
+            log.warning(
+                "capture: the writer process could not start (%s: %s); writing from a thread instead",
+                type(exc).__name__,
+                exc,
+            )
     return InThreadWriter(store), None
 
 
@@ -72,7 +82,7 @@ def open_store(capture_dir: str, storage_options: Mapping[str, Any], mode: str) 
     return ObjectStore.open(capture_dir, **options)
 
 
-_IO_LOOP: Optional[asyncio.AbstractEventLoop] = None
+_IO_LOOP: asyncio.AbstractEventLoop | None = None
 _IO_LOOP_LOCK = threading.Lock()
 
 
@@ -96,7 +106,7 @@ def background_loop() -> asyncio.AbstractEventLoop:
     return _IO_LOOP
 
 
-_AT_EXIT: "weakref.WeakKeyDictionary[Any, weakref.WeakMethod]" = weakref.WeakKeyDictionary()
+_AT_EXIT: weakref.WeakKeyDictionary[Any, weakref.WeakMethod] = weakref.WeakKeyDictionary()
 _exit_hook_registered = False
 _exit_hook_lock = threading.Lock()
 
@@ -143,5 +153,12 @@ def _register_exit_hook() -> None:
         _exit_hook_registered = True
 
 
-__all__ = ["Writer", "background_loop", "close_at_exit", "forget_at_exit", "lower_thread_priority", "open_store",
-           "start_writer"]
+__all__ = [
+    "Writer",
+    "background_loop",
+    "close_at_exit",
+    "forget_at_exit",
+    "lower_thread_priority",
+    "open_store",
+    "start_writer",
+]

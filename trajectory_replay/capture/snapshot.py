@@ -11,7 +11,7 @@ Python values: `.tolist()` / `float()` on a CUDA tensor would synchronize, so th
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -60,7 +60,7 @@ class Snapshot:
             return t.to("cpu")  # other accelerators: a plain (synchronous) copy
         return t.clone(memory_format=torch.contiguous_format)
 
-    def flat(self, value: Any, what: str) -> Optional[torch.Tensor]:
+    def flat(self, value: Any, what: str) -> torch.Tensor | None:
         """A per-token payload: a flat tensor, or a list of per-sample 1-D tensors (or number lists)."""
         if value is None:
             return None
@@ -74,8 +74,11 @@ class Snapshot:
                 if parts[0].device.type == "cuda":
                     return self.tensor(torch.cat(parts))  # one GPU operation, then one async copy
                 return torch.cat([p.to("cpu") for p in parts])  # a new tensor: the one copy
-            flat = [x for v in value for x in (v.tolist() if isinstance(v, torch.Tensor) else v)] \
-                if isinstance(value[0], (list, tuple, torch.Tensor)) else list(value)
+            flat = (
+                [x for v in value for x in (v.tolist() if isinstance(v, torch.Tensor) else v)]
+                if isinstance(value[0], (list, tuple, torch.Tensor))
+                else list(value)
+            )
             return torch.tensor(flat, dtype=torch.float32)
         raise TypeError(f"{what}: expected a tensor or a list of per-sample tensors, got {type(value).__name__}")
 
@@ -86,11 +89,13 @@ class Snapshot:
         if isinstance(value, torch.Tensor):
             return self.tensor(value)
         if isinstance(value, (list, tuple)):
-            return [self.tensor(v) if isinstance(v, torch.Tensor) else
-                    (list(v) if isinstance(v, (list, tuple)) else v) for v in value]
+            return [
+                self.tensor(v) if isinstance(v, torch.Tensor) else (list(v) if isinstance(v, (list, tuple)) else v)
+                for v in value
+            ]
         raise TypeError(f"{what}: expected a list or a tensor, got {type(value).__name__}")
 
-    def finish(self) -> "Snapshot":
+    def finish(self) -> Snapshot:
         """Record one event per device after the last copy (the writer waits on them)."""
         for device in self._devices:
             event = torch.cuda.Event()

@@ -8,14 +8,15 @@ torch): a captured value is a number, a list, or a tensor, either a torch tensor
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def _is_tensor(value: Any) -> bool:
     return hasattr(value, "numel") and hasattr(value, "tolist") and hasattr(value, "reshape")
 
 
-def materialize_list(value: Any, what: str, n: Optional[int] = None) -> Optional[list]:
+def materialize_list(value: Any, what: str, n: int | None = None) -> list | None:
     """Per-sample scalars as a Python list."""
     if value is None:
         return None
@@ -28,7 +29,7 @@ def materialize_list(value: Any, what: str, n: Optional[int] = None) -> Optional
     return out
 
 
-def required_list(value: Any, what: str, n: Optional[int] = None) -> list:
+def required_list(value: Any, what: str, n: int | None = None) -> list:
     """`materialize_list` of a value every bundle needs: ValueError naming it when it was not given."""
     out = materialize_list(value, what, n)
     if out is None:
@@ -44,7 +45,7 @@ def materialize_masks(value: Any, lengths: Sequence[int], what: str = "loss_mask
             raise ValueError(f"{what}: a flat mask of {len(flat)} tokens for {sum(lengths)} response tokens")
         out, pos = [], 0
         for n in lengths:
-            out.append(flat[pos:pos + max(n, 0)])
+            out.append(flat[pos : pos + max(n, 0)])
             pos += max(n, 0)
         return out
     if value is None:
@@ -54,7 +55,7 @@ def materialize_masks(value: Any, lengths: Sequence[int], what: str = "loss_mask
     return [[int(x) for x in (m.reshape(-1).tolist() if _is_tensor(m) else m)] for m in value]
 
 
-def materialize_float(value: Any) -> Optional[float]:
+def materialize_float(value: Any) -> float | None:
     """A reported scalar (a number or a 0-d/1-element tensor) as a float."""
     if value is None:
         return None

@@ -26,11 +26,11 @@ import pickle
 import signal
 import struct
 import subprocess
-import threading
 import sys
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import IO, Any, NamedTuple, Optional
+from typing import IO, Any, NamedTuple
 
 from trajectory_replay.bundle.codec import RawTensor
 from trajectory_replay.capture.commit import BundleJob, commit_bundle, storage_failure
@@ -48,7 +48,7 @@ READY = "ready"
 # ---- framing ---------------------------------------------------------------------------------------
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any):
-        torch = sys.modules.get("torch")   # whoever sends a tensor has imported torch; the child never does
+        torch = sys.modules.get("torch")  # whoever sends a tensor has imported torch; the child never does
         if torch is not None and isinstance(obj, torch.Tensor):
             t = obj.detach().to("cpu").contiguous()
             raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
@@ -103,9 +103,9 @@ class Reply(NamedTuple):
     """The writer process's answer to the Request of the same `seq`: the bundle's URL, or what went wrong."""
 
     seq: int
-    url: Optional[str] = None
-    error: Optional[str] = None
-    failure: Optional[Failure] = None
+    url: str | None = None
+    error: str | None = None
+    failure: Failure | None = None
 
 
 # ---- storage failures ------------------------------------------------------------------------------
@@ -118,13 +118,13 @@ class WriterStorageError(StorageUnavailableError):
         self.transient = transient
 
 
-def _describe(failure: Optional[StorageUnavailableError]) -> Optional[Failure]:
+def _describe(failure: StorageUnavailableError | None) -> Failure | None:
     if failure is None:
         return None
     return str(failure), str(getattr(failure, "kind", "storage")), bool(getattr(failure, "transient", False))
 
 
-def _rebuild(described: Optional[Failure]) -> Optional[WriterStorageError]:
+def _rebuild(described: Failure | None) -> WriterStorageError | None:
     return None if described is None else WriterStorageError(*described)
 
 
@@ -137,12 +137,12 @@ class WriterProcess:
     def __init__(self, settings: WriterSettings, priority: str = "idle") -> None:
         self.settings = settings
         self.priority = priority
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
         self._seq = 0
         self._scheduling = threading.Lock()
         self._hurried = False
 
-    def start(self) -> Optional[WriterStorageError]:
+    def start(self) -> WriterStorageError | None:
         """Start the process and wait until it has opened the store (and probed it: create-once markers).
 
         Returns the storage failure its first contact with the store met, if any (the process still serves)."""
@@ -150,8 +150,12 @@ class WriterProcess:
         # the child must import this package exactly as the parent did
         paths = [p for p in sys.path if p]
         env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        proc = subprocess.Popen([sys.executable, "-c", "from trajectory_replay.capture.worker import main; main()"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from trajectory_replay.capture.worker import main; main()"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
         # its scheduling is set here, at once (before its imports), and only here: a flush waiting meanwhile may
         # have asked for it to run normally, which the process itself could not know
         with self._scheduling:
@@ -185,7 +189,7 @@ class WriterProcess:
             self._hurried = False
             self._schedule(self.proc)
 
-    def _schedule(self, proc: Optional[subprocess.Popen]) -> bool:
+    def _schedule(self, proc: subprocess.Popen | None) -> bool:
         """Set the scheduling of `proc`, this writer's process (the caller holds `_scheduling`): normal while hurried
         where permitted, else its priority (idle: only a CPU with nothing else to run; low: nice 10). True when it
         runs normally."""
@@ -198,7 +202,7 @@ class WriterProcess:
                     os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
                     os.setpriority(os.PRIO_PROCESS, tid, 0)
                 return True
-            except (AttributeError, OSError):   # not permitted, not Linux, or the process just ended
+            except (AttributeError, OSError):  # not permitted, not Linux, or the process just ended
                 pass
         for tid in threads:
             _lower(tid, self.priority)
@@ -209,7 +213,7 @@ class WriterProcess:
         if not self.alive:
             self.start()
         self._seq += 1
-        assert self.proc is not None   # started just above
+        assert self.proc is not None  # started just above
         try:
             stdin, stdout = _pipes(self.proc)
             send(stdin, Request(self._seq, job))
@@ -217,8 +221,10 @@ class WriterProcess:
         except (EOFError, OSError, pickle.UnpicklingError) as exc:
             code = self.proc.poll() if self.proc is not None else None
             self.stop()
-            raise RuntimeError(f"the capture writer process ended (exit {code}) while writing {job.bundle_id}: "
-                               f"{type(exc).__name__}: {exc}") from None
+            raise RuntimeError(
+                f"the capture writer process ended (exit {code}) while writing {job.bundle_id}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
         if reply.seq != self._seq:
             self.stop()
             raise RuntimeError(f"capture writer process answered record {reply.seq}, expected {self._seq}")
@@ -226,7 +232,7 @@ class WriterProcess:
             raise WriterStorageError(*reply.failure)
         if reply.error is not None:
             raise RuntimeError(reply.error)
-        assert reply.url is not None   # a reply without a failure or an error names the bundle
+        assert reply.url is not None  # a reply without a failure or an error names the bundle
         return reply.url
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -235,7 +241,7 @@ class WriterProcess:
             return
         stdin, stdout = _pipes(proc)
         try:
-            stdin.close()   # end of input: the child exits
+            stdin.close()  # end of input: the child exits
         except OSError:
             pass
         try:
@@ -259,10 +265,10 @@ def _die_with_parent() -> None:
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-    if os.getppid() == 1:   # the parent died before prctl took effect
+    if os.getppid() == 1:  # the parent died before prctl took effect
         os._exit(1)
 
 
@@ -291,10 +297,10 @@ def _lower(pid: int, priority: str) -> None:
 
 
 def main() -> None:
-    _die_with_parent()   # its priority is set by the parent that started it (WriterProcess.start)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the training program's to handle
+    _die_with_parent()  # its priority is set by the parent that started it (WriterProcess.start)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training program's to handle
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr   # nothing else may write to the protocol stream
+    sys.stdout = sys.stderr  # nothing else may write to the protocol stream
     settings: WriterSettings = receive(stdin)
     try:
         store = ObjectStore.open(settings.capture_dir, **settings.storage_options)
@@ -328,4 +334,3 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the parent
             reply = Reply(seq, error=f"{type(exc).__name__}: {exc}", failure=_describe(storage_failure(exc)))
         send(stdout, reply)
-

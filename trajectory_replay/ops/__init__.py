@@ -13,6 +13,18 @@ from trajectory_replay.ops.ls import ListReport, list_bundles
 from trajectory_replay.ops.stats import StoreStats, store_stats
 
 __all__ = [
-    "CopyReport", "ExportReport", "FsckReport", "GcReport", "ListReport", "StoreStats", "check_store",
-    "collect_garbage", "copy_bundles", "export_bundle", "import_v1", "list_bundles", "parse_duration", "store_stats",
+    "CopyReport",
+    "ExportReport",
+    "FsckReport",
+    "GcReport",
+    "ListReport",
+    "StoreStats",
+    "check_store",
+    "collect_garbage",
+    "copy_bundles",
+    "export_bundle",
+    "import_v1",
+    "list_bundles",
+    "parse_duration",
+    "store_stats",
 ]

@@ -25,22 +25,32 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any
 
 from trajectory_replay.backends import Backend, redact_url
+from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.markers import (
-    COMPLETE, CompleteMarker, complete_key, final_marker_bytes, parse_complete, read_complete,
+    COMPLETE,
+    CompleteMarker,
+    complete_key,
+    final_marker_bytes,
+    parse_complete,
+    read_complete,
 )
 from trajectory_replay.bundle.paths import split_bundle_path
-from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.bundle.resolve import Candidate, Selection
+from trajectory_replay.bundle.status import (
+    COMPLETE_STATUS,
+    CORRUPT,
+    FINALIZABLE,
+    BundleState,
+    bundle_status,
+    scan_bundles,
+)
 from trajectory_replay.errors import BundleError, IntegrityError, NotFoundError, UsageError
 from trajectory_replay.ops.progress import Progress
-from trajectory_replay.bundle.status import (
-    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, bundle_status, scan_bundles,
-)
 from trajectory_replay.ops.walk import Walker, open_root
 from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.store.digest import OBJECT, key_kind
@@ -81,20 +91,32 @@ class CopyReport(Outcome):
         return asdict(self)
 
     def render_text(self) -> str:
-        lines = [f"copied {len(self.bundles)} bundle(s) {', '.join(self.bundles)} to {self.dest}: "
-                 f"{self.objects_copied} objects copied ({human_bytes(self.bytes_copied)}), "
-                 f"{self.objects_skipped} already there, {self.markers_written} markers written"]
+        lines = [
+            f"copied {len(self.bundles)} bundle(s) {', '.join(self.bundles)} to {self.dest}: "
+            f"{self.objects_copied} objects copied ({human_bytes(self.bytes_copied)}), "
+            f"{self.objects_skipped} already there, {self.markers_written} markers written"
+        ]
         if self.converted:
-            lines = [f"converted {len(self.converted)} older-format bundle(s) {', '.join(self.converted)} into "
-                     f"native bundles of {self.dest}"]
+            lines = [
+                f"converted {len(self.converted)} older-format bundle(s) {', '.join(self.converted)} into "
+                f"native bundles of {self.dest}"
+            ]
         lines += [f"not copied: {s['name']}: corrupt ({s['detail']})" for s in self.skipped]
         return "\n".join(lines)
 
 
-def copy_bundles(source: str | os.PathLike, dest_root: str | os.PathLike, *, step: Optional[str] = None,
-                 rollout: Optional[int] = None, all_bundles: bool = False,
-                 source_options: Optional[dict] = None, dest_options: Optional[dict] = None,
-                 progress: Optional[Progress] = None, workers: Optional[int] = None) -> CopyReport:
+def copy_bundles(
+    source: str | os.PathLike,
+    dest_root: str | os.PathLike,
+    *,
+    step: str | None = None,
+    rollout: int | None = None,
+    all_bundles: bool = False,
+    source_options: dict | None = None,
+    dest_options: dict | None = None,
+    progress: Progress | None = None,
+    workers: int | None = None,
+) -> CopyReport:
     """Copy one bundle (`<root>/<bundle>`), or the bundles of a root chosen by `step`/`rollout`/`all_bundles`."""
     if sum(x is not None and x is not False for x in (step, rollout, all_bundles or None)) > 1:
         raise UsageError("--step, --rollout and --all are mutually exclusive")
@@ -111,21 +133,29 @@ def copy_bundles(source: str | os.PathLike, dest_root: str | os.PathLike, *, ste
         if tree.problems or tree.missing or tree.corrupt:
             detail = "; ".join(tree.problems) or f"{len(tree.missing)} missing, {len(tree.corrupt)} corrupt objects"
             if direct:
-                raise BundleError(f"{redact_url(src.url)}/{tree.name}: cannot copy a damaged bundle ({detail}); "
-                                  "run fsck")
+                raise BundleError(
+                    f"{redact_url(src.url)}/{tree.name}: cannot copy a damaged bundle ({detail}); run fsck"
+                )
             skipped.append({"name": tree.name, "detail": f"damaged tree: {detail}; run fsck"})
     damaged = {s["name"] for s in skipped}
     states = [s for s in states if s.name not in damaged]
     if not states:
-        raise BundleError(f"{redact_url(os.fspath(source))}: nothing copied; "
-                          + "; ".join(f"{s['name']}: {s['detail']}" for s in skipped))
+        raise BundleError(
+            f"{redact_url(os.fspath(source))}: nothing copied; "
+            + "; ".join(f"{s['name']}: {s['detail']}" for s in skipped)
+        )
     trees = {name: tree for name, tree in trees.items() if name not in damaged}
     dest = open_root(dest_root, must_exist=False, **(dest_options or {}))
     _check_destination(src, dest, os.fspath(dest_root), dest_options or {})
-    report = CopyReport(redact_url(os.fspath(source)), redact_url(os.fspath(dest_root)),
-                        bundles=[s.name for s in states], skipped=skipped)
-    chunks, records, refs = write_layers(node for tree in trees.values()
-                                         for node in [*tree.documents, *(n for _, _, n in tree.payloads)])
+    report = CopyReport(
+        redact_url(os.fspath(source)),
+        redact_url(os.fspath(dest_root)),
+        bundles=[s.name for s in states],
+        skipped=skipped,
+    )
+    chunks, records, refs = write_layers(
+        node for tree in trees.values() for node in [*tree.documents, *(n for _, _, n in tree.payloads)]
+    )
     copier = _Copier(src, dest, report, progress, workers or max(src.max_workers, dest.max_workers))
     for label, keys in (("chunks", chunks), ("records", records), ("refs", refs)):
         copier.transfer(label, keys)
@@ -135,7 +165,7 @@ def copy_bundles(source: str | os.PathLike, dest_root: str | os.PathLike, *, ste
     return report
 
 
-def _source(source: str, want: Optional[Anchor], options: dict) -> tuple[Backend, Selection]:
+def _source(source: str, want: Anchor | None, options: dict) -> tuple[Backend, Selection]:
     """The source's backend and what it holds as a `Selection`: the one bundle it names (refused unless complete
     or finalizable), or the complete, finalizable and corrupt bundles of the root it is. A finalizable bundle is
     copied with the COMPLETE its rank markers determine: a copy writes nothing to its source."""
@@ -158,11 +188,15 @@ def _source(source: str, want: Optional[Anchor], options: dict) -> tuple[Backend
         return backend, Selection(shown, want, [Candidate.of(direct, source)], direct=True)
     backend = open_root(source, **options)
     states = [(s, Candidate.of(s, f"{source.rstrip('/')}/{s.name}")) for s in scan_bundles(backend)]
-    return backend, Selection(shown, want, [c for s, c in states if s.status in (COMPLETE_STATUS, FINALIZABLE)],
-                              [c for s, c in states if s.status == CORRUPT])
+    return backend, Selection(
+        shown,
+        want,
+        [c for s, c in states if s.status in (COMPLETE_STATUS, FINALIZABLE)],
+        [c for s, c in states if s.status == CORRUPT],
+    )
 
 
-def _local_dir(source: str) -> Optional[Path]:
+def _local_dir(source: str) -> Path | None:
     """The directory a local source names (None for a URL of a remote store, or a path that is no directory)."""
     if "://" in source and not source.startswith("file://"):
         return None
@@ -176,7 +210,7 @@ class _OlderSelection:
     skipped: list[dict[str, str]]
 
 
-def _older_path(path: Optional[Path]) -> Path:
+def _older_path(path: Path | None) -> Path:
     """The directory of an older-format bundle `open_bundle` chose (it always has one)."""
     assert path is not None
     return path
@@ -188,8 +222,9 @@ def _state(candidate: Candidate) -> BundleState:
     return candidate.state
 
 
-def _older_format_selection(source: str, step: Optional[str], rollout: Optional[int],
-                            all_bundles: bool) -> Optional[_OlderSelection]:
+def _older_format_selection(
+    source: str, step: str | None, rollout: int | None, all_bundles: bool
+) -> _OlderSelection | None:
     """The older-format bundles to convert: the source itself when it is one, else those of a local directory
     that holds no native bundle, chosen by the flags; None when the source is for the native copy."""
     from trajectory_replay.bundle import legacy
@@ -215,8 +250,9 @@ def _older_format_selection(source: str, step: Optional[str], rollout: Optional[
         elif status.status == CORRUPT:  # unfinished ones are left out unnamed, as native ones are
             skipped.append({"name": path.name, "detail": status.detail})
     if not chosen:
-        raise BundleError(f"{redact_url(source)}: nothing copied; "
-                          + "; ".join(f"{s['name']}: {s['detail']}" for s in skipped))
+        raise BundleError(
+            f"{redact_url(source)}: nothing copied; " + "; ".join(f"{s['name']}: {s['detail']}" for s in skipped)
+        )
     return _OlderSelection(chosen, skipped)
 
 
@@ -228,10 +264,12 @@ def _convert(source: str, older: _OlderSelection, dest_root: str | os.PathLike, 
     dest = open_root(dest_root, must_exist=False, **options)
     _check_destination(open_root(source), dest, os.fspath(dest_root), options)
     store = ObjectStore.open(os.fspath(dest_root), **options)
-    names = [_import_one(path, store, os.fspath(dest_root), None).rstrip("/").rsplit("/", 1)[-1]
-             for path in older.bundles]
-    return CopyReport(redact_url(source), redact_url(os.fspath(dest_root)), bundles=names, skipped=older.skipped,
-                      converted=names)
+    names = [
+        _import_one(path, store, os.fspath(dest_root), None).rstrip("/").rsplit("/", 1)[-1] for path in older.bundles
+    ]
+    return CopyReport(
+        redact_url(source), redact_url(os.fspath(dest_root)), bundles=names, skipped=older.skipped, converted=names
+    )
 
 
 def _check_destination(src: Backend, dest: Backend, dest_root: str, options: dict) -> None:
@@ -279,14 +317,13 @@ class _Copier:
         self.src, self.dest, self.report, self.progress, self.workers = src, dest, report, progress, workers
         self.dest_inventory = Inventory(dest)
         self._lock = threading.Lock()
-        self._listed: Optional[set[str]] = None
+        self._listed: set[str] | None = None
 
     def transfer(self, label: str, keys: dict[str, int]) -> None:
         present = self._present(list(keys))
         missing = [k for k, there in zip(keys, present) if not there]
         self.report.objects_skipped += len(keys) - len(missing)
-        self.progress.phase(f"copying {label}", objects=len(missing),
-                            nbytes=sum(keys[k] for k in missing) or None)
+        self.progress.phase(f"copying {label}", objects=len(missing), nbytes=sum(keys[k] for k in missing) or None)
         # one key per task, `workers` in flight all along: no batch waits for its slowest member
         concurrently(self._copy, missing, self.workers)
 
@@ -335,8 +372,10 @@ def _write_markers(src: Backend, dest: Backend, state: BundleState, report: Copy
     if dest.exists(complete_key(name)):
         existing = read_complete(dest, name)
         if existing is None or _documents(existing) != _documents(parse_complete(data)):
-            raise BundleError(f"{redact_url(dest.url)}/{name}: a different bundle with this name exists at the "
-                              "destination; refusing to overwrite it")
+            raise BundleError(
+                f"{redact_url(dest.url)}/{name}: a different bundle with this name exists at the "
+                "destination; refusing to overwrite it"
+            )
         report.markers_skipped += 1
         return
     if not dest.create_if_absent(complete_key(name), data):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from trajectory_replay.bundle import legacy
 from trajectory_replay.bundle.reader import BundleReader, open_native
@@ -32,7 +32,7 @@ class ExportReport(Outcome):
     bundle: str
     out_dir: str
     bundle_id: str
-    ranks: list[Optional[int]] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
     payloads: int = 0
     bytes: int = 0
 
@@ -47,12 +47,15 @@ class ExportReport(Outcome):
     def render_text(self) -> str:
         ranks = ", ".join(str(r) for r in self.ranks if r is not None)
         ranks = f" (ranks {ranks})" if ranks else ""
-        return (f"exported {self.bundle_id}{ranks} to {self.out_dir}: {self.payloads} payloads, "
-                f"{human_bytes(self.bytes)} of payloads (V1 layout)")
+        return (
+            f"exported {self.bundle_id}{ranks} to {self.out_dir}: {self.payloads} payloads, "
+            f"{human_bytes(self.bytes)} of payloads (V1 layout)"
+        )
 
 
-def export_bundle(bundle: str | os.PathLike, out_dir: str | os.PathLike, *, progress: Optional[Progress] = None,
-                  **storage_options: Any) -> ExportReport:
+def export_bundle(
+    bundle: str | os.PathLike, out_dir: str | os.PathLike, *, progress: Progress | None = None, **storage_options: Any
+) -> ExportReport:
     """Write the native bundle at `bundle` to `out_dir` (new or empty) as a V1 bundle directory."""
     progress = progress or Progress()
     target = Path(out_dir).expanduser()
@@ -60,8 +63,11 @@ def export_bundle(bundle: str | os.PathLike, out_dir: str | os.PathLike, *, prog
         raise BundleError(f"{target}: exists and is not an empty directory; export writes a new bundle directory")
     sources = open_native(os.fspath(bundle), **storage_options)
     report = ExportReport(os.fspath(bundle), str(target), sources[0].bundle_id, [s.rank for s in sources])
-    progress.phase("export", objects=sum(len(_payload_names(s)) for s in sources),
-                   nbytes=sum(s.spec(n).size for s in sources for n in _payload_names(s)))
+    progress.phase(
+        "export",
+        objects=sum(len(_payload_names(s)) for s in sources),
+        nbytes=sum(s.spec(n).size for s in sources for n in _payload_names(s)),
+    )
     shards = {}
     for source in sources:
         payloads = {}
@@ -76,8 +82,9 @@ def export_bundle(bundle: str | os.PathLike, out_dir: str | os.PathLike, *, prog
         manifest, index, expected, payloads = shards[None]
         legacy.write_v1_bundle(target, manifest, index, expected, payloads)
     else:
-        legacy.write_v1_multirank(target, {r: shard for r, shard in shards.items() if r is not None},
-                                  sources[0].marker.expected_ranks)
+        legacy.write_v1_multirank(
+            target, {r: shard for r, shard in shards.items() if r is not None}, sources[0].marker.expected_ranks
+        )
     return report
 
 
@@ -89,7 +96,7 @@ def _raw_payload(source: BundleReader, name: str) -> RawTensor:
         blob = source.store.get(source.payload_ref(name))
     except TrajectoryReplayError as exc:
         raise type(exc)(f"{source.label}: payload {name!r}: {exc}") from None
-    return RawTensor(memoryview(blob)[header.data_start:header.data_end], header.dtype_name, header.shape)
+    return RawTensor(memoryview(blob)[header.data_start : header.data_end], header.dtype_name, header.shape)
 
 
 def _payload_names(source: BundleReader) -> list[str]:

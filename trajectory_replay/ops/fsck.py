@@ -27,18 +27,29 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from trajectory_replay.backends import Backend, redact_url
 from trajectory_replay.bundle.markers import (
-    MarkerProblem, complete_disagreements, rank_marker_problems, ranks_brief,
+    MarkerProblem,
+    complete_disagreements,
+    rank_marker_problems,
+    ranks_brief,
+)
+from trajectory_replay.bundle.status import (
+    COMPLETE_STATUS,
+    CORRUPT,
+    FINALIZABLE,
+    INCOMPLETE,
+    BundleState,
+    anchor_problems,
+    finalize,
+    scan_bundles,
 )
 from trajectory_replay.errors import BundleError, NoSuchTargetError
 from trajectory_replay.ops.progress import Progress
-from trajectory_replay.bundle.status import (
-    COMPLETE_STATUS, CORRUPT, FINALIZABLE, INCOMPLETE, BundleState, anchor_problems, finalize, scan_bundles,
-)
 from trajectory_replay.ops.walk import BundleTree, Walker, open_root
 from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.store import BlobRecord
@@ -91,29 +102,41 @@ class FsckReport(Outcome):
 
     def failures(self) -> list[str]:
         """Each problem that keeps the store from being healthy, one line."""
-        return [f"missing {k}" for k in self.missing] + [f"corrupt {k}" for k in self.corrupt] + [
-            f"damaged bundle {b.get('name')}: {b.get('detail')}" for b in self.damaged_bundles] + [
-            f"not finalized: {n}" for n in self.finalizable if n not in self.finalized]
+        return (
+            [f"missing {k}" for k in self.missing]
+            + [f"corrupt {k}" for k in self.corrupt]
+            + [f"damaged bundle {b.get('name')}: {b.get('detail')}" for b in self.damaged_bundles]
+            + [f"not finalized: {n}" for n in self.finalizable if n not in self.finalized]
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "healthy": self.healthy}
 
     def render_text(self) -> str:
-        lines = [f"fsck {self.root}: {'healthy' if self.healthy else 'PROBLEMS FOUND'}",
-                 f"  {self.objects_checked} objects ({human_bytes(self.bytes_checked)}) and {self.refs_checked} "
-                 f"blob refs verified, {self.bundles} bundles"]
-        for label, keys in (("missing", self.missing), ("corrupt", self.corrupt), ("repaired", self.repaired),
-                            ("relinked", self.relinked)):
+        lines = [
+            f"fsck {self.root}: {'healthy' if self.healthy else 'PROBLEMS FOUND'}",
+            f"  {self.objects_checked} objects ({human_bytes(self.bytes_checked)}) and {self.refs_checked} "
+            f"blob refs verified, {self.bundles} bundles",
+        ]
+        for label, keys in (
+            ("missing", self.missing),
+            ("corrupt", self.corrupt),
+            ("repaired", self.repaired),
+            ("relinked", self.relinked),
+        ):
             lines += [f"  {label}: {k}" for k in keys]
         lines += [f"  not repaired: {k} ({self.unrepaired_reasons.get(k, 'no sound copy')})" for k in self.unrepaired]
         if self.orphaned and self.orphans_kept_by:
-            lines.append(f"  unreferenced: {len(self.orphaned)} keys no readable bundle references; gc keeps them, "
-                         f"and every other object, while {', '.join(self.orphans_kept_by)} cannot be read whole "
-                         "(repair it first: the keys under its damaged objects are among them)")
+            lines.append(
+                f"  unreferenced: {len(self.orphaned)} keys no readable bundle references; gc keeps them, "
+                f"and every other object, while {', '.join(self.orphans_kept_by)} cannot be read whole "
+                "(repair it first: the keys under its damaged objects are among them)"
+            )
         elif self.orphaned:
             lines.append(f"  orphaned: {len(self.orphaned)} keys no bundle references (gc removes them)")
-        lines += [f"  incomplete: {b['name']} (missing ranks {ranks_brief(b['missing_ranks'])})"
-                  for b in self.incomplete]
+        lines += [
+            f"  incomplete: {b['name']} (missing ranks {ranks_brief(b['missing_ranks'])})" for b in self.incomplete
+        ]
         lines += [f"  finalized: {n}" for n in self.finalized]
         lines += [f"  finalizable: {n}" for n in self.finalizable if n not in self.finalized]
         lines += [f"  damaged bundle: {b['name']}: {b['detail']}" for b in self.damaged_bundles]
@@ -127,9 +150,14 @@ class FsckReport(Outcome):
         self.unrepaired_reasons[key] = why
 
 
-def check_store(root: str | os.PathLike, *, repair_from: Optional[str] = None,
-                repair_options: Optional[dict] = None, progress: Optional[Progress] = None,
-                **storage_options: Any) -> FsckReport:
+def check_store(
+    root: str | os.PathLike,
+    *,
+    repair_from: str | None = None,
+    repair_options: dict | None = None,
+    progress: Progress | None = None,
+    **storage_options: Any,
+) -> FsckReport:
     """Verify `root`; with `repair_from`, restore bad objects and refs from that store; finalize finalizable bundles."""
     backend = open_root(root, **storage_options)
     inventory = Inventory(backend)
@@ -141,9 +169,13 @@ def check_store(root: str | os.PathLike, *, repair_from: Optional[str] = None,
     progress.phase("fsck: verifying objects", objects=len(listed))
     unsound = _verify_all(inventory, listed, report, progress)
     walk = _walk_and_repair(inventory, source, listed, unsound, report, progress)
-    marker_problems = {s.name: rank_marker_problems(backend, s.name, s.rank_markers) if s.complete is None
-                       else complete_disagreements(s.name, s.complete, s.rank_markers)
-                       for s in walk.states if s.rank_markers}
+    marker_problems = {
+        s.name: rank_marker_problems(backend, s.name, s.rank_markers)
+        if s.complete is None
+        else complete_disagreements(s.name, s.complete, s.rank_markers)
+        for s in walk.states
+        if s.rank_markers
+    }
     _report_keys(report, walk, marker_problems, source)
     _report_orphans(report, listed, walk, inflight)
     _report_bundles(backend, report, walk, marker_problems)
@@ -164,8 +196,14 @@ class _Walk:
     """Keys a repair was tried for."""
 
 
-def _walk_and_repair(inventory: Inventory, source: Optional[Backend], listed: list[str], unsound: set[str],
-                     report: FsckReport, progress: Progress) -> _Walk:
+def _walk_and_repair(
+    inventory: Inventory,
+    source: Backend | None,
+    listed: list[str],
+    unsound: set[str],
+    report: FsckReport,
+    progress: Progress,
+) -> _Walk:
     """Walk every bundle's tree; with a `source`, repair what is missing or corrupt from it and walk again, until
     nothing changes (restoring a record can reveal chunks the walk could not see before)."""
     backend = inventory.backend
@@ -193,8 +231,9 @@ def _walk_and_repair(inventory: Inventory, source: Optional[Backend], listed: li
     return _Walk(states, trees, needed, missing, corrupt, attempted)
 
 
-def _report_keys(report: FsckReport, walk: _Walk, marker_problems: dict[str, list[MarkerProblem]],
-                 source: Optional[Backend]) -> None:
+def _report_keys(
+    report: FsckReport, walk: _Walk, marker_problems: dict[str, list[MarkerProblem]], source: Backend | None
+) -> None:
     """The missing and corrupt keys (objects, refs, rank markers that contradict their documents), and why each
     one a repair was asked for is still bad."""
     missing, corrupt = walk.missing, walk.corrupt
@@ -209,8 +248,11 @@ def _report_keys(report: FsckReport, walk: _Walk, marker_problems: dict[str, lis
         report.not_repaired(key, f"repair stopped after {MAX_REPAIR_ROUNDS} rounds")
     complete = {s.name for s in walk.states if s.complete is not None}
     for key in bad_markers:
-        report.not_repaired(key, "a rank marker is not restored from another store" + (
-            "" if key.rpartition("/")[0] in complete else "; the bundle is not finalized"))
+        report.not_repaired(
+            key,
+            "a rank marker is not restored from another store"
+            + ("" if key.rpartition("/")[0] in complete else "; the bundle is not finalized"),
+        )
 
 
 def _report_orphans(report: FsckReport, listed: list[str], walk: _Walk, inflight: list[InflightState]) -> None:
@@ -223,8 +265,9 @@ def _report_orphans(report: FsckReport, listed: list[str], walk: _Walk, inflight
     report.orphans_kept_by = sorted(name for name, tree in walk.trees.items() if tree.problems and name in walked)
 
 
-def _report_bundles(backend: Backend, report: FsckReport, walk: _Walk,
-                    marker_problems: dict[str, list[MarkerProblem]]) -> None:
+def _report_bundles(
+    backend: Backend, report: FsckReport, walk: _Walk, marker_problems: dict[str, list[MarkerProblem]]
+) -> None:
     """Finalize the finalizable bundles; name each damaged or incomplete one."""
     report.bundles = len(walk.states)
     anchors = anchor_problems(backend, walk.states)
@@ -235,8 +278,9 @@ def _report_bundles(backend: Backend, report: FsckReport, walk: _Walk,
         if detail:
             report.damaged_bundles.append({"name": s.name, "detail": detail})
         elif s.status == INCOMPLETE:
-            report.incomplete.append({"name": s.name, "missing_ranks": s.missing_ranks,
-                                      "expected_ranks": s.expected_ranks})
+            report.incomplete.append(
+                {"name": s.name, "missing_ranks": s.missing_ranks, "expected_ranks": s.expected_ranks}
+            )
 
 
 def _repair_source(url: str, options: dict) -> Backend:
@@ -252,8 +296,9 @@ def _state(key: str, missing: set[str]) -> str:
     return "missing" if key in missing else "corrupt"
 
 
-def _damage(state: BundleState, tree: Optional[BundleTree], markers: list[MarkerProblem],
-            finalize_error: Optional[str]) -> str:
+def _damage(
+    state: BundleState, tree: BundleTree | None, markers: list[MarkerProblem], finalize_error: str | None
+) -> str:
     """What is wrong with a bundle, in one line ('' when nothing is)."""
     parts = []
     if state.status == CORRUPT:
@@ -273,15 +318,20 @@ def _relink(inventory: Inventory, trees, missing: set[str], report: FsckReport) 
     for tree in trees:
         for node in [*tree.documents, *(n for _, _, n in tree.payloads)]:
             key = blob_ref_key(node.digest)
-            if key in missing and key not in done and node.chunks and not node.problems \
-                    and not (node.keys & missing - {key}):
+            if (
+                key in missing
+                and key not in done
+                and node.chunks
+                and not node.problems
+                and not (node.keys & missing - {key})
+            ):
                 inventory.link(node.digest, node.record)
                 report.relinked.append(key)
                 done.add(key)
     return done
 
 
-def _finalize(backend: Backend, state: BundleState, report: FsckReport) -> Optional[str]:
+def _finalize(backend: Backend, state: BundleState, report: FsckReport) -> str | None:
     """Finalize a finalizable bundle (`status.finalize` checks its markers again); why it failed, if it did."""
     if state.status != FINALIZABLE:
         return None
@@ -312,8 +362,9 @@ def _verify_all(inventory: Inventory, keys: list[str], report: FsckReport, progr
     return corrupt
 
 
-def _repair(inventory: Inventory, source: Inventory, keys: list[str], report: FsckReport,
-            progress: Progress) -> set[str]:
+def _repair(
+    inventory: Inventory, source: Inventory, keys: list[str], report: FsckReport, progress: Progress
+) -> set[str]:
     """Copy verified values of `keys` from `source`; returns the keys restored."""
     fixed: set[str] = set()
     values = source.read(keys)
@@ -326,8 +377,7 @@ def _repair(inventory: Inventory, source: Inventory, keys: list[str], report: Fs
             report.not_repaired(key, f"absent from {where}")
             continue
         if key_kind(key) != REF:
-            why = None if value_problem(key, data) is None else \
-                f"the copy at {where} does not match its digest either"
+            why = None if value_problem(key, data) is None else f"the copy at {where} does not match its digest either"
         else:
             why = _ref_problem(key, refs[key], records, where)
         if why is not None:
@@ -340,8 +390,9 @@ def _repair(inventory: Inventory, source: Inventory, keys: list[str], report: Fs
     return fixed
 
 
-def _ref_problem(key: str, record_digest: Optional[str], records: Mapping[str, BlobRecord | Exception | None],
-                 where: str) -> Optional[str]:
+def _ref_problem(
+    key: str, record_digest: str | None, records: Mapping[str, BlobRecord | Exception | None], where: str
+) -> str | None:
     """Why the other store's ref `key` (naming `record_digest`) is no repair; None when it names, there, a sound
     record of the ref's own blob."""
     if record_digest is None:

@@ -31,26 +31,45 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any
 
 from trajectory_replay.backends import Backend, KeyStat, redact_url
 from trajectory_replay.bundle.documents import parse_json
-from trajectory_replay.errors import BackendError, BundleError, NotFoundError, UsageError
-from trajectory_replay.ops.progress import Progress
 from trajectory_replay.bundle.markers import (
-    ABANDONED, FINALIZER, MAX_MARKER_BYTES, RANK_MARKER, abandoned_key, abandoned_note, finalizer_key,
+    ABANDONED,
+    FINALIZER,
+    MAX_MARKER_BYTES,
+    RANK_MARKER,
+    abandoned_key,
+    abandoned_note,
+    finalizer_key,
 )
 from trajectory_replay.bundle.status import (
-    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, bundle_names, bundle_status, scan_bundles,
+    COMPLETE_STATUS,
+    CORRUPT,
+    FINALIZABLE,
+    BundleState,
+    bundle_names,
+    bundle_status,
+    scan_bundles,
 )
+from trajectory_replay.errors import BackendError, BundleError, NotFoundError, UsageError
+from trajectory_replay.ops.progress import Progress
 from trajectory_replay.ops.walk import Walker, open_root
 from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.store import BlobRecord
 from trajectory_replay.store.digest import OBJECT, REF, digest_from_key, digests_in, key_kind, object_key
 from trajectory_replay.store.inventory import Inventory, batched, concurrently, digest_keys, record_keys
 from trajectory_replay.store.liveness import (
-    DEFAULT_INFLIGHT_TTL, InflightState, LeaseLost, SweepLease, is_inflight_key, read_inflight, remove_dead_leases,
+    DEFAULT_INFLIGHT_TTL,
+    InflightState,
+    LeaseLostError,
+    SweepLease,
+    is_inflight_key,
+    read_inflight,
+    remove_dead_leases,
 )
 from trajectory_replay.units import human_bytes
 
@@ -116,11 +135,13 @@ class GcReport(Outcome):
 
     def render_text(self) -> str:
         verb = "would remove" if self.dry_run else "removed"
-        lines = [f"gc {self.root}: {verb} {self.objects_removed} objects, {self.refs_removed} blob refs, "
-                 f"{self.markers_removed} markers, {self.inflight_removed} expired in-flight records; "
-                 f"{human_bytes(self.bytes_freed)} {'would be ' if self.dry_run else ''}freed",
-                 f"  kept {self.objects_live} live keys, {self.protected_by_inflight} named by "
-                 f"{self.active_captures} capture(s) in progress, {self.too_young} younger than the grace period"]
+        lines = [
+            f"gc {self.root}: {verb} {self.objects_removed} objects, {self.refs_removed} blob refs, "
+            f"{self.markers_removed} markers, {self.inflight_removed} expired in-flight records; "
+            f"{human_bytes(self.bytes_freed)} {'would be ' if self.dry_run else ''}freed",
+            f"  kept {self.objects_live} live keys, {self.protected_by_inflight} named by "
+            f"{self.active_captures} capture(s) in progress, {self.too_young} younger than the grace period",
+        ]
         if self.temporaries_removed:
             lines.append(f"  {verb} {len(self.temporaries_removed)} partial writes left by killed writers")
         if self.abandoned_bundles:
@@ -128,11 +149,15 @@ class GcReport(Outcome):
         for problem in self.unreadable_bundles:
             lines.append(f"  unreadable bundle {problem}")
         if self.kept_everything:
-            lines.append("  kept every object and ref: an unreadable bundle might reference any of them "
-                         "(run fsck, repair or remove it)")
+            lines.append(
+                "  kept every object and ref: an unreadable bundle might reference any of them "
+                "(run fsck, repair or remove it)"
+            )
         if self.conflicts:
-            lines.append(f"  WARNING: {len(self.conflicts)} removed keys were reused by a capture meanwhile; it "
-                         "stores them again (or refuses to commit) before its marker is written")
+            lines.append(
+                f"  WARNING: {len(self.conflicts)} removed keys were reused by a capture meanwhile; it "
+                "stores them again (or refuses to commit) before its marker is written"
+            )
         if self.dry_run and (self.removed or self.temporaries_removed):
             lines.append("  would remove:")
             lines += [f"    {key}" for key in self.removed + self.temporaries_removed]
@@ -154,8 +179,14 @@ def _cohort_keys(state: BundleState) -> list[str]:
     return ([state.finalizer_key] if state.finalizer_key else []) + state.marker_keys
 
 
-def collect_garbage(root: str | os.PathLike, *, grace: str | float = DEFAULT_GRACE, dry_run: bool = False,
-                    progress: Optional[Progress] = None, **storage_options: Any) -> GcReport:
+def collect_garbage(
+    root: str | os.PathLike,
+    *,
+    grace: str | float = DEFAULT_GRACE,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+    **storage_options: Any,
+) -> GcReport:
     """Remove unreachable objects, blob refs, abandoned cohorts' markers and expired in-flight records."""
     grace_s = parse_duration(grace) if isinstance(grace, str) else float(grace)
     if grace_s < 0:
@@ -169,7 +200,7 @@ class _Collector:
         self.backend, self.grace, self.dry_run, self.progress = backend, grace, dry_run, progress
         self.start = time.time()
         self.cutoff = self.start - grace
-        self.lease: Optional[SweepLease] = None
+        self.lease: SweepLease | None = None
         self.inventory = Inventory(backend)
         self.walker = Walker(backend, self.inventory)
         self.report = GcReport(shown, dry_run, grace)
@@ -179,9 +210,9 @@ class _Collector:
         """Bundles already marked from (COMPLETE is immutable, so a complete one needs no second look)."""
         self.unreadable: dict[str, str] = {}
         """Bundle -> why its tree is not known whole (its raw markers' digests are kept; see `_salvage`)."""
-        self.ref_memo: dict[str, Optional[str]] = {}
+        self.ref_memo: dict[str, str | None] = {}
         """Record digest each candidate ref held, read before any delete (a deleted ref still protects)."""
-        self.record_kind: dict[str, Optional[BlobRecord]] = {}
+        self.record_kind: dict[str, BlobRecord | None] = {}
         self.sizes: dict[str, int] = {}
         self.candidates: set[str] = set()
         self.active_bundles: set[str] = set()
@@ -189,19 +220,23 @@ class _Collector:
     # ---- phases -------------------------------------------------------------------------------
     def run(self) -> GcReport:
         self._refuse_links_out()
-        listed = [k for k in self.inventory.object_keys() + self.inventory.ref_keys()    # 1
-                  if digest_from_key(k) is not None]
-        inflight = self._read_inflight()                                                    # 2
+        listed = [
+            k
+            for k in self.inventory.object_keys() + self.inventory.ref_keys()  # 1
+            if digest_from_key(k) is not None
+        ]
+        inflight = self._read_inflight()  # 2
         names = bundle_names(self.backend)
         states = scan_bundles(self.backend, names)
-        roots, abandoned = self._classify(states)                                           # 3
+        roots, abandoned = self._classify(states)  # 3
         self._mark(roots)
         self.report.abandoned_bundles = sorted(s.name for s in abandoned)
         self.report.objects_live = sum(1 for k in listed if k in self.live)
-        candidates = self._aged([k for k in listed if k not in self.live])                 # 4
+        candidates = self._aged([k for k in listed if k not in self.live])  # 4
         claims, notes = self._leftovers(names, states)
-        markers = self._aged([k for s in abandoned for k in _cohort_keys(s)] + claims) \
-            + self._aged(notes, self.start - max(self.grace, DEFAULT_INFLIGHT_TTL))
+        markers = self._aged([k for s in abandoned for k in _cohort_keys(s)] + claims) + self._aged(
+            notes, self.start - max(self.grace, DEFAULT_INFLIGHT_TTL)
+        )
         self._read_candidate_refs(candidates)
         self.candidates = set(candidates) | set(markers)
         if not self.dry_run:
@@ -215,12 +250,17 @@ class _Collector:
             self.report.protected_by_inflight = len(protected & set(candidates))
             expired = self._aged([r.key for r in inflight if not r.live(self.start) and r.removable])
             kinds = {k: key_kind(k) for k in candidates}
-            layers = [markers, [k for k in candidates if kinds[k] == REF],
-                      [k for k in candidates if kinds[k] == OBJECT and self._is_record_key(k)],
-                      [k for k in candidates if kinds[k] == OBJECT and not self._is_record_key(k)]]
-            self.progress.phase("gc: deleting" if not self.dry_run else "gc: dry run",
-                                objects=sum(map(len, layers)) + len(expired),
-                                nbytes=sum(self.sizes.get(k, 0) for layer in layers for k in layer))
+            layers = [
+                markers,
+                [k for k in candidates if kinds[k] == REF],
+                [k for k in candidates if kinds[k] == OBJECT and self._is_record_key(k)],
+                [k for k in candidates if kinds[k] == OBJECT and not self._is_record_key(k)],
+            ]
+            self.progress.phase(
+                "gc: deleting" if not self.dry_run else "gc: dry run",
+                objects=sum(map(len, layers)) + len(expired),
+                nbytes=sum(self.sizes.get(k, 0) for layer in layers for k in layer),
+            )
             first = True
             for layer in layers:
                 for batch in batched(layer, DELETE_BATCH):
@@ -233,7 +273,7 @@ class _Collector:
                     self._delete(doomed)
             if self.report.removed and not self.dry_run:
                 self._refresh(final=True)  # only to detect conflicts with captures that started meanwhile
-        except LeaseLost as exc:
+        except LeaseLostError as exc:
             raise BackendError(f"gc: {exc}; what was removed before is listed by --json") from None
         finally:
             if self.lease is not None:
@@ -260,8 +300,10 @@ class _Collector:
         """On local disk, a store directory that links out of the root would make gc delete foreign files."""
         links = self.inventory.links_out()
         if links:
-            raise BackendError(f"gc: {self.backend.url}/{links[0]} is a symbolic link out of the store root; "
-                               "gc deletes nothing through it (replace the link by a directory or mount)")
+            raise BackendError(
+                f"gc: {self.backend.url}/{links[0]} is a symbolic link out of the store root; "
+                "gc deletes nothing through it (replace the link by a directory or mount)"
+            )
 
     def _deletable(self, key: str) -> bool:
         """Only what the store names is ever deleted; while a bundle's references are unknown, no object or ref."""
@@ -313,8 +355,11 @@ class _Collector:
     def _classify(self, states: list[BundleState]) -> tuple[list[BundleState], list[BundleState]]:
         roots, abandoned = [], []
         for s in states:
-            if s.status in (COMPLETE_STATUS, FINALIZABLE, CORRUPT) or s.name in self.active_bundles \
-                    or (s.mtime is not None and s.mtime > self.cutoff):
+            if (
+                s.status in (COMPLETE_STATUS, FINALIZABLE, CORRUPT)
+                or s.name in self.active_bundles
+                or (s.mtime is not None and s.mtime > self.cutoff)
+            ):
                 roots.append(s)
             else:
                 abandoned.append(s)
@@ -344,17 +389,19 @@ class _Collector:
         Every `blake3:` digest in the markers is kept as an object and as a blob (ref, record, chunks);
         a blob that is a JSON document is read for the digests it names in turn (markers -> documents
         -> payloads). When that cannot be done completely, no object or ref is deleted."""
-        raw = self.inventory.read(state.marker_keys, MAX_MARKER_BYTES)   # a marker larger than that is none
+        raw = self.inventory.read(state.marker_keys, MAX_MARKER_BYTES)  # a marker larger than that is none
         seeds: set[str] = set()
         for key, data in raw.items():
             if isinstance(data, Exception):
-                self._unknowable(state.name, f"marker {key} cannot be a marker ({data}), so what it names cannot "
-                                             "be known")
+                self._unknowable(
+                    state.name, f"marker {key} cannot be a marker ({data}), so what it names cannot be known"
+                )
                 return
             if data is not None and not _whole_json(data):
                 # cut short (or not JSON at all): the digests it still holds need not be all it named
-                self._unknowable(state.name, f"marker {key} is not whole JSON (truncated?), so what it names "
-                                             "cannot be known")
+                self._unknowable(
+                    state.name, f"marker {key} is not whole JSON (truncated?), so what it names cannot be known"
+                )
                 return
             found = set() if data is None else digests_in(data)
             if data is not None and not found:
@@ -395,9 +442,10 @@ class _Collector:
         if seeds - seen:
             self._unknowable(state.name, "its documents nest deeper than a bundle's")
 
-    def _aged(self, keys: list[str], cutoff: Optional[float] = None) -> list[str]:
+    def _aged(self, keys: list[str], cutoff: float | None = None) -> list[str]:
         """The keys whose mtime is older than the grace period (or `cutoff`); records their sizes."""
-        def stat(key: str) -> Optional[KeyStat]:
+
+        def stat(key: str) -> KeyStat | None:
             try:
                 return self.backend.stat(key)
             except NotFoundError:
@@ -437,8 +485,11 @@ class _Collector:
         self.candidates -= needed
         if final:  # needed, removed by us, and not written again by the capture that needs it
             lost = sorted(needed & set(self.report.removed))
-            self.report.conflicts = [k for k, there in zip(lost, concurrently(
-                self.backend.exists, lost, self.backend.max_workers)) if not there]
+            self.report.conflicts = [
+                k
+                for k, there in zip(lost, concurrently(self.backend.exists, lost, self.backend.max_workers))
+                if not there
+            ]
         elif self.lease is not None:
             self.lease.check()
         return protected
@@ -456,7 +507,7 @@ class _Collector:
                         out |= record_keys(record_digest, record)
         return out
 
-    def _record(self, digest: str) -> Optional[BlobRecord]:
+    def _record(self, digest: str) -> BlobRecord | None:
         """The record object `digest` holds, or None when that object is not a record (probed once)."""
         if digest not in self.record_kind:
             self.record_kind[digest] = self.inventory.probe_record(digest)
@@ -465,8 +516,11 @@ class _Collector:
     def _rescan(self) -> None:
         """Mark from bundles that completed, landed a rank or gained a capture since the mark phase."""
         names = [n for n in bundle_names(self.backend) if n not in self.root_bundles]
-        states = [s for s in concurrently(lambda n: bundle_status(self.backend, n), names, self.backend.max_workers)
-                  if s is not None]
+        states = [
+            s
+            for s in concurrently(lambda n: bundle_status(self.backend, n), names, self.backend.max_workers)
+            if s is not None
+        ]
         roots, _abandoned = self._classify(states)
         if roots:
             self._mark(roots)

@@ -17,21 +17,37 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from trajectory_replay.backends import redact_url
 from trajectory_replay.backends.overlay import OverlayBackend
 from trajectory_replay.bundle import legacy
-from trajectory_replay.bundle.markers import ABANDONED, FINALIZER, CompleteMarker, RankMarker, landed_ranks, rank_key, \
-    read_complete, read_marker, try_finalize
+from trajectory_replay.bundle.markers import (
+    ABANDONED,
+    FINALIZER,
+    CompleteMarker,
+    RankMarker,
+    landed_ranks,
+    rank_key,
+    read_complete,
+    read_marker,
+    try_finalize,
+)
 from trajectory_replay.bundle.schema import check_name
 from trajectory_replay.bundle.writer import BundleWriter
 from trajectory_replay.errors import BundleError
 from trajectory_replay.store import ObjectStore
 
 
-def import_v1(source: str | os.PathLike, store_root: str, *, name: Optional[str] = None,
-              step: Optional[str] = None, rollout: Optional[int] = None, **storage_options: Any) -> list[str]:
+def import_v1(
+    source: str | os.PathLike,
+    store_root: str,
+    *,
+    name: str | None = None,
+    step: str | None = None,
+    rollout: int | None = None,
+    **storage_options: Any,
+) -> list[str]:
     """Import one V1 bundle, or every V1 bundle of a capture directory (or the one `step`/`rollout` picks);
     returns the native bundle URLs."""
     path = Path(os.fspath(source)).expanduser()
@@ -41,7 +57,7 @@ def import_v1(source: str | os.PathLike, store_root: str, *, name: Optional[str]
         chosen = open_bundle(path, step=step, rollout=rollout)
         if chosen.format != V1:
             raise BundleError(f"{chosen.target}: a native bundle, not an older-format one; copy it with cp")
-        assert chosen.path is not None   # an older-format bundle is a directory
+        assert chosen.path is not None  # an older-format bundle is a directory
         bundles = [chosen.path]
     elif legacy.is_v1_bundle(path):
         bundles = [path]
@@ -55,7 +71,7 @@ def import_v1(source: str | os.PathLike, store_root: str, *, name: Optional[str]
     return [_import_one(b, store, store_root, name) for b in bundles]
 
 
-def _import_one(path: Path, store: ObjectStore, store_root: str, name: Optional[str]) -> str:
+def _import_one(path: Path, store: ObjectStore, store_root: str, name: str | None) -> str:
     sources = legacy.open_v1(path)
     target_name = name or sources[0].bundle_id
     try:
@@ -70,8 +86,9 @@ def _import_one(path: Path, store: ObjectStore, store_root: str, name: Optional[
     return url
 
 
-def _check_same_as_existing(sources: list, store: ObjectStore, store_root: str, target_name: str, path: Path,
-                            name: Optional[str]) -> None:
+def _check_same_as_existing(
+    sources: list, store: ObjectStore, store_root: str, target_name: str, path: Path, name: str | None
+) -> None:
     """Refuse, before writing anything, an import onto a name whose bundle (complete, or some ranks landed)
     holds other documents. The import runs under a scratch name over the store, writes kept in memory."""
     scratch = f"{target_name}-import-check-{uuid.uuid4().hex[:12]}"
@@ -82,8 +99,10 @@ def _check_same_as_existing(sources: list, store: ObjectStore, store_root: str, 
     if theirs is not None:
         same = ours is not None and theirs.multi_rank == ours.multi_rank and _digests(theirs) == _digests(ours)
     else:
-        landed = {str(r): read_marker(store.backend, rank_key(target_name, r), RankMarker)
-                  for r in landed_ranks(store.backend, target_name)}
+        landed = {
+            str(r): read_marker(store.backend, rank_key(target_name, r), RankMarker)
+            for r in landed_ranks(store.backend, target_name)
+        }
         mine = _digests(ours) if ours is not None and ours.multi_rank else {}
         same = bool(landed) and all(m is not None and mine.get(r) == m.documents.digests() for r, m in landed.items())
     if not same:
@@ -94,21 +113,30 @@ def _digests(marker: CompleteMarker) -> dict[str, list[str]]:
     return {r: d.digests() for r, d in marker.shards.items()}
 
 
-def _refusal(url: str, path: Path, name: Optional[str]) -> str:
+def _refusal(url: str, path: Path, name: str | None) -> str:
     hint = "choose another name with --as NAME" if name else "import it under another name with --as NAME"
-    return (f"{redact_url(url)}: a different bundle with this name already exists (importing {path}: different "
-            f"content); {hint}")
+    return (
+        f"{redact_url(url)}: a different bundle with this name already exists (importing {path}: different "
+        f"content); {hint}"
+    )
 
 
-def _write(sources: list, store: ObjectStore, url: str, path: Path, name: Optional[str]) -> None:
+def _write(sources: list, store: ObjectStore, url: str, path: Path, name: str | None) -> None:
     multi = sources[0].rank is not None
     expected_ranks = [s.rank for s in sources] if multi else None
     final = None
     for source in sources:
         manifest = source.manifest.model_copy(update={"payloads": {}})
         full_index = source.index  # V1 records carry their loss masks
-        writer = BundleWriter(url, manifest, full_index, source.expected, store=store,
-                              rank=source.rank if multi else None, expected_ranks=expected_ranks)
+        writer = BundleWriter(
+            url,
+            manifest,
+            full_index,
+            source.expected,
+            store=store,
+            rank=source.rank if multi else None,
+            expected_ranks=expected_ranks,
+        )
         try:
             for payload, spec in source.manifest.payloads.items():
                 writer.write_payload(payload, source.load_payload(payload).reshape(spec.shape))

@@ -20,13 +20,20 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from trajectory_replay.bundle import legacy
 from trajectory_replay.bundle.markers import RANKS_SHOWN, ranks_brief
 from trajectory_replay.bundle.resolve import older_bundles
 from trajectory_replay.bundle.status import (
-    COMPLETE_STATUS, CORRUPT, FINALIZABLE, UNSUPPORTED, BundleState, anchor_problems, finalize_landed, scan_bundles,
+    COMPLETE_STATUS,
+    CORRUPT,
+    FINALIZABLE,
+    UNSUPPORTED,
+    BundleState,
+    anchor_problems,
+    finalize_landed,
+    scan_bundles,
 )
 from trajectory_replay.ops.walk import BundleTree, Walker, open_root
 from trajectory_replay.outcome import Outcome, Status
@@ -38,9 +45,9 @@ class BundleListing:
     """One line of `ls`."""
 
     name: str
-    anchor: Optional[str]
-    rollout_id: Optional[int]
-    step_id: Optional[int]
+    anchor: str | None
+    rollout_id: int | None
+    step_id: int | None
     status: str
     ranks: list[int]
     expected_ranks: list[int]
@@ -49,7 +56,7 @@ class BundleListing:
     """Sum of the payload sizes of every rank the markers pin."""
     stored_bytes: int
     """Bytes of the unique chunks the bundle's payloads are kept in."""
-    age_seconds: Optional[float]
+    age_seconds: float | None
     detail: str = ""
     format: str = "native"
     """`native`, or `v1` for a bundle directory of the older format."""
@@ -79,9 +86,14 @@ class ListReport(Outcome):
         return Status.PASS
 
     def to_dict(self) -> dict[str, Any]:
-        return {"root": self.root, "bundles": [b.to_dict() for b in self.bundles],
-                "complete_bundles": self.complete_bundles, "logical_bytes": self.logical_bytes,
-                "stored_bytes": self.stored_bytes, "finalized": self.finalized}
+        return {
+            "root": self.root,
+            "bundles": [b.to_dict() for b in self.bundles],
+            "complete_bundles": self.complete_bundles,
+            "logical_bytes": self.logical_bytes,
+            "stored_bytes": self.stored_bytes,
+            "finalized": self.finalized,
+        }
 
     def to_json(self) -> str:
         """`to_dict()` serialized (the CLI adds the status)."""
@@ -94,21 +106,34 @@ class ListReport(Outcome):
         for b in self.bundles:
             status = b.status + (f" (missing ranks {ranks_brief(b.missing_ranks)})" if b.missing_ranks else "")
             name = b.name + (" [v1]" if b.format == "v1" else "")
-            rows.append((name, b.anchor or "-", status, _ranks_column(b.ranks),
-                         human_bytes(b.logical_bytes), human_bytes(b.stored_bytes), human_age(b.age_seconds)))
+            rows.append(
+                (
+                    name,
+                    b.anchor or "-",
+                    status,
+                    _ranks_column(b.ranks),
+                    human_bytes(b.logical_bytes),
+                    human_bytes(b.stored_bytes),
+                    human_age(b.age_seconds),
+                )
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         lines += [_about(b.name, b.detail) for b in self.bundles if b.status in (CORRUPT, FINALIZABLE, UNSUPPORTED)]
         lines += [f"{name}: finalized (every rank had landed)" for name in self.finalized]
         older = [b for b in self.bundles if b.format == "v1"]
         if len(older) < len(self.bundles):
-            lines.append(f"total: {self.complete_bundles} complete bundle(s), {human_bytes(self.logical_bytes)} "
-                         f"logical, {human_bytes(self.stored_bytes)} stored (chunks shared between bundles counted "
-                         "once)")
+            lines.append(
+                f"total: {self.complete_bundles} complete bundle(s), {human_bytes(self.logical_bytes)} "
+                f"logical, {human_bytes(self.stored_bytes)} stored (chunks shared between bundles counted "
+                "once)"
+            )
         if older:
             done = [b for b in older if b.status == COMPLETE_STATUS]
-            lines.append(f"older format [v1]: {len(done)} complete bundle(s) of {len(older)}, "
-                         f"{human_bytes(sum(b.logical_bytes for b in done))} of payload files")
+            lines.append(
+                f"older format [v1]: {len(done)} complete bundle(s) of {len(older)}, "
+                f"{human_bytes(sum(b.logical_bytes for b in done))} of payload files"
+            )
         return "\n".join(lines)
 
 
@@ -146,10 +171,20 @@ def list_bundles(root: str | os.PathLike, **storage_options: Any) -> ListReport:
 def _older_listing(state: legacy.V1Status, now: float) -> BundleListing:
     anchor = state.anchor
     return BundleListing(
-        name=state.name, anchor=str(anchor) if anchor else None, rollout_id=state.rollout_id, step_id=state.step_id,
-        status=state.status, ranks=state.landed_ranks, expected_ranks=list(state.expected_ranks),
-        missing_ranks=list(state.missing_ranks), logical_bytes=state.payload_bytes, stored_bytes=state.payload_bytes,
-        age_seconds=None if state.mtime is None else max(0.0, now - state.mtime), detail=state.detail, format="v1")
+        name=state.name,
+        anchor=str(anchor) if anchor else None,
+        rollout_id=state.rollout_id,
+        step_id=state.step_id,
+        status=state.status,
+        ranks=state.landed_ranks,
+        expected_ranks=list(state.expected_ranks),
+        missing_ranks=list(state.missing_ranks),
+        logical_bytes=state.payload_bytes,
+        stored_bytes=state.payload_bytes,
+        age_seconds=None if state.mtime is None else max(0.0, now - state.mtime),
+        detail=state.detail,
+        format="v1",
+    )
 
 
 def payload_totals(trees: list[BundleTree]) -> tuple[int, int]:
@@ -160,7 +195,7 @@ def payload_totals(trees: list[BundleTree]) -> tuple[int, int]:
     return sum(t.logical_bytes for t in trees), sum(chunks.values())
 
 
-def _listing(state: BundleState, tree, now: float, anchor_problem: Optional[str] = None) -> BundleListing:
+def _listing(state: BundleState, tree, now: float, anchor_problem: str | None = None) -> BundleListing:
     anchor = state.anchor
     status, detail = state.status, state.detail
     if tree is not None and tree.problems:
@@ -170,13 +205,19 @@ def _listing(state: BundleState, tree, now: float, anchor_problem: Optional[str]
         status = CORRUPT
     ranks = state.expected_ranks if state.complete is not None else state.landed_ranks
     return BundleListing(
-        name=state.name, anchor=str(anchor) if anchor else None,
-        rollout_id=anchor.rollout_id if anchor else None, step_id=anchor.step_id if anchor else None,
-        status=status, ranks=list(ranks), expected_ranks=list(state.expected_ranks),
+        name=state.name,
+        anchor=str(anchor) if anchor else None,
+        rollout_id=anchor.rollout_id if anchor else None,
+        step_id=anchor.step_id if anchor else None,
+        status=status,
+        ranks=list(ranks),
+        expected_ranks=list(state.expected_ranks),
         missing_ranks=list(state.missing_ranks),
         logical_bytes=tree.logical_bytes if tree else 0,
         stored_bytes=sum(tree.payload_chunks().values()) if tree else 0,
-        age_seconds=None if state.mtime is None else max(0.0, now - state.mtime), detail=detail)
+        age_seconds=None if state.mtime is None else max(0.0, now - state.mtime),
+        detail=detail,
+    )
 
 
 def _ranks_column(ranks: list[int]) -> str:
@@ -186,7 +227,7 @@ def _ranks_column(ranks: list[int]) -> str:
     return ",".join(map(str, ranks)) if len(ranks) <= RANKS_SHOWN else ranks_brief(ranks)
 
 
-def human_age(seconds: Optional[float]) -> str:
+def human_age(seconds: float | None) -> str:
     """Seconds -> '42s', '5m', '3h', '2d'."""
     if seconds is None:
         return "-"
@@ -196,5 +237,4 @@ def human_age(seconds: Optional[float]) -> str:
     return f"{int(seconds)}s"
 
 
-__all__ = ["BundleListing", "ListReport", "human_age", "human_bytes", "list_bundles",
-           "payload_totals"]
+__all__ = ["BundleListing", "ListReport", "human_age", "human_bytes", "list_bundles", "payload_totals"]

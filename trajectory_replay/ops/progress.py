@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:   # rich is imported when a bar is drawn
+if TYPE_CHECKING:  # rich is imported when a bar is drawn
     from rich.progress import TaskID
 
 
 class Progress:
     """Receives progress; this base class ignores it (thread-safe, as operations report from pools)."""
 
-    def phase(self, description: str, *, objects: Optional[int] = None, nbytes: Optional[int] = None) -> None:
+    def phase(self, description: str, *, objects: int | None = None, nbytes: int | None = None) -> None:
         """Start a new phase with its totals (None when unknown)."""
 
     def advance(self, objects: int = 0, nbytes: int = 0) -> None:
@@ -32,32 +33,40 @@ class RichProgress(Progress):
     def __init__(self, console=None) -> None:
         """`console`: a rich Console to draw on (default: stderr)."""
         from rich.console import Console
-        from rich.progress import BarColumn, DownloadColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as Bar
 
         # sizes in IEC units (KiB, MiB), as everywhere else; rich's own rate column is decimal (kB/s)
-        self._bar = Bar(TextColumn("{task.description}"), BarColumn(),
-                        TextColumn("{task.fields[done]}/{task.fields[objects]} objects"),
-                        DownloadColumn(binary_units=True), _RateColumn(), TimeElapsedColumn(),
-                        console=console or Console(stderr=True), transient=False)
-        self._task: Optional[TaskID] = None
+        self._bar = Bar(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[done]}/{task.fields[objects]} objects"),
+            DownloadColumn(binary_units=True),
+            _rate_column(),
+            TimeElapsedColumn(),
+            console=console or Console(stderr=True),
+            transient=False,
+        )
+        self._task: TaskID | None = None
         self._lock = threading.Lock()
         self._done = 0
 
-    def __enter__(self) -> "RichProgress":
+    def __enter__(self) -> RichProgress:
         self._bar.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._bar.stop()
 
-    def phase(self, description: str, *, objects: Optional[int] = None, nbytes: Optional[int] = None) -> None:
+    def phase(self, description: str, *, objects: int | None = None, nbytes: int | None = None) -> None:
         with self._lock:
             if self._task is not None:  # close the previous phase as done
                 finished = next(t for t in self._bar.tasks if t.id == self._task)
                 self._bar.update(self._task, total=finished.completed)
             self._done = 0
-            self._task = self._bar.add_task(description, total=nbytes, done=0,
-                                            objects="?" if objects is None else objects)
+            self._task = self._bar.add_task(
+                description, total=nbytes, done=0, objects="?" if objects is None else objects
+            )
 
     def advance(self, objects: int = 0, nbytes: int = 0) -> None:
         with self._lock:
@@ -67,7 +76,7 @@ class RichProgress(Progress):
             self._bar.update(self._task, advance=nbytes, done=self._done)
 
 
-def _RateColumn():
+def _rate_column():
     """A transfer-rate column in IEC units."""
     from rich.progress import ProgressColumn
     from rich.text import Text

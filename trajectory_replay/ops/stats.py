@@ -15,12 +15,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trajectory_replay.backends import redact_url
-from trajectory_replay.ops.ls import payload_totals
-from trajectory_replay.units import human_bytes
 from trajectory_replay.bundle.status import COMPLETE_STATUS, finalize_landed, scan_bundles
+from trajectory_replay.ops.ls import payload_totals
 from trajectory_replay.ops.walk import Walker, open_root
 from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.store.inventory import Inventory
+from trajectory_replay.units import human_bytes
 
 
 @dataclass
@@ -59,14 +59,18 @@ class StoreStats(Outcome):
         return json.dumps(self.to_dict())
 
     def render_text(self) -> str:
-        lines = [f"store {self.root}: {self.bundles} bundles ({self.complete_bundles} complete), "
-                 f"{self.objects} objects, {self.blob_refs} blob refs",
-                 f"  payloads: {human_bytes(self.logical_bytes)} logical, {human_bytes(self.stored_bytes)} stored, "
-                 f"dedup ratio {self.dedup_ratio:.2f}"]
+        lines = [
+            f"store {self.root}: {self.bundles} bundles ({self.complete_bundles} complete), "
+            f"{self.objects} objects, {self.blob_refs} blob refs",
+            f"  payloads: {human_bytes(self.logical_bytes)} logical, {human_bytes(self.stored_bytes)} stored, "
+            f"dedup ratio {self.dedup_ratio:.2f}",
+        ]
         width = max((len(k) for k in self.kinds), default=0)
         for name, k in sorted(self.kinds.items()):
-            lines.append(f"  {name.ljust(width)}  {k.payloads:>4} payloads  {human_bytes(k.logical_bytes):>10} logical  "
-                         f"{human_bytes(k.stored_bytes):>10} stored  x{k.dedup_ratio:.2f}")
+            lines.append(
+                f"  {name.ljust(width)}  {k.payloads:>4} payloads  {human_bytes(k.logical_bytes):>10} logical  "
+                f"{human_bytes(k.stored_bytes):>10} stored  x{k.dedup_ratio:.2f}"
+            )
         return "\n".join(lines)
 
 

@@ -15,8 +15,9 @@ not read (fsck reads them).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from trajectory_replay.backends import Backend, open_backend, redact_url
 from trajectory_replay.bundle.documents import document_size_problem, parse_json, validate_document
@@ -36,13 +37,14 @@ def open_root(path_or_url: str | os.PathLike, *, must_exist: bool = True, **stor
 
 # ---- trees ---------------------------------------------------------------------------------------
 
+
 @dataclass
 class BundleTree:
     """Everything one bundle's markers reach."""
 
     name: str
     documents: list[BlobNode] = field(default_factory=list)
-    payloads: list[tuple[Optional[int], PayloadSpec, BlobNode]] = field(default_factory=list)
+    payloads: list[tuple[int | None, PayloadSpec, BlobNode]] = field(default_factory=list)
     keys: set[str] = field(default_factory=set)
     missing: set[str] = field(default_factory=set)
     """Keys the walk needed to read and did not find (payload chunks are not read: see fsck)."""
@@ -84,20 +86,32 @@ class Walker:
     """Walks bundle trees on one backend; the blobs' closures come from the store's inventory (shared with
     a caller that passes its own, so that records read once are not read again)."""
 
-    def __init__(self, backend: Backend, inventory: Optional[Inventory] = None) -> None:
+    def __init__(self, backend: Backend, inventory: Inventory | None = None) -> None:
         self.backend = backend
         self.inventory = inventory or Inventory(backend)
 
     def trees(self, bundles: Sequence[BundleState]) -> dict[str, BundleTree]:
         """The tree of every bundle (complete ones from COMPLETE, others from their landed rank markers)."""
         shards = {b.name: b.documents() for b in bundles}
-        doc_nodes = self.inventory.closure({ref.digest: (ref.record, ref.size) for docs in shards.values()
-                                            for _, d in docs for ref in (d.manifest, d.index, d.expected)})
+        doc_nodes = self.inventory.closure(
+            {
+                ref.digest: (ref.record, ref.size)
+                for docs in shards.values()
+                for _, d in docs
+                for ref in (d.manifest, d.index, d.expected)
+            }
+        )
         manifest_digests = {d.manifest.digest for docs in shards.values() for _, d in docs}
         manifests, bad_chunks = self._manifests({m: doc_nodes[m] for m in manifest_digests})
-        payload_nodes = self.inventory.closure({spec.digest: (spec.record, spec.size) for m in manifests.values()
-                                                if isinstance(m, Manifest) for spec in m.payloads.values()
-                                                if spec.digest and spec.record})
+        payload_nodes = self.inventory.closure(
+            {
+                spec.digest: (spec.record, spec.size)
+                for m in manifests.values()
+                if isinstance(m, Manifest)
+                for spec in m.payloads.values()
+                if spec.digest and spec.record
+            }
+        )
         trees = {}
         for name, docs in shards.items():
             tree = trees[name] = BundleTree(name)
@@ -155,5 +169,7 @@ class Walker:
 
 
 __all__ = [
-    "BundleTree", "Walker", "open_root",
+    "BundleTree",
+    "Walker",
+    "open_root",
 ]

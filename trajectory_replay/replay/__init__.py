@@ -11,15 +11,28 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "CanonicalCase": "fixtures", "canonical_case": "fixtures",
-    "Closure": "selection", "Selection": "selection", "group_id": "selection", "resolve_selection": "selection",
-    "Divergence": "report", "ReplayReport": "report", "StageResult": "report",
-    "PARTIAL_SELECTION": "plan", "PlannedStage": "plan", "ReplayPlan": "plan", "check_topology": "plan",
-    "plan_replay": "plan", "plan_stages": "plan",
+    "CanonicalCase": "fixtures",
+    "canonical_case": "fixtures",
+    "Closure": "selection",
+    "Selection": "selection",
+    "group_id": "selection",
+    "resolve_selection": "selection",
+    "Divergence": "report",
+    "ReplayReport": "report",
+    "StageResult": "report",
+    "PARTIAL_SELECTION": "plan",
+    "PlannedStage": "plan",
+    "ReplayPlan": "plan",
+    "check_topology": "plan",
+    "plan_replay": "plan",
+    "plan_stages": "plan",
     "ReplaySource": "source",
-    "STAGES": "stages", "Stage": "stages",
-    "Tolerances": "compare", "resolve_tolerance": "compare",
-    "execute": "runner", "replay": "runner",
+    "STAGES": "stages",
+    "Stage": "stages",
+    "Tolerances": "compare",
+    "resolve_tolerance": "compare",
+    "execute": "runner",
+    "replay": "runner",
 }
 
 

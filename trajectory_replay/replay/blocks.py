@@ -22,8 +22,8 @@ middle of a group, whatever its members' positions in the bundle.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import torch
 
@@ -57,7 +57,7 @@ class Block:
         owner = int(torch.searchsorted(local, torch.tensor([flat]), right=True)[0]) - 1
         return int(self.starts[owner]) + flat - int(local[owner])
 
-    def part(self, k: int, whole: Cohort) -> Optional[tuple["Block", slice]]:
+    def part(self, k: int, whole: Cohort) -> tuple[Block, slice] | None:
         """The block's rows of the whole cohort's part `k`, as a block of that part alone, and where their tokens
         lie in the block's per-token values (None when the block has none of the part's rows)."""
         wanted = whole.parts[k]
@@ -129,6 +129,7 @@ def _block(cohort: Cohort, rows: list[int]) -> Block:
 
 # --------------------------------------------------------------------------- merging
 
+
 @dataclass
 class Merged:
     """A stage's findings block after block, merged into those of its whole cohort by `merge_findings`."""
@@ -141,14 +142,17 @@ class Merged:
         for comparison in findings.comparisons:
             self.pieces.setdefault(comparison.field, []).append((comparison, block))
         for problem in findings.problems:
-            if problem not in self.problems:   # the same structural problem in every block is one problem
+            if problem not in self.problems:  # the same structural problem in every block is one problem
                 self.problems.append(problem)
         self.divergences.extend(findings.divergences)
 
     def findings(self, whole: Cohort) -> StageChecks:
         """The findings of the whole cohort."""
-        return StageChecks(comparisons=[merge_comparison(name, pieces, whole) for name, pieces in self.pieces.items()],
-                        problems=list(self.problems), divergences=list(self.divergences))
+        return StageChecks(
+            comparisons=[merge_comparison(name, pieces, whole) for name, pieces in self.pieces.items()],
+            problems=list(self.problems),
+            divergences=list(self.divergences),
+        )
 
 
 def merge_comparison(name: str, pieces: Sequence[tuple[FieldComparison, Block]], whole: Cohort) -> FieldComparison:
@@ -162,9 +166,9 @@ def merge_comparison(name: str, pieces: Sequence[tuple[FieldComparison, Block]],
     nonfinite: dict[str, list] = {}
     problems: list[str] = []
     errors = torch.zeros(len(whole.records), dtype=torch.float32)
-    first: Optional[tuple[int, dict]] = None
+    first: tuple[int, dict] | None = None
     for comparison, block in pieces:
-        if comparison.problems and not comparison.compared:   # a length mismatch: nothing compared
+        if comparison.problems and not comparison.compared:  # a length mismatch: nothing compared
             problems.extend(p for p in comparison.problems if p not in problems)
             continue
         to_whole = block.to_whole if per_token else (lambda p, b=block: int(b.index[p]))
@@ -190,12 +194,20 @@ def merge_comparison(name: str, pieces: Sequence[tuple[FieldComparison, Block]],
     maxima = [c.max_abs_error for c, _ in pieces if c.max_abs_error is not None]
     evidence = None
     if count and first is not None:
-        evidence = {"sample_errors": {sid: float(v) for sid, v in zip(whole.sample_ids, errors.tolist())},
-                    "first_sample": first[1]}
-    return FieldComparison(field=name, compared=sum(c.compared for c, _ in pieces), mismatch_count=count,
-                           max_abs_error=max(maxima) if maxima else None,
-                           divergences=tuple(d for _, d in located[:MAX_DIVERGENCES]), problems=tuple(problems),
-                           evidence=evidence, positions=tuple(p for p, _ in located[:MAX_DIVERGENCES]))
+        evidence = {
+            "sample_errors": {sid: float(v) for sid, v in zip(whole.sample_ids, errors.tolist())},
+            "first_sample": first[1],
+        }
+    return FieldComparison(
+        field=name,
+        compared=sum(c.compared for c, _ in pieces),
+        mismatch_count=count,
+        max_abs_error=max(maxima) if maxima else None,
+        divergences=tuple(d for _, d in located[:MAX_DIVERGENCES]),
+        problems=tuple(problems),
+        evidence=evidence,
+        positions=tuple(p for p, _ in located[:MAX_DIVERGENCES]),
+    )
 
 
 __all__ = ["BLOCK_TOKENS", "Block", "Merged", "STREAM_TOKENS", "merge_comparison", "plan_blocks", "whole_block"]

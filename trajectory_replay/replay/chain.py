@@ -14,15 +14,16 @@ stands alone: the verdict (and exit code) is the step's own.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 
 from trajectory_replay.bundle.schema import StageId
 from trajectory_replay.bundle.stage_io import STAGE_IO
 from trajectory_replay.outcome import Outcome, Status
-from trajectory_replay.replay.compare import StageChecks, SampleLayout, compare_tensors, resolve_tolerance
+from trajectory_replay.replay.compare import SampleLayout, StageChecks, compare_tensors, resolve_tolerance
 from trajectory_replay.replay.report import Divergence, ReplayReport, StageResult, divergence_place
 from trajectory_replay.replay.source import ReplaySource, SamplesById
 
@@ -31,8 +32,14 @@ LINK = "link"
 
 STEP_STAGES = (StageId.LOSS_POLICY, StageId.LOSS_VALUE)
 """The stages of a step-level bundle that take inputs a rollout-level bundle recomputes."""
-LINKED_TOKENS = tuple(dict.fromkeys(name for stage in STEP_STAGES for upstream, name in STAGE_IO[stage].upstream
-                                    if STAGE_IO[upstream].per == "token"))
+LINKED_TOKENS = tuple(
+    dict.fromkeys(
+        name
+        for stage in STEP_STAGES
+        for upstream, name in STAGE_IO[stage].upstream
+        if STAGE_IO[upstream].per == "token"
+    )
+)
 """Per-token step inputs that a rollout stage recomputes (advantage.estimate's advantages and returns)."""
 LINKED_SAMPLE = tuple((field, output) for output, field in STAGE_IO[StageId.REWARD_POST_PROCESS].in_records.items())
 """Per-sample step record fields that a rollout stage recomputes (reward.post_process): (record field, output)."""
@@ -43,8 +50,9 @@ KEPT = LINKED_TOKENS + tuple(output for _, output in LINKED_SAMPLE)
 """The outputs a rollout replay hands the link."""
 
 
-def replay_upstream(sources: Sequence[ReplaySource], atol: Optional[float] = None,
-                    rtol: Optional[float] = None) -> tuple[ReplayReport, Recomputed]:
+def replay_upstream(
+    sources: Sequence[ReplaySource], atol: float | None = None, rtol: float | None = None
+) -> tuple[ReplayReport, Recomputed]:
     """A whole rollout-level bundle replayed (its groups and whitening need every sample), with what it recomputed
     for the link."""
     from trajectory_replay.replay.plan import plan_replay
@@ -60,12 +68,16 @@ class ChainEntry:
     bundle: str
     role: str
     """"upstream" (a rollout-level bundle) or "step"."""
-    report: Optional[ReplayReport] = None
+    report: ReplayReport | None = None
     note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"bundle": self.bundle, "role": self.role, "note": self.note or None,
-                "report": None if self.report is None else self.report.to_dict()}
+        return {
+            "bundle": self.bundle,
+            "role": self.role,
+            "note": self.note or None,
+            "report": None if self.report is None else self.report.to_dict(),
+        }
 
 
 @dataclass(frozen=True)
@@ -76,7 +88,7 @@ class ChainReport(Outcome):
 
     step: ChainEntry
     upstream: tuple[ChainEntry, ...] = ()
-    link: Optional[StageResult] = None
+    link: StageResult | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -85,7 +97,7 @@ class ChainReport(Outcome):
         return any(e.report is not None for e in self.upstream)
 
     @property
-    def first_divergence(self) -> Optional[dict[str, Any]]:
+    def first_divergence(self) -> dict[str, Any] | None:
         """{bundle, stage, rank, sample, field, token} of the first failure in chain order, or None."""
         for entry in self.upstream:
             if entry.report is not None and entry.report.first_divergence is not None:
@@ -95,13 +107,13 @@ class ChainReport(Outcome):
         return None if self.step.report is None else self.step.report.first_divergence
 
     @property
-    def first_divergent_stage(self) -> Optional[str]:
+    def first_divergent_stage(self) -> str | None:
         """The stage of the first divergence, in whichever bundle of the chain it is (`link` for the link)."""
         first = self.first_divergence
         return None if first is None else first["stage"]
 
     @property
-    def unsupported_reason(self) -> Optional[str]:
+    def unsupported_reason(self) -> str | None:
         """Why the step was not checked (nothing diverged and its own replay compared nothing), or None. Rollouts
         that pass do not make a step that was not checked pass."""
         if self.first_divergence is not None:
@@ -112,7 +124,7 @@ class ChainReport(Outcome):
         return None if reason is None else f"step bundle {self.step.bundle}: {reason}"
 
     @property
-    def reason(self) -> Optional[str]:
+    def reason(self) -> str | None:
         return self.unsupported_reason
 
     @property
@@ -128,8 +140,9 @@ class ChainReport(Outcome):
 
     def _entries(self) -> list[dict[str, Any]]:
         """Every stage entry of the chain in chain order, each naming its bundle: rollouts, the link, the step."""
-        out = [{"bundle": e.bundle, **s.to_dict()} for e in self.upstream if e.report is not None
-               for s in e.report.stages]
+        out = [
+            {"bundle": e.bundle, **s.to_dict()} for e in self.upstream if e.report is not None for s in e.report.stages
+        ]
         if self.link is not None:
             out.append({"bundle": self.step.bundle, **self.link.to_dict()})
         if self.step.report is not None:
@@ -142,20 +155,28 @@ class ChainReport(Outcome):
         bundle's own report), `link` and `notes`."""
         step = self.step.report
         reports = [e.report for e in self.upstream if e.report is not None] + ([step] if step is not None else [])
-        return {"status": self.status, "bundle_id": self.step.bundle, "passed": self.passed,
-                "first_divergent_stage": self.first_divergent_stage, "first_divergence": self.first_divergence,
-                "reason": self.unsupported_reason,
-                "compared": sum(r.compared for r in reports) + (self.link.compared if self.link is not None else 0),
-                "config_overrides": {} if step is None else dict(step.overrides),
-                "stages": self._entries(),
-                "chain": [e.to_dict() for e in self.upstream] + [self.step.to_dict()],
-                "link": None if self.link is None else self.link.to_dict(), "notes": list(self.notes)}
+        return {
+            "status": self.status,
+            "bundle_id": self.step.bundle,
+            "passed": self.passed,
+            "first_divergent_stage": self.first_divergent_stage,
+            "first_divergence": self.first_divergence,
+            "reason": self.unsupported_reason,
+            "compared": sum(r.compared for r in reports) + (self.link.compared if self.link is not None else 0),
+            "config_overrides": {} if step is None else dict(step.overrides),
+            "stages": self._entries(),
+            "chain": [e.to_dict() for e in self.upstream] + [self.step.to_dict()],
+            "link": None if self.link is None else self.link.to_dict(),
+            "notes": list(self.notes),
+        }
 
     def render_text(self) -> str:
         """Each bundle's report in chain order, the link between them, and the first divergence on top."""
-        if not self.upstream:   # nothing to chain: the step's own report, with why
-            return "\n".join([f"note: {n}" for n in self.notes]
-                             + ([self.step.report.render_text()] if self.step.report is not None else []))
+        if not self.upstream:  # nothing to chain: the step's own report, with why
+            return "\n".join(
+                [f"note: {n}" for n in self.notes]
+                + ([self.step.report.render_text()] if self.step.report is not None else [])
+            )
         names = " -> ".join([e.bundle for e in self.upstream] + [self.step.bundle])
         first, reason = self.first_divergence, self.unsupported_reason
         if reason is not None:
@@ -191,15 +212,19 @@ def rollout_ids(step_sources: Sequence[ReplaySource]) -> tuple[list[int], list[s
     return sorted(ids), missing
 
 
-def check_link(step_sources: Sequence[ReplaySource], upstream: Mapping[int, Recomputed],
-               atol: Optional[float] = None, rtol: Optional[float] = None) -> StageResult:
+def check_link(
+    step_sources: Sequence[ReplaySource],
+    upstream: Mapping[int, Recomputed],
+    atol: float | None = None,
+    rtol: float | None = None,
+) -> StageResult:
     """Compare each step sample's inputs with its rollout bundle's recomputed outputs for the same sample id.
     `upstream`: rollout id -> what that bundle's replay recomputed. A step sample of a replayed rollout that the
     rollout bundle does not hold is a failure; samples whose rollout was not replayed are not compared."""
     f = StageChecks()
     tol = resolve_tolerance(step_sources[0].manifest, StageId.ADVANTAGE_ESTIMATE.value, atol, rtol)
     step = SamplesById.of(step_sources)
-    linked: dict[str, Recomputed] = {}   # sample id -> what its rollout bundle recomputed
+    linked: dict[str, Recomputed] = {}  # sample id -> what its rollout bundle recomputed
     for sample_id in step.where:
         r = step.record(sample_id)
         if r.rollout_id is None or int(r.rollout_id) not in upstream:
@@ -207,8 +232,10 @@ def check_link(step_sources: Sequence[ReplaySource], upstream: Mapping[int, Reco
         outputs = upstream[int(r.rollout_id)]
         if not any(sample_id in values for values in outputs.values()):
             source = step.sources[step.where[sample_id][0]]
-            f.problem(f"sample {sample_id} of step bundle {source.bundle_id} is not in rollout-{r.rollout_id}",
-                      Divergence("sample_id", sample_id, None, None, None, None))
+            f.problem(
+                f"sample {sample_id} of step bundle {source.bundle_id} is not in rollout-{r.rollout_id}",
+                Divergence("sample_id", sample_id, None, None, None, None),
+            )
             continue
         linked[sample_id] = outputs
     for name in LINKED_TOKENS:
@@ -228,19 +255,29 @@ def _link_tokens(f: StageChecks, name: str, step: SamplesById, linked: Mapping[s
     for sid in ids:
         recomputed = linked[sid][name][sid]
         if recomputed.numel() != taken[sid].numel():
-            f.problem(f"{name} of sample {sid}: the step has {taken[sid].numel()} tokens, "
-                      f"rollout-{step.record(sid).rollout_id} {recomputed.numel()}")
+            f.problem(
+                f"{name} of sample {sid}: the step has {taken[sid].numel()} tokens, "
+                f"rollout-{step.record(sid).rollout_id} {recomputed.numel()}"
+            )
             continue
         expected.append(recomputed)
         actual.append(taken[sid])
         kept.append(sid)
     if kept:
-        f.add(compare_tensors(name, torch.cat(expected), torch.cat(actual),
-                              SampleLayout.per_token(kept, torch.tensor([t.numel() for t in actual])), tol))
+        f.add(
+            compare_tensors(
+                name,
+                torch.cat(expected),
+                torch.cat(actual),
+                SampleLayout.per_token(kept, torch.tensor([t.numel() for t in actual])),
+                tol,
+            )
+        )
 
 
-def _link_samples(f: StageChecks, record_field: str, output: str, step: SamplesById, linked: Mapping[str, Recomputed],
-                  tol) -> None:
+def _link_samples(
+    f: StageChecks, record_field: str, output: str, step: SamplesById, linked: Mapping[str, Recomputed], tol
+) -> None:
     """A per-sample record field of the step against the rollout bundles' recomputed per-sample output."""
     ids = [sid for sid, outputs in linked.items() if sid in outputs.get(output, {})]
     if ids:
@@ -249,20 +286,26 @@ def _link_samples(f: StageChecks, record_field: str, output: str, step: SamplesB
         f.add(compare_tensors(record_field, expected, actual, SampleLayout.per_sample(ids), tol))
 
 
-def replay_chain(step_sources: Sequence[ReplaySource], open_rollout: Callable[[int], Optional[Sequence[ReplaySource]]],
-                 *, replay_step: Callable[[Sequence[ReplaySource]], ReplayReport],
-                 atol: Optional[float] = None, rtol: Optional[float] = None) -> ChainReport:
+def replay_chain(
+    step_sources: Sequence[ReplaySource],
+    open_rollout: Callable[[int], Sequence[ReplaySource] | None],
+    *,
+    replay_step: Callable[[Sequence[ReplaySource]], ReplayReport],
+    atol: float | None = None,
+    rtol: float | None = None,
+) -> ChainReport:
     """Replay the step (`replay_step`, which applies the user's selection and options) with every rollout bundle its
     samples record. `open_rollout(R)` gives the sources of rollout-R, or None when it is not there."""
     step_id = step_sources[0].bundle_id
     ids, unlinked = rollout_ids(step_sources)
     notes: list[str] = []
     if unlinked and not ids:
-        notes.append(f"step bundle {step_id} records no rollout bundle for its samples (captured before samples "
-                     "recorded their rollout_id): replayed alone")
+        notes.append(
+            f"step bundle {step_id} records no rollout bundle for its samples (captured before samples "
+            "recorded their rollout_id): replayed alone"
+        )
     elif unlinked:
-        notes.append(f"{len(unlinked)} samples of {step_id} record no rollout bundle (e.g. {unlinked[0]}): "
-                     "not linked")
+        notes.append(f"{len(unlinked)} samples of {step_id} record no rollout bundle (e.g. {unlinked[0]}): not linked")
     upstream: list[ChainEntry] = []
     recomputed: dict[int, Recomputed] = {}
     for rollout_id in ids:
@@ -279,5 +322,15 @@ def replay_chain(step_sources: Sequence[ReplaySource], open_rollout: Callable[[i
     return ChainReport(step=step, upstream=tuple(upstream), link=link, notes=tuple(notes))
 
 
-__all__ = ["ChainEntry", "ChainReport", "KEPT", "LINK", "LINKED_TOKENS", "Recomputed", "check_link", "replay_chain",
-           "replay_upstream", "rollout_ids"]
+__all__ = [
+    "ChainEntry",
+    "ChainReport",
+    "KEPT",
+    "LINK",
+    "LINKED_TOKENS",
+    "Recomputed",
+    "check_link",
+    "replay_chain",
+    "replay_upstream",
+    "rollout_ids",
+]

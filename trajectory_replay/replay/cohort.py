@@ -8,9 +8,10 @@ stay contiguous. Payload rows are read only when a stage asks for them, and only
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ class PayloadCache:
     """Payload rows already loaded, keyed by source, payload name and rows, so each is read once."""
 
     def __init__(self) -> None:
-        self._loaded: dict[tuple[int, str, Optional[tuple[int, ...]]], torch.Tensor] = {}
+        self._loaded: dict[tuple[int, str, tuple[int, ...] | None], torch.Tensor] = {}
         self.names: set[str] = set()
         """Every payload name loaded through the cache so far (kept or since forgotten)."""
 
@@ -97,7 +98,7 @@ class Cohort:
         chunks = [self.cache.load(p, name) for p in self.parts]
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
-    def expected_list(self, stage: str, key: str) -> tuple[Optional[torch.Tensor], list[str]]:
+    def expected_list(self, stage: str, key: str) -> tuple[torch.Tensor | None, list[str]]:
         """The per-sample expected list `stage.key` indexed down to the cohort, or the problems found.
 
         Each part's list is first checked against that source's full sample count, so a truncated list
@@ -113,22 +114,23 @@ class Cohort:
             elif not isinstance(stored, list):
                 problems.append(f"{part.rank_prefix}expected {stage}.{key} is not a list")
             elif len(stored) != total:
-                problems.append(f"{part.rank_prefix}expected {stage}.{key} has {len(stored)} values, "
-                                f"the bundle has {total} samples")
+                problems.append(
+                    f"{part.rank_prefix}expected {stage}.{key} has {len(stored)} values, the bundle has {total} samples"
+                )
             else:
                 values.extend(_as_float(stored[i]) for i in part.positions)
         if problems:
             return None, problems
         return torch.tensor(values, dtype=torch.float32), []
 
-    def expected_map(self, stage: str) -> Optional[dict[str, Any]]:
+    def expected_map(self, stage: str) -> dict[str, Any] | None:
         """The expected map of a cohort-level stage (single-part cohorts only: it is per rank)."""
         if len(self.parts) != 1:
             raise ValueError("a cohort-level expected map is per source")
         stored = self.parts[0].source.expected.get(stage)
         return stored if isinstance(stored, dict) else None
 
-    def part(self, k: int) -> "Cohort":
+    def part(self, k: int) -> Cohort:
         """Part `k` alone, sharing the payload cache (made once)."""
         if k not in self._part_cohorts:
             self._part_cohorts[k] = Cohort([self.parts[k]], self.cache)
@@ -144,7 +146,7 @@ class Cohort:
         """Where part `k`'s tokens lie in the cohort's flat per-token tensors."""
         first = sum(len(p.positions) for p in self.parts[:k])
         start = int(self.lengths[:first].sum())
-        return slice(start, start + int(self.lengths[first:first + len(self.parts[k].positions)].sum()))
+        return slice(start, start + int(self.lengths[first : first + len(self.parts[k].positions)].sum()))
 
 
 def _expected_field(expected: dict[str, Any], stage: str, key: str) -> Any:

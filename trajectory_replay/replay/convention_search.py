@@ -15,8 +15,9 @@ A candidate reproduces a stage when the stage passes under it. Payloads are read
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from trajectory_replay.bundle.profiles import CONVENTION_FIELDS, PROFILES
 from trajectory_replay.bundle.schema import RecomputeConfig, StageId
@@ -28,8 +29,13 @@ from trajectory_replay.replay.runner import execute
 from trajectory_replay.replay.source import ReplaySource
 
 STD_EPS_VARIANTS = (1e-6, 1e-5, 1e-4, 1e-9)
-AGG_MODES = ("sum_of_sample_means", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-             "seq_mean_token_sum_norm")
+AGG_MODES = (
+    "sum_of_sample_means",
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+)
 SCALE_FIELDS = ("entropy_loss", "pg_loss", "kl_loss")
 """loss.policy fields a constant factor is solved from, in order of preference (entropy does not depend on the
 advantages, so an upstream divergence does not disturb it)."""
@@ -45,20 +51,30 @@ class Candidate:
     changes: dict[str, Any]
     stages: dict[str, str] = field(default_factory=dict)
     """stage -> pass | fail | skipped (several ranks: fail when any rank fails)."""
-    error: Optional[str] = None
+    error: str | None = None
     """Why the candidate could not be replayed (an unsupported combination), if so."""
     compared: int = 0
     """How many values its replay compared: a candidate that compared none reproduces nothing."""
 
     @property
     def reproduces_all(self) -> bool:
-        return (self.error is None and self.compared > 0
-                and any(s == "pass" for s in self.stages.values())
-                and all(s != "fail" for s in self.stages.values()))
+        return (
+            self.error is None
+            and self.compared > 0
+            and any(s == "pass" for s in self.stages.values())
+            and all(s != "fail" for s in self.stages.values())
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.kind, "changes": self.changes, "stages": self.stages,
-                "compared": self.compared, "reproduces_all": self.reproduces_all, "error": self.error}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "changes": self.changes,
+            "stages": self.stages,
+            "compared": self.compared,
+            "reproduces_all": self.reproduces_all,
+            "error": self.error,
+        }
 
 
 @dataclass(frozen=True)
@@ -69,7 +85,7 @@ class ConventionsReport(Outcome):
 
     bundle_id: str
     candidates: tuple[Candidate, ...]
-    unsupported: Optional[str] = None
+    unsupported: str | None = None
     """Why no candidate was tried: the recorded config's replay compared no value (every stage skipped...)."""
 
     @property
@@ -80,7 +96,7 @@ class ConventionsReport(Outcome):
         return Status.PASS if self.best is not None else Status.DIVERGED
 
     @property
-    def reason(self) -> Optional[str]:
+    def reason(self) -> str | None:
         return self.unsupported
 
     def reproducing(self, stage: str) -> list[str]:
@@ -93,7 +109,7 @@ class ConventionsReport(Outcome):
         return list(recorded.stages)
 
     @property
-    def best(self) -> Optional[Candidate]:
+    def best(self) -> Candidate | None:
         """The most specific candidate that reproduces every stage, or None."""
         return next((c for c in self._ordered() if c.reproduces_all), None)
 
@@ -102,10 +118,14 @@ class ConventionsReport(Outcome):
 
     def to_dict(self) -> dict[str, Any]:
         best = self.best
-        return {"status": self.status, "bundle_id": self.bundle_id, "reason": self.unsupported,
-                "best": best.name if best else None,
-                "reproduced_by": {s: self.reproducing(s) for s in self.stage_names},
-                "candidates": [c.to_dict() for c in self._ordered()]}
+        return {
+            "status": self.status,
+            "bundle_id": self.bundle_id,
+            "reason": self.unsupported,
+            "best": best.name if best else None,
+            "reproduced_by": {s: self.reproducing(s) for s in self.stage_names},
+            "candidates": [c.to_dict() for c in self._ordered()],
+        }
 
     def render_text(self) -> str:
         recorded = self.candidates[0]
@@ -113,15 +133,19 @@ class ConventionsReport(Outcome):
             return f"bundle {self.bundle_id}: unsupported: nothing compared ({self.unsupported})"
         lines = [f"bundle {self.bundle_id}: which convention reproduces production's values"]
         failing = [s for s, v in recorded.stages.items() if v == "fail"]
-        lines.append("recorded config: " + ("reproduces every stage" if not failing
-                                            else "diverges at " + ", ".join(failing)))
+        lines.append(
+            "recorded config: " + ("reproduces every stage" if not failing else "diverges at " + ", ".join(failing))
+        )
         width = max((len(s) for s in self.stage_names), default=0)
         for stage in self.stage_names:
             verdict = recorded.stages.get(stage)
             if verdict == "skipped":
                 continue
-            text = ("reproduced as recorded" if verdict == "pass"
-                    else _some(self.reproducing(stage)) or "no candidate reproduces it")
+            text = (
+                "reproduced as recorded"
+                if verdict == "pass"
+                else _some(self.reproducing(stage)) or "no candidate reproduces it"
+            )
             lines.append(f"  {stage:<{width}}  {text}")
         everything = [c.name for c in self._ordered() if c.reproduces_all]
         lines.append("every stage reproduced by: " + (_some(everything) or "no candidate"))
@@ -142,26 +166,26 @@ class _ReadOnce:
 
     def __init__(self, source: ReplaySource) -> None:
         self._source = source
-        self._loaded: dict[tuple[str, Optional[tuple[int, ...]]], Any] = {}
+        self._loaded: dict[tuple[str, tuple[int, ...] | None], Any] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._source, name)
 
-    def load_payload(self, name: str, samples: Optional[Sequence[int]] = None) -> Any:
+    def load_payload(self, name: str, samples: Sequence[int] | None = None) -> Any:
         key = (name, None if samples is None else tuple(samples))
         if key not in self._loaded:
             self._loaded[key] = self._source.load_payload(name, samples)
-        return self._loaded[key].clone()   # stages may work in place on what they load
+        return self._loaded[key].clone()  # stages may work in place on what they load
 
 
-def find_conventions(sources: Sequence[ReplaySource], *, rank: Optional[int] = None) -> ConventionsReport:
+def find_conventions(sources: Sequence[ReplaySource], *, rank: int | None = None) -> ConventionsReport:
     """Replay `sources` (one bundle, one source per rank) under every candidate config; see the module docstring."""
     cached = [_ReadOnce(s) for s in sources]
     recorded = sources[0].index.config
     tried: list[Candidate] = []
     seen: set[str] = set()
 
-    def attempt(name: str, kind: str, changes: dict[str, Any]) -> Optional[ReplayReport]:
+    def attempt(name: str, kind: str, changes: dict[str, Any]) -> ReplayReport | None:
         key = repr(sorted(changes.items()))
         if key in seen:
             return None
@@ -179,7 +203,7 @@ def find_conventions(sources: Sequence[ReplaySource], *, rank: Optional[int] = N
     seen.add(repr([]))
     base = execute(plan_replay(cached, rank=rank))
     tried.append(Candidate("recorded", "recorded", {}, _stage_verdicts(base), compared=base.compared))
-    if base.unsupported_reason is not None:   # nothing to compare under the recorded config: none under a variant
+    if base.unsupported_reason is not None:  # nothing to compare under the recorded config: none under a variant
         return ConventionsReport(sources[0].bundle_id, tuple(tried), unsupported=base.unsupported_reason)
     for changes in single_field_variants(recorded):
         report = attempt(_label(changes), "variant", changes)
@@ -188,18 +212,23 @@ def find_conventions(sources: Sequence[ReplaySource], *, rank: Optional[int] = N
     _infer_scales(attempt, base, {}, cached)
     for name in PROFILES:
         applied = recorded.with_conventions_of(name)
-        changes = {k: config_value(getattr(applied, k)) for k in CONVENTION_FIELDS
-                   if getattr(applied, k) != getattr(recorded, k)}
+        changes = {
+            k: config_value(getattr(applied, k))
+            for k in CONVENTION_FIELDS
+            if getattr(applied, k) != getattr(recorded, k)
+        }
         if name == "relax" or changes:
-            seen.discard(repr(sorted(changes.items())))   # a profile is reported even when a variant equals it
+            seen.discard(repr(sorted(changes.items())))  # a profile is reported even when a variant equals it
             attempt(f"profile {name}", "profile", changes)
     return ConventionsReport(sources[0].bundle_id, tuple(tried))
 
 
 def single_field_variants(config: RecomputeConfig) -> list[dict[str, Any]]:
     """The configs that differ from `config` in one convention field."""
-    out: list[dict[str, Any]] = [{"std_unbiased": not config.std_unbiased},
-                                 {"grpo_std_normalization": not config.grpo_std_normalization}]
+    out: list[dict[str, Any]] = [
+        {"std_unbiased": not config.std_unbiased},
+        {"grpo_std_normalization": not config.grpo_std_normalization},
+    ]
     out += [{"std_eps": eps} for eps in STD_EPS_VARIANTS if eps != config.std_eps]
     out.append({"singleton_group": "unit" if config.singleton_group == "nan" else "nan"})
     out.append({"mask_advantages": not config.mask_advantages})
@@ -236,11 +265,14 @@ def _infer_scales(attempt, report: ReplayReport, changes: dict[str, Any], source
         used = config.loss_denominator or _local_denominator(config, sources, rank)
         denominator = _whole(used / factor) if used else None
         if denominator is not None and denominator != used:
-            attempt(_label({**changes, "loss_denominator": denominator}), "inferred",
-                    {**changes, "loss_denominator": denominator})
+            attempt(
+                _label({**changes, "loss_denominator": denominator}),
+                "inferred",
+                {**changes, "loss_denominator": denominator},
+            )
 
 
-def _constant_factor(report: ReplayReport) -> tuple[Optional[float], Optional[int]]:
+def _constant_factor(report: ReplayReport) -> tuple[float | None, int | None]:
     """expected / recomputed of the first loss.policy field both sides of which are non-zero, and its rank."""
     for result in report.stages:
         if result.stage != StageId.LOSS_POLICY.value or result.status != "fail":
@@ -253,7 +285,7 @@ def _constant_factor(report: ReplayReport) -> tuple[Optional[float], Optional[in
     return None, None
 
 
-def _local_denominator(config: RecomputeConfig, sources: Sequence[ReplaySource], rank: Optional[int]) -> float:
+def _local_denominator(config: RecomputeConfig, sources: Sequence[ReplaySource], rank: int | None) -> float:
     """What the mode divides by without a recorded denominator: the rank's masked tokens, or its sequences with
     any masked token."""
     import torch
@@ -266,7 +298,7 @@ def _local_denominator(config: RecomputeConfig, sources: Sequence[ReplaySource],
     return float(tokens.sum()) if config.loss_agg_mode == "token_mean" else float((tokens > 0).sum())
 
 
-def _whole(value: float) -> Optional[float]:
+def _whole(value: float) -> float | None:
     """`value` rounded to a whole number (or the reciprocal of one) when it is within 0.1% of it, else None."""
     if not math.isfinite(value) or value <= 0:
         return None

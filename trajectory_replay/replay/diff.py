@@ -16,8 +16,9 @@ two captures that differ in one prompt group fetches about that group's blocks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -32,10 +33,16 @@ from trajectory_replay.units import clip, fit, human_bytes, report_width
 CONFIG = "config"
 """The pseudo-stage of recompute config differences: they change what every stage computes, so they come first."""
 
-RECORD_STAGES = {"response_length": StageId.SAMPLE, "total_length": StageId.SAMPLE, "label_hash": StageId.SAMPLE,
-                 "rollout_id": StageId.SAMPLE, "policy_version": StageId.ROLLOUT_MISMATCH,
-                 "raw_reward": StageId.REWARD_RAW, "group_index": StageId.REWARD_POST_PROCESS,
-                 "reward": StageId.REWARD_POST_PROCESS}
+RECORD_STAGES = {
+    "response_length": StageId.SAMPLE,
+    "total_length": StageId.SAMPLE,
+    "label_hash": StageId.SAMPLE,
+    "rollout_id": StageId.SAMPLE,
+    "policy_version": StageId.ROLLOUT_MISMATCH,
+    "raw_reward": StageId.REWARD_RAW,
+    "group_index": StageId.REWARD_POST_PROCESS,
+    "reward": StageId.REWARD_POST_PROCESS,
+}
 """The record fields compared, with the stage that reads (or, for `reward`, produces) each. Micro-batch ids and the
 text fields are not: two captures of one step may batch it differently."""
 EXACT_FIELDS = ("response_length", "total_length", "label_hash", "rollout_id", "policy_version", "group_index")
@@ -52,8 +59,8 @@ class FieldDiff:
     stage: str
     compared: int = 0
     differing: int = 0
-    max_abs_diff: Optional[float] = None
-    first: Optional[dict[str, Any]] = None
+    max_abs_diff: float | None = None
+    first: dict[str, Any] | None = None
     """The first difference: sample, token, a, b."""
     note: str = ""
 
@@ -62,11 +69,21 @@ class FieldDiff:
         return self.differing > 0
 
     def to_dict(self) -> dict[str, Any]:
-        first = None if self.first is None else {k: json_number(v) if isinstance(v, float) else v
-                                                 for k, v in self.first.items()}
-        return {"name": self.name, "kind": self.kind, "stage": self.stage, "compared": self.compared,
-                "differing": self.differing, "max_abs_diff": json_number(self.max_abs_diff), "first": first,
-                "note": self.note or None}
+        first = (
+            None
+            if self.first is None
+            else {k: json_number(v) if isinstance(v, float) else v for k, v in self.first.items()}
+        )
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "stage": self.stage,
+            "compared": self.compared,
+            "differing": self.differing,
+            "max_abs_diff": json_number(self.max_abs_diff),
+            "first": first,
+            "note": self.note or None,
+        }
 
 
 def _stage_rank(stage: str) -> int:
@@ -85,7 +102,7 @@ class DiffReport(Outcome):
     b: str
     fields: tuple[FieldDiff, ...]
     samples: int
-    bytes_fetched: Optional[int] = None
+    bytes_fetched: int | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -102,7 +119,7 @@ class DiffReport(Outcome):
         return not self.differences
 
     @property
-    def first(self) -> Optional[FieldDiff]:
+    def first(self) -> FieldDiff | None:
         found = self.differences
         return found[0] if found else None
 
@@ -116,13 +133,20 @@ class DiffReport(Outcome):
 
     def to_dict(self) -> dict[str, Any]:
         first = self.first
-        return {"a": self.a, "b": self.b, "identical": self.identical, "samples": self.samples,
-                "first_difference": None if first is None else {"stage": first.stage, "field": first.name,
-                                                                **(first.to_dict()["first"] or {})},
-                "fields": [f.to_dict() for f in self.fields_in_stage_order],
-                "bytes_fetched": self.bytes_fetched, "notes": list(self.notes)}
+        return {
+            "a": self.a,
+            "b": self.b,
+            "identical": self.identical,
+            "samples": self.samples,
+            "first_difference": None
+            if first is None
+            else {"stage": first.stage, "field": first.name, **(first.to_dict()["first"] or {})},
+            "fields": [f.to_dict() for f in self.fields_in_stage_order],
+            "bytes_fetched": self.bytes_fetched,
+            "notes": list(self.notes),
+        }
 
-    def render_text(self, width: Optional[int] = None) -> str:
+    def render_text(self, width: int | None = None) -> str:
         """The report; with a `width` (default: the terminal's, no limit when piped) the header and notes wrap and
         the field column narrows, a stage or field name too long for its column ending in an ellipsis."""
         width = width or report_width()
@@ -131,9 +155,16 @@ class DiffReport(Outcome):
         if first is None:
             head = "identical"
         else:
-            where = "" if first.first is None else " " + " ".join(
-                f"{k}={format_number(v) if isinstance(v, float) else v}" for k, v in first.first.items()
-                if v is not None)
+            where = (
+                ""
+                if first.first is None
+                else " "
+                + " ".join(
+                    f"{k}={format_number(v) if isinstance(v, float) else v}"
+                    for k, v in first.first.items()
+                    if v is not None
+                )
+            )
             head = f"first difference at {first.stage}: {first.name}{where}"
         lines = fit(f"diff {self.a} {self.b}: {self.samples} samples matched by id — {head}", width, 2)
         lines += [part for n in self.notes for part in fit(f"note: {n}", width, 6)]
@@ -142,8 +173,12 @@ class DiffReport(Outcome):
             mark = "*" if f.differs else " "
             stage = clip(f.stage, None if width is None else 20)
             name = clip(f.name, None if width is None else field_width)
-            lines += fit(f"{mark} {stage:<20} {name:<{field_width}} {f.compared:>9} {f.differing:>7} "
-                         f"{format_number(f.max_abs_diff):>11}" + (f"  ({f.note})" if f.note else ""), width, 23)
+            lines += fit(
+                f"{mark} {stage:<20} {name:<{field_width}} {f.compared:>9} {f.differing:>7} "
+                f"{format_number(f.max_abs_diff):>11}" + (f"  ({f.note})" if f.note else ""),
+                width,
+                23,
+            )
         if self.bytes_fetched is not None:
             lines.append(f"fetched from the stores: {human_bytes(self.bytes_fetched)}")
         return "\n".join(lines)
@@ -164,8 +199,15 @@ def _payload_stage(name: str) -> str:
 # --------------------------------------------------------------------------- the comparisons
 
 
-def diff_bundles(a: Sequence[ReplaySource], b: Sequence[ReplaySource], *, a_label: str = "A", b_label: str = "B",
-                 atol: Optional[float] = None, rtol: Optional[float] = None) -> DiffReport:
+def diff_bundles(
+    a: Sequence[ReplaySource],
+    b: Sequence[ReplaySource],
+    *,
+    a_label: str = "A",
+    b_label: str = "B",
+    atol: float | None = None,
+    rtol: float | None = None,
+) -> DiffReport:
     """Compare two bundles of one step (one source per rank each)."""
     left, right = SamplesById.of(a), SamplesById.of(b)
     common = [sid for sid in left.where if sid in right.where]
@@ -173,11 +215,23 @@ def diff_bundles(a: Sequence[ReplaySource], b: Sequence[ReplaySource], *, a_labe
     only_a = [sid for sid in left.where if sid not in right.where]
     only_b = [sid for sid in right.where if sid not in left.where]
     if only_a or only_b:
-        fields.append(FieldDiff("sample_id", "samples", StageId.SAMPLE.value, len(common) + len(only_a) + len(only_b),
-                                len(only_a) + len(only_b), None,
-                                {"sample": (only_a or only_b)[0], "token": None,
-                                 "a": "present" if only_a else "absent", "b": "absent" if only_a else "present"},
-                                f"{len(only_a)} only in A, {len(only_b)} only in B"))
+        fields.append(
+            FieldDiff(
+                "sample_id",
+                "samples",
+                StageId.SAMPLE.value,
+                len(common) + len(only_a) + len(only_b),
+                len(only_a) + len(only_b),
+                None,
+                {
+                    "sample": (only_a or only_b)[0],
+                    "token": None,
+                    "a": "present" if only_a else "absent",
+                    "b": "absent" if only_a else "present",
+                },
+                f"{len(only_a)} only in A, {len(only_b)} only in B",
+            )
+        )
     manifest = a[0].manifest
 
     def tol(stage: str) -> Tolerances:
@@ -185,16 +239,16 @@ def diff_bundles(a: Sequence[ReplaySource], b: Sequence[ReplaySource], *, a_labe
 
     fields += _config_fields(a[0].index.config, b[0].index.config)
     fields += _record_fields(left, right, common, tol)
-    same_lengths = [sid for sid in common
-                    if left.record(sid).response_length == right.record(sid).response_length]
+    same_lengths = [sid for sid in common if left.record(sid).response_length == right.record(sid).response_length]
     names = sorted({n for s in list(a) + list(b) for n in s.manifest.payloads} | {"loss_mask"})
     for name in names:
         fields.append(_payload_field(name, left, right, same_lengths, tol(_payload_stage(name))))
     fields += _expected_fields(left, right, common, tol)
     notes = []
     if len(same_lengths) < len(common):
-        notes.append(f"{len(common) - len(same_lengths)} samples differ in response_length: their payload rows "
-                     "are not compared")
+        notes.append(
+            f"{len(common) - len(same_lengths)} samples differ in response_length: their payload rows are not compared"
+        )
     return DiffReport(a_label, b_label, tuple(fields), len(common), _bytes_fetched(list(a) + list(b)), tuple(notes))
 
 
@@ -206,8 +260,9 @@ def _config_fields(a: RecomputeConfig, b: RecomputeConfig) -> list[FieldDiff]:
     if differing:
         k = differing[0]
         first = {"sample": None, "token": None, "a": f"{k}={da[k]!r}", "b": f"{k}={db.get(k)!r}"}
-    out.append(FieldDiff("recompute config", "config", CONFIG, len(da), len(differing), None, first,
-                         ", ".join(differing)))
+    out.append(
+        FieldDiff("recompute config", "config", CONFIG, len(da), len(differing), None, first, ", ".join(differing))
+    )
     return out
 
 
@@ -220,14 +275,27 @@ def _record_fields(left: SamplesById, right: SamplesById, common: list[str], tol
             bad = [(sid, v, w) for sid, v, w in values if v != w]
             first = None if not bad else {"sample": bad[0][0], "token": None, "a": bad[0][1], "b": bad[0][2]}
             numeric = [abs(v - w) for _, v, w in bad if isinstance(v, (int, float)) and isinstance(w, (int, float))]
-            out.append(FieldDiff(f"record.{name}", "record", stage.value, len(values), len(bad),
-                                 float(max(numeric)) if numeric else (0.0 if values and not bad else None), first))
+            out.append(
+                FieldDiff(
+                    f"record.{name}",
+                    "record",
+                    stage.value,
+                    len(values),
+                    len(bad),
+                    float(max(numeric)) if numeric else (0.0 if values and not bad else None),
+                    first,
+                )
+            )
             continue
-        compared = compare_tensors(name, torch.tensor([v for _, v, _ in values], dtype=torch.float64),
-                                   torch.tensor([w for _, _, w in values], dtype=torch.float64),
-                                   SampleLayout.per_sample([sid for sid, _, _ in values]), tol(stage.value))
+        compared = compare_tensors(
+            name,
+            torch.tensor([v for _, v, _ in values], dtype=torch.float64),
+            torch.tensor([w for _, _, w in values], dtype=torch.float64),
+            SampleLayout.per_sample([sid for sid, _, _ in values]),
+            tol(stage.value),
+        )
         out.append(_from_comparison(f"record.{name}", "record", stage.value, compared))
-    return out   # loss masks are compared as the loss_mask payload (older bundles keep them in the records)
+    return out  # loss masks are compared as the loss_mask payload (older bundles keep them in the records)
 
 
 def _from_comparison(name: str, kind: str, stage: str, c, note: str = "") -> FieldDiff:
@@ -236,17 +304,23 @@ def _from_comparison(name: str, kind: str, stage: str, c, note: str = "") -> Fie
         d = c.divergences[0]
         first = {"sample": d.sample_id, "token": d.token_offset, "a": d.expected, "b": d.actual}
     problems = "; ".join(c.problems)
-    return FieldDiff(name, kind, stage, c.compared, c.mismatch_count + (1 if c.problems and not c.mismatch_count
-                                                                        else 0),
-                     c.max_abs_error, first, "; ".join(x for x in (note, problems) if x))
+    return FieldDiff(
+        name,
+        kind,
+        stage,
+        c.compared,
+        c.mismatch_count + (1 if c.problems and not c.mismatch_count else 0),
+        c.max_abs_error,
+        first,
+        "; ".join(x for x in (note, problems) if x),
+    )
 
 
 def _payload_field(name: str, left: SamplesById, right: SamplesById, ids: list[str], tol: Tolerances) -> FieldDiff:
     stage = _payload_stage(name)
     in_a, in_b = left.has_payload(name), right.has_payload(name)
     if not (in_a and in_b):
-        return FieldDiff(f"payload.{name}", "payload", stage, 0, 1, None, None,
-                         "only in A" if in_a else "only in B")
+        return FieldDiff(f"payload.{name}", "payload", stage, 0, 1, None, None, "only in A" if in_a else "only in B")
     unread, note = _provably_equal(name, left, right, ids)
     todo = [sid for sid in ids if sid not in unread]
     if not todo:
@@ -259,8 +333,16 @@ def _payload_field(name: str, left: SamplesById, right: SamplesById, ids: list[s
     compared = compare_tensors(name, expected, actual, layout, tol)
     field_diff = _from_comparison(f"payload.{name}", "payload", stage, compared, note)
     shared = sum(max(left.record(sid).response_length, 0) for sid in unread)
-    return FieldDiff(field_diff.name, field_diff.kind, field_diff.stage, field_diff.compared + shared,
-                     field_diff.differing, field_diff.max_abs_diff, field_diff.first, field_diff.note)
+    return FieldDiff(
+        field_diff.name,
+        field_diff.kind,
+        field_diff.stage,
+        field_diff.compared + shared,
+        field_diff.differing,
+        field_diff.max_abs_diff,
+        field_diff.first,
+        field_diff.note,
+    )
 
 
 def _provably_equal(name: str, left: SamplesById, right: SamplesById, ids: list[str]) -> tuple[set[str], str]:
@@ -277,15 +359,16 @@ def _provably_equal(name: str, left: SamplesById, right: SamplesById, ids: list[
             continue
         pa = [left.where[sid][1] for sid in members]
         pb = [right.where[sid][1] for sid in members]
-        same_rows = [r.sample_id for r in sa.index.samples] == [r.sample_id for r in sb.index.samples] and \
-            [r.response_length for r in sa.index.samples] == [r.response_length for r in sb.index.samples]
+        same_rows = [r.sample_id for r in sa.index.samples] == [r.sample_id for r in sb.index.samples] and [
+            r.response_length for r in sa.index.samples
+        ] == [r.response_length for r in sb.index.samples]
         if same_rows and sa.manifest.payloads[name].digest == sb.manifest.payloads[name].digest:
-            equal.update(members)   # the same blob holding the same rows
+            equal.update(members)  # the same blob holding the same rows
             continue
-        assert isinstance(sa, _Located) and isinstance(sb, _Located)   # every source is `_chunked`
+        assert isinstance(sa, _Located) and isinstance(sb, _Located)  # every source is `_chunked`
         for sid, x, y in zip(members, sa.row_blocks(name, pa), sb.row_blocks(name, pb)):
             if x == y and x[0] < x[1]:
-                equal.add(sid)   # the same byte span, in blocks of equal hashes at the same offsets
+                equal.add(sid)  # the same byte span, in blocks of equal hashes at the same offsets
     return equal, (f"{len(equal)} of {len(ids)} samples equal by digest, not read" if equal else "")
 
 
@@ -293,8 +376,9 @@ def _provably_equal(name: str, left: SamplesById, right: SamplesById, ids: list[
 class _Located(Protocol):
     """A source that locates a payload's rows in the blocks of its blob (a native bundle's reader)."""
 
-    def row_blocks(self, name: str, positions: Sequence[int]) -> list[tuple[int, int, tuple[tuple[int, bytes], ...]]]:
-        ...
+    def row_blocks(
+        self, name: str, positions: Sequence[int]
+    ) -> list[tuple[int, int, tuple[tuple[int, bytes], ...]]]: ...
 
 
 def _chunked(source: ReplaySource, name: str) -> bool:
@@ -310,19 +394,33 @@ def _expected_fields(left: SamplesById, right: SamplesById, common: list[str], t
         if va is None and vb is None:
             continue
         if va is None or vb is None:
-            out.append(FieldDiff(f"expected.{stage_name}.{key}", "expected", stage_name, 0, 1, None, None,
-                                 "only in A" if vb is None else "only in B"))
+            out.append(
+                FieldDiff(
+                    f"expected.{stage_name}.{key}",
+                    "expected",
+                    stage_name,
+                    0,
+                    1,
+                    None,
+                    None,
+                    "only in A" if vb is None else "only in B",
+                )
+            )
             continue
         ids = [sid for sid in common if sid in va and sid in vb]
-        compared = compare_tensors(key, torch.tensor([va[s] for s in ids], dtype=torch.float64),
-                                   torch.tensor([vb[s] for s in ids], dtype=torch.float64),
-                                   SampleLayout.per_sample(ids), tol(stage_name))
+        compared = compare_tensors(
+            key,
+            torch.tensor([va[s] for s in ids], dtype=torch.float64),
+            torch.tensor([vb[s] for s in ids], dtype=torch.float64),
+            SampleLayout.per_sample(ids),
+            tol(stage_name),
+        )
         out.append(_from_comparison(f"expected.{stage_name}.{key}", "expected", stage_name, compared))
     out += _scalar_expected(left, right, tol)
     return out
 
 
-def _per_sample_expected(side: SamplesById, stage: str, key: str) -> Optional[dict[str, float]]:
+def _per_sample_expected(side: SamplesById, stage: str, key: str) -> dict[str, float] | None:
     """{sample_id: value} of a per-sample expected list over every source, or None when no source has it."""
     values: dict[str, float] = {}
     found = False
@@ -339,9 +437,15 @@ def _per_sample_expected(side: SamplesById, stage: str, key: str) -> Optional[di
 def _scalar_expected(left: SamplesById, right: SamplesById, tol) -> list[FieldDiff]:
     """Cohort scalars (loss.policy, loss.value, rollout.mismatch) rank by rank, when the ranks hold the same
     samples in both bundles (a scalar of another cohort is another quantity)."""
-    stages = sorted({k for s in list(left.sources) + list(right.sources) for k, v in s.expected.items()
-                     if isinstance(v, dict) and not any(isinstance(x, list) for x in v.values())},
-                    key=_stage_rank)
+    stages = sorted(
+        {
+            k
+            for s in list(left.sources) + list(right.sources)
+            for k, v in s.expected.items()
+            if isinstance(v, dict) and not any(isinstance(x, list) for x in v.values())
+        },
+        key=_stage_rank,
+    )
     if not stages:
         return []
     cohorts_a = [sorted(r.sample_id for r in s.index.samples) for s in left.sources]
@@ -349,20 +453,45 @@ def _scalar_expected(left: SamplesById, right: SamplesById, tol) -> list[FieldDi
     out = []
     for stage in stages:
         if cohorts_a != cohorts_b:
-            out.append(FieldDiff(f"expected.{stage}", "expected", stage, 0, 0, None, None,
-                                 "not compared: the ranks hold different samples in A and B"))
+            out.append(
+                FieldDiff(
+                    f"expected.{stage}",
+                    "expected",
+                    stage,
+                    0,
+                    0,
+                    None,
+                    None,
+                    "not compared: the ranks hold different samples in A and B",
+                )
+            )
             continue
         names = sorted({k for s in list(left.sources) + list(right.sources) for k in (s.expected.get(stage) or {})})
         for name in names:
             xs = [(s.expected.get(stage) or {}).get(name) for s in left.sources]
             ys = [(s.expected.get(stage) or {}).get(name) for s in right.sources]
             if any(x is None for x in xs) or any(y is None for y in ys):
-                out.append(FieldDiff(f"expected.{stage}.{name}", "expected", stage, len(xs),
-                                     int(xs != ys), None, None, "missing on one side"))
+                out.append(
+                    FieldDiff(
+                        f"expected.{stage}.{name}",
+                        "expected",
+                        stage,
+                        len(xs),
+                        int(xs != ys),
+                        None,
+                        None,
+                        "missing on one side",
+                    )
+                )
                 continue
             ranks = [str(s.rank) for s in left.sources]
-            compared = compare_tensors(name, torch.tensor(xs, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64),
-                                       SampleLayout.per_sample([f"rank {r}" for r in ranks]), tol(stage))
+            compared = compare_tensors(
+                name,
+                torch.tensor(xs, dtype=torch.float64),
+                torch.tensor(ys, dtype=torch.float64),
+                SampleLayout.per_sample([f"rank {r}" for r in ranks]),
+                tol(stage),
+            )
             out.append(_from_comparison(f"expected.{stage}.{name}", "expected", stage, compared))
     return out
 
@@ -371,7 +500,7 @@ _OTHER_COLUMNS = len("* ") + 20 + 1 + 1 + 9 + 1 + 7 + 1 + 11
 """The width of a diff row without its field column."""
 
 
-def _bytes_fetched(sources: Sequence[ReplaySource]) -> Optional[int]:
+def _bytes_fetched(sources: Sequence[ReplaySource]) -> int | None:
     """Bytes read from the stores of native sources (each store counted once); None without one."""
     seen: dict[int, Any] = {}
     for s in sources:

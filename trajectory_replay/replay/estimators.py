@@ -8,8 +8,8 @@ that span a whole cohort are accumulated in float64. docs/algorithms.md states e
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -36,11 +36,11 @@ class AdvantageInputs:
     lengths: torch.Tensor
     mask: torch.Tensor
     config: RecomputeConfig
-    kl: Optional[torch.Tensor] = None
+    kl: torch.Tensor | None = None
     """The reward-side KL per token; given when the config puts it into the token rewards."""
-    values: Optional[torch.Tensor] = None
+    values: torch.Tensor | None = None
     """The old value estimates per token (gae)."""
-    whitening: Optional["Whitening"] = None
+    whitening: Whitening | None = None
     """How a whitened estimator whitens: None, over these inputs' own masked tokens; a streamed replay passes the
     statistics of the whole cohort (and, in its first pass, collects them)."""
     payloads: Mapping[str, torch.Tensor] = field(default_factory=dict)
@@ -64,10 +64,11 @@ class AdvantageOutputs:
     """Per-token advantages, and the returns of an estimator that has them."""
 
     advantages: torch.Tensor
-    returns: Optional[torch.Tensor] = None
+    returns: torch.Tensor | None = None
 
 
 # --------------------------------------------------------------------------- reward post-processing
+
 
 def _group_stats(inputs: RewardInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rewards in float32, each group's size, each group's mean)."""
@@ -88,7 +89,7 @@ def grpo_rewards(inputs: RewardInputs) -> torch.Tensor:
     false); a group of one per singleton_group (nan: the formula literally; unit: mean 0, std 1)."""
     cfg = inputs.config
     r, counts, mean = _group_stats(inputs)
-    centered = r - mean[inputs.group_ids]   # the spread, around the group's true mean
+    centered = r - mean[inputs.group_ids]  # the spread, around the group's true mean
     out = r - _unit_singletons(inputs, counts, mean, 0.0)[inputs.group_ids]
     if cfg.grpo_std_normalization:
         dof = counts - 1 if cfg.std_unbiased else counts
@@ -121,10 +122,11 @@ def raw_rewards(inputs: RewardInputs) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- advantages
 
+
 def broadcast_advantages(inputs: AdvantageInputs) -> torch.Tensor:
     """Each sample's r' on every token of its response (times the loss mask with mask_advantages)."""
     rewards, lengths = inputs.rewards.to(torch.float32), inputs.lengths.to(torch.int64)
-    if lengths.numel() and bool((lengths == lengths[0]).all()):   # equal lengths (a padded layout): a plain copy
+    if lengths.numel() and bool((lengths == lengths[0]).all()):  # equal lengths (a padded layout): a plain copy
         a = rewards[:, None].expand(-1, int(lengths[0])).reshape(-1)
     else:
         a = torch.repeat_interleave(rewards, lengths)
@@ -171,10 +173,10 @@ def reverse_scan(lengths: torch.Tensor, inputs: Sequence[torch.Tensor], step: Sc
     back = np.arange(len(active), dtype=ends.dtype)
     with np.errstate(all="ignore"):  # NaN and inf propagate as they do in torch, without warnings
         for first in range(0, len(active), SCAN_BLOCK):
-            counts = active[first:first + SCAN_BLOCK]
+            counts = active[first : first + SCAN_BLOCK]
             # sample j, column i: the position first + i tokens before its end (clipped where it has none left);
             # sample by sample, so a block reads and writes short contiguous runs of each tensor
-            at = ends[:counts[0], None] - back[first:first + len(counts)]
+            at = ends[: counts[0], None] - back[first : first + len(counts)]
             if counts[-1] != counts[0]:
                 np.maximum(at, 0, out=at)
             blocks = [np.ascontiguousarray(a[at].T) for a in arrays]
@@ -246,7 +248,23 @@ def gae_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
     return AdvantageOutputs(whiten_advantages(inputs, adv, mask), returns)
 
 
-__all__ = ["AdvantageInputs", "AdvantageOutputs", "RewardInputs", "SCAN_BLOCK", "broadcast_advantages",
-           "discounted_returns", "gae_advantages", "grpo_rewards", "mean_baseline_rewards", "outcome_advantages",
-           "raw_rewards", "reinforce_plus_plus_advantages", "reinforce_plus_plus_baseline_advantages",
-           "reverse_scan", "rloo_rewards", "token_rewards", "whiten_advantages", "Whitening"]
+__all__ = [
+    "AdvantageInputs",
+    "AdvantageOutputs",
+    "RewardInputs",
+    "SCAN_BLOCK",
+    "broadcast_advantages",
+    "discounted_returns",
+    "gae_advantages",
+    "grpo_rewards",
+    "mean_baseline_rewards",
+    "outcome_advantages",
+    "raw_rewards",
+    "reinforce_plus_plus_advantages",
+    "reinforce_plus_plus_baseline_advantages",
+    "reverse_scan",
+    "rloo_rewards",
+    "token_rewards",
+    "whiten_advantages",
+    "Whitening",
+]

@@ -16,12 +16,26 @@ from typing import Any, NamedTuple
 import torch
 
 from trajectory_replay.bundle.schema import (
-    ActorStepId, BundleIndex, ComparisonPolicy, Identity, Manifest, RecomputeConfig, SampleRecord,
-    StageCapability, StageContract, StageId,
+    ActorStepId,
+    BundleIndex,
+    ComparisonPolicy,
+    Identity,
+    Manifest,
+    RecomputeConfig,
+    SampleRecord,
+    StageCapability,
+    StageContract,
+    StageId,
 )
 
-CANONICAL_STAGES = (StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCESS, StageId.ADVANTAGE_KL,
-                    StageId.ADVANTAGE_ESTIMATE, StageId.LOSS_POLICY)
+CANONICAL_STAGES = (
+    StageId.SAMPLE,
+    StageId.REWARD_RAW,
+    StageId.REWARD_POST_PROCESS,
+    StageId.ADVANTAGE_KL,
+    StageId.ADVANTAGE_ESTIMATE,
+    StageId.LOSS_POLICY,
+)
 RAW_REWARDS = (1.0, 3.0, 10.0, 12.0)
 CORRECT_REWARDS = (-1.0, 1.0, -1.0, 1.0)
 """Normalized per prompt group (group_index [0, 0, 1, 1])."""
@@ -53,14 +67,28 @@ def canonical_case(buggy: bool, current_logprob: float = 0.0) -> CanonicalCase:
     index = BundleIndex(
         bundle_id=bundle_id,
         identity=Identity(actor_step_id=ActorStepId(rollout_id=120, step_id=0), rank={"cp": 1}),
-        samples=[SampleRecord(sample_id=f"s-{i}", group_index=i // 2, response_length=TOKENS_PER_SAMPLE,
-                              total_length=TOKENS_PER_SAMPLE + 1, loss_mask=[1] * TOKENS_PER_SAMPLE,
-                              raw_reward=RAW_REWARDS[i], reward=rewards[i],
-                              micro_batch_id="mb-0007" if i < 2 else "mb-0008")
-                 for i in range(n)],
-        config=RecomputeConfig(advantage_estimator="grpo", n_samples_per_prompt=2, kl_loss_type="k1",
-                               kl_coef=KL_COEF, eps_clip=EPS_CLIP, eps_clip_high=EPS_CLIP,
-                               entropy_coef=ENTROPY_COEF),
+        samples=[
+            SampleRecord(
+                sample_id=f"s-{i}",
+                group_index=i // 2,
+                response_length=TOKENS_PER_SAMPLE,
+                total_length=TOKENS_PER_SAMPLE + 1,
+                loss_mask=[1] * TOKENS_PER_SAMPLE,
+                raw_reward=RAW_REWARDS[i],
+                reward=rewards[i],
+                micro_batch_id="mb-0007" if i < 2 else "mb-0008",
+            )
+            for i in range(n)
+        ],
+        config=RecomputeConfig(
+            advantage_estimator="grpo",
+            n_samples_per_prompt=2,
+            kl_loss_type="k1",
+            kl_coef=KL_COEF,
+            eps_clip=EPS_CLIP,
+            eps_clip_high=EPS_CLIP,
+            entropy_coef=ENTROPY_COEF,
+        ),
     )
     manifest = Manifest(
         bundle_id=bundle_id,
@@ -94,8 +122,13 @@ def _expected_loss(rewards: tuple[float, ...], current_logprob: float) -> dict[s
         pg_loss += max(unclipped, clipped)
         clipfrac += 1.0 if clipped > unclipped else 0.0
     entropy_loss = ENTROPY * len(rewards)
-    return {"loss": pg_loss - ENTROPY_COEF * entropy_loss, "pg_loss": pg_loss, "entropy_loss": entropy_loss,
-            "pg_clipfrac": clipfrac, "ppo_kl": (OLD_LOG_PROB - current_logprob) * len(rewards)}
+    return {
+        "loss": pg_loss - ENTROPY_COEF * entropy_loss,
+        "pg_loss": pg_loss,
+        "entropy_loss": entropy_loss,
+        "pg_clipfrac": clipfrac,
+        "ppo_kl": (OLD_LOG_PROB - current_logprob) * len(rewards),
+    }
 
 
 __all__ = ["BUGGY_REWARDS", "CORRECT_REWARDS", "CanonicalCase", "RAW_REWARDS", "canonical_case"]

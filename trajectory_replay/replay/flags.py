@@ -24,14 +24,15 @@ _ESTIMATOR_STAGES = {StageId.REWARD_POST_PROCESS, StageId.ADVANTAGE_ESTIMATE}
 def estimator_flags(config: RecomputeConfig, manifest: Manifest | None = None) -> EstimatorFlags:
     """The flags of the estimator `config` names, as replay would resolve it for the bundle of `manifest`."""
     name = config.advantage_estimator
-    pinned = manifest is not None and any(c.kernel is not None and c.kernel.name == name
-                                          for c in manifest.stage_contracts.values())
+    pinned = manifest is not None and any(
+        c.kernel is not None and c.kernel.name == name for c in manifest.stage_contracts.values()
+    )
     if name in BUILTIN_ESTIMATOR_FLAGS and not pinned:
         return BUILTIN_ESTIMATOR_FLAGS[name]
-    from trajectory_replay.replay.registry import resolve_kernels   # a plugin: its kernel, and torch, load
+    from trajectory_replay.replay.registry import resolve_kernels  # a plugin: its kernel, and torch, load
 
     try:
-        with warnings.catch_warnings():   # a version mismatch is warned about by the replay that computes with it
+        with warnings.catch_warnings():  # a version mismatch is warned about by the replay that computes with it
             warnings.simplefilter("ignore", RuntimeWarning)
             return resolve_kernels(config, manifest, _ESTIMATOR_STAGES).estimator.flags
     except UnsupportedError:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
 
 import numpy
 import torch
@@ -31,14 +31,20 @@ def dense_group_ids(group_index: Sequence[int]) -> tuple[torch.Tensor, list[int]
     return torch.tensor(ids, dtype=torch.int64), list(keys)
 
 
-def segment_sum(values: torch.Tensor, segment: torch.Tensor, num_segments: int,
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def segment_sum(
+    values: torch.Tensor, segment: torch.Tensor, num_segments: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Sum of `values` per segment id (`segment[i]` is the segment of `values[i]`)."""
     return torch.zeros(num_segments, dtype=dtype).index_add_(0, segment, values.to(dtype))
 
 
-def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str,
-                log_ratio_clamp: Optional[float] = None, output_clamp: Optional[float] = None) -> torch.Tensor:
+def kl_estimate(
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    kl_type: str,
+    log_ratio_clamp: float | None = None,
+    output_clamp: float | None = None,
+) -> torch.Tensor:
     """Per-token KL estimate of a policy against the reference from d = log_probs - ref_log_probs:
     k1 d, k2 d^2/2, k3 = low_var_kl exp(-d) - 1 + d, abs |d|; d clamped to [-c, c] first and the estimate
     to [-c', c'] last when the clamps are set (low_var_kl always to [-10, 10])."""
@@ -99,9 +105,14 @@ _NARROW = (torch.float32, torch.float16, torch.bfloat16, torch.bool, torch.uint8
 """Dtypes whose products with a 0/1 float32 mask are exact in float32."""
 
 
-def stacked_sample_sums(rows: Sequence[torch.Tensor], mask: torch.Tensor, lengths: torch.Tensor,
-                        workspace: Optional[Workspace] = None, out: Optional[torch.Tensor] = None,
-                        counts: Sequence[int] = ()) -> torch.Tensor:
+def stacked_sample_sums(
+    rows: Sequence[torch.Tensor],
+    mask: torch.Tensor,
+    lengths: torch.Tensor,
+    workspace: Workspace | None = None,
+    out: torch.Tensor | None = None,
+    counts: Sequence[int] = (),
+) -> torch.Tensor:
     """Per-sample sums of each of `rows` times the mask, and of the mask itself (the last row): a (k + 1, n) float64
     tensor. The products of float32 (or narrower) rows are taken in float32 (a 0/1 mask makes them exact: nothing
     is rounded before the sum), the stack is widened to float64 in one copy and summed in float64; a wider row is
@@ -128,7 +139,7 @@ def stacked_sample_sums(rows: Sequence[torch.Tensor], mask: torch.Tensor, length
             torch.mul(rows[i].view(torch.uint8) if rows[i].dtype == torch.bool else rows[i], m, out=narrow[slot])
     wide.copy_(narrow[:widened])
     for slot, i in enumerate(order[:widened]):
-        if i < k and rows[i].dtype not in _NARROW:   # its float32 slot above was left as it was: multiplied here
+        if i < k and rows[i].dtype not in _NARROW:  # its float32 slot above was left as it was: multiplied here
             torch.mul(rows[i].to(torch.float64), m, out=wide[slot])
     sums = torch.empty((k + 1, lengths.numel()), dtype=torch.float64)
     segment_sums(wide, lengths, sums[:widened])
@@ -158,7 +169,7 @@ def _counts_exact_in_float32(mask: torch.Tensor, lengths: torch.Tensor) -> bool:
     return largest * int(lengths.max()) < _FLOAT32_INTEGERS
 
 
-def segment_sums(values: torch.Tensor, lengths: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def segment_sums(values: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Per-segment sums along the last axis of a (k, T) tensor, segments of `lengths` (0 allowed): (k, n) float64,
     written into `out` when given (a float64 (k, n) tensor, a view of a larger one allowed). A float64 tensor is
     summed in float64; a float32 one in float32 (for values whose sums float32 holds exactly: see
@@ -179,7 +190,7 @@ def segment_sums(values: torch.Tensor, lengths: torch.Tensor, out: Optional[torc
     starts = numpy.cumsum(lens) - lens
     if present.all() and values.dtype == torch.float64:
         numpy.add.reduceat(values.numpy(), starts, axis=-1, out=target)
-    elif present.all():   # summed in the values' own dtype, then widened
+    elif present.all():  # summed in the values' own dtype, then widened
         target[...] = numpy.add.reduceat(values.numpy(), starts, axis=-1)
     else:
         target[...] = 0.0
@@ -203,12 +214,13 @@ class Moments:
     m2: torch.Tensor
 
     @staticmethod
-    def cat(parts: Sequence["Moments"]) -> "Moments":
+    def cat(parts: Sequence[Moments]) -> Moments:
         return Moments(*(torch.cat([getattr(p, f) for p in parts]) for f in ("count", "total", "m2")))
 
 
-def sample_moments(values: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor,
-                   block_tokens: int = 1 << 20) -> Moments:
+def sample_moments(
+    values: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, block_tokens: int = 1 << 20
+) -> Moments:
     """The `Moments` of each sample of `values` over its masked-in tokens, block by block of whole samples (no
     float64 copy of a cohort-sized tensor)."""
     lengths = lengths.to(torch.int64)
@@ -236,8 +248,9 @@ def whitening_stats(moments: Moments) -> tuple[float, float]:
     if count <= 1:
         return math.nan, math.nan
     mean = float(moments.total.sum()) / count
-    own = torch.where(moments.count > 0, moments.total / moments.count.clamp(min=1.0),
-                      torch.zeros((), dtype=torch.float64))
+    own = torch.where(
+        moments.count > 0, moments.total / moments.count.clamp(min=1.0), torch.zeros((), dtype=torch.float64)
+    )
     m2 = float(moments.m2.sum()) + float((own - mean).square_().mul_(moments.count).sum())
     return mean, m2 / (count - 1)
 
@@ -251,7 +264,7 @@ def whiten(values: torch.Tensor, mean: float, var: float) -> torch.Tensor:
     return (x - mean).mul_(1.0 / math.sqrt(var + WHITEN_EPS))
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """(x - mean) / sqrt(var + 1e-8) with mean and variance over the tokens where mask is 1, the variance
     unbiased (times M / (M - 1), M the masked token count); every token is whitened, masked or not.
 
@@ -282,13 +295,32 @@ def sample_blocks(lengths: torch.Tensor, block_tokens: int) -> Iterator[tuple[in
     """(first sample, end sample, first token, end token) of consecutive blocks of whole samples of about
     `block_tokens` tokens each, so that per-token temporaries stay a small fraction of the inputs."""
     first, start = 0, 0
-    ends = sample_ends(lengths).tolist()   # non-decreasing: a block ends at the first sample that fills it
+    ends = sample_ends(lengths).tolist()  # non-decreasing: a block ends at the first sample that fills it
     while first < len(ends):
         last = min(bisect.bisect_left(ends, start + block_tokens, lo=first), len(ends) - 1)
         yield first, last + 1, start, ends[last]
         first, start = last + 1, ends[last]
 
 
-__all__ = ["KL_TYPES", "LOW_VAR_KL_CLAMP", "Moments", "WHITEN_EPS", "Workspace", "check_kl_type", "dense_group_ids", "kl_estimate",
-           "masked_sample_sums", "masked_whiten", "reverse_scan_order", "sample_blocks", "sample_ends",
-           "sample_moments", "segment_sum", "segment_sums", "stacked_sample_sums", "token_counts", "whiten", "whitening_stats"]
+__all__ = [
+    "KL_TYPES",
+    "LOW_VAR_KL_CLAMP",
+    "Moments",
+    "WHITEN_EPS",
+    "Workspace",
+    "check_kl_type",
+    "dense_group_ids",
+    "kl_estimate",
+    "masked_sample_sums",
+    "masked_whiten",
+    "reverse_scan_order",
+    "sample_blocks",
+    "sample_ends",
+    "sample_moments",
+    "segment_sum",
+    "segment_sums",
+    "stacked_sample_sums",
+    "token_counts",
+    "whiten",
+    "whitening_stats",
+]

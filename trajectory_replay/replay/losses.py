@@ -9,8 +9,9 @@ the end; the result does not depend on the blocking.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -66,9 +67,9 @@ def ppo_clip_tokens(inputs: PolicyInputs) -> PolicyLossTokens:
     log_ratio = _log_ratio(inputs)
     ratio = torch.exp(log_ratio)
     unclipped = ratio.mul(a)
-    clipped = ratio.clamp_(1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high).mul_(a)   # in place: ratio is not needed
+    clipped = ratio.clamp_(1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high).mul_(a)  # in place: ratio is not needed
     del ratio
-    clipfrac = torch.lt(clipped, unclipped, out=torch.empty_like(clipped))   # -clipped > -unclipped
+    clipfrac = torch.lt(clipped, unclipped, out=torch.empty_like(clipped))  # -clipped > -unclipped
     pg = torch.minimum(unclipped, clipped, out=unclipped).neg_()
     del clipped
     if cfg.eps_clip_c is not None:
@@ -107,6 +108,7 @@ def cispo_tokens(inputs: PolicyInputs) -> PolicyLossTokens:
 
 
 # --------------------------------------------------------------------------- aggregation weights
+
 
 def _denominator(config: RecomputeConfig, counted: torch.Tensor) -> torch.Tensor:
     """The recorded global denominator when there is one, else the local count (0 stays 0: nothing to divide)."""
@@ -150,6 +152,7 @@ def seq_mean_token_sum_norm_weights(tokens: torch.Tensor, config: RecomputeConfi
 
 # --------------------------------------------------------------------------- the stage outputs
 
+
 class _TokensKernel(Protocol):
     @property
     def tokens(self) -> Callable[[PolicyInputs], PolicyLossTokens]: ...
@@ -181,8 +184,8 @@ class PolicyLossData:
     entropy: torch.Tensor
     mask: torch.Tensor
     lengths: torch.Tensor
-    ref_log_probs: Optional[torch.Tensor] = None
-    rollout_log_probs: Optional[torch.Tensor] = None
+    ref_log_probs: torch.Tensor | None = None
+    rollout_log_probs: torch.Tensor | None = None
     """The inference engine's log-probs: with rollout_is / rollout_rs, the loss corrects for the mismatch."""
     payloads: Mapping[str, torch.Tensor] = field(default_factory=dict)
     """Every per-token payload the stage loaded, by name: the policy loss kernel gets each block's rows of them."""
@@ -197,10 +200,10 @@ class LossSums:
     counts: torch.Tensor
 
     @staticmethod
-    def empty(fields: Sequence[str], n: int) -> "LossSums":
+    def empty(fields: Sequence[str], n: int) -> LossSums:
         return LossSums({f: torch.zeros(n, dtype=torch.float64) for f in fields}, torch.zeros(n, dtype=torch.float64))
 
-    def put(self, at: torch.Tensor, part: "LossSums") -> None:
+    def put(self, at: torch.Tensor, part: LossSums) -> None:
         """Write `part`'s samples at positions `at`."""
         for name, values in part.sums.items():
             self.sums[name][at] = values
@@ -213,9 +216,9 @@ def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: Los
     lengths = data.lengths.to(torch.int64)
     with_kl = config.kl_loss_coef != 0
     fields = ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss") + (("kl_loss",) if with_kl else ())
-    table = torch.zeros((len(fields) + 1, lengths.numel()), dtype=torch.float64)   # each field's sums, then T_i
+    table = torch.zeros((len(fields) + 1, lengths.numel()), dtype=torch.float64)  # each field's sums, then T_i
     corrected = rollout_correction(config)
-    indicator = kernels.policy_loss.tokens in _INDICATOR_CLIPFRAC   # a plugin's clipfrac is summed as any value
+    indicator = kernels.policy_loss.tokens in _INDICATOR_CLIPFRAC  # a plugin's clipfrac is summed as any value
     workspace = Workspace()
     for first, last, start, end in sample_blocks(lengths, BLOCK_TOKENS):
         block_lengths = lengths[first:last]
@@ -223,21 +226,41 @@ def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: Los
         if corrected:  # rejection changes the mask every term and count is taken over; weights scale pg
             if data.rollout_log_probs is None:
                 raise ValueError("a rollout correction needs the rollout_log_probs payload")
-            fix = correction(log_ratio(data.old_log_probs[start:end], data.rollout_log_probs[start:end]),
-                             block_mask, block_lengths, config)
+            fix = correction(
+                log_ratio(data.old_log_probs[start:end], data.rollout_log_probs[start:end]),
+                block_mask,
+                block_lengths,
+                config,
+            )
             block_mask, weights = fix.mask, fix.weights
-        terms = kernels.policy_loss.tokens(PolicyInputs(
-            data.log_probs[start:end], data.old_log_probs[start:end], data.advantages[start:end],
-            block_mask, block_lengths, config, {name: t[start:end] for name, t in data.payloads.items()}))
+        terms = kernels.policy_loss.tokens(
+            PolicyInputs(
+                data.log_probs[start:end],
+                data.old_log_probs[start:end],
+                data.advantages[start:end],
+                block_mask,
+                block_lengths,
+                config,
+                {name: t[start:end] for name, t in data.payloads.items()},
+            )
+        )
         pg = terms.pg if weights is None else terms.pg.to(torch.float32) * weights
         rows = [pg, terms.clipfrac, terms.ppo_kl, data.entropy[start:end]]
         del terms
         if with_kl:
             assert data.ref_log_probs is not None
-            rows.append(kl_estimate(data.log_probs[start:end], data.ref_log_probs[start:end],
-                                    config.kl_loss_estimator, config.kl_log_ratio_clamp, config.kl_output_clamp))
-        stacked_sample_sums(rows, block_mask, block_lengths, workspace, out=table[:, first:last],
-                            counts=(1,) if indicator else ())
+            rows.append(
+                kl_estimate(
+                    data.log_probs[start:end],
+                    data.ref_log_probs[start:end],
+                    config.kl_loss_estimator,
+                    config.kl_log_ratio_clamp,
+                    config.kl_output_clamp,
+                )
+            )
+        stacked_sample_sums(
+            rows, block_mask, block_lengths, workspace, out=table[:, first:last], counts=(1,) if indicator else ()
+        )
     return LossSums(dict(zip(fields, table[:-1])), table[-1])
 
 
@@ -280,16 +303,22 @@ def value_loss_sums(data: ValueLossData, config: RecomputeConfig) -> LossSums:
     and of its clip indicator (clipped term strictly larger)."""
     lengths = data.lengths.to(torch.int64)
     c = config.cliprange_value
-    table = torch.zeros((3, lengths.numel()), dtype=torch.float64)   # vf_loss, vf_clipfrac, T_i
+    table = torch.zeros((3, lengths.numel()), dtype=torch.float64)  # vf_loss, vf_clipfrac, T_i
     workspace = Workspace()
     for first, last, start, end in sample_blocks(lengths, BLOCK_TOKENS):
         values, vpreds = data.values[start:end].to(torch.float32), data.vpreds[start:end].to(torch.float32)
         returns = data.returns[start:end].to(torch.float32)
         clipped = torch.maximum(torch.minimum(vpreds, values + c), values - c).sub_(returns).square_()
         unclipped = vpreds.sub(returns).square_()
-        clipfrac = torch.lt(unclipped, clipped, out=torch.empty_like(clipped))   # a float 0/1, as in ppo_clip_tokens
-        stacked_sample_sums([torch.maximum(unclipped, clipped, out=unclipped), clipfrac], data.mask[start:end],
-                            lengths[first:last], workspace, out=table[:, first:last], counts=(1,))
+        clipfrac = torch.lt(unclipped, clipped, out=torch.empty_like(clipped))  # a float 0/1, as in ppo_clip_tokens
+        stacked_sample_sums(
+            [torch.maximum(unclipped, clipped, out=unclipped), clipfrac],
+            data.mask[start:end],
+            lengths[first:last],
+            workspace,
+            out=table[:, first:last],
+            counts=(1,),
+        )
     return LossSums({"vf_loss": table[0], "vf_clipfrac": table[1]}, table[2])
 
 
@@ -312,9 +341,26 @@ def _aggregate(sums: LossSums, config: RecomputeConfig, kernels: LossKernels) ->
     return {name: float(values.mul(weights).sum()) for name, values in sums.sums.items()}
 
 
-__all__ = ["BLOCK_TOKENS", "LossKernels", "LossSums", "PolicyInputs", "PolicyLossData", "PolicyLossTokens",
-           "ValueLossData",
-           "cispo_tokens", "gspo_tokens", "policy_loss_outputs", "policy_loss_scalars", "policy_loss_sums",
-           "ppo_clip_tokens", "seq_mean_token_mean_weights", "seq_mean_token_sum_norm_weights",
-           "seq_mean_token_sum_weights", "sum_of_sample_means_weights", "token_mean_weights", "value_loss_outputs",
-           "value_loss_scalars", "value_loss_sums"]
+__all__ = [
+    "BLOCK_TOKENS",
+    "LossKernels",
+    "LossSums",
+    "PolicyInputs",
+    "PolicyLossData",
+    "PolicyLossTokens",
+    "ValueLossData",
+    "cispo_tokens",
+    "gspo_tokens",
+    "policy_loss_outputs",
+    "policy_loss_scalars",
+    "policy_loss_sums",
+    "ppo_clip_tokens",
+    "seq_mean_token_mean_weights",
+    "seq_mean_token_sum_norm_weights",
+    "seq_mean_token_sum_weights",
+    "sum_of_sample_means_weights",
+    "token_mean_weights",
+    "value_loss_outputs",
+    "value_loss_scalars",
+    "value_loss_sums",
+]

@@ -19,7 +19,7 @@ import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import numpy
 import torch
@@ -45,14 +45,18 @@ def log_ratio(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor) -> t
 class MismatchMetrics:
     """The rollout.mismatch metrics (None where the cohort has nothing to measure)."""
 
-    kl_k1: Optional[float]
-    kl_k3: Optional[float]
-    log_ratio_max_abs: Optional[float]
-    seq_log_ratio_max_abs: Optional[float]
+    kl_k1: float | None
+    kl_k3: float | None
+    log_ratio_max_abs: float | None
+    seq_log_ratio_max_abs: float | None
 
-    def as_dict(self) -> dict[str, Optional[float]]:
-        return {"kl_k1": self.kl_k1, "kl_k3": self.kl_k3, "log_ratio_max_abs": self.log_ratio_max_abs,
-                "seq_log_ratio_max_abs": self.seq_log_ratio_max_abs}
+    def as_dict(self) -> dict[str, float | None]:
+        return {
+            "kl_k1": self.kl_k1,
+            "kl_k3": self.kl_k3,
+            "log_ratio_max_abs": self.log_ratio_max_abs,
+            "seq_log_ratio_max_abs": self.seq_log_ratio_max_abs,
+        }
 
 
 def token_scores(d: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -75,7 +79,7 @@ class MismatchSums:
     max_score: float
 
     @staticmethod
-    def combine(parts: "list[tuple[torch.Tensor, MismatchSums]]", n: int) -> "MismatchSums":
+    def combine(parts: list[tuple[torch.Tensor, MismatchSums]], n: int) -> MismatchSums:
         """The sums of `n` samples from parts, each (the samples' positions, its sums)."""
         seq, k3 = torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.float32)
         for at, part in parts:
@@ -119,13 +123,20 @@ class MismatchPass:
     ties in flat order); tokens whose d is 0 are no one's worst."""
     over: int
     """Masked-in tokens whose |d| exceeds the ceiling, or is NaN (0 without a ceiling)."""
-    nonfinite: Optional[tuple[int, int]]
+    nonfinite: tuple[int, int] | None
     """(flat position of the first masked-in token whose d is NaN or infinite, how many are), or None."""
 
 
-def mismatch_pass(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
-                  lengths: torch.Tensor, *, ceiling: Optional[float] = None, k: int = WORST_TOKENS,
-                  chunk_tokens: int = CHUNK_TOKENS) -> MismatchPass:
+def mismatch_pass(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    ceiling: float | None = None,
+    k: int = WORST_TOKENS,
+    chunk_tokens: int = CHUNK_TOKENS,
+) -> MismatchPass:
     """The per-sample sums, worst tokens, tokens over `ceiling` and first non-finite token of the log ratios
     d = old - rollout over the masked-in tokens, in one pass over chunks of whole samples; nothing of the cohort's
     size is allocated. Every result reads d on the masked-in tokens only: a masked-out token counts as d = 0
@@ -146,7 +157,7 @@ def mismatch_pass(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, 
         return _chunk(old_log_probs, rollout_log_probs, weights, lengths, chunk, ceiling, buffers)
 
     workers = min(torch.get_num_threads(), len(chunks), MAX_THREADS)
-    if workers > 1:   # numpy and torch release the GIL in their loops: the chunks run side by side
+    if workers > 1:  # numpy and torch release the GIL in their loops: the chunks run side by side
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mismatch") as pool:
             done = list(pool.map(one, chunks))
     else:
@@ -155,17 +166,18 @@ def mismatch_pass(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, 
         seq[first:last], k3[first:last] = part.seq, part.k3
     tokens = sum(p.tokens for p in done)
     top = torch.cat([p.maxima for p in done]) if done else torch.zeros(0, dtype=torch.float32)
-    max_score = float(top.max()) if tokens and top.numel() else -1.0   # torch's max keeps a NaN
+    max_score = float(top.max()) if tokens and top.numel() else -1.0  # torch's max keeps a NaN
     firsts = torch.cat([p.starts for p in done]) if done else torch.zeros(0, dtype=torch.int64)
     worst = _worst(old_log_probs, rollout_log_probs, weights, top, firsts, lengths, min(k, tokens))
     bad = [p.bad for p in done if p.bad is not None]
-    nonfinite = (bad[0][0], sum(b[1] for b in bad)) if bad else None   # chunks in flat order: the first is first
+    nonfinite = (bad[0][0], sum(b[1] for b in bad)) if bad else None  # chunks in flat order: the first is first
     return MismatchPass(MismatchSums(seq, k3, tokens, max_score), worst, sum(p.over for p in done), nonfinite)
 
 
 class _Chunk(NamedTuple):
     """One chunk's part of a `MismatchPass`: its samples' sums, its masked-in tokens, its windows' largest scores
-    and first tokens, its tokens over the ceiling, and (first position, count) of its masked-in non-finite d, or None."""
+    and first tokens, its tokens over the ceiling, and (first position, count) of its masked-in non-finite d, or
+    None."""
 
     seq: torch.Tensor
     k3: torch.Tensor
@@ -173,12 +185,18 @@ class _Chunk(NamedTuple):
     maxima: torch.Tensor
     starts: torch.Tensor
     over: int
-    bad: Optional[tuple[int, int]]
+    bad: tuple[int, int] | None
 
 
-def _chunk(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, weights: torch.Tensor,
-           lengths: torch.Tensor, chunk: tuple[int, int, int, int], ceiling: Optional[float],
-           buffers: threading.local) -> _Chunk:
+def _chunk(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    weights: torch.Tensor,
+    lengths: torch.Tensor,
+    chunk: tuple[int, int, int, int],
+    ceiling: float | None,
+    buffers: threading.local,
+) -> _Chunk:
     """`mismatch_pass` over one chunk of whole samples, in the calling thread's two buffers."""
     first, last, start, end = chunk
     size = end - start
@@ -186,13 +204,13 @@ def _chunk(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, weights
         buffers.z, buffers.scratch = torch.empty(size, dtype=torch.float32), torch.empty(size, dtype=torch.float32)
     z, scratch = buffers.z[:size], buffers.scratch[:size]
     old, rollout, inside = old_log_probs[start:end], rollout_log_probs[start:end], weights[start:end]
-    torch.sub(old.to(torch.float32), rollout.to(torch.float32), out=z)   # d, as `log_ratio` computes it
-    with numpy.errstate(invalid="ignore"):   # inf * 0 on a masked-out token: caught below
+    torch.sub(old.to(torch.float32), rollout.to(torch.float32), out=z)  # d, as `log_ratio` computes it
+    with numpy.errstate(invalid="ignore"):  # inf * 0 on a masked-out token: caught below
         numpy.multiply(z.numpy(), inside.numpy(), out=z.numpy())
     seq, k3 = _sample_sums(z, lengths[first:last], scratch)
     over, bad = 0, None
     if numpy.isfinite(seq.numpy()).all() and numpy.isfinite(k3.numpy()).all():
-        scores = torch.abs(z, out=scratch)   # 0 where masked out: below every masked-in |d| that counts
+        scores = torch.abs(z, out=scratch)  # 0 where masked out: below every masked-in |d| that counts
         if ceiling is not None:
             beyond = scores > ceiling
             over = int(torch.count_nonzero(beyond.logical_and_(inside.to(torch.bool)) if ceiling < 0 else beyond))
@@ -211,12 +229,20 @@ def _chunk(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, weights
     if whole < size:
         maxima.append(scores[whole:].max().reshape(1))
     # the last window ends with the chunk
-    return _Chunk(seq, k3, int(torch.count_nonzero(inside)), torch.cat(maxima), torch.arange(start, end, WINDOW),
-                  over, bad)
+    return _Chunk(
+        seq, k3, int(torch.count_nonzero(inside)), torch.cat(maxima), torch.arange(start, end, WINDOW), over, bad
+    )
 
 
-def _worst(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor, top: torch.Tensor,
-           firsts: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+def _worst(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    top: torch.Tensor,
+    firsts: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
     """The worst tokens (see `MismatchPass.worst`), from the windows' largest scores `top` (window w starts at token
     `firsts[w]` and ends where the next one starts, the last at the last sample's end): the k largest lie in the
     windows whose largest score is at least the k-th largest of those (every one tied with it included), so only
@@ -232,11 +258,12 @@ def _worst(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: t
     chosen = torch.tensor(picked, dtype=torch.int64)
     starts, sizes = firsts[chosen], ends[chosen] - firsts[chosen]
     candidates = torch.repeat_interleave(starts, sizes) + (
-        torch.arange(int(sizes.sum())) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes))
+        torch.arange(int(sizes.sum())) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
+    )
     d = log_ratio(old_log_probs[candidates], rollout_log_probs[candidates])
     scores = token_scores(d, mask[candidates])
     best = torch.topk(scores, min(k, scores.numel()))
-    keep = ~(best.values <= 0)   # a NaN is kept
+    keep = ~(best.values <= 0)  # a NaN is kept
     values, positions = best.values[keep].tolist(), candidates[best.indices[keep]]
     # equal |d| in flat order: the order of ties is not topk's to choose
     order = sorted(range(len(values)), key=lambda i: worst_first(values[i], int(positions[i])))
@@ -249,8 +276,9 @@ def worst_first(score: float, position: int) -> tuple[bool, float, int]:
     return not nan, 0.0 if nan else -score, position
 
 
-def _sample_sums(z: torch.Tensor, lengths: torch.Tensor,
-                 scratch: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample_sums(
+    z: torch.Tensor, lengths: torch.Tensor, scratch: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample sums of `z` (float32, 0 where masked out) and of exp(z) - 1 - z, in float32, each sample summed
     pairwise over its own tokens (numpy's `add.reduceat`, several times faster than torch's segment reduction
     on a CPU): a sample's sums do not depend on the samples around it. `scratch`: a float32 tensor like `z` to
@@ -261,10 +289,10 @@ def _sample_sums(z: torch.Tensor, lengths: torch.Tensor,
     if present.any():
         starts = (numpy.cumsum(lens) - lens)[present]
         values = z.numpy()
-        with numpy.errstate(all="ignore"):   # a non-finite or huge d gives a non-finite sum, as torch's would
+        with numpy.errstate(all="ignore"):  # a non-finite or huge d gives a non-finite sum, as torch's would
             seq[present] = numpy.add.reduceat(values, starts)
             excess = numpy.expm1(values, out=None if scratch is None else scratch.numpy())
-            excess -= values   # exp(d) - 1 - d, 0 where masked out
+            excess -= values  # exp(d) - 1 - d, 0 where masked out
             k3[present] = numpy.add.reduceat(excess, starts)
     return torch.from_numpy(seq), torch.from_numpy(k3)
 
@@ -273,7 +301,7 @@ def metrics_of(sums: MismatchSums) -> MismatchMetrics:
     """The metrics of a whole cohort from its per-sample sums (the sample sums added in float64)."""
     if sums.tokens == 0:
         return MismatchMetrics(None, None, None, None)
-    k1 = 0.0 - float(sums.seq.sum(dtype=torch.float64)) / sums.tokens   # 0.0 - x: no -0.0 when nothing differs
+    k1 = 0.0 - float(sums.seq.sum(dtype=torch.float64)) / sums.tokens  # 0.0 - x: no -0.0 when nothing differs
     k3 = float(sums.k3.sum(dtype=torch.float64)) / sums.tokens
     return MismatchMetrics(k1, k3, sums.max_score, float(sums.seq.abs().max()))
 
@@ -295,7 +323,7 @@ class Correction:
     """What the correction does to the loss: per-token importance weights (None: none) and the loss mask after
     rejection (float32)."""
 
-    weights: Optional[torch.Tensor]
+    weights: torch.Tensor | None
     mask: torch.Tensor
 
 
@@ -303,11 +331,11 @@ def correction(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, confi
     """The importance weights and rejection mask `config` asks for, from the log ratios `d` of whole samples."""
     lengths = lengths.to(torch.int64)
     m = mask.to(torch.float32)
-    seq_ratio: Optional[torch.Tensor] = None
+    seq_ratio: torch.Tensor | None = None
     if "sequence" in (config.rollout_is, config.rollout_rs):
         seq_log = masked_sample_sums(d, m, lengths).to(torch.float32).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         seq_ratio = torch.repeat_interleave(torch.exp(seq_log), lengths)
-    token_ratio: Optional[torch.Tensor] = None
+    token_ratio: torch.Tensor | None = None
     if "token" in (config.rollout_is, config.rollout_rs):
         token_ratio = torch.exp(d.to(torch.float32).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     if config.rollout_rs != "none":
@@ -323,18 +351,36 @@ def correction(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, confi
     return Correction(weights, m)
 
 
-def recorded_weights(fix: Correction, mask: torch.Tensor) -> Optional[torch.Tensor]:
+def recorded_weights(fix: Correction, mask: torch.Tensor) -> torch.Tensor | None:
     """The weights as production records them: times the loss mask before rejection (as verl does; a rejected
     token's weight never reaches the loss, whose mask is 0 there)."""
     return None if fix.weights is None else fix.weights * mask.to(torch.float32)
 
 
-def staleness(policy_versions: list[Optional[int]], actor_version: Optional[int]) -> list[Optional[int]]:
+def staleness(policy_versions: list[int | None], actor_version: int | None) -> list[int | None]:
     """actor_version - policy_version per sample (None where either is unknown)."""
     return [None if v is None or actor_version is None else actor_version - v for v in policy_versions]
 
 
-__all__ = ["CHUNK_TOKENS", "CORRECTION_MODES", "Correction", "LOG_RATIO_CLAMP", "MismatchMetrics", "MismatchPass",
-           "MismatchSums", "WINDOW", "WORST_TOKENS",
-           "correction", "log_ratio", "metrics_of", "mismatch_metrics", "mismatch_pass", "mismatch_sums", "recorded_weights",
-           "rs_bounds", "staleness", "token_scores", "worst_first"]
+__all__ = [
+    "CHUNK_TOKENS",
+    "CORRECTION_MODES",
+    "Correction",
+    "LOG_RATIO_CLAMP",
+    "MismatchMetrics",
+    "MismatchPass",
+    "MismatchSums",
+    "WINDOW",
+    "WORST_TOKENS",
+    "correction",
+    "log_ratio",
+    "metrics_of",
+    "mismatch_metrics",
+    "mismatch_pass",
+    "mismatch_sums",
+    "recorded_weights",
+    "rs_bounds",
+    "staleness",
+    "token_scores",
+    "worst_first",
+]

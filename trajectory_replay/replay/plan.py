@@ -41,21 +41,28 @@ loss.policy for rank r alone.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Literal, Mapping, Optional, Sequence
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
 from trajectory_replay.bundle.schema import (
-    STAGE_ORDER, BundleIndex, Manifest, RecomputeConfig, SampleRecord, StageCapability, StageId,
+    STAGE_ORDER,
+    BundleIndex,
+    Manifest,
+    RecomputeConfig,
+    SampleRecord,
+    StageCapability,
+    StageId,
 )
 from trajectory_replay.bundle.stage_io import STAGE_IO, Setting
 from trajectory_replay.errors import BundleError, SelectionError, UnsupportedError, UsageError
 from trajectory_replay.replay import kernels as kernels_mod
+from trajectory_replay.replay.cohort import CohortPart
 from trajectory_replay.replay.flags import setting as setting_of
 from trajectory_replay.replay.mismatch import CORRECTION_MODES, rs_bounds
 from trajectory_replay.replay.registry import Kernels, resolve_kernels
-from trajectory_replay.replay.cohort import CohortPart
 from trajectory_replay.replay.selection import Closure, Selection, group_id, resolve_selection
 from trajectory_replay.replay.source import ReplaySource
 from trajectory_replay.replay.stages import STAGES, Stage
@@ -84,7 +91,7 @@ class Shard:
     """One distinct content of a bundle: the source replayed and every rank that holds exactly that content."""
 
     source: ReplaySource
-    ranks: tuple[Optional[int], ...]
+    ranks: tuple[int | None, ...]
 
 
 @dataclass(frozen=True)
@@ -94,11 +101,11 @@ class Pass:
 
     parts: tuple[CohortPart, ...]
     """The selected rows of each source read (a source none of whose rows is selected is not read)."""
-    label: Optional[int]
+    label: int | None
     """The rank the pass's verdicts are reported for; None for a union of ranks (or a single source)."""
-    copies: tuple[Optional[int], ...]
+    copies: tuple[int | None, ...]
     """Replica ranks of `label`: each verdict reported for `label` is reported for them too."""
-    cohort_ranks: tuple[tuple[Optional[int], ...], ...]
+    cohort_ranks: tuple[tuple[int | None, ...], ...]
     """Per part, the ranks its cohort-level verdicts are reported for: the first ran, the others hold the
     same data. Empty: the part only joins the sample-level stages (the other ranks of a group)."""
     cohort_skip: str = ""
@@ -108,15 +115,22 @@ class Pass:
     its baseline variant, gae) can be recomputed only then."""
 
     def describe(self) -> str:
-        rows = ", ".join(("" if p.source.rank is None else f"rank {p.source.rank}: ")
-                         + f"{len(p.positions)}/{len(p.source.index.samples)}" for p in self.parts)
+        rows = ", ".join(
+            ("" if p.source.rank is None else f"rank {p.source.rank}: ")
+            + f"{len(p.positions)}/{len(p.source.index.samples)}"
+            for p in self.parts
+        )
         who = "once" if self.label is None else f"for rank {self.label}"
         if self.copies:
             who += f" and its replicas {', '.join(map(str, self.copies))}"
         reported = [r for ranks in self.cohort_ranks for r in ranks]
-        cohort = (f"skipped ({self.cohort_skip})" if self.cohort_skip
-                  else "once" if reported == [None]
-                  else f"for rank{'s' if len(reported) > 1 else ''} {', '.join(map(str, reported))}")
+        cohort = (
+            f"skipped ({self.cohort_skip})"
+            if self.cohort_skip
+            else "once"
+            if reported == [None]
+            else f"for rank{'s' if len(reported) > 1 else ''} {', '.join(map(str, reported))}"
+        )
         return f"samples {rows}; verdicts {who}; cohort-level stages {cohort}"
 
 
@@ -127,7 +141,7 @@ class ReplayPlan:
     bundle_id: str
     reference: ReplaySource
     """The source whose config, contracts and tolerances the stages use (the ranks agree on the first two)."""
-    ranks: tuple[Optional[int], ...]
+    ranks: tuple[int | None, ...]
     """The ranks replayed, in order."""
     layout: Layout
     shards: tuple[Shard, ...]
@@ -147,13 +161,16 @@ class ReplayPlan:
     def describe(self) -> str:
         """The plan in a few lines of text."""
         ranks = "" if self.ranks == (None,) else f" ranks {', '.join(map(str, self.ranks))}"
-        lines = [f"bundle {self.bundle_id}{ranks}: {self.layout}",
-                 f"kernels: {self.kernels.estimator.name}, {self.kernels.policy_loss.name}, "
-                 f"{self.kernels.aggregation.name}"]
+        lines = [
+            f"bundle {self.bundle_id}{ranks}: {self.layout}",
+            f"kernels: {self.kernels.estimator.name}, {self.kernels.policy_loss.name}, {self.kernels.aggregation.name}",
+        ]
         if self.overrides:
             lines.append("config overridden: " + ", ".join(f"{k}={v}" for k, v in self.overrides))
-        lines.append("stages: " + ", ".join(f"{p.stage.id} {p.action}" + (f" ({p.reason})" if p.reason else "")
-                                            for p in self.stages))
+        lines.append(
+            "stages: "
+            + ", ".join(f"{p.stage.id} {p.action}" + (f" ({p.reason})" if p.reason else "") for p in self.stages)
+        )
         lines += [f"pass {i}: {p.describe()}" for i, p in enumerate(self.passes, 1)]
         return "\n".join(lines)
 
@@ -161,9 +178,14 @@ class ReplayPlan:
         return self.describe()
 
 
-def plan_replay(sources: Sequence[ReplaySource], selection: Selection = Selection(), *,
-                stages: Optional[Sequence[str | StageId]] = None, rank: Optional[int] = None,
-                overrides: Optional[Mapping[str, Any]] = None) -> ReplayPlan:
+def plan_replay(
+    sources: Sequence[ReplaySource],
+    selection: Selection = Selection(),
+    *,
+    stages: Sequence[str | StageId] | None = None,
+    rank: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ReplayPlan:
     """The plan to replay one bundle (one source per rank); with `rank`, only that rank of it (the selection
     then picks among that rank's samples); with `overrides`, under the recorded config with those fields changed.
     Every error a replay can raise before computing is raised here."""
@@ -185,28 +207,34 @@ def plan_replay(sources: Sequence[ReplaySource], selection: Selection = Selectio
     else:
         layout = "single" if len(ordered) == 1 else "replicas" if len(shards) == 1 else "data-parallel"
         passes = (_union_pass(selection, shards, focus, labelled=len(ordered) > 1),)
-    return ReplayPlan(bundle_id=first.bundle_id, reference=first, ranks=tuple(s.rank for s in ordered),
-                      layout=layout, shards=tuple(shards), stages=planned, passes=passes, config=config,
-                      kernels=chosen, overrides=tuple((k, config_value(getattr(config, k)))
-                                                      for k in (overrides or {})))
+    return ReplayPlan(
+        bundle_id=first.bundle_id,
+        reference=first,
+        ranks=tuple(s.rank for s in ordered),
+        layout=layout,
+        shards=tuple(shards),
+        stages=planned,
+        passes=passes,
+        config=config,
+        kernels=chosen,
+        overrides=tuple((k, config_value(getattr(config, k))) for k in (overrides or {})),
+    )
 
 
-def _focused(ordered: list[ReplaySource], rank: Optional[int]) -> tuple[list[ReplaySource], Optional[ReplaySource]]:
+def _focused(ordered: list[ReplaySource], rank: int | None) -> tuple[list[ReplaySource], ReplaySource | None]:
     """(the sources to replay, the rank's source when only its rows of a data-parallel cohort are replayed)."""
     if rank is None:
         return ordered, None
     focus = next((s for s in ordered if s.rank == rank), None)
     if focus is None:
-        raise BundleError(f"bundle {ordered[0].bundle_id} has no rank {rank} "
-                          f"(ranks {[s.rank for s in ordered]})")
+        raise BundleError(f"bundle {ordered[0].bundle_id} has no rank {rank} (ranks {[s.rank for s in ordered]})")
     mine = {r.sample_id for r in focus.index.samples}
     if any(s is not focus and not mine.isdisjoint(r.sample_id for r in s.index.samples) for s in ordered):
-        return [focus], None   # a replica, or rank-local ids: the rank's data is whole by itself
+        return [focus], None  # a replica, or rank-local ids: the rank's data is whole by itself
     return ordered, focus
 
 
-def _union_pass(selection: Selection, shards: Sequence[Shard], focus: Optional[ReplaySource], *,
-                labelled: bool) -> Pass:
+def _union_pass(selection: Selection, shards: Sequence[Shard], focus: ReplaySource | None, *, labelled: bool) -> Pass:
     """The one pass over the union of the shards (one cohort); with `focus`, over that rank's selected rows and
     the other ranks' members of their groups, cohort-level stages for that rank only."""
     union = [r for shard in shards for r in shard.source.index.samples]
@@ -217,24 +245,33 @@ def _union_pass(selection: Selection, shards: Sequence[Shard], focus: Optional[R
         within = resolve_selection(selection, own)
         rank_whole = not within.partial
         selection = Selection(samples=tuple(own[i].sample_id for i in within.positions))
-        shards = [replace(s, ranks=(focus.rank,)) if focus.rank in s.ranks else replace(s, ranks=())
-                  for s in shards]
+        shards = [replace(s, ranks=(focus.rank,)) if focus.rank in s.ranks else replace(s, ranks=()) for s in shards]
     closure = resolve_selection(selection, union)
     selected = {union[i].sample_id for i in closure.positions}
     parts = _nonempty([_part(s.source, selected) for s in shards])
     ranks = {id(s.source): s.ranks if labelled or not s.ranks else (None,) for s in shards}
-    return Pass(parts=tuple(parts), label=None, copies=(), cohort_ranks=tuple(ranks[id(p.source)] for p in parts),
-                whole=len(parts) == len(shards) and all(p.whole for p in parts),
-                cohort_skip=PARTIAL_SELECTION if closure.partial and not rank_whole else "")
+    return Pass(
+        parts=tuple(parts),
+        label=None,
+        copies=(),
+        cohort_ranks=tuple(ranks[id(p.source)] for p in parts),
+        whole=len(parts) == len(shards) and all(p.whole for p in parts),
+        cohort_skip=PARTIAL_SELECTION if closure.partial and not rank_whole else "",
+    )
 
 
 def _rank_local_pass(shard: Shard, closure: Closure) -> Pass:
     """A pass over one rank's own selected rows, reported for that rank and its replicas."""
     records = shard.source.index.samples
     parts = _nonempty([_part(shard.source, {records[i].sample_id for i in closure.positions})])
-    return Pass(parts=tuple(parts), label=shard.ranks[0], copies=shard.ranks[1:], cohort_ranks=(shard.ranks,),
-                whole=all(p.whole for p in parts),
-                cohort_skip=PARTIAL_SELECTION if closure.partial else "")
+    return Pass(
+        parts=tuple(parts),
+        label=shard.ranks[0],
+        copies=shard.ranks[1:],
+        cohort_ranks=(shard.ranks,),
+        whole=all(p.whole for p in parts),
+        cohort_skip=PARTIAL_SELECTION if closure.partial else "",
+    )
 
 
 def _check_sources(sources: Sequence[ReplaySource]) -> list[ReplaySource]:
@@ -247,30 +284,40 @@ def _check_sources(sources: Sequence[ReplaySource]) -> list[ReplaySource]:
         if other.bundle_id != first.bundle_id:
             raise BundleError(f"sources belong to different bundles: {first.bundle_id}, {other.bundle_id}")
         if other.index.config != first.index.config:
-            raise BundleError(f"ranks {first.rank} and {other.rank} of bundle {first.bundle_id} "
-                              "disagree on the recompute config")
+            raise BundleError(
+                f"ranks {first.rank} and {other.rank} of bundle {first.bundle_id} disagree on the recompute config"
+            )
         if other.manifest.stage_contracts != first.manifest.stage_contracts:
-            raise BundleError(f"ranks {first.rank} and {other.rank} of bundle {first.bundle_id} "
-                              "disagree on the stage contracts")
+            raise BundleError(
+                f"ranks {first.rank} and {other.rank} of bundle {first.bundle_id} disagree on the stage contracts"
+            )
     return ordered
 
 
 # --------------------------------------------------------------------------- which stages run
 
+
 def check_topology(index: BundleIndex) -> None:
     """Replay recomputes with context parallelism cp == 1 only (a cp shard holds part of each sequence)."""
     cp = index.identity.rank.cp
     if cp != 1:
-        raise UnsupportedError(f"unsupported replay topology: cp={cp} "
-                               f"(advantage_estimator={index.config.advantage_estimator!r}; replay supports cp=1 only)")
+        raise UnsupportedError(
+            f"unsupported replay topology: cp={cp} "
+            f"(advantage_estimator={index.config.advantage_estimator!r}; replay supports cp=1 only)"
+        )
 
 
-_CHOICES = {"group_size_check": ("exact", "any"), "singleton_group": ("nan", "unit"),
-            "rollout_is": CORRECTION_MODES, "rollout_rs": CORRECTION_MODES}
+_CHOICES = {
+    "group_size_check": ("exact", "any"),
+    "singleton_group": ("nan", "unit"),
+    "rollout_is": CORRECTION_MODES,
+    "rollout_rs": CORRECTION_MODES,
+}
 
 
-def check_algorithm(config: RecomputeConfig, manifest: Manifest, running: set[StageId],
-                    has_payload: Callable[[str], bool]) -> Kernels:
+def check_algorithm(
+    config: RecomputeConfig, manifest: Manifest, running: set[StageId], has_payload: Callable[[str], bool]
+) -> Kernels:
     """The kernels the config names for the stages that run, after checking the config can be recomputed there:
     UnsupportedError naming the field (and value, or the payload it needs) otherwise."""
     kernels = resolve_kernels(config, manifest, running)
@@ -281,8 +328,9 @@ def check_algorithm(config: RecomputeConfig, manifest: Manifest, running: set[St
     if StageId.LOSS_POLICY in running or StageId.ROLLOUT_MISMATCH in running:
         _check_rollout_correction(config)
     if StageId.ROLLOUT_MISMATCH in running and config.max_staleness is not None and config.actor_version is None:
-        raise UnsupportedError(f"max_staleness {config.max_staleness} needs actor_version, which the config does "
-                               "not record")
+        raise UnsupportedError(
+            f"max_staleness {config.max_staleness} needs actor_version, which the config does not record"
+        )
     _check_planned_payloads(Setting(config, kernels.estimator.flags), manifest, running, has_payload)
     return kernels
 
@@ -305,19 +353,26 @@ def _check_kl_types(config: RecomputeConfig, running: set[StageId]) -> None:
 def _check_loss_config(config: RecomputeConfig, running: set[StageId]) -> None:
     """The losses' denominators are recorded and positive, and a dual clip is above 1."""
     if config.loss_agg_mode == "seq_mean_token_sum_norm" and config.loss_scale_factor is None:
-        raise UnsupportedError("loss_agg_mode 'seq_mean_token_sum_norm' needs loss_scale_factor (the padded width "
-                               "production divided by), which the config does not record")
+        raise UnsupportedError(
+            "loss_agg_mode 'seq_mean_token_sum_norm' needs loss_scale_factor (the padded width "
+            "production divided by), which the config does not record"
+        )
     for field in ("loss_denominator", "loss_scale_factor"):
         value = getattr(config, field)
         if value is not None and not value > 0:
             raise UnsupportedError(f"unsupported {field} {value!r}: must be a positive count")
-    if StageId.LOSS_POLICY in running and config.policy_loss == "ppo_clip" and config.eps_clip_c is not None \
-            and not config.eps_clip_c > 1.0:
+    if (
+        StageId.LOSS_POLICY in running
+        and config.policy_loss == "ppo_clip"
+        and config.eps_clip_c is not None
+        and not config.eps_clip_c > 1.0
+    ):
         raise UnsupportedError(f"unsupported eps_clip_c {config.eps_clip_c!r}: the dual clip must be greater than 1")
 
 
-def _check_planned_payloads(setting: Setting, manifest: Manifest, running: set[StageId],
-                            has_payload: Callable[[str], bool]) -> None:
+def _check_planned_payloads(
+    setting: Setting, manifest: Manifest, running: set[StageId], has_payload: Callable[[str], bool]
+) -> None:
     """Every payload a running stage cannot be replayed without under `setting` (`StageIO.planned`) is there."""
     contracted = set(manifest.stage_contracts)
     for stage in STAGE_ORDER:
@@ -325,8 +380,9 @@ def _check_planned_payloads(setting: Setting, manifest: Manifest, running: set[S
             continue
         for payload, why in STAGE_IO[stage].planned_payloads(setting, contracted, stage):
             if not has_payload(payload):
-                raise UnsupportedError(f"{why} needs payload {payload!r}, which bundle {manifest.bundle_id} "
-                                       "does not hold")
+                raise UnsupportedError(
+                    f"{why} needs payload {payload!r}, which bundle {manifest.bundle_id} does not hold"
+                )
 
 
 def _check_rollout_correction(config: RecomputeConfig) -> None:
@@ -336,8 +392,10 @@ def _check_rollout_correction(config: RecomputeConfig) -> None:
     if config.rollout_rs != "none":
         lower, upper = rs_bounds(config)
         if not 0 < lower <= upper:
-            raise UnsupportedError(f"unsupported rejection bounds rollout_rs_lower={lower!r}, rollout_rs_upper="
-                                   f"{upper!r}: need 0 < lower <= upper")
+            raise UnsupportedError(
+                f"unsupported rejection bounds rollout_rs_lower={lower!r}, rollout_rs_upper="
+                f"{upper!r}: need 0 < lower <= upper"
+            )
 
 
 def effective_config(config: RecomputeConfig, overrides: Mapping[str, Any]) -> RecomputeConfig:
@@ -363,8 +421,9 @@ def parse_stage(name: str | StageId) -> StageId:
         raise UsageError(f"unknown stage {name!r}: stages are {', '.join(s.value for s in STAGE_ORDER)}") from None
 
 
-def plan_stages(manifest: Manifest, requested: Optional[Sequence[str | StageId]] = None,
-                config: Optional[RecomputeConfig] = None) -> list[PlannedStage]:
+def plan_stages(
+    manifest: Manifest, requested: Sequence[str | StageId] | None = None, config: RecomputeConfig | None = None
+) -> list[PlannedStage]:
     """The contracted stages to replay, in stage order: all, or `requested` and their contracted dependencies
     under `config` (default: the recorded defaults), with the flags of the estimator it names for this bundle."""
     contracted = set(manifest.stage_contracts)
@@ -374,8 +433,10 @@ def plan_stages(manifest: Manifest, requested: Optional[Sequence[str | StageId]]
         wanted = [parse_stage(s) for s in requested]
         absent = [s.value for s in wanted if s not in contracted]
         if absent:
-            raise SelectionError(f"stage {', '.join(absent)} is not contracted by bundle {manifest.bundle_id} "
-                                 f"(contracted: {', '.join(s.value for s in STAGE_ORDER if s in contracted)})")
+            raise SelectionError(
+                f"stage {', '.join(absent)} is not contracted by bundle {manifest.bundle_id} "
+                f"(contracted: {', '.join(s.value for s in STAGE_ORDER if s in contracted)})"
+            )
         selected: set[StageId] = set()
         named = set(wanted)
         setting = setting_of(config or RecomputeConfig(), manifest)
@@ -396,21 +457,25 @@ def _plan_one(manifest: Manifest, stage: Stage, named: bool = False) -> PlannedS
     capability = contract.capability
     if capability != StageCapability.RECOMPUTE:
         if capability == StageCapability.UNSUPPORTED and named:
-            raise UnsupportedError(f"stage {stage.id} is declared unsupported by bundle {manifest.bundle_id}: "
-                                   "it cannot be replayed")
+            raise UnsupportedError(
+                f"stage {stage.id} is declared unsupported by bundle {manifest.bundle_id}: it cannot be replayed"
+            )
         reason = f"capability={capability.value} (declared by the bundle)"
         if stage.recorded is not None:
             return PlannedStage(stage, "recorded", f"{reason}; recorded values passed downstream", named)
         return PlannedStage(stage, "skip", reason, named)
     if contract.version != stage.version:
-        raise UnsupportedError(f"stage {stage.id} contract version {contract.version!r} is not replayable "
-                               f"(replay implements {stage.version!r})")
+        raise UnsupportedError(
+            f"stage {stage.id} contract version {contract.version!r} is not replayable "
+            f"(replay implements {stage.version!r})"
+        )
     if stage.compute is None:
         raise UnsupportedError(f"stage {stage.id} is not replayable: replay cannot recompute it")
     return PlannedStage(stage, "run", named=named)
 
 
 # --------------------------------------------------------------------------- how the ranks relate
+
 
 def _group_by_content(ordered: Sequence[ReplaySource]) -> list[Shard]:
     """The ranks grouped by identical content, in rank order of each group's first rank."""
@@ -449,7 +514,7 @@ def _same_content(a: ReplaySource, b: ReplaySource) -> bool:
         return digests_a == digests_b
     import torch
 
-    for name in a.manifest.payloads:   # a source without digests (built in memory): compare the tensors
+    for name in a.manifest.payloads:  # a source without digests (built in memory): compare the tensors
         x, y = a.load_payload(name), b.load_payload(name)
         if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
             return False
@@ -461,7 +526,7 @@ def _canonical(value: object) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-def _payload_digests(source: ReplaySource) -> Optional[dict[str, str]]:
+def _payload_digests(source: ReplaySource) -> dict[str, str] | None:
     """{payload: content digest} when the source knows them without loading (None otherwise)."""
     digests = getattr(source, "payload_digests", None)
     if isinstance(digests, dict):
@@ -473,7 +538,7 @@ def _payload_digests(source: ReplaySource) -> Optional[dict[str, str]]:
 
 # --------------------------------------------------------------------------- selection over rank-local ids
 
-_KEYS: dict[str, Callable[[SampleRecord], Optional[str]]] = {
+_KEYS: dict[str, Callable[[SampleRecord], str | None]] = {
     "samples": lambda r: r.sample_id,
     "groups": lambda r: group_id(r.group_index),
     "batches": lambda r: r.micro_batch_id,
@@ -485,8 +550,9 @@ def _select_per_shard(selection: Selection, shards: Sequence[Shard]) -> list[tup
     if selection.everything:
         return [(s, resolve_selection(selection, s.source.index.samples)) for s in shards]
     present = [{kind: {key(r) for r in s.source.index.samples} for kind, key in _KEYS.items()} for s in shards]
-    nowhere = Selection(**{kind: tuple(i for i in getattr(selection, kind) if not any(i in p[kind] for p in present))
-                           for kind in _KEYS})
+    nowhere = Selection(
+        **{kind: tuple(i for i in getattr(selection, kind) if not any(i in p[kind] for p in present)) for kind in _KEYS}
+    )
     if not nowhere.everything:
         resolve_selection(nowhere, [r for s in shards for r in s.source.index.samples])  # names what is missing
     out = []
@@ -511,5 +577,19 @@ def config_value(value: Any) -> Any:
     return value.value if hasattr(value, "value") else value
 
 
-__all__ = ["Action", "Layout", "check_algorithm", "config_value", "effective_config", "PARTIAL_SELECTION", "Pass", "PlannedStage", "ReplayPlan", "Shard", "check_topology",
-           "parse_stage", "plan_replay", "plan_stages"]
+__all__ = [
+    "Action",
+    "Layout",
+    "check_algorithm",
+    "config_value",
+    "effective_config",
+    "PARTIAL_SELECTION",
+    "Pass",
+    "PlannedStage",
+    "ReplayPlan",
+    "Shard",
+    "check_topology",
+    "parse_stage",
+    "plan_replay",
+    "plan_stages",
+]

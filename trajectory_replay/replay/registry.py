@@ -12,9 +12,9 @@ kernel, and fails with "kernel X from package Y is not installed" when it is abs
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Callable, Optional, Union
 
 import torch
 
@@ -49,13 +49,24 @@ class EstimatorKernel:
         return EstimatorFlags(needs_values=self.needs_values, reads_kl=self.reads_kl)
 
 
-def _builtin_estimator(name: str, post_process: Callable[[estimators.RewardInputs], torch.Tensor],
-                       advantages: Callable[[estimators.AdvantageInputs], estimators.AdvantageOutputs],
-                       grouped: bool = True, whitened: bool = False) -> EstimatorKernel:
+def _builtin_estimator(
+    name: str,
+    post_process: Callable[[estimators.RewardInputs], torch.Tensor],
+    advantages: Callable[[estimators.AdvantageInputs], estimators.AdvantageOutputs],
+    grouped: bool = True,
+    whitened: bool = False,
+) -> EstimatorKernel:
     """A built-in estimator, with the flags the stage table declares for it."""
     flags = BUILTIN_ESTIMATOR_FLAGS[name]
-    return EstimatorKernel(name, post_process, advantages, grouped=grouped, needs_values=flags.needs_values,
-                           whitened=whitened, reads_kl=flags.reads_kl)
+    return EstimatorKernel(
+        name,
+        post_process,
+        advantages,
+        grouped=grouped,
+        needs_values=flags.needs_values,
+        whitened=whitened,
+        reads_kl=flags.reads_kl,
+    )
 
 
 @dataclass(frozen=True)
@@ -74,29 +85,44 @@ class AggregationKernel:
     weights: Callable[[torch.Tensor, RecomputeConfig], torch.Tensor]
 
 
-Kernel = Union[EstimatorKernel, PolicyLossKernel, AggregationKernel]
+Kernel = EstimatorKernel | PolicyLossKernel | AggregationKernel
 
-BUILTIN: dict[str, Kernel] = {k.name: k for k in (
-    _builtin_estimator("grpo", estimators.grpo_rewards, estimators.outcome_advantages),
-    _builtin_estimator("dr_grpo", estimators.mean_baseline_rewards, estimators.outcome_advantages),
-    _builtin_estimator("rloo", estimators.rloo_rewards, estimators.outcome_advantages),
-    _builtin_estimator("reinforce_plus_plus", estimators.raw_rewards, estimators.reinforce_plus_plus_advantages,
-                       grouped=False, whitened=True),
-    _builtin_estimator("reinforce_plus_plus_baseline", estimators.mean_baseline_rewards,
-                       estimators.reinforce_plus_plus_baseline_advantages, whitened=True),
-    _builtin_estimator("gae", estimators.raw_rewards, estimators.gae_advantages, grouped=False, whitened=True),
-    PolicyLossKernel("ppo_clip", losses.ppo_clip_tokens),
-    PolicyLossKernel("gspo", losses.gspo_tokens),
-    PolicyLossKernel("cispo", losses.cispo_tokens),
-    AggregationKernel("sum_of_sample_means", losses.sum_of_sample_means_weights),
-    AggregationKernel("token_mean", losses.token_mean_weights),
-    AggregationKernel("seq_mean_token_mean", losses.seq_mean_token_mean_weights),
-    AggregationKernel("seq_mean_token_sum", losses.seq_mean_token_sum_weights),
-    AggregationKernel("seq_mean_token_sum_norm", losses.seq_mean_token_sum_norm_weights),
-)}
+BUILTIN: dict[str, Kernel] = {
+    k.name: k
+    for k in (
+        _builtin_estimator("grpo", estimators.grpo_rewards, estimators.outcome_advantages),
+        _builtin_estimator("dr_grpo", estimators.mean_baseline_rewards, estimators.outcome_advantages),
+        _builtin_estimator("rloo", estimators.rloo_rewards, estimators.outcome_advantages),
+        _builtin_estimator(
+            "reinforce_plus_plus",
+            estimators.raw_rewards,
+            estimators.reinforce_plus_plus_advantages,
+            grouped=False,
+            whitened=True,
+        ),
+        _builtin_estimator(
+            "reinforce_plus_plus_baseline",
+            estimators.mean_baseline_rewards,
+            estimators.reinforce_plus_plus_baseline_advantages,
+            whitened=True,
+        ),
+        _builtin_estimator("gae", estimators.raw_rewards, estimators.gae_advantages, grouped=False, whitened=True),
+        PolicyLossKernel("ppo_clip", losses.ppo_clip_tokens),
+        PolicyLossKernel("gspo", losses.gspo_tokens),
+        PolicyLossKernel("cispo", losses.cispo_tokens),
+        AggregationKernel("sum_of_sample_means", losses.sum_of_sample_means_weights),
+        AggregationKernel("token_mean", losses.token_mean_weights),
+        AggregationKernel("seq_mean_token_mean", losses.seq_mean_token_mean_weights),
+        AggregationKernel("seq_mean_token_sum", losses.seq_mean_token_sum_weights),
+        AggregationKernel("seq_mean_token_sum_norm", losses.seq_mean_token_sum_norm_weights),
+    )
+}
 
-_FIELDS: dict[type, str] = {EstimatorKernel: "advantage_estimator", PolicyLossKernel: "policy_loss",
-                            AggregationKernel: "loss_agg_mode"}
+_FIELDS: dict[type, str] = {
+    EstimatorKernel: "advantage_estimator",
+    PolicyLossKernel: "policy_loss",
+    AggregationKernel: "loss_agg_mode",
+}
 """The config field that names a kernel of each kind."""
 
 
@@ -104,10 +130,10 @@ _FIELDS: dict[type, str] = {EstimatorKernel: "advantage_estimator", PolicyLossKe
 class Installed:
     """A kernel another package registered, and that package (with why it does not load, if it does not)."""
 
-    kernel: Optional[Kernel]
+    kernel: Kernel | None
     package: str
-    version: Optional[str] = None
-    broken: Optional[str] = None
+    version: str | None = None
+    broken: str | None = None
 
 
 def installed_kernels() -> dict[str, list[Installed]]:
@@ -127,8 +153,9 @@ def installed_kernels() -> dict[str, list[Installed]]:
             found.setdefault(ep.name, []).append(Installed(None, package, version, f"{type(exc).__name__}: {exc}"))
             continue
         if not (isinstance(kernel, (EstimatorKernel, PolicyLossKernel, AggregationKernel)) and kernel.name == ep.name):
-            found.setdefault(ep.name, []).append(Installed(None, package, version,
-                                                           f"entry point {ep.value} is not a kernel named {ep.name}"))
+            found.setdefault(ep.name, []).append(
+                Installed(None, package, version, f"entry point {ep.value} is not a kernel named {ep.name}")
+            )
             continue
         found.setdefault(ep.name, []).append(Installed(kernel, package, version))
     return found
@@ -152,13 +179,14 @@ _STAGE_KINDS: dict[StageId, tuple[type, ...]] = {
 }
 
 
-def resolve_kernels(config: RecomputeConfig, manifest: Optional[Manifest] = None,
-                    stages: Optional[set[StageId]] = None) -> Kernels:
+def resolve_kernels(
+    config: RecomputeConfig, manifest: Manifest | None = None, stages: set[StageId] | None = None
+) -> Kernels:
     """The kernels `config` names for the stages that will run (`stages`; None: all), honouring the kernels the
     manifest's stage contracts name. UnsupportedError naming the field for an unknown name, and "kernel X from
     package Y is not installed" for a contract naming a kernel that is not."""
     pinned = _pinned(manifest, stages)
-    plugins: Optional[dict[str, list[Installed]]] = None
+    plugins: dict[str, list[Installed]] | None = None
     chosen: dict[type, Kernel] = {}
     for kind, field in _FIELDS.items():
         name = getattr(config, field)
@@ -166,8 +194,9 @@ def resolve_kernels(config: RecomputeConfig, manifest: Optional[Manifest] = None
         ref = pinned.get(name)
         if ref is not None and ref.package != BUILTIN_PACKAGE:
             plugins = installed_kernels() if plugins is None else plugins
-            kernel = _pinned_kernel(ref, [i for i in plugins.get(name, []) if _same_package(i.package, ref.package)],
-                                    field, used)
+            kernel = _pinned_kernel(
+                ref, [i for i in plugins.get(name, []) if _same_package(i.package, ref.package)], field, used
+            )
         elif name in BUILTIN:
             kernel = BUILTIN[name]
         else:
@@ -179,37 +208,47 @@ def resolve_kernels(config: RecomputeConfig, manifest: Optional[Manifest] = None
             if used:
                 known = ", ".join(k for k, v in BUILTIN.items() if isinstance(v, kind))
                 raise UnsupportedError(f"unsupported {field} {name!r}: replay knows {known}")
-            kernel = BUILTIN[getattr(RecomputeConfig(), field)]   # not used by any stage that runs
+            kernel = BUILTIN[getattr(RecomputeConfig(), field)]  # not used by any stage that runs
         chosen[kind] = kernel
     return Kernels(chosen[EstimatorKernel], chosen[PolicyLossKernel], chosen[AggregationKernel])  # type: ignore[arg-type]
 
 
-def _pinned_kernel(ref: KernelRef, match: list[Installed], field: str, used: bool) -> Optional[Kernel]:
+def _pinned_kernel(ref: KernelRef, match: list[Installed], field: str, used: bool) -> Kernel | None:
     """The installed kernel a contract pins; UnsupportedError when it is needed and absent or does not load. A
     version other than the pinned one is used with a warning: it may compute differently."""
     if not match:
         if used:
-            raise UnsupportedError(f"kernel {ref.name} from package {ref.package} is not installed "
-                                   f"(named by the bundle's stage contract; {field}={ref.name!r})")
+            raise UnsupportedError(
+                f"kernel {ref.name} from package {ref.package} is not installed "
+                f"(named by the bundle's stage contract; {field}={ref.name!r})"
+            )
         return None
     found = match[0]
     if found.kernel is None:
         if used:
-            raise UnsupportedError(f"kernel {ref.name} from package {ref.package} is installed but does not load: "
-                                   f"{found.broken}")
+            raise UnsupportedError(
+                f"kernel {ref.name} from package {ref.package} is installed but does not load: {found.broken}"
+            )
         return None
     if used and ref.version is not None and found.version != ref.version:
-        warnings.warn(f"kernel {ref.name}: the bundle was produced with {ref.package} {ref.version}, "
-                      f"replaying with {found.version}", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"kernel {ref.name}: the bundle was produced with {ref.package} {ref.version}, "
+            f"replaying with {found.version}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return found.kernel
 
 
-def _pinned(manifest: Optional[Manifest], stages: Optional[set[StageId]]) -> dict[str, KernelRef]:
+def _pinned(manifest: Manifest | None, stages: set[StageId] | None) -> dict[str, KernelRef]:
     """The kernels the contracts of the running stages name, by kernel name."""
     if manifest is None:
         return {}
-    return {c.kernel.name: c.kernel for s, c in manifest.stage_contracts.items()
-            if c.kernel is not None and (stages is None or s in stages)}
+    return {
+        c.kernel.name: c.kernel
+        for s, c in manifest.stage_contracts.items()
+        if c.kernel is not None and (stages is None or s in stages)
+    }
 
 
 def _same_package(a: str, b: str) -> bool:
@@ -222,5 +261,16 @@ def _same_package(a: str, b: str) -> bool:
     return norm(a) == norm(b)
 
 
-__all__ = ["AggregationKernel", "BUILTIN", "BUILTIN_PACKAGE", "ENTRY_POINT_GROUP", "EstimatorKernel", "Installed",
-           "Kernel", "Kernels", "PolicyLossKernel", "installed_kernels", "resolve_kernels"]
+__all__ = [
+    "AggregationKernel",
+    "BUILTIN",
+    "BUILTIN_PACKAGE",
+    "ENTRY_POINT_GROUP",
+    "EstimatorKernel",
+    "Installed",
+    "Kernel",
+    "Kernels",
+    "PolicyLossKernel",
+    "installed_kernels",
+    "resolve_kernels",
+]

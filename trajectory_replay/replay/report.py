@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal
 
 from trajectory_replay.outcome import Outcome, Status
 
@@ -24,17 +25,22 @@ class Divergence:
     """One concrete mismatch: which field, where (sample, token offset inside its response), and by how much."""
 
     field: str
-    sample_id: Optional[str]
-    token_offset: Optional[int]
-    expected: Optional[float]
-    actual: Optional[float]
-    abs_error: Optional[float]
+    sample_id: str | None
+    token_offset: int | None
+    expected: float | None
+    actual: float | None
+    abs_error: float | None
 
     def to_dict(self) -> dict[str, Any]:
         """The divergence object of `replay --json`."""
-        return {"field": self.field, "sample_id": self.sample_id, "token_offset": self.token_offset,
-                "expected": json_number(self.expected), "actual": json_number(self.actual),
-                "abs_error": json_number(self.abs_error)}
+        return {
+            "field": self.field,
+            "sample_id": self.sample_id,
+            "token_offset": self.token_offset,
+            "expected": json_number(self.expected),
+            "actual": json_number(self.actual),
+            "abs_error": json_number(self.abs_error),
+        }
 
     def render(self) -> str:
         """`field s-0 token 3: expected=... actual=... abs_err=...` (sample and token only where known)."""
@@ -43,8 +49,10 @@ class Divergence:
             where += f" {self.sample_id}"
         if self.token_offset is not None:
             where += f" token {self.token_offset}"
-        return (f"{where}: expected={format_number(self.expected)} actual={format_number(self.actual)} "
-                f"abs_err={format_number(self.abs_error)}")
+        return (
+            f"{where}: expected={format_number(self.expected)} actual={format_number(self.actual)} "
+            f"abs_err={format_number(self.abs_error)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -54,8 +62,8 @@ class StageResult:
     stage: str
     status: StageStatus
     message: str
-    rank: Optional[int] = None
-    max_abs_error: Optional[float] = None
+    rank: int | None = None
+    max_abs_error: float | None = None
     mismatch_count: int = 0
     divergences: tuple[Divergence, ...] = ()
     compared: int = 0
@@ -77,9 +85,16 @@ class StageResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The stage object of `replay --json`."""
-        out = {"stage": self.stage, "rank": self.rank, "status": self.status, "message": self.message,
-               "compared": self.compared, "max_abs_error": json_number(self.max_abs_error),
-               "mismatch_count": self.mismatch_count, "divergences": [d.to_dict() for d in self.divergences]}
+        out = {
+            "stage": self.stage,
+            "rank": self.rank,
+            "status": self.status,
+            "message": self.message,
+            "compared": self.compared,
+            "max_abs_error": json_number(self.max_abs_error),
+            "mismatch_count": self.mismatch_count,
+            "divergences": [d.to_dict() for d in self.divergences],
+        }
         if self.metrics:
             out["metrics"] = _json_ready(self.metrics)
         return out
@@ -97,7 +112,7 @@ class StageResult:
         return lines
 
 
-def skipped(stage: str, message: str, rank: Optional[int] = None) -> StageResult:
+def skipped(stage: str, message: str, rank: int | None = None) -> StageResult:
     """A stage that did not run; it never counts toward the first divergence."""
     return StageResult(stage=stage, status="skipped", message=message, rank=rank)
 
@@ -123,14 +138,14 @@ class ReplayReport(Outcome):
         return sum(s.compared for s in self.stages if s.status != "skipped")
 
     @property
-    def unsupported_reason(self) -> Optional[str]:
+    def unsupported_reason(self) -> str | None:
         """Why this replay checked nothing that was asked, or None when it did (a divergence always checked)."""
         if any(s.failed for s in self.stages):
             return None
         return unchecked_reason(self.stages, self.requested)
 
     @property
-    def reason(self) -> Optional[str]:
+    def reason(self) -> str | None:
         return self.unsupported_reason
 
     @property
@@ -146,17 +161,17 @@ class ReplayReport(Outcome):
         return self.status is Status.PASS
 
     @property
-    def first_divergent_stage(self) -> Optional[str]:
+    def first_divergent_stage(self) -> str | None:
         """The first failed stage in stage order, or None."""
         return next((s.stage for s in self.stages if s.failed), None)
 
     @property
-    def first_divergence(self) -> Optional[dict[str, Any]]:
+    def first_divergence(self) -> dict[str, Any] | None:
         """{bundle, stage, rank, sample, field, token} of the first failure, or None."""
         failed = next((s for s in self.stages if s.failed), None)
         return None if failed is None else divergence_place(self.bundle_id, failed)
 
-    def stage(self, stage: str, rank: Optional[int] = None) -> StageResult:
+    def stage(self, stage: str, rank: int | None = None) -> StageResult:
         """The entry of `stage` (and `rank`); KeyError when it is not in the report."""
         for s in self.stages:
             if s.stage == stage and s.rank == rank:
@@ -166,13 +181,19 @@ class ReplayReport(Outcome):
     def to_dict(self) -> dict[str, Any]:
         """The `replay --json` object, JSON-ready (non-finite numbers as strings). A chained replay's object has the
         same keys, and more (`ChainReport.to_dict`)."""
-        return {"status": self.status, "bundle_id": self.bundle_id, "passed": self.passed,
-                "first_divergent_stage": self.first_divergent_stage, "first_divergence": self.first_divergence,
-                "reason": self.unsupported_reason, "compared": self.compared,
-                "config_overrides": dict(self.overrides),
-                "stages": [{"bundle": self.bundle_id, **s.to_dict()} for s in self.stages]}
+        return {
+            "status": self.status,
+            "bundle_id": self.bundle_id,
+            "passed": self.passed,
+            "first_divergent_stage": self.first_divergent_stage,
+            "first_divergence": self.first_divergence,
+            "reason": self.unsupported_reason,
+            "compared": self.compared,
+            "config_overrides": dict(self.overrides),
+            "stages": [{"bundle": self.bundle_id, **s.to_dict()} for s in self.stages],
+        }
 
-    def to_json(self, indent: Optional[int] = None) -> str:
+    def to_json(self, indent: int | None = None) -> str:
         """`to_dict()` serialized; always valid JSON."""
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
@@ -187,8 +208,10 @@ class ReplayReport(Outcome):
         """The human-readable report: headline, one line per stage, then each stage's divergences."""
         lines = [self.headline()]
         if self.overrides:
-            lines.append("config overridden (not as recorded): "
-                         + ", ".join(f"{k}={json.dumps(v)}" for k, v in self.overrides.items()))
+            lines.append(
+                "config overridden (not as recorded): "
+                + ", ".join(f"{k}={json.dumps(v)}" for k, v in self.overrides.items())
+            )
         lines.extend(render_stage_lines(self.stages))
         return "\n".join(lines)
 
@@ -206,7 +229,7 @@ def render_stage_lines(stages: Sequence[StageResult]) -> list[str]:
     return lines
 
 
-def unchecked_reason(stages: Sequence[StageResult], requested: Sequence[str] = ()) -> Optional[str]:
+def unchecked_reason(stages: Sequence[StageResult], requested: Sequence[str] = ()) -> str | None:
     """Why `stages` (none failed) checked nothing that was asked: a stage asked for by name that did not run, every
     stage skipped, or stages that ran and compared no value; None when values were compared."""
     for name in requested:
@@ -216,9 +239,10 @@ def unchecked_reason(stages: Sequence[StageResult], requested: Sequence[str] = (
     if not stages:
         return "the bundle contracts no stage"
     if all(s.status == "skipped" for s in stages):
-        reasons = list(dict.fromkeys(s.message.split(";")[0] for s in stages))   # "...; recorded values passed"
-        return f"every stage was skipped: {'; '.join(reasons[:3])}" + (f"; and {len(reasons) - 3} more reasons"
-                                                                      if len(reasons) > 3 else "")
+        reasons = list(dict.fromkeys(s.message.split(";")[0] for s in stages))  # "...; recorded values passed"
+        return f"every stage was skipped: {'; '.join(reasons[:3])}" + (
+            f"; and {len(reasons) - 3} more reasons" if len(reasons) > 3 else ""
+        )
     if sum(s.compared for s in stages if s.status != "skipped") == 0:
         ran = ", ".join(dict.fromkeys(s.stage for s in stages if s.status != "skipped"))
         return f"the stages that ran ({ran}) had no value to compare (an empty cohort?)"
@@ -229,9 +253,14 @@ def divergence_place(bundle: str, result: StageResult) -> dict[str, Any]:
     """{bundle, stage, rank, sample, field, token} of a failed stage's first divergence (sample, field and token
     null when the failure is not a value)."""
     d = result.divergences[0] if result.divergences else None
-    return {"bundle": bundle, "stage": str(result.stage), "rank": result.rank,
-            "sample": d.sample_id if d else None, "field": d.field if d else None,
-            "token": d.token_offset if d else None}
+    return {
+        "bundle": bundle,
+        "stage": str(result.stage),
+        "rank": result.rank,
+        "sample": d.sample_id if d else None,
+        "field": d.field if d else None,
+        "token": d.token_offset if d else None,
+    }
 
 
 def _plain(value: Any) -> str:
@@ -250,7 +279,7 @@ def _json_ready(value: Any) -> Any:
     return json_number(value) if isinstance(value, float) else value
 
 
-def json_number(value: Optional[float]) -> Optional[float | str]:
+def json_number(value: float | None) -> float | str | None:
     """A float for JSON: finite values as is, NaN/Inf as "nan"/"inf"/"-inf", None as null."""
     if value is None or math.isfinite(value):
         return value
@@ -259,7 +288,7 @@ def json_number(value: Optional[float]) -> Optional[float | str]:
     return "inf" if value > 0 else "-inf"
 
 
-def format_number(value: Optional[float]) -> str:
+def format_number(value: float | None) -> str:
     """Up to 6 significant digits; integral values keep one decimal (`-1.0`), like Python's repr."""
     if value is None:
         return "n/a"
@@ -269,5 +298,16 @@ def format_number(value: Optional[float]) -> str:
     return text
 
 
-__all__ = ["Divergence", "MAX_DIVERGENCES", "ReplayReport", "StageResult", "StageStatus",
-           "divergence_place", "format_number", "json_number", "render_stage_lines", "skipped", "unchecked_reason"]
+__all__ = [
+    "Divergence",
+    "MAX_DIVERGENCES",
+    "ReplayReport",
+    "StageResult",
+    "StageStatus",
+    "divergence_place",
+    "format_number",
+    "json_number",
+    "render_stage_lines",
+    "skipped",
+    "unchecked_reason",
+]

@@ -16,10 +16,11 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -40,22 +41,33 @@ from trajectory_replay.replay.source import ReplaySource, reading_ahead
 from trajectory_replay.replay.stages import Outputs, Stage, StageContext, StageOutcome
 
 
-def replay(sources: Sequence[ReplaySource], *, samples: Sequence[str] = (), groups: Sequence[str] = (),
-           batches: Sequence[str] = (), stages: Optional[Sequence[str | StageId]] = None,
-           atol: Optional[float] = None, rtol: Optional[float] = None, rank: Optional[int] = None,
-           overrides: Optional[Mapping[str, Any]] = None, block_tokens: Optional[int] = None) -> ReplayReport:
+def replay(
+    sources: Sequence[ReplaySource],
+    *,
+    samples: Sequence[str] = (),
+    groups: Sequence[str] = (),
+    batches: Sequence[str] = (),
+    stages: Sequence[str | StageId] | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    rank: int | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    block_tokens: int | None = None,
+) -> ReplayReport:
     """Replay one bundle (one source per rank) and report every stage and the first divergence;
     with `rank`, only that rank of it (the selection then picks among that rank's samples); with `overrides`,
     under the recorded config with those fields changed (the report lists them). `block_tokens`: stream the
     replay in blocks of whole groups of about that many tokens (default: only a cohort of more than
     `blocks.STREAM_TOKENS` tokens streams, in blocks of `blocks.BLOCK_TOKENS`); the report is the same."""
-    plan = plan_replay(sources, Selection(tuple(samples), tuple(groups), tuple(batches)), stages=stages, rank=rank,
-                       overrides=overrides)
+    plan = plan_replay(
+        sources, Selection(tuple(samples), tuple(groups), tuple(batches)), stages=stages, rank=rank, overrides=overrides
+    )
     return execute(plan, atol=atol, rtol=rtol, block_tokens=block_tokens)
 
 
-def execute(plan: ReplayPlan, *, atol: Optional[float] = None, rtol: Optional[float] = None,
-            block_tokens: Optional[int] = None) -> ReplayReport:
+def execute(
+    plan: ReplayPlan, *, atol: float | None = None, rtol: float | None = None, block_tokens: int | None = None
+) -> ReplayReport:
     """Run `plan`: every pass, its verdicts in stage order, rank by rank."""
     return execute_keeping(plan, (), atol=atol, rtol=rtol, block_tokens=block_tokens)[0]
 
@@ -64,9 +76,14 @@ PER_SAMPLE_OUTPUTS = tuple(name for io in STAGE_IO.values() if io.per == "sample
 """Stage outputs with one value per sample; every other output a stage hands on has one per token."""
 
 
-def execute_keeping(plan: ReplayPlan, keep: Sequence[str], *, atol: Optional[float] = None,
-                    rtol: Optional[float] = None, block_tokens: Optional[int] = None,
-                    ) -> tuple[ReplayReport, dict[str, dict[str, torch.Tensor]]]:
+def execute_keeping(
+    plan: ReplayPlan,
+    keep: Sequence[str],
+    *,
+    atol: float | None = None,
+    rtol: float | None = None,
+    block_tokens: int | None = None,
+) -> tuple[ReplayReport, dict[str, dict[str, torch.Tensor]]]:
     """`execute`, also handing back the recomputed outputs named in `keep` (of the sample-level stages that ran),
     as {output: {sample_id: the sample's values}}: what a chained replay links a step's inputs to."""
     runner = _PassRunner(plan, atol, rtol, keep, block_tokens)
@@ -74,8 +91,9 @@ def execute_keeping(plan: ReplayPlan, keep: Sequence[str], *, atol: Optional[flo
     order = {stage.value: i for i, stage in enumerate(STAGE_ORDER)}
     results.sort(key=lambda r: (order.get(r.stage, len(order)), -1 if r.rank is None else r.rank))
     requested = tuple(p.stage.id.value for p in plan.stages if p.named)
-    return ReplayReport(bundle_id=plan.bundle_id, stages=tuple(results), overrides=dict(plan.overrides),
-                        requested=requested), runner.kept
+    return ReplayReport(
+        bundle_id=plan.bundle_id, stages=tuple(results), overrides=dict(plan.overrides), requested=requested
+    ), runner.kept
 
 
 Runs = list[tuple[StageOutcome, Block]]
@@ -96,7 +114,7 @@ class _PassState:
     """Each cohort-level stage's runs over the blocks, per part of the cohort."""
     shared: StageOutputs = field(default_factory=dict)
     """The outputs of the stages that run once over the whole cohort (per-sample values)."""
-    whitening: Optional[Whitening] = None
+    whitening: Whitening | None = None
     """The cohort's whitening of the advantages, for a streamed pass whose estimator whitens over the cohort."""
 
     @property
@@ -108,8 +126,14 @@ class _PassRunner:
     """Runs the passes of one replay plan; holds what they share: the plan, the tolerance overrides, the payload
     cache, and the recomputed outputs kept for the caller."""
 
-    def __init__(self, plan: ReplayPlan, atol: Optional[float], rtol: Optional[float],
-                 keep: Sequence[str] = (), block_tokens: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        plan: ReplayPlan,
+        atol: float | None,
+        rtol: float | None,
+        keep: Sequence[str] = (),
+        block_tokens: int | None = None,
+    ) -> None:
         self.plan, self.atol, self.rtol = plan, atol, rtol
         self.keep = frozenset(keep)
         self.kept: dict[str, dict[str, torch.Tensor]] = {}
@@ -119,13 +143,27 @@ class _PassRunner:
         self.sample_level = [p for p in plan.stages if not p.stage.cohort_level]
         self.cohort_level = [p for p in plan.stages if p.stage.cohort_level]
 
-    def context(self, stage: StageId, cohort: Cohort, outputs: StageOutputs, rank: Optional[int],
-                block: Optional[Block] = None, whitening: Optional[Whitening] = None) -> StageContext:
+    def context(
+        self,
+        stage: StageId,
+        cohort: Cohort,
+        outputs: StageOutputs,
+        rank: int | None,
+        block: Block | None = None,
+        whitening: Whitening | None = None,
+    ) -> StageContext:
         reference = self.plan.reference
-        return StageContext(cohort=cohort, config=self.plan.config,
-                            tol=resolve_tolerance(reference.manifest, stage, self.atol, self.rtol),
-                            contracted=self.contracted, outputs=outputs, rank=rank, kernels=self.plan.kernels,
-                            block=block, whitening=whitening)
+        return StageContext(
+            cohort=cohort,
+            config=self.plan.config,
+            tol=resolve_tolerance(reference.manifest, stage, self.atol, self.rtol),
+            contracted=self.contracted,
+            outputs=outputs,
+            rank=rank,
+            kernels=self.plan.kernels,
+            block=block,
+            whitening=whitening,
+        )
 
     def blocks(self, whole: Cohort) -> list[Block]:
         """The blocks a pass over `whole` runs in: one, unless the cohort is large (or `block_tokens` was given) and
@@ -166,8 +204,11 @@ class _PassRunner:
         sources = [part.source for part in plan.parts]
         arena = _arena_bytes(blocks, plan, self._block_payloads(plan)) if ahead else 0
         reading = reading_ahead(sources, arena) if ahead else nullcontext()
-        with _kernel_threads(cpus - 1 if ahead else cpus), one_core_for_cpu_work() if cpus == 1 else nullcontext(), \
-                reading:
+        with (
+            _kernel_threads(cpus - 1 if ahead else cpus),
+            one_core_for_cpu_work() if cpus == 1 else nullcontext(),
+            reading,
+        ):
             return self._pass(_PassState(plan, whole, blocks), ahead)
 
     def _pass(self, state: _PassState, read_ahead: bool) -> list[StageResult]:
@@ -189,20 +230,28 @@ class _PassRunner:
         """The block's per-block sample-level stages as steps to run in order, and the outputs they fill (what the
         cohort-level stages read)."""
         shared = state.shared
-        outputs: StageOutputs = _block_outputs(shared, block) if state.streamed else \
-            {k: dict(v) for k, v in shared.items()}
-        return outputs, [functools.partial(self._sample_step, state, block, outputs, i)
-                         for i in range(len(self.sample_level))]
+        outputs: StageOutputs = (
+            _block_outputs(shared, block) if state.streamed else {k: dict(v) for k, v in shared.items()}
+        )
+        return outputs, [
+            functools.partial(self._sample_step, state, block, outputs, i) for i in range(len(self.sample_level))
+        ]
 
     def _sample_step(self, state: _PassState, block: Block, outputs: StageOutputs, i: int) -> None:
         """The `i`th sample-level stage over the block, if it runs block by block; then what no later stage reads
         is dropped."""
         planned = self.sample_level[i]
         if planned.stage.per_block and self._runs(planned, state.plan):
-            ctx = self.context(planned.stage.id, block.cohort, outputs, state.plan.label,
-                               block if state.streamed else None, state.whitening)
+            ctx = self.context(
+                planned.stage.id,
+                block.cohort,
+                outputs,
+                state.plan.label,
+                block if state.streamed else None,
+                state.whitening,
+            )
             self._compute(planned, ctx, outputs, state.runs, block)
-        later = [p.stage for p in self.sample_level[i + 1:] + self.cohort_level]
+        later = [p.stage for p in self.sample_level[i + 1 :] + self.cohort_level]
         _release(outputs, block.cohort.cache, later, self.plan.setting)
 
     def _run_blocks(self, state: _PassState, read_ahead: bool) -> None:
@@ -223,15 +272,16 @@ class _PassRunner:
                         run_step()
                 for planned in self.cohort_level:
                     if planned.action == "run" and not state.plan.cohort_skip:
-                        self._per_part(planned, state.plan, state.whole, block, outputs, state.part_runs,
-                                       state.streamed)
+                        self._per_part(
+                            planned, state.plan, state.whole, block, outputs, state.part_runs, state.streamed
+                        )
                 if state.streamed:
                     block.cohort.cache.retain(set())
                 if ahead is not None:
                     ahead.done(b, block.cohort.cache.names)
                 if heap is not None:
                     heap.between_blocks()
-        finally:   # a read or a stage that fails leaves no thread behind
+        finally:  # a read or a stage that fails leaves no thread behind
             if ahead is not None:
                 ahead.close()
             if heap is not None:
@@ -246,11 +296,13 @@ class _PassRunner:
             if planned.action == "run" and planned.stage.id in state.runs:
                 # in block order: the thread ahead may run a stage on the next block before this one ends it
                 stage_runs = sorted(state.runs[planned.stage.id], key=lambda run: position.get(id(run[1]), -1))
-                result = planned.stage.verdict(self.context(planned.stage.id, whole, {}, plan.label),
-                                               _merged(stage_runs, whole), stage_runs)
-            elif planned.action == "run":   # whitened advantages on part of the cohort
-                result = skipped(planned.stage.id.value, f"{WHITENED_PART} ({self.plan.kernels.estimator.name})",
-                                 plan.label)
+                result = planned.stage.verdict(
+                    self.context(planned.stage.id, whole, {}, plan.label), _merged(stage_runs, whole), stage_runs
+                )
+            elif planned.action == "run":  # whitened advantages on part of the cohort
+                result = skipped(
+                    planned.stage.id.value, f"{WHITENED_PART} ({self.plan.kernels.estimator.name})", plan.label
+                )
             else:
                 result = skipped(planned.stage.id.value, planned.reason, plan.label)
             results += _with_copies(result, plan.label, plan.copies)
@@ -269,8 +321,9 @@ class _PassRunner:
                 if ranks:
                     part = state.whole.part(k)
                     stage_runs = state.part_runs.get((planned.stage.id, k), [])
-                    result = planned.stage.verdict(self.context(planned.stage.id, part, {}, ranks[0]),
-                                                   _merged(stage_runs, part), stage_runs)
+                    result = planned.stage.verdict(
+                        self.context(planned.stage.id, part, {}, ranks[0]), _merged(stage_runs, part), stage_runs
+                    )
                     results += _with_copies(result, ranks[0], ranks[1:])
         return results
 
@@ -288,15 +341,16 @@ class _PassRunner:
             return False
         return not (planned.action == "run" and not plan.whole and self._whitened(planned.stage.id))
 
-    def _compute(self, planned: PlannedStage, ctx: StageContext, outputs: StageOutputs, runs: dict[StageId, Runs],
-                 block: Block) -> None:
+    def _compute(
+        self, planned: PlannedStage, ctx: StageContext, outputs: StageOutputs, runs: dict[StageId, Runs], block: Block
+    ) -> None:
         """Run one planned stage over the context's rows (or hand its recorded outputs on); keep its outcome."""
         stage = planned.stage
         if planned.action == "recorded":
-            assert stage.recorded is not None   # the plan hands recorded outputs on only for a stage that has them
+            assert stage.recorded is not None  # the plan hands recorded outputs on only for a stage that has them
             outputs[stage.id] = stage.recorded(ctx)
             return
-        assert stage.compute is not None   # the plan runs only a stage replay can compute
+        assert stage.compute is not None  # the plan runs only a stage replay can compute
         outcome = stage.compute(ctx)
         if outcome.outputs:
             outputs[stage.id] = outcome.outputs
@@ -305,8 +359,16 @@ class _PassRunner:
         # the verdict needs the findings, not the per-token outputs: those go when no later stage reads them
         runs.setdefault(stage.id, []).append((replace(outcome, outputs={}), block))
 
-    def _per_part(self, planned: PlannedStage, plan: Pass, whole: Cohort, block: Block, outputs: StageOutputs,
-                  part_runs: dict[tuple[StageId, int], Runs], streamed: bool) -> None:
+    def _per_part(
+        self,
+        planned: PlannedStage,
+        plan: Pass,
+        whole: Cohort,
+        block: Block,
+        outputs: StageOutputs,
+        part_runs: dict[tuple[StageId, int], Runs],
+        streamed: bool,
+    ) -> None:
         """A cohort-level stage over the block's rows of each part, with the block's slice of the (per-token)
         upstream outputs it consumes; its verdict is made per part once every block ran."""
         for k, ranks in enumerate(plan.cohort_ranks):
@@ -316,31 +378,46 @@ class _PassRunner:
             part_block, tokens = found
             part_outputs: StageOutputs = {
                 stage: {key: value[tokens] for key, value in produced.items()}
-                for stage, produced in outputs.items() if stage in planned.stage.io.upstream_stages}
-            ctx = self.context(planned.stage.id, part_block.cohort, part_outputs, ranks[0],
-                               part_block if streamed else None)
-            assert planned.stage.compute is not None   # the plan runs only a stage replay can compute
+                for stage, produced in outputs.items()
+                if stage in planned.stage.io.upstream_stages
+            }
+            ctx = self.context(
+                planned.stage.id, part_block.cohort, part_outputs, ranks[0], part_block if streamed else None
+            )
+            assert planned.stage.compute is not None  # the plan runs only a stage replay can compute
             outcome = planned.stage.compute(ctx)
             part_runs.setdefault((planned.stage.id, k), []).append((outcome, part_block))
 
-    def _whitening(self, plan: Pass, blocks: list[Block], shared: StageOutputs) -> Optional[Whitening]:
+    def _whitening(self, plan: Pass, blocks: list[Block], shared: StageOutputs) -> Whitening | None:
         """For a streamed pass whose estimator whitens over the cohort: a first pass over the blocks collects every
         sample's moments of the advantages before whitening, and the cohort's statistics whiten every block."""
         estimate = next((p for p in self.sample_level if p.stage.id == StageId.ADVANTAGE_ESTIMATE), None)
-        if estimate is None or estimate.action != "run" or not self._whitened(StageId.ADVANTAGE_ESTIMATE) \
-                or not plan.whole:
+        if (
+            estimate is None
+            or estimate.action != "run"
+            or not self._whitened(StageId.ADVANTAGE_ESTIMATE)
+            or not plan.whole
+        ):
             return None
         n = sum(len(b.index) for b in blocks)
         moments = Moments(*(torch.zeros(n, dtype=torch.float64) for _ in range(3)))
         for block in blocks:
-            def collect(values: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor,
-                        at: torch.Tensor = block.index) -> torch.Tensor:
+
+            def collect(
+                values: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, at: torch.Tensor = block.index
+            ) -> torch.Tensor:
                 found = sample_moments(values, mask, lengths)
                 moments.count[at], moments.total[at], moments.m2[at] = found.count, found.total, found.m2
                 return values
+
             outputs = _block_outputs(shared, block)
-            upstream = [p for p in self.sample_level if p.stage.per_block and p.stage.id != StageId.SAMPLE
-                        and STAGE_ORDER.index(p.stage.id) <= STAGE_ORDER.index(StageId.ADVANTAGE_ESTIMATE)]
+            upstream = [
+                p
+                for p in self.sample_level
+                if p.stage.per_block
+                and p.stage.id != StageId.SAMPLE
+                and STAGE_ORDER.index(p.stage.id) <= STAGE_ORDER.index(StageId.ADVANTAGE_ESTIMATE)
+            ]
             for planned in upstream:
                 if self._runs(planned, plan):
                     ctx = self.context(planned.stage.id, block.cohort, outputs, plan.label, block, collect)
@@ -376,7 +453,7 @@ class _BlockJob:
         self.next = 0
         self.taken = False
         self.running = False
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
         self.turn = threading.Condition()
 
     def run_ahead(self) -> None:
@@ -388,7 +465,7 @@ class _BlockJob:
                 self.running = True
             try:
                 self.steps[self.next]()
-            except BaseException as exc:   # handed to the caller, which raises it
+            except BaseException as exc:  # handed to the caller, which raises it
                 self.error = exc
             finally:
                 with self.turn:
@@ -418,9 +495,12 @@ class _NextBlockWorker:
     It starts on the first block at once, reading the payloads the stages may read under the config (`names`);
     a payload a block's stages loaded beyond those is read ahead for the blocks after."""
 
-    def __init__(self, blocks: Sequence[Block],
-                 sample_steps: Callable[[Block], tuple[StageOutputs, list[Callable[[], None]]]],
-                 names: set[str]) -> None:
+    def __init__(
+        self,
+        blocks: Sequence[Block],
+        sample_steps: Callable[[Block], tuple[StageOutputs, list[Callable[[], None]]]],
+        names: set[str],
+    ) -> None:
         self.blocks = blocks
         self.sample_steps = sample_steps
         self.names: set[str] = set(names)
@@ -433,10 +513,10 @@ class _NextBlockWorker:
         """Block `b`'s sample-level outputs, its stages run (a read or stage error surfaces here); the thread ahead
         goes on to block b + 1."""
         job = self.jobs.pop(b, None)
-        if job is None:   # nothing to read ahead: the block runs here
+        if job is None:  # nothing to read ahead: the block runs here
             outputs, steps = self.sample_steps(self.blocks[b])
             job = _BlockJob(outputs, steps)
-        self._start(b + 1)   # queued behind block b: it begins once the thread ahead lets go of block b
+        self._start(b + 1)  # queued behind block b: it begins once the thread ahead lets go of block b
         return job.finish()
 
     def done(self, b: int, names: set[str]) -> None:
@@ -454,13 +534,13 @@ class _NextBlockWorker:
 
     @staticmethod
     def _ahead(job: _BlockJob) -> None:
-        with one_core_for_cpu_work():   # the core `_kernel_threads` left: local reads stay on it
+        with one_core_for_cpu_work():  # the core `_kernel_threads` left: local reads stay on it
             job.run_ahead()
 
     def close(self) -> None:
         for job in self.jobs.values():
             with job.turn:
-                job.taken = True   # a job not yet begun stops before its first step
+                job.taken = True  # a job not yet begun stops before its first step
         self.pool.shutdown(wait=True)
 
 
@@ -478,8 +558,14 @@ def _arena_bytes(blocks: Sequence[Block], plan: Pass, names: set[str]) -> int:
     per_token = 0.0
     for part in plan.parts:
         specs = part.source.manifest.payloads
-        per_token = max(per_token, sum(spec.size / max(math.prod(spec.shape), 1) for name, spec in specs.items()
-                                       if name in names and spec.per_token))
+        per_token = max(
+            per_token,
+            sum(
+                spec.size / max(math.prod(spec.shape), 1)
+                for name, spec in specs.items()
+                if name in names and spec.per_token
+            ),
+        )
     tokens = max(block.cohort.num_tokens for block in blocks)
     return min(int(3 * tokens * per_token) + (16 << 20), MAX_ARENA)
 
@@ -517,8 +603,7 @@ def _merged(runs: Runs, whole: Cohort) -> StageChecks:
     return merged.findings(whole)
 
 
-def _with_copies(result: StageResult, source_rank: Optional[int],
-                 replicas: Sequence[Optional[int]]) -> list[StageResult]:
+def _with_copies(result: StageResult, source_rank: int | None, replicas: Sequence[int | None]) -> list[StageResult]:
     """`result`, and the same verdict for every replica rank (its data is identical to `source_rank`'s)."""
     message = f"{result.message} (data identical to rank {source_rank})".lstrip()
     return [result] + [replace(result, rank=r, message=message) for r in replicas]

@@ -7,14 +7,14 @@ every group the selection touches.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 from trajectory_replay.bundle.schema import SampleRecord
 from trajectory_replay.errors import SelectionError
 
 
-def group_id(group_index: Optional[int]) -> Optional[str]:
+def group_id(group_index: int | None) -> str | None:
     """The group id of a sample (`g-<group_index>`), None when it has no group_index."""
     return None if group_index is None else f"g-{group_index}"
 
@@ -59,8 +59,9 @@ def resolve_selection(selection: Selection, records: Sequence[SampleRecord]) -> 
     return Closure(positions=tuple(sorted(closure)), total=len(records))
 
 
-def _matching(kind: str, wanted: Sequence[str], records: Sequence[SampleRecord],
-              key: Callable[[SampleRecord], Optional[str]]) -> set[int]:
+def _matching(
+    kind: str, wanted: Sequence[str], records: Sequence[SampleRecord], key: Callable[[SampleRecord], str | None]
+) -> set[int]:
     """Positions of the records whose `key` is one of `wanted`; SelectionError naming every miss."""
     by_key: dict[str, list[int]] = {}
     for i, record in enumerate(records):
@@ -69,8 +70,9 @@ def _matching(kind: str, wanted: Sequence[str], records: Sequence[SampleRecord],
             by_key.setdefault(value, []).append(i)
     missing = [w for w in wanted if w not in by_key]
     if missing:
-        raise SelectionError(f"no {kind} {', '.join(map(repr, missing))}; {valid_ids(kind, list(by_key))} "
-                             "(selection fails closed)")
+        raise SelectionError(
+            f"no {kind} {', '.join(map(repr, missing))}; {valid_ids(kind, list(by_key))} (selection fails closed)"
+        )
     return {i for w in wanted for i in by_key[w]}
 
 

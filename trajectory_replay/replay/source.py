@@ -8,13 +8,14 @@ both satisfy it. A multi-rank bundle is handed to replay as one source per rank.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from trajectory_replay.bundle.schema import BundleIndex, Manifest, SampleRecord
 
-if TYPE_CHECKING:   # only named in annotations: validate imports this module where torch is not installed
+if TYPE_CHECKING:  # only named in annotations: validate imports this module where torch is not installed
     import torch
 
 
@@ -27,14 +28,14 @@ class ReplaySource(Protocol):
     index: BundleIndex
     expected: dict[str, Any]
     """expected.json as stored (stage name -> {field: value or list}); values may be NaN."""
-    rank: Optional[int]
+    rank: int | None
     """The producer rank this source is, or None for a single-producer bundle."""
 
     def has_payload(self, name: str) -> bool:
         """True when the bundle holds the per-token payload `name` (`loss_mask` always exists)."""
         ...
 
-    def load_payload(self, name: str, samples: Optional[Sequence[int]] = None) -> "torch.Tensor":
+    def load_payload(self, name: str, samples: Sequence[int] | None = None) -> torch.Tensor:
         """The flat per-token tensor `name`; with `samples` (positions in index order), only their rows,
         concatenated in the order given. `loss_mask` is a uint8 per-token payload. Raises BundleError
         when the payload is missing or does not match its declared dtype/shape."""
@@ -64,7 +65,7 @@ class SamplesById:
     """sample id -> (source index, position in that source); the first occurrence of an id."""
 
     @classmethod
-    def of(cls, sources: Sequence[ReplaySource]) -> "SamplesById":
+    def of(cls, sources: Sequence[ReplaySource]) -> SamplesById:
         where: dict[str, tuple[int, int]] = {}
         for k, source in enumerate(sources):
             for i, r in enumerate(source.index.samples):
@@ -78,9 +79,9 @@ class SamplesById:
     def has_payload(self, name: str) -> bool:
         return all(s.has_payload(name) for s in self.sources)
 
-    def rows(self, name: str, ids: Sequence[str]) -> dict[str, "torch.Tensor"]:
+    def rows(self, name: str, ids: Sequence[str]) -> dict[str, torch.Tensor]:
         """Each sample's rows of payload `name` (fetched per source, only the rows asked for)."""
-        out: dict[str, "torch.Tensor"] = {}
+        out: dict[str, torch.Tensor] = {}
         for k, source in enumerate(self.sources):
             mine = [sid for sid in ids if self.where[sid][0] == k]
             if not mine:

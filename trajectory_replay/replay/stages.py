@@ -12,8 +12,9 @@ why others are skipped, is decided by `replay.plan`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -21,12 +22,18 @@ from trajectory_replay.bundle.schema import RecomputeConfig, StageId
 from trajectory_replay.bundle.stage_io import LOSS_FIELDS, MISMATCH_FIELDS, STAGE_IO, Setting, StageIO, kl_in_reward
 from trajectory_replay.replay import kernels, losses, mismatch
 from trajectory_replay.replay.blocks import Block
-from trajectory_replay.replay.estimators import AdvantageInputs, RewardInputs, Whitening
-from trajectory_replay.replay.registry import Kernels
 from trajectory_replay.replay.cohort import Cohort
 from trajectory_replay.replay.compare import (
-    EXACT, FieldComparison, StageChecks, SampleLayout, Tolerances, compare_scalar, compare_tensors,
+    EXACT,
+    FieldComparison,
+    SampleLayout,
+    StageChecks,
+    Tolerances,
+    compare_scalar,
+    compare_tensors,
 )
+from trajectory_replay.replay.estimators import AdvantageInputs, RewardInputs, Whitening
+from trajectory_replay.replay.registry import Kernels
 from trajectory_replay.replay.report import Divergence, StageResult
 from trajectory_replay.replay.structure import payload_size_problems, record_problems
 
@@ -43,12 +50,12 @@ class StageContext:
     contracted: frozenset[StageId]
     outputs: dict[StageId, Outputs]
     """Outputs of upstream stages that produced them (recomputed, or recorded for recorded-only)."""
-    rank: Optional[int] = None
+    rank: int | None = None
     kernels: Kernels = field(default=None)  # type: ignore[assignment]  # set by the runner from the plan
     """The estimator, policy loss and aggregation the config names."""
-    block: Optional[Block] = None
+    block: Block | None = None
     """The rows computed, and where they lie in the whole cohort (None: the cohort is the whole)."""
-    whitening: Optional[Whitening] = None
+    whitening: Whitening | None = None
     """How whitened advantages are whitened (None: over this cohort's own tokens)."""
 
     @property
@@ -61,10 +68,17 @@ class StageContext:
         """True when the cohort is one block of several: comparisons keep what merging them needs."""
         return self.block is not None
 
-    def compare(self, name: str, expected: torch.Tensor, actual: torch.Tensor, layout: SampleLayout,
-                tol: Optional[Tolerances] = None) -> FieldComparison:
-        return compare_tensors(name, expected, actual, layout, self.tol if tol is None else tol,
-                               sample_errors=self.streamed)
+    def compare(
+        self,
+        name: str,
+        expected: torch.Tensor,
+        actual: torch.Tensor,
+        layout: SampleLayout,
+        tol: Tolerances | None = None,
+    ) -> FieldComparison:
+        return compare_tensors(
+            name, expected, actual, layout, self.tol if tol is None else tol, sample_errors=self.streamed
+        )
 
     def position(self, flat: int) -> int:
         """A flat per-token position of this cohort's, in the whole cohort's per-token layout."""
@@ -97,17 +111,18 @@ class Stage:
     version: str
     cohort_level: bool = False
     """Reduces over the whole cohort: not replayable under a partial selection, runs per rank."""
-    compute: Optional[Callable[[StageContext], StageOutcome]] = None
+    compute: Callable[[StageContext], StageOutcome] | None = None
     """None: replay cannot compute this stage."""
-    recorded: Optional[Callable[[StageContext], Outputs]] = None
+    recorded: Callable[[StageContext], Outputs] | None = None
     """The outputs a recorded-only contract hands downstream instead of recomputing."""
-    finish: Optional[Finish] = None
+    finish: Finish | None = None
     """Makes the verdict from the runs over the blocks (None: their merged findings, with the passed message)."""
     per_block: bool = True
     """Runs block by block in a streamed replay; False: once over the whole cohort (it reads no payload)."""
 
-    def verdict(self, ctx: "StageContext", merged: StageChecks,
-                runs: "Sequence[tuple[StageOutcome, Block]]") -> StageResult:
+    def verdict(
+        self, ctx: StageContext, merged: StageChecks, runs: Sequence[tuple[StageOutcome, Block]]
+    ) -> StageResult:
         """The stage's result over the whole cohort (`ctx`) from its runs."""
         if self.finish is not None:
             return self.finish(ctx, merged, runs)
@@ -134,7 +149,7 @@ class Stage:
         return tuple(n for n in self.io.needed_payloads(setting) if n not in elsewhere)
 
 
-def _load_payloads(ctx: StageContext, findings: StageChecks, names: Sequence[str]) -> Optional[dict[str, torch.Tensor]]:
+def _load_payloads(ctx: StageContext, findings: StageChecks, names: Sequence[str]) -> dict[str, torch.Tensor] | None:
     """The named per-token payloads, or None after recording which are missing or of the wrong size."""
     missing = [n for n in names if not ctx.cohort.has_payload(n)]
     for name in missing:
@@ -149,7 +164,7 @@ def _load_payloads(ctx: StageContext, findings: StageChecks, names: Sequence[str
     return None if wrong else loaded
 
 
-def _upstream(ctx: StageContext, findings: StageChecks, stage: StageId, key: str) -> Optional[torch.Tensor]:
+def _upstream(ctx: StageContext, findings: StageChecks, stage: StageId, key: str) -> torch.Tensor | None:
     """A recomputed upstream output, or None after recording why it is not there."""
     produced = ctx.outputs.get(stage, {}).get(key)
     if produced is None:
@@ -174,20 +189,21 @@ def _run_sample(ctx: StageContext) -> StageOutcome:
     c, f = ctx.cohort, StageChecks()
     mask = c.load("loss_mask")
     if mask.numel() != c.num_tokens:
-        f.problem(f"loss_mask_length: loss_mask payload has {mask.numel()} values, "
-                  f"the responses have {c.num_tokens} tokens")
+        f.problem(
+            f"loss_mask_length: loss_mask payload has {mask.numel()} values, the responses have {c.num_tokens} tokens"
+        )
     else:
         _check_record_masks(ctx, mask, f)
     return StageOutcome(f)
 
 
-def _finish_sample(ctx: StageContext, merged: StageChecks,
-                   runs: Sequence[tuple[StageOutcome, Block]]) -> StageResult:
+def _finish_sample(ctx: StageContext, merged: StageChecks, runs: Sequence[tuple[StageOutcome, Block]]) -> StageResult:
     """The records' own checks over the whole cohort (lengths, duplicate ids, payload sizes), then the masks'."""
     c, f = ctx.cohort, StageChecks()
     for p in record_problems(c.records):
-        f.problem(p.message, Divergence(p.field, p.sample_id, None, p.expected, p.actual, p.abs_error)
-                  if p.field else None)
+        f.problem(
+            p.message, Divergence(p.field, p.sample_id, None, p.expected, p.actual, p.abs_error) if p.field else None
+        )
     for part in c.parts:
         for message in payload_size_problems(part.source.index.samples, part.source.manifest.payloads.values()):
             f.problem(part.rank_prefix + message)
@@ -204,10 +220,11 @@ def _check_record_masks(ctx: StageContext, mask: torch.Tensor, f: StageChecks) -
     carries = [bool(r.loss_mask and len(r.loss_mask) == r.response_length) for r in c.records]
     if not any(carries):
         return
-    listed = mask.to(torch.float32, copy=True)   # the records' masks are written over it
+    listed = mask.to(torch.float32, copy=True)  # the records' masks are written over it
     rows = torch.repeat_interleave(torch.tensor(carries), c.lengths)
-    listed[rows] = torch.tensor([v for r, has in zip(c.records, carries) if has for v in r.loss_mask],
-                                dtype=torch.float32)
+    listed[rows] = torch.tensor(
+        [v for r, has in zip(c.records, carries) if has for v in r.loss_mask], dtype=torch.float32
+    )
     f.add(ctx.compare("loss_mask", mask, listed, c.token_layout, EXACT))
 
 
@@ -227,10 +244,20 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
     if found.nonfinite is not None:
         at, count = found.nonfinite
         nonfinite = (ctx.position(at), float(mismatch.log_ratio(old_lp[at], rollout_lp[at])), count)
-    ratios = mismatch.log_ratio(old_lp[worst], rollout_lp[worst]).tolist()   # d of each, as the pass computed it
-    rows = [(ctx.position(int(p)), {"sample_id": sid, "token_offset": tok, "rollout_log_prob": float(rollout_lp[p]),
-                                    "trainer_log_prob": float(old_lp[p]), "log_ratio": r})
-            for p, r, (sid, tok) in zip(worst, ratios, c.token_layout.locate(worst))]
+    ratios = mismatch.log_ratio(old_lp[worst], rollout_lp[worst]).tolist()  # d of each, as the pass computed it
+    rows = [
+        (
+            ctx.position(int(p)),
+            {
+                "sample_id": sid,
+                "token_offset": tok,
+                "rollout_log_prob": float(rollout_lp[p]),
+                "trainer_log_prob": float(old_lp[p]),
+                "log_ratio": r,
+            },
+        )
+        for p, r, (sid, tok) in zip(worst, ratios, c.token_layout.locate(worst))
+    ]
     over = found.over
     if c.has_payload("rollout_is_weights") and cfg.rollout_is != "none":
         # a masked-out token's d counts as 0, whatever it holds
@@ -239,13 +266,14 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
         recorded = _load_payloads(ctx, f, ("rollout_is_weights",))
         if recorded is not None:
             weights = mismatch.recorded_weights(fix, mask)
-            assert weights is not None   # a config with rollout_is other than 'none' has its weights
+            assert weights is not None  # a config with rollout_is other than 'none' has its weights
             f.add(ctx.compare("rollout_is_weights", recorded["rollout_is_weights"], weights, c.token_layout))
     return StageOutcome(f, partial={"sums": sums, "rows": rows, "nonfinite": nonfinite, "over": over})
 
 
-def _finish_rollout_mismatch(ctx: StageContext, merged: StageChecks,
-                             runs: Sequence[tuple[StageOutcome, Block]]) -> StageResult:
+def _finish_rollout_mismatch(
+    ctx: StageContext, merged: StageChecks, runs: Sequence[tuple[StageOutcome, Block]]
+) -> StageResult:
     """The metrics of the whole cohort, the 10 worst tokens, the ceilings, staleness, and the expected values."""
     c, f, cfg = ctx.cohort, StageChecks(), ctx.config
     has_log_probs = c.has_payload("rollout_log_probs")
@@ -253,26 +281,29 @@ def _finish_rollout_mismatch(ctx: StageContext, merged: StageChecks,
         f.problem("bundle has no payload 'rollout_log_probs' and no sample records a policy_version")
         return f.result(StageId.ROLLOUT_MISMATCH, ctx.rank)
     f.problems += merged.problems
-    actual: dict[str, Optional[float]] = {}
+    actual: dict[str, float | None] = {}
     rows: list[dict] = []
     tokens = 0
     if has_log_probs:
         parts = [(outcome.partial, block) for outcome, block in runs]
-        if any(partial is None for partial, _ in parts):   # a payload could not be read
+        if any(partial is None for partial, _ in parts):  # a payload could not be read
             f.comparisons += merged.comparisons
             return f.result(StageId.ROLLOUT_MISMATCH, ctx.rank)
-        sums = mismatch.MismatchSums.combine([(block.index, partial["sums"]) for partial, block in parts],
-                                             len(c.records))
+        sums = mismatch.MismatchSums.combine(
+            [(block.index, partial["sums"]) for partial, block in parts], len(c.records)
+        )
         tokens = sums.tokens
         _check_finite(f, c, [partial["nonfinite"] for partial, _ in parts])
         actual.update(mismatch.metrics_of(sums).as_dict())
         candidates = [row for partial, _ in parts for row in partial["rows"]]
         candidates.sort(key=lambda pr: mismatch.worst_first(abs(pr[1]["log_ratio"]), pr[0]))
-        rows = [row for _, row in candidates[:mismatch.WORST_TOKENS]]
+        rows = [row for _, row in candidates[: mismatch.WORST_TOKENS]]
         _check_thresholds(cfg, f, actual, rows, sum(partial["over"] for partial, _ in parts))
         if c.has_payload("rollout_is_weights") and cfg.rollout_is == "none":
-            f.problem("bundle holds production's rollout_is_weights, but the config's rollout_is is 'none' "
-                      "(replay --set rollout_is=token or sequence)")
+            f.problem(
+                "bundle holds production's rollout_is_weights, but the config's rollout_is is 'none' "
+                "(replay --set rollout_is=token or sequence)"
+            )
         f.comparisons += merged.comparisons
     actual["staleness_max"] = _check_staleness(cfg, f, c)
     expected = ctx.cohort.expected_map(StageId.ROLLOUT_MISMATCH.value) or {}
@@ -287,23 +318,25 @@ def _finish_rollout_mismatch(ctx: StageContext, merged: StageChecks,
     metrics: dict[str, object] = dict(actual)
     if has_log_probs:
         metrics["worst_tokens"] = rows
-    passed = (f"{tokens} tokens" if has_log_probs else "no rollout log-probs") + \
-        (f", staleness max {actual['staleness_max']}" if actual["staleness_max"] is not None else "")
+    passed = (f"{tokens} tokens" if has_log_probs else "no rollout log-probs") + (
+        f", staleness max {actual['staleness_max']}" if actual["staleness_max"] is not None else ""
+    )
     return f.result(StageId.ROLLOUT_MISMATCH, ctx.rank, passed_message=passed, metrics=metrics)
 
 
-def _check_finite(f: StageChecks, c: Cohort, found: list[Optional[tuple[int, float, int]]]) -> None:
+def _check_finite(f: StageChecks, c: Cohort, found: list[tuple[int, float, int] | None]) -> None:
     """A masked-in token whose log ratio is NaN or infinite (a broken log-prob on either side) fails the stage:
     `found` holds each block's first such token (position in the cohort, its log ratio, how many)."""
     found_any = [x for x in found if x is not None]
     if found_any:
         at, value, _ = min(found_any, key=lambda x: x[0])
-        (sid, tok), = c.token_layout.locate(torch.tensor([at]))
+        ((sid, tok),) = c.token_layout.locate(torch.tensor([at]))
         f.problem(f"log ratio is {value} at {sid} token {tok} ({sum(x[2] for x in found_any)} tokens not finite)")
 
 
-def _check_thresholds(cfg: RecomputeConfig, f: StageChecks, actual: dict[str, Optional[float]], rows: list[dict],
-                      over: int) -> None:
+def _check_thresholds(
+    cfg: RecomputeConfig, f: StageChecks, actual: dict[str, float | None], rows: list[dict], over: int
+) -> None:
     """Fail when kl_k3 or a token's |d| exceeds its configured ceiling (`over`: how many tokens do). The divergences
     are the worst tokens, largest |d| first (expected = the rollout log-prob, actual = the trainer's): those over the
     token ceiling when it tripped, else all of them (each adds to kl_k3)."""
@@ -315,26 +348,41 @@ def _check_thresholds(cfg: RecomputeConfig, f: StageChecks, actual: dict[str, Op
         f.problem(f"{over} tokens have |log ratio| above mismatch_max_token_log_ratio {limit:g}")
     if over or kl_tripped:
         listed = [r for r in rows if not abs(r["log_ratio"]) <= limit] if over else rows
-        f.divergences.extend(Divergence("log_ratio", r["sample_id"], r["token_offset"], r["rollout_log_prob"],
-                                        r["trainer_log_prob"], abs(r["log_ratio"])) for r in listed)
+        f.divergences.extend(
+            Divergence(
+                "log_ratio",
+                r["sample_id"],
+                r["token_offset"],
+                r["rollout_log_prob"],
+                r["trainer_log_prob"],
+                abs(r["log_ratio"]),
+            )
+            for r in listed
+        )
 
 
-def _check_staleness(cfg: RecomputeConfig, f: StageChecks, c: Cohort) -> Optional[float]:
+def _check_staleness(cfg: RecomputeConfig, f: StageChecks, c: Cohort) -> float | None:
     """The largest actor_version - policy_version; a sample from a newer policy, or older than max_staleness, fails."""
     lags = mismatch.staleness([r.policy_version for r in c.records], cfg.actor_version)
     known = [(r, lag) for r, lag in zip(c.records, lags) if lag is not None]
     for r, lag in known:
-        assert r.policy_version is not None and cfg.actor_version is not None   # a lag is known only from both
+        assert r.policy_version is not None and cfg.actor_version is not None  # a lag is known only from both
         if lag < 0:
-            f.problem(f"sample {r.sample_id} has policy_version {r.policy_version}, newer than actor_version "
-                      f"{cfg.actor_version}",
-                      Divergence("policy_version", r.sample_id, None, float(cfg.actor_version), float(r.policy_version),
-                                 float(-lag)))
+            f.problem(
+                f"sample {r.sample_id} has policy_version {r.policy_version}, newer than actor_version "
+                f"{cfg.actor_version}",
+                Divergence(
+                    "policy_version", r.sample_id, None, float(cfg.actor_version), float(r.policy_version), float(-lag)
+                ),
+            )
         elif cfg.max_staleness is not None and lag > cfg.max_staleness:
-            f.problem(f"sample {r.sample_id} has policy_version {r.policy_version}, {lag} versions behind actor_version "
-                      f"{cfg.actor_version} (max_staleness {cfg.max_staleness})",
-                      Divergence("policy_version", r.sample_id, None, float(cfg.actor_version), float(r.policy_version),
-                                 float(lag)))
+            f.problem(
+                f"sample {r.sample_id} has policy_version {r.policy_version}, {lag} versions behind actor_version "
+                f"{cfg.actor_version} (max_staleness {cfg.max_staleness})",
+                Divergence(
+                    "policy_version", r.sample_id, None, float(cfg.actor_version), float(r.policy_version), float(lag)
+                ),
+            )
     return float(max(lag for _, lag in known)) if known else None
 
 
@@ -373,8 +421,11 @@ def _run_reward_post_process(ctx: StageContext) -> StageOutcome:
     raw = raw if raw is not None else _in_records(ctx, StageId.REWARD_RAW, "raw_rewards")
     rewards = estimator.post_process(RewardInputs(raw, group_ids, len(keys), cfg))
     _compare_per_sample(ctx, f, StageId.REWARD_POST_PROCESS, "rewards", rewards)
-    passed = (f"{len(keys)} groups" + (f" of {cfg.n_samples_per_prompt}" if cfg.group_size_check == "exact" else "")
-              if estimator.grouped else f"{len(c.records)} samples, {estimator.name} keeps raw rewards")
+    passed = (
+        f"{len(keys)} groups" + (f" of {cfg.n_samples_per_prompt}" if cfg.group_size_check == "exact" else "")
+        if estimator.grouped
+        else f"{len(c.records)} samples, {estimator.name} keeps raw rewards"
+    )
     return StageOutcome(f, {"rewards": rewards}, passed=passed)
 
 
@@ -391,13 +442,18 @@ def _run_advantage_kl(ctx: StageContext) -> StageOutcome:
     if cfg.kl_coef == 0:
         actual = torch.zeros(c.num_tokens, dtype=torch.float32)
     else:
-        actual = kernels.kl_estimate(loaded["old_log_probs"], loaded["ref_log_probs"], cfg.kl_loss_type,
-                                     cfg.kl_log_ratio_clamp, cfg.kl_output_clamp)
+        actual = kernels.kl_estimate(
+            loaded["old_log_probs"],
+            loaded["ref_log_probs"],
+            cfg.kl_loss_type,
+            cfg.kl_log_ratio_clamp,
+            cfg.kl_output_clamp,
+        )
     f.add(ctx.compare("kl", loaded["kl"], actual, c.token_layout))
     return StageOutcome(f, {"kl": actual})
 
 
-def _reward_kl(ctx: StageContext, f: StageChecks) -> Optional[torch.Tensor]:
+def _reward_kl(ctx: StageContext, f: StageChecks) -> torch.Tensor | None:
     """The reward-side KL the token rewards take: advantage.kl's when it ran, else the recorded `kl` payload."""
     produced = ctx.outputs.get(StageId.ADVANTAGE_KL, {}).get("kl")
     if produced is not None:
@@ -414,9 +470,18 @@ def _run_advantage_estimate(ctx: StageContext) -> StageOutcome:
     kl = _reward_kl(ctx, f) if kl_in_reward(ctx.setting) else None
     if rewards is None or loaded is None or f.failed:
         return StageOutcome(f)
-    actual = estimator.advantages(AdvantageInputs(rewards, c.lengths, loaded["loss_mask"], cfg, kl=kl,
-                                                  values=loaded.get("values"), whitening=ctx.whitening,
-                                                  payloads=loaded))
+    actual = estimator.advantages(
+        AdvantageInputs(
+            rewards,
+            c.lengths,
+            loaded["loss_mask"],
+            cfg,
+            kl=kl,
+            values=loaded.get("values"),
+            whitening=ctx.whitening,
+            payloads=loaded,
+        )
+    )
     f.add(ctx.compare("advantages", loaded["advantages"], actual.advantages, c.token_layout))
     outputs = {"advantages": actual.advantages}
     if actual.returns is not None:
@@ -432,8 +497,9 @@ def _recorded_advantages(ctx: StageContext) -> Outputs:
     return out
 
 
-def _upstream_or_payload(ctx: StageContext, f: StageChecks, stage: StageId, key: str,
-                         payloads: tuple[str, ...]) -> tuple[Optional[torch.Tensor], Optional[dict[str, torch.Tensor]]]:
+def _upstream_or_payload(
+    ctx: StageContext, f: StageChecks, stage: StageId, key: str, payloads: tuple[str, ...]
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor] | None]:
     """(`key` from `stage` when the bundle contracts it, else from the payload of that name; the other payloads)."""
     if stage in ctx.contracted:
         return _upstream(ctx, f, stage, key), _load_payloads(ctx, f, payloads)
@@ -465,9 +531,21 @@ def _run_loss_policy(ctx: StageContext) -> StageOutcome:
         return StageOutcome(f)
     if cfg.expect_on_policy:
         _check_on_policy(ctx, f, loaded)
-    sums = losses.policy_loss_sums(losses.PolicyLossData(
-        loaded["log_probs"], loaded["old_log_probs"], advantages, loaded["entropy"], loaded["loss_mask"], c.lengths,
-        loaded.get("ref_log_probs"), loaded.get("rollout_log_probs"), loaded), cfg, ctx.kernels)
+    sums = losses.policy_loss_sums(
+        losses.PolicyLossData(
+            loaded["log_probs"],
+            loaded["old_log_probs"],
+            advantages,
+            loaded["entropy"],
+            loaded["loss_mask"],
+            c.lengths,
+            loaded.get("ref_log_probs"),
+            loaded.get("rollout_log_probs"),
+            loaded,
+        ),
+        cfg,
+        ctx.kernels,
+    )
     return StageOutcome(f, partial=sums)
 
 
@@ -485,22 +563,26 @@ def _check_on_policy(ctx: StageContext, f: StageChecks, loaded: dict[str, torch.
 def _run_loss_value(ctx: StageContext) -> StageOutcome:
     """The rows' per-sample sums of the clipped value loss and its clip indicator."""
     c, f, cfg = ctx.cohort, StageChecks(), ctx.config
-    returns, loaded = _upstream_or_payload(ctx, f, StageId.ADVANTAGE_ESTIMATE, "returns",
-                                           STAGES[StageId.LOSS_VALUE].loaded(ctx.setting, "returns"))
+    returns, loaded = _upstream_or_payload(
+        ctx, f, StageId.ADVANTAGE_ESTIMATE, "returns", STAGES[StageId.LOSS_VALUE].loaded(ctx.setting, "returns")
+    )
     if ctx.cohort.expected_map(StageId.LOSS_VALUE.value) is None:
         f.problem("expected has no loss.value map")
     if returns is None or loaded is None or f.failed:
         return StageOutcome(f)
-    sums = losses.value_loss_sums(losses.ValueLossData(loaded["values"], loaded["vpreds"], returns,
-                                                       loaded["loss_mask"], c.lengths), cfg)
+    sums = losses.value_loss_sums(
+        losses.ValueLossData(loaded["values"], loaded["vpreds"], returns, loaded["loss_mask"], c.lengths), cfg
+    )
     return StageOutcome(f, partial=sums)
 
 
-def _loss_finish(stage: StageId, scalars: Callable[[losses.LossSums, RecomputeConfig, Kernels], dict[str, float]]) \
-        -> Finish:
+def _loss_finish(
+    stage: StageId, scalars: Callable[[losses.LossSums, RecomputeConfig, Kernels], dict[str, float]]
+) -> Finish:
     """The verdict of a loss stage: its scalars from every block's per-sample sums, against the expected map."""
+
     def finish(ctx: StageContext, merged: StageChecks, runs: Sequence[tuple[StageOutcome, Block]]) -> StageResult:
-        if any(outcome.partial is None for outcome, _ in runs):   # the rows could not be computed: said why
+        if any(outcome.partial is None for outcome, _ in runs):  # the rows could not be computed: said why
             return merged.result(stage, ctx.rank)
         n = len(ctx.cohort.records)
         whole = losses.LossSums.empty(runs[0][0].partial.sums, n) if runs else losses.LossSums.empty((), n)
@@ -508,23 +590,47 @@ def _loss_finish(stage: StageId, scalars: Callable[[losses.LossSums, RecomputeCo
             whole.put(block.index, outcome.partial)
         _compare_scalars(ctx, merged, stage, scalars(whole, ctx.config, ctx.kernels))
         return merged.result(stage, ctx.rank)
+
     return finish
 
 
-STAGES: dict[StageId, Stage] = {s.id: s for s in (
-    Stage(StageId.SAMPLE, "v1", compute=_run_sample, finish=_finish_sample),
-    Stage(StageId.ROLLOUT_MISMATCH, "v1", cohort_level=True, compute=_run_rollout_mismatch,
-          finish=_finish_rollout_mismatch),
-    Stage(StageId.REWARD_RAW, "v1", compute=_run_reward_raw, per_block=False),
-    Stage(StageId.REWARD_POST_PROCESS, "v1", compute=_run_reward_post_process, recorded=_recorded_rewards,
-          per_block=False),
-    Stage(StageId.ADVANTAGE_KL, "v1", compute=_run_advantage_kl),
-    Stage(StageId.ADVANTAGE_ESTIMATE, "v1", compute=_run_advantage_estimate, recorded=_recorded_advantages),
-    Stage(StageId.LOSS_POLICY, "v1", cohort_level=True, compute=_run_loss_policy,
-          finish=_loss_finish(StageId.LOSS_POLICY, losses.policy_loss_scalars)),
-    Stage(StageId.LOSS_VALUE, "v1", cohort_level=True, compute=_run_loss_value,
-          finish=_loss_finish(StageId.LOSS_VALUE, losses.value_loss_scalars)),
-)}
+STAGES: dict[StageId, Stage] = {
+    s.id: s
+    for s in (
+        Stage(StageId.SAMPLE, "v1", compute=_run_sample, finish=_finish_sample),
+        Stage(
+            StageId.ROLLOUT_MISMATCH,
+            "v1",
+            cohort_level=True,
+            compute=_run_rollout_mismatch,
+            finish=_finish_rollout_mismatch,
+        ),
+        Stage(StageId.REWARD_RAW, "v1", compute=_run_reward_raw, per_block=False),
+        Stage(
+            StageId.REWARD_POST_PROCESS,
+            "v1",
+            compute=_run_reward_post_process,
+            recorded=_recorded_rewards,
+            per_block=False,
+        ),
+        Stage(StageId.ADVANTAGE_KL, "v1", compute=_run_advantage_kl),
+        Stage(StageId.ADVANTAGE_ESTIMATE, "v1", compute=_run_advantage_estimate, recorded=_recorded_advantages),
+        Stage(
+            StageId.LOSS_POLICY,
+            "v1",
+            cohort_level=True,
+            compute=_run_loss_policy,
+            finish=_loss_finish(StageId.LOSS_POLICY, losses.policy_loss_scalars),
+        ),
+        Stage(
+            StageId.LOSS_VALUE,
+            "v1",
+            cohort_level=True,
+            compute=_run_loss_value,
+            finish=_loss_finish(StageId.LOSS_VALUE, losses.value_loss_scalars),
+        ),
+    )
+}
 
 
 __all__ = ["LOSS_FIELDS", "STAGES", "Stage", "StageContext", "StageOutcome"]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
 
 from trajectory_replay.bundle.schema import PayloadSpec, SampleRecord
 
@@ -21,11 +21,11 @@ class StructureProblem:
     """One structural fault; `field` (with the numbers) when the sample stage reports it as a divergence."""
 
     message: str
-    field: Optional[str] = None
-    sample_id: Optional[str] = None
-    expected: Optional[float] = None
-    actual: Optional[float] = None
-    abs_error: Optional[float] = None
+    field: str | None = None
+    sample_id: str | None = None
+    expected: float | None = None
+    actual: float | None = None
+    abs_error: float | None = None
 
 
 def record_problems(records: Sequence[SampleRecord]) -> list[StructureProblem]:
@@ -33,14 +33,27 @@ def record_problems(records: Sequence[SampleRecord]) -> list[StructureProblem]:
     out = []
     for r in records:
         if r.response_length < 0 or r.total_length < r.response_length:
-            out.append(StructureProblem(f"sample {r.sample_id}: response_length {r.response_length}, total_length "
-                                        f"{r.total_length}", "length", r.sample_id, float(r.total_length),
-                                        float(r.response_length)))
+            out.append(
+                StructureProblem(
+                    f"sample {r.sample_id}: response_length {r.response_length}, total_length {r.total_length}",
+                    "length",
+                    r.sample_id,
+                    float(r.total_length),
+                    float(r.response_length),
+                )
+            )
         if r.loss_mask and len(r.loss_mask) != r.response_length:
-            out.append(StructureProblem(f"sample {r.sample_id}: loss_mask has {len(r.loss_mask)} values, "
-                                        f"response_length {r.response_length}", "loss_mask_length", r.sample_id,
-                                        float(r.response_length), float(len(r.loss_mask)),
-                                        float(abs(len(r.loss_mask) - r.response_length))))
+            out.append(
+                StructureProblem(
+                    f"sample {r.sample_id}: loss_mask has {len(r.loss_mask)} values, "
+                    f"response_length {r.response_length}",
+                    "loss_mask_length",
+                    r.sample_id,
+                    float(r.response_length),
+                    float(len(r.loss_mask)),
+                    float(abs(len(r.loss_mask) - r.response_length)),
+                )
+            )
     duplicates = sorted(sid for sid, count in Counter(r.sample_id for r in records).items() if count > 1)
     if duplicates:
         out.append(StructureProblem(f"duplicate sample ids: {', '.join(duplicates[:10])}"))
@@ -50,5 +63,8 @@ def record_problems(records: Sequence[SampleRecord]) -> list[StructureProblem]:
 def payload_size_problems(records: Sequence[SampleRecord], payloads: Iterable[PayloadSpec]) -> list[str]:
     """Every per-token payload whose manifest shape does not hold sum(response_length) elements."""
     tokens = sum(r.response_length for r in records)
-    return [f"payload {spec.name!r} has {math.prod(spec.shape)} elements, the responses have {tokens} tokens"
-            for spec in payloads if spec.per_token and math.prod(spec.shape) != tokens]
+    return [
+        f"payload {spec.name!r} has {math.prod(spec.shape)} elements, the responses have {tokens} tokens"
+        for spec in payloads
+        if spec.per_token and math.prod(spec.shape) != tokens
+    ]

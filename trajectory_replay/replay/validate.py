@@ -1,7 +1,8 @@
 """`validate`: is a bundle whole, safe and complete enough to replay?
 
 Checks the format (opening already verified COMPLETE, the documents and their schema), the samples'
-structure as the `sample` stage checks it (`replay.structure`), every payload's bytes (each chunk and the whole-blob digest, the safetensors header, dtype and
+structure as the `sample` stage checks it (`replay.structure`), every payload's bytes (each chunk and the whole-blob
+digest, the safetensors header, dtype and
 shape against the manifest), and the dependency closure: every recompute stage has the
 payloads and expected outputs `bundle.stage_io.STAGE_IO` says it reads under the bundle's config and estimator
 (`replay.flags`: a plugin estimator's flags are its kernel's). Non-finite values are
@@ -19,18 +20,23 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy
 
 from trajectory_replay.bundle.schema import StageCapability
 from trajectory_replay.bundle.stage_io import STAGE_IO
-from trajectory_replay.replay.flags import setting as setting_of
 from trajectory_replay.errors import (
-    BackendError, IncompleteBundleError, SelectionError, StorageUnavailableError, TrajectoryReplayError,
+    BackendError,
+    IncompleteBundleError,
+    SelectionError,
+    StorageUnavailableError,
+    TrajectoryReplayError,
 )
 from trajectory_replay.outcome import Outcome, Status
+from trajectory_replay.replay.flags import setting as setting_of
 from trajectory_replay.replay.source import ReplaySource
 from trajectory_replay.replay.structure import payload_size_problems, record_problems
 from trajectory_replay.units import human_bytes
@@ -43,8 +49,7 @@ if TYPE_CHECKING:
 class ArraySource(Protocol):
     """A source that hands over a whole payload, verified, as a numpy array (a native bundle's reader)."""
 
-    def load_array(self, name: str) -> numpy.ndarray:
-        ...
+    def load_array(self, name: str) -> numpy.ndarray: ...
 
 
 @dataclass
@@ -52,8 +57,8 @@ class ValidationReport(Outcome):
     """Problems (the bundle is invalid) and warnings (data replay will have to locate)."""
 
     target: str
-    bundle_id: Optional[str] = None
-    ranks: list[Optional[int]] = field(default_factory=list)
+    bundle_id: str | None = None
+    ranks: list[int | None] = field(default_factory=list)
     payloads_checked: int = 0
     bytes_checked: int = 0
     problems: list[str] = field(default_factory=list)
@@ -76,9 +81,17 @@ class ValidationReport(Outcome):
         return self.problems
 
     def to_dict(self) -> dict[str, Any]:
-        return {"target": self.target, "bundle_id": self.bundle_id, "valid": self.valid, "ranks": self.ranks,
-                "payloads_checked": self.payloads_checked, "bytes_checked": self.bytes_checked,
-                "problems": self.problems, "warnings": self.warnings, "incomplete": self.incomplete}
+        return {
+            "target": self.target,
+            "bundle_id": self.bundle_id,
+            "valid": self.valid,
+            "ranks": self.ranks,
+            "payloads_checked": self.payloads_checked,
+            "bytes_checked": self.bytes_checked,
+            "problems": self.problems,
+            "warnings": self.warnings,
+            "incomplete": self.incomplete,
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -86,9 +99,11 @@ class ValidationReport(Outcome):
     def render_text(self) -> str:
         verdict = "valid" if self.valid else "INVALID (incomplete bundle)" if self.incomplete else "INVALID"
         ranks = ", ".join(str(r) for r in self.ranks if r is not None)
-        lines = [f"bundle {self.bundle_id or self.target}: {verdict}",
-                 f"  {self.payloads_checked} payloads verified ({human_bytes(self.bytes_checked)})"
-                 + (f", ranks {ranks}" if ranks else "")]
+        lines = [
+            f"bundle {self.bundle_id or self.target}: {verdict}",
+            f"  {self.payloads_checked} payloads verified ({human_bytes(self.bytes_checked)})"
+            + (f", ranks {ranks}" if ranks else ""),
+        ]
         lines += [f"  problem: {p}" for p in self.problems]
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
@@ -122,8 +137,9 @@ def _check_structure(source: ReplaySource, where: str, report: ValidationReport)
     """What the sample stage checks: a bundle that fails it would pass validate only to diverge at `sample`."""
     samples = source.index.samples
     report.problems += [f"{where}: {p.message}" for p in record_problems(samples)]
-    report.problems += [f"{where}: {message}"
-                        for message in payload_size_problems(samples, source.manifest.payloads.values())]
+    report.problems += [
+        f"{where}: {message}" for message in payload_size_problems(samples, source.manifest.payloads.values())
+    ]
 
 
 def _check_payloads(source: ReplaySource, where: str, report: ValidationReport) -> None:
@@ -144,8 +160,10 @@ def _check_payloads(source: ReplaySource, where: str, report: ValidationReport) 
             if bad.size:
                 first = int(bad[0])
                 at = _locate(first, offsets, ids) if values.size == offsets[-1] else f"element {first}"
-                report.warnings.append(f"{where}: payload {name!r} has {bad.size} non-finite value(s); "
-                                       f"first {float(values[first])} at {at}")
+                report.warnings.append(
+                    f"{where}: payload {name!r} has {bad.size} non-finite value(s); "
+                    f"first {float(values[first])} at {at}"
+                )
 
 
 def _payload_values(source: ReplaySource, name: str) -> numpy.ndarray:
@@ -155,7 +173,7 @@ def _payload_values(source: ReplaySource, name: str) -> numpy.ndarray:
     return _as_array(source.load_payload(name))
 
 
-def _as_array(tensor: "torch.Tensor") -> numpy.ndarray:
+def _as_array(tensor: torch.Tensor) -> numpy.ndarray:
     # numpy has no bfloat16; float32 holds every bfloat16 value exactly
     flat = tensor.detach().reshape(-1)
     return (flat.float() if str(flat.dtype) == "torch.bfloat16" else flat).numpy()
@@ -170,8 +188,9 @@ def _check_closure(source: ReplaySource, where: str, report: ValidationReport) -
     setting = setting_of(source.index.config, source.manifest)
     for stage_id, contract in source.manifest.stage_contracts.items():
         if contract.capability != StageCapability.RECOMPUTE:
-            report.warnings.append(f"{where}: stage {stage_id} is declared {contract.capability.value} by the "
-                                   "bundle; replay skips it")
+            report.warnings.append(
+                f"{where}: stage {stage_id} is declared {contract.capability.value} by the bundle; replay skips it"
+            )
             continue
         io = STAGE_IO[stage_id]
         for name in io.needed_payloads(setting):
@@ -181,8 +200,9 @@ def _check_closure(source: ReplaySource, where: str, report: ValidationReport) -
         for stage_key, field_name in expected:
             value = source.expected.get(stage_key)
             if not isinstance(value, dict) or field_name not in value:
-                report.problems.append(f"{where}: stage {stage_id} needs expected {stage_key}.{field_name}, "
-                                       "which is missing")
+                report.problems.append(
+                    f"{where}: stage {stage_id} needs expected {stage_key}.{field_name}, which is missing"
+                )
         for value in _expected_values(source.expected.get(stage_id.value)) if expected else ():
             if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
                 report.warnings.append(f"{where}: expected {stage_id} holds a non-finite value ({value})")

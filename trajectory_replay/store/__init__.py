@@ -10,7 +10,20 @@ from trajectory_replay.store.objectstore import BlobRef, ObjectStore, PutPlan, P
 from trajectory_replay.store.records import BlobRecord, ChunkInfo
 
 __all__ = [
-    "BlobRecord", "BlobRef", "ChunkInfo", "ChunkingParams", "Inventory", "ObjectStore", "PutPlan", "PutStats",
-    "ReadCache", "blob_ref_key", "chunk_ends", "default_cache_dir", "digest_from_key", "hash_bytes", "object_key",
+    "BlobRecord",
+    "BlobRef",
+    "ChunkInfo",
+    "ChunkingParams",
+    "Inventory",
+    "ObjectStore",
+    "PutPlan",
+    "PutStats",
+    "ReadCache",
+    "blob_ref_key",
+    "chunk_ends",
+    "default_cache_dir",
+    "digest_from_key",
+    "hash_bytes",
+    "object_key",
     "parse_digest",
 ]

@@ -18,7 +18,6 @@ import os
 import threading
 import uuid
 from pathlib import Path
-from typing import Optional
 
 import blake3
 
@@ -52,7 +51,7 @@ def _max_bytes_from_env() -> int:
 class ReadCache:
     """Verified bytes by 64-hex BLAKE3 digest, on local disk, size-capped."""
 
-    def __init__(self, directory: Optional[os.PathLike | str] = None, max_bytes: Optional[int] = None) -> None:
+    def __init__(self, directory: os.PathLike | str | None = None, max_bytes: int | None = None) -> None:
         self.directory = Path(directory).expanduser() if directory else default_cache_dir()
         self.max_bytes = _max_bytes_from_env() if max_bytes is None else max_bytes
         self._added = 0
@@ -61,7 +60,7 @@ class ReadCache:
     def _path(self, hexdigest: str) -> Path:
         return self.directory / hexdigest[:2] / hexdigest
 
-    def get(self, hexdigest: str) -> Optional[bytes]:
+    def get(self, hexdigest: str) -> bytes | None:
         """The cached bytes for `hexdigest` if present and intact, else None."""
         path = self._path(hexdigest)
         try:

@@ -11,8 +11,8 @@ into the same chunks after the first boundary and is stored once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import blake3
 
@@ -48,8 +48,12 @@ def _row_fingerprint(row: memoryview) -> int:
     return int.from_bytes(h.digest(length=8), "little")
 
 
-def chunk_ends(data, cuts: Optional[Sequence[int]] = None, params: ChunkingParams = ChunkingParams(),
-               boundaries: Optional[Sequence[int]] = None) -> list[int]:
+def chunk_ends(
+    data,
+    cuts: Sequence[int] | None = None,
+    params: ChunkingParams = ChunkingParams(),
+    boundaries: Sequence[int] | None = None,
+) -> list[int]:
     """End offsets of the chunks of `data` (the last is len(data)); a blob of size 0 has no chunks.
 
     `boundaries` are offsets where a chunk must end whatever the content (e.g. where a payload's data
@@ -73,8 +77,9 @@ def chunk_ends(data, cuts: Optional[Sequence[int]] = None, params: ChunkingParam
     return ends
 
 
-def _segment_ends(view: memoryview, start: int, end: int, points: list[int], params: ChunkingParams,
-                  cut_points: bool) -> list[int]:
+def _segment_ends(
+    view: memoryview, start: int, end: int, points: list[int], params: ChunkingParams, cut_points: bool
+) -> list[int]:
     """Chunk ends within [start, end): fixed-size without cut points, by row content with them."""
     if not cut_points:
         return _fixed(start, end, params.chunk_size)

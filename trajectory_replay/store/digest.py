@@ -42,13 +42,13 @@ def raw_hash(data: Buffer) -> bytes:
 
 def parse_digest(digest: str) -> str:
     """The 64-hex part of a digest; InvalidKeyError with the reason when malformed."""
-    if type(digest) is str and _DIGEST.fullmatch(digest):   # the common case in one match (a large blob's record
-        return digest[len(PREFIX):]                          # and a read of it check thousands of chunk digests)
+    if type(digest) is str and _DIGEST.fullmatch(digest):  # the common case in one match (a large blob's record
+        return digest[len(PREFIX) :]  # and a read of it check thousands of chunk digests)
     if not isinstance(digest, str):
         raise InvalidKeyError(f"invalid digest {digest!r}: expected a string 'blake3:<64 hex>'")
     if not digest.startswith(PREFIX):
         raise InvalidKeyError(f"invalid digest {digest!r}: must start with '{PREFIX}'")
-    hexpart = digest[len(PREFIX):]
+    hexpart = digest[len(PREFIX) :]
     if len(hexpart) != 64:
         raise InvalidKeyError(f"invalid digest {digest!r}: expected 64 hex characters, got {len(hexpart)}")
     if not _HEX.fullmatch(hexpart):
@@ -71,8 +71,12 @@ def blob_ref_key(digest: str) -> str:
 def digest_from_key(key: str) -> str | None:
     """The digest an object or ref key names, or None for any other key (one the store does not name so)."""
     parts = key.split("/")
-    if len(parts) == 3 and parts[0] in (OBJECTS_DIR, REFS_DIR) and _HEX.fullmatch(parts[2]) \
-            and parts[1] == parts[2][:2]:
+    if (
+        len(parts) == 3
+        and parts[0] in (OBJECTS_DIR, REFS_DIR)
+        and _HEX.fullmatch(parts[2])
+        and parts[1] == parts[2][:2]
+    ):
         return PREFIX + parts[2]
     return None
 

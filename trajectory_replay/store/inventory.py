@@ -17,18 +17,32 @@ spelled in `digest` alone, and `key_kind` / `digest_from_key` tell them apart.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence, TypeVar
+from typing import TypeVar
 
 from trajectory_replay.backends import Backend
 from trajectory_replay.backends.base import WorkerPool
 from trajectory_replay.errors import IntegrityError, NotFoundError, TrajectoryReplayError, ValueTooLargeError
 from trajectory_replay.store.digest import (
-    OBJECT, REF, blob_ref_key, digest_from_key, hash_bytes, key_kind, object_key, parse_digest,
+    OBJECT,
+    REF,
+    blob_ref_key,
+    digest_from_key,
+    hash_bytes,
+    key_kind,
+    object_key,
+    parse_digest,
 )
 from trajectory_replay.store.layout import GC, OBJECTS_DIR, REFS_DIR, touched_by
 from trajectory_replay.store.records import (
-    MAX_RECORD_BYTES, MAX_REF_BYTES, RECORD_HEAD, BlobRecord, RecordError, looks_like_record, oversized_record,
+    MAX_RECORD_BYTES,
+    MAX_REF_BYTES,
+    RECORD_HEAD,
+    BlobRecord,
+    RecordError,
+    looks_like_record,
+    oversized_record,
     parse_record,
 )
 
@@ -40,6 +54,7 @@ READ_BATCH = 256
 
 
 # ---- concurrency ------------------------------------------------------------------------------------
+
 
 def concurrently(fn: Callable[[T], R], items: Sequence[T], workers: int = 8) -> list[R]:
     """`[fn(x) for x in items]`, in order: on this thread while the items keep it busy, on a pool of `workers`
@@ -59,7 +74,7 @@ def concurrently(fn: Callable[[T], R], items: Sequence[T], workers: int = 8) -> 
         out.append(fn(item))
         waited = (time.perf_counter() - wall) - (time.thread_time() - cpu)
         if waited > WAITED_FOR_A_POOL and i + 1 < len(items):
-            return out + _pool(workers).map(fn, items[i + 1:])
+            return out + _pool(workers).map(fn, items[i + 1 :])
     return out
 
 
@@ -80,14 +95,14 @@ def _pool(workers: int) -> WorkerPool:
 
 def batched(items: Sequence[T], size: int = READ_BATCH) -> list[list[T]]:
     items = list(items)
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def fetch(backend: Backend, keys: Iterable[str], limit: Optional[int] = None) -> dict[str, Optional[bytes]]:
+def fetch(backend: Backend, keys: Iterable[str], limit: int | None = None) -> dict[str, bytes | None]:
     """The values of `keys` (None for an absent key), read in concurrent batches. With `limit`, a value over it
     is read no further than that and comes back as its ValueTooLargeError."""
     keys = list(dict.fromkeys(keys))
-    out: dict[str, Optional[bytes]] = {}
+    out: dict[str, bytes | None] = {}
     for batch in batched(keys):
         if limit is not None:
             out.update(zip(batch, concurrently(lambda k: _read_bounded(backend, k, limit), batch, backend.max_workers)))
@@ -108,7 +123,7 @@ def _read_bounded(backend: Backend, key: str, limit: int):
         return exc
 
 
-def _read_or_none(backend: Backend, key: str) -> Optional[bytes]:
+def _read_or_none(backend: Backend, key: str) -> bytes | None:
     try:
         return backend.read(key)
     except NotFoundError:
@@ -117,16 +132,17 @@ def _read_or_none(backend: Backend, key: str) -> Optional[bytes]:
 
 # ---- values -----------------------------------------------------------------------------------------
 
-def parse_ref(value: Optional[bytes]) -> Optional[str]:
+
+def parse_ref(value: bytes | None) -> str | None:
     """The record digest a blob ref holds, or None when absent or malformed."""
     got = _ref_value(value)
     return got if isinstance(got, str) else None
 
 
-def _ref_value(value: Optional[bytes]) -> str | IntegrityError | None:
+def _ref_value(value: bytes | None) -> str | IntegrityError | None:
     if value is None:
         return None
-    if isinstance(value, ValueTooLargeError):   # read with MAX_REF_BYTES and refused unread
+    if isinstance(value, ValueTooLargeError):  # read with MAX_REF_BYTES and refused unread
         return IntegrityError(f"does not hold a digest (over the {MAX_REF_BYTES}-byte bound)")
     text = value.decode("ascii", errors="replace").strip()
     try:
@@ -136,7 +152,7 @@ def _ref_value(value: Optional[bytes]) -> str | IntegrityError | None:
     return text
 
 
-def value_problem(key: str, data: bytes) -> Optional[str]:
+def value_problem(key: str, data: bytes) -> str | None:
     """Why `data` cannot be the value of object or ref `key` (None when it can): an object's content must
     hash to the digest its key names, a ref must hold a digest."""
     digest = digest_from_key(key)
@@ -165,7 +181,7 @@ class BlobNode:
     record: str
     size: int
     chunks: tuple[tuple[str, int], ...] = ()
-    ref_record: Optional[str] = None
+    ref_record: str | None = None
     """What the blob's ref names (None when the ref is absent); may differ from `record`."""
     keys: set[str] = field(default_factory=set)
     """The ref, the record(s) and their chunks."""
@@ -197,7 +213,7 @@ def write_layers(nodes: Iterable[BlobNode]) -> tuple[dict[str, int], dict[str, i
 class BlobContent:
     """A blob read whole from its record's chunks: `data` when every chunk and the whole are sound."""
 
-    data: Optional[bytes] = None
+    data: bytes | None = None
     missing: set[str] = field(default_factory=set)
     corrupt: set[str] = field(default_factory=set)
     """Chunk keys absent, and chunk keys whose bytes are not their digest's content."""
@@ -216,6 +232,7 @@ class Checked:
 
 # ---- the inventory ----------------------------------------------------------------------------------
 
+
 class Inventory:
     """One store root in bulk. Verified records are remembered for the inventory's life (it lives as long
     as one operation: a record found absent is not looked for again by it)."""
@@ -223,7 +240,7 @@ class Inventory:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.record_cache: dict[str, BlobRecord | RecordError | None] = {}
-        self._probed: dict[str, Optional[BlobRecord]] = {}
+        self._probed: dict[str, BlobRecord | None] = {}
 
     # ---- listing ------------------------------------------------------------------------------
     def object_keys(self) -> list[str]:
@@ -248,12 +265,12 @@ class Inventory:
         return [name for name in touched_by(GC) if self.backend.escapes_root(name)]
 
     # ---- reading ------------------------------------------------------------------------------
-    def read(self, keys: Iterable[str], limit: Optional[int] = None) -> dict[str, Optional[bytes]]:
+    def read(self, keys: Iterable[str], limit: int | None = None) -> dict[str, bytes | None]:
         """The raw values of `keys` (None for an absent one), unverified: `verify` or `value_problem` judge them.
         With `limit` (a marker's bound, say), a value over it is its ValueTooLargeError, read no further."""
         return fetch(self.backend, keys, limit)
 
-    def read_objects(self, digests: Iterable[str], limit: Optional[int] = None) -> dict[str, Optional[bytes]]:
+    def read_objects(self, digests: Iterable[str], limit: int | None = None) -> dict[str, bytes | None]:
         """The raw, unverified bytes of objects by digest (None for an absent one; with `limit`, the
         ValueTooLargeError of one larger than that, unread)."""
         keys = {object_key(d): d for d in digests}
@@ -264,11 +281,11 @@ class Inventory:
         keys = {blob_ref_key(d): d for d in digests}
         return {keys[key]: _ref_value(value) for key, value in fetch(self.backend, keys, MAX_REF_BYTES).items()}
 
-    def refs(self, digests: Iterable[str]) -> dict[str, Optional[str]]:
+    def refs(self, digests: Iterable[str]) -> dict[str, str | None]:
         """The record digest each blob's ref names (None when the ref is absent or does not hold a digest)."""
         return {d: got if isinstance(got, str) else None for d, got in self.read_refs(digests).items()}
 
-    def read_ref(self, digest: str) -> Optional[str]:
+    def read_ref(self, digest: str) -> str | None:
         return self.refs([digest])[digest]
 
     def records(self, digests: Iterable[str]) -> dict[str, BlobRecord | RecordError | None]:
@@ -278,11 +295,16 @@ class Inventory:
         values = self.read_objects(todo, limit=MAX_RECORD_BYTES)
         for d in todo:
             data = values[d]
-            self.record_cache[d] = None if data is None else parse_record(d, data) \
-                if not isinstance(data, ValueTooLargeError) else oversized_record(d, data)
+            self.record_cache[d] = (
+                None
+                if data is None
+                else parse_record(d, data)
+                if not isinstance(data, ValueTooLargeError)
+                else oversized_record(d, data)
+            )
         return {d: self.record_cache[d] for d in digests}
 
-    def probe_record(self, digest: str) -> Optional[BlobRecord]:
+    def probe_record(self, digest: str) -> BlobRecord | None:
         """The record object `digest` holds, or None when it holds none; an object whose first bytes are not
         a record's is not read further (a chunk costs one short ranged read)."""
         if digest not in self._probed:
@@ -365,11 +387,12 @@ class Inventory:
         out = []
         for key, data in self.read(keys).items():
             if data is not None:
-                out.append(Checked(key, REF if key_kind(key) == REF else OBJECT, len(data),
-                                   value_problem(key, data) is None))
+                out.append(
+                    Checked(key, REF if key_kind(key) == REF else OBJECT, len(data), value_problem(key, data) is None)
+                )
         return out
 
-    def verify_object(self, digest: str) -> Optional[str]:
+    def verify_object(self, digest: str) -> str | None:
         """Why object `digest` is not sound ('missing', or what is wrong with its bytes); None when it is."""
         data = self.read_objects([digest])[digest]
         return "missing" if data is None else value_problem(object_key(digest), data)
@@ -408,6 +431,17 @@ class Inventory:
 
 
 __all__ = [
-    "BlobContent", "BlobNode", "Checked", "Inventory", "READ_BATCH", "batched", "concurrently",
-    "digest_keys", "fetch", "parse_ref", "record_keys", "value_problem", "write_layers",
+    "BlobContent",
+    "BlobNode",
+    "Checked",
+    "Inventory",
+    "READ_BATCH",
+    "batched",
+    "concurrently",
+    "digest_keys",
+    "fetch",
+    "parse_ref",
+    "record_keys",
+    "value_problem",
+    "write_layers",
 ]

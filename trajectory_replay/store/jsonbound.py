@@ -25,7 +25,7 @@ def nesting_exceeds(data: bytes | bytearray | memoryview, limit: int = MAX_JSON_
         data = data.tobytes()
     if data.count(b"[") + data.count(b"{") <= limit:
         return False
-    import numpy as np   # only a text with more brackets than the bound gets here: small commands skip the import
+    import numpy as np  # only a text with more brackets than the bound gets here: small commands skip the import
 
     if b"\\" in data:
         data = data.replace(b"\\\\", b"").replace(b'\\"', b"")

@@ -59,7 +59,24 @@ def is_bundle_dir(name: str) -> bool:
 
 
 __all__ = [
-    "FSCK", "GC", "GC_DIR", "GC_STATE", "INFLIGHT", "INFLIGHT_DIR", "LS", "OBJECTS", "OBJECTS_DIR", "PROBE",
-    "PROBE_DIR", "REFS", "REFS_DIR", "RESERVED_NAMES", "ROOT_ENTRIES", "RootEntry", "VERDICTS", "VERDICTS_DIR",
-    "is_bundle_dir", "touched_by",
+    "FSCK",
+    "GC",
+    "GC_DIR",
+    "GC_STATE",
+    "INFLIGHT",
+    "INFLIGHT_DIR",
+    "LS",
+    "OBJECTS",
+    "OBJECTS_DIR",
+    "PROBE",
+    "PROBE_DIR",
+    "REFS",
+    "REFS_DIR",
+    "RESERVED_NAMES",
+    "ROOT_ENTRIES",
+    "RootEntry",
+    "VERDICTS",
+    "VERDICTS_DIR",
+    "is_bundle_dir",
+    "touched_by",
 ]

@@ -38,8 +38,9 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from trajectory_replay.backends import Backend
 from trajectory_replay.errors import NotFoundError, TrajectoryReplayError
@@ -71,6 +72,7 @@ WAIT_LIMIT_SECONDS = 30 * 60.0
 
 # ---- in-flight records ----------------------------------------------------------------------------
 
+
 class InflightRecord:
     """A writer's `.inflight/<attempt>.json`: every object digest it is about to write or reuse."""
 
@@ -92,8 +94,15 @@ class InflightRecord:
                 return
             self.digests.extend(new)
             self._seen.update(new)
-            doc = {"format": INFLIGHT_FORMAT, "attempt": self.attempt, "bundle": self.bundle, "created": self.created,
-                   "updated": time.time(), "ttl_seconds": self.ttl, "digests": self.digests}
+            doc = {
+                "format": INFLIGHT_FORMAT,
+                "attempt": self.attempt,
+                "bundle": self.bundle,
+                "created": self.created,
+                "updated": time.time(),
+                "ttl_seconds": self.ttl,
+                "digests": self.digests,
+            }
             # visible to gc at once; a writer that crashes needs no protection, so no flush to disk
             self.backend.write(self.key, json.dumps(doc, separators=(",", ":")).encode(), durable=False)
 
@@ -107,7 +116,7 @@ class InflightState:
 
     key: str
     digests: tuple[str, ...]
-    bundle: Optional[str]
+    bundle: str | None
     expires: float
 
     def live(self, now: float) -> bool:
@@ -131,7 +140,7 @@ def read_inflight(backend: Backend) -> list[InflightState]:
     # every record is read (a writer's record is never ignored), but gc removes only those named its own way
     keys = [k for k in backend.list(INFLIGHT_PREFIX) if k.endswith(".json")]
 
-    def one(key: str) -> Optional[InflightState]:
+    def one(key: str) -> InflightState | None:
         try:
             mtime, data = backend.mtime(key), backend.read(key)
         except NotFoundError:
@@ -160,22 +169,29 @@ def _is_digest(value: Any) -> bool:
 
 # ---- the sweep lease and epoch (gc side) ------------------------------------------------------------
 
-class LeaseLost(TrajectoryReplayError):
+
+class LeaseLostError(TrajectoryReplayError):
     """A sweep could not renew its lease in time; it must stop deleting."""
 
 
 class SweepLease:
     """`.gc/lease-<run>`, renewed by a heartbeat thread while a sweep may delete."""
 
-    def __init__(self, backend: Backend, *, seconds: float = LEASE_SECONDS, renew_every: float = LEASE_RENEW_SECONDS,
-                 delete_margin: float = LEASE_DELETE_MARGIN) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        seconds: float = LEASE_SECONDS,
+        renew_every: float = LEASE_RENEW_SECONDS,
+        delete_margin: float = LEASE_DELETE_MARGIN,
+    ) -> None:
         self.backend, self.seconds, self.renew_every = backend, seconds, renew_every
         self.delete_margin = min(delete_margin, seconds / 2)
         self.run = uuid.uuid4().hex
         self.key = f"{LEASE_PREFIX}{self.run}"
         self._renewed = 0.0  # monotonic time of the last successful write
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     def acquire(self) -> None:
         """Take the lease, start its heartbeat, then open a new epoch (so writers that started before see it)."""
@@ -189,11 +205,13 @@ class SweepLease:
                 self.backend.delete(key)
 
     def check(self) -> None:
-        """Raise LeaseLost unless the lease was renewed recently enough to delete one more batch."""
+        """Raise LeaseLostError unless the lease was renewed recently enough to delete one more batch."""
         age = time.monotonic() - self._renewed
         if age > self.delete_margin:
-            raise LeaseLost(f"{self.backend.url}: gc lease {self.key} was last renewed {age:.0f} s ago; stopped "
-                            "deleting (writers may treat the sweep as dead)")
+            raise LeaseLostError(
+                f"{self.backend.url}: gc lease {self.key} was last renewed {age:.0f} s ago; stopped "
+                "deleting (writers may treat the sweep as dead)"
+            )
 
     def release(self) -> None:
         self._stop.set()
@@ -218,7 +236,7 @@ class SweepLease:
             except Exception as exc:  # noqa: BLE001 - a failed renewal only makes check() refuse sooner
                 log.warning("%s: could not renew gc lease %s (%s)", self.backend.url, self.key, exc)
 
-    def __enter__(self) -> "SweepLease":
+    def __enter__(self) -> SweepLease:
         self.acquire()
         return self
 
@@ -242,10 +260,10 @@ def remove_dead_leases(backend: Backend, older_than: float = DEAD_LEASE_AGE) -> 
     return removed
 
 
-def lease_expiries(backend: Backend, keys: Optional[Sequence[str]] = None) -> dict[str, Optional[float]]:
+def lease_expiries(backend: Backend, keys: Sequence[str] | None = None) -> dict[str, float | None]:
     """Lease key -> expiry time (None when unreadable; a vanished lease is left out)."""
     keys = [k for k in (backend.list(LEASE_PREFIX) if keys is None else keys) if LEASE_KEY.fullmatch(k)]
-    out: dict[str, Optional[float]] = {}
+    out: dict[str, float | None] = {}
     for key in keys:
         try:
             out[key] = float(json.loads(backend.read(key))["expires"])
@@ -260,6 +278,7 @@ def lease_expiries(backend: Backend, keys: Optional[Sequence[str]] = None) -> di
 
 
 # ---- the commit rule (writer side) ------------------------------------------------------------------
+
 
 class GcWatch:
     """What a writer saw of gc when it started, and whether a sweep may have run since."""
@@ -286,11 +305,16 @@ class GcWatch:
             if time.monotonic() > deadline:
                 raise TrajectoryReplayError(
                     f"{what}: gc sweep(s) {', '.join(sorted(live))} still running after {self.wait_limit:.0f} s; "
-                    "nothing was committed, write the bundle again")
+                    "nothing was committed, write the bundle again"
+                )
             if not announced:
                 until = max((e for e in live.values() if e is not None), default=time.time() + LEASE_SECONDS)
-                log.warning("%s: waiting for gc sweep %s to finish (its lease runs until %s unless renewed)",
-                            what, ", ".join(sorted(live)), time.strftime("%H:%M:%S", time.localtime(until)))
+                log.warning(
+                    "%s: waiting for gc sweep %s to finish (its lease runs until %s unless renewed)",
+                    what,
+                    ", ".join(sorted(live)),
+                    time.strftime("%H:%M:%S", time.localtime(until)),
+                )
                 announced = True
             time.sleep(0.2)
         start_leases = {k for k in self.start_keys if k.startswith(LEASE_PREFIX)}
@@ -300,7 +324,20 @@ class GcWatch:
 
 
 __all__ = [
-    "DEFAULT_INFLIGHT_TTL", "GcWatch", "INFLIGHT_FORMAT", "INFLIGHT_KEY", "INFLIGHT_PREFIX",
-    "InflightRecord", "InflightState", "LEASE_KEY", "LEASE_PREFIX", "LEASE_SECONDS", "LeaseLost", "SweepLease",
-    "is_inflight_key", "lease_expiries", "read_inflight", "remove_dead_leases",
+    "DEFAULT_INFLIGHT_TTL",
+    "GcWatch",
+    "INFLIGHT_FORMAT",
+    "INFLIGHT_KEY",
+    "INFLIGHT_PREFIX",
+    "InflightRecord",
+    "InflightState",
+    "LEASE_KEY",
+    "LEASE_PREFIX",
+    "LEASE_SECONDS",
+    "LeaseLostError",
+    "SweepLease",
+    "is_inflight_key",
+    "lease_expiries",
+    "read_inflight",
+    "remove_dead_leases",
 ]

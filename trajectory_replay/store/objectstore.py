@@ -21,9 +21,10 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar, Union, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from trajectory_replay._allocator import buffer_for_read
 from trajectory_replay.backends import Backend, ByteRange, open_backend
@@ -35,17 +36,28 @@ from trajectory_replay.store.chunking import ChunkingParams, chunk_ends
 from trajectory_replay.store.digest import blob_ref_key, hash_bytes, object_key, parse_digest, raw_hash
 from trajectory_replay.store.inventory import Inventory
 from trajectory_replay.store.reading_process import (
-    ArenaPart, ChunkBlocks, ReadFailure, ReadingProcess, ReadRequest, WholeChunk, active, reading_process,
+    ArenaPart,
+    ChunkBlocks,
+    ReadFailure,
+    ReadingProcess,
+    ReadRequest,
+    WholeChunk,
+    active,
+    reading_process,
 )
 from trajectory_replay.store.records import (
-    MAX_RECORD_BYTES, MAX_REF_BYTES, BlobRecord, ChunkInfo, decode_record, oversized_record,
+    MAX_RECORD_BYTES,
+    MAX_REF_BYTES,
+    BlobRecord,
+    ChunkInfo,
+    decode_record,
+    oversized_record,
 )
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-    PutItem = Union[tuple[Buffer, Optional[Sequence[int]]],
-                    tuple[Buffer, Optional[Sequence[int]], Optional[Sequence[int]]]]
+    PutItem = tuple[Buffer, Sequence[int] | None] | tuple[Buffer, Sequence[int] | None, Sequence[int] | None]
     """What `plan_many` and `put_many` take for one blob: (data, cuts[, boundaries])."""
 
 log = logging.getLogger(__name__)
@@ -107,7 +119,7 @@ class ObjectStore:
     """Content-addressed blobs on one backend. Thread-safe."""
 
     backend: Backend
-    cache: Optional[ReadCache] = None
+    cache: ReadCache | None = None
     chunking: ChunkingParams = field(default_factory=ChunkingParams)
     block_size: int = DEFAULT_BLOCK_SIZE
     stats: PutStats = field(default_factory=PutStats)
@@ -120,8 +132,15 @@ class ObjectStore:
         self._hashing = WorkerPool(min(4, os.cpu_count() or 1), cpu_work=True)
 
     @classmethod
-    def open(cls, path_or_url: str | os.PathLike[str], *, cache_dir: Optional[str | os.PathLike[str]] = None,
-             cache: Optional[bool] = None, trust_cache: bool = True, **storage_options: Any) -> "ObjectStore":
+    def open(
+        cls,
+        path_or_url: str | os.PathLike[str],
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache: bool | None = None,
+        trust_cache: bool = True,
+        **storage_options: Any,
+    ) -> ObjectStore:
         """Open the store at a path or URL; remote stores read through the local cache (`cache=False` disables it,
         `trust_cache=False` reads every byte from the store and only fills the cache)."""
         backend = open_backend(path_or_url, **storage_options)
@@ -139,8 +158,7 @@ class ObjectStore:
         return Inventory(self.backend)
 
     # ---- writing -------------------------------------------------------------------------------
-    def plan(self, data: Buffer, cuts: Optional[Sequence[int]] = None,
-             boundaries: Optional[Sequence[int]] = None) -> PutPlan:
+    def plan(self, data: Buffer, cuts: Sequence[int] | None = None, boundaries: Sequence[int] | None = None) -> PutPlan:
         """Hash `data` (whole, chunks, blocks) and build its record without writing anything."""
         return self.plan_many([(data, cuts, boundaries)])[0]
 
@@ -150,8 +168,7 @@ class ObjectStore:
 
         A stored blob is planned as existing with its record's chunks, so that a writer can list and
         check them; one whose ref or record cannot be read, and every blob when `fresh`, is planned new."""
-        sources = [(item[0], item[1] if len(item) > 1 else None, item[2] if len(item) > 2 else None)
-                   for item in items]
+        sources = [(item[0], item[1] if len(item) > 1 else None, item[2] if len(item) > 2 else None) for item in items]
         views = [memoryview(data).cast("B") for data, _, _ in sources]
         digests = [hash_bytes(view) for view in views]
         # one read answers both "is it stored?" and "under which record?" (once per distinct blob)
@@ -162,8 +179,16 @@ class ObjectStore:
             existing = found[digest]
             if existing is not None:
                 record_digest, chunks = existing
-                plans.append(PutPlan(BlobRef(digest, len(view), record_digest), b"", [], existing=True,
-                                     source=source, reused_chunks=chunks))
+                plans.append(
+                    PutPlan(
+                        BlobRef(digest, len(view), record_digest),
+                        b"",
+                        [],
+                        existing=True,
+                        source=source,
+                        reused_chunks=chunks,
+                    )
+                )
             else:
                 plans.append(self._describe(view, digest, source))
         return plans
@@ -177,16 +202,17 @@ class ObjectStore:
         def describe(span: tuple[int, int]) -> tuple[ChunkInfo, memoryview]:
             start, end = span
             piece = view[start:end]
-            blocks = b"".join(raw_hash(piece[i:i + self.block_size]) for i in range(0, len(piece), self.block_size))
+            blocks = b"".join(raw_hash(piece[i : i + self.block_size]) for i in range(0, len(piece), self.block_size))
             return ChunkInfo(hash_bytes(piece), end - start, start, blocks), piece
 
         chunks = self._hashing.map(describe, list(zip(starts, ends)))
         record = BlobRecord(digest, len(view), self.block_size, tuple(c for c, _ in chunks))
         record_bytes = record.to_bytes()
-        return PutPlan(BlobRef(digest, len(view), hash_bytes(record_bytes)), record_bytes, chunks, existing=False,
-                       source=source)
+        return PutPlan(
+            BlobRef(digest, len(view), hash_bytes(record_bytes)), record_bytes, chunks, existing=False, source=source
+        )
 
-    def _find_existing(self, digest: str) -> Optional[tuple[str, tuple[str, ...]]]:
+    def _find_existing(self, digest: str) -> tuple[str, tuple[str, ...]] | None:
         """(record digest, chunk digests) of a stored blob; None when its ref or record is absent or unusable
         (then the blob is stored anew, which repairs what it can)."""
         try:
@@ -232,9 +258,14 @@ class ObjectStore:
         # another writer stored the same blob with a different chunking: both records are valid
         return BlobRef(plan.ref.digest, plan.ref.size, self._read_ref(plan.ref.digest))
 
-    def put(self, data: Buffer, cuts: Optional[Sequence[int]] = None,
-            before_write: Optional[Callable[[PutPlan], None]] = None, *,
-            boundaries: Optional[Sequence[int]] = None) -> BlobRef:
+    def put(
+        self,
+        data: Buffer,
+        cuts: Sequence[int] | None = None,
+        before_write: Callable[[PutPlan], None] | None = None,
+        *,
+        boundaries: Sequence[int] | None = None,
+    ) -> BlobRef:
         """Store `data` once; `cuts` are allowed chunk boundaries (e.g. row starts), `boundaries` required
         ones (see `chunk_ends`). Returns its BlobRef.
 
@@ -243,8 +274,9 @@ class ObjectStore:
         listed = None if before_write is None else (lambda plans: before_write(plans[0]))
         return self.put_many([(data, cuts, boundaries)], before_write=listed)[0]
 
-    def put_many(self, items: Sequence[PutItem | PutPlan],
-                 before_write: Optional[Callable[[list[PutPlan]], None]] = None) -> list[BlobRef]:
+    def put_many(
+        self, items: Sequence[PutItem | PutPlan], before_write: Callable[[list[PutPlan]], None] | None = None
+    ) -> list[BlobRef]:
         """`put` of several (data, cuts[, boundaries]) at once (or of plans already made): all hashed first,
         `before_write(plans)` called once, then everything uploaded together. Fewer round trips than
         one `put` after another."""
@@ -260,8 +292,12 @@ class ObjectStore:
             absent = set(self.missing_keys([k for i in existing for k in plans[i].keys()]))
             gone = [i for i in existing if absent.intersection(plans[i].keys())]
             if gone:
-                log.info("%s: %d stored blob(s) found incomplete (first %s); storing them again", self.url,
-                         len(gone), plans[gone[0]].ref.digest)
+                log.info(
+                    "%s: %d stored blob(s) found incomplete (first %s); storing them again",
+                    self.url,
+                    len(gone),
+                    plans[gone[0]].ref.digest,
+                )
                 for i, plan in zip(gone, self.plan_many([plans[i].source for i in gone], fresh=True)):
                     plans[i] = plan
                 before_write([plans[i] for i in gone])
@@ -331,7 +367,7 @@ class ObjectStore:
 
         def fill(chunk: ChunkInfo) -> None:
             # each worker places its own chunk straight into the buffer: no join, no extra copy
-            if self._read_chunk_into(record, chunk, view[chunk.offset:chunk.offset + chunk.size]):
+            if self._read_chunk_into(record, chunk, view[chunk.offset : chunk.offset + chunk.size]):
                 fetched.append(chunk)
 
         self._map(fill, record.chunks)
@@ -340,19 +376,19 @@ class ObjectStore:
         actual = hash_bytes(buffer)
         if actual != record.digest:
             for chunk in record.chunks:
-                if hash_bytes(view[chunk.offset:chunk.offset + chunk.size]) != chunk.digest:
+                if hash_bytes(view[chunk.offset : chunk.offset + chunk.size]) != chunk.digest:
                     raise _digest_mismatch(self.url, chunk, record)
             raise IntegrityError(f"blob {record.digest}: content hashes to {actual}")
         cache = self.cache
         if cache is not None and fetched:  # verified above, as part of the whole
-            self._map(lambda c: cache.put(parse_digest(c.digest), view[c.offset:c.offset + c.size]), fetched)
+            self._map(lambda c: cache.put(parse_digest(c.digest), view[c.offset : c.offset + c.size]), fetched)
         return buffer
 
     def get_object(self, digest: str) -> bytes:
         """One immutable object, verified against its digest."""
         return self.get_objects([digest])[0]
 
-    def get_objects(self, digests: Sequence[str], limit: Optional[int] = None) -> list[bytes]:
+    def get_objects(self, digests: Sequence[str], limit: int | None = None) -> list[bytes]:
         """Several objects, fetched concurrently (cache first), each verified; with `limit`, an object larger than
         that is refused (ValueTooLargeError) before more than `limit` + 1 bytes of it are read."""
         hexes = [parse_digest(d) for d in digests]
@@ -367,8 +403,11 @@ class ObjectStore:
         if missing:
             keys = [object_key(digests[i]) for i in missing]
             try:
-                values = self.backend.read_many(keys) if limit is None else \
-                    self._map(lambda key: self.backend.read(key, limit), keys)
+                values = (
+                    self.backend.read_many(keys)
+                    if limit is None
+                    else self._map(lambda key: self.backend.read(key, limit), keys)
+                )
             except NotFoundError as exc:
                 raise NotFoundError(f"{self.url}: missing object ({exc})") from None
             for i, key, value in zip(missing, keys, values):
@@ -398,13 +437,15 @@ class ObjectStore:
             raise IntegrityError(f"blob {digest}: record says {record.size} bytes, reference says {ref_or_digest.size}")
         return record
 
-    def read_range(self, ref_or_digest: BlobRef | str, start: int, end: int,
-                   record: Optional[BlobRecord] = None) -> bytes | bytearray:
+    def read_range(
+        self, ref_or_digest: BlobRef | str, start: int, end: int, record: BlobRecord | None = None
+    ) -> bytes | bytearray:
         """Bytes [start, end) of a blob; only the blocks covering them are fetched, each verified."""
         return self.read_ranges(ref_or_digest, [(start, end)], record=record)[0]
 
-    def read_ranges(self, ref_or_digest: BlobRef | str, spans: Sequence[tuple[int, int]],
-                    record: Optional[BlobRecord] = None) -> list[bytes | bytearray]:
+    def read_ranges(
+        self, ref_or_digest: BlobRef | str, spans: Sequence[tuple[int, int]], record: BlobRecord | None = None
+    ) -> list[bytes | bytearray]:
         """Several byte ranges of one blob in one concurrent fetch of the blocks they cover."""
         record = record or self.record(ref_or_digest)
         self._check_spans(record, spans)
@@ -452,8 +493,14 @@ class ObjectStore:
         first = bisect.bisect_left(record.chunk_offsets, start)
         return first < len(record.chunks) and record.chunks[first].offset + record.chunks[first].size <= end
 
-    def read_joined(self, ref_or_digest: BlobRef | str, spans: Sequence[tuple[int, int]],
-                    record: Optional[BlobRecord] = None, *, for_tensor: bool = False) -> bytearray | memoryview:
+    def read_joined(
+        self,
+        ref_or_digest: BlobRef | str,
+        spans: Sequence[tuple[int, int]],
+        record: BlobRecord | None = None,
+        *,
+        for_tensor: bool = False,
+    ) -> bytearray | memoryview:
         """The byte ranges `spans` of one blob, one after another in one new buffer (the rows of a block of samples,
         however many runs of the payload they lie in). The chunks wholly inside a range are read whole, straight
         into the buffer, and verified by their digests (one hash each, as `get` does); the rest of each range, at
@@ -470,10 +517,12 @@ class ObjectStore:
         for start, end in spans:
             if not (0 <= start <= end <= record.size):
                 raise TrajectoryReplayError(
-                    f"byte range [{start}, {end}) outside blob {record.digest} of {record.size} bytes")
+                    f"byte range [{start}, {end}) outside blob {record.digest} of {record.size} bytes"
+                )
 
-    def _read_joined(self, record: BlobRecord, spans: Sequence[tuple[int, int]],
-                     shared: bool = False) -> bytearray | memoryview:
+    def _read_joined(
+        self, record: BlobRecord, spans: Sequence[tuple[int, int]], shared: bool = False
+    ) -> bytearray | memoryview:
         total = sum(end - start for start, end in spans)
         helper = active() if shared and self.reads_local_files else None
         part = helper.allocate(total) if helper is not None else None
@@ -485,7 +534,7 @@ class ObjectStore:
 
         def fill(item: tuple[ChunkInfo, int]) -> None:
             chunk, where = item
-            target = view[where:where + chunk.size]
+            target = view[where : where + chunk.size]
             if not self._read_chunk_into(record, chunk, target):
                 return
             if hash_bytes(target) != chunk.digest:
@@ -498,7 +547,7 @@ class ObjectStore:
         if edges:
             parts = self.read_ranges(record.digest, [(a, b) for a, b, _ in edges], record=record)
             for (a, b, where), data in zip(edges, parts):
-                view[where:where + b - a] = data
+                view[where : where + b - a] = data
         return buffer
 
     @property
@@ -520,18 +569,30 @@ class ObjectStore:
         with reading_process(capacity):
             yield
 
-    def _read_in_helper(self, helper: ReadingProcess, part: ArenaPart, record: BlobRecord,
-                        whole: Sequence[tuple[ChunkInfo, int]], edges: Sequence[tuple[int, int, int]]) -> bool:
+    def _read_in_helper(
+        self,
+        helper: ReadingProcess,
+        part: ArenaPart,
+        record: BlobRecord,
+        whole: Sequence[tuple[ChunkInfo, int]],
+        edges: Sequence[tuple[int, int, int]],
+    ) -> bool:
         """Have the reading process read and verify, into its arena part: each (chunk, where) whole, and each edge
         (start, end, where) by the blocks that cover it. False when it cannot (the caller reads them itself). A
         chunk or block that is missing, short or of the wrong content raises as a read in this process would."""
         backend = self.backend
         assert isinstance(backend, LocalBackend)
         requests: list[ReadRequest] = []
-        chunks: list[ChunkInfo] = []   # each request's chunk
+        chunks: list[ChunkInfo] = []  # each request's chunk
         for chunk, where in whole:
-            requests.append(WholeChunk(backend.local_file(object_key(chunk.digest)), part.offset + where, chunk.size,
-                                       parse_digest(chunk.digest)))
+            requests.append(
+                WholeChunk(
+                    backend.local_file(object_key(chunk.digest)),
+                    part.offset + where,
+                    chunk.size,
+                    parse_digest(chunk.digest),
+                )
+            )
             chunks.append(chunk)
         size = record.block_size
         for start, end, where in edges:
@@ -542,10 +603,19 @@ class ObjectStore:
                 b = min(end, chunk.offset + chunk.size) - chunk.offset
                 if a < b:
                     first, last = a // size, (b - 1) // size
-                    requests.append(ChunkBlocks(
-                        backend.local_file(object_key(chunk.digest)), part.offset + where + chunk.offset + a - start,
-                        lo=first * size, hi=min(chunk.size, (last + 1) * size), block_size=size, first=first,
-                        hashes=chunk.blocks[32 * first:32 * (last + 1)], a=a, b=b))
+                    requests.append(
+                        ChunkBlocks(
+                            backend.local_file(object_key(chunk.digest)),
+                            part.offset + where + chunk.offset + a - start,
+                            lo=first * size,
+                            hi=min(chunk.size, (last + 1) * size),
+                            block_size=size,
+                            first=first,
+                            hashes=chunk.blocks[32 * first : 32 * (last + 1)],
+                            a=a,
+                            b=b,
+                        )
+                    )
                     chunks.append(chunk)
                 ci += 1
         failures = helper.read(requests)
@@ -554,13 +624,14 @@ class ObjectStore:
         if failures:
             failure = failures[0]
             self._raise_read_failure(record, chunks[failure.item], requests[failure.item], failure)
-            return False   # the helper could not read a file this process may: read them all here
+            return False  # the helper could not read a file this process may: read them all here
         for request in requests:
             backend.stats.count_read(request.size if isinstance(request, WholeChunk) else request.hi - request.lo)
         return True
 
-    def _raise_read_failure(self, record: BlobRecord, chunk: ChunkInfo, request: ReadRequest,
-                            failure: ReadFailure) -> None:
+    def _raise_read_failure(
+        self, record: BlobRecord, chunk: ChunkInfo, request: ReadRequest, failure: ReadFailure
+    ) -> None:
         """Raise the error a read of `request` in this process would have raised for `failure`; return for a failure
         of the reading process itself (a file it could not read)."""
         blocks = isinstance(request, ChunkBlocks)
@@ -599,17 +670,17 @@ class ObjectStore:
         """Fetch and verify blocks; runs of adjacent blocks in one chunk become one ranged read."""
         result: dict[tuple[int, int], bytes] = {}
         todo = []
-        whole_chunks: dict[int, Optional[bytes]] = {}
+        whole_chunks: dict[int, bytes | None] = {}
         cache = self._serving_cache
         for ci, bi in wanted:
-            expected = record.chunks[ci].blocks[32 * bi:32 * bi + 32]
+            expected = record.chunks[ci].blocks[32 * bi : 32 * bi + 32]
             hit = None
             if cache is not None:
                 if ci not in whole_chunks:  # a chunk cached whole by `get` serves its blocks too
                     whole_chunks[ci] = cache.get(parse_digest(record.chunks[ci].digest))
                 chunk_bytes = whole_chunks[ci]
                 if chunk_bytes is not None:
-                    hit = chunk_bytes[bi * record.block_size:(bi + 1) * record.block_size]
+                    hit = chunk_bytes[bi * record.block_size : (bi + 1) * record.block_size]
                 else:
                     hit = cache.get(expected.hex())
             if hit is not None:
@@ -637,8 +708,8 @@ class ObjectStore:
             if len(data) != req.end - req.start:
                 raise _short_range(self.url, chunk, req.start, req.end, len(data))
             for j, (ci, bi) in enumerate(run):
-                block = data[j * record.block_size:(j + 1) * record.block_size]
-                expected = chunk.blocks[32 * bi:32 * bi + 32]
+                block = data[j * record.block_size : (j + 1) * record.block_size]
+                expected = chunk.blocks[32 * bi : 32 * bi + 32]
                 if raw_hash(block) != expected:
                     raise _block_mismatch(self.url, chunk, bi, record)
                 if self.cache is not None:
@@ -647,7 +718,7 @@ class ObjectStore:
         return result
 
     @property
-    def _serving_cache(self) -> Optional[ReadCache]:
+    def _serving_cache(self) -> ReadCache | None:
         """The cache when reads may be served from it (it is trusted), else None."""
         return self.cache if self.trust_cache else None
 
@@ -667,8 +738,10 @@ class ObjectStore:
         return self._io.map(fn, items)
 
 
-def _split_spans(record: BlobRecord, spans: Sequence[tuple[int, int]],
-                 ) -> tuple[list[tuple[ChunkInfo, int]], list[tuple[int, int, int]]]:
+def _split_spans(
+    record: BlobRecord,
+    spans: Sequence[tuple[int, int]],
+) -> tuple[list[tuple[ChunkInfo, int]], list[tuple[int, int, int]]]:
     """How to read `spans` of a blob one after another into one buffer: the chunks wholly inside a span, as (chunk,
     where it goes in the buffer), read whole; and the rest of each span at its edges, as (start, end, where it
     goes), read by blocks."""
@@ -698,8 +771,9 @@ def _missing_chunk(url: str, chunk: ChunkInfo, record: BlobRecord) -> NotFoundEr
 
 
 def _wrong_size(url: str, chunk: ChunkInfo, got: int) -> IntegrityError:
-    return IntegrityError(f"chunk {chunk.digest} at {url}/{object_key(chunk.digest)}: {got} bytes, record says "
-                          f"{chunk.size}")
+    return IntegrityError(
+        f"chunk {chunk.digest} at {url}/{object_key(chunk.digest)}: {got} bytes, record says {chunk.size}"
+    )
 
 
 def _missing_blocks(url: str, record: BlobRecord, why: str) -> NotFoundError:
@@ -707,18 +781,23 @@ def _missing_blocks(url: str, record: BlobRecord, why: str) -> NotFoundError:
 
 
 def _short_range(url: str, chunk: ChunkInfo, start: int, end: int, got: int) -> IntegrityError:
-    return IntegrityError(f"chunk {chunk.digest} at {url}/{object_key(chunk.digest)}: expected {end - start} bytes at "
-                          f"{start}, got {got}")
+    return IntegrityError(
+        f"chunk {chunk.digest} at {url}/{object_key(chunk.digest)}: expected {end - start} bytes at {start}, got {got}"
+    )
 
 
 def _block_mismatch(url: str, chunk: ChunkInfo, block: int, record: BlobRecord) -> IntegrityError:
-    return IntegrityError(f"chunk {chunk.digest} at {url}/{object_key(chunk.digest)}: block {block} does not match "
-                          f"the record of blob {record.digest}")
+    return IntegrityError(
+        f"chunk {chunk.digest} at {url}/{object_key(chunk.digest)}: block {block} does not match "
+        f"the record of blob {record.digest}"
+    )
 
 
 def _digest_mismatch(url: str, chunk: ChunkInfo, record: BlobRecord) -> IntegrityError:
-    return IntegrityError(f"chunk {chunk.digest} at {url}/{object_key(chunk.digest)}: content does not match its "
-                          f"digest (blob {record.digest})")
+    return IntegrityError(
+        f"chunk {chunk.digest} at {url}/{object_key(chunk.digest)}: content does not match its "
+        f"digest (blob {record.digest})"
+    )
 
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "SMALL_OBJECT", "BlobRef", "ObjectStore", "PutPlan", "PutStats"]

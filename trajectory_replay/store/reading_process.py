@@ -33,8 +33,9 @@ import subprocess
 import sys
 import threading
 import weakref
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Literal, NamedTuple, Sequence
+from typing import Literal, NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ while True:
     answers.flush()
 """
 
+
 class WholeChunk(NamedTuple):
     """A request: a whole chunk file into the arena, checked against its digest."""
 
@@ -198,7 +200,7 @@ class ArenaPart(NamedTuple):
 class _Region(NamedTuple):
     start: int
     end: int
-    owner: "weakref.ref"
+    owner: weakref.ref
     """The array over the region that every view handed out is made on: the region is in use while it lives."""
 
 
@@ -207,20 +209,25 @@ class ReadingProcess:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._lock = threading.Lock()       # the arena's regions
-        self._io_lock = threading.Lock()    # the helper's pipes: one request at a time
+        self._lock = threading.Lock()  # the arena's regions
+        self._io_lock = threading.Lock()  # the helper's pipes: one request at a time
         self._regions: list[_Region] = []
         self.broken: str | None = None
-        self.pid = os.getpid()   # a forked child of this process must not talk to this process's helper
+        self.pid = os.getpid()  # a forked child of this process must not talk to this process's helper
         self._fd = os.memfd_create("trajectory-replay-reads", getattr(os, "MFD_CLOEXEC", 1))
         try:
             os.ftruncate(self._fd, capacity)
             self._map = mmap.mmap(self._fd, capacity)
             # the helper imports what this process can (its import path, not only the environment's)
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-            self._proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(self._fd), str(capacity)],
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=subprocess.DEVNULL, pass_fds=(self._fd,), env=env)
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, str(self._fd), str(capacity)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                pass_fds=(self._fd,),
+                env=env,
+            )
         except BaseException:
             os.close(self._fd)
             raise
@@ -278,7 +285,7 @@ class ReadingProcess:
                 self._stop()
         with self._lock:
             self._regions = []
-        os.close(self._fd)   # the memory stays mapped while any view of it lives
+        os.close(self._fd)  # the memory stays mapped while any view of it lives
 
     def _stop(self) -> None:
         proc = self._proc
@@ -313,12 +320,12 @@ def reading_process(capacity: int) -> Iterator[ReadingProcess | None]:
     where it cannot run (not Linux, or the helper could not be started)."""
     global _active, _users
     with _active_lock:
-        if _active is not None and _active.pid != os.getpid():   # a forked child: its parent's helper is not its own
+        if _active is not None and _active.pid != os.getpid():  # a forked child: its parent's helper is not its own
             _active, _users = None, 0
         if _active is None and hasattr(os, "memfd_create"):
             try:
                 _active = ReadingProcess(capacity)
-            except (OSError, ValueError) as exc:   # no memfd, no room, no interpreter to start
+            except (OSError, ValueError) as exc:  # no memfd, no room, no interpreter to start
                 log.debug("no reading process (%s); reading in this process", exc)
         if _active is not None:
             _users += 1
@@ -335,6 +342,13 @@ def reading_process(capacity: int) -> Iterator[ReadingProcess | None]:
 
 
 __all__ = [
-    "ArenaPart", "ChunkBlocks", "FailureKind", "ReadFailure", "ReadRequest", "ReadingProcess", "WholeChunk", "active",
+    "ArenaPart",
+    "ChunkBlocks",
+    "FailureKind",
+    "ReadFailure",
+    "ReadRequest",
+    "ReadingProcess",
+    "WholeChunk",
+    "active",
     "reading_process",
 ]

@@ -64,13 +64,16 @@ class BlobRecord:
     def to_bytes(self) -> bytes:
         # the format goes first: RECORD_HEAD depends on it
         doc = {
-            "format": RECORD_FORMAT, "digest": self.digest, "size": self.size, "block_size": self.block_size,
+            "format": RECORD_FORMAT,
+            "digest": self.digest,
+            "size": self.size,
+            "block_size": self.block_size,
             "chunks": [[c.digest, c.size, base64.b64encode(c.blocks).decode()] for c in self.chunks],
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray, where: str) -> "BlobRecord":
+    def from_bytes(cls, data: bytes | bytearray, where: str) -> BlobRecord:
         """Parse and structurally check a record whose digest has already been verified."""
         doc = _record_document(data, where)
         try:
@@ -100,22 +103,28 @@ def _record_document(data: bytes | bytearray, where: str) -> dict:
     other JSON stored under the digest a reference calls a record)."""
     try:
         doc = json.loads(data)
-    except ValueError:   # UnicodeDecodeError included: a binary chunk
+    except ValueError:  # UnicodeDecodeError included: a binary chunk
         doc = None
     except RecursionError:
         message = f"malformed blob record {where}: nested too deeply"
         raise RecordError(message, message) from None
     if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:
-        found = f"format {doc.get('format')!r}" if isinstance(doc, dict) else \
-            "not JSON" if doc is None else f"a JSON {type(doc).__name__}"
-        raise RecordError(f"malformed blob record {where}: the object is not a blob record ({found})",
-                          "not a blob record")
+        found = (
+            f"format {doc.get('format')!r}"
+            if isinstance(doc, dict)
+            else "not JSON"
+            if doc is None
+            else f"a JSON {type(doc).__name__}"
+        )
+        raise RecordError(
+            f"malformed blob record {where}: the object is not a blob record ({found})", "not a blob record"
+        )
     return doc
 
 
 def _decode_blocks(text: Any) -> bytes:
     """A chunk's block hashes from their base64 text; ValueError (binascii.Error) for anything but clean base64."""
-    if sys.version_info >= (3, 11) and type(text) is str:   # one call instead of a pattern match, then a decode
+    if sys.version_info >= (3, 11) and type(text) is str:  # one call instead of a pattern match, then a decode
         return binascii.a2b_base64(text, strict_mode=True)
     return base64.b64decode(text, validate=True)
 
@@ -147,8 +156,9 @@ def parse_record(digest: str, data: bytes | bytearray) -> BlobRecord | RecordErr
     (returned, not raised) when the bytes are not that record."""
     actual = hash_bytes(data)
     if actual != digest:
-        return RecordError(f"record {digest} does not match its digest (hashes to {actual})",
-                           f"content hashes to {actual}")
+        return RecordError(
+            f"record {digest} does not match its digest (hashes to {actual})", f"content hashes to {actual}"
+        )
     try:
         return decode_record(data, digest)
     except RecordError as exc:
@@ -156,6 +166,15 @@ def parse_record(digest: str, data: bytes | bytearray) -> BlobRecord | RecordErr
 
 
 __all__ = [
-    "MAX_RECORD_BYTES", "MAX_REF_BYTES", "RECORD_FORMAT", "RECORD_HEAD", "BlobRecord", "ChunkInfo", "RecordError",
-    "decode_record", "looks_like_record", "oversized_record", "parse_record",
+    "MAX_RECORD_BYTES",
+    "MAX_REF_BYTES",
+    "RECORD_FORMAT",
+    "RECORD_HEAD",
+    "BlobRecord",
+    "ChunkInfo",
+    "RecordError",
+    "decode_record",
+    "looks_like_record",
+    "oversized_record",
+    "parse_record",
 ]

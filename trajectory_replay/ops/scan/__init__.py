@@ -15,12 +15,34 @@ from trajectory_replay.ops.scan.progress import RichScanProgress, ScanProgress
 from trajectory_replay.ops.scan.replayer import Replayer
 from trajectory_replay.ops.scan.report import ScanReport
 from trajectory_replay.ops.scan.verdicts import (
-    CACHEABLE, REPLAY_VERSION, SCAN_SEMANTICS, VERDICT_STATUSES, VERDICTS_DIR, ScanOptions, Verdict, bundle_digest,
+    CACHEABLE,
+    REPLAY_VERSION,
+    SCAN_SEMANTICS,
+    VERDICT_STATUSES,
+    VERDICTS_DIR,
+    ScanOptions,
+    Verdict,
+    bundle_digest,
     verdict_key,
 )
 
 __all__ = [
-    "ATTEMPTS", "CACHEABLE", "ENGINES", "REPLAY_VERSION", "Replayer", "RichScanProgress", "SCAN_SEMANTICS",
-    "ScanOptions", "ScanProgress", "ScanReport", "VERDICTS_DIR", "VERDICT_STATUSES", "Verdict", "bundle_digest",
-    "check_engine", "check_workers", "scan_store", "verdict_key",
+    "ATTEMPTS",
+    "CACHEABLE",
+    "ENGINES",
+    "REPLAY_VERSION",
+    "Replayer",
+    "RichScanProgress",
+    "SCAN_SEMANTICS",
+    "ScanOptions",
+    "ScanProgress",
+    "ScanReport",
+    "VERDICTS_DIR",
+    "VERDICT_STATUSES",
+    "Verdict",
+    "bundle_digest",
+    "check_engine",
+    "check_workers",
+    "scan_store",
+    "verdict_key",
 ]

@@ -23,7 +23,12 @@ from typing import Any
 from trajectory_replay.backends import Backend, redact_url, split_url
 from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.bundle.status import (
-    COMPLETE_STATUS, CORRUPT, FINALIZABLE, BundleState, finalize_landed, scan_bundles,
+    COMPLETE_STATUS,
+    CORRUPT,
+    FINALIZABLE,
+    BundleState,
+    finalize_landed,
+    scan_bundles,
 )
 from trajectory_replay.cpus import free_cpus
 from trajectory_replay.errors import BackendError, NoMatchingBundleError, StorageUnavailableError, UsageError
@@ -33,8 +38,20 @@ from trajectory_replay.ops.scan.progress import ScanProgress
 from trajectory_replay.ops.scan.replayer import Replayer
 from trajectory_replay.ops.scan.report import ScanReport
 from trajectory_replay.ops.scan.verdicts import (
-    CACHEABLE, ERROR, INCOMPLETE, INVALID, REPLAY_VERSION, ScanOptions, Verdict, bundle_digest, object_stamps,
-    one_line, parse_verdict, verdict_document, verdict_key, verdict_secret,
+    CACHEABLE,
+    ERROR,
+    INCOMPLETE,
+    INVALID,
+    REPLAY_VERSION,
+    ScanOptions,
+    Verdict,
+    bundle_digest,
+    object_stamps,
+    one_line,
+    parse_verdict,
+    verdict_document,
+    verdict_key,
+    verdict_secret,
 )
 from trajectory_replay.ops.walk import open_root
 from trajectory_replay.store.inventory import fetch
@@ -51,10 +68,19 @@ def check_workers(workers: int | None) -> int:
     return workers
 
 
-def scan_store(root: str | os.PathLike, *, engine: str = "local", workers: int | None = None,
-               ray_address: str | None = None, atol: float | None = None, rtol: float | None = None,
-               force: bool = False, progress: ScanProgress | None = None, replayer: type[Replayer] = Replayer,
-               **storage_options: Any) -> ScanReport:
+def scan_store(
+    root: str | os.PathLike,
+    *,
+    engine: str = "local",
+    workers: int | None = None,
+    ray_address: str | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    force: bool = False,
+    progress: ScanProgress | None = None,
+    replayer: type[Replayer] = Replayer,
+    **storage_options: Any,
+) -> ScanReport:
     """Replay every complete bundle under `root` that has no stored verdict (all with `force`) and summarize
     every bundle of the root (see the module docstring). `replayer`: the class each worker replays bundles with
     (`Replayer` or a subclass, importable by the workers)."""
@@ -66,8 +92,10 @@ def scan_store(root: str | os.PathLike, *, engine: str = "local", workers: int |
     progress = progress or ScanProgress()
     url = os.fspath(root).rstrip("/") or "/"
     if split_url(url)[0] == "memory":
-        raise UsageError(f"{url}: a memory:// store lives in this process only, and scan replays in worker "
-                         "processes: scan a path or an s3:// URL")
+        raise UsageError(
+            f"{url}: a memory:// store lives in this process only, and scan replays in worker "
+            "processes: scan a path or an s3:// URL"
+        )
     backend = open_root(url, **storage_options)
     shown = redact_url(url)
     states, finalized = finalize_landed(backend, scan_bundles(backend))
@@ -142,8 +170,15 @@ class _Collector:
     """Takes each verdict an engine answers: keeps it in the store where it can be reused, puts it in the place of
     the listed one (with what the listing knew and the answer does not), counts it and shows it."""
 
-    def __init__(self, backend: Backend, options: ScanOptions, secret: bytes | str, by_name: dict[str, Verdict],
-                 report: ScanReport, progress: ScanProgress) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        options: ScanOptions,
+        secret: bytes | str,
+        by_name: dict[str, Verdict],
+        report: ScanReport,
+        progress: ScanProgress,
+    ) -> None:
         self.backend, self.options, self.secret = backend, options, secret
         self.by_name, self.report, self.progress = by_name, report, progress
         self.lock = threading.Lock()
@@ -164,8 +199,14 @@ class _Collector:
         self.progress.done(new)
 
 
-def _reuse_verdicts(backend: Backend, states: dict[str, BundleState], names: list[str], by_name: dict[str, Verdict],
-                    options: ScanOptions, secret: bytes) -> list[str]:
+def _reuse_verdicts(
+    backend: Backend,
+    states: dict[str, BundleState],
+    names: list[str],
+    by_name: dict[str, Verdict],
+    options: ScanOptions,
+    secret: bytes,
+) -> list[str]:
     """Fill in the stored verdicts of `names` that this user's scans wrote (their MAC holds) for the bundle's
     objects as they are now (the stamp matches); return the names still to replay."""
     keys = {name: verdict_key(by_name[name].digest, options) for name in names}  # type: ignore[arg-type]
@@ -200,11 +241,14 @@ def _keep(backend: Backend, result: dict[str, Any], options: ScanOptions, secret
     try:
         # a whole-value replace, not flushed to disk: a verdict is a cache, and the fsync of every verdict
         # serialized a local scan on the file system's journal (see docs/scan.md)
-        backend.write(verdict_key(verdict.digest, options),
-                      verdict_document(verdict, options, result["objects"], secret), durable=False)
+        backend.write(
+            verdict_key(verdict.digest, options),
+            verdict_document(verdict, options, result["objects"], secret),
+            durable=False,
+        )
     except (BackendError, OSError) as exc:  # a store this user may read but not write: still a verdict
         if isinstance(exc, StorageUnavailableError) and getattr(exc, "transient", False):
-            raise   # no answer: the scan ends with it, as when a worker meets it
+            raise  # no answer: the scan ends with it, as when a worker meets it
         return one_line(exc)
     return None
 
@@ -212,9 +256,14 @@ def _keep(backend: Backend, result: dict[str, Any], options: ScanOptions, secret
 def _listed(state: BundleState) -> Verdict:
     """A bundle's verdict from its listing alone: complete ones are to be replayed (status `error` until then)."""
     anchor = state.anchor
-    verdict = Verdict(state.name, ERROR, rollout_id=anchor.rollout_id if anchor else None,
-                      step_id=anchor.step_id if anchor else None, expected_ranks=list(state.expected_ranks),
-                      missing_ranks=list(state.missing_ranks))
+    verdict = Verdict(
+        state.name,
+        ERROR,
+        rollout_id=anchor.rollout_id if anchor else None,
+        step_id=anchor.step_id if anchor else None,
+        expected_ranks=list(state.expected_ranks),
+        missing_ranks=list(state.missing_ranks),
+    )
     if state.status == CORRUPT:
         verdict.status, verdict.detail = INVALID, one_line(state.detail)
     elif state.status == FINALIZABLE:  # every rank landed, but COMPLETE could not be written here

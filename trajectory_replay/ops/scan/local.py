@@ -35,6 +35,7 @@ def storage_env() -> dict[str, str]:
 
 # ---- a worker process -------------------------------------------------------------------------------
 
+
 def _local_worker(conn: Connection, job: ScanJob, env: dict[str, str], threads: int) -> None:
     """A worker process: replays the bundle names it receives, one answer per name, until told to stop."""
     import signal
@@ -81,6 +82,7 @@ def _answer(replayer: Replayer | str, name: str) -> tuple[str, str, Any]:
 
 
 # ---- the driver's side ------------------------------------------------------------------------------
+
 
 def _context():
     """The fork server the workers come from, with the replay code imported once."""
@@ -158,7 +160,7 @@ class _Pool:
                 for ready in wait(list(owners)):
                     self._serve(owners[ready], answered=ready is owners[ready].conn)
         except StorageUnavailableError:
-            grace = 0.1   # the other workers wait for the same store: nothing of theirs is worth waiting for
+            grace = 0.1  # the other workers wait for the same store: nothing of theirs is worth waiting for
             raise
         finally:
             for worker in self.workers:

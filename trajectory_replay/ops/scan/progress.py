@@ -31,16 +31,23 @@ class RichScanProgress(ScanProgress):
 
     def __init__(self, console=None) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as Bar
 
-        self._bar = Bar(TextColumn("scan"), BarColumn(), TextColumn("{task.completed}/{task.total} bundles"),
-                        TextColumn("{task.fields[diverged]} diverged"), TimeElapsedColumn(),
-                        console=console or Console(stderr=True), transient=False)
+        self._bar = Bar(
+            TextColumn("scan"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} bundles"),
+            TextColumn("{task.fields[diverged]} diverged"),
+            TimeElapsedColumn(),
+            console=console or Console(stderr=True),
+            transient=False,
+        )
         self._task: TaskID | None = None
         self._diverged = 0
         self._lock = threading.Lock()
 
-    def __enter__(self) -> "RichScanProgress":
+    def __enter__(self) -> RichScanProgress:
         self._bar.start()
         return self
 

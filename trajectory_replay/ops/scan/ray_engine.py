@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 from trajectory_replay.errors import StorageUnavailableError, UsageError
 from trajectory_replay.ops.scan.engine import ATTEMPTS, OnVerdict, ScanJob, given_up
@@ -33,8 +33,9 @@ def require_ray() -> None:
     try:
         import ray  # noqa: F401
     except ImportError:
-        raise UsageError("--engine ray needs ray, which is not installed: pip install 'trajectory-replay[ray]'") \
-            from None
+        raise UsageError(
+            "--engine ray needs ray, which is not installed: pip install 'trajectory-replay[ray]'"
+        ) from None
 
 
 def replay_task(job: ScanJob, name: str) -> dict[str, Any]:
@@ -54,25 +55,30 @@ def _remote():
     if not _REMOTE:
         import ray
 
-        _REMOTE.append(ray.remote(num_cpus=1, max_retries=ATTEMPTS - 1, retry_exceptions=True)(replay_task).options(
-            name="trajectory-replay-scan"))
+        _REMOTE.append(
+            ray.remote(num_cpus=1, max_retries=ATTEMPTS - 1, retry_exceptions=True)(replay_task).options(
+                name="trajectory-replay-scan"
+            )
+        )
     return _REMOTE[0]
 
 
-def _connect(address: Optional[str], workers: int) -> bool:
+def _connect(address: str | None, workers: int) -> bool:
     """Connect to (or start) a cluster; True when this call started one that the scan must stop."""
     import ray
 
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
-    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-                                  configure_logging=True)
+    kwargs: dict[str, Any] = dict(
+        include_dashboard=False, log_to_driver=False, logging_level="ERROR", configure_logging=True
+    )
     if address:
         problem = _unreachable(address)
         if problem:
-            raise ConnectionError(f"cannot reach the Ray cluster at {address}: {problem} (check --ray-address or "
-                                  "RAY_ADDRESS)")
+            raise ConnectionError(
+                f"cannot reach the Ray cluster at {address}: {problem} (check --ray-address or RAY_ADDRESS)"
+            )
     try:
         if address:
             ray.init(address=address, **kwargs)
@@ -88,7 +94,7 @@ CONNECT_TIMEOUT = 5.0
 """Seconds to wait for a TCP connection to `--ray-address` before giving up (Ray itself waits for minutes)."""
 
 
-def _unreachable(address: str) -> Optional[str]:
+def _unreachable(address: str) -> str | None:
     """Why nothing answers at `host:port` (or `ray://host:port`), or None (also for `auto` and other forms Ray
     resolves itself)."""
     import socket

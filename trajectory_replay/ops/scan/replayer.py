@@ -13,12 +13,25 @@ from typing import Any
 from trajectory_replay.bundle.markers import complete_key
 from trajectory_replay.bundle.status import bundle_status
 from trajectory_replay.ops.scan.verdicts import (
-    DIVERGED, ERROR, INCOMPLETE, INVALID, PASS, UNSUPPORTED, ScanOptions, Verdict, bundle_digest, object_stamps,
+    DIVERGED,
+    ERROR,
+    INCOMPLETE,
+    INVALID,
+    PASS,
+    UNSUPPORTED,
+    ScanOptions,
+    Verdict,
+    bundle_digest,
+    object_stamps,
     one_line,
 )
 
-WORKER_MODULES = ("torch", "trajectory_replay.replay.runner", "trajectory_replay.bundle.reader",
-                  "trajectory_replay.store")
+WORKER_MODULES = (
+    "torch",
+    "trajectory_replay.replay.runner",
+    "trajectory_replay.bundle.reader",
+    "trajectory_replay.store",
+)
 """What a worker needs to replay (`trajectory_replay.replay` imports its parts lazily): imported once per worker
 process (by the local engine's fork server, before it forks any worker)."""
 
@@ -52,7 +65,11 @@ class Replayer:
         from trajectory_replay.bundle.markers import parse_complete
         from trajectory_replay.bundle.reader import native_readers
         from trajectory_replay.errors import (
-            BackendError, IncompleteBundleError, NotFoundError, TrajectoryReplayError, UnsupportedError,
+            BackendError,
+            IncompleteBundleError,
+            NotFoundError,
+            TrajectoryReplayError,
+            UnsupportedError,
         )
         from trajectory_replay.replay import replay
 
@@ -73,8 +90,9 @@ class Replayer:
             # is not trusted for it
             state = bundle_status(self.store.backend, name)
             objects = None if state is None else object_stamps(self.store.backend, [state])[name]
-            report = replay(native_readers(self.store, name, marker=marker), atol=self.options.atol,
-                            rtol=self.options.rtol)
+            report = replay(
+                native_readers(self.store, name, marker=marker), atol=self.options.atol, rtol=self.options.rtol
+            )
             _judge(verdict, report)
         except IncompleteBundleError as exc:
             verdict.status, verdict.detail = INCOMPLETE, one_line(exc)

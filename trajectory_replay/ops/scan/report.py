@@ -3,13 +3,21 @@ as the `--json` object."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field as dc_field
-from typing import Any, Optional
+from dataclasses import dataclass
+from dataclasses import field as dc_field
+from typing import Any
 
-from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.ops.scan.verdicts import (
-    DIVERGED, ERROR, INCOMPLETE, INVALID, PASS, UNSUPPORTED, VERDICT_STATUSES, Verdict,
+    DIVERGED,
+    ERROR,
+    INCOMPLETE,
+    INVALID,
+    PASS,
+    UNSUPPORTED,
+    VERDICT_STATUSES,
+    Verdict,
 )
+from trajectory_replay.outcome import Outcome, Status
 
 
 @dataclass
@@ -41,7 +49,7 @@ class ScanReport(Outcome):
         return {s: sum(v.status == s for v in self.verdicts) for s in VERDICT_STATUSES}
 
     @property
-    def earliest_divergence(self) -> Optional[Verdict]:
+    def earliest_divergence(self) -> Verdict | None:
         """The first diverged bundle in anchor order."""
         return next((v for v in self.verdicts if v.status == DIVERGED), None)
 
@@ -56,8 +64,13 @@ class ScanReport(Outcome):
     @property
     def status(self) -> Status:
         counts = self.counts
-        for verdict, status in ((DIVERGED, Status.DIVERGED), (INVALID, Status.INVALID), (ERROR, Status.INVALID),
-                                (INCOMPLETE, Status.INCOMPLETE), (UNSUPPORTED, Status.UNSUPPORTED)):
+        for verdict, status in (
+            (DIVERGED, Status.DIVERGED),
+            (INVALID, Status.INVALID),
+            (ERROR, Status.INVALID),
+            (INCOMPLETE, Status.INCOMPLETE),
+            (UNSUPPORTED, Status.UNSUPPORTED),
+        ):
             if counts[verdict]:
                 return status
         return Status.PASS if self.verdicts else Status.SELECTION
@@ -66,59 +79,106 @@ class ScanReport(Outcome):
         return self.problems()
 
     def problems(self) -> list[str]:
-        return [f"{v.name}: {v.status}" + (f" at {v.first_divergent_stage}" if v.first_divergent_stage else "")
-                + (f": {v.detail}" if v.detail and v.status != DIVERGED else "")
-                for v in self.verdicts if v.status != PASS]
+        return [
+            f"{v.name}: {v.status}"
+            + (f" at {v.first_divergent_stage}" if v.first_divergent_stage else "")
+            + (f": {v.detail}" if v.detail and v.status != DIVERGED else "")
+            for v in self.verdicts
+            if v.status != PASS
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         first = self.earliest_divergence
-        return {"root": self.root, "engine": self.engine, "workers": self.workers,
-                "replay_version": self.replay_version, "options": self.options, "bundles": len(self.verdicts),
-                "counts": self.counts, "replayed": self.replayed, "cached": self.cached, "forced": self.forced,
-                "earliest_divergence": None if first is None else first.to_dict(),
-                "incomplete": [{"name": v.name, "anchor": v.anchor, "missing_ranks": v.missing_ranks,
-                                "expected_ranks": v.expected_ranks, "detail": v.detail} for v in self.incomplete],
-                "finalized": self.finalized, "seconds": round(self.seconds, 3),
-                "engine_start_seconds": round(self.engine_start_seconds, 3), "unkept": self.unkept,
-                "verdicts": [v.to_dict() for v in self.verdicts]}
+        return {
+            "root": self.root,
+            "engine": self.engine,
+            "workers": self.workers,
+            "replay_version": self.replay_version,
+            "options": self.options,
+            "bundles": len(self.verdicts),
+            "counts": self.counts,
+            "replayed": self.replayed,
+            "cached": self.cached,
+            "forced": self.forced,
+            "earliest_divergence": None if first is None else first.to_dict(),
+            "incomplete": [
+                {
+                    "name": v.name,
+                    "anchor": v.anchor,
+                    "missing_ranks": v.missing_ranks,
+                    "expected_ranks": v.expected_ranks,
+                    "detail": v.detail,
+                }
+                for v in self.incomplete
+            ],
+            "finalized": self.finalized,
+            "seconds": round(self.seconds, 3),
+            "engine_start_seconds": round(self.engine_start_seconds, 3),
+            "unkept": self.unkept,
+            "verdicts": [v.to_dict() for v in self.verdicts],
+        }
 
     def render_text(self) -> str:
         counts = self.counts
-        lines = [f"scan {self.root}: {len(self.verdicts)} bundle(s): "
-                 + ", ".join(f"{counts[s]} {s}" for s in VERDICT_STATUSES if counts[s] or s in (PASS, DIVERGED)),
-                 f"  {self.replayed} replayed, {self.cached} from stored verdicts ({self.engine} engine, "
-                 f"{self.workers} worker(s), {self.seconds:.1f} s; replay {self.replay_version})"]
+        lines = [
+            f"scan {self.root}: {len(self.verdicts)} bundle(s): "
+            + ", ".join(f"{counts[s]} {s}" for s in VERDICT_STATUSES if counts[s] or s in (PASS, DIVERGED)),
+            f"  {self.replayed} replayed, {self.cached} from stored verdicts ({self.engine} engine, "
+            f"{self.workers} worker(s), {self.seconds:.1f} s; replay {self.replay_version})",
+        ]
         first = self.earliest_divergence
         if first is not None:
-            where = ", ".join(x for x in (
-                f"sample {first.sample_id}" if first.sample_id else "",
-                f"field {first.field}" if first.field else "",
-                f"token {first.token_offset}" if first.token_offset is not None else "",
-                f"rank {first.rank}" if first.rank is not None else "") if x)
-            lines.append(f"earliest divergence: {first.name} ({first.anchor or 'no anchor'}) at "
-                         f"{first.first_divergent_stage}" + (f": {where}" if where else ""))
+            where = ", ".join(
+                x
+                for x in (
+                    f"sample {first.sample_id}" if first.sample_id else "",
+                    f"field {first.field}" if first.field else "",
+                    f"token {first.token_offset}" if first.token_offset is not None else "",
+                    f"rank {first.rank}" if first.rank is not None else "",
+                )
+                if x
+            )
+            lines.append(
+                f"earliest divergence: {first.name} ({first.anchor or 'no anchor'}) at "
+                f"{first.first_divergent_stage}" + (f": {where}" if where else "")
+            )
         else:
             lines.append("earliest divergence: none")
         for v in self.incomplete:
-            lines.append(f"incomplete: {v.name} ({v.anchor or 'no anchor'}): "
-                         + (f"missing ranks {v.missing_ranks} of {v.expected_ranks}" if v.missing_ranks
-                            else v.detail))
+            lines.append(
+                f"incomplete: {v.name} ({v.anchor or 'no anchor'}): "
+                + (f"missing ranks {v.missing_ranks} of {v.expected_ranks}" if v.missing_ranks else v.detail)
+            )
         for name in self.finalized:
             lines.append(f"{name}: finalized (every rank had landed)")
         if self.unkept:
-            lines.append(f"{len(self.unkept)} verdict(s) not kept in the store (the next scan replays them again): "
-                         f"{self.unkept[0]}")
+            lines.append(
+                f"{len(self.unkept)} verdict(s) not kept in the store (the next scan replays them again): "
+                f"{self.unkept[0]}"
+            )
         if not self.verdicts:
             return "\n".join(lines)
         rows = [("BUNDLE", "ANCHOR", "STATUS", "FIRST DIVERGENT STAGE", "SAMPLE", "FROM")]
         for v in self.verdicts:
-            rows.append((v.name, v.anchor or "-", v.status, v.first_divergent_stage or "-", v.sample_id or "-",
-                         "stored" if v.cached else ("replayed" if v.status in (PASS, DIVERGED, INVALID, UNSUPPORTED)
-                                                    or v.attempts else "-")))
+            rows.append(
+                (
+                    v.name,
+                    v.anchor or "-",
+                    v.status,
+                    v.first_divergent_stage or "-",
+                    v.sample_id or "-",
+                    "stored"
+                    if v.cached
+                    else ("replayed" if v.status in (PASS, DIVERGED, INVALID, UNSUPPORTED) or v.attempts else "-"),
+                )
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        lines += [f"{v.name}: {v.status}: {v.detail}" for v in self.verdicts
-                  if v.status in (INVALID, ERROR, UNSUPPORTED) and v.detail]
+        lines += [
+            f"{v.name}: {v.status}: {v.detail}"
+            for v in self.verdicts
+            if v.status in (INVALID, ERROR, UNSUPPORTED) and v.detail
+        ]
         return "\n".join(lines)
 
 

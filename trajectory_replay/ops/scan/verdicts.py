@@ -26,16 +26,19 @@ import hmac
 import json
 import os
 import threading
-from dataclasses import asdict, dataclass, field as dc_field
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from dataclasses import field as dc_field
+from typing import Any
 
 from trajectory_replay import __version__
 from trajectory_replay.backends import Backend
 from trajectory_replay.bundle.status import BundleState
-from trajectory_replay.store.cache import default_cache_dir
 from trajectory_replay.outcome import Status
+from trajectory_replay.store.cache import default_cache_dir
 from trajectory_replay.store.digest import hash_bytes
 from trajectory_replay.store.layout import VERDICTS_DIR
+
 VERDICT_FORMAT = "trajectory-replay.verdict/2"
 """Version 2 holds the stamp of the bundle's objects and the scan's MAC; verdicts of version 1 are replayed."""
 KEY_FILE = "scan-verdicts.key"
@@ -45,8 +48,13 @@ SCAN_SEMANTICS = 3
 REPLAY_VERSION = f"{__version__}+scan.{SCAN_SEMANTICS}"
 """Part of every verdict's key: a verdict of another version is not reused."""
 
-PASS, DIVERGED, INVALID, INCOMPLETE, UNSUPPORTED = (Status.PASS, Status.DIVERGED, Status.INVALID, Status.INCOMPLETE,
-                                                   Status.UNSUPPORTED)
+PASS, DIVERGED, INVALID, INCOMPLETE, UNSUPPORTED = (
+    Status.PASS,
+    Status.DIVERGED,
+    Status.INVALID,
+    Status.INCOMPLETE,
+    Status.UNSUPPORTED,
+)
 """A bundle's verdict in the words of a replay's status."""
 ERROR = "error"
 """The one verdict of a scan's own: the bundle could not be judged (its worker died on every try, storage failed
@@ -62,8 +70,8 @@ OUTCOME_FIELDS = ("status", "first_divergent_stage", "rank", "sample_id", "field
 class ScanOptions:
     """What a replay is asked for beyond the bundle itself; part of every verdict's key."""
 
-    atol: Optional[float] = None
-    rtol: Optional[float] = None
+    atol: float | None = None
+    rtol: float | None = None
 
     def key(self) -> dict[str, Any]:
         return {"atol": self.atol, "rtol": self.rtol}
@@ -76,8 +84,9 @@ def bundle_digest(complete: bytes) -> str:
 
 def verdict_key(digest: str, options: ScanOptions, version: str = REPLAY_VERSION) -> str:
     """Where the verdict of the bundle whose COMPLETE hashes to `digest` is kept."""
-    identity = json.dumps({"bundle": digest, "replay": version, "options": options.key()}, sort_keys=True,
-                          separators=(",", ":"))
+    identity = json.dumps(
+        {"bundle": digest, "replay": version, "options": options.key()}, sort_keys=True, separators=(",", ":")
+    )
     return f"{VERDICTS_DIR}/{hash_bytes(identity.encode()).split(':', 1)[1]}"
 
 
@@ -88,16 +97,16 @@ class Verdict:
     name: str
     status: str
     """pass | diverged | invalid | incomplete | unsupported | error"""
-    rollout_id: Optional[int] = None
-    step_id: Optional[int] = None
-    digest: Optional[str] = None
+    rollout_id: int | None = None
+    step_id: int | None = None
+    digest: str | None = None
     """Digest of the COMPLETE marker replayed (None when there is none)."""
-    first_divergent_stage: Optional[str] = None
-    rank: Optional[int] = None
+    first_divergent_stage: str | None = None
+    rank: int | None = None
     """Rank of the first divergent stage, where it ran per rank."""
-    sample_id: Optional[str] = None
-    field: Optional[str] = None
-    token_offset: Optional[int] = None
+    sample_id: str | None = None
+    field: str | None = None
+    token_offset: int | None = None
     detail: str = ""
     missing_ranks: list[int] = dc_field(default_factory=list)
     expected_ranks: list[int] = dc_field(default_factory=list)
@@ -107,7 +116,7 @@ class Verdict:
     seconds: float = 0.0
 
     @property
-    def anchor(self) -> Optional[str]:
+    def anchor(self) -> str | None:
         if self.rollout_id is None:
             return None
         return f"step {self.rollout_id}:{self.step_id}" if self.step_id is not None else f"rollout {self.rollout_id}"
@@ -150,7 +159,7 @@ def verdict_secret() -> bytes:
         finally:
             os.close(fd)
         try:
-            os.link(temporary, path)   # whole or absent, and the first of concurrent scans wins
+            os.link(temporary, path)  # whole or absent, and the first of concurrent scans wins
         except FileExistsError:
             pass
         finally:
@@ -169,29 +178,42 @@ def _mac(secret: bytes, document: dict[str, Any]) -> str:
 def verdict_document(verdict: Verdict, options: ScanOptions, objects: str, secret: bytes) -> bytes:
     """A stored verdict: the outcome, what it was reached for (bundle, replay version, options, the stamp of the
     bundle's objects), and the MAC of all that under this user's key."""
-    document = {"format": VERDICT_FORMAT, "bundle": verdict.digest, "replay": REPLAY_VERSION,
-                "options": options.key(), "objects": objects, "verdict": verdict.outcome()}
-    return json.dumps({**document, "mac": _mac(secret, document)}, sort_keys=True, separators=(",", ":"),
-                      allow_nan=False).encode()
+    document = {
+        "format": VERDICT_FORMAT,
+        "bundle": verdict.digest,
+        "replay": REPLAY_VERSION,
+        "options": options.key(),
+        "objects": objects,
+        "verdict": verdict.outcome(),
+    }
+    return json.dumps(
+        {**document, "mac": _mac(secret, document)}, sort_keys=True, separators=(",", ":"), allow_nan=False
+    ).encode()
 
 
-def parse_verdict(data: bytes, digest: str, options: ScanOptions, secret: bytes) -> Optional[tuple[dict, str]]:
+def parse_verdict(data: bytes, digest: str, options: ScanOptions, secret: bytes) -> tuple[dict, str] | None:
     """(outcome, stamp of the bundle's objects) of a stored verdict, or None when it is not one for (digest,
     version, options) or was not written by a scan holding `secret`."""
     try:
         doc = json.loads(data)
         mac = doc.pop("mac")
         outcome = doc["verdict"]
-        if (doc.get("format") != VERDICT_FORMAT or doc.get("bundle") != digest or doc.get("replay") != REPLAY_VERSION
-                or doc.get("options") != options.key() or outcome.get("status") not in CACHEABLE
-                or not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(secret, doc))):
+        if (
+            doc.get("format") != VERDICT_FORMAT
+            or doc.get("bundle") != digest
+            or doc.get("replay") != REPLAY_VERSION
+            or doc.get("options") != options.key()
+            or outcome.get("status") not in CACHEABLE
+            or not isinstance(mac, str)
+            or not hmac.compare_digest(mac, _mac(secret, doc))
+        ):
             return None
         return {k: outcome.get(k) for k in OUTCOME_FIELDS}, doc["objects"]
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def object_stamps(backend: Backend, states: Sequence[BundleState]) -> dict[str, Optional[str]]:
+def object_stamps(backend: Backend, states: Sequence[BundleState]) -> dict[str, str | None]:
     """Per bundle, the stamp of every object its markers reach (records, documents, chunks): a digest of their
     keys, sizes and modification times. An object rewritten, removed or truncated changes it; None when the walk
     already finds something missing or damaged. Costs the walk's reads of the small records and one look at
@@ -202,14 +224,14 @@ def object_stamps(backend: Backend, states: Sequence[BundleState]) -> dict[str, 
     trees = Walker(backend).trees(states)
     keys = sorted({k for tree in trees.values() for k in tree.keys})
 
-    def stamp(key: str) -> Optional[tuple[int, float]]:
+    def stamp(key: str) -> tuple[int, float] | None:
         try:
             return backend.size(key), backend.mtime(key)
         except NotFoundError:
             return None
 
-    stamps: dict[str, Optional[tuple[int, float]]] = dict(zip(keys, backend._map(stamp, keys)))
-    out: dict[str, Optional[str]] = {}
+    stamps: dict[str, tuple[int, float] | None] = dict(zip(keys, backend._map(stamp, keys)))
+    out: dict[str, str | None] = {}
     for name, tree in trees.items():
         mine = [[k, *found] for k in sorted(tree.keys) if (found := stamps[k]) is not None]
         sound = not (tree.problems or tree.missing or tree.corrupt) and len(mine) == len(tree.keys)
@@ -224,7 +246,27 @@ def one_line(text: Any) -> str:
 
 
 __all__ = [
-    "CACHEABLE", "DIVERGED", "ERROR", "INCOMPLETE", "INVALID", "KEY_FILE", "OUTCOME_FIELDS", "PASS", "REPLAY_VERSION",
-    "SCAN_SEMANTICS", "ScanOptions", "UNSUPPORTED", "VERDICTS_DIR", "VERDICT_FORMAT", "VERDICT_STATUSES", "Verdict",
-    "bundle_digest", "object_stamps", "one_line", "parse_verdict", "verdict_document", "verdict_key", "verdict_secret",
+    "CACHEABLE",
+    "DIVERGED",
+    "ERROR",
+    "INCOMPLETE",
+    "INVALID",
+    "KEY_FILE",
+    "OUTCOME_FIELDS",
+    "PASS",
+    "REPLAY_VERSION",
+    "SCAN_SEMANTICS",
+    "ScanOptions",
+    "UNSUPPORTED",
+    "VERDICTS_DIR",
+    "VERDICT_FORMAT",
+    "VERDICT_STATUSES",
+    "Verdict",
+    "bundle_digest",
+    "object_stamps",
+    "one_line",
+    "parse_verdict",
+    "verdict_document",
+    "verdict_key",
+    "verdict_secret",
 ]
