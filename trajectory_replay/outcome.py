@@ -16,7 +16,6 @@ A bottom-layer module: it imports nothing of the package but its exceptions, and
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Any, ClassVar
 
 from trajectory_replay.errors import (
@@ -27,9 +26,10 @@ from trajectory_replay.errors import (
     UnsupportedError,
     UsageError,
 )
+from trajectory_replay.words import Word
 
 
-class Status(str, Enum):
+class Status(Word):
     """The verdict of a command, the top-level `status` of its `--json` object."""
 
     PASS = "pass"
@@ -48,12 +48,6 @@ class Status(str, Enum):
     """A malformed command line."""
     IO = "io"
     """Storage or a Ray cluster unreachable, credentials, permissions."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 EXIT_CODES: dict[Status, int] = {

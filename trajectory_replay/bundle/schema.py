@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import re
 import warnings
-from enum import Enum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -20,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from trajectory_replay.bundle import profiles
 from trajectory_replay.bundle.anchor import Anchor
 from trajectory_replay.store.layout import RESERVED_NAMES
+from trajectory_replay.words import Word
 
 FORMAT_VERSION = "1.1.0"
 """Manifest format written by this package. Major 1 is shared with the older directory format."""
@@ -76,7 +76,7 @@ class _Model(BaseModel):
             object.__setattr__(self, "__pydantic_extra__", {})
 
 
-class StageId(str, Enum):
+class StageId(Word):
     """The replay stages, in pipeline order."""
 
     SAMPLE = "sample"
@@ -88,14 +88,11 @@ class StageId(str, Enum):
     LOSS_POLICY = "loss.policy"
     LOSS_VALUE = "loss.value"
 
-    def __str__(self) -> str:
-        return self.value
-
 
 STAGE_ORDER: tuple[StageId, ...] = tuple(StageId)
 
 
-class StageCapability(str, Enum):
+class StageCapability(Word):
     """How replay can treat a stage."""
 
     RECOMPUTE = "recompute"

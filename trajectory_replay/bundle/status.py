@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from enum import Enum
 
 from trajectory_replay.backends import Backend, redact_url
 from trajectory_replay.bundle.anchor import Anchor
@@ -57,9 +56,10 @@ from trajectory_replay.store import ObjectStore
 from trajectory_replay.store.inventory import concurrently
 from trajectory_replay.store.layout import is_bundle_dir
 from trajectory_replay.store.liveness import read_inflight
+from trajectory_replay.words import Word
 
 
-class BundleStatus(str, Enum):
+class BundleStatus(Word):
     """The state of a bundle of either format (see the module docstring); a string, its value, the word every
     report shows."""
 
@@ -68,9 +68,6 @@ class BundleStatus(str, Enum):
     FINALIZABLE = "finalizable"
     CORRUPT = "corrupt"
     UNSUPPORTED = "unsupported"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 COMPLETE_STATUS = BundleStatus.COMPLETE
