@@ -1,0 +1,292 @@
+"""One verl 0.9.1 training step built with verl's own functions: the batch a verl trainer holds after
+`compute_advantage`, and the loss scalars its engine worker reports for it.
+
+The batch is a `DataProto` of 16 prompts x 4 samples: prompts left-padded and responses right-padded, with junk
+token ids and junk log-probs wherever the attention mask is 0, responses of 8-64 tokens, a uid string per prompt
+and the outcome score on each response's last valid token (`token_level_scores`). The reward side is verl's
+`apply_kl_penalty` (when `use_kl_in_reward`) and `compute_advantage`; the trainer side is
+`verl.workers.utils.losses.ppo_loss` (and `value_loss` for gae), called once per micro-batch with the
+`TensorDict` and the global batch information (`dp_size`, `batch_num_tokens`, `global_batch_size`) the FSDP engine
+gives it, and reduced over micro-batches as verl's metrics are (`Metric` SUM for the losses, MEAN for the clip
+fraction and ppo_kl).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from verl import DataProto
+from verl.trainer.config import AlgoConfig
+from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.ray_trainer import apply_kl_penalty, compute_advantage, compute_response_mask
+from verl.utils import tensordict_utils as tu
+from verl.workers.config import CriticConfig, FSDPActorConfig, FSDPCriticConfig
+from verl.workers.utils.losses import ppo_loss, value_loss
+
+PROMPTS = 16
+SAMPLES = 4
+MAX_PROMPT = 12
+MAX_RESPONSE = 64
+VOCAB = 1000
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The verl options one step is built with (verl's own option names)."""
+
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: int | None = None
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_coef: float = 0.05
+    use_kl_loss: bool = False
+    kl_loss_type: str = "low_var_kl"
+    kl_loss_coef: float = 0.01
+    entropy_coeff: float = 0.01
+    calculate_entropy: bool = True
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    micro_batches: int = 1
+    gamma: float = 1.0
+    lam: float = 1.0
+    multi_turn: bool = False
+    """Responses hold observation spans (response_mask 0 inside the response)."""
+    batch_wide_grpo: bool = False
+    """The injected bug: GRPO normalized over the whole batch instead of per uid group."""
+    seed: int = 0
+
+
+@dataclass
+class VerlStep:
+    """A built step: the batch after compute_advantage, the current log-probs (and entropy, vpreds) the actor's
+    forward produced, and the scalars verl reported."""
+
+    options: StepOptions
+    batch: DataProto
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    vpreds: torch.Tensor | None
+    reward_kl: torch.Tensor | None
+    """kl_penalty(old, ref) as apply_kl_penalty forms it, before the response mask."""
+    micro_batches: list[list[int]]
+    policy_metrics: dict[str, float] = field(default_factory=dict)
+    value_metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _layout(gen: torch.Generator, rnd: random.Random, multi_turn: bool) -> dict[str, torch.Tensor]:
+    n = PROMPTS * SAMPLES
+    prompt_lens = [rnd.randint(3, MAX_PROMPT) for _ in range(PROMPTS)]
+    prompts = torch.randint(1, VOCAB, (n, MAX_PROMPT), generator=gen)  # junk where the mask is 0
+    prompt_mask = torch.zeros(n, MAX_PROMPT, dtype=torch.long)
+    for i in range(n):
+        p = prompt_lens[i // SAMPLES]
+        prompt_mask[i, MAX_PROMPT - p :] = 1
+        prompts[i, MAX_PROMPT - p :] = prompts[(i // SAMPLES) * SAMPLES, MAX_PROMPT - p :]  # a group shares its prompt
+    responses = torch.randint(1, VOCAB, (n, MAX_RESPONSE), generator=gen)
+    attn = torch.zeros(n, MAX_RESPONSE, dtype=torch.long)
+    response_mask = torch.zeros(n, MAX_RESPONSE, dtype=torch.long)
+    for i in range(n):
+        length = rnd.randint(8, MAX_RESPONSE)
+        attn[i, :length] = 1
+        response_mask[i, :length] = 1
+        if multi_turn and length >= 16:  # one observation span inside the response
+            start = rnd.randint(2, length - 8)
+            response_mask[i, start : start + rnd.randint(2, 5)] = 0
+    attention_mask = torch.cat([prompt_mask, attn], dim=1)
+    position_ids = torch.clamp(attention_mask.cumsum(-1) - 1, min=0)
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "response_mask": response_mask,
+    }
+
+
+def _junk_outside(values: torch.Tensor, mask: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    junk = torch.randn(values.shape, generator=gen) * 50.0
+    return torch.where(mask.bool(), values, junk)
+
+
+def build_step(options: StepOptions = StepOptions()) -> VerlStep:
+    """The step `options` describe, computed by verl."""
+    gen = torch.Generator().manual_seed(options.seed)
+    rnd = random.Random(options.seed)
+    n = PROMPTS * SAMPLES
+    tensors = _layout(gen, rnd, options.multi_turn)
+    valid = tensors["attention_mask"][:, MAX_PROMPT:]
+    uids = np.array([f"{rnd.getrandbits(64):016x}" for _ in range(PROMPTS)], dtype=object).repeat(SAMPLES)
+    lengths = valid.sum(-1)
+    scores = torch.zeros(n, MAX_RESPONSE)
+    for i in range(n):
+        scores[i, lengths[i] - 1] = float(rnd.choice([0.0, 0.0, 1.0, 1.0, 0.5, -1.0]))
+    old = -torch.rand(n, MAX_RESPONSE, generator=gen) * 2.0
+    ref = old + torch.randn(n, MAX_RESPONSE, generator=gen) * 0.1
+    cur = old + torch.randn(n, MAX_RESPONSE, generator=gen) * 0.15
+    tensors.update(
+        token_level_scores=scores,
+        old_log_probs=_junk_outside(old, valid, gen),
+        ref_log_prob=_junk_outside(ref, valid, gen),
+    )
+    if options.adv_estimator == "gae":
+        tensors["values"] = _junk_outside(torch.randn(n, MAX_RESPONSE, generator=gen) * 0.5, valid, gen)
+    batch = DataProto.from_dict(tensors=tensors, non_tensors={"uid": uids})
+    assert torch.equal(compute_response_mask(batch), valid)
+
+    reward_kl = None
+    if options.use_kl_in_reward:
+        reward_kl = core_algos.kl_penalty(
+            batch.batch["old_log_probs"], batch.batch["ref_log_prob"], kl_penalty=options.kl_penalty
+        )
+        batch, _ = apply_kl_penalty(batch, core_algos.FixedKLController(options.kl_coef), options.kl_penalty)
+    else:
+        batch.batch["token_level_rewards"] = batch.batch["token_level_scores"].clone()
+    algo = AlgoConfig(
+        gamma=options.gamma,
+        lam=options.lam,
+        adv_estimator=options.adv_estimator,
+        norm_adv_by_std_in_grpo=options.norm_adv_by_std_in_grpo,
+        use_kl_in_reward=options.use_kl_in_reward,
+        kl_penalty=options.kl_penalty,
+    )
+    if options.batch_wide_grpo:
+        batch.non_tensor_batch["uid"] = np.array(["all"] * n, dtype=object)
+    batch = compute_advantage(
+        batch,
+        adv_estimator=options.adv_estimator,
+        gamma=options.gamma,
+        lam=options.lam,
+        num_repeat=SAMPLES,
+        norm_adv_by_std_in_grpo=options.norm_adv_by_std_in_grpo,
+        config=algo,
+    )
+    batch.non_tensor_batch["uid"] = uids
+
+    step = VerlStep(
+        options=options,
+        batch=batch,
+        log_probs=_junk_outside(cur, valid, gen),
+        entropy=_junk_outside(torch.rand(n, MAX_RESPONSE, generator=gen) * 3.0, valid, gen)
+        if options.calculate_entropy or options.entropy_coeff != 0
+        else None,
+        vpreds=_junk_outside(torch.randn(n, MAX_RESPONSE, generator=gen) * 0.5, valid, gen)
+        if options.adv_estimator == "gae"
+        else None,
+        reward_kl=reward_kl,
+        micro_batches=[list(r) for r in np.array_split(np.arange(n), options.micro_batches)],
+    )
+    step.policy_metrics = _policy_loss(step)
+    if step.vpreds is not None:
+        step.value_metrics = _value_loss(step)
+    return step
+
+
+def _flat_model_output(tensor: torch.Tensor, batch: DataProto, rows: list[int]) -> torch.Tensor:
+    """A per-response-token tensor as the actor's unpadded forward returns it: every sequence's valid tokens,
+    concatenated, each response token's value at the position before it (no_padding_2_padding undoes this)."""
+    mask = batch.batch["attention_mask"]
+    parts = []
+    for i in rows:
+        prompt_len = int(mask[i, :MAX_PROMPT].sum())
+        response_len = int(mask[i, MAX_PROMPT:].sum())
+        seq = torch.full((prompt_len + response_len,), 123.0)
+        seq[prompt_len - 1 : prompt_len - 1 + response_len] = tensor[i, :response_len]
+        parts.append(seq)
+    return torch.cat(parts)
+
+
+def _micro_batch_data(step: VerlStep, rows: list[int], fields: list[str]) -> TensorDict:
+    batch = step.batch.batch
+    idx = torch.tensor(rows)
+    data = TensorDict({k: batch[k][idx] for k in fields}, batch_size=len(rows))
+    tu.assign_non_tensor(
+        data,
+        dp_size=1,
+        batch_num_tokens=int(batch["response_mask"].sum()),
+        global_batch_size=PROMPTS * SAMPLES,
+    )
+    return data
+
+
+def actor_config(options: StepOptions) -> FSDPActorConfig:
+    """The actor config of the step, as the trainer's yaml would build it."""
+    n = PROMPTS * SAMPLES
+    return FSDPActorConfig(
+        strategy="fsdp",
+        ppo_mini_batch_size=PROMPTS,
+        ppo_micro_batch_size_per_gpu=n // options.micro_batches,
+        rollout_n=SAMPLES,
+        use_dynamic_bsz=False,
+        clip_ratio_low=options.clip_ratio_low,
+        clip_ratio_high=options.clip_ratio_high,
+        loss_agg_mode=options.loss_agg_mode,
+        loss_scale_factor=options.loss_scale_factor,
+        entropy_coeff=options.entropy_coeff,
+        calculate_entropy=options.calculate_entropy,
+        use_kl_loss=options.use_kl_loss,
+        kl_loss_type=options.kl_loss_type,
+        kl_loss_coef=options.kl_loss_coef,
+    )
+
+
+def _reduce(per_micro_batch: list[dict[str, Any]]) -> dict[str, float]:
+    """verl's reduction over micro-batches: Metric SUM values added, everything else averaged."""
+    from verl.utils.metric import AggregationType, Metric
+
+    out: dict[str, float] = {}
+    for key in per_micro_batch[0]:
+        values = [m[key] for m in per_micro_batch]
+        if isinstance(values[0], Metric):
+            nums = [float(v.values[0]) if isinstance(v.values, list) else float(v.values) for v in values]
+            total = sum(nums)
+            out[key] = total if values[0].aggregation == AggregationType.SUM else total / len(nums)
+        else:
+            out[key] = float(np.mean([float(v) for v in values]))
+    return out
+
+
+def _policy_loss(step: VerlStep) -> dict[str, float]:
+    config = actor_config(step.options)
+    fields = ["prompts", "responses", "attention_mask", "response_mask", "old_log_probs", "advantages"]
+    if step.options.use_kl_loss:
+        fields.append("ref_log_prob")
+    metrics, losses = [], []
+    for rows in step.micro_batches:
+        data = _micro_batch_data(step, rows, fields)
+        output = {"log_probs": _flat_model_output(step.log_probs, step.batch, rows)}
+        if step.entropy is not None:
+            output["entropy"] = _flat_model_output(step.entropy, step.batch, rows)
+        loss, m = ppo_loss(config, output, data)
+        losses.append(float(loss))
+        metrics.append({k: v for k, v in m.items() if k != "kl_coef"})
+    out = _reduce(metrics)
+    out["loss"] = sum(losses)
+    return out
+
+
+def _value_loss(step: VerlStep) -> dict[str, float]:
+    config: CriticConfig = FSDPCriticConfig(
+        strategy="fsdp",
+        ppo_mini_batch_size=PROMPTS,
+        ppo_micro_batch_size_per_gpu=PROMPTS * SAMPLES // step.options.micro_batches,
+        rollout_n=SAMPLES,
+        use_dynamic_bsz=False,
+        loss_agg_mode=step.options.loss_agg_mode,
+        loss_scale_factor=step.options.loss_scale_factor,
+    )
+    fields = ["prompts", "responses", "attention_mask", "response_mask", "values", "returns"]
+    metrics = []
+    assert step.vpreds is not None
+    for rows in step.micro_batches:
+        data = _micro_batch_data(step, rows, fields)
+        _, m = value_loss(config, {"values": _flat_model_output(step.vpreds, step.batch, rows)}, data)
+        metrics.append(m)
+    return _reduce(metrics)
