@@ -135,3 +135,140 @@ def test_the_search_reads_each_payload_once():
     find_conventions([source])
     names = [name for name, _ in source.loads]
     assert len(names) == len(set(names))
+
+
+def test_verl_profiles_are_versioned_and_the_bare_name_is_the_newest():
+    from trajectory_replay.bundle.profiles import NEWEST
+
+    newest, pinned, older = PROFILES["verl"], PROFILES["verl-0.9"], PROFILES["verl-0.8"]
+    assert NEWEST["verl"] == "verl-0.9"
+    assert (newest.settings, newest.options, newest.framework_version) == (
+        pinned.settings,
+        pinned.options,
+        pinned.framework_version,
+    )
+    assert pinned.framework_version == "0.9.1" and older.framework_version == "0.8.0.dev (b178a3cd)"
+    assert {p.framework for p in (newest, pinned, older)} == {"verl"}
+    # 0.8's rollout correction (a ratio window with its lower bound) is its own
+    config = RecomputeConfig.from_profile("verl-0.8", rollout_rs="sequence", rollout_rs_threshold_lower=0.8)
+    assert (config.rollout_rs, config.rollout_rs_lower, config.profile) == ("sequence", 0.8, "verl-0.8")
+    with pytest.raises(ValueError, match="'rollout_rs_threshold_lower' is neither"):
+        RecomputeConfig.from_profile("verl", rollout_rs_threshold_lower=0.8)
+
+
+@pytest.mark.parametrize(
+    "option, value, says",
+    [
+        ("rollout_rs", "token_k1,seq_max_k2", "known values: null"),
+        ("rollout_rs", "sequence", "known values: null"),
+        ("rollout_rs_threshold", "0.9_1.1", "replayable only as null"),
+        ("rollout_is_threshold", "0.5_5.0", "expected a number"),
+        ("rollout_is", "geometric", "known values: null, token, sequence"),
+        ("loss_agg_mode", "seq-mean-token-sum-norm", "known values: token-mean"),
+        ("adv_estimator", "gpg", "known values: gae, grpo"),
+        ("kl_loss_type", "full", "known values: kl, k1"),
+        ("loss_mode", "sapo", "known values: vanilla, gspo, cispo"),
+        ("clip_ratio", "wide", "expected a number"),
+        ("rollout_is_batch_normalize", True, "replayable only as False"),
+        ("norm_adv_by_std_in_grpo", "sometimes", "field grpo_std_normalization refuses it"),
+    ],
+)
+def test_a_verl_option_value_no_field_expresses_is_one_line_naming_the_option(option, value, says):
+    with pytest.raises(ValueError) as raised:
+        RecomputeConfig.from_profile("verl", **{option: value})
+    message = str(raised.value)
+    assert message.startswith(f"verl option {option}={value!r} (profile verl): "), message
+    assert says in message and "\n" not in message and "pydantic" not in message
+
+
+def test_a_config_field_value_its_type_refuses_is_one_line_naming_the_field():
+    with pytest.raises(ValueError) as raised:
+        RecomputeConfig.from_profile("verl", std_eps="tiny")
+    message = str(raised.value)
+    assert message.startswith("config field std_eps='tiny': field std_eps refuses it (") and "\n" not in message
+
+
+def test_verl_0_9_translates_the_values_it_knows():
+    config = RecomputeConfig.from_profile(
+        "verl",
+        adv_estimator="grpo",
+        loss_agg_mode="seq-mean-token-mean",
+        kl_loss_type="k3+",
+        kl_penalty="kl",
+        loss_mode="vanilla",
+        rollout_is="token",
+        rollout_is_threshold="2.5",
+        rollout_rs=None,
+        rollout_rs_threshold=None,
+        clip_ratio=0.28,
+        bypass_mode=False,
+    )
+    assert (config.advantage_estimator, config.loss_agg_mode, config.kl_loss_estimator, config.kl_loss_type) == (
+        "grpo",
+        "seq_mean_token_mean",
+        "k3",
+        "k1",
+    )
+    assert (config.policy_loss, config.rollout_is, config.rollout_is_threshold, config.rollout_rs) == (
+        "ppo_clip",
+        "token",
+        2.5,
+        "none",
+    )
+    assert (config.eps_clip, config.eps_clip_high) == (0.28, 0.28)
+
+
+def test_a_recorded_profile_is_resolved_by_the_version_it_modelled():
+    from trajectory_replay.bundle.schema import ConventionsRecord
+
+    assert ConventionsRecord.of_profile("verl").resolved() == "verl"
+    assert ConventionsRecord.of_profile("verl-0.8").resolved() == "verl-0.8"
+    # written when `verl` modelled the 0.8 commit
+    old = ConventionsRecord(profile="verl", framework="verl", framework_version="0.8.0.dev (b178a3cd)")
+    assert old.resolved() == "verl-0.8"
+    assert ConventionsRecord(profile="verl", framework_version="0.7.0").resolved() == "verl"
+    assert ConventionsRecord(profile="megatron").resolved() is None
+
+
+def _with_record(case, profile: str) -> MemorySource:
+    """The bundle of `case`, its manifest recording that its config was built from `profile`."""
+    from trajectory_replay.bundle.schema import ConventionsRecord
+
+    manifest, index, expected, payloads = case
+    manifest = manifest.model_copy(update={"conventions": ConventionsRecord.of_profile(profile)})
+    return MemorySource(manifest, index, expected, payloads)
+
+
+def test_a_verl_option_the_run_changed_stays_as_recorded_when_the_profile_is_tried():
+    verl = RecomputeConfig.from_profile(
+        "verl",
+        norm_adv_by_std_in_grpo=False,
+        kl_loss_type="mse",
+        kl_loss_coef=0.02,
+        kl_coef=0.05,
+        entropy_coef=0.01,
+        n_samples_per_prompt=4,
+    )
+    assert verl.set_by_run("verl") == ["grpo_std_normalization", "kl_loss_estimator"]
+    found = find_conventions([_with_record(algorithm_case(verl.model_dump(), seed=11, singleton=True), "verl")])
+    tried = {c.name: c for c in found.candidates}
+    assert tried["profile verl"].changes == {} and tried["profile verl"].reproduces_all
+    assert "grpo_std_normalization" not in tried["profile nemo_rl"].changes
+    assert found.profile == "verl" and found.to_dict()["profile"] == "verl"
+    assert found.render_text().split("\n")[1] == "recorded config (profile verl): reproduces every stage"
+    assert "profile verl-0.9" not in tried and "profile verl-0.8" not in tried  # the same config as `verl`
+
+
+def test_the_recorded_profile_is_named_before_a_profile_that_changes_fewer_fields():
+    from trajectory_replay.replay.convention_search import Candidate, ConventionsReport
+
+    passing = {"reward.post_process": "pass", "loss.policy": "pass"}
+    candidates = (
+        Candidate("recorded", "recorded", {}, {"reward.post_process": "fail", "loss.policy": "pass"}, compared=4),
+        Candidate("profile nemo_rl", "profile", {"mask_advantages": False}, passing, compared=4),
+        Candidate("profile verl", "profile", {"mask_advantages": True, "std_eps": 1e-6}, passing, compared=4),
+    )
+    assert ConventionsReport("b", candidates).best.name == "profile nemo_rl"
+    recorded = ConventionsReport("b", candidates, profile="verl")
+    assert recorded.best.name == "profile verl"
+    assert recorded.reproducing("reward.post_process") == ["profile verl", "profile nemo_rl"]

@@ -457,7 +457,7 @@ def test_worst_tokens_over_many_windows_match_a_full_sort():
 
 def test_verl_option_names_map_to_the_correction_fields():
     config = RecomputeConfig.from_profile(
-        "verl",
+        "verl-0.8",
         rollout_is=None,
         rollout_rs="sequence",
         rollout_rs_threshold=1.5,

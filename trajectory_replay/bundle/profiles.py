@@ -11,13 +11,18 @@ The config (`bundle/schema.py`) builds itself from a profile here and remembers 
 it (`Manifest.conventions`). `trajectory-replay conventions <bundle>` replays a bundle under every profile to tell
 which one production followed. docs/conventions.md lists what each framework does that no field expresses.
 
+Profiles are versioned where a framework's conventions changed between releases: `verl-0.8` and `verl-0.9` are
+pinned, and a framework's bare name (`verl`) is its newest modelled version (`NEWEST`). A value of a framework
+option that no field expresses is refused in one line naming the option (`Profile.fields`), never passed on as a
+value the config's fields do not mean.
+
 Pure data and functions over field names: the schema imports this module, never the other way round.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 CONVENTION_FIELDS = (
@@ -64,22 +69,48 @@ class Profile:
     options: Mapping[str, Option] = field(default_factory=dict)
     """The framework's option names, for `from_profile` overrides."""
 
+    package: str | None = None
+    """The distribution the framework installs as, which `installed_version` reads (None: not looked up)."""
+
     def fields(self, overrides: Mapping[str, Any], config_fields: Collection[str]) -> dict[str, Any]:
         """The config fields this profile with `overrides` (the framework's option names, or names among
-        `config_fields`) sets; ValueError naming an override that is neither."""
+        `config_fields`) sets; ValueError naming an override that is neither, or an option whose value no field
+        expresses."""
         fields = dict(self.settings)
         for key, value in overrides.items():
-            if key in self.options:  # a name both spell (verl's kl_loss_type) means what the framework means by it
-                fields.update(self.options[key].fields(value))
-            elif key in config_fields:
-                fields[key] = value
-            else:
-                known = ", ".join(self.options) or "none"
-                raise ValueError(
-                    f"{key!r} is neither a recompute config field nor a {self.framework} option of "
-                    f"profile {self.name!r} (its options: {known})"
-                )
+            fields.update(self.override(key, value, config_fields))
         return fields
+
+    def override(self, key: str, value: Any, config_fields: Collection[str]) -> Mapping[str, Any]:
+        """The config fields one override sets (see `fields`)."""
+        if key in self.options:  # a name both spell (verl's kl_loss_type) means what the framework means by it
+            try:
+                return self.options[key].fields(value)
+            except ValueError as exc:
+                raise ValueError(f"{self.describe(key, value)}: {exc}") from None
+        if key in config_fields:
+            return {key: value}
+        known = ", ".join(self.options) or "none"
+        raise ValueError(
+            f"{key!r} is neither a recompute config field nor a {self.framework} option of "
+            f"profile {self.name!r} (its options: {known})"
+        )
+
+    def describe(self, key: str, value: Any) -> str:
+        """How an error names override `key`: the framework's option of this profile, or our config field."""
+        if key in self.options:
+            return f"{self.framework} option {key}={value!r} (profile {self.name})"
+        return f"config field {key}={value!r}"
+
+    def refusal(
+        self, field_name: str, problem: str, overrides: Mapping[str, Any], config_fields: Collection[str]
+    ) -> str:
+        """One line for config field `field_name` refusing the value `overrides` gave it: the override that set it
+        (the framework's option, by its own name) and the `problem`."""
+        for key, value in overrides.items():
+            if field_name in self.override(key, value, config_fields):
+                return f"{self.describe(key, value)}: field {field_name} refuses it ({problem})"
+        return f"profile {self.name}: field {field_name} refuses its value ({problem})"
 
 
 def _mode(value: Any) -> dict[str, Any]:
@@ -102,49 +133,166 @@ def _both(*fields: str) -> Callable[[Any], Mapping[str, Any]]:
     return lambda value: dict.fromkeys(fields, value)
 
 
+def _one_of(field_name: str, table: Mapping[Any, Any]) -> Callable[[Any], Mapping[str, Any]]:
+    """A value from a closed table of the framework's values -> `field_name`'s value; any other value is refused
+    (ValueError listing the values the table knows)."""
+
+    def translate(value: Any) -> Mapping[str, Any]:
+        key = value if value is None else str(value)
+        if key not in table:
+            known = ", ".join("null" if k is None else str(k) for k in table)
+            raise ValueError(f"no recompute config field expresses this value (known values: {known})")
+        return {field_name: table[key]}
+
+    return translate
+
+
+def _number(*fields: str) -> Callable[[Any], Mapping[str, Any]]:
+    """A numeric option setting `fields`; anything but a number (a string spelling a window such as verl's
+    '0.9_1.1') is refused."""
+
+    def translate(value: Any) -> Mapping[str, Any]:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError("no recompute config field expresses this value (expected a number)")
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError("no recompute config field expresses this value (expected a number)") from None
+        return dict.fromkeys(fields, number)
+
+    return translate
+
+
+def _only(*values: Any) -> Callable[[Any], Mapping[str, Any]]:
+    """An option no field expresses: replay reproduces it at `values` (which set nothing) and refuses any other."""
+
+    def translate(value: Any) -> Mapping[str, Any]:
+        if value not in values:
+            known = ", ".join("null" if v is None else repr(v) for v in values)
+            raise ValueError(f"no recompute config field expresses this option (replayable only as {known})")
+        return {}
+
+    return translate
+
+
 _VERL_KL = {"kl": "k1", "mse": "k2", "k3+": "k3", "low_var_kl+": "low_var_kl"}
+
+_VERL_0_8 = Profile(
+    "verl-0.8",
+    "verl",
+    "0.8.0.dev (b178a3cd)",
+    {
+        "group_size_check": "any",
+        "grpo_std_normalization": True,
+        "singleton_group": "unit",
+        "mask_advantages": True,
+        "kl_log_ratio_clamp": 20.0,
+        "kl_output_clamp": 10.0,
+        "eps_clip_c": 3.0,
+        "ratio_log_clamp": 20.0,
+        "loss_agg_mode": "token_mean",
+        "kl_loss_estimator": "low_var_kl",
+        "cliprange_value": 0.5,
+    },
+    {
+        "adv_estimator": Option("advantage_estimator"),
+        "norm_adv_by_std_in_grpo": Option("grpo_std_normalization"),
+        "clip_ratio": Option("eps_clip", _both("eps_clip", "eps_clip_high")),
+        "clip_ratio_low": Option("eps_clip"),
+        "clip_ratio_high": Option("eps_clip_high"),
+        "clip_ratio_c": Option("eps_clip_c"),
+        "loss_agg_mode": Option("loss_agg_mode", _mode),
+        "entropy_coeff": Option("entropy_coef"),
+        "kl_loss_type": Option("kl_loss_estimator", _named("kl_loss_estimator", _VERL_KL)),
+        "kl_penalty": Option("kl_loss_type", _named("kl_loss_type", _VERL_KL)),
+        "use_kl_in_reward": Option("kl_in_reward"),
+        "loss_mode": Option("policy_loss", _named("policy_loss", {"vanilla": "ppo_clip"})),
+        # algorithm.rollout_correction: null means off
+        "rollout_is": Option("rollout_is", lambda v: {"rollout_is": "none" if v is None else v}),
+        "rollout_rs": Option("rollout_rs", lambda v: {"rollout_rs": "none" if v is None else v}),
+        "rollout_rs_threshold": Option("rollout_rs_upper"),
+        "rollout_rs_threshold_lower": Option("rollout_rs_lower"),
+    },
+    package="verl",
+)
+"""verl at the commit the first profile was read from (its legacy worker and rollout-correction options)."""
+
+_VERL_KL_0_9 = {
+    "kl": "k1",
+    "k1": "k1",
+    "kl+": "k1",
+    "k1+": "k1",
+    "abs": "abs",
+    "mse": "k2",
+    "k2": "k2",
+    "k3": "k3",
+    "k3+": "k3",
+    "low_var_kl": "low_var_kl",
+    "low_var_kl+": "low_var_kl",
+}
+"""verl 0.9's KL estimators (core_algos.kl_penalty; a '+' is a straight-through gradient, the same values)."""
+
+_VERL_0_9 = Profile(
+    "verl-0.9",
+    "verl",
+    "0.9.1",
+    dict(_VERL_0_8.settings),
+    {
+        "adv_estimator": Option(
+            "advantage_estimator",
+            _one_of(
+                "advantage_estimator",
+                {e: e for e in ("gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo")},
+            ),
+        ),
+        "norm_adv_by_std_in_grpo": Option("grpo_std_normalization"),
+        "gamma": Option("gamma", _number("gamma")),
+        "lam": Option("lam", _number("lam")),
+        "clip_ratio": Option("eps_clip", _number("eps_clip", "eps_clip_high")),
+        "clip_ratio_low": Option("eps_clip", _number("eps_clip")),
+        "clip_ratio_high": Option("eps_clip_high", _number("eps_clip_high")),
+        "clip_ratio_c": Option("eps_clip_c", _number("eps_clip_c")),
+        "cliprange_value": Option("cliprange_value", _number("cliprange_value")),
+        "loss_agg_mode": Option(
+            "loss_agg_mode",
+            _one_of(
+                "loss_agg_mode",
+                {m: m.replace("-", "_") for m in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")},
+            ),
+        ),
+        "entropy_coeff": Option("entropy_coef", _number("entropy_coef")),
+        "kl_loss_coef": Option("kl_loss_coef", _number("kl_loss_coef")),
+        "kl_loss_type": Option("kl_loss_estimator", _one_of("kl_loss_estimator", _VERL_KL_0_9)),
+        "kl_penalty": Option("kl_loss_type", _one_of("kl_loss_type", _VERL_KL_0_9)),
+        "use_kl_in_reward": Option("kl_in_reward"),
+        "loss_mode": Option(
+            "policy_loss",
+            _one_of("policy_loss", {"vanilla": "ppo_clip", "gspo": "gspo", "cispo": "cispo"}),
+        ),
+        # algorithm.rollout_correction: null means off
+        "rollout_is": Option(
+            "rollout_is", _one_of("rollout_is", {None: "none", "token": "token", "sequence": "sequence"})
+        ),
+        "rollout_is_threshold": Option("rollout_is_threshold", _number("rollout_is_threshold")),
+        "rollout_rs": Option("rollout_rs", _one_of("rollout_rs", {None: "none"})),
+        "rollout_rs_threshold": Option("rollout_rs_upper", _only(None)),
+        "rollout_is_batch_normalize": Option("rollout_is", _only(False)),
+        "bypass_mode": Option("rollout_is", _only(False)),
+    },
+    package="verl",
+)
+"""verl 0.9.1 as released (core_algos, the engine workers' losses, rollout_corr_helper)."""
+
+NEWEST: dict[str, str] = {"verl": _VERL_0_9.name}
+"""A framework's bare profile name -> its newest modelled version, which the bare name is a copy of."""
 
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (
         Profile("relax", "relax", "1.0", {}),
-        Profile(
-            "verl",
-            "verl",
-            "0.8.0.dev (b178a3cd)",
-            {
-                "group_size_check": "any",
-                "grpo_std_normalization": True,
-                "singleton_group": "unit",
-                "mask_advantages": True,
-                "kl_log_ratio_clamp": 20.0,
-                "kl_output_clamp": 10.0,
-                "eps_clip_c": 3.0,
-                "ratio_log_clamp": 20.0,
-                "loss_agg_mode": "token_mean",
-                "kl_loss_estimator": "low_var_kl",
-                "cliprange_value": 0.5,
-            },
-            {
-                "adv_estimator": Option("advantage_estimator"),
-                "norm_adv_by_std_in_grpo": Option("grpo_std_normalization"),
-                "clip_ratio": Option("eps_clip", _both("eps_clip", "eps_clip_high")),
-                "clip_ratio_low": Option("eps_clip"),
-                "clip_ratio_high": Option("eps_clip_high"),
-                "clip_ratio_c": Option("eps_clip_c"),
-                "loss_agg_mode": Option("loss_agg_mode", _mode),
-                "entropy_coeff": Option("entropy_coef"),
-                "kl_loss_type": Option("kl_loss_estimator", _named("kl_loss_estimator", _VERL_KL)),
-                "kl_penalty": Option("kl_loss_type", _named("kl_loss_type", _VERL_KL)),
-                "use_kl_in_reward": Option("kl_in_reward"),
-                "loss_mode": Option("policy_loss", _named("policy_loss", {"vanilla": "ppo_clip"})),
-                # algorithm.rollout_correction: null means off
-                "rollout_is": Option("rollout_is", lambda v: {"rollout_is": "none" if v is None else v}),
-                "rollout_rs": Option("rollout_rs", lambda v: {"rollout_rs": "none" if v is None else v}),
-                "rollout_rs_threshold": Option("rollout_rs_upper"),
-                "rollout_rs_threshold_lower": Option("rollout_rs_lower"),
-            },
-        ),
+        replace(_VERL_0_9, name="verl"),
+        _VERL_0_9,
+        _VERL_0_8,
         Profile(
             "slime",
             "slime",
@@ -299,4 +447,45 @@ def profile(name: str) -> Profile:
         raise ValueError(f"unknown convention profile {name!r}: profiles are {', '.join(PROFILES)}") from None
 
 
-__all__ = ["CONVENTION_FIELDS", "Option", "PROFILES", "Profile", "profile"]
+def recorded_profile(name: str, framework_version: str | None) -> str | None:
+    """The profile a manifest's record means (`ConventionsRecord`: the profile's name and the framework version it
+    modelled when the bundle was written): the named profile while it models that version, else the profile of the
+    same framework pinned to it (a bundle that recorded `verl` when `verl` modelled 0.8 means `verl-0.8`), else the
+    named profile; None for a name no profile has."""
+    named = PROFILES.get(name)
+    if named is None:
+        return None
+    if framework_version is None or named.framework_version == framework_version:
+        return named.name
+    pinned = (
+        p.name
+        for p in PROFILES.values()
+        if p.framework == named.framework and p.framework_version == framework_version and p.name not in NEWEST
+    )
+    return next(pinned, named.name)
+
+
+def installed_version(name: str) -> str | None:
+    """The installed version of profile `name`'s framework (its `package`), for `RecomputeConfig.from_profile(...,
+    framework_version=)`; None when it is not installed or the profile names no package."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    package = profile(name).package
+    if package is None:
+        return None
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+__all__ = [
+    "CONVENTION_FIELDS",
+    "NEWEST",
+    "Option",
+    "PROFILES",
+    "Profile",
+    "installed_version",
+    "profile",
+    "recorded_profile",
+]

@@ -12,9 +12,20 @@ from __future__ import annotations
 import itertools
 import re
 import warnings
+from collections.abc import Collection
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from trajectory_replay.bundle import profiles
 from trajectory_replay.bundle.anchor import Anchor
@@ -253,26 +264,50 @@ class RecomputeConfig(_Model):
     """The step's current log-probs must equal its old ones (the first mini-batch after they were computed)."""
 
     _profile: str | None = PrivateAttr(default=None)
+    _framework_version: str | None = PrivateAttr(default=None)
 
     @property
     def profile(self) -> str | None:
         """The convention profile this config was built from (`from_profile`), if any; the writer records it."""
         return self._profile
 
+    @property
+    def framework_version(self) -> str | None:
+        """The version of the profile's framework that produced the step (`from_profile`), if given; the writer
+        records it as the manifest's `producer.framework_version`."""
+        return self._framework_version
+
     @classmethod
-    def from_profile(cls, profile: str, **overrides: Any) -> RecomputeConfig:
+    def from_profile(cls, profile: str, *, framework_version: str | None = None, **overrides: Any) -> RecomputeConfig:
         """The config a framework's defaults amount to (`bundle/profiles.py`), with `overrides` given by our field
-        names or the framework's own option names; it remembers the profile (`profile`)."""
-        config = cls.model_validate(profiles.profile(profile).fields(overrides, cls.model_fields))
+        names or the framework's own option names; it remembers the profile (`profile`) and the version of the
+        framework that produced the step (`framework_version`, e.g. `profiles.installed_version(profile)`).
+
+        ValueError, one line naming the option, for an override no field expresses or a value a field refuses."""
+        prof = profiles.profile(profile)
+        try:
+            config = cls.model_validate(prof.fields(overrides, cls.model_fields))
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            field = str(error["loc"][0]) if error["loc"] else "config"
+            raise ValueError(prof.refusal(field, error["msg"], overrides, cls.model_fields)) from None
         config._profile = profile
+        config._framework_version = framework_version
         return config
 
-    def with_conventions_of(self, profile: str) -> RecomputeConfig:
+    def with_conventions_of(self, profile: str, keep: Collection[str] = ()) -> RecomputeConfig:
         """This config with profile `profile`'s conventions (the `CONVENTION_FIELDS`, at the profile's values or the
-        defaults) and the run's own hyperparameters kept."""
+        defaults) and the run's own hyperparameters kept, and the fields in `keep` (conventions the run set itself)."""
         defaults, settings = RecomputeConfig(), profiles.profile(profile).settings
-        update = {f: settings.get(f, getattr(defaults, f)) for f in profiles.CONVENTION_FIELDS}
+        update = {f: settings.get(f, getattr(defaults, f)) for f in profiles.CONVENTION_FIELDS if f not in keep}
         return RecomputeConfig.model_validate({**self.model_dump(), **update})
+
+    def set_by_run(self, profile: str) -> list[str]:
+        """The conventions this config sets otherwise than profile `profile` does: built from that profile, the
+        framework options the run changed (verl's norm_adv_by_std_in_grpo, kl_loss_type), which trying the profile
+        keeps (`with_conventions_of(..., keep=)`)."""
+        applied = self.with_conventions_of(profile)
+        return [f for f in profiles.CONVENTION_FIELDS if getattr(applied, f) != getattr(self, f)]
 
 
 class KernelRef(_Model):
@@ -295,6 +330,11 @@ class ConventionsRecord(_Model):
         """What a manifest records of profile `profile`."""
         prof = profiles.profile(profile)
         return cls(profile=prof.name, framework=prof.framework, framework_version=prof.framework_version)
+
+    def resolved(self) -> str | None:
+        """The profile this record means today (`profiles.recorded_profile`): a bundle that recorded a bare name when
+        it modelled an older version means the pinned profile of that version; None for an unknown profile."""
+        return profiles.recorded_profile(self.profile, self.framework_version)
 
 
 class StageContract(_Model):
@@ -344,11 +384,22 @@ class PayloadSpec(_Model):
 
 
 class ProducerInfo(_Model):
-    """Which code produced the bundle."""
+    """Which code produced the bundle, and the training framework (name and version) that produced the step."""
 
     commit: str = "unknown"
     dirty_patch_digest: str | None = None
     torch_version: str | None = None
+    framework: str | None = None
+    framework_version: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset_framework(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # a bundle with no framework recorded serializes as before the framework fields existed
+        doc: dict[str, Any] = handler(self)
+        for key in ("framework", "framework_version"):
+            if doc.get(key) is None:
+                doc.pop(key, None)
+        return doc
 
 
 class Tolerance(_Model):

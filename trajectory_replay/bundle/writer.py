@@ -49,6 +49,7 @@ from trajectory_replay.bundle.markers import (
     try_finalize,
 )
 from trajectory_replay.bundle.paths import split_bundle_path
+from trajectory_replay.bundle.profiles import profile
 from trajectory_replay.bundle.redaction import check_policy, redact_samples
 from trajectory_replay.bundle.schema import (
     BundleIndex,
@@ -81,9 +82,16 @@ def _documents(
     from a convention profile records which."""
     manifest = manifest if isinstance(manifest, Manifest) else validate_document(Manifest, manifest, "manifest")
     index = index if isinstance(index, BundleIndex) else validate_document(BundleIndex, index, "index")
-    if manifest.conventions is None and index.config.profile is not None:
+    config = index.config
+    if manifest.conventions is None and config.profile is not None:
         # a config built from a convention profile: the manifest says which, and at which framework version
-        manifest = manifest.model_copy(update={"conventions": ConventionsRecord.of_profile(index.config.profile)})
+        manifest = manifest.model_copy(update={"conventions": ConventionsRecord.of_profile(config.profile)})
+    if manifest.producer.framework_version is None and config.profile is not None and config.framework_version:
+        # the framework release that produced the step, which the profile's modelled version need not be
+        producer = manifest.producer.model_copy(
+            update={"framework": profile(config.profile).framework, "framework_version": config.framework_version}
+        )
+        manifest = manifest.model_copy(update={"producer": producer})
     # models built with model_copy skip validation: check the names they carry here
     check_or_raise(manifest.bundle_id, "bundle_id")
     check_policy(manifest.redaction, name)

@@ -8,8 +8,13 @@ The candidates, tried in this order and reported most specific first (fewest fie
 - inferred scales: where loss.policy diverges by a constant factor, the loss_scale, or for a token/sequence mean
   the global loss_denominator, that would explain it (solved from the expected and recomputed values, rounded
   to a whole count, then checked by a replay like every other candidate);
-- every convention profile applied to the recorded config (its conventions, the run's own hyperparameters).
-A candidate reproduces a stage when the stage passes under it. Payloads are read once for all candidates.
+- every convention profile applied to the recorded config (its conventions, the run's own hyperparameters), the
+  profile the manifest records first. Where the config was built from a recorded profile, the conventions the run
+  set otherwise than that profile (a framework option the user changed) stay as recorded under every profile; two
+  versions of one framework that come to the same config are one candidate, named by the recorded profile if it
+  is one of them.
+A candidate reproduces a stage when the stage passes under it; among candidates that reproduce, the recorded
+profile is named before other profiles. Payloads are read once for all candidates.
 """
 
 from __future__ import annotations
@@ -87,6 +92,8 @@ class ConventionsReport(Outcome):
     candidates: tuple[Candidate, ...]
     unsupported: str | None = None
     """Why no candidate was tried: the recorded config's replay compared no value (every stage skipped...)."""
+    profile: str | None = None
+    """The convention profile the manifest records (as `ConventionsRecord.resolved` names it), if any."""
 
     @property
     def status(self) -> Status:
@@ -114,7 +121,8 @@ class ConventionsReport(Outcome):
         return next((c for c in self._ordered() if c.reproduces_all), None)
 
     def _ordered(self) -> list[Candidate]:
-        return sorted(self.candidates, key=lambda c: (c.kind == "profile", len(c.changes)))
+        recorded = f"profile {self.profile}"
+        return sorted(self.candidates, key=lambda c: (c.kind == "profile", c.name != recorded, len(c.changes)))
 
     def to_dict(self) -> dict[str, Any]:
         best = self.best
@@ -122,6 +130,7 @@ class ConventionsReport(Outcome):
             "status": self.status,
             "bundle_id": self.bundle_id,
             "reason": self.unsupported,
+            "profile": self.profile,
             "best": best.name if best else None,
             "reproduced_by": {s: self.reproducing(s) for s in self.stage_names},
             "candidates": [c.to_dict() for c in self._ordered()],
@@ -133,8 +142,10 @@ class ConventionsReport(Outcome):
             return f"bundle {self.bundle_id}: unsupported: nothing compared ({self.unsupported})"
         lines = [f"bundle {self.bundle_id}: which convention reproduces production's values"]
         failing = [s for s, v in recorded.stages.items() if v == "fail"]
+        built = f" (profile {self.profile})" if self.profile is not None else ""
         lines.append(
-            "recorded config: " + ("reproduces every stage" if not failing else "diverges at " + ", ".join(failing))
+            f"recorded config{built}: "
+            + ("reproduces every stage" if not failing else "diverges at " + ", ".join(failing))
         )
         width = max((len(s) for s in self.stage_names), default=0)
         for stage in self.stage_names:
@@ -182,6 +193,9 @@ def find_conventions(sources: Sequence[ReplaySource], *, rank: int | None = None
     """Replay `sources` (one bundle, one source per rank) under every candidate config; see the module docstring."""
     cached = [_ReadOnce(s) for s in sources]
     recorded = sources[0].index.config
+    record = sources[0].manifest.conventions
+    built_from = record.resolved() if record is not None else None
+    keep = recorded.set_by_run(built_from) if built_from is not None else []
     tried: list[Candidate] = []
     seen: set[str] = set()
 
@@ -204,23 +218,30 @@ def find_conventions(sources: Sequence[ReplaySource], *, rank: int | None = None
     base = execute(plan_replay(cached, rank=rank))
     tried.append(Candidate("recorded", "recorded", {}, _stage_verdicts(base), compared=base.compared))
     if base.unsupported_reason is not None:  # nothing to compare under the recorded config: none under a variant
-        return ConventionsReport(sources[0].bundle_id, tuple(tried), unsupported=base.unsupported_reason)
+        return ConventionsReport(
+            sources[0].bundle_id, tuple(tried), unsupported=base.unsupported_reason, profile=built_from
+        )
     for changes in single_field_variants(recorded):
         report = attempt(_label(changes), "variant", changes)
         if "loss_agg_mode" in changes and report is not None:
             _infer_scales(attempt, report, changes, cached)
     _infer_scales(attempt, base, {}, cached)
-    for name in PROFILES:
-        applied = recorded.with_conventions_of(name)
+    versions: set[tuple[str, str]] = set()  # (framework, changes) of the profiles tried
+    for name in sorted(PROFILES, key=lambda n: n != built_from):
+        applied = recorded.with_conventions_of(name, keep=keep)
         changes = {
             k: config_value(getattr(applied, k))
             for k in CONVENTION_FIELDS
             if getattr(applied, k) != getattr(recorded, k)
         }
-        if name == "relax" or changes:
-            seen.discard(repr(sorted(changes.items())))  # a profile is reported even when a variant equals it
+        key = repr(sorted(changes.items()))
+        if (PROFILES[name].framework, key) in versions:
+            continue  # another version of the framework that comes to the same config
+        versions.add((PROFILES[name].framework, key))
+        if name in (built_from, "relax") or changes:
+            seen.discard(key)  # a profile is reported even when a variant equals it
             attempt(f"profile {name}", "profile", changes)
-    return ConventionsReport(sources[0].bundle_id, tuple(tried))
+    return ConventionsReport(sources[0].bundle_id, tuple(tried), profile=built_from)
 
 
 def single_field_variants(config: RecomputeConfig) -> list[dict[str, Any]]:
