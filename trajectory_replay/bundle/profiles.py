@@ -32,6 +32,7 @@ CONVENTION_FIELDS = (
     "eps_clip_c",
     "ratio_log_clamp",
     "loss_agg_mode",
+    "clip_metric_agg",
     "kl_loss_estimator",
 )
 """The fields a framework decides by convention (or by a default users rarely change). Applying a profile to a
@@ -104,6 +105,16 @@ def _both(*fields: str) -> Callable[[Any], Mapping[str, Any]]:
 
 _VERL_KL = {"kl": "k1", "mse": "k2", "k3+": "k3", "low_var_kl+": "low_var_kl"}
 
+_VERL_AGG = {"seq-mean-token-sum-norm": "seq_mean_token_sum_scaled"}
+"""verl's loss_agg_mode values whose meaning differs from our mode of the same spelling: its seq-mean-token-sum-norm
+divides the sequence mean of token sums by the scale factor (ours divides the token sum)."""
+
+
+def _verl_mode(value: Any) -> dict[str, Any]:
+    """A verl loss_agg_mode as our mode."""
+    return {"loss_agg_mode": _VERL_AGG.get(str(value), str(value).replace("-", "_"))}
+
+
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (
@@ -122,6 +133,7 @@ PROFILES: dict[str, Profile] = {
                 "eps_clip_c": 3.0,
                 "ratio_log_clamp": 20.0,
                 "loss_agg_mode": "token_mean",
+                "clip_metric_agg": "micro_batch_token_mean",
                 "kl_loss_estimator": "low_var_kl",
                 "cliprange_value": 0.5,
             },
@@ -132,7 +144,7 @@ PROFILES: dict[str, Profile] = {
                 "clip_ratio_low": Option("eps_clip"),
                 "clip_ratio_high": Option("eps_clip_high"),
                 "clip_ratio_c": Option("eps_clip_c"),
-                "loss_agg_mode": Option("loss_agg_mode", _mode),
+                "loss_agg_mode": Option("loss_agg_mode", _verl_mode),
                 "entropy_coeff": Option("entropy_coef"),
                 "kl_loss_type": Option("kl_loss_estimator", _named("kl_loss_estimator", _VERL_KL)),
                 "kl_penalty": Option("kl_loss_type", _named("kl_loss_type", _VERL_KL)),
