@@ -152,6 +152,31 @@ def test_kl_loss_scalar_is_expected_only_under_a_kl_loss_config(tmp_path, make_m
     assert set(source.manifest.stage_contracts) == {StageId.SAMPLE, StageId.LOSS_POLICY}
 
 
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_a_step_without_entropy_replays_only_without_an_entropy_term(tmp_path, make_manager, entropy_coef):
+    """A trainer without an entropy term computes none: the step needs no entropy and no entropy_loss then."""
+    config = CONFIG.model_copy(update={"entropy_coef": entropy_coef})
+    capture.set_manager(make_manager(tmp_path, writer=WRITER))
+    try:
+        kwargs = microbatch_kwargs(ALL)
+        del kwargs["entropy"]
+        assert capture.capture_microbatch(9, 0, "mb-0000", **kwargs)
+        scalars = loss_scalars(ALL)
+        del scalars["entropy_loss"]
+        scalars["loss"] = scalars["pg_loss"]
+        assert capture.capture_step_end(9, 0, config=config, **scalars)
+        assert capture.get_manager().flush(30)
+    finally:
+        capture.set_manager(None)
+    sources = open_native(str(tmp_path / "step-9-0"))
+    assert "entropy" not in sources[0].manifest.payloads
+    if entropy_coef == 0:
+        _, report = _passed(str(tmp_path / "step-9-0"))
+        assert "entropy_loss" not in next(s for s in report.stages if s.stage == StageId.LOSS_POLICY).message
+    else:
+        assert replay(sources).stage("loss.policy").message == "bundle has no payload 'entropy'"
+
+
 def test_hooks_and_slime_adapter_pass_the_new_inputs(tmp_path):
     manager = capture.set_manager(None)
     assert manager is None

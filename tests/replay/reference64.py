@@ -67,6 +67,7 @@ class Settings:
     loss_denominator: float | None = None
     loss_scale_factor: float | None = None
     loss_scale: float = 1.0
+    clip_metric_agg: str = "loss_agg_mode"
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"
@@ -368,7 +369,29 @@ def aggregate(x: Ragged, masks: Sequence[Sequence[int]], s: Settings) -> float:
     if mode == "seq_mean_token_sum_norm":
         assert s.loss_scale_factor is not None
         return sum(sums) / s.loss_scale_factor
+    if mode == "seq_mean_token_sum_scaled":
+        assert s.loss_scale_factor is not None
+        return sum(sums[i] for i in present) / (den if den is not None else len(present)) / s.loss_scale_factor
+    if mode == "token_sum":
+        return sum(sums)
     raise ValueError(f"no aggregation {mode!r}")
+
+
+def clip_metric(
+    x: Ragged, masks: Sequence[Sequence[int]], s: Settings, micro_batches: Sequence[str | None] | None = None
+) -> float:
+    """A clip metric (clip fraction, ppo_kl): aggregated like the loss, or with clip_metric_agg
+    micro_batch_token_mean the mean over micro-batches of each one's token mean (its count + 1e-8)."""
+    if s.clip_metric_agg == "loss_agg_mode":
+        return aggregate(x, masks, s)
+    assert s.clip_metric_agg == "micro_batch_token_mean"
+    ids = list(micro_batches) if micro_batches is not None else [None] * len(masks)
+    sums: dict[str | None, float] = {}
+    counts: dict[str | None, float] = {}
+    for mb, row, mask in zip(ids, x, masks):
+        sums[mb] = sums.get(mb, 0.0) + sum(v * m for v, m in zip(row, mask))
+        counts[mb] = counts.get(mb, 0.0) + sum(mask)
+    return sum(sums[mb] / (counts[mb] + SEQ_MEAN_EPS) for mb in sums) / len(sums)
 
 
 LOG_RATIO_SAFETY = 20.0
@@ -413,13 +436,15 @@ def policy_loss(
     old: Ragged,
     ref: Ragged,
     adv: Ragged,
-    entropy: Ragged,
+    entropy: Ragged | None,
     masks: Sequence[Sequence[int]],
     s: Settings,
     rollout: Ragged | None = None,
+    micro_batches: Sequence[str | None] | None = None,
 ) -> dict[str, float]:
-    """The loss.policy scalars: loss_scale on the loss terms only, kl_loss only with a KL loss coefficient; with a
-    rollout correction, pg weighted by the importance weights and every term over the masks after rejection."""
+    """The loss.policy scalars: loss_scale on the loss terms only, kl_loss only with a KL loss coefficient,
+    entropy_loss only with an entropy; with a rollout correction, pg weighted by the importance weights and every
+    term over the masks after rejection."""
     weights = None
     if s.corrected:
         assert rollout is not None
@@ -432,11 +457,13 @@ def policy_loss(
     )
     out = {
         "pg_loss": aggregate(pg, masks, s) * s.loss_scale,
-        "pg_clipfrac": aggregate(terms.clipped, masks, s),
-        "ppo_kl": aggregate(terms.ppo_kl, masks, s),
-        "entropy_loss": aggregate(entropy, masks, s) * s.loss_scale,
+        "pg_clipfrac": clip_metric(terms.clipped, masks, s, micro_batches),
+        "ppo_kl": clip_metric(terms.ppo_kl, masks, s, micro_batches),
     }
-    out["loss"] = out["pg_loss"] - s.entropy_coef * out["entropy_loss"]
+    out["loss"] = out["pg_loss"]
+    if entropy is not None:
+        out["entropy_loss"] = aggregate(entropy, masks, s) * s.loss_scale
+        out["loss"] -= s.entropy_coef * out["entropy_loss"]
     if s.kl_loss_coef != 0:
         kl = kl_tokens(cur, ref, s.kl_loss_estimator, s.kl_log_ratio_clamp, s.kl_output_clamp)
         out["kl_loss"] = aggregate(kl, masks, s) * s.loss_scale
@@ -445,7 +472,12 @@ def policy_loss(
 
 
 def value_loss(
-    values: Ragged, vpreds: Ragged, returns: Ragged, masks: Sequence[Sequence[int]], s: Settings
+    values: Ragged,
+    vpreds: Ragged,
+    returns: Ragged,
+    masks: Sequence[Sequence[int]],
+    s: Settings,
+    micro_batches: Sequence[str | None] | None = None,
 ) -> dict[str, float]:
     """The loss.value scalars: half the aggregated clipped squared error, and how often the clip won."""
     c = s.cliprange_value
@@ -459,7 +491,10 @@ def value_loss(
             clip_row.append(float(held > plain))
         losses.append(loss_row)
         clipped.append(clip_row)
-    return {"vf_loss": 0.5 * aggregate(losses, masks, s) * s.loss_scale, "vf_clipfrac": aggregate(clipped, masks, s)}
+    return {
+        "vf_loss": 0.5 * aggregate(losses, masks, s) * s.loss_scale,
+        "vf_clipfrac": clip_metric(clipped, masks, s, micro_batches),
+    }
 
 
 # --------------------------------------------------------------------------- the bundle builder
@@ -555,10 +590,13 @@ def algorithm_case(
     singleton: bool = False,
     empty_sample: bool = False,
     stages: Sequence[StageId] | None = None,
+    micro_batches: Sequence[str | None] | None = None,
+    entropy: bool = True,
 ) -> CanonicalCase:
     """A random bundle for `config` whose expected values are this module's: (manifest, index, expected, payloads).
 
     `singleton` appends a sample in a group of its own; `empty_sample` gives sample 1 no response tokens;
+    `micro_batches` each sample's micro_batch_id; `entropy=False` leaves the entropy payload (and entropy_loss) out;
     `stages` the contracted stages (default: every stage the config supports). n_samples_per_prompt defaults
     to the size of the first group.
     """
@@ -581,13 +619,15 @@ def algorithm_case(
             t["old_log_probs"],
             t["ref_log_probs"],
             loss_adv,
-            t["entropy"],
+            t["entropy"] if entropy else None,
             d.masks,
             s,
             t["rollout_log_probs"],
+            micro_batches,
         ),
     }
-    payloads = {name: _flat(t[name]) for name in ("old_log_probs", "log_probs", "ref_log_probs", "entropy")}
+    names = ("old_log_probs", "log_probs", "ref_log_probs") + (("entropy",) if entropy else ())
+    payloads = {name: _flat(t[name]) for name in names}
     if StageId.ROLLOUT_MISMATCH in chosen or s.corrected:
         payloads["rollout_log_probs"] = _flat(t["rollout_log_probs"])
         expected["rollout.mismatch"] = mismatch_metrics(t["old_log_probs"], t["rollout_log_probs"], d.masks)
@@ -595,7 +635,7 @@ def algorithm_case(
     if s.advantage_estimator == "gae":
         assert returns is not None
         loss_returns = returns if StageId.ADVANTAGE_ESTIMATE in chosen else _rounded(returns)
-        expected["loss.value"] = value_loss(t["values"], t["vpreds"], loss_returns, d.masks, s)
+        expected["loss.value"] = value_loss(t["values"], t["vpreds"], loss_returns, d.masks, s, micro_batches)
         payloads.update(values=_flat(t["values"]), vpreds=_flat(t["vpreds"]), returns=_flat(returns))
     records = [
         SampleRecord(
@@ -606,6 +646,7 @@ def algorithm_case(
             loss_mask=d.masks[i],
             raw_reward=d.raw[i],
             reward=rewards[i],
+            micro_batch_id=None if micro_batches is None else micro_batches[i],
         )
         for i, g in enumerate(groups)
     ]
@@ -638,6 +679,7 @@ __all__ = [
     "advantages",
     "aggregate",
     "algorithm_case",
+    "clip_metric",
     "clamp",
     "default_stages",
     "discounted_returns",

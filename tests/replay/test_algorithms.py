@@ -38,6 +38,9 @@ ANY = {"group_size_check": "any"}
 SINGLETON = {"singleton": True}
 UNEVEN_GROUPS = (1, 1, 3, 4, 3, 1, 3, 4, 4, 4, 4, 3)
 """Groups of 3, 4 and 5 members."""
+MICRO_BATCHES = {"micro_batches": ("mb-0",) * 5 + ("mb-1",) * 4 + ("mb-2",) * 3}
+"""Three micro-batches of different sizes (the fully masked sample in the second)."""
+PER_MICRO_BATCH = {"clip_metric_agg": "micro_batch_token_mean"}
 
 
 def _matrix(*rows: tuple[str, dict[str, Any], dict[str, Any]]) -> list[Any]:
@@ -164,6 +167,24 @@ MATRIX = _matrix(
     ("seq-mean-token-sum", {"loss_agg_mode": "seq_mean_token_sum"}, {}),
     ("seq-mean-token-sum-denominator", {"loss_agg_mode": "seq_mean_token_sum", "loss_denominator": 16}, {}),
     ("seq-mean-token-sum-norm", {"loss_agg_mode": "seq_mean_token_sum_norm", "loss_scale_factor": 6.0}, {}),
+    ("seq-mean-token-sum-scaled", {"loss_agg_mode": "seq_mean_token_sum_scaled", "loss_scale_factor": 6.0}, {}),
+    (
+        "seq-mean-token-sum-scaled-denominator",
+        {"loss_agg_mode": "seq_mean_token_sum_scaled", "loss_scale_factor": 6.0, "loss_denominator": 16},
+        {},
+    ),
+    ("token-sum", {"loss_agg_mode": "token_sum", "loss_scale": 2.0}, {}),
+    # the clip metrics as a token mean per micro-batch, whatever the mode
+    ("clip-metrics-one-micro-batch", {**PER_MICRO_BATCH, "loss_agg_mode": "seq_mean_token_mean"}, {}),
+    ("clip-metrics-per-micro-batch", {**PER_MICRO_BATCH, "loss_agg_mode": "token_mean"}, MICRO_BATCHES),
+    (
+        "clip-metrics-per-micro-batch-gae",
+        {**PER_MICRO_BATCH, "advantage_estimator": "gae", "loss_agg_mode": "seq_mean_token_sum"},
+        MICRO_BATCHES,
+    ),
+    ("clip-metrics-of-the-mode-with-micro-batches", {"loss_agg_mode": "seq_mean_token_mean"}, MICRO_BATCHES),
+    # no entropy without an entropy term
+    ("no-entropy", {"loss_agg_mode": "token_mean", "kl_loss_coef": 0.1}, {"entropy": False}),
     ("loss-scale", {"loss_scale": 0.25, "entropy_coef": 0.01, "kl_loss_coef": 0.05}, {}),
     # the KL loss with each estimator, and the two KL clamps
     *[
@@ -570,12 +591,14 @@ def _refused(config: dict[str, Any], **change: Any) -> str:
         1,
         ({}, {"advantage_estimator": "ppo"}, "unsupported advantage_estimator 'ppo'"),
         ({}, {"policy_loss": "dapo"}, "unsupported policy_loss 'dapo'"),
-        ({}, {"loss_agg_mode": "token_sum"}, "unsupported loss_agg_mode 'token_sum'"),
+        ({}, {"loss_agg_mode": "token_max"}, "unsupported loss_agg_mode 'token_max'"),
         ({"kl_coef": 0.1}, {"kl_loss_type": "k4"}, "unsupported kl_loss_type 'k4'"),
         ({"kl_loss_coef": 0.1}, {"kl_loss_estimator": "mse"}, "unsupported kl_loss_estimator 'mse'"),
         ({}, {"singleton_group": "zero"}, "unsupported singleton_group 'zero'"),
         ({}, {"group_size_check": "at_least"}, "unsupported group_size_check 'at_least'"),
         ({}, {"loss_agg_mode": "seq_mean_token_sum_norm"}, "'seq_mean_token_sum_norm' needs loss_scale_factor"),
+        ({}, {"loss_agg_mode": "seq_mean_token_sum_scaled"}, "'seq_mean_token_sum_scaled' needs loss_scale_factor"),
+        ({}, {"clip_metric_agg": "token_mean"}, "unsupported clip_metric_agg 'token_mean'"),
         ({}, {"loss_agg_mode": "token_mean", "loss_denominator": 0}, "unsupported loss_denominator 0"),
         ({}, {"eps_clip_c": 1.0}, "unsupported eps_clip_c 1.0"),
     ),

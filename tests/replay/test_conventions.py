@@ -164,7 +164,7 @@ def test_verl_profiles_are_versioned_and_the_bare_name_is_the_newest():
         ("rollout_rs_threshold", "0.9_1.1", "replayable only as null"),
         ("rollout_is_threshold", "0.5_5.0", "expected a number"),
         ("rollout_is", "geometric", "known values: null, token, sequence"),
-        ("loss_agg_mode", "seq-mean-token-sum-norm", "known values: token-mean"),
+        ("loss_agg_mode", "token-max", "known values: token-mean"),
         ("adv_estimator", "gpg", "known values: gae, grpo"),
         ("kl_loss_type", "full", "known values: kl, k1"),
         ("loss_mode", "sapo", "known values: vanilla, gspo, cispo"),

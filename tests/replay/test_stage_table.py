@@ -87,14 +87,15 @@ def _kernel_configs() -> list[tuple[str, dict]]:
             "PolicyLossKernel": "policy_loss",
             "AggregationKernel": "loss_agg_mode",
         }[type(kernel).__name__]
-        out.append((name, {field: name, **({"loss_scale_factor": 8} if name == "seq_mean_token_sum_norm" else {})}))
+        scaled = name in ("seq_mean_token_sum_norm", "seq_mean_token_sum_scaled")
+        out.append((name, {field: name, **({"loss_scale_factor": 8} if scaled else {})}))
     return out + [(name, {"advantage_estimator": name}) for name in PLUGINS]
 
 
 KERNELS = _kernel_configs()
 SETTINGS = [  # every conditional entry of the table turned off, then on
     {"kl_coef": 0.0},
-    {"kl_coef": 0.05, "kl_in_reward": True, "kl_loss_coef": 0.1, "rollout_is": "token"},
+    {"kl_coef": 0.05, "kl_in_reward": True, "kl_loss_coef": 0.1, "rollout_is": "token", "entropy_coef": 0.01},
 ]
 
 
@@ -226,6 +227,17 @@ def test_a_missing_payload_the_estimator_reads_is_found_by_validate_and_the_plan
             plan_replay(sources)
     else:
         plan_replay(sources)
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_the_entropy_is_needed_only_with_an_entropy_term(tmp_path, entropy_coef):
+    config = _config({"entropy_coef": entropy_coef}, {})
+    _, step = _capture(config, leave_out="entropy")
+    assert "entropy" not in step.payloads
+    problems = validate_sources(str(tmp_path), _written(tmp_path, step)).problems
+    assert any("loss.policy needs payload 'entropy'" in p for p in problems) == (entropy_coef != 0), problems
+    _, with_entropy = _capture(config)
+    assert "entropy" in with_entropy.payloads  # written whenever given
 
 
 @pytest.mark.parametrize("kernel,fields", KERNELS, ids=[name for name, _ in KERNELS])

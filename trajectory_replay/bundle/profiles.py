@@ -37,6 +37,7 @@ CONVENTION_FIELDS = (
     "eps_clip_c",
     "ratio_log_clamp",
     "loss_agg_mode",
+    "clip_metric_agg",
     "kl_loss_estimator",
 )
 """The fields a framework decides by convention (or by a default users rarely change). Applying a profile to a
@@ -191,6 +192,7 @@ _VERL_0_8 = Profile(
         "eps_clip_c": 3.0,
         "ratio_log_clamp": 20.0,
         "loss_agg_mode": "token_mean",
+        "clip_metric_agg": "micro_batch_token_mean",
         "kl_loss_estimator": "low_var_kl",
         "cliprange_value": 0.5,
     },
@@ -257,7 +259,12 @@ _VERL_0_9 = Profile(
             "loss_agg_mode",
             _one_of(
                 "loss_agg_mode",
-                {m: m.replace("-", "_") for m in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")},
+                {
+                    **{m: m.replace("-", "_") for m in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")},
+                    "token-sum": "token_sum",
+                    # 0.9 divides the sequence mean of token sums by the factor (ours of that name: the token sum)
+                    "seq-mean-token-sum-norm": "seq_mean_token_sum_scaled",
+                },
             ),
         ),
         "entropy_coeff": Option("entropy_coef", _number("entropy_coef")),

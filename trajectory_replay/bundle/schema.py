@@ -242,6 +242,10 @@ class RecomputeConfig(_Model):
     loss_denominator: float | None = None
     loss_scale_factor: float | None = None
     loss_scale: float = 1.0
+    clip_metric_agg: str = "loss_agg_mode"
+    """How pg_clipfrac, ppo_kl and vf_clipfrac are reduced: loss_agg_mode (aggregated like the loss, by the mode
+    and its denominators) or micro_batch_token_mean (a token mean per micro-batch, by the records'
+    micro_batch_id within each rank, averaged over the micro-batches)."""
     entropy_coef: float = 0.0
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"

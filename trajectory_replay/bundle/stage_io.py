@@ -7,8 +7,9 @@ entry of `STAGE_IO` (plus the kernel that reads it). Pure data (no torch): the c
 import it.
 
 Some entries exist only under some settings (`StageIO.only_when`): the reference log-probs when kl_coef is not 0,
-the old values and returns of an estimator that reads values. Those conditions ask the recompute config and the
-flags of the advantage estimator it names (`EstimatorFlags`: does it read the `values` payload, does it take the
+the old values and returns of an estimator that reads values. Some may be left out under some settings
+(`StageIO.optional_when`): the entropy when the loss has no entropy term. Those conditions ask the recompute config
+and the flags of the advantage estimator it names (`EstimatorFlags`: does it read the `values` payload, does it take the
 reward-side KL), handed in together as a `Setting`. The built-in estimators' flags are declared here
 (`BUILTIN_ESTIMATOR_FLAGS`; the registry's built-in kernels take theirs from it), so a torch-free command answers for
 them without loading a kernel; a plugin estimator's flags are those of its registered kernel, which the caller
@@ -81,6 +82,7 @@ KL_USED = When(lambda s: s.config.kl_coef != 0, lambda s: f"kl_coef={s.config.kl
 KL_IN_REWARD = When(kl_in_reward, lambda s: f"kl_in_reward with advantage_estimator={s.config.advantage_estimator}")
 NEEDS_VALUES = When(lambda s: s.estimator.needs_values, lambda s: f"advantage_estimator={s.config.advantage_estimator}")
 KL_LOSS = When(lambda s: s.config.kl_loss_coef != 0, lambda s: f"kl_loss_coef={s.config.kl_loss_coef}")
+NO_ENTROPY_TERM = When(lambda s: s.config.entropy_coef == 0, lambda s: f"entropy_coef={s.config.entropy_coef}")
 CORRECTED = When(
     lambda s: rollout_correction(s.config),
     lambda s: f"rollout_is={s.config.rollout_is!r}, rollout_rs={s.config.rollout_rs!r}",
@@ -110,9 +112,19 @@ class StageIO:
     """Conditional payloads, upstream outputs and outputs, with the settings under which they exist."""
     optional: tuple[str, ...] = ()
     """Payloads and outputs a bundle may leave out: the stage uses or compares each one that is there."""
+    optional_when: Mapping[str, When] = field(default_factory=dict)
+    """Payloads and outputs a bundle may leave out under the settings for which the condition holds (and must hold
+    under the others): the stage uses or compares each one that is there."""
     planned: tuple[str, ...] = ()
     """Payloads whose absence makes the stage unsupported, found before replay reads anything (`replay.plan`),
     rather than a divergence of the stage."""
+
+    def is_optional(self, name: str, setting: Setting | None) -> bool:
+        """True when a bundle may leave `name` out under `setting` (None: under some setting)."""
+        if name in self.optional:
+            return True
+        when = self.optional_when.get(name)
+        return when is not None and (setting is None or when.holds(setting))
 
     def _present(self, names: tuple[str, ...], setting: Setting | None) -> tuple[str, ...]:
         if setting is None:
@@ -156,13 +168,13 @@ class StageIO:
 
     def needed_payloads(self, setting: Setting) -> tuple[str, ...]:
         """The payloads a bundle must hold for the stage to be replayed under `setting`."""
-        return tuple(n for n in self._present(self.payloads_read, setting) if n not in self.optional)
+        return tuple(n for n in self._present(self.payloads_read, setting) if not self.is_optional(n, setting))
 
     def needed_expected(self, stage: StageId, setting: Setting | None = None) -> tuple[tuple[str, str], ...]:
         """The (stage entry, field) pairs of the expected document the stage compares with."""
         if self.recorded_as != "expected":
             return ()
-        return tuple((stage.value, name) for name in self.outputs_for(setting) if name not in self.optional)
+        return tuple((stage.value, name) for name in self.outputs_for(setting) if not self.is_optional(name, setting))
 
     def planned_payloads(
         self, setting: Setting, contracted: frozenset[StageId] | set[StageId], stage: StageId
@@ -224,7 +236,8 @@ STAGE_IO: dict[StageId, StageIO] = {
         only_when={"values": NEEDS_VALUES, "returns": NEEDS_VALUES, "kl": KL_IN_REWARD},
         planned=("values",),
     ),
-    # `advantages` is both: the recomputed ones when advantage.estimate is contracted, else the payload
+    # `advantages` is both: the recomputed ones when advantage.estimate is contracted, else the payload; without an
+    # entropy term production may compute no entropy (verl's default), and entropy_loss is then not reported
     StageId.LOSS_POLICY: StageIO(
         payloads=(
             "old_log_probs",
@@ -238,6 +251,7 @@ STAGE_IO: dict[StageId, StageIO] = {
         upstream=((StageId.ADVANTAGE_ESTIMATE, "advantages"),),
         outputs=LOSS_FIELDS + ("kl_loss",),
         only_when={"ref_log_probs": KL_LOSS, "kl_loss": KL_LOSS, "rollout_log_probs": CORRECTED},
+        optional_when={"entropy": NO_ENTROPY_TERM, "entropy_loss": NO_ENTROPY_TERM},
         planned=("rollout_log_probs", "ref_log_probs"),
     ),
     # `returns` likewise: recomputed by an advantage.estimate whose estimator reads values when contracted, else
@@ -270,6 +284,7 @@ __all__ = [
     "LOSS_FIELDS",
     "LOSS_MASK",
     "MISMATCH_FIELDS",
+    "NO_ENTROPY_TERM",
     "payloads_of",
     "RECORDED_PAYLOADS",
     "rollout_correction",

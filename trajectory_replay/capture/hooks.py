@@ -202,8 +202,8 @@ def capture_microbatch(
     rewards: Any,
     old_log_probs: Any,
     log_probs: Any,
-    entropy: Any,
     advantages: Any,
+    entropy: Any = None,
     ref_log_probs: Any = None,
     values: Any = None,
     vpreds: Any = None,
@@ -212,13 +212,14 @@ def capture_microbatch(
     policy_versions: Any = None,
     payloads: Mapping[str, Any] | None = None,
 ) -> bool | None:
-    """One micro-batch of actor step (R, S), snapshotted now (training may reuse its buffers). `ref_log_probs`
-    feed a KL loss (kl_loss_coef != 0); `values` (old), `vpreds` (current) and `returns` the value loss;
-    `rollout_log_probs` (the inference engine's) a rollout correction (rollout_is / rollout_rs) and, with
-    `policy_versions`, the step's rollout.mismatch. `payloads` takes any other per-token payload the stage table
-    declares for the stages of a step-level bundle, by its name there (written when every micro-batch of the step
-    gives it); a name it does not declare is refused (logged and counted). A repeated micro_batch_id of the same
-    step is ignored. Filtered by TRAJECTORY_REPLAY_CAPTURE_STEPS."""
+    """One micro-batch of actor step (R, S), snapshotted now (training may reuse its buffers). `entropy` may be
+    left out when the loss has no entropy term (entropy_coef 0); `ref_log_probs` feed a KL loss
+    (kl_loss_coef != 0); `values` (old), `vpreds` (current) and `returns` the value loss; `rollout_log_probs`
+    (the inference engine's) a rollout correction (rollout_is / rollout_rs) and, with `policy_versions`, the
+    step's rollout.mismatch. `payloads` takes any other per-token payload the stage table declares for the stages
+    of a step-level bundle, by its name there (written when every micro-batch of the step gives it); a name it
+    does not declare is refused (logged and counted). A repeated micro_batch_id of the same step is ignored.
+    Filtered by TRAJECTORY_REPLAY_CAPTURE_STEPS."""
     if _MANAGER is None:
         return None
     named = dict(
@@ -255,17 +256,18 @@ def capture_step_end(
     *,
     loss: Any,
     pg_loss: Any,
-    entropy_loss: Any,
     pg_clipfrac: Any,
     ppo_kl: Any,
     config: Any,
+    entropy_loss: Any = None,
     weight_lineage: Any = None,
     kl_loss: Any = None,
     vf_loss: Any = None,
     vf_clipfrac: Any = None,
 ) -> bool | None:
     """End of actor step (R, S): enqueue step-level bundle `step-<R>-<S>` with this rank's reported loss
-    scalars (numbers or 1-element tensors; CUDA tensors are copied asynchronously): `kl_loss` with a KL loss,
+    scalars (numbers or 1-element tensors; CUDA tensors are copied asynchronously): `entropy_loss` when the
+    entropy was computed (required with an entropy term), `kl_loss` with a KL loss,
     `vf_loss` and `vf_clipfrac` with a value loss. True if enqueued."""
     if _MANAGER is None:
         return None

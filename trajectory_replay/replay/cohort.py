@@ -80,6 +80,18 @@ class Cohort:
         return int(self.lengths.sum())
 
     @cached_property
+    def micro_batches(self) -> torch.Tensor:
+        """Each sample's micro-batch as a dense id (numbered in order of first appearance): the records'
+        micro_batch_id within the sample's rank (samples without one are one micro-batch of their rank)."""
+        keys: dict[tuple[int | None, str | None], int] = {}
+        ids = [
+            keys.setdefault((p.source.rank, p.source.index.samples[i].micro_batch_id), len(keys))
+            for p in self.parts
+            for i in p.positions
+        ]
+        return torch.tensor(ids, dtype=torch.int64)
+
+    @cached_property
     def token_layout(self) -> SampleLayout:
         """Layout of per-token values."""
         return SampleLayout.per_token(self.sample_ids, self.lengths)

@@ -3,8 +3,8 @@
 The candidates, tried in this order and reported most specific first (fewest fields changed):
 - the recorded config;
 - single-field variants of it: std_unbiased flipped, grpo_std_normalization flipped, std_eps at 1e-6, 1e-5, 1e-4
-  and 1e-9, singleton_group and mask_advantages flipped, every other loss_agg_mode (seq_mean_token_sum_norm
-  only where loss_scale_factor is recorded);
+  and 1e-9, singleton_group and mask_advantages flipped, every other loss_agg_mode (the two that divide by
+  loss_scale_factor only where it is recorded), the other clip_metric_agg;
 - inferred scales: where loss.policy diverges by a constant factor, the loss_scale, or for a token/sequence mean
   the global loss_denominator, that would explain it (solved from the expected and recomputed values, rounded
   to a whole count, then checked by a replay like every other candidate);
@@ -28,7 +28,8 @@ from trajectory_replay.bundle.profiles import CONVENTION_FIELDS, PROFILES
 from trajectory_replay.bundle.schema import RecomputeConfig, StageId
 from trajectory_replay.errors import TrajectoryReplayError
 from trajectory_replay.outcome import Outcome, Status
-from trajectory_replay.replay.plan import config_value, plan_replay
+from trajectory_replay.replay.losses import CLIP_METRIC_AGGS
+from trajectory_replay.replay.plan import SCALED_MODES, config_value, plan_replay
 from trajectory_replay.replay.report import ReplayReport
 from trajectory_replay.replay.runner import execute
 from trajectory_replay.replay.source import ReplaySource
@@ -40,6 +41,8 @@ AGG_MODES = (
     "seq_mean_token_mean",
     "seq_mean_token_sum",
     "seq_mean_token_sum_norm",
+    "seq_mean_token_sum_scaled",
+    "token_sum",
 )
 SCALE_FIELDS = ("entropy_loss", "pg_loss", "kl_loss")
 """loss.policy fields a constant factor is solved from, in order of preference (entropy does not depend on the
@@ -254,8 +257,9 @@ def single_field_variants(config: RecomputeConfig) -> list[dict[str, Any]]:
     out.append({"singleton_group": "unit" if config.singleton_group == "nan" else "nan"})
     out.append({"mask_advantages": not config.mask_advantages})
     for mode in AGG_MODES:
-        if mode != config.loss_agg_mode and (mode != "seq_mean_token_sum_norm" or config.loss_scale_factor):
+        if mode != config.loss_agg_mode and (mode not in SCALED_MODES or config.loss_scale_factor):
             out.append({"loss_agg_mode": mode})
+    out += [{"clip_metric_agg": agg} for agg in CLIP_METRIC_AGGS if agg != config.clip_metric_agg]
     return out
 
 
@@ -282,7 +286,7 @@ def _infer_scales(attempt, report: ReplayReport, changes: dict[str, Any], source
     scale = _whole(config.loss_scale * factor)
     if scale is not None and scale != config.loss_scale:
         attempt(_label({**changes, "loss_scale": scale}), "inferred", {**changes, "loss_scale": scale})
-    if config.loss_agg_mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
+    if config.loss_agg_mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_scaled"):
         used = config.loss_denominator or _local_denominator(config, sources, rank)
         denominator = _whole(used / factor) if used else None
         if denominator is not None and denominator != used:

@@ -5,6 +5,10 @@ with weights that depend only on the cohort's token counts (and the config's rec
 So a loss is computed over blocks of whole samples (`BLOCK_TOKENS` tokens each: per-token temporaries
 stay a small fraction of the inputs), the per-sample sums kept exact in float64, and weighted once at
 the end; the result does not depend on the blocking.
+
+The clip metrics (`CLIP_METRICS`) are aggregated like the loss, or, with `clip_metric_agg`
+micro_batch_token_mean, as a token mean per micro-batch averaged over the micro-batches: from the same
+per-sample sums, summed per micro-batch.
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ from trajectory_replay.replay.mismatch import correction, log_ratio
 
 BLOCK_TOKENS = 1 << 16
 SEQ_MEAN_EPS = 1e-8
+MICRO_BATCH_MEAN_EPS = 1e-8
+"""Added to a micro-batch's token count when its token mean is taken (a micro-batch without tokens gives 0)."""
+CLIP_METRICS = ("pg_clipfrac", "ppo_kl", "vf_clipfrac")
+"""The loss-stage outputs `clip_metric_agg` decides the aggregation of."""
+CLIP_METRIC_AGGS = ("loss_agg_mode", "micro_batch_token_mean")
+"""The values of `clip_metric_agg` replay implements."""
 GSPO_LOG_RATIO_MAX = 10.0
 
 
@@ -150,6 +160,19 @@ def seq_mean_token_sum_norm_weights(tokens: torch.Tensor, config: RecomputeConfi
     return torch.full_like(tokens, 1.0 / float(config.loss_scale_factor))
 
 
+def seq_mean_token_sum_scaled_weights(tokens: torch.Tensor, config: RecomputeConfig) -> torch.Tensor:
+    """seq_mean_token_sum / loss_scale_factor: the mean over the sequences with T_i > 0 (or loss_denominator) of
+    each sequence's masked sum, divided by the scale factor (replay refuses it unrecorded)."""
+    if config.loss_scale_factor is None:
+        raise ValueError("seq_mean_token_sum_scaled needs loss_scale_factor")
+    return seq_mean_token_sum_weights(tokens, config) / float(config.loss_scale_factor)
+
+
+def token_sum_weights(tokens: torch.Tensor, config: RecomputeConfig) -> torch.Tensor:
+    """sum x m: every masked-in token with weight 1."""
+    return torch.ones_like(tokens)
+
+
 # --------------------------------------------------------------------------- the stage outputs
 
 
@@ -181,7 +204,8 @@ class PolicyLossData:
     log_probs: torch.Tensor
     old_log_probs: torch.Tensor
     advantages: torch.Tensor
-    entropy: torch.Tensor
+    entropy: torch.Tensor | None
+    """None when the bundle holds no entropy (allowed with entropy_coef 0): no entropy_loss then."""
     mask: torch.Tensor
     lengths: torch.Tensor
     ref_log_probs: torch.Tensor | None = None
@@ -189,6 +213,8 @@ class PolicyLossData:
     """The inference engine's log-probs: with rollout_is / rollout_rs, the loss corrects for the mismatch."""
     payloads: Mapping[str, torch.Tensor] = field(default_factory=dict)
     """Every per-token payload the stage loaded, by name: the policy loss kernel gets each block's rows of them."""
+    micro_batches: torch.Tensor | None = None
+    """Each sample's micro-batch as a dense id, for `clip_metric_agg` micro_batch_token_mean (None: one)."""
 
 
 @dataclass(frozen=True)
@@ -215,7 +241,12 @@ def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: Los
     whole samples; rejection (rollout_rs) changes the mask every term and count is taken over."""
     lengths = data.lengths.to(torch.int64)
     with_kl = config.kl_loss_coef != 0
-    fields = ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss") + (("kl_loss",) if with_kl else ())
+    with_entropy = data.entropy is not None
+    fields = (
+        ("pg_loss", "pg_clipfrac", "ppo_kl")
+        + (("entropy_loss",) if with_entropy else ())
+        + (("kl_loss",) if with_kl else ())
+    )
     table = torch.zeros((len(fields) + 1, lengths.numel()), dtype=torch.float64)  # each field's sums, then T_i
     corrected = rollout_correction(config)
     indicator = kernels.policy_loss.tokens in _INDICATOR_CLIPFRAC  # a plugin's clipfrac is summed as any value
@@ -245,7 +276,9 @@ def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: Los
             )
         )
         pg = terms.pg if weights is None else terms.pg.to(torch.float32) * weights
-        rows = [pg, terms.clipfrac, terms.ppo_kl, data.entropy[start:end]]
+        rows = [pg, terms.clipfrac, terms.ppo_kl]
+        if data.entropy is not None:
+            rows.append(data.entropy[start:end])
         del terms
         if with_kl:
             assert data.ref_log_probs is not None
@@ -268,14 +301,19 @@ _INDICATOR_CLIPFRAC = (ppo_clip_tokens, gspo_tokens, cispo_tokens)
 """The policy losses whose clipfrac is a 0/1 indicator per token (its sums are counts: see `stacked_sample_sums`)."""
 
 
-def policy_loss_scalars(sums: LossSums, config: RecomputeConfig, kernels: LossKernels) -> dict[str, float]:
+def policy_loss_scalars(
+    sums: LossSums, config: RecomputeConfig, kernels: LossKernels, micro_batches: torch.Tensor | None = None
+) -> dict[str, float]:
     """The loss.policy scalars from the per-sample sums of the whole cohort: each term aggregated by the config's
-    mode, loss_scale on the loss terms, loss = pg - ec ent + klc kl."""
-    out = _aggregate(sums, config, kernels)
+    mode (the clip metrics by `clip_metric_agg`, over `micro_batches`: see `micro_batch_token_means`), loss_scale
+    on the loss terms, loss = pg - ec ent + klc kl."""
+    out = _aggregate(sums, config, kernels, micro_batches)
     for term in ("pg_loss", "entropy_loss", "kl_loss"):
         if term in out:
             out[term] *= config.loss_scale
-    out["loss"] = out["pg_loss"] - config.entropy_coef * out["entropy_loss"]
+    out["loss"] = out["pg_loss"]
+    if "entropy_loss" in out:
+        out["loss"] -= config.entropy_coef * out["entropy_loss"]
     if "kl_loss" in out:
         out["loss"] += config.kl_loss_coef * out["kl_loss"]
     return out
@@ -284,7 +322,7 @@ def policy_loss_scalars(sums: LossSums, config: RecomputeConfig, kernels: LossKe
 def policy_loss_outputs(data: PolicyLossData, config: RecomputeConfig, kernels: LossKernels) -> dict[str, float]:
     """The loss.policy scalars: pg_loss, pg_clipfrac, ppo_kl, entropy_loss (and kl_loss with kl_loss_coef),
     each aggregated by the config's mode; loss_scale on the loss terms; loss = pg - ec ent + klc kl."""
-    return policy_loss_scalars(policy_loss_sums(data, config, kernels), config, kernels)
+    return policy_loss_scalars(policy_loss_sums(data, config, kernels), config, kernels, data.micro_batches)
 
 
 @dataclass(frozen=True)
@@ -322,9 +360,12 @@ def value_loss_sums(data: ValueLossData, config: RecomputeConfig) -> LossSums:
     return LossSums({"vf_loss": table[0], "vf_clipfrac": table[1]}, table[2])
 
 
-def value_loss_scalars(sums: LossSums, config: RecomputeConfig, kernels: LossKernels) -> dict[str, float]:
-    """vf_loss = 0.5 Agg(vf) (times loss_scale), vf_clipfrac = Agg(clipped), from the whole cohort's sums."""
-    out = _aggregate(sums, config, kernels)
+def value_loss_scalars(
+    sums: LossSums, config: RecomputeConfig, kernels: LossKernels, micro_batches: torch.Tensor | None = None
+) -> dict[str, float]:
+    """vf_loss = 0.5 Agg(vf) (times loss_scale), vf_clipfrac = Agg(clipped) (or by `clip_metric_agg`), from the
+    whole cohort's sums."""
+    out = _aggregate(sums, config, kernels, micro_batches)
     out["vf_loss"] *= 0.5 * config.loss_scale
     return out
 
@@ -335,14 +376,40 @@ def value_loss_outputs(data: ValueLossData, config: RecomputeConfig, kernels: Lo
     return value_loss_scalars(value_loss_sums(data, config), config, kernels)
 
 
-def _aggregate(sums: LossSums, config: RecomputeConfig, kernels: LossKernels) -> dict[str, float]:
-    """Each field's per-sample masked sums weighted by the aggregation mode, as a Python float."""
+def _aggregate(
+    sums: LossSums, config: RecomputeConfig, kernels: LossKernels, micro_batches: torch.Tensor | None
+) -> dict[str, float]:
+    """Each field's per-sample masked sums weighted by the aggregation mode, as a Python float; the clip metrics
+    by `clip_metric_agg`."""
     weights = kernels.aggregation.weights(sums.counts, config).to(torch.float64)
-    return {name: float(values.mul(weights).sum()) for name, values in sums.sums.items()}
+    out = {name: float(values.mul(weights).sum()) for name, values in sums.sums.items()}
+    if config.clip_metric_agg == "micro_batch_token_mean":
+        out.update(micro_batch_token_means(sums, micro_batches))
+    return out
+
+
+def micro_batch_token_means(sums: LossSums, micro_batches: torch.Tensor | None) -> dict[str, float]:
+    """Each clip metric as the mean over micro-batches of its token mean within the micro-batch:
+    mean_g (sum_{i in g} S_i / (sum_{i in g} T_i + 1e-8)). `micro_batches`: each sample's micro-batch as a dense
+    id 0..k-1 (None: the samples are one micro-batch); a micro-batch without masked-in tokens counts as 0."""
+    n = sums.counts.numel()
+    groups = torch.zeros(n, dtype=torch.int64) if micro_batches is None else micro_batches.to(torch.int64)
+    if groups.numel() != n:
+        raise ValueError(f"micro_batches has {groups.numel()} entries for {n} samples")
+    k = int(groups.max()) + 1 if n else 0
+    tokens = torch.zeros(k, dtype=torch.float64).index_add_(0, groups, sums.counts)
+    out = {}
+    for name in CLIP_METRICS:
+        if name in sums.sums:
+            totals = torch.zeros(k, dtype=torch.float64).index_add_(0, groups, sums.sums[name])
+            out[name] = float((totals / (tokens + MICRO_BATCH_MEAN_EPS)).mean()) if k else 0.0
+    return out
 
 
 __all__ = [
     "BLOCK_TOKENS",
+    "CLIP_METRICS",
+    "CLIP_METRIC_AGGS",
     "LossKernels",
     "LossSums",
     "PolicyInputs",
@@ -351,15 +418,18 @@ __all__ = [
     "ValueLossData",
     "cispo_tokens",
     "gspo_tokens",
+    "micro_batch_token_means",
     "policy_loss_outputs",
     "policy_loss_scalars",
     "policy_loss_sums",
     "ppo_clip_tokens",
     "seq_mean_token_mean_weights",
     "seq_mean_token_sum_norm_weights",
+    "seq_mean_token_sum_scaled_weights",
     "seq_mean_token_sum_weights",
     "sum_of_sample_means_weights",
     "token_mean_weights",
+    "token_sum_weights",
     "value_loss_outputs",
     "value_loss_scalars",
     "value_loss_sums",

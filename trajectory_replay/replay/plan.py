@@ -61,6 +61,7 @@ from trajectory_replay.errors import BundleError, SelectionError, UnsupportedErr
 from trajectory_replay.replay import kernels as kernels_mod
 from trajectory_replay.replay.cohort import CohortPart
 from trajectory_replay.replay.flags import setting as setting_of
+from trajectory_replay.replay.losses import CLIP_METRIC_AGGS
 from trajectory_replay.replay.mismatch import CORRECTION_MODES, rs_bounds
 from trajectory_replay.replay.registry import Kernels, resolve_kernels
 from trajectory_replay.replay.selection import Closure, Selection, group_id, resolve_selection
@@ -307,11 +308,15 @@ def check_topology(index: BundleIndex) -> None:
         )
 
 
+SCALED_MODES = ("seq_mean_token_sum_norm", "seq_mean_token_sum_scaled")
+"""The aggregation modes that divide by loss_scale_factor."""
+
 _CHOICES = {
     "group_size_check": ("exact", "any"),
     "singleton_group": ("nan", "unit"),
     "rollout_is": CORRECTION_MODES,
     "rollout_rs": CORRECTION_MODES,
+    "clip_metric_agg": CLIP_METRIC_AGGS,
 }
 
 
@@ -352,9 +357,9 @@ def _check_kl_types(config: RecomputeConfig, running: set[StageId]) -> None:
 
 def _check_loss_config(config: RecomputeConfig, running: set[StageId]) -> None:
     """The losses' denominators are recorded and positive, and a dual clip is above 1."""
-    if config.loss_agg_mode == "seq_mean_token_sum_norm" and config.loss_scale_factor is None:
+    if config.loss_agg_mode in SCALED_MODES and config.loss_scale_factor is None:
         raise UnsupportedError(
-            "loss_agg_mode 'seq_mean_token_sum_norm' needs loss_scale_factor (the padded width "
+            f"loss_agg_mode {config.loss_agg_mode!r} needs loss_scale_factor (the padded width "
             "production divided by), which the config does not record"
         )
     for field in ("loss_denominator", "loss_scale_factor"):

@@ -115,6 +115,8 @@ BUILTIN: dict[str, Kernel] = {
         AggregationKernel("seq_mean_token_mean", losses.seq_mean_token_mean_weights),
         AggregationKernel("seq_mean_token_sum", losses.seq_mean_token_sum_weights),
         AggregationKernel("seq_mean_token_sum_norm", losses.seq_mean_token_sum_norm_weights),
+        AggregationKernel("seq_mean_token_sum_scaled", losses.seq_mean_token_sum_scaled_weights),
+        AggregationKernel("token_sum", losses.token_sum_weights),
     )
 }
 

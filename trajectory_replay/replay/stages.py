@@ -508,14 +508,20 @@ def _upstream_or_payload(
 
 
 def _compare_scalars(ctx: StageContext, f: StageChecks, stage: StageId, actual: dict[str, float]) -> None:
-    """Compare every scalar the stage produces under the config with its expected map (a missing field fails)."""
+    """Compare every scalar the stage produces under the config with its expected map: a missing field fails
+    unless the table lets the bundle leave it out under the setting; an expected field that replay could not
+    compute (its payload left out) fails too."""
     expected = ctx.cohort.expected_map(stage.value)
     if expected is None:
         f.problem(f"expected has no {stage} map")
         return
-    for name in STAGE_IO[stage].outputs_for(ctx.setting):
+    io = STAGE_IO[stage]
+    for name in io.outputs_for(ctx.setting):
         if expected.get(name) is None:
-            f.problem(f"expected {stage} has no field {name!r}")
+            if not io.is_optional(name, ctx.setting):
+                f.problem(f"expected {stage} has no field {name!r}")
+        elif name not in actual:
+            f.problem(f"expected {stage} has {name!r}, which the bundle's payloads cannot recompute")
         else:
             f.add(compare_scalar(name, float(expected[name]), actual[name], ctx.tol))
 
@@ -531,12 +537,17 @@ def _run_loss_policy(ctx: StageContext) -> StageOutcome:
         return StageOutcome(f)
     if cfg.expect_on_policy:
         _check_on_policy(ctx, f, loaded)
+    if "entropy" not in loaded and c.has_payload("entropy"):  # left out of what it needs: used when there
+        entropy = _load_payloads(ctx, f, ("entropy",))
+        if entropy is None:
+            return StageOutcome(f)
+        loaded.update(entropy)
     sums = losses.policy_loss_sums(
         losses.PolicyLossData(
             loaded["log_probs"],
             loaded["old_log_probs"],
             advantages,
-            loaded["entropy"],
+            loaded.get("entropy"),
             loaded["loss_mask"],
             c.lengths,
             loaded.get("ref_log_probs"),
@@ -577,7 +588,8 @@ def _run_loss_value(ctx: StageContext) -> StageOutcome:
 
 
 def _loss_finish(
-    stage: StageId, scalars: Callable[[losses.LossSums, RecomputeConfig, Kernels], dict[str, float]]
+    stage: StageId,
+    scalars: Callable[[losses.LossSums, RecomputeConfig, Kernels, torch.Tensor | None], dict[str, float]],
 ) -> Finish:
     """The verdict of a loss stage: its scalars from every block's per-sample sums, against the expected map."""
 
@@ -588,7 +600,7 @@ def _loss_finish(
         whole = losses.LossSums.empty(runs[0][0].partial.sums, n) if runs else losses.LossSums.empty((), n)
         for outcome, block in runs:
             whole.put(block.index, outcome.partial)
-        _compare_scalars(ctx, merged, stage, scalars(whole, ctx.config, ctx.kernels))
+        _compare_scalars(ctx, merged, stage, scalars(whole, ctx.config, ctx.kernels, ctx.cohort.micro_batches))
         return merged.result(stage, ctx.rank)
 
     return finish
