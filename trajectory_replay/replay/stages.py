@@ -446,11 +446,20 @@ def _run_reward_post_process(ctx: StageContext) -> StageOutcome:
 def _score_with_kl(
     raw: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, kl_coef: float
 ) -> torch.Tensor:
-    """Each sample's reward less kl_coef * kl on each of its masked-in tokens (the penalty per token in float32, as
-    production forms its penalized token rewards; their sums in float64)."""
-    penalty = kl.to(torch.float32) * kl_coef
-    sums = kernels.masked_sample_sums(penalty, mask.to(torch.float64), lengths)
-    return (raw.to(torch.float64) - sums).to(torch.float32)
+    """Each sample's reward less kl_coef * kl on each of its masked-in tokens: the sum of its token rewards as
+    production forms them in float32 (kl_coef * kl * m on every token, subtracted from the reward at the last
+    one), summed in float64 (production's own float32 sum rounds by its summation order, which no bundle records).
+    """
+    penalty = kl.to(torch.float32) * kl_coef * mask.to(torch.float32)
+    lengths = lengths.to(torch.int64)
+    nonempty = lengths > 0
+    last = kernels.sample_ends(lengths)[nonempty] - 1
+    at_last = penalty[last]
+    sums = kernels.masked_sample_sums(penalty, torch.ones_like(penalty, dtype=torch.float64), lengths)
+    sums[nonempty] -= at_last.to(torch.float64)  # the last token's term is the reward less its penalty, in float32
+    out = -sums
+    out[nonempty] += (raw.to(torch.float32)[nonempty] - at_last).to(torch.float64)
+    return out.to(torch.float32)
 
 
 def _recorded_rewards(ctx: StageContext) -> Outputs:
