@@ -53,11 +53,14 @@ class Settings:
     mask_advantages: bool = False
     gamma: float = 1.0
     lam: float = 1.0
+    masked_return: str = "restart"
     kl_in_reward: bool = False
+    kl_in_score: bool = False
     kl_loss_type: str = "k1"
     kl_coef: float = 0.0
     kl_log_ratio_clamp: float | None = None
     kl_output_clamp: float | None = None
+    kl_clamped: tuple[str, ...] | None = None
     policy_loss: str = "ppo_clip"
     eps_clip: float = 0.2
     eps_clip_high: float = 0.2
@@ -200,11 +203,26 @@ def kl_tokens(
     ]
 
 
+def kl_clamps(kind: str, s: Settings) -> tuple[float | None, float | None]:
+    """(log-ratio clamp, output clamp) for KL estimator `kind`: the config's, unless kl_clamped leaves `kind` out."""
+    if s.kl_clamped is not None and kind not in s.kl_clamped:
+        return None, None
+    return s.kl_log_ratio_clamp, s.kl_output_clamp
+
+
 def reward_kl(old: Ragged, ref: Ragged, s: Settings) -> Ragged:
     """advantage.kl: the reward-side KL of the rollout policy, zeros when kl_coef is 0."""
     if s.kl_coef == 0:
         return [[0.0] * len(row) for row in old]
-    return kl_tokens(old, ref, s.kl_loss_type, s.kl_log_ratio_clamp, s.kl_output_clamp)
+    return kl_tokens(old, ref, s.kl_loss_type, *kl_clamps(s.kl_loss_type, s))
+
+
+def scores(raw: Sequence[float], masks: Sequence[Sequence[int]], kl: Ragged, s: Settings) -> list[float]:
+    """The rewards post-processing reads: r, less kl_coef * sum_t kl m when an outcome estimator (or the
+    baseline variant) takes the reward-side KL into its score."""
+    if not (s.kl_in_reward and s.kl_in_score and s.kl_coef != 0) or s.advantage_estimator in TOKEN_REWARD_ESTIMATORS:
+        return [float(r) for r in raw]
+    return [r - s.kl_coef * sum(k * m for k, m in zip(row, mask)) for r, row, mask in zip(raw, kl, masks)]
 
 
 # --------------------------------------------------------------------------- advantages
@@ -232,16 +250,21 @@ def token_rewards(rewards: Sequence[float], masks: Sequence[Sequence[int]], kl: 
     return out
 
 
-def discounted_returns(rho: Ragged, masks: Sequence[Sequence[int]], gamma: float) -> Ragged:
-    """G_t = rho_t + gamma * m_{t+1} * G_{t+1}, backwards within each sample."""
+def discounted_returns(rho: Ragged, masks: Sequence[Sequence[int]], gamma: float, carry: bool = False) -> Ragged:
+    """G_t = rho_t + gamma * R_{t+1}, backwards within each sample; R restarts at 0 after a masked-out token, or with
+    `carry` passes over it untouched (that token's G is then 0)."""
     out = []
     for row, mask in zip(rho, masks):
         returns = [0.0] * len(row)
         running = 0.0
         for t in reversed(range(len(row))):
-            running = row[t] + gamma * running
-            returns[t] = running
-            running *= mask[t]
+            g = row[t] + gamma * running
+            if carry:
+                if mask[t]:
+                    running = returns[t] = g
+            else:
+                returns[t] = g
+                running = g * mask[t]
         out.append(returns)
     return out
 
@@ -282,7 +305,8 @@ def advantages(
         return _times_mask(masked_whiten(scores, masks), masks), None
     rho = token_rewards(rewards, masks, kl, s)
     if est == "reinforce_plus_plus":
-        return _times_mask(masked_whiten(discounted_returns(rho, masks, s.gamma), masks), masks), None
+        returns = discounted_returns(rho, masks, s.gamma, s.masked_return == "carry")
+        return _times_mask(masked_whiten(returns, masks), masks), None
     if est == "gae":
         assert values is not None, "gae needs values"
         raw, returns = gae(rho, values, masks, s.gamma, s.lam)
@@ -465,7 +489,7 @@ def policy_loss(
         out["entropy_loss"] = aggregate(entropy, masks, s) * s.loss_scale
         out["loss"] -= s.entropy_coef * out["entropy_loss"]
     if s.kl_loss_coef != 0:
-        kl = kl_tokens(cur, ref, s.kl_loss_estimator, s.kl_log_ratio_clamp, s.kl_output_clamp)
+        kl = kl_tokens(cur, ref, s.kl_loss_estimator, *kl_clamps(s.kl_loss_estimator, s))
         out["kl_loss"] = aggregate(kl, masks, s) * s.loss_scale
         out["loss"] += s.kl_loss_coef * out["kl_loss"]
     return out
@@ -605,8 +629,8 @@ def algorithm_case(
     s = Settings.of(config)
     d = draw_inputs(len(groups), seed, empty_sample)
     t = d.tokens
-    rewards = post_process(d.raw, groups, s)
     kl = reward_kl(t["old_log_probs"], t["ref_log_probs"], s)
+    rewards = post_process(scores(d.raw, d.masks, _rounded(kl), s), groups, s)
     adv, returns = advantages(rewards, d.masks, _rounded(kl), s, t["values"])
     chosen = tuple(stages) if stages is not None else default_stages(s)
     # the loss stages read what the bundle hands them: recomputed values, or the float32 payloads

@@ -223,6 +223,51 @@ MATRIX = _matrix(
     ("gae-empty-response", {"advantage_estimator": "gae", "gamma": 0.9, "lam": 0.8}, {"empty_sample": True}),
     ("rf++-empty-response", {"advantage_estimator": "reinforce_plus_plus", "gamma": 0.9}, {"empty_sample": True}),
     ("gspo-empty-response", {"policy_loss": "gspo", "loss_agg_mode": "seq_mean_token_mean"}, {"empty_sample": True}),
+    # the running return carried over masked-out tokens, the KL in every outcome estimator's score, clamps per KL
+    (
+        "rf++-carry-gamma-kl-in-reward",
+        {
+            "advantage_estimator": "reinforce_plus_plus",
+            "masked_return": "carry",
+            "gamma": 0.9,
+            "kl_coef": 0.1,
+            "kl_in_reward": True,
+        },
+        {},
+    ),
+    (
+        "rf++-carry-empty-response",
+        {"advantage_estimator": "reinforce_plus_plus", "masked_return": "carry"},
+        {"empty_sample": True},
+    ),
+    *[
+        (
+            f"{estimator}-kl-in-score",
+            {
+                "advantage_estimator": estimator,
+                "grpo_std_normalization": True,
+                "kl_coef": 0.2,
+                "kl_in_reward": True,
+                "kl_in_score": True,
+                "kl_loss_type": "k3",
+            },
+            {},
+        )
+        for estimator in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+    ],
+    (
+        "kl-clamps-k3-only",
+        {
+            "kl_coef": 0.1,
+            "kl_loss_type": "k1",
+            "kl_log_ratio_clamp": 0.2,
+            "kl_output_clamp": 0.01,
+            "kl_clamped": ["k3", "low_var_kl"],
+            "kl_loss_coef": 0.1,
+            "kl_loss_estimator": "k3",
+        },
+        {},
+    ),
 )
 
 
@@ -269,6 +314,30 @@ def _named_by_change(at: int, *rows: tuple) -> list[Any]:
             "advantage.kl",
         ),
         ({"kl_coef": 0.1, "kl_output_clamp": 0.1}, {}, {"kl_output_clamp": None}, "advantage.kl"),
+        (
+            {"kl_coef": 0.1, "kl_output_clamp": 0.1, "kl_clamped": ["k3"]},
+            {},
+            {"kl_clamped": None},
+            "advantage.kl",
+        ),
+        (
+            {"kl_coef": 0.2, "kl_in_reward": True, "kl_in_score": True, "grpo_std_normalization": True},
+            {},
+            {"kl_in_score": False},
+            "reward.post_process",
+        ),
+        (
+            {"advantage_estimator": "rloo", "kl_coef": 0.2, "kl_in_reward": True, "kl_in_score": True},
+            {},
+            {"kl_coef": 0.1},
+            "reward.post_process",
+        ),
+        (
+            {"advantage_estimator": "reinforce_plus_plus", "masked_return": "carry"},
+            {},
+            {"masked_return": "restart"},
+            "advantage.estimate",
+        ),
         ({"mask_advantages": True}, {}, {"mask_advantages": False}, "advantage.estimate"),
         ({"advantage_estimator": "reinforce_plus_plus", "gamma": 0.9}, {}, {"gamma": 1.0}, "advantage.estimate"),
         (
@@ -469,7 +538,7 @@ def test_a_wrong_expected_reward_is_located_at_reward_post_process(config, sampl
     [
         ({"kl_coef": 0.1, "kl_loss_type": "k3"}, "kl", 4, "advantage.kl"),
         ({"advantage_estimator": "reinforce_plus_plus", "kl_coef": 0.1, "kl_in_reward": True}, "kl", 9, "advantage.kl"),
-        ({"advantage_estimator": "gae", "kl_coef": 0.1, "kl_in_reward": True}, "kl", FULLY_MASKED, "advantage.kl"),
+        ({"advantage_estimator": "gae", "kl_coef": 0.1, "kl_in_reward": True}, "kl", 4, "advantage.kl"),
         ({"grpo_std_normalization": True}, "advantages", 10, "advantage.estimate"),
         ({"advantage_estimator": "reinforce_plus_plus", "gamma": 0.9}, "advantages", 3, "advantage.estimate"),
         ({"advantage_estimator": "gae", "gamma": 0.9, "lam": 0.8}, "advantages", 8, "advantage.estimate"),
@@ -483,6 +552,40 @@ def test_a_single_token_fault_is_located_at_its_stage_sample_and_token(config, p
     result = _only_failure(replay([source_of(_with_payload(case, payload, sample, offset, 0.5))]), stage)
     assert result.mismatch_count == 1
     assert [(d.field, d.sample_id, d.token_offset) for d in result.divergences] == [(payload, f"a-{sample}", offset)]
+
+
+def test_a_kl_fault_at_a_masked_out_token_is_no_divergence():
+    """The reward-side KL of a masked-out token reaches no reward: advantage.kl compares only masked-in tokens."""
+    case = algorithm_case({"advantage_estimator": "gae", "kl_coef": 0.1, "kl_in_reward": True}, seed=SEED)
+    offset = token_with_mask(case.index, 4, masked_in=False)
+    assert replay([source_of(_with_payload(case, "kl", 4, offset, 0.5))]).passed
+    assert replay([source_of(_with_payload(case, "kl", FULLY_MASKED, 0, 0.5))]).passed
+
+
+KL_IN_SCORE = {"advantage_estimator": "rloo", "kl_coef": 0.1, "kl_in_reward": True, "kl_in_score": True}
+
+
+def test_with_the_kl_in_the_score_a_wrong_coefficient_shows_first_at_reward_post_process():
+    """Production's coefficient differs from the recorded kl_coef (an adaptive one left unrecorded): the KL itself
+    matches, each sample's reward does not."""
+    case = algorithm_case({**KL_IN_SCORE, "kl_coef": 0.12}, seed=SEED)
+    case.index.config.kl_coef = 0.1
+    report = replay([source_of(case)])
+    assert report.first_divergent_stage == "reward.post_process", report.render_text()
+    assert {d.field for d in report.stage("reward.post_process").divergences} == {"reward"}
+    assert report.stage("advantage.kl").status == "pass"
+
+
+def test_with_the_kl_in_the_score_a_recorded_kl_token_is_checked_at_advantage_kl():
+    """Post-processing takes production's recorded KL; advantage.kl names the token where it departs from the
+    log-probs, and the sample whose reward it moved diverges at post-processing."""
+    case = algorithm_case(KL_IN_SCORE, seed=SEED)
+    offset = token_with_mask(case.index, 9)
+    report = replay([source_of(_with_payload(case, "kl", 9, offset, 0.5))])
+    assert [s.stage for s in report.stages if s.failed][:2] == ["reward.post_process", "advantage.kl"]
+    kl = report.stage("advantage.kl")
+    assert [(d.field, d.sample_id, d.token_offset) for d in kl.divergences] == [("kl", "a-9", offset)]
+    assert ("reward", "a-9") in {(d.field, d.sample_id) for d in report.stage("reward.post_process").divergences}
 
 
 LOSS_ONLY = (StageId.SAMPLE, StageId.LOSS_POLICY)

@@ -98,7 +98,7 @@ def test_twelve_sample_case_passes():
 @pytest.mark.parametrize(
     "payload, sample, offset, stage, field",
     [
-        ("kl", 4, 3, "advantage.kl", "kl"),
+        ("kl", 4, 2, "advantage.kl", "kl"),
         ("advantages", 9, 2, "advantage.estimate", "advantages"),
         ("old_log_probs", 2, 1, "advantage.kl", "kl"),
         ("ref_log_probs", 11, 2, "advantage.kl", "kl"),
@@ -172,11 +172,11 @@ def test_a_recorded_raw_reward_fault_shows_at_reward_raw_first():
 def test_nan_in_an_expected_payload_fails():
     manifest, index, expected, payloads = twelve_case()
     kl = payloads["kl"].clone()
-    kl[token_position(6, 0)] = math.nan
+    kl[token_position(7, 0)] = math.nan
     report = replay([source_of((manifest, index, expected, {**payloads, "kl": kl}))])
     result = report.stage("advantage.kl")
     assert report.first_divergent_stage == "advantage.kl" and result.mismatch_count == 1
-    assert "kl: expected value is nan at q-6 token 0" in result.message
+    assert "kl: expected value is nan at q-7 token 0" in result.message
     assert json.loads(report.to_json())["stages"][3]["divergences"][0]["expected"] == "nan"
 
 

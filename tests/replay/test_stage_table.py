@@ -96,6 +96,7 @@ KERNELS = _kernel_configs()
 SETTINGS = [  # every conditional entry of the table turned off, then on
     {"kl_coef": 0.0},
     {"kl_coef": 0.05, "kl_in_reward": True, "kl_loss_coef": 0.1, "rollout_is": "token", "entropy_coef": 0.01},
+    {"kl_coef": 0.05, "kl_in_reward": True, "kl_in_score": True},
 ]
 
 
@@ -184,7 +185,7 @@ def test_a_plugin_estimators_flags_are_its_kernels(plugins):
         assert flags.estimator_flags(config) == declared
 
 
-@pytest.mark.parametrize("extra", SETTINGS, ids=["off", "on"])
+@pytest.mark.parametrize("extra", SETTINGS, ids=["off", "on", "kl-in-score"])
 @pytest.mark.parametrize("kernel,fields", KERNELS, ids=[name for name, _ in KERNELS])
 def test_capture_writes_and_declares_what_replay_reads(plugins, tmp_path, kernel, fields, extra):
     config = _config(fields, extra)
@@ -258,3 +259,16 @@ def test_the_reward_side_kl_is_planned_and_kept_for_an_estimator_that_reads_it(p
     assert ("kl" in kept) == reads_kl
     assert ("values" in kept) == ("returns" in kept) == setting.estimator.needs_values
     assert set(step.payloads) <= set(bundle_payloads("step"))
+
+
+@pytest.mark.parametrize("kernel,fields", KERNELS, ids=[name for name, _ in KERNELS])
+def test_with_the_kl_in_the_score_post_processing_reads_the_kl_of_an_estimator_without_token_rewards(
+    plugins, tmp_path, kernel, fields
+):
+    config = _config(fields, SETTINGS[2])
+    setting = _replay_setting(config)
+    reads = STAGE_IO[StageId.REWARD_POST_PROCESS].needed_payloads(setting)
+    assert reads == (() if setting.estimator.reads_kl else ("kl", LOSS_MASK))
+    rollout, _ = _capture(config, leave_out="kl")
+    problems = validate_sources(str(tmp_path), _written(tmp_path, rollout)).problems
+    assert any("reward.post_process needs payload 'kl'" in p for p in problems) == (not setting.estimator.reads_kl)

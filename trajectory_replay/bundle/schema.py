@@ -228,11 +228,20 @@ class RecomputeConfig(_Model):
     mask_advantages: bool = False
     gamma: float = 1.0
     lam: float = 1.0
+    masked_return: str = "restart"
+    """How reinforce_plus_plus's running return crosses a token with mask 0: restart (zeroed after it) or carry
+    (passed over it unchanged: no discount, and that token's reward dropped)."""
     kl_in_reward: bool = False
+    kl_in_score: bool = False
+    """With kl_in_reward, an estimator that does not take the KL in its token rewards (grpo, dr_grpo, rloo,
+    reinforce_plus_plus_baseline) subtracts kl_coef times the sample's masked KL sum from its reward before
+    post-processing; false: it ignores the reward-side KL."""
     kl_loss_type: str = "k1"
     kl_coef: float = 0.0
     kl_log_ratio_clamp: float | None = None
     kl_output_clamp: float | None = None
+    kl_clamped: list[str] | None = None
+    """The KL estimators kl_log_ratio_clamp and kl_output_clamp apply to (None: every one)."""
     policy_loss: str = "ppo_clip"
     eps_clip: float = 0.2
     eps_clip_high: float = 0.2

@@ -9,8 +9,9 @@ import it.
 Some entries exist only under some settings (`StageIO.only_when`): the reference log-probs when kl_coef is not 0,
 the old values and returns of an estimator that reads values. Some may be left out under some settings
 (`StageIO.optional_when`): the entropy when the loss has no entropy term. Those conditions ask the recompute config
-and the flags of the advantage estimator it names (`EstimatorFlags`: does it read the `values` payload, does it take the
-reward-side KL), handed in together as a `Setting`. The built-in estimators' flags are declared here
+and the flags of the advantage estimator it names (`EstimatorFlags`: does it read the `values` payload, does it take
+the reward-side KL in its token rewards; one that does not takes it in each sample's reward under kl_in_score),
+handed in together as a `Setting`. The built-in estimators' flags are declared here
 (`BUILTIN_ESTIMATOR_FLAGS`; the registry's built-in kernels take theirs from it), so a torch-free command answers for
 them without loading a kernel; a plugin estimator's flags are those of its registered kernel, which the caller
 resolves (`replay.flags`) and hands in. The table never looks a kernel up itself: bundle code does not import replay.
@@ -73,6 +74,13 @@ def kl_in_reward(setting: Setting) -> bool:
     return config.kl_in_reward and config.kl_coef != 0 and setting.estimator.reads_kl
 
 
+def kl_in_score(setting: Setting) -> bool:
+    """True when the config puts the reward-side KL into each sample's reward before post-processing: an estimator
+    that does not take it in its token rewards, under kl_in_reward with kl_in_score (and kl_coef != 0)."""
+    config = setting.config
+    return config.kl_in_reward and config.kl_in_score and config.kl_coef != 0 and not setting.estimator.reads_kl
+
+
 def rollout_correction(config: RecomputeConfig) -> bool:
     """True when the policy loss corrects for the training-inference mismatch (importance weights or rejection)."""
     return config.rollout_is != "none" or config.rollout_rs != "none"
@@ -80,6 +88,9 @@ def rollout_correction(config: RecomputeConfig) -> bool:
 
 KL_USED = When(lambda s: s.config.kl_coef != 0, lambda s: f"kl_coef={s.config.kl_coef}")
 KL_IN_REWARD = When(kl_in_reward, lambda s: f"kl_in_reward with advantage_estimator={s.config.advantage_estimator}")
+KL_IN_SCORE = When(
+    kl_in_score, lambda s: f"kl_in_reward and kl_in_score with advantage_estimator={s.config.advantage_estimator}"
+)
 NEEDS_VALUES = When(lambda s: s.estimator.needs_values, lambda s: f"advantage_estimator={s.config.advantage_estimator}")
 KL_LOSS = When(lambda s: s.config.kl_loss_coef != 0, lambda s: f"kl_loss_coef={s.config.kl_loss_coef}")
 NO_ENTROPY_TERM = When(lambda s: s.config.entropy_coef == 0, lambda s: f"entropy_coef={s.config.entropy_coef}")
@@ -214,15 +225,20 @@ STAGE_IO: dict[StageId, StageIO] = {
     StageId.REWARD_RAW: StageIO(
         fields=("raw_reward",), outputs=("raw_rewards",), per="sample", in_records={"raw_rewards": "raw_reward"}
     ),
+    # with the KL in the score, each sample's reward less kl_coef times its masked sum of production's reward-side
+    # KL (the `kl` payload; advantage.kl checks it against the log-probs)
     StageId.REWARD_POST_PROCESS: StageIO(
+        payloads=("kl", "loss_mask"),
         fields=("group_index",),
         upstream=((StageId.REWARD_RAW, "raw_rewards"),),
         outputs=("rewards",),
         per="sample",
         in_records={"rewards": "reward"},
+        only_when={"kl": KL_IN_SCORE, "loss_mask": KL_IN_SCORE},
     ),
+    # compared on the tokens with mask 1 only: the KL of a masked-out token reaches no reward
     StageId.ADVANTAGE_KL: StageIO(
-        payloads=("old_log_probs", "ref_log_probs"),
+        payloads=("old_log_probs", "ref_log_probs", "loss_mask"),
         outputs=("kl",),
         per="token",
         only_when={"old_log_probs": KL_USED, "ref_log_probs": KL_USED},
@@ -281,6 +297,7 @@ __all__ = [
     "BUILTIN_ESTIMATOR_FLAGS",
     "EstimatorFlags",
     "kl_in_reward",
+    "kl_in_score",
     "LOSS_FIELDS",
     "LOSS_MASK",
     "MISMATCH_FIELDS",

@@ -244,7 +244,26 @@ def find_conventions(sources: Sequence[ReplaySource], *, rank: int | None = None
         if name in (built_from, "relax") or changes:
             seen.discard(key)  # a profile is reported even when a variant equals it
             attempt(f"profile {name}", "profile", changes)
-    return ConventionsReport(sources[0].bundle_id, tuple(tried), profile=built_from)
+    return ConventionsReport(sources[0].bundle_id, tuple(_one_per_framework(tried, built_from)), profile=built_from)
+
+
+def _one_per_framework(tried: list[Candidate], built_from: str | None) -> list[Candidate]:
+    """The candidates less the versions of a framework this bundle cannot tell apart: a version whose verdicts on
+    every stage are those of the version named first (the recorded profile, else the bare name, which is the
+    newest) says nothing more, and naming it would make the search prefer an older version for a field the bundle
+    never exercises."""
+    first: dict[str, Candidate] = {}
+    for name in sorted(PROFILES, key=lambda n: (n != built_from, n != PROFILES[n].framework)):
+        found = next((c for c in tried if c.kind == "profile" and c.name == f"profile {name}"), None)
+        if found is not None:
+            first.setdefault(PROFILES[name].framework, found)
+    kept = []
+    for candidate in tried:
+        name = candidate.name.removeprefix("profile ")
+        named = first.get(PROFILES[name].framework) if candidate.kind == "profile" and name in PROFILES else None
+        if named is None or named is candidate or named.stages != candidate.stages or named.error != candidate.error:
+            kept.append(candidate)
+    return kept
 
 
 def single_field_variants(config: RecomputeConfig) -> list[dict[str, Any]]:

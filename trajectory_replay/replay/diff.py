@@ -4,8 +4,8 @@ Two bundles (any mix of native, older-format, local and `s3://`) are compared sa
 matched by id, so a different order or a different rank sharding is no difference. Compared are the recompute
 config field by field, every record field a stage reads, every payload token by token, and the expected outputs
 (per-sample lists by sample id, cohort scalars rank by rank when both bundles shard their samples alike). Each
-difference is placed at the first stage that reads or produces it, and the report names, in stage order, the
-first stage whose inputs or expected outputs differ.
+difference is placed at the stage that produces it, else the first stage that reads it, and the report names, in
+stage order, the first stage whose inputs or expected outputs differ.
 
 Native payloads are compared lazily through the store: a payload with the same digest and the same rows in both
 bundles is equal without a read, and a sample whose rows lie in blocks with equal hashes at the same offsets in
@@ -188,10 +188,13 @@ class DiffReport(Outcome):
 
 
 def _payload_stage(name: str) -> str:
-    """The first stage that reads payload `name` or records its output in it."""
+    """The stage that records its output in payload `name`, else the first stage that reads it."""
     for stage in STAGE_ORDER:
         io = STAGE_IO[stage]
-        if name in io.payloads or (io.recorded_as == "payload" and name in io.outputs):
+        if io.recorded_as == "payload" and name in io.outputs:
+            return stage.value
+    for stage in STAGE_ORDER:
+        if name in STAGE_IO[stage].payloads:
             return stage.value
     return StageId.SAMPLE.value
 

@@ -191,24 +191,39 @@ def reverse_scan(lengths: torch.Tensor, inputs: Sequence[torch.Tensor], step: Sc
     return torch.from_numpy(out)
 
 
-def discounted_returns(rho: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = rho_t + gamma * m_{t+1} G_{t+1} within each sample (the running return is masked after each token,
-    so it restarts after a masked-out token), scanning all samples backwards together."""
+def discounted_returns(
+    rho: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, gamma: float, carry: bool = False
+) -> torch.Tensor:
+    """G_t = rho_t + gamma * R_{t+1} within each sample, scanning all samples backwards together, where R is the
+    running return after each token: by default G_t m_t (it restarts after a masked-out token); with `carry`,
+    G_t where m_t = 1 and R_{t+1} unchanged where m_t = 0 (a masked-out token neither discounts it nor adds its
+    reward), written G_t m_t + R_{t+1} (1 - m_t) as production writes it, and G_t m_t returned."""
     running = np.zeros(lengths.numel(), dtype=np.float32)
 
-    def step(n: int, rows: list[np.ndarray]) -> np.ndarray:
+    def restart(n: int, rows: list[np.ndarray]) -> np.ndarray:
         r, m = rows
         g = r + np.float32(gamma) * running[:n]
         np.multiply(g, m, out=running[:n])
         return g
 
-    return reverse_scan(lengths, [rho, mask.to(torch.float32)], step)
+    def carried(n: int, rows: list[np.ndarray]) -> np.ndarray:
+        r, m = rows
+        before = running[:n]
+        g = r + np.float32(gamma) * before
+        kept = g * m
+        before *= np.float32(1.0) - m
+        before += kept
+        return kept
+
+    return reverse_scan(lengths, [rho, mask.to(torch.float32)], carried if carry else restart)
 
 
 def reinforce_plus_plus_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
-    """Discounted returns of the token rewards, whitened over the cohort's masked tokens, then masked."""
+    """Discounted returns of the token rewards (across masked-out tokens as masked_return says), whitened over the
+    cohort's masked tokens, then masked."""
     mask = inputs.mask.to(torch.float32)
-    returns = discounted_returns(token_rewards(inputs), mask, inputs.lengths, inputs.config.gamma)
+    carry = inputs.config.masked_return == "carry"
+    returns = discounted_returns(token_rewards(inputs), mask, inputs.lengths, inputs.config.gamma, carry)
     return AdvantageOutputs(whiten_advantages(inputs, returns, mask).mul_(mask))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy
@@ -44,11 +44,15 @@ def kl_estimate(
     kl_type: str,
     log_ratio_clamp: float | None = None,
     output_clamp: float | None = None,
+    clamped: Collection[str] | None = None,
 ) -> torch.Tensor:
     """Per-token KL estimate of a policy against the reference from d = log_probs - ref_log_probs:
     k1 d, k2 d^2/2, k3 = low_var_kl exp(-d) - 1 + d, abs |d|; d clamped to [-c, c] first and the estimate
-    to [-c', c'] last when the clamps are set (low_var_kl always to [-10, 10])."""
+    to [-c', c'] last when the clamps are set and `clamped` (None: every estimator) lists `kl_type`
+    (low_var_kl always to [-10, 10])."""
     check_kl_type(kl_type)
+    if clamped is not None and kl_type not in clamped:
+        log_ratio_clamp = output_clamp = None
     d = log_probs.to(torch.float32) - ref_log_probs.to(torch.float32)
     if log_ratio_clamp is not None:
         d.clamp_(-log_ratio_clamp, log_ratio_clamp)

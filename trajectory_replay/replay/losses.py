@@ -289,6 +289,7 @@ def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: Los
                     config.kl_loss_estimator,
                     config.kl_log_ratio_clamp,
                     config.kl_output_clamp,
+                    config.kl_clamped,
                 )
             )
         stacked_sample_sums(

@@ -314,6 +314,7 @@ SCALED_MODES = ("seq_mean_token_sum_norm", "seq_mean_token_sum_scaled")
 _CHOICES = {
     "group_size_check": ("exact", "any"),
     "singleton_group": ("nan", "unit"),
+    "masked_return": ("restart", "carry"),
     "rollout_is": CORRECTION_MODES,
     "rollout_rs": CORRECTION_MODES,
     "clip_metric_agg": CLIP_METRIC_AGGS,
@@ -348,7 +349,10 @@ def _check_choices(config: RecomputeConfig) -> None:
 
 
 def _check_kl_types(config: RecomputeConfig, running: set[StageId]) -> None:
-    """The KL estimators the running stages compute with are ones replay implements."""
+    """The KL estimators the running stages compute with, and those the KL clamps name, are ones replay
+    implements."""
+    for kl_type in config.kl_clamped or ():
+        kernels_mod.check_kl_type(kl_type, "kl_clamped entry")
     if StageId.ADVANTAGE_KL in running and config.kl_coef != 0:
         kernels_mod.check_kl_type(config.kl_loss_type, "kl_loss_type")
     if StageId.LOSS_POLICY in running and config.kl_loss_coef != 0:

@@ -19,7 +19,15 @@ from typing import Any
 import torch
 
 from trajectory_replay.bundle.schema import RecomputeConfig, StageId
-from trajectory_replay.bundle.stage_io import LOSS_FIELDS, MISMATCH_FIELDS, STAGE_IO, Setting, StageIO, kl_in_reward
+from trajectory_replay.bundle.stage_io import (
+    LOSS_FIELDS,
+    MISMATCH_FIELDS,
+    STAGE_IO,
+    Setting,
+    StageIO,
+    kl_in_reward,
+    kl_in_score,
+)
 from trajectory_replay.replay import kernels, losses, mismatch
 from trajectory_replay.replay.blocks import Block
 from trajectory_replay.replay.cohort import Cohort
@@ -118,7 +126,8 @@ class Stage:
     finish: Finish | None = None
     """Makes the verdict from the runs over the blocks (None: their merged findings, with the passed message)."""
     per_block: bool = True
-    """Runs block by block in a streamed replay; False: once over the whole cohort (it reads no payload)."""
+    """Runs block by block in a streamed replay; False: once over the whole cohort, before the blocks (it reads no
+    payload, or reads its payloads whole)."""
 
     def verdict(
         self, ctx: StageContext, merged: StageChecks, runs: Sequence[tuple[StageOutcome, Block]]
@@ -419,6 +428,11 @@ def _run_reward_post_process(ctx: StageContext) -> StageOutcome:
             return StageOutcome(f)
     raw = ctx.outputs.get(StageId.REWARD_RAW, {}).get("raw_rewards")
     raw = raw if raw is not None else _in_records(ctx, StageId.REWARD_RAW, "raw_rewards")
+    if kl_in_score(ctx.setting):
+        loaded = _load_payloads(ctx, f, STAGES[StageId.REWARD_POST_PROCESS].loaded(ctx.setting))
+        if loaded is None:
+            return StageOutcome(f)
+        raw = _score_with_kl(raw, loaded["kl"], loaded["loss_mask"], c.lengths, cfg.kl_coef)
     rewards = estimator.post_process(RewardInputs(raw, group_ids, len(keys), cfg))
     _compare_per_sample(ctx, f, StageId.REWARD_POST_PROCESS, "rewards", rewards)
     passed = (
@@ -427,6 +441,25 @@ def _run_reward_post_process(ctx: StageContext) -> StageOutcome:
         else f"{len(c.records)} samples, {estimator.name} keeps raw rewards"
     )
     return StageOutcome(f, {"rewards": rewards}, passed=passed)
+
+
+def _score_with_kl(
+    raw: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, kl_coef: float
+) -> torch.Tensor:
+    """Each sample's reward less kl_coef * kl on each of its masked-in tokens: the sum of its token rewards as
+    production forms them in float32 (kl_coef * kl * m on every token, subtracted from the reward at the last
+    one), summed in float64 (production's own float32 sum rounds by its summation order, which no bundle records).
+    """
+    penalty = kl.to(torch.float32) * kl_coef * mask.to(torch.float32)
+    lengths = lengths.to(torch.int64)
+    nonempty = lengths > 0
+    last = kernels.sample_ends(lengths)[nonempty] - 1
+    at_last = penalty[last]
+    sums = kernels.masked_sample_sums(penalty, torch.ones_like(penalty, dtype=torch.float64), lengths)
+    sums[nonempty] -= at_last.to(torch.float64)  # the last token's term is the reward less its penalty, in float32
+    out = -sums
+    out[nonempty] += (raw.to(torch.float32)[nonempty] - at_last).to(torch.float64)
+    return out.to(torch.float32)
 
 
 def _recorded_rewards(ctx: StageContext) -> Outputs:
@@ -448,8 +481,18 @@ def _run_advantage_kl(ctx: StageContext) -> StageOutcome:
             cfg.kl_loss_type,
             cfg.kl_log_ratio_clamp,
             cfg.kl_output_clamp,
+            cfg.kl_clamped,
         )
-    f.add(ctx.compare("kl", loaded["kl"], actual, c.token_layout))
+    # a masked-out token's KL reaches no reward: it is compared as 0 on both sides, whatever either holds
+    inside, zero = loaded["loss_mask"].to(torch.bool), torch.zeros((), dtype=torch.float32)
+    f.add(
+        ctx.compare(
+            "kl",
+            torch.where(inside, loaded["kl"], zero),
+            torch.where(inside, actual, zero),
+            c.token_layout,
+        )
+    )
     return StageOutcome(f, {"kl": actual})
 
 
