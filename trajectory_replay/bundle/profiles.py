@@ -46,9 +46,14 @@ class Option:
     field: str
     translate: Callable[[Any], Mapping[str, Any]] | None = None
     """Maps the option's value to one or more fields, e.g. verl's 'token-mean' -> loss_agg_mode token_mean."""
+    jointly: Callable[[Any, Mapping[str, Any]], Mapping[str, Any]] | None = None
+    """For an option whose meaning depends on others (verl's rollout_rs_threshold on rollout_rs): maps its value
+    and the fields the other options and overrides set to the fields it sets; it is applied after them."""
 
-    def fields(self, value: Any) -> Mapping[str, Any]:
-        """The config fields this option's `value` sets."""
+    def fields(self, value: Any, others: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
+        """The config fields this option's `value` sets, given the fields set by the others (`jointly`)."""
+        if self.jointly is not None:
+            return self.jointly(value, others or {})
         return self.translate(value) if self.translate is not None else {self.field: value}
 
 
@@ -68,7 +73,10 @@ class Profile:
         """The config fields this profile with `overrides` (the framework's option names, or names among
         `config_fields`) sets; ValueError naming an override that is neither."""
         fields = dict(self.settings)
+        joint = {k: v for k, v in overrides.items() if k in self.options and self.options[k].jointly is not None}
         for key, value in overrides.items():
+            if key in joint:
+                continue
             if key in self.options:  # a name both spell (verl's kl_loss_type) means what the framework means by it
                 fields.update(self.options[key].fields(value))
             elif key in config_fields:
@@ -79,6 +87,8 @@ class Profile:
                     f"{key!r} is neither a recompute config field nor a {self.framework} option of "
                     f"profile {self.name!r} (its options: {known})"
                 )
+        for key, value in joint.items():
+            fields.update(self.options[key].fields(value, fields))
         return fields
 
 
@@ -100,6 +110,80 @@ def _choices(field_name: str, table: Mapping[str, Mapping[str, Any]]) -> Callabl
 def _both(*fields: str) -> Callable[[Any], Mapping[str, Any]]:
     """One framework option that sets several of our fields to the same value."""
     return lambda value: dict.fromkeys(fields, value)
+
+
+def _verl_number(option: str, text: Any) -> float:
+    """A number verl takes as a float or a string; ValueError naming the option otherwise."""
+    try:
+        if isinstance(text, bool):
+            raise ValueError
+        return float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"verl option {option}={text!r}: expected a number") from None
+
+
+def _verl_is_threshold(value: Any) -> Mapping[str, Any]:
+    """verl's rollout_is_threshold: a number truncates the weights at it; 'lower_upper' zeroes the weights outside
+    the window (IcePop)."""
+    if isinstance(value, str) and "_" in value:
+        lower, upper = value.split("_", 1)
+        return {
+            "rollout_is_threshold": _verl_number("rollout_is_threshold", upper),
+            "rollout_is_threshold_lower": _verl_number("rollout_is_threshold", lower),
+        }
+    return {"rollout_is_threshold": _verl_number("rollout_is_threshold", value), "rollout_is_threshold_lower": None}
+
+
+def _verl_rollout_rs(value: Any) -> Mapping[str, Any]:
+    """verl's rollout_rs: null is off; a comma-separated list of criteria is kept as one string, without spaces."""
+    if value is None:
+        return {"rollout_rs": "none"}
+    return {"rollout_rs": ",".join(part.strip() for part in str(value).split(",") if part.strip()) or "none"}
+
+
+def _verl_rs_threshold(value: Any, others: Mapping[str, Any]) -> Mapping[str, Any]:
+    """verl's rollout_rs_threshold, read with the rollout_rs it goes with: the upper ratio bound of the token and
+    sequence modes, or one spec per divergence criterion (one spec shared by all of them). verl's k1 spec
+    'lower_upper' bounds the ratio engine / trainer, so ours, trainer / engine, is [1 / upper, 1 / lower]; a single
+    number u is the window [1 / u, u] either way. A k2 or k3 spec is one upper bound."""
+    rs = str(others.get("rollout_rs", "none"))
+    if rs in ("none", "token", "sequence"):
+        return {} if value is None else {"rollout_rs_upper": _verl_number("rollout_rs_threshold", value)}
+    criteria = list(dict.fromkeys(rs.split(",")))
+    if value is None:
+        raise ValueError(f"verl option rollout_rs_threshold is needed with rollout_rs={rs!r}")
+    specs = [part.strip() for part in str(value).split(",") if part.strip()]
+    if len(specs) == 1:
+        specs *= len(criteria)
+    if len(specs) != len(criteria):
+        raise ValueError(
+            f"verl option rollout_rs_threshold={value!r}: one spec, or one per rollout_rs criterion ({len(criteria)})"
+        )
+    bounds: dict[str, dict[str, float | None]] = {}
+    for name, spec in zip(criteria, specs):
+        if name.endswith("k1"):
+            if "_" in spec:
+                low, high = (_verl_number("rollout_rs_threshold", v) for v in spec.split("_", 1))
+                bounds[name] = {"lower": 1.0 / high, "upper": 1.0 / low}
+            else:
+                high = _verl_number("rollout_rs_threshold", spec)
+                bounds[name] = {"lower": 1.0 / high, "upper": high}
+        elif "_" in spec:
+            raise ValueError(f"verl option rollout_rs_threshold={value!r}: criterion {name} takes one upper bound")
+        else:
+            bounds[name] = {"lower": None, "upper": _verl_number("rollout_rs_threshold", spec)}
+    return {"rollout_rs_bounds": bounds}
+
+
+def _refused(option: str, allowed: Any, why: str) -> Callable[[Any], Mapping[str, Any]]:
+    """An option replay expresses at one value only (it sets no field); ValueError naming it at any other."""
+
+    def translate(value: Any) -> Mapping[str, Any]:
+        if value != allowed:
+            raise ValueError(f"verl option {option}={value!r}: {why}")
+        return {}
+
+    return translate
 
 
 _VERL_KL = {"kl": "k1", "mse": "k2", "k3+": "k3", "low_var_kl+": "low_var_kl"}
@@ -140,8 +224,19 @@ PROFILES: dict[str, Profile] = {
                 "loss_mode": Option("policy_loss", _named("policy_loss", {"vanilla": "ppo_clip"})),
                 # algorithm.rollout_correction: null means off
                 "rollout_is": Option("rollout_is", lambda v: {"rollout_is": "none" if v is None else v}),
-                "rollout_rs": Option("rollout_rs", lambda v: {"rollout_rs": "none" if v is None else v}),
-                "rollout_rs_threshold": Option("rollout_rs_upper"),
+                "rollout_is_threshold": Option("rollout_is_threshold", _verl_is_threshold),
+                "rollout_is_batch_normalize": Option(
+                    "rollout_is",
+                    _refused(
+                        "rollout_is_batch_normalize", False, "no field expresses weights normalized by their mean"
+                    ),
+                ),
+                "bypass_mode": Option(
+                    "rollout_is",
+                    _refused("bypass_mode", False, "replay recomputes the decoupled correction only"),
+                ),
+                "rollout_rs": Option("rollout_rs", _verl_rollout_rs),
+                "rollout_rs_threshold": Option("rollout_rs_bounds", jointly=_verl_rs_threshold),
                 "rollout_rs_threshold_lower": Option("rollout_rs_lower"),
             },
         ),
