@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -79,9 +79,11 @@ class Settings:
     max_staleness: int | None = None
     rollout_is: str = "none"
     rollout_is_threshold: float = 2.0
+    rollout_is_threshold_lower: float | None = None
     rollout_rs: str = "none"
     rollout_rs_lower: float | None = None
     rollout_rs_upper: float | None = None
+    rollout_rs_bounds: dict[str, Any] = field(default_factory=dict)
     mismatch_max_kl_k3: float | None = None
     mismatch_max_token_log_ratio: float | None = None
     expect_on_policy: bool = False
@@ -424,7 +426,11 @@ LOG_RATIO_SAFETY = 20.0
 def rollout_correction(
     old: Ragged, rollout: Ragged, masks: Sequence[Sequence[int]], s: Settings
 ) -> tuple[Ragged | None, list[list[int]]]:
-    """(importance weights per token or None, the loss masks after rejection) of the mismatch correction."""
+    """(importance weights per token or None, the loss masks after rejection) of the mismatch correction: truncated
+    weights and the token and sequence modes of rejection (IcePop and the divergence criteria are checked against
+    verl itself, in tests/integrations/verl)."""
+    if s.rollout_is_threshold_lower is not None or s.rollout_rs not in ("none", "token", "sequence"):
+        raise ValueError("the reference implements truncated weights and token or sequence rejection only")
     weights: Ragged = []
     kept: list[list[int]] = []
     upper = s.rollout_rs_upper if s.rollout_rs_upper is not None else s.rollout_is_threshold

@@ -515,3 +515,35 @@ def test_without_any_mismatch_no_token_is_listed_and_no_negative_zero_is_shown()
     assert report.passed and entry.metrics["worst_tokens"] == []
     assert "metrics: kl_k1=0.0 kl_k3=0.0 log_ratio_max_abs=0.0" in report.render_text()
     assert "worst tokens" not in report.render_text()
+
+
+def test_the_loss_takes_weights_and_rejection_over_the_pre_rejection_mask():
+    """A bundle that records the mask after rejection as its loss mask and the one before as pre_rejection_mask
+    gives the loss of the mask before; without the payload, the sequence weights over the mask after differ."""
+    cfg = _config(
+        rollout_is="sequence",
+        rollout_is_threshold=10.0,
+        rollout_rs="token_k1",
+        rollout_rs_bounds={"token_k1": {"lower": 0.9, "upper": 2.0}},
+    )
+    before = _t(FLAT_MASK)
+    after = mismatch.correction(mismatch.log_ratio(_t(OLD), _t(ROLLOUT)), before, _lengths(), cfg).mask
+    # e^-0.25, e^-0.125 < 0.9 and e^1 > 2 rejected: sample 0 keeps one of its two tokens
+    assert after.tolist() == [1, 0, 1, 0, 0, 0]
+
+    def loss(mask: torch.Tensor, payloads: dict[str, torch.Tensor]) -> dict[str, float]:
+        data = losses.PolicyLossData(
+            _t([o + 0.1 for o in OLD]),
+            _t(OLD),
+            _t([1.0, -1.0, 0.5, 0.5, 0.5, -2.0]),
+            torch.full((6,), 0.5),
+            mask,
+            _lengths(),
+            rollout_log_probs=_t(ROLLOUT),
+            payloads=payloads,
+        )
+        return losses.policy_loss_outputs(data, cfg, resolve_kernels(cfg))
+
+    assert loss(after, {"pre_rejection_mask": before}) == loss(before, {})
+    # sample 0's weight over the mask after is e^0.125, over the mask before e^-0.125
+    assert loss(after, {})["pg_loss"] != pytest.approx(loss(before, {})["pg_loss"])

@@ -55,9 +55,14 @@ class Option:
     field: str
     translate: Callable[[Any], Mapping[str, Any]] | None = None
     """Maps the option's value to one or more fields, e.g. verl's 'token-mean' -> loss_agg_mode token_mean."""
+    jointly: Callable[[Any, Mapping[str, Any]], Mapping[str, Any]] | None = None
+    """For an option whose meaning depends on others (verl's rollout_rs_threshold on rollout_rs): maps its value
+    and the fields the other options and overrides set to the fields it sets; it is applied after them."""
 
-    def fields(self, value: Any) -> Mapping[str, Any]:
-        """The config fields this option's `value` sets."""
+    def fields(self, value: Any, others: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
+        """The config fields this option's `value` sets, given the fields set by the others (`jointly`)."""
+        if self.jointly is not None:
+            return self.jointly(value, others or {})
         return self.translate(value) if self.translate is not None else {self.field: value}
 
 
@@ -81,15 +86,21 @@ class Profile:
         `config_fields`) sets; ValueError naming an override that is neither, or an option whose value no field
         expresses."""
         fields = dict(self.settings)
+        joint = {k: v for k, v in overrides.items() if k in self.options and self.options[k].jointly is not None}
         for key, value in overrides.items():
-            fields.update(self.override(key, value, config_fields))
+            if key not in joint:
+                fields.update(self.override(key, value, config_fields))
+        for key, value in joint.items():
+            fields.update(self.override(key, value, config_fields, fields))
         return fields
 
-    def override(self, key: str, value: Any, config_fields: Collection[str]) -> Mapping[str, Any]:
-        """The config fields one override sets (see `fields`)."""
+    def override(
+        self, key: str, value: Any, config_fields: Collection[str], others: Mapping[str, Any] | None = None
+    ) -> Mapping[str, Any]:
+        """The config fields one override sets (see `fields`), given the fields the others set (`Option.jointly`)."""
         if key in self.options:  # a name both spell (verl's kl_loss_type) means what the framework means by it
             try:
-                return self.options[key].fields(value)
+                return self.options[key].fields(value, others)
             except ValueError as exc:
                 raise ValueError(f"{self.describe(key, value)}: {exc}") from None
         if key in config_fields:
@@ -177,6 +188,68 @@ def _only(*values: Any) -> Callable[[Any], Mapping[str, Any]]:
         return {}
 
     return translate
+
+
+def _verl_number(option: str, text: Any) -> float:
+    """A number verl takes as a float or a string (`option` spells it); ValueError otherwise, which the profile
+    prefixes with the option and its value."""
+    try:
+        if isinstance(text, bool):
+            raise ValueError
+        return float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number, not {text!r}") from None
+
+
+def _verl_is_threshold(value: Any) -> Mapping[str, Any]:
+    """verl's rollout_is_threshold: a number truncates the weights at it; 'lower_upper' zeroes the weights outside
+    the window (IcePop)."""
+    if isinstance(value, str) and "_" in value:
+        lower, upper = value.split("_", 1)
+        return {
+            "rollout_is_threshold": _verl_number("rollout_is_threshold", upper),
+            "rollout_is_threshold_lower": _verl_number("rollout_is_threshold", lower),
+        }
+    return {"rollout_is_threshold": _verl_number("rollout_is_threshold", value), "rollout_is_threshold_lower": None}
+
+
+def _verl_rollout_rs(value: Any) -> Mapping[str, Any]:
+    """verl's rollout_rs: null is off; a comma-separated list of criteria is kept as one string, without spaces."""
+    if value is None:
+        return {"rollout_rs": "none"}
+    return {"rollout_rs": ",".join(part.strip() for part in str(value).split(",") if part.strip()) or "none"}
+
+
+def _verl_rs_threshold(value: Any, others: Mapping[str, Any]) -> Mapping[str, Any]:
+    """verl's rollout_rs_threshold, read with the rollout_rs it goes with: the upper ratio bound of the token and
+    sequence modes, or one spec per divergence criterion (one spec shared by all of them). verl's k1 spec
+    'lower_upper' bounds the ratio engine / trainer, so ours, trainer / engine, is [1 / upper, 1 / lower]; a single
+    number u is the window [1 / u, u] either way. A k2 or k3 spec is one upper bound."""
+    rs = str(others.get("rollout_rs", "none"))
+    if rs in ("none", "token", "sequence"):
+        return {} if value is None else {"rollout_rs_upper": _verl_number("rollout_rs_threshold", value)}
+    criteria = list(dict.fromkeys(rs.split(",")))
+    if value is None:
+        raise ValueError(f"a threshold is needed with rollout_rs={rs!r}")
+    specs = [part.strip() for part in str(value).split(",") if part.strip()]
+    if len(specs) == 1:
+        specs *= len(criteria)
+    if len(specs) != len(criteria):
+        raise ValueError(f"one spec, or one per rollout_rs criterion ({len(criteria)})")
+    bounds: dict[str, dict[str, float | None]] = {}
+    for name, spec in zip(criteria, specs):
+        if name.endswith("k1"):
+            if "_" in spec:
+                low, high = (_verl_number("rollout_rs_threshold", v) for v in spec.split("_", 1))
+                bounds[name] = {"lower": 1.0 / high, "upper": 1.0 / low}
+            else:
+                high = _verl_number("rollout_rs_threshold", spec)
+                bounds[name] = {"lower": 1.0 / high, "upper": high}
+        elif "_" in spec:
+            raise ValueError(f"criterion {name} takes one upper bound")
+        else:
+            bounds[name] = {"lower": None, "upper": _verl_number("rollout_rs_threshold", spec)}
+    return {"rollout_rs_bounds": bounds}
 
 
 _VERL_KL = {"kl": "k1", "mse": "k2", "k3+": "k3", "low_var_kl+": "low_var_kl"}
@@ -285,9 +358,9 @@ _VERL_0_9 = Profile(
         "rollout_is": Option(
             "rollout_is", _one_of("rollout_is", {None: "none", "token": "token", "sequence": "sequence"})
         ),
-        "rollout_is_threshold": Option("rollout_is_threshold", _number("rollout_is_threshold")),
-        "rollout_rs": Option("rollout_rs", _one_of("rollout_rs", {None: "none"})),
-        "rollout_rs_threshold": Option("rollout_rs_upper", _only(None)),
+        "rollout_is_threshold": Option("rollout_is_threshold", _verl_is_threshold),
+        "rollout_rs": Option("rollout_rs", _verl_rollout_rs),
+        "rollout_rs_threshold": Option("rollout_rs_bounds", jointly=_verl_rs_threshold),
         "rollout_is_batch_normalize": Option("rollout_is", _only(False)),
         "bypass_mode": Option("rollout_is", _only(False)),
     },

@@ -209,6 +209,15 @@ class SampleRecord(_Model):
 TEXT_FIELDS = ("prompt", "response", "label", "tool_output")
 
 
+class RejectionBounds(_Model):
+    """What a divergence criterion of rejection keeps. A k1 criterion bounds the ratio trainer / engine
+    (exp of the token's log ratio, of its sample's sum or mean): lower (None: 1 / upper) and upper, both inclusive.
+    A k2 or k3 criterion bounds the divergence from above: upper only."""
+
+    lower: float | None = None
+    upper: float | None = None
+
+
 class RecomputeConfig(_Model):
     """Algorithm settings replay recomputes with; every default reproduces the older tool.
 
@@ -265,12 +274,20 @@ class RecomputeConfig(_Model):
     rollout_is: str = "none"
     """Importance-sampling correction of the training-inference mismatch: none, token or sequence."""
     rollout_is_threshold: float = 2.0
+    """The upper bound of the importance weights."""
+    rollout_is_threshold_lower: float | None = None
+    """None: weights above rollout_is_threshold are truncated to it. Set: a weight outside [this,
+    rollout_is_threshold] is 0 and the others are kept as they are (IcePop)."""
     rollout_rs: str = "none"
-    """Rejection sampling on the same ratio: none, token or sequence."""
+    """Rejection sampling on the same ratio: none, token, sequence, or a comma-separated list of divergence
+    criteria (token_k1, seq_sum_k3, ...: `replay.mismatch.DIVERGENCE_CRITERIA`), all of which a token must pass."""
     rollout_rs_lower: float | None = None
     """Lower bound on the ratio rejection keeps (None: 1 / the upper bound)."""
     rollout_rs_upper: float | None = None
     """Upper bound on the ratio rejection keeps (None: rollout_is_threshold)."""
+    rollout_rs_bounds: dict[str, RejectionBounds] = Field(default_factory=dict)
+    """The bounds of each divergence criterion of rollout_rs, by name; a criterion without an entry takes
+    rollout_rs_lower and rollout_rs_upper."""
     mismatch_max_kl_k3: float | None = None
     mismatch_max_token_log_ratio: float | None = None
     expect_on_policy: bool = False
@@ -569,6 +586,7 @@ __all__ = [
     "ProducerInfo",
     "RankTopology",
     "RecomputeConfig",
+    "RejectionBounds",
     "SampleRecord",
     "SchemaWarning",
     "STAGE_ORDER",

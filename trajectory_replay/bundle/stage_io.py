@@ -28,6 +28,10 @@ from trajectory_replay.bundle.schema import RecomputeConfig, StageId
 LOSS_MASK = "loss_mask"
 """The payload of every sample's loss mask (the writers make it from the records)."""
 
+PRE_REJECTION_MASK = "pre_rejection_mask"
+"""The payload of the loss mask before a rollout correction's rejection, where the loss mask is the one after it:
+the mask the importance weights, the rejection and the mismatch metrics are taken over (as verl takes them)."""
+
 
 @dataclass(frozen=True)
 class EstimatorFlags:
@@ -215,12 +219,14 @@ MISMATCH_FIELDS = ("kl_k1", "kl_k3", "log_ratio_max_abs", "seq_log_ratio_max_abs
 STAGE_IO: dict[StageId, StageIO] = {
     StageId.SAMPLE: StageIO(payloads=(LOSS_MASK,), fields=("sample_id", "response_length", "total_length")),
     # the inference engine's log-probs against the trainer's old ones, and each sample's weights version; the
-    # importance weights are compared when the bundle holds production's (`rollout_is_weights`)
+    # importance weights are compared when the bundle holds production's (`rollout_is_weights`); with the mask
+    # before rejection (`pre_rejection_mask`) the metrics and weights are taken over it, and the rejection it
+    # leads to is compared with the loss mask
     StageId.ROLLOUT_MISMATCH: StageIO(
-        payloads=("rollout_log_probs", "old_log_probs", "loss_mask", "rollout_is_weights"),
+        payloads=("rollout_log_probs", "old_log_probs", "loss_mask", "rollout_is_weights", PRE_REJECTION_MASK),
         fields=("policy_version",),
         outputs=MISMATCH_FIELDS,
-        optional=("rollout_log_probs", "old_log_probs", "rollout_is_weights") + MISMATCH_FIELDS,
+        optional=("rollout_log_probs", "old_log_probs", "rollout_is_weights", PRE_REJECTION_MASK) + MISMATCH_FIELDS,
     ),
     StageId.REWARD_RAW: StageIO(
         fields=("raw_reward",), outputs=("raw_rewards",), per="sample", in_records={"raw_rewards": "raw_reward"}
@@ -263,10 +269,17 @@ STAGE_IO: dict[StageId, StageIO] = {
             "loss_mask",
             "ref_log_probs",
             "rollout_log_probs",
+            PRE_REJECTION_MASK,
         ),
         upstream=((StageId.ADVANTAGE_ESTIMATE, "advantages"),),
         outputs=LOSS_FIELDS + ("kl_loss",),
-        only_when={"ref_log_probs": KL_LOSS, "kl_loss": KL_LOSS, "rollout_log_probs": CORRECTED},
+        only_when={
+            "ref_log_probs": KL_LOSS,
+            "kl_loss": KL_LOSS,
+            "rollout_log_probs": CORRECTED,
+            PRE_REJECTION_MASK: CORRECTED,
+        },
+        optional=(PRE_REJECTION_MASK,),
         optional_when={"entropy": NO_ENTROPY_TERM, "entropy_loss": NO_ENTROPY_TERM},
         planned=("rollout_log_probs", "ref_log_probs"),
     ),
@@ -303,6 +316,7 @@ __all__ = [
     "MISMATCH_FIELDS",
     "NO_ENTROPY_TERM",
     "payloads_of",
+    "PRE_REJECTION_MASK",
     "RECORDED_PAYLOADS",
     "rollout_correction",
     "Setting",

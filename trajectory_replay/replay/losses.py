@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from trajectory_replay.bundle.schema import RecomputeConfig
-from trajectory_replay.bundle.stage_io import rollout_correction
+from trajectory_replay.bundle.stage_io import PRE_REJECTION_MASK, rollout_correction
 from trajectory_replay.replay.kernels import Workspace, kl_estimate, sample_blocks, stacked_sample_sums
 from trajectory_replay.replay.mismatch import correction, log_ratio
 
@@ -212,7 +212,9 @@ class PolicyLossData:
     rollout_log_probs: torch.Tensor | None = None
     """The inference engine's log-probs: with rollout_is / rollout_rs, the loss corrects for the mismatch."""
     payloads: Mapping[str, torch.Tensor] = field(default_factory=dict)
-    """Every per-token payload the stage loaded, by name: the policy loss kernel gets each block's rows of them."""
+    """Every per-token payload the stage loaded, by name: the policy loss kernel gets each block's rows of them.
+    With a rollout correction, `pre_rejection_mask` (when there) is the mask its weights and rejection are taken
+    over; without it, `mask` is."""
     micro_batches: torch.Tensor | None = None
     """Each sample's micro-batch as a dense id, for `clip_metric_agg` micro_batch_token_mean (None: one)."""
 
@@ -249,6 +251,7 @@ def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: Los
     )
     table = torch.zeros((len(fields) + 1, lengths.numel()), dtype=torch.float64)  # each field's sums, then T_i
     corrected = rollout_correction(config)
+    pre_rejection = data.payloads.get(PRE_REJECTION_MASK)
     indicator = kernels.policy_loss.tokens in _INDICATOR_CLIPFRAC  # a plugin's clipfrac is summed as any value
     workspace = Workspace()
     for first, last, start, end in sample_blocks(lengths, BLOCK_TOKENS):
@@ -257,9 +260,10 @@ def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: Los
         if corrected:  # rejection changes the mask every term and count is taken over; weights scale pg
             if data.rollout_log_probs is None:
                 raise ValueError("a rollout correction needs the rollout_log_probs payload")
+            before = pre_rejection[start:end] if pre_rejection is not None else block_mask
             fix = correction(
                 log_ratio(data.old_log_probs[start:end], data.rollout_log_probs[start:end]),
-                block_mask,
+                before,
                 block_lengths,
                 config,
             )

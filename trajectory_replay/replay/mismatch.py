@@ -1,16 +1,22 @@
 """Training-inference mismatch: the rollout.mismatch metrics and the corrections the policy loss applies.
 
 d = old_log_probs - rollout_log_probs per token, the log of the trainer's probability over the inference
-engine's. Metrics are over the tokens with loss mask 1: kl_k1 = mean(-d), kl_k3 = mean(exp(d) - 1 - d),
+engine's. Metrics are over the tokens with mask 1 before rejection (the `pre_rejection_mask` payload where a
+bundle holds it, else the loss mask): kl_k1 = mean(-d), kl_k3 = mean(exp(d) - 1 - d),
 log_ratio_max_abs = max |d|, seq_log_ratio_max_abs = max over samples of |sum_t m d|.
 
 Corrections (`rollout_is`, `rollout_rs`): the log ratio, per token or summed per sample over its masked
 tokens, is clamped to [-20, 20] before exp. Importance weights are min(ratio, rollout_is_threshold), on every
-token of the sample for `sequence`; rejection keeps a token (a sample, for `sequence`) whose ratio lies in
-[rollout_rs_lower, rollout_rs_upper] (both inclusive, on the clamped ratio) and sets the loss mask of the others
-to 0. The weights production records are the weights times the loss mask before rejection. Weights are constants
-of the loss (no gradient flows in them); they scale the per-token policy loss only, not the clip fraction or ppo_kl,
-and every term of loss.policy is aggregated over the mask after rejection.
+token of the sample for `sequence`; with rollout_is_threshold_lower set, a weight whose ratio lies outside
+[rollout_is_threshold_lower, rollout_is_threshold] is 0 instead and the others are not truncated (IcePop).
+Rejection keeps a token (a sample, for `sequence`) whose ratio lies in [rollout_rs_lower, rollout_rs_upper] (both
+inclusive, on the clamped ratio) and sets the loss mask of the others to 0; or it chains the divergence criteria
+rollout_rs lists (`DIVERGENCE_CRITERIA`), each with its own bounds, and keeps a token that passes all of them.
+Weights and rejection are taken over the loss mask before rejection (the `pre_rejection_mask` payload where a bundle
+holds it), as verl's `compute_rollout_correction_and_add_to_batch` takes them; the weights production records are the
+weights times that mask. Weights are constants of the loss (no gradient flows in them); they scale the per-token
+policy loss only, not the clip fraction or ppo_kl, and every term of loss.policy is aggregated over the mask after
+rejection.
 """
 
 from __future__ import annotations
@@ -318,6 +324,72 @@ def rs_bounds(config: RecomputeConfig) -> tuple[float, float]:
     return lower, upper
 
 
+DIVERGENCE_CRITERIA: dict[str, tuple[str, str]] = {
+    f"{level}_{k}": (level, k)
+    for level in ("token", "seq_sum", "seq_mean", "seq_max")
+    for k in ("k1", "k2", "k3")
+    if (level, k) != ("seq_max", "k1")
+}
+"""The divergence criteria rejection may chain (`rollout_rs`), by name: (where the statistic is taken, which
+estimator). Per token x = d clamped to [-20, 20]; k1 is x itself, k2 = x^2 / 2, k3 = exp(x) - 1 - x. `token` takes
+each token's own value, `seq_sum` / `seq_mean` / `seq_max` the sum / mean / max over its sample's masked-in tokens
+(a sample with none: 0), and a sample's verdict holds for each of its tokens. A k1 criterion keeps a value whose exp
+lies within [lower, upper] (the ratio trainer / engine), k2 and k3 one at most upper."""
+
+
+def rejection_criteria(config: RecomputeConfig) -> tuple[str, ...]:
+    """The divergence criteria config.rollout_rs chains, in order, each once; () for none, token and sequence."""
+    if config.rollout_rs in CORRECTION_MODES:
+        return ()
+    return tuple(dict.fromkeys(part.strip() for part in config.rollout_rs.split(",") if part.strip()))
+
+
+def criterion_bounds(config: RecomputeConfig, name: str) -> tuple[float | None, float | None]:
+    """(lower, upper) of divergence criterion `name`: its entry of rollout_rs_bounds, else rollout_rs_lower and
+    rollout_rs_upper; a k1 criterion's lower defaults to 1 / upper."""
+    bounds = config.rollout_rs_bounds.get(name)
+    lower, upper = (
+        (bounds.lower, bounds.upper) if bounds is not None else (config.rollout_rs_lower, config.rollout_rs_upper)
+    )
+    if name.endswith("k1") and lower is None and upper is not None:
+        lower = 1.0 / upper
+    return lower, upper
+
+
+def _divergence_keep(
+    d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, config: RecomputeConfig
+) -> torch.Tensor:
+    """Per token: whether it passes every divergence criterion of config.rollout_rs, each taken over `mask`."""
+    inside = mask.to(torch.bool)
+    x = d.to(torch.float32).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    stats = {"k1": x, "k2": 0.5 * x**2, "k3": torch.exp(x) - 1.0 - x}
+    keep = torch.ones(d.shape, dtype=torch.bool)
+    counts: torch.Tensor | None = None
+    for name in rejection_criteria(config):
+        level, k = DIVERGENCE_CRITERIA[name]
+        lower, upper = criterion_bounds(config, name)
+        assert upper is not None  # the plan refuses a criterion without one
+        stat = stats[k]
+        if level == "token":
+            value = stat
+        elif level == "seq_max":
+            top = torch.segment_reduce(stat.masked_fill(~inside, -math.inf), "max", lengths=lengths)
+            value = torch.repeat_interleave(torch.where(top == -math.inf, 0.0, top), lengths)
+        else:
+            sums = torch.segment_reduce(torch.where(inside, stat.to(torch.float64), 0.0), "sum", lengths=lengths)
+            if level == "seq_mean":
+                if counts is None:
+                    counts = torch.segment_reduce(inside.to(torch.float64), "sum", lengths=lengths)
+                sums = sums / (counts + 1e-8)
+            value = torch.repeat_interleave(sums, lengths)
+        if k == "k1":
+            assert lower is not None
+            keep &= (value >= math.log(lower)) & (value <= math.log(upper))
+        else:
+            keep &= value <= upper
+    return keep
+
+
 @dataclass(frozen=True)
 class Correction:
     """What the correction does to the loss: per-token importance weights (None: none) and the loss mask after
@@ -328,7 +400,8 @@ class Correction:
 
 
 def correction(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, config: RecomputeConfig) -> Correction:
-    """The importance weights and rejection mask `config` asks for, from the log ratios `d` of whole samples."""
+    """The importance weights and rejection mask `config` asks for, from the log ratios `d` of whole samples and
+    their loss mask before rejection."""
     lengths = lengths.to(torch.int64)
     m = mask.to(torch.float32)
     seq_ratio: torch.Tensor | None = None
@@ -338,16 +411,22 @@ def correction(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, confi
     token_ratio: torch.Tensor | None = None
     if "token" in (config.rollout_is, config.rollout_rs):
         token_ratio = torch.exp(d.to(torch.float32).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    if config.rollout_rs != "none":
-        lower, upper = rs_bounds(config)
-        ratio = token_ratio if config.rollout_rs == "token" else seq_ratio
-        assert ratio is not None
-        m = m * ((ratio >= lower) & (ratio <= upper)).to(torch.float32)
     weights = None
     if config.rollout_is != "none":
         ratio = token_ratio if config.rollout_is == "token" else seq_ratio
         assert ratio is not None
-        weights = torch.clamp(ratio, max=config.rollout_is_threshold)
+        if config.rollout_is_threshold_lower is None:
+            weights = torch.clamp(ratio, max=config.rollout_is_threshold)
+        else:  # IcePop: a weight outside the window is 0, the others are kept as they are
+            inside = (ratio >= config.rollout_is_threshold_lower) & (ratio <= config.rollout_is_threshold)
+            weights = torch.where(inside, ratio, 0.0)
+    if config.rollout_rs in ("token", "sequence"):
+        lower, upper = rs_bounds(config)
+        ratio = token_ratio if config.rollout_rs == "token" else seq_ratio
+        assert ratio is not None
+        m = m * ((ratio >= lower) & (ratio <= upper)).to(torch.float32)
+    elif config.rollout_rs != "none":
+        m = m * _divergence_keep(d, m, lengths, config).to(torch.float32)
     return Correction(weights, m)
 
 
@@ -366,6 +445,7 @@ __all__ = [
     "CHUNK_TOKENS",
     "CORRECTION_MODES",
     "Correction",
+    "DIVERGENCE_CRITERIA",
     "LOG_RATIO_CLAMP",
     "MismatchMetrics",
     "MismatchPass",
@@ -373,12 +453,14 @@ __all__ = [
     "WINDOW",
     "WORST_TOKENS",
     "correction",
+    "criterion_bounds",
     "log_ratio",
     "metrics_of",
     "mismatch_metrics",
     "mismatch_pass",
     "mismatch_sums",
     "recorded_weights",
+    "rejection_criteria",
     "rs_bounds",
     "staleness",
     "token_scores",

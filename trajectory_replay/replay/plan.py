@@ -62,7 +62,13 @@ from trajectory_replay.replay import kernels as kernels_mod
 from trajectory_replay.replay.cohort import CohortPart
 from trajectory_replay.replay.flags import setting as setting_of
 from trajectory_replay.replay.losses import CLIP_METRIC_AGGS
-from trajectory_replay.replay.mismatch import CORRECTION_MODES, rs_bounds
+from trajectory_replay.replay.mismatch import (
+    CORRECTION_MODES,
+    DIVERGENCE_CRITERIA,
+    criterion_bounds,
+    rejection_criteria,
+    rs_bounds,
+)
 from trajectory_replay.replay.registry import Kernels, resolve_kernels
 from trajectory_replay.replay.selection import Closure, Selection, group_id, resolve_selection
 from trajectory_replay.replay.source import ReplaySource
@@ -316,7 +322,6 @@ _CHOICES = {
     "singleton_group": ("nan", "unit"),
     "masked_return": ("restart", "carry"),
     "rollout_is": CORRECTION_MODES,
-    "rollout_rs": CORRECTION_MODES,
     "clip_metric_agg": CLIP_METRIC_AGGS,
 }
 
@@ -395,16 +400,44 @@ def _check_planned_payloads(
 
 
 def _check_rollout_correction(config: RecomputeConfig) -> None:
-    """A correction's threshold and rejection bounds are positive, the bounds in order."""
+    """A correction's threshold and rejection bounds are positive, the bounds in order; rejection is a mode or a
+    chain of divergence criteria replay implements, each with the bounds its kind takes."""
     if not config.rollout_is_threshold > 0:
         raise UnsupportedError(f"unsupported rollout_is_threshold {config.rollout_is_threshold!r}: must be positive")
-    if config.rollout_rs != "none":
+    lower_is = config.rollout_is_threshold_lower
+    if lower_is is not None and not 0 < lower_is <= config.rollout_is_threshold:
+        raise UnsupportedError(
+            f"unsupported rollout_is_threshold_lower {lower_is!r}: need 0 < it <= rollout_is_threshold "
+            f"{config.rollout_is_threshold!r}"
+        )
+    if config.rollout_rs in ("token", "sequence"):
         lower, upper = rs_bounds(config)
         if not 0 < lower <= upper:
             raise UnsupportedError(
                 f"unsupported rejection bounds rollout_rs_lower={lower!r}, rollout_rs_upper="
                 f"{upper!r}: need 0 < lower <= upper"
             )
+    elif config.rollout_rs != "none":
+        _check_criteria(config)
+
+
+def _check_criteria(config: RecomputeConfig) -> None:
+    """Every divergence criterion of rollout_rs is known and has its bounds (k1: 0 < lower <= upper; k2, k3: an
+    upper bound above 0 and no lower one)."""
+    names = rejection_criteria(config)
+    known = ", ".join(("none",) + CORRECTION_MODES[1:] + tuple(DIVERGENCE_CRITERIA))
+    if not names:
+        raise UnsupportedError(f"unsupported rollout_rs {config.rollout_rs!r}: one of {known}, or a list of criteria")
+    for name in names:
+        if name not in DIVERGENCE_CRITERIA:
+            raise UnsupportedError(f"unsupported rollout_rs criterion {name!r}: one of {known}")
+        lower, upper = criterion_bounds(config, name)
+        bounds = f"rollout_rs criterion {name!r} with lower={lower!r}, upper={upper!r}"
+        if name.endswith("k1"):
+            if upper is None or lower is None or not 0 < lower <= upper:
+                raise UnsupportedError(f"unsupported {bounds}: a k1 criterion needs 0 < lower <= upper")
+        elif upper is None or not upper > 0 or lower is not None:
+            raise UnsupportedError(f"unsupported {bounds}: a k2 or k3 criterion needs an upper bound above 0 only")
 
 
 def effective_config(config: RecomputeConfig, overrides: Mapping[str, Any]) -> RecomputeConfig:

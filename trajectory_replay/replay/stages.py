@@ -22,11 +22,13 @@ from trajectory_replay.bundle.schema import RecomputeConfig, StageId
 from trajectory_replay.bundle.stage_io import (
     LOSS_FIELDS,
     MISMATCH_FIELDS,
+    PRE_REJECTION_MASK,
     STAGE_IO,
     Setting,
     StageIO,
     kl_in_reward,
     kl_in_score,
+    rollout_correction,
 )
 from trajectory_replay.replay import kernels, losses, mismatch
 from trajectory_replay.replay.blocks import Block
@@ -243,10 +245,13 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
     c, f, cfg = ctx.cohort, StageChecks(), ctx.config
     if not c.has_payload("rollout_log_probs"):
         return StageOutcome(f)
-    loaded = _load_payloads(ctx, f, ("rollout_log_probs", "old_log_probs", "loss_mask"))
+    before_rejection = c.has_payload(PRE_REJECTION_MASK)
+    names = ("rollout_log_probs", "old_log_probs", "loss_mask") + ((PRE_REJECTION_MASK,) if before_rejection else ())
+    loaded = _load_payloads(ctx, f, names)
     if loaded is None:
         return StageOutcome(f)
-    mask, rollout_lp, old_lp = loaded["loss_mask"], loaded["rollout_log_probs"], loaded["old_log_probs"]
+    rollout_lp, old_lp = loaded["rollout_log_probs"], loaded["old_log_probs"]
+    mask = loaded[PRE_REJECTION_MASK] if before_rejection else loaded["loss_mask"]  # as verl takes its metrics
     found = mismatch.mismatch_pass(old_lp, rollout_lp, mask, c.lengths, ceiling=cfg.mismatch_max_token_log_ratio)
     sums, worst = found.sums, found.worst
     nonfinite = None
@@ -268,11 +273,14 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
         for p, r, (sid, tok) in zip(worst, ratios, c.token_layout.locate(worst))
     ]
     over = found.over
-    if c.has_payload("rollout_is_weights") and cfg.rollout_is != "none":
+    with_weights = c.has_payload("rollout_is_weights") and cfg.rollout_is != "none"
+    if with_weights or before_rejection:
         # a masked-out token's d counts as 0, whatever it holds
         masked = torch.where(mask.to(torch.bool), mismatch.log_ratio(old_lp, rollout_lp), 0.0)
         fix = mismatch.correction(masked, mask, c.lengths, cfg)
-        recorded = _load_payloads(ctx, f, ("rollout_is_weights",))
+        if before_rejection:  # the rejection the mask before it leads to is the loss mask production trained on
+            f.add(ctx.compare("loss_mask", loaded["loss_mask"].to(torch.float32), fix.mask, c.token_layout, EXACT))
+        recorded = _load_payloads(ctx, f, ("rollout_is_weights",)) if with_weights else None
         if recorded is not None:
             weights = mismatch.recorded_weights(fix, mask)
             assert weights is not None  # a config with rollout_is other than 'none' has its weights
@@ -585,6 +593,11 @@ def _run_loss_policy(ctx: StageContext) -> StageOutcome:
         if entropy is None:
             return StageOutcome(f)
         loaded.update(entropy)
+    if rollout_correction(cfg) and c.has_payload(PRE_REJECTION_MASK):
+        before = _load_payloads(ctx, f, (PRE_REJECTION_MASK,))
+        if before is None:
+            return StageOutcome(f)
+        loaded = {**loaded, **before}
     sums = losses.policy_loss_sums(
         losses.PolicyLossData(
             loaded["log_probs"],
