@@ -9,6 +9,9 @@ and the outcome score on each response's last valid token (`token_level_scores`)
 `TensorDict` and the global batch information (`dp_size`, `batch_num_tokens`, `global_batch_size`) the FSDP engine
 gives it, and reduced over micro-batches as verl's metrics are (`Metric` SUM for the losses, MEAN for the clip
 fraction and ppo_kl).
+
+The injected-bug options of `StepOptions` change only what verl's functions are given (the uids, masks, scores,
+coefficients or old log-probs of one call); the built batch keeps what production would record.
 """
 
 from __future__ import annotations
@@ -60,6 +63,20 @@ class StepOptions:
     """Responses hold observation spans (response_mask 0 inside the response)."""
     batch_wide_grpo: bool = False
     """The injected bug: GRPO normalized over the whole batch instead of per uid group."""
+    swapped_uids: tuple[int, int] | None = None
+    """Injected bug: these two samples trade uids in compute_advantage (each is grouped with the other's prompt)."""
+    shifted_uids: bool = False
+    """Injected bug: compute_advantage sees the uids shifted by one sample (each sample takes the previous one's)."""
+    stale_old_log_probs: bool = False
+    """Injected bug: ppo_loss is given old log-probs of another policy than the ones recorded as old."""
+    loss_agg_mode_run: str | None = None
+    """Injected bug: the loss aggregation ppo_loss ran with, when it is not the recorded `loss_agg_mode`."""
+    eos_dropped: bool = False
+    """Injected bug: each response's last token is masked out of compute_advantage's response_mask only."""
+    kl_coef_run: float | None = None
+    """Injected bug: the (adaptive) KL coefficient apply_kl_penalty used, when it is not the recorded `kl_coef`."""
+    lost_score: int | None = None
+    """Injected bug: this sample's score is zeroed before compute_advantage; the recorded score is the original."""
     seed: int = 0
 
 
@@ -140,15 +157,19 @@ def build_step(options: StepOptions = StepOptions()) -> VerlStep:
         tensors["values"] = _junk_outside(torch.randn(n, MAX_RESPONSE, generator=gen) * 0.5, valid, gen)
     batch = DataProto.from_dict(tensors=tensors, non_tensors={"uid": uids})
     assert torch.equal(compute_response_mask(batch), valid)
+    response_mask = batch.batch["response_mask"].clone()
 
     reward_kl = None
     if options.use_kl_in_reward:
         reward_kl = core_algos.kl_penalty(
             batch.batch["old_log_probs"], batch.batch["ref_log_prob"], kl_penalty=options.kl_penalty
         )
-        batch, _ = apply_kl_penalty(batch, core_algos.FixedKLController(options.kl_coef), options.kl_penalty)
+        kl_coef = options.kl_coef if options.kl_coef_run is None else options.kl_coef_run
+        batch, _ = apply_kl_penalty(batch, core_algos.FixedKLController(kl_coef), options.kl_penalty)
     else:
         batch.batch["token_level_rewards"] = batch.batch["token_level_scores"].clone()
+    if options.lost_score is not None:
+        batch.batch["token_level_rewards"][options.lost_score] = 0.0
     algo = AlgoConfig(
         gamma=options.gamma,
         lam=options.lam,
@@ -159,6 +180,15 @@ def build_step(options: StepOptions = StepOptions()) -> VerlStep:
     )
     if options.batch_wide_grpo:
         batch.non_tensor_batch["uid"] = np.array(["all"] * n, dtype=object)
+    if options.swapped_uids is not None:
+        a, b = options.swapped_uids
+        batch.non_tensor_batch["uid"] = uids.copy()
+        batch.non_tensor_batch["uid"][[a, b]] = uids[[b, a]]
+    if options.shifted_uids:
+        batch.non_tensor_batch["uid"] = np.roll(uids, 1)
+    if options.eos_dropped:
+        batch.batch["response_mask"] = response_mask.clone()
+        batch.batch["response_mask"][torch.arange(n), valid.sum(-1) - 1] = 0
     batch = compute_advantage(
         batch,
         adv_estimator=options.adv_estimator,
@@ -169,6 +199,7 @@ def build_step(options: StepOptions = StepOptions()) -> VerlStep:
         config=algo,
     )
     batch.non_tensor_batch["uid"] = uids
+    batch.batch["response_mask"] = response_mask
 
     step = VerlStep(
         options=options,
@@ -227,7 +258,7 @@ def actor_config(options: StepOptions) -> FSDPActorConfig:
         use_dynamic_bsz=False,
         clip_ratio_low=options.clip_ratio_low,
         clip_ratio_high=options.clip_ratio_high,
-        loss_agg_mode=options.loss_agg_mode,
+        loss_agg_mode=options.loss_agg_mode_run or options.loss_agg_mode,
         loss_scale_factor=options.loss_scale_factor,
         entropy_coeff=options.entropy_coeff,
         calculate_entropy=options.calculate_entropy,
@@ -261,6 +292,11 @@ def _policy_loss(step: VerlStep) -> dict[str, float]:
     metrics, losses = [], []
     for rows in step.micro_batches:
         data = _micro_batch_data(step, rows, fields)
+        if step.options.stale_old_log_probs:  # another policy's log-probs: the recorded old ones, moved
+            stale = torch.Generator().manual_seed(step.options.seed + 1)
+            data["old_log_probs"] = (
+                data["old_log_probs"] + torch.randn(data["old_log_probs"].shape, generator=stale) * 0.05
+            )
         output = {"log_probs": _flat_model_output(step.log_probs, step.batch, rows)}
         if step.entropy is not None:
             output["entropy"] = _flat_model_output(step.entropy, step.batch, rows)
