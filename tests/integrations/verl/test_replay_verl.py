@@ -35,6 +35,17 @@ CLEAN = {
     "gae": StepOptions(adv_estimator="gae"),
     "gae kl in reward low_var_kl": StepOptions(adv_estimator="gae", use_kl_in_reward=True, kl_penalty="low_var_kl"),
     "gae multi-turn discounted": StepOptions(adv_estimator="gae", multi_turn=True, gamma=0.99, lam=0.95),
+    "grpo 4 micro-batches": StepOptions(micro_batches=4),
+    "gae 2 micro-batches": StepOptions(adv_estimator="gae", micro_batches=2),
+    "seq-mean-token-mean": StepOptions(loss_agg_mode="seq-mean-token-mean"),
+    "seq-mean-token-sum": StepOptions(loss_agg_mode="seq-mean-token-sum"),
+    "seq-mean-token-sum-norm with its factor": StepOptions(
+        loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=64
+    ),
+    "token-sum": StepOptions(loss_agg_mode="token-sum"),
+    "grpo kl in reward": StepOptions(use_kl_in_reward=True),
+    "rloo kl in reward k3": StepOptions(adv_estimator="rloo", use_kl_in_reward=True, kl_penalty="k3"),
+    "reinforce++ multi-turn": StepOptions(adv_estimator="reinforce_plus_plus", multi_turn=True),
 }
 
 
