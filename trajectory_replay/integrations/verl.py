@@ -8,8 +8,8 @@ bundle. Imports verl (and torch) when called; docs/integrations/verl.md shows th
 - `rollout_bundle(batch, config, rollout_id)` / `write_rollout_bundle(...)`: the `DataProto` verl holds after
   `compute_advantage`, laid out as a bundle: each sample's valid response tokens only, uid strings as group
   indices, stable sample ids, r' as verl's estimator saw it, the reward-side KL as `apply_kl_penalty` formed it,
-  the masks and importance weights of rollout correction when the batch holds them; verl's padding samples
-  (`pad_size` in the batch's meta info) are dropped.
+  the masks and importance weights of rollout correction when the batch holds them; the padding samples verl's
+  `pad_dataproto_to_divisor` appended (`pad_size` of them, at the end) are dropped.
 """
 
 from __future__ import annotations
@@ -227,11 +227,13 @@ def rollout_bundle(
     bundle_id: str | None = None,
     pre_rejection_mask: torch.Tensor | None = None,
     metrics: Mapping[str, Any] | None = None,
+    pad_size: int = 0,
 ) -> RolloutBundle:
     """The rollout-level bundle of `batch`, a verl `DataProto` after `compute_advantage` (see the module
     docstring). `pre_rejection_mask`: the response mask before rollout correction rejected tokens, needed when the
     batch holds `rollout_log_probs` and `config` rejects (verl overwrites `response_mask`); `metrics`: verl's step
-    metrics, whose `rollout_corr/kl` and `rollout_corr/k3_kl` become rollout.mismatch's expected values."""
+    metrics, whose `rollout_corr/kl` and `rollout_corr/k3_kl` become rollout.mismatch's expected values;
+    `pad_size`: the padding rows `pad_dataproto_to_divisor` appended, left out."""
     import torch
     from verl.trainer.ppo import core_algos
 
@@ -239,8 +241,7 @@ def rollout_bundle(
     response_mask = tensors["response_mask"]
     width = response_mask.shape[-1]
     valid = tensors["attention_mask"][:, -width:]
-    pad = int(batch.meta_info.get("pad_size", 0) or 0)
-    rows = list(range(len(batch) - pad))
+    rows = list(range(len(batch) - pad_size))
     uids = [str(u) for u in batch.non_tensor_batch["uid"][: len(rows)]]
     groups = {uid: g for g, uid in enumerate(dict.fromkeys(uids))}
     lengths = valid.sum(-1).tolist()
@@ -329,12 +330,19 @@ def write_rollout_bundle(
     bundle_id: str | None = None,
     pre_rejection_mask: torch.Tensor | None = None,
     metrics: Mapping[str, Any] | None = None,
+    pad_size: int = 0,
     **storage_options: Any,
 ) -> str:
     """Write `batch` (a verl `DataProto` after `compute_advantage`) as the rollout-level bundle `rollout_bundle`
     lays out, under the store at `store_url`; returns the bundle's address."""
     bundle = rollout_bundle(
-        batch, config, rollout_id, bundle_id=bundle_id, pre_rejection_mask=pre_rejection_mask, metrics=metrics
+        batch,
+        config,
+        rollout_id,
+        bundle_id=bundle_id,
+        pre_rejection_mask=pre_rejection_mask,
+        metrics=metrics,
+        pad_size=pad_size,
     )
     return bundle.write(store_url, **storage_options)
 
