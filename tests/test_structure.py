@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "replay": 4,  # offline side: reads bundles, recomputes
     "capture": 5,  # training side: writes bundles, asking replay's registry what a plugin estimator reads
     "ops": 6,
+    "integrations": 6,  # framework adapters (verl): the recompute config and bundles of a framework's batch
     "html_plots": 6,
     "html_report": 6,
     "demo": 7,

@@ -1,8 +1,7 @@
-"""A verl step (steps.py) written as one bundle through the public writer API: `BundleWriter` with the models of
-`trajectory_replay.bundle.schema`, the config from `RecomputeConfig.from_profile("verl", ...)` with verl's own option
-names. Every sample's valid response tokens are flattened (padding dropped), uid strings become group indices in
-order of first appearance, r' is what verl's advantages hold at a sample's first loss token (the grouped estimators)
-or the score itself (the token-reward estimators), and the reward-side KL is recorded as apply_kl_penalty formed it.
+"""A verl step (steps.py) written as one bundle: the rollout side through the adapter
+(`trajectory_replay.integrations.verl.rollout_bundle`: valid tokens only, uid -> group, r', the reward-side KL),
+the config from `RecomputeConfig.from_profile("verl", ...)` with verl's own option names, and the trainer side (the
+actor's forward outputs, micro-batch ids and the loss scalars verl reported) added to it.
 """
 
 from __future__ import annotations
@@ -10,22 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from tests.integrations.verl.steps import MAX_PROMPT, SAMPLES, VerlStep
-from trajectory_replay.bundle import BundleWriter
-from trajectory_replay.bundle.schema import (
-    BundleIndex,
-    Identity,
-    Manifest,
-    RecomputeConfig,
-    SampleRecord,
-    StageContract,
-    StageId,
-)
-
-GROUPED = ("grpo", "rloo")
-"""verl estimators whose advantages hold r' on every loss token (no whitening after the group baseline)."""
+from tests.integrations.verl.steps import SAMPLES, VerlStep
+from trajectory_replay.bundle.schema import RecomputeConfig, StageId
+from trajectory_replay.integrations.verl import rollout_bundle
 
 
 def recompute_config(step: VerlStep) -> RecomputeConfig:
@@ -51,67 +37,21 @@ def recompute_config(step: VerlStep) -> RecomputeConfig:
     return RecomputeConfig.from_profile("verl", **options)
 
 
-def _flat(tensor: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """The valid response tokens of every row, concatenated in row order."""
-    return tensor[valid.bool()].to(torch.float32)
-
-
 def write_bundle(step: VerlStep, root: Path | str, bundle_id: str = "verl-step") -> str:
-    """Write `step` under `root` as bundle `bundle_id`; returns its path."""
-    batch = step.batch.batch
-    valid = batch["attention_mask"][:, MAX_PROMPT:]
-    mask = batch["response_mask"]
-    lengths = valid.sum(-1).tolist()
-    prompt_lengths = batch["attention_mask"][:, :MAX_PROMPT].sum(-1).tolist()
-    uids = step.batch.non_tensor_batch["uid"].tolist()
-    groups = {uid: g for g, uid in enumerate(dict.fromkeys(uids))}
-    raw = batch["token_level_scores"].sum(-1).tolist()
-    advantages = batch["advantages"]
-    estimator = step.options.adv_estimator
-    baseline = raw
-    if estimator == "reinforce_plus_plus_baseline":  # r' = score - its uid group's mean, before verl whitens
-        by_uid: dict[str, list[float]] = {}
-        for uid, r in zip(uids, raw):
-            by_uid.setdefault(uid, []).append(r)
-        baseline = [r - sum(by_uid[uid]) / len(by_uid[uid]) for uid, r in zip(uids, raw)]
+    """Write `step` under `root` as bundle `bundle_id`: the adapter's rollout side, with the trainer side (the
+    current log-probs, entropy and vpreds, the micro-batches and the loss scalars verl reported) added; returns its
+    path."""
+    bundle = rollout_bundle(step.batch, recompute_config(step), 0, bundle_id=bundle_id)
     micro = {i: f"mb-{k:04d}" for k, rows in enumerate(step.micro_batches) for i in rows}
-    records = []
-    for i, uid in enumerate(uids):
-        first = int(mask[i].nonzero()[0]) if mask[i].any() else 0
-        records.append(
-            SampleRecord(
-                sample_id=f"{uid}-{i % SAMPLES}",
-                group_index=groups[uid],
-                response_length=lengths[i],
-                total_length=prompt_lengths[i] + lengths[i],
-                loss_mask=mask[i, : lengths[i]].tolist(),
-                raw_reward=raw[i],
-                reward=float(advantages[i, first]) if estimator in GROUPED else baseline[i],
-                micro_batch_id=micro[i],
-            )
-        )
-    config = recompute_config(step)
-    # verl forms a reward-side KL only with use_kl_in_reward: without it there is no advantage.kl to compare
-    stages = [StageId.SAMPLE, StageId.REWARD_RAW, StageId.REWARD_POST_PROCESS]
-    stages += [StageId.ADVANTAGE_KL] if step.reward_kl is not None else []
-    stages += [StageId.ADVANTAGE_ESTIMATE, StageId.LOSS_POLICY]
-    payloads = {
-        "old_log_probs": _flat(batch["old_log_probs"], valid),
-        "ref_log_probs": _flat(batch["ref_log_prob"], valid),
-        "log_probs": _flat(step.log_probs, valid),
-        "advantages": _flat(advantages, valid),
-    }
+    for row, record in zip(bundle.rows, bundle.samples):
+        record.micro_batch_id = micro[row]
+    bundle.stages.append(StageId.LOSS_POLICY)
+    bundle.payloads["log_probs"] = bundle.flat(step.log_probs)
     if step.entropy is not None:
-        payloads["entropy"] = _flat(step.entropy, valid)
-    if step.reward_kl is not None:
-        payloads["kl"] = _flat(step.reward_kl, valid)
+        bundle.payloads["entropy"] = bundle.flat(step.entropy)
     if step.vpreds is not None:
-        stages.append(StageId.LOSS_VALUE)
-        payloads.update(
-            values=_flat(batch["values"], valid),
-            vpreds=_flat(step.vpreds, valid),
-            returns=_flat(batch["returns"], valid),
-        )
+        bundle.stages.append(StageId.LOSS_VALUE)
+        bundle.payloads["vpreds"] = bundle.flat(step.vpreds)
     m = step.policy_metrics
     policy = {
         "loss": m["loss"],
@@ -122,19 +62,10 @@ def write_bundle(step: VerlStep, root: Path | str, bundle_id: str = "verl-step")
     }
     if "kl_loss" in m:
         policy["kl_loss"] = m["kl_loss"]
-    expected: dict[str, Any] = {
-        "reward.raw": {"raw_rewards": raw},
-        "reward.post_process": {"rewards": [r.reward for r in records]},
-        "loss.policy": policy,
-    }
+    bundle.expected["loss.policy"] = policy
     if step.value_metrics:
-        expected["loss.value"] = {
+        bundle.expected["loss.value"] = {
             "vf_loss": step.value_metrics["critic/vf_loss"],
             "vf_clipfrac": step.value_metrics["critic/vf_clipfrac"],
         }
-    index = BundleIndex(bundle_id=bundle_id, identity=Identity(rollout_id=0), samples=records, config=config)
-    manifest = Manifest(bundle_id=bundle_id, stage_contracts={s: StageContract(stage=s) for s in stages})
-    path = f"{root}/{bundle_id}"
-    writer = BundleWriter(path, manifest, index, expected)
-    writer.finalize(payloads=payloads)
-    return path
+    return bundle.write(root)
