@@ -56,10 +56,11 @@ def write_bundle(step: VerlStep, root: Path | str, bundle_id: str = "verl-step")
     policy = {
         "loss": m["loss"],
         "pg_loss": m["actor/pg_loss"],
-        "entropy_loss": m.get("actor/entropy_loss", 0.0),
         "pg_clipfrac": m["actor/pg_clipfrac"],
         "ppo_kl": m["actor/ppo_kl"],
     }
+    if "actor/entropy_loss" in m:  # verl reports it only when it computes entropy
+        policy["entropy_loss"] = m["actor/entropy_loss"]
     if "kl_loss" in m:
         policy["kl_loss"] = m["kl_loss"]
     bundle.expected["loss.policy"] = policy

@@ -46,6 +46,7 @@ CLEAN = {
     "grpo kl in reward": StepOptions(use_kl_in_reward=True),
     "rloo kl in reward k3": StepOptions(adv_estimator="rloo", use_kl_in_reward=True, kl_penalty="k3"),
     "reinforce++ multi-turn": StepOptions(adv_estimator="reinforce_plus_plus", multi_turn=True),
+    "no entropy (verl's default)": StepOptions(entropy_coeff=0.0, calculate_entropy=False),
 }
 
 
