@@ -1,0 +1,1 @@
+"""Framework integrations, imported only when used."""
