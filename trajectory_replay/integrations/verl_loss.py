@@ -65,6 +65,7 @@ class LossCapture:
         self._metrics: dict[str, Any] = {}
         self._groups: dict[str, int] = {}
         self._config: RecomputeConfig | None = None
+        self._broken = False
 
     def set_rollout(self, rollout_id: int) -> None:
         """The rollout id of the steps that follow (overrides the batch's `global_steps`)."""
@@ -78,6 +79,13 @@ class LossCapture:
         try:
             self._capture(manager, config, model_output, data, result)
         except Exception as exc:
+            self._broken = True  # a step missing a micro-batch is not written
+            manager._hook_error("verl capture_loss", exc)
+        try:
+            share = _non_tensor(data, "global_batch_size")
+            if self._open is not None and share is not None and self._sequences >= int(share) // int(data["dp_size"]):
+                self.end_step()
+        except Exception as exc:
             manager._hook_error("verl capture_loss", exc)
         return result
 
@@ -88,9 +96,12 @@ class LossCapture:
             self._open = None
             self._reset()
             return None
-        key, config, metrics, loss = self._open, self._config, self._metrics, self._loss
+        key, config, metrics, loss, broken = self._open, self._config, self._metrics, self._loss, self._broken
         self._open = None
         self._reset()
+        if broken:
+            log.error("capture: verl step (%d, %d) lost a micro-batch; its step-level bundle is not written", *key)
+            return False
         try:
             scalars = {name: _reduced(metrics[m]) for name, m in _SCALARS.items() if m in metrics}
             return capture.capture_step_end(key[0], key[1], loss=loss, config=config, **scalars)
@@ -116,11 +127,10 @@ class LossCapture:
         rollout_id, step_id = self._open
         n = int(data.batch_size[0])
         dp_size = int(data["dp_size"])
-        global_batch_size = _non_tensor(data, "global_batch_size")
+        self._sequences += n
         if self._config is None:
             self._config = self._recompute_config(config, data, dp_size)
         mb_index, self._micro = self._micro, self._micro + 1
-        self._sequences += n
         self._loss = self._loss + loss.detach()
         for key, value in metrics.items():
             if key in _SCALARS.values():
@@ -167,8 +177,6 @@ class LossCapture:
             entropy=None if entropy is None else rows(entropy),
             ref_log_probs=rows(padded["ref_log_prob"]) if config.use_kl_loss else None,
         )
-        if global_batch_size is not None and self._sequences >= int(global_batch_size) // dp_size:
-            self.end_step()
 
     def _recompute_config(self, config: Any, data: Any, dp_size: int) -> RecomputeConfig:
         """The step's config: the actor's options through the verl profile, with the global loss denominators."""

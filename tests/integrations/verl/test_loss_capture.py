@@ -125,3 +125,47 @@ def test_a_batch_without_a_rollout_id_is_counted_never_raised(tmp_path, step, ca
     assert torch.isfinite(loss)
     assert manager.stats()["errors"] == 1
     assert "set_rollout" in caplog.text
+
+
+def test_two_dp_ranks_make_one_step_bundle_that_replays_clean(tmp_path, step):
+    """dp = 2 as two producer ranks of one bundle, each its own manager and wrapper, each rank's half of the
+    mini-batch in two micro-batches with the global batch information of the whole mini-batch."""
+    config = actor_config(step.options)
+    n = PROMPTS * SAMPLES
+    for rank in (0, 1):
+        manager = CaptureManager(tmp_path, rank=rank, expected_ranks=[0, 1], writer="thread", atexit_timeout=None)
+        capture.set_manager(manager)
+        wrapped = capture_loss(ppo_loss)
+        half = list(range(rank * n // 2, (rank + 1) * n // 2))
+        for rows in (half[: n // 4], half[n // 4 :]):
+            data, output = _engine_micro_batch(step, rows)
+            tu.assign_non_tensor(data, dp_size=2)
+            wrapped(config, output, data)
+        assert manager.flush(30) and manager.stats()["errors"] == 0
+        capture.shutdown(timeout=10)
+    sources = open_sources(str(tmp_path / f"step-{ROLLOUT}-0"))
+    assert len(sources) == 2
+    assert sources[1].index.identity.micro_batch_ids == ["mb-1-0000", "mb-1-0001"]
+    report = replay(sources)
+    assert report.status == "pass", [(s.stage, s.rank, s.message) for s in report.stages if s.status != "pass"]
+    assert len([s for s in report.stages if s.stage == "loss.policy" and s.status == "pass"]) == 2
+
+
+def test_a_refused_micro_batch_leaves_its_step_unwritten(tmp_path, step):
+    manager = CaptureManager(tmp_path, writer="thread", atexit_timeout=None)
+    capture.set_manager(manager)
+    wrapped = capture_loss(ppo_loss)
+    config = actor_config(step.options)
+    for k, rows in enumerate(step.micro_batches):
+        data, output = _engine_micro_batch(step, rows)
+        if k == 1:  # a trainer-side rollout correction is not captured
+            data["rollout_is_weights"] = torch.ones_like(data["advantages"])
+        wrapped(config, output, data)
+    assert manager.flush(30)
+    assert manager.stats()["errors"] == 1
+    assert not (tmp_path / f"step-{ROLLOUT}-0").exists()
+    # the next mini-batch of the rollout is captured again, as step 1
+    for rows in step.micro_batches:
+        wrapped(config, *reversed(_engine_micro_batch(step, rows)))
+    assert manager.flush(30)
+    assert replay(open_sources(str(tmp_path / f"step-{ROLLOUT}-1"))).status == "pass"
