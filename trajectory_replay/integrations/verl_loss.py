@@ -1,0 +1,268 @@
+"""The trainer side of a verl 0.9 step: `capture_loss` wraps verl's engine loss function so that each micro-batch it
+sees is also captured (`capture.capture_microbatch`) and each mini-batch ends in a step-level bundle
+(`capture.capture_step_end`) holding this rank's reported scalars, reduced over the micro-batches as verl reduces
+them.
+
+    from verl.workers.utils.losses import ppo_loss
+    worker.loss_fn = partial(capture_loss(ppo_loss), config=actor_config)
+
+The wrapper keeps verl's signature `(config, model_output, data, dp_group=None)` and returns exactly what the
+wrapped function returns. It owns the mapping of verl's micro-batch `TensorDict` (no-padding layout, as the engine
+hands it the loss) onto the capture hooks' per-sample arguments, and of the actor config and the global batch
+information (`dp_size`, `batch_num_tokens`, `global_batch_size`, `loss_scale_factor`) onto the step's
+`RecomputeConfig`. Capture never raises into training: a problem is logged on `trajectory_replay.capture` and
+counted in `capture.stats()["errors"]`; while capture is off (no manager) a call costs one check.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trajectory_replay import capture
+from trajectory_replay.bundle import profiles
+from trajectory_replay.bundle.schema import RecomputeConfig
+
+log = logging.getLogger("trajectory_replay.capture")
+
+ROLLOUT_KEY = "global_steps"
+"""The non-tensor entry of verl's batch read as the rollout id when none was set (`LossCapture.set_rollout`)."""
+
+_SCALARS = {
+    "pg_loss": "actor/pg_loss",
+    "pg_clipfrac": "actor/pg_clipfrac",
+    "ppo_kl": "actor/ppo_kl",
+    "entropy_loss": "actor/entropy_loss",
+    "kl_loss": "kl_loss",
+}
+"""Step-end scalar -> the metric verl's ppo_loss reports it under."""
+
+
+class LossCapture:
+    """verl's loss function with capture: one step-level bundle `step-<R>-<S>` per mini-batch of this rank, R the
+    rollout id (`set_rollout`, else the batch's `global_steps`), S the mini-batch's number within the rollout.
+
+    A mini-batch ends by itself once this rank has seen `global_batch_size / dp_size` sequences (verl's per-rank
+    mini-batch), or by `end_step()`. `overrides` are further `RecomputeConfig.from_profile("verl", ...)` options
+    recorded with every step (e.g. `rollout_is`)."""
+
+    def __init__(self, loss_fn: Callable[..., Any], *, profile: str = "verl", **overrides: Any) -> None:
+        self.loss_fn = loss_fn
+        self.profile = profile
+        self.overrides = overrides
+        self._rollout: int | None = None
+        self._open: tuple[int, int] | None = None
+        self._next_step: dict[int, int] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._micro = 0
+        self._sequences = 0
+        self._loss: torch.Tensor | float = 0.0
+        self._metrics: dict[str, Any] = {}
+        self._groups: dict[str, int] = {}
+        self._config: RecomputeConfig | None = None
+        self._broken = False
+
+    def set_rollout(self, rollout_id: int) -> None:
+        """The rollout id of the steps that follow (overrides the batch's `global_steps`)."""
+        self._rollout = int(rollout_id)
+
+    def __call__(self, config: Any, model_output: Any, data: Any, dp_group: Any = None) -> Any:
+        result = self.loss_fn(config, model_output, data, dp_group=dp_group)
+        manager = capture.get_manager()
+        if manager is None:
+            return result
+        try:
+            self._capture(manager, config, model_output, data, result)
+        except Exception as exc:
+            self._broken = True  # a step missing a micro-batch is not written
+            manager._hook_error("verl capture_loss", exc)
+        try:
+            share = _non_tensor(data, "global_batch_size")
+            if self._open is not None and share is not None and self._sequences >= int(share) // int(data["dp_size"]):
+                self.end_step()
+        except Exception as exc:
+            manager._hook_error("verl capture_loss", exc)
+        return result
+
+    def end_step(self) -> bool | None:
+        """End the open mini-batch now: enqueue its step-level bundle. None when no step is open or capture is off."""
+        manager = capture.get_manager()
+        if self._open is None or manager is None:
+            self._open = None
+            self._reset()
+            return None
+        key, config, metrics, loss, broken = self._open, self._config, self._metrics, self._loss, self._broken
+        self._open = None
+        self._reset()
+        if broken:
+            log.error("capture: verl step (%d, %d) lost a micro-batch; its step-level bundle is not written", *key)
+            return False
+        try:
+            scalars = {name: _reduced(metrics[m]) for name, m in _SCALARS.items() if m in metrics}
+            return capture.capture_step_end(key[0], key[1], loss=loss, config=config, **scalars)
+        except Exception as exc:
+            manager._hook_error(f"verl capture_loss step end ({key[0]}, {key[1]})", exc)
+            return False
+
+    # ---- one micro-batch --------------------------------------------------------------------------
+
+    def _capture(self, manager: Any, config: Any, model_output: Any, data: Any, result: Any) -> None:
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        loss, metrics = result
+        if self._open is None:
+            rollout = self._rollout if self._rollout is not None else _non_tensor(data, ROLLOUT_KEY)
+            if rollout is None:
+                raise ValueError(
+                    f"no rollout id: call set_rollout(...) or put {ROLLOUT_KEY!r} into the batch's meta_info"
+                )
+            step = self._next_step.get(int(rollout), 0)
+            self._next_step[int(rollout)] = step + 1
+            self._open = (int(rollout), step)
+        rollout_id, step_id = self._open
+        n = int(data.batch_size[0])
+        dp_size = int(data["dp_size"])
+        self._sequences += n
+        if self._config is None:
+            self._config = self._recompute_config(config, data, dp_size)
+        mb_index, self._micro = self._micro, self._micro + 1
+        self._loss = self._loss + loss.detach()
+        for key, value in metrics.items():
+            if key in _SCALARS.values():
+                self._metrics.setdefault(key, []).append(value)
+
+        if "rollout_is_weights" in data.keys():
+            raise ValueError("rollout_is_weights in the micro-batch: a trainer-side rollout correction is not captured")
+        prompt_lens, response_lens = _lengths(data)
+        fields = ["response_mask", "old_log_probs", "advantages"]
+        fields += ["ref_log_prob"] if config.use_kl_loss else []
+        padded = data.select(*fields).to_padded_tensor()
+        log_probs = no_padding_2_padding(model_output["log_probs"], data)
+        entropy = model_output.get("entropy", None)
+        entropy = None if entropy is None else no_padding_2_padding(entropy, data)
+
+        def rows(t: torch.Tensor) -> list[torch.Tensor]:
+            return [t[i, : response_lens[i]].detach() for i in range(n)]
+
+        uids = _per_sample(data, "uid")
+        sample_ids = _per_sample(data, "sample_ids")
+        mb_id = f"mb-{mb_index:04d}" if not manager.multi_producer else f"mb-{manager.rank}-{mb_index:04d}"
+        if sample_ids is None:
+            sample_ids = [f"s-{rollout_id}-{step_id}-{mb_id}-{i}" for i in range(n)]
+        groups = [self._groups.setdefault(str(u), len(self._groups)) for u in uids] if uids is not None else None
+        if groups is None:
+            groups = [len(self._groups) + i for i in range(n)]
+            self._groups.update({f"\0{mb_id}-{i}": g for i, g in enumerate(groups)})
+        scores = _scores(data, response_lens)
+        mask = rows(padded["response_mask"])
+        capture.capture_microbatch(
+            rollout_id,
+            step_id,
+            mb_id,
+            sample_ids=[str(s) for s in sample_ids],
+            group_index=groups,
+            response_lengths=response_lens,
+            total_lengths=[p + r for p, r in zip(prompt_lens, response_lens)],
+            loss_masks=[m.to(torch.int64) for m in mask],
+            raw_rewards=scores,
+            rewards=scores,
+            old_log_probs=rows(padded["old_log_probs"]),
+            log_probs=rows(log_probs),
+            advantages=rows(padded["advantages"]),
+            entropy=None if entropy is None else rows(entropy),
+            ref_log_probs=rows(padded["ref_log_prob"]) if config.use_kl_loss else None,
+        )
+
+    def _recompute_config(self, config: Any, data: Any, dp_size: int) -> RecomputeConfig:
+        """The step's config: the actor's options through the verl profile, with the global loss denominators."""
+        mode = config.loss_agg_mode
+        denominator = None
+        if mode == "token-mean":
+            denominator = _non_tensor(data, "batch_num_tokens")
+        elif mode.startswith("seq-mean"):
+            denominator = _non_tensor(data, "global_batch_size")
+        low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+        high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+        options: dict[str, Any] = {
+            "loss_agg_mode": mode,
+            "clip_ratio_low": low,
+            "clip_ratio_high": high,
+            "clip_ratio_c": config.clip_ratio_c,
+            "entropy_coeff": config.entropy_coeff,
+            "kl_loss_type": config.kl_loss_type,
+            "kl_loss_coef": config.kl_loss_coef if config.use_kl_loss else 0.0,
+            "loss_mode": config.policy_loss.get("loss_mode", "vanilla"),
+            "loss_scale_factor": config.loss_scale_factor,
+            "loss_denominator": None if denominator is None else int(denominator),
+            "loss_scale": float(dp_size),
+            **self.overrides,
+        }
+        return RecomputeConfig.from_profile(
+            self.profile, framework_version=profiles.installed_version(self.profile), **options
+        )
+
+
+def capture_loss(loss_fn: Callable[..., Any], *, profile: str = "verl", **overrides: Any) -> LossCapture:
+    """verl's engine loss function `loss_fn` (`verl.workers.utils.losses.ppo_loss`) with capture (`LossCapture`)."""
+    return LossCapture(loss_fn, profile=profile, **overrides)
+
+
+def _non_tensor(data: Any, key: str) -> Any:
+    from verl.utils import tensordict_utils as tu
+
+    value = tu.get_non_tensor_data(data=data, key=key, default=None)
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def _per_sample(data: Any, key: str) -> list[Any] | None:
+    """A per-sample non-tensor column of the micro-batch (verl's uid strings, sample ids), or None."""
+    if key not in data.keys():
+        return None
+    value = data.get(key)
+    listed = value.tolist() if hasattr(value, "tolist") else list(value)
+    return list(listed)
+
+
+def _lengths(data: Any) -> tuple[list[int], list[int]]:
+    """Each sample's prompt and valid response length, as verl's no_padding_2_padding reads them."""
+    prompts, responses = data["prompts"], data["responses"]
+    if prompts.is_nested:
+        return prompts.offsets().diff().tolist(), responses.offsets().diff().tolist()
+    attention = data["attention_mask"]
+    width = prompts.shape[1]
+    return attention[:, :width].sum(-1).tolist(), attention[:, width:].sum(-1).tolist()
+
+
+def _scores(data: Any, response_lens: list[int]) -> list[float]:
+    """Each sample's score (`token_level_scores` summed over its response) when the batch carries it, else 0.0: a
+    step-level bundle compares no reward."""
+    if "token_level_scores" not in data.keys():
+        return [0.0] * len(response_lens)
+    scores = data.select("token_level_scores").to_padded_tensor()["token_level_scores"]
+    return [float(scores[i, :n].sum()) for i, n in enumerate(response_lens)]
+
+
+def _reduced(values: list[Any]) -> float:
+    """This rank's value of a metric over its micro-batches, as verl aggregates a `Metric` (its own sum or mean)."""
+    from verl.utils.metric import Metric
+
+    merged: Metric | None = None
+    plain: list[float] = []
+    for value in values:
+        if isinstance(value, Metric):
+            if merged is None:
+                merged = Metric(value.aggregation)
+            merged.extend(value)
+        else:
+            plain.append(float(value))
+    if merged is not None:
+        return float(merged.aggregate())
+    return float(sum(plain) / len(plain))
+
+
+__all__ = ["LossCapture", "capture_loss"]
