@@ -492,20 +492,7 @@ def write_scan_html(report, path: str | Path) -> int:
         f"({_esc(report.engine)} engine, {report.workers} worker(s), replay {_esc(report.replay_version)})</p>"
     )
     first = report.earliest_divergence
-    where = (
-        ""
-        if first is None
-        else ", ".join(
-            x
-            for x in (
-                f"sample {first.sample_id}" if first.sample_id else "",
-                f"field {first.field}" if first.field else "",
-                f"token {first.token_offset}" if first.token_offset is not None else "",
-                f"rank {first.rank}" if first.rank is not None else "",
-            )
-            if x
-        )
-    )
+    where = "" if first is None else first.place
     _verdict(
         page,
         report.passed,

@@ -128,16 +128,7 @@ class ScanReport(Outcome):
         ]
         first = self.earliest_divergence
         if first is not None:
-            where = ", ".join(
-                x
-                for x in (
-                    f"sample {first.sample_id}" if first.sample_id else "",
-                    f"field {first.field}" if first.field else "",
-                    f"token {first.token_offset}" if first.token_offset is not None else "",
-                    f"rank {first.rank}" if first.rank is not None else "",
-                )
-                if x
-            )
+            where = first.place
             lines.append(
                 f"earliest divergence: {first.name} ({first.anchor or 'no anchor'}) at "
                 f"{first.first_divergent_stage}" + (f": {where}" if where else "")

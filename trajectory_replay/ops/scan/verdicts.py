@@ -116,6 +116,18 @@ class Verdict:
     seconds: float = 0.0
 
     @property
+    def place(self) -> str:
+        """Where the first divergence is, as the report and the page say it ("sample s-3, field advantages, token
+        7"); empty when nothing locates it."""
+        parts = (
+            f"sample {self.sample_id}" if self.sample_id else "",
+            f"field {self.field}" if self.field else "",
+            f"token {self.token_offset}" if self.token_offset is not None else "",
+            f"rank {self.rank}" if self.rank is not None else "",
+        )
+        return ", ".join(x for x in parts if x)
+
+    @property
     def anchor(self) -> str | None:
         if self.rollout_id is None:
             return None
