@@ -56,14 +56,24 @@ _OPTIONS: dict[str, str] = {
     "algorithm.rollout_correction.rollout_rs_threshold": "rollout_rs_threshold",
     "algorithm.rollout_correction.rollout_is_batch_normalize": "rollout_is_batch_normalize",
     "algorithm.rollout_correction.bypass_mode": "bypass_mode",
-    "actor_rollout_ref.actor.clip_ratio_c": "clip_ratio_c",
-    "actor_rollout_ref.actor.loss_agg_mode": "loss_agg_mode",
-    "actor_rollout_ref.actor.entropy_coeff": "entropy_coeff",
-    "actor_rollout_ref.actor.kl_loss_type": "kl_loss_type",
-    "actor_rollout_ref.actor.policy_loss.loss_mode": "loss_mode",
+    "actor_rollout_ref.rollout.n": "n_samples_per_prompt",
     "critic.cliprange_value": "cliprange_value",
 }
-"""verl config paths -> the verl profile's option names, where the value is taken as verl holds it."""
+"""verl config paths -> the verl profile's option names, where the value is taken as verl holds it (the actor's
+options: `actor_options`)."""
+
+ACTOR = "actor_rollout_ref.actor"
+"""The trainer config's section of the actor's options, which verl's engine worker hands its loss as ActorConfig."""
+
+_ACTOR_OPTIONS: dict[str, str] = {
+    "clip_ratio_c": "clip_ratio_c",
+    "loss_agg_mode": "loss_agg_mode",
+    "entropy_coeff": "entropy_coeff",
+    "kl_loss_type": "kl_loss_type",
+    "policy_loss.loss_mode": "loss_mode",
+    "loss_scale_factor": "loss_scale_factor",
+}
+"""Keys of the actor's section -> the verl profile's option names, where the value is taken as verl holds it."""
 
 _REFUSED: dict[str, tuple[Any, str]] = {
     "algorithm.use_pf_ppo": (False, "replay has no priority-weighted resampling of the batch"),
@@ -101,6 +111,31 @@ def _get(config: Mapping[str, Any], path: str) -> Any:
     return node
 
 
+def actor_options(actor: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The verl profile's options of the actor's section (`actor_rollout_ref.actor` of the trainer config, or the
+    ActorConfig verl hands its loss), with verl's own rules: `clip_ratio_low`/`clip_ratio_high` fall back to
+    `clip_ratio`, and `kl_loss_coef` reaches nothing unless `use_kl_loss`. Also each option's key in the section,
+    for the messages that name it."""
+    options: dict[str, Any] = {}
+    keys: dict[str, str] = {}
+    for key, name in _ACTOR_OPTIONS.items():
+        value = _get(actor, key)
+        if value is not _MISSING:
+            options[name], keys[name] = value, key
+    clip = _get(actor, "clip_ratio")
+    for side in ("low", "high"):
+        value = _get(actor, f"clip_ratio_{side}")
+        value = clip if value in (None, _MISSING) else value
+        if value not in (None, _MISSING):
+            options[f"clip_ratio_{side}"], keys[f"clip_ratio_{side}"] = value, f"clip_ratio_{side}"
+    if _get(actor, "use_kl_loss") is True:
+        value = _get(actor, "kl_loss_coef")
+        options["kl_loss_coef"], keys["kl_loss_coef"] = (0.001 if value is _MISSING else value), "kl_loss_coef"
+    else:
+        options["kl_loss_coef"] = 0.0
+    return options, keys
+
+
 def recompute_config(verl_config: Any, *, kl_coef: float | None = None) -> RecomputeConfig:
     """The recompute config of a verl trainer config (see the module docstring). `kl_coef`: the reward-side KL
     coefficient the step used, needed with `algorithm.kl_ctrl.type=adaptive` (verl changes it every step).
@@ -117,27 +152,10 @@ def recompute_config(verl_config: Any, *, kl_coef: float | None = None) -> Recom
         value = _get(config, path)
         if value is not _MISSING:
             options[name], names[name] = value, path
-    actor = "actor_rollout_ref.actor"
-    clip = _get(config, f"{actor}.clip_ratio")
-    for side in ("low", "high"):
-        value = _get(config, f"{actor}.clip_ratio_{side}")
-        value = clip if value in (None, _MISSING) else value
-        if value not in (None, _MISSING):
-            options[f"clip_ratio_{side}"] = value
-            names[f"clip_ratio_{side}"] = f"{actor}.clip_ratio_{side}"
-    for path, name in (
-        ("actor_rollout_ref.rollout.n", "n_samples_per_prompt"),
-        (f"{actor}.loss_scale_factor", "loss_scale_factor"),
-    ):
-        value = _get(config, path)
-        if value is not _MISSING:
-            options[name], names[name] = value, path
-    if _get(config, f"{actor}.use_kl_loss") is True:
-        value = _get(config, f"{actor}.kl_loss_coef")
-        options["kl_loss_coef"] = 0.001 if value is _MISSING else value
-        names["kl_loss_coef"] = f"{actor}.kl_loss_coef"
-    else:
-        options["kl_loss_coef"] = 0.0
+    actor = _get(config, ACTOR)
+    found, keys = actor_options(actor if isinstance(actor, Mapping) else {})
+    options.update(found)
+    names.update({name: f"{ACTOR}.{key}" for name, key in keys.items()})
     if _get(config, "algorithm.use_kl_in_reward") is True:
         kind = _get(config, "algorithm.kl_ctrl.type")
         if kind not in (_MISSING, "fixed") and kl_coef is None:

@@ -25,6 +25,7 @@ import torch
 from trajectory_replay import capture
 from trajectory_replay.bundle import profiles
 from trajectory_replay.bundle.schema import RecomputeConfig
+from trajectory_replay.integrations.verl import actor_options
 
 log = logging.getLogger("trajectory_replay.capture")
 
@@ -186,22 +187,14 @@ class LossCapture:
             denominator = _non_tensor(data, "batch_num_tokens")
         elif mode.startswith("seq-mean"):
             denominator = _non_tensor(data, "global_batch_size")
-        low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
-        high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
-        options: dict[str, Any] = {
-            "loss_agg_mode": mode,
-            "clip_ratio_low": low,
-            "clip_ratio_high": high,
-            "clip_ratio_c": config.clip_ratio_c,
-            "entropy_coeff": config.entropy_coeff,
-            "kl_loss_type": config.kl_loss_type,
-            "kl_loss_coef": config.kl_loss_coef if config.use_kl_loss else 0.0,
-            "loss_mode": config.policy_loss.get("loss_mode", "vanilla"),
-            "loss_scale_factor": config.loss_scale_factor,
-            "loss_denominator": None if denominator is None else int(denominator),
-            "loss_scale": float(dp_size),
-            **self.overrides,
-        }
+        options, _ = actor_options(config)
+        options.update(
+            {
+                "loss_denominator": None if denominator is None else int(denominator),
+                "loss_scale": float(dp_size),
+                **self.overrides,
+            }
+        )
         return RecomputeConfig.from_profile(
             self.profile, framework_version=profiles.installed_version(self.profile), **options
         )
