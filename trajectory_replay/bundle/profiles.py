@@ -162,15 +162,23 @@ def _one_of(field_name: str, table: Mapping[Any, Any]) -> Callable[[Any], Mappin
     return translate
 
 
+def _parse_number(value: Any) -> float:
+    """A number a framework's config holds as a number or a string; ValueError for anything else, a bool or a
+    string that spells no number (a window such as verl's '0.9_1.1') included."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"expected a number, not {value!r}")
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"expected a number, not {value!r}") from None
+
+
 def _number(*fields: str) -> Callable[[Any], Mapping[str, Any]]:
-    """A numeric option setting `fields`; anything but a number (a string spelling a window such as verl's
-    '0.9_1.1') is refused."""
+    """A numeric option setting `fields`; anything but a number is refused (`_parse_number`)."""
 
     def translate(value: Any) -> Mapping[str, Any]:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ValueError("no recompute config field expresses this value (expected a number)")
         try:
-            number = float(value)
+            number = _parse_number(value)
         except ValueError:
             raise ValueError("no recompute config field expresses this value (expected a number)") from None
         return dict.fromkeys(fields, number)
@@ -190,27 +198,16 @@ def _only(*values: Any) -> Callable[[Any], Mapping[str, Any]]:
     return translate
 
 
-def _verl_number(option: str, text: Any) -> float:
-    """A number verl takes as a float or a string (`option` spells it); ValueError otherwise, which the profile
-    prefixes with the option and its value."""
-    try:
-        if isinstance(text, bool):
-            raise ValueError
-        return float(text)
-    except (TypeError, ValueError):
-        raise ValueError(f"expected a number, not {text!r}") from None
-
-
 def _verl_is_threshold(value: Any) -> Mapping[str, Any]:
     """verl's rollout_is_threshold: a number truncates the weights at it; 'lower_upper' zeroes the weights outside
     the window (IcePop)."""
     if isinstance(value, str) and "_" in value:
         lower, upper = value.split("_", 1)
         return {
-            "rollout_is_threshold": _verl_number("rollout_is_threshold", upper),
-            "rollout_is_threshold_lower": _verl_number("rollout_is_threshold", lower),
+            "rollout_is_threshold": _parse_number(upper),
+            "rollout_is_threshold_lower": _parse_number(lower),
         }
-    return {"rollout_is_threshold": _verl_number("rollout_is_threshold", value), "rollout_is_threshold_lower": None}
+    return {"rollout_is_threshold": _parse_number(value), "rollout_is_threshold_lower": None}
 
 
 def _verl_rollout_rs(value: Any) -> Mapping[str, Any]:
@@ -227,7 +224,7 @@ def _verl_rs_threshold(value: Any, others: Mapping[str, Any]) -> Mapping[str, An
     number u is the window [1 / u, u] either way. A k2 or k3 spec is one upper bound."""
     rs = str(others.get("rollout_rs", "none"))
     if rs in ("none", "token", "sequence"):
-        return {} if value is None else {"rollout_rs_upper": _verl_number("rollout_rs_threshold", value)}
+        return {} if value is None else {"rollout_rs_upper": _parse_number(value)}
     criteria = list(dict.fromkeys(rs.split(",")))
     if value is None:
         raise ValueError(f"a threshold is needed with rollout_rs={rs!r}")
@@ -240,15 +237,15 @@ def _verl_rs_threshold(value: Any, others: Mapping[str, Any]) -> Mapping[str, An
     for name, spec in zip(criteria, specs):
         if name.endswith("k1"):
             if "_" in spec:
-                low, high = (_verl_number("rollout_rs_threshold", v) for v in spec.split("_", 1))
+                low, high = (_parse_number(v) for v in spec.split("_", 1))
                 bounds[name] = {"lower": 1.0 / high, "upper": 1.0 / low}
             else:
-                high = _verl_number("rollout_rs_threshold", spec)
+                high = _parse_number(spec)
                 bounds[name] = {"lower": 1.0 / high, "upper": high}
         elif "_" in spec:
             raise ValueError(f"criterion {name} takes one upper bound")
         else:
-            bounds[name] = {"lower": None, "upper": _verl_number("rollout_rs_threshold", spec)}
+            bounds[name] = {"lower": None, "upper": _parse_number(spec)}
     return {"rollout_rs_bounds": bounds}
 
 
