@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -50,6 +50,8 @@ class Settings:
     std_unbiased: bool = True
     std_eps: float = 1e-6
     singleton_group: str = "nan"
+    std_scope: str = "group"
+    nan_rewards: str = "propagate"
     mask_advantages: bool = False
     gamma: float = 1.0
     lam: float = 1.0
@@ -66,14 +68,18 @@ class Settings:
     eps_clip_high: float = 0.2
     eps_clip_c: float | None = None
     ratio_log_clamp: float | None = None
+    cispo_clip: str = "window"
     loss_agg_mode: str = "sum_of_sample_means"
     loss_denominator: float | None = None
     loss_scale_factor: float | None = None
     loss_scale: float = 1.0
     clip_metric_agg: str = "loss_agg_mode"
     entropy_coef: float = 0.0
+    entropy_agg: str = "loss_agg_mode"
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"
+    kl_loss_ratio_weighted: bool = False
+    pg_metrics_reported: bool = True
     cliprange_value: float = 0.2
     actor_version: int | None = None
     max_staleness: int | None = None
@@ -118,29 +124,47 @@ def group_members(groups: Sequence[int | None]) -> dict[int | None, list[int]]:
     return members
 
 
-def _grpo_one_group(values: list[float], s: Settings) -> list[float]:
-    """GRPO on one group: centred, divided by (std + eps) with std normalization; singletons per the config."""
+def _kept(values: Sequence[float], s: Settings) -> list[float]:
+    """The values the statistics are taken over: all, or those that are not NaN under nan_rewards=exclude."""
+    return [v for v in values if not (s.nan_rewards == "exclude" and math.isnan(v))]
+
+
+def _std(values: list[float], s: Settings) -> float:
+    """The std of `values` around their own mean (unbiased unless std_unbiased is false); NaN with no dof."""
     n = len(values)
+    dof = n - 1 if s.std_unbiased else n
+    if dof <= 0:
+        return math.nan  # 0/0 for one value, unbiased
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / dof)
+
+
+def _grpo_one_group(values: list[float], s: Settings, batch_std: float | None = None) -> list[float]:
+    """GRPO on one group: centred, divided by (std + eps) with std normalization (the group's, or `batch_std` under
+    std_scope=batch); singletons per the config."""
+    kept = _kept(values, s)
+    n = len(kept)
     if n == 1 and s.singleton_group == "unit":
         mean, std = 0.0, 1.0
     else:
-        mean = sum(values) / n
-        dof = n - 1 if s.std_unbiased else n
-        squares = sum((v - mean) ** 2 for v in values)
-        std = math.sqrt(squares / dof) if dof > 0 else math.nan  # 0/0 for one value, unbiased
+        mean = sum(kept) / n if n else math.nan
+        std = _std(kept, s)
+    if batch_std is not None:
+        std = batch_std
     out = [v - mean for v in values]
     if s.grpo_std_normalization:
         out = [c / (std + s.std_eps) for c in out]
     return out
 
 
-def _mean_baseline_one_group(values: list[float], s: Settings) -> list[float]:
+def _mean_baseline_one_group(values: list[float], s: Settings, batch_std: float | None = None) -> list[float]:
     """r - mean of the group (a singleton's mean is 0 under unit)."""
-    mean = 0.0 if len(values) == 1 and s.singleton_group == "unit" else sum(values) / len(values)
+    kept = _kept(values, s)
+    mean = 0.0 if len(kept) == 1 and s.singleton_group == "unit" else (sum(kept) / len(kept) if kept else math.nan)
     return [v - mean for v in values]
 
 
-def _rloo_one_group(values: list[float], s: Settings) -> list[float]:
+def _rloo_one_group(values: list[float], s: Settings, batch_std: float | None = None) -> list[float]:
     """r minus the mean of the other members; a singleton keeps r under unit and is NaN under nan."""
     n = len(values)
     if n == 1:
@@ -162,10 +186,13 @@ def post_process(raw: Sequence[float], groups: Sequence[int | None], s: Settings
     if s.advantage_estimator in TOKEN_REWARD_ESTIMATORS:
         return [float(r) for r in raw]
     per_group = _PER_GROUP[s.advantage_estimator]
+    batch_std = _std(_kept([float(r) for r in raw], s), s) if s.std_scope == "batch" else None
     out = [0.0] * len(raw)
     for members in group_members(groups).values():
-        for i, value in zip(members, per_group([float(raw[i]) for i in members], s)):
+        for i, value in zip(members, per_group([float(raw[i]) for i in members], s, batch_std)):
             out[i] = value
+    if s.nan_rewards == "exclude":  # a NaN reward, or a group without spread, carries no signal
+        out = [0.0 if math.isnan(v) else v for v in out]
     return out
 
 
@@ -348,6 +375,9 @@ def _cispo_token(cur: float, old: float, a: float, s: Settings) -> tuple[float, 
     if s.ratio_log_clamp is not None:
         log_ratio = clamp(log_ratio, -s.ratio_log_clamp, s.ratio_log_clamp)
     ratio = math.exp(log_ratio)
+    if s.cispo_clip == "cap":  # capped at eps_clip_high itself, no lower bound
+        weight = min(ratio, s.eps_clip_high)
+        return -weight * a * cur, float(ratio > s.eps_clip_high and a > 0), -log_ratio
     weight = clamp(ratio, 1 - s.eps_clip, 1 + s.eps_clip_high)
     return -weight * a * cur, float(weight != ratio), -log_ratio
 
@@ -363,6 +393,21 @@ def _gspo_sample(
         plain = -ratio * a
         clipped = -clamp(ratio, 1 - s.eps_clip, 1 + s.eps_clip_high) * a
         out.append((max(plain, clipped), float(clipped > plain), o - c))
+    return out
+
+
+def importance_ratios(cur: Ragged, old: Ragged, masks: Sequence[Sequence[int]], s: Settings) -> Ragged:
+    """The importance ratio of every token: exp(cur - old), or under gspo its sequence's one ratio."""
+    out = []
+    for c_row, o_row, mask in zip(cur, old, masks):
+        if s.policy_loss == "gspo":
+            total = sum((c - o) * m for c, o, m in zip(c_row, o_row, mask))
+            out.append([math.exp(min(total / max(sum(mask), 1), GSPO_LOG_CAP))] * len(c_row))
+        else:
+            logs = [c - o for c, o in zip(c_row, o_row)]
+            if s.ratio_log_clamp is not None:
+                logs = [clamp(x, -s.ratio_log_clamp, s.ratio_log_clamp) for x in logs]
+            out.append([math.exp(x) for x in logs])
     return out
 
 
@@ -492,10 +537,21 @@ def policy_loss(
     }
     out["loss"] = out["pg_loss"]
     if entropy is not None:
-        out["entropy_loss"] = aggregate(entropy, masks, s) * s.loss_scale
+        if s.entropy_agg == "loss_agg_mode":
+            out["entropy_loss"] = aggregate(entropy, masks, s) * s.loss_scale
+        elif s.entropy_agg == "token_mean":
+            tokens = sum(sum(mask) for mask in masks)
+            out["entropy_loss"] = sum(v * m for row, mask in zip(entropy, masks) for v, m in zip(row, mask)) / tokens
+        else:  # each micro-batch's token mean, averaged over the micro-batches
+            per_mb = replace(s, clip_metric_agg="micro_batch_token_mean")
+            out["entropy_loss"] = clip_metric(entropy, masks, per_mb, micro_batches)
         out["loss"] -= s.entropy_coef * out["entropy_loss"]
     if s.kl_loss_coef != 0:
         kl = kl_tokens(cur, ref, s.kl_loss_estimator, *kl_clamps(s.kl_loss_estimator, s))
+        if s.kl_loss_ratio_weighted:  # times the policy loss's importance ratio, token by token
+            kl = [
+                [k * r for k, r in zip(k_row, r_row)] for k_row, r_row in zip(kl, importance_ratios(cur, old, masks, s))
+            ]
         out["kl_loss"] = aggregate(kl, masks, s) * s.loss_scale
         out["loss"] += s.kl_loss_coef * out["kl_loss"]
     return out
@@ -622,18 +678,21 @@ def algorithm_case(
     stages: Sequence[StageId] | None = None,
     micro_batches: Sequence[str | None] | None = None,
     entropy: bool = True,
+    nan_rewards_at: Sequence[int] = (),
 ) -> CanonicalCase:
     """A random bundle for `config` whose expected values are this module's: (manifest, index, expected, payloads).
 
     `singleton` appends a sample in a group of its own; `empty_sample` gives sample 1 no response tokens;
     `micro_batches` each sample's micro_batch_id; `entropy=False` leaves the entropy payload (and entropy_loss) out;
-    `stages` the contracted stages (default: every stage the config supports). n_samples_per_prompt defaults
-    to the size of the first group.
+    `stages` the contracted stages (default: every stage the config supports); `nan_rewards_at` the samples whose
+    raw reward is NaN (an unscorable completion). n_samples_per_prompt defaults to the size of the first group.
     """
     groups = list(groups) + ([SINGLETON_GROUP] if singleton else [])
     config = {"n_samples_per_prompt": groups.count(groups[0]), **config}
     s = Settings.of(config)
     d = draw_inputs(len(groups), seed, empty_sample)
+    for i in nan_rewards_at:
+        d.raw[i] = math.nan
     t = d.tokens
     kl = reward_kl(t["old_log_probs"], t["ref_log_probs"], s)
     rewards = post_process(scores(d.raw, d.masks, _rounded(kl), s), groups, s)

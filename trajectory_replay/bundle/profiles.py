@@ -42,6 +42,11 @@ CONVENTION_FIELDS = (
     "loss_agg_mode",
     "clip_metric_agg",
     "kl_loss_estimator",
+    "std_scope",
+    "nan_rewards",
+    "cispo_clip",
+    "entropy_agg",
+    "kl_loss_ratio_weighted",
 )
 """The fields a framework decides by convention (or by a default users rarely change). Applying a profile to a
 recorded config (`RecomputeConfig.with_conventions_of`) changes these and keeps the run's own hyperparameters
@@ -57,7 +62,8 @@ class Option:
     """Maps the option's value to one or more fields, e.g. verl's 'token-mean' -> loss_agg_mode token_mean."""
     jointly: Callable[[Any, Mapping[str, Any]], Mapping[str, Any]] | None = None
     """For an option whose meaning depends on others (verl's rollout_rs_threshold on rollout_rs): maps its value
-    and the fields the other options and overrides set to the fields it sets; it is applied after them."""
+    and the fields the other options and overrides set (and, under names no field has, the other options as given)
+    to the fields it sets; it is applied after them."""
 
     def fields(self, value: Any, others: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
         """The config fields this option's `value` sets, given the fields set by the others (`jointly`)."""
@@ -91,7 +97,7 @@ class Profile:
             if key not in joint:
                 fields.update(self.override(key, value, config_fields))
         for key, value in joint.items():
-            fields.update(self.override(key, value, config_fields, fields))
+            fields.update(self.override(key, value, config_fields, {**overrides, **fields}))
         return fields
 
     def override(
@@ -158,6 +164,20 @@ def _one_of(field_name: str, table: Mapping[Any, Any]) -> Callable[[Any], Mappin
             known = ", ".join("null" if k is None else str(k) for k in table)
             raise ValueError(f"no recompute config field expresses this value (known values: {known})")
         return {field_name: table[key]}
+
+    return translate
+
+
+def _one_of_fields(table: Mapping[Any, Mapping[str, Any]]) -> Callable[[Any], Mapping[str, Any]]:
+    """A value from a closed table of the framework's values -> the fields it sets (`_one_of` for several fields);
+    any other value is refused (ValueError listing the values the table knows)."""
+
+    def translate(value: Any) -> Mapping[str, Any]:
+        key = value if value is None else str(value)
+        if key not in table:
+            known = ", ".join("null" if k is None else str(k) for k in table)
+            raise ValueError(f"no recompute config field expresses this value (known values: {known})")
+        return table[key]
 
     return translate
 
@@ -365,7 +385,184 @@ _VERL_0_9 = Profile(
 )
 """verl 0.9.1 as released (core_algos, the engine workers' losses, rollout_corr_helper)."""
 
-NEWEST: dict[str, str] = {"verl": _VERL_0_9.name}
+_TRL_1_10 = Profile(
+    "trl-1.10",
+    "TRL",
+    "1.10.0.dev0 (f2cd5771)",
+    {
+        "grpo_std_normalization": True,
+        "std_eps": 1e-4,
+        "loss_agg_mode": "token_mean",
+    },
+    {
+        "beta": Option("kl_loss_coef"),
+        "epsilon": Option("eps_clip"),
+        "epsilon_high": Option("eps_clip_high"),
+        "num_generations": Option("n_samples_per_prompt"),
+        "scale_rewards": Option(
+            "grpo_std_normalization", lambda v: {"grpo_std_normalization": v not in (False, "none", "false")}
+        ),
+        "loss_type": Option(
+            "loss_agg_mode",
+            _choices(
+                "loss_agg_mode",
+                {
+                    "dapo": {"loss_agg_mode": "token_mean"},
+                    "bnpo": {"loss_agg_mode": "token_mean"},
+                    "grpo": {"loss_agg_mode": "seq_mean_token_mean"},
+                    "dr_grpo": {"loss_agg_mode": "seq_mean_token_sum_norm"},
+                    "cispo": {"loss_agg_mode": "token_mean", "policy_loss": "cispo"},
+                },
+            ),
+        ),
+    },
+)
+"""TRL at the commit the first profile was read from, as it was modelled then (bundles that recorded it)."""
+
+
+def _any(value: Any) -> Mapping[str, Any]:
+    """An option that changes nothing replay recomputes (it acts upstream of the recorded values, or only together
+    with an option that is refused otherwise): any value, which sets nothing."""
+    return {}
+
+
+def _bool(field_name: str) -> Callable[[Any], Mapping[str, Any]]:
+    """A boolean option setting `field_name`; anything but a bool is refused."""
+
+    def translate(value: Any) -> Mapping[str, Any]:
+        if not isinstance(value, bool):
+            raise ValueError("no recompute config field expresses this value (expected true or false)")
+        return {field_name: value}
+
+    return translate
+
+
+def _trl_epsilon_high(value: Any, others: Mapping[str, Any]) -> Mapping[str, Any]:
+    """TRL's epsilon_high: None means epsilon's value (GRPOTrainer: `epsilon_high if not None else epsilon`)."""
+    if value is None:
+        return {}
+    return _number("eps_clip_high")(value)
+
+
+def _trl_delta(value: Any) -> Mapping[str, Any]:
+    """TRL's delta (two-sided clipping): the unclipped ratio term capped at delta, min(min(ratio, delta) A, clip(ratio)
+    A), which is the dual clip at delta (TRL requires delta > 1 + epsilon_high); None is off."""
+    return {"eps_clip_c": None} if value is None else _number("eps_clip_c")(value)
+
+
+def _trl_importance_sampling_level(value: Any, others: Mapping[str, Any]) -> Mapping[str, Any]:
+    """TRL's importance_sampling_level: token (the loss type's own ratio) or sequence (GSPO: one ratio per sequence,
+    clipped like PPO), which replay models for the clipped losses only."""
+    if value == "token":
+        return {}
+    if value != "sequence":
+        raise ValueError("no recompute config field expresses this value (known values: token, sequence)")
+    if others.get("policy_loss", "ppo_clip") != "ppo_clip":
+        raise ValueError(f"no recompute config field expresses it with policy_loss {others['policy_loss']!r}")
+    return {"policy_loss": "gspo"}
+
+
+def _trl_use_vllm(value: Any, others: Mapping[str, Any]) -> Mapping[str, Any]:
+    """TRL's use_vllm: generation by vLLM changes nothing replay recomputes, unless its importance sampling correction
+    (vllm_importance_sampling_correction, on by default) scales the policy loss, which no field expresses."""
+    if not isinstance(value, bool):
+        raise ValueError("no recompute config field expresses this value (expected true or false)")
+    if value and others.get("vllm_importance_sampling_correction", True):
+        raise ValueError(
+            "no recompute config field expresses vLLM's importance sampling correction "
+            "(replayable with vllm_importance_sampling_correction=False)"
+        )
+    return {}
+
+
+_TRL_1_16 = Profile(
+    "trl-1.16",
+    "TRL",
+    "1.16.0",
+    {
+        "grpo_std_normalization": True,
+        "std_eps": 1e-4,
+        "nan_rewards": "exclude",
+        "loss_agg_mode": "token_mean",
+        "cispo_clip": "cap",
+        "entropy_agg": "micro_batch_token_mean",
+        "kl_loss_ratio_weighted": True,
+        "pg_metrics_reported": False,
+    },
+    {
+        "loss_type": Option(
+            "loss_agg_mode",
+            _one_of_fields(
+                {
+                    "dapo": {"loss_agg_mode": "token_mean", "policy_loss": "ppo_clip"},
+                    "bnpo": {"loss_agg_mode": "token_mean", "policy_loss": "ppo_clip"},
+                    "grpo": {"loss_agg_mode": "seq_mean_token_mean", "policy_loss": "ppo_clip"},
+                    "dr_grpo": {"loss_agg_mode": "seq_mean_token_sum_norm", "policy_loss": "ppo_clip"},
+                    "cispo": {"loss_agg_mode": "token_mean", "policy_loss": "cispo"},
+                }
+            ),
+        ),
+        "beta": Option("kl_loss_coef", _number("kl_loss_coef")),
+        "epsilon": Option("eps_clip", _number("eps_clip", "eps_clip_high")),
+        "epsilon_high": Option("eps_clip_high", jointly=_trl_epsilon_high),
+        "delta": Option("eps_clip_c", _trl_delta),
+        "scale_rewards": Option(
+            "grpo_std_normalization",
+            _one_of_fields(
+                {
+                    "group": {"grpo_std_normalization": True, "std_scope": "group"},
+                    "True": {"grpo_std_normalization": True, "std_scope": "group"},
+                    "batch": {"grpo_std_normalization": True, "std_scope": "batch"},
+                    "none": {"grpo_std_normalization": False, "std_scope": "group"},
+                    "False": {"grpo_std_normalization": False, "std_scope": "group"},
+                }
+            ),
+        ),
+        "use_bias_correction_kl": Option("kl_loss_ratio_weighted", _bool("kl_loss_ratio_weighted")),
+        "importance_sampling_level": Option("policy_loss", jointly=_trl_importance_sampling_level),
+        "num_generations": Option("n_samples_per_prompt"),
+        "entropy_coef": Option("entropy_coef", _number("entropy_coef")),
+        "top_entropy_quantile": Option("loss_mask", _only(1.0, 1)),
+        "use_adaptive_entropy": Option("entropy_coef", _only(False)),
+        "multi_objective_aggregation": Option("grpo_std_normalization", _only("sum_then_normalize")),
+        "off_policy_mask_threshold": Option("loss_mask", _only(None)),
+        "router_aux_loss_coef": Option("loss", _only(None, 0.0, 0)),
+        "use_vllm": Option("rollout_is", jointly=_trl_use_vllm),
+        # recorded in the mask (mask_truncated_completions), the log-probs, the raw rewards or the old log-probs;
+        # or acting only with a value another option refuses (vLLM's correction, sapo, vespo, adaptive entropy)
+        **{
+            name: Option(name, _any)
+            for name in (
+                "mask_truncated_completions",
+                "num_iterations",
+                "reward_weights",
+                "sync_ref_model",
+                "ref_model_mixup_alpha",
+                "ref_model_sync_steps",
+                "temperature",
+                "vllm_importance_sampling_correction",
+                "vllm_importance_sampling_mode",
+                "vllm_importance_sampling_clip_max",
+                "vllm_importance_sampling_clip_min",
+                "vllm_importance_sampling_cap",
+                "sapo_temperature_neg",
+                "sapo_temperature_pos",
+                "vespo_k_pos",
+                "vespo_lambda_pos",
+                "vespo_k_neg",
+                "vespo_lambda_neg",
+                "entropy_coef_min",
+                "entropy_coef_max",
+                "entropy_coef_delta",
+                "entropy_target",
+            )
+        },
+    },
+    package="trl",
+)
+"""TRL 1.16.0 as released (GRPOConfig's options and GRPOTrainer._compute_loss, _generate_and_score_completions)."""
+
+NEWEST: dict[str, str] = {"verl": _VERL_0_9.name, "trl": _TRL_1_16.name}
 """A framework's bare profile name -> its newest modelled version, which the bare name is a copy of."""
 
 PROFILES: dict[str, Profile] = {
@@ -433,38 +630,9 @@ PROFILES: dict[str, Profile] = {
                 "policy_loss_type": Option("policy_loss", _named("policy_loss", {"ppo": "ppo_clip"})),
             },
         ),
-        Profile(
-            "trl",
-            "TRL",
-            "1.10.0.dev0 (f2cd5771)",
-            {
-                "grpo_std_normalization": True,
-                "std_eps": 1e-4,
-                "loss_agg_mode": "token_mean",
-            },
-            {
-                "beta": Option("kl_loss_coef"),
-                "epsilon": Option("eps_clip"),
-                "epsilon_high": Option("eps_clip_high"),
-                "num_generations": Option("n_samples_per_prompt"),
-                "scale_rewards": Option(
-                    "grpo_std_normalization", lambda v: {"grpo_std_normalization": v not in (False, "none", "false")}
-                ),
-                "loss_type": Option(
-                    "loss_agg_mode",
-                    _choices(
-                        "loss_agg_mode",
-                        {
-                            "dapo": {"loss_agg_mode": "token_mean"},
-                            "bnpo": {"loss_agg_mode": "token_mean"},
-                            "grpo": {"loss_agg_mode": "seq_mean_token_mean"},
-                            "dr_grpo": {"loss_agg_mode": "seq_mean_token_sum_norm"},
-                            "cispo": {"loss_agg_mode": "token_mean", "policy_loss": "cispo"},
-                        },
-                    ),
-                ),
-            },
-        ),
+        replace(_TRL_1_16, name="trl"),
+        _TRL_1_16,
+        _TRL_1_10,
         Profile(
             "nemo_rl",
             "NeMo-RL",

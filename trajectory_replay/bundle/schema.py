@@ -234,6 +234,12 @@ class RecomputeConfig(_Model):
     std_eps: float = 1e-6
     singleton_group: str = "nan"
     """A reward group of one: nan (the formula applied literally) or unit (mean 0, std 1)."""
+    std_scope: str = "group"
+    """The std grpo_std_normalization divides by: group (each reward group's own) or batch (that of every reward of
+    the cohort, around the cohort's mean; the centering stays the group's mean)."""
+    nan_rewards: str = "propagate"
+    """A NaN reward: propagate (the formulas applied literally, NaN spreads through its group) or exclude (left out
+    of its group's mean and std, and of the batch's; every NaN post-processed reward then becomes 0)."""
     mask_advantages: bool = False
     gamma: float = 1.0
     lam: float = 1.0
@@ -256,6 +262,10 @@ class RecomputeConfig(_Model):
     eps_clip_high: float = 0.2
     eps_clip_c: float | None = None
     ratio_log_clamp: float | None = None
+    cispo_clip: str = "window"
+    """How cispo bounds its ratio weight: window (clipped to [1 - eps_clip, 1 + eps_clip_high]) or cap (min(ratio,
+    eps_clip_high), no lower bound; a token counts as clipped where the ratio exceeds the cap and its advantage is
+    positive)."""
     loss_agg_mode: str = "sum_of_sample_means"
     loss_denominator: float | None = None
     loss_scale_factor: float | None = None
@@ -265,8 +275,17 @@ class RecomputeConfig(_Model):
     and its denominators) or micro_batch_token_mean (a token mean per micro-batch, by the records'
     micro_batch_id within each rank, averaged over the micro-batches)."""
     entropy_coef: float = 0.0
+    entropy_agg: str = "loss_agg_mode"
+    """How entropy_loss is aggregated: loss_agg_mode (like the loss, by the mode and its denominators, times
+    loss_scale), token_mean (over the cohort's masked-in tokens) or micro_batch_token_mean (a token mean per
+    micro-batch, by the records' micro_batch_id within each rank, averaged over the micro-batches)."""
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"
+    kl_loss_ratio_weighted: bool = False
+    """The KL loss term of each token is multiplied by the policy loss's importance ratio, exp(log_probs -
+    old_log_probs) (per sequence for gspo), before it is aggregated."""
+    pg_metrics_reported: bool = True
+    """Production computes pg_loss and ppo_kl; false where it computes neither, and a bundle may leave them out."""
     cliprange_value: float = 0.2
     actor_version: int | None = None
     """The weights version of the trainer consuming the samples (staleness = actor_version - policy_version)."""

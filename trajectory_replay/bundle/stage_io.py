@@ -97,6 +97,11 @@ KL_IN_SCORE = When(
 )
 NEEDS_VALUES = When(lambda s: s.estimator.needs_values, lambda s: f"advantage_estimator={s.config.advantage_estimator}")
 KL_LOSS = When(lambda s: s.config.kl_loss_coef != 0, lambda s: f"kl_loss_coef={s.config.kl_loss_coef}")
+NO_KL = When(
+    lambda s: s.config.kl_coef == 0 and s.config.kl_loss_coef == 0,
+    lambda s: f"kl_coef={s.config.kl_coef}, kl_loss_coef={s.config.kl_loss_coef}",
+)
+PG_METRICS_UNREPORTED = When(lambda s: not s.config.pg_metrics_reported, lambda s: "pg_metrics_reported=False")
 NO_ENTROPY_TERM = When(lambda s: s.config.entropy_coef == 0, lambda s: f"entropy_coef={s.config.entropy_coef}")
 CORRECTED = When(
     lambda s: rollout_correction(s.config),
@@ -242,12 +247,14 @@ STAGE_IO: dict[StageId, StageIO] = {
         in_records={"rewards": "reward"},
         only_when={"kl": KL_IN_SCORE, "loss_mask": KL_IN_SCORE},
     ),
-    # compared on the tokens with mask 1 only: the KL of a masked-out token reaches no reward
+    # compared on the tokens with mask 1 only: the KL of a masked-out token reaches no reward; without any KL (a
+    # framework that computes none) production's `kl` may be left out
     StageId.ADVANTAGE_KL: StageIO(
         payloads=("old_log_probs", "ref_log_probs", "loss_mask"),
         outputs=("kl",),
         per="token",
         only_when={"old_log_probs": KL_USED, "ref_log_probs": KL_USED},
+        optional_when={"kl": NO_KL},
     ),
     # the reward-side KL comes from advantage.kl when it is contracted, else from the recorded `kl` payload
     StageId.ADVANTAGE_ESTIMATE: StageIO(
@@ -280,7 +287,12 @@ STAGE_IO: dict[StageId, StageIO] = {
             PRE_REJECTION_MASK: CORRECTED,
         },
         optional=(PRE_REJECTION_MASK,),
-        optional_when={"entropy": NO_ENTROPY_TERM, "entropy_loss": NO_ENTROPY_TERM},
+        optional_when={
+            "entropy": NO_ENTROPY_TERM,
+            "entropy_loss": NO_ENTROPY_TERM,
+            "pg_loss": PG_METRICS_UNREPORTED,
+            "ppo_kl": PG_METRICS_UNREPORTED,
+        },
         planned=("rollout_log_probs", "ref_log_probs"),
     ),
     # `returns` likewise: recomputed by an advantage.estimate whose estimator reads values when contracted, else
@@ -315,6 +327,8 @@ __all__ = [
     "LOSS_MASK",
     "MISMATCH_FIELDS",
     "NO_ENTROPY_TERM",
+    "NO_KL",
+    "PG_METRICS_UNREPORTED",
     "payloads_of",
     "PRE_REJECTION_MASK",
     "RECORDED_PAYLOADS",

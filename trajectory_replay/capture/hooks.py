@@ -134,8 +134,8 @@ def capture_rollout(
     raw_rewards: Any,
     rewards: Any,
     old_log_probs: Any,
-    ref_log_probs: Any,
-    kl: Any,
+    ref_log_probs: Any = None,
+    kl: Any = None,
     advantages: Any,
     config: Any,
     weight_lineage: Any = None,
@@ -149,7 +149,8 @@ def capture_rollout(
     payloads: Mapping[str, Any] | None = None,
 ) -> bool | None:
     """Rollout-level bundle `rollout-<R>` of this rank's samples. Per-token values: a flat tensor or a list of
-    per-sample 1-D tensors, in sample order; `values` and `returns` are gae's old values and returns.
+    per-sample 1-D tensors, in sample order; `values` and `returns` are gae's old values and returns;
+    `ref_log_probs` and production's reward-side `kl` may be left out where the config uses no KL.
     `rollout_log_probs` are the inference engine's log-probs of the responses, `policy_versions` the weights
     version that generated each sample: either contracts rollout.mismatch, whose metrics production reported
     (`mismatch_metrics`: kl_k1, kl_k3, log_ratio_max_abs, seq_log_ratio_max_abs, staleness_max, any of them) and

@@ -71,8 +71,14 @@ class AdvantageOutputs:
 
 
 def _group_stats(inputs: RewardInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rewards in float32, each group's size, each group's mean)."""
+    """(rewards in float32, each group's size, each group's mean); under nan_rewards=exclude a NaN reward counts in
+    neither (a group of NaNs has size 0 and mean NaN)."""
     r = inputs.rewards.to(torch.float32)
+    if inputs.config.nan_rewards == "exclude":
+        valid = ~torch.isnan(r)
+        counts = segment_sum(valid.to(torch.float32), inputs.group_ids, inputs.num_groups)
+        sums = segment_sum(torch.where(valid, r, torch.zeros_like(r)), inputs.group_ids, inputs.num_groups)
+        return r, counts, sums / counts
     counts = segment_sum(torch.ones_like(r), inputs.group_ids, inputs.num_groups)
     return r, counts, segment_sum(r, inputs.group_ids, inputs.num_groups) / counts
 
@@ -84,24 +90,53 @@ def _unit_singletons(inputs: RewardInputs, counts: torch.Tensor, stat: torch.Ten
     return stat
 
 
+def _excluded(inputs: RewardInputs, out: torch.Tensor) -> torch.Tensor:
+    """`out` with every NaN set to 0 under nan_rewards=exclude (a NaN reward, or a group with no spread to divide
+    by, carries no signal), as is under propagate."""
+    return out.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf")) if _excluding(inputs) else out
+
+
+def _excluding(inputs: RewardInputs) -> bool:
+    return inputs.config.nan_rewards == "exclude"
+
+
+def _batch_std(inputs: RewardInputs, r: torch.Tensor) -> torch.Tensor:
+    """The std of every reward of the cohort around the cohort's mean (NaN rewards left out under exclude), unbiased
+    unless std_unbiased is false; NaN with no degree of freedom left."""
+    kept = r[~torch.isnan(r)] if _excluding(inputs) else r
+    n = kept.numel()
+    dof = n - 1 if inputs.config.std_unbiased else n
+    if dof <= 0:
+        return torch.tensor(float("nan"))
+    return ((kept - kept.mean()).square().sum() / dof).sqrt()
+
+
 def grpo_rewards(inputs: RewardInputs) -> torch.Tensor:
-    """r - mean_G, divided by (std_G + std_eps) with std normalization (std unbiased unless std_unbiased is
-    false); a group of one per singleton_group (nan: the formula literally; unit: mean 0, std 1)."""
+    """r - mean_G, divided by (std + std_eps) with std normalization, the std that of the group or of the whole
+    cohort (std_scope; unbiased unless std_unbiased is false); a group of one per singleton_group (nan: the formula
+    literally; unit: mean 0, std 1); NaN rewards per nan_rewards."""
     cfg = inputs.config
     r, counts, mean = _group_stats(inputs)
-    centered = r - mean[inputs.group_ids]  # the spread, around the group's true mean
     out = r - _unit_singletons(inputs, counts, mean, 0.0)[inputs.group_ids]
-    if cfg.grpo_std_normalization:
+    if cfg.grpo_std_normalization and cfg.std_scope == "batch":
+        out /= _batch_std(inputs, r).add_(cfg.std_eps)
+    elif cfg.grpo_std_normalization:
+        centered = r - mean[inputs.group_ids]  # the spread, around the group's true mean
+        if _excluding(inputs):
+            centered = torch.where(torch.isnan(r), torch.zeros_like(r), centered)
         dof = counts - 1 if cfg.std_unbiased else counts
         std = (segment_sum(centered.square(), inputs.group_ids, inputs.num_groups) / dof).sqrt_()
+        if _excluding(inputs):
+            std = torch.where(dof > 0, std, torch.full_like(std, float("nan")))
         out /= _unit_singletons(inputs, counts, std, 1.0).add_(cfg.std_eps)[inputs.group_ids]
-    return out
+    return _excluded(inputs, out)
 
 
 def mean_baseline_rewards(inputs: RewardInputs) -> torch.Tensor:
-    """r - mean_G (dr_grpo, reinforce_plus_plus_baseline); a group of one has mean 0 under unit."""
+    """r - mean_G (dr_grpo, reinforce_plus_plus_baseline); a group of one has mean 0 under unit; NaN rewards per
+    nan_rewards."""
     r, counts, mean = _group_stats(inputs)
-    return r - _unit_singletons(inputs, counts, mean, 0.0)[inputs.group_ids]
+    return _excluded(inputs, r - _unit_singletons(inputs, counts, mean, 0.0)[inputs.group_ids])
 
 
 def rloo_rewards(inputs: RewardInputs) -> torch.Tensor:

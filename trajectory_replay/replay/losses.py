@@ -107,13 +107,19 @@ def gspo_tokens(inputs: PolicyInputs) -> PolicyLossTokens:
 
 def cispo_tokens(inputs: PolicyInputs) -> PolicyLossTokens:
     """CISPO: the clipped ratio as a constant weight on the log-prob, pg = -clip(ratio) A cur; clipped where
-    the clip changed the ratio."""
+    the clip changed the ratio. With cispo_clip=cap the weight is min(ratio, eps_clip_high), and a token is clipped
+    where the ratio exceeds the cap and its advantage is positive."""
     cfg = inputs.config
     log_ratio = _log_ratio(inputs)
     ratio = torch.exp(log_ratio)
-    weight = ratio.clamp(1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high)
-    clipfrac = weight != ratio
-    pg = weight.mul_(inputs.advantages.to(torch.float32)).mul_(inputs.log_probs.to(torch.float32)).neg_()
+    a = inputs.advantages.to(torch.float32)
+    if cfg.cispo_clip == "cap":
+        weight = ratio.clamp(max=cfg.eps_clip_high)
+        clipfrac = (ratio > cfg.eps_clip_high) & (a > 0)
+    else:
+        weight = ratio.clamp(1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_high)
+        clipfrac = weight != ratio
+    pg = weight.mul_(a).mul_(inputs.log_probs.to(torch.float32)).neg_()
     return PolicyLossTokens(pg=pg, clipfrac=clipfrac, ppo_kl=log_ratio.neg_())
 
 
@@ -268,17 +274,16 @@ def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: Los
                 config,
             )
             block_mask, weights = fix.mask, fix.weights
-        terms = kernels.policy_loss.tokens(
-            PolicyInputs(
-                data.log_probs[start:end],
-                data.old_log_probs[start:end],
-                data.advantages[start:end],
-                block_mask,
-                block_lengths,
-                config,
-                {name: t[start:end] for name, t in data.payloads.items()},
-            )
+        inputs = PolicyInputs(
+            data.log_probs[start:end],
+            data.old_log_probs[start:end],
+            data.advantages[start:end],
+            block_mask,
+            block_lengths,
+            config,
+            {name: t[start:end] for name, t in data.payloads.items()},
         )
+        terms = kernels.policy_loss.tokens(inputs)
         pg = terms.pg if weights is None else terms.pg.to(torch.float32) * weights
         rows = [pg, terms.clipfrac, terms.ppo_kl]
         if data.entropy is not None:
@@ -286,21 +291,37 @@ def policy_loss_sums(data: PolicyLossData, config: RecomputeConfig, kernels: Los
         del terms
         if with_kl:
             assert data.ref_log_probs is not None
-            rows.append(
-                kl_estimate(
-                    data.log_probs[start:end],
-                    data.ref_log_probs[start:end],
-                    config.kl_loss_estimator,
-                    config.kl_log_ratio_clamp,
-                    config.kl_output_clamp,
-                    config.kl_clamped,
-                )
+            kl = kl_estimate(
+                data.log_probs[start:end],
+                data.ref_log_probs[start:end],
+                config.kl_loss_estimator,
+                config.kl_log_ratio_clamp,
+                config.kl_output_clamp,
+                config.kl_clamped,
             )
+            if config.kl_loss_ratio_weighted:
+                kl.mul_(importance_ratio(inputs, sequence=kernels.policy_loss.tokens in _SEQUENCE_RATIO))
+            rows.append(kl)
         stacked_sample_sums(
             rows, block_mask, block_lengths, workspace, out=table[:, first:last], counts=(1,) if indicator else ()
         )
     return LossSums(dict(zip(fields, table[:-1])), table[-1])
 
+
+def importance_ratio(inputs: PolicyInputs, sequence: bool = False) -> torch.Tensor:
+    """The policy loss's importance ratio on each token: exp(cur - old) (the log clamped by ratio_log_clamp), or with
+    `sequence` each sequence's exp(mean over its masked tokens of cur - old), its log capped as gspo caps it."""
+    if not sequence:
+        return torch.exp(_log_ratio(inputs))
+    log_ratio = inputs.log_probs.to(torch.float32) - inputs.old_log_probs.to(torch.float32)
+    mask, lengths = inputs.mask.to(torch.float32), inputs.lengths.to(torch.int64)
+    seq = torch.segment_reduce(log_ratio * mask, "sum", lengths=lengths)
+    seq /= torch.segment_reduce(mask, "sum", lengths=lengths).clamp_(min=1.0)
+    return torch.repeat_interleave(torch.exp(seq.clamp_(max=GSPO_LOG_RATIO_MAX)), lengths)
+
+
+_SEQUENCE_RATIO = (gspo_tokens,)
+"""The policy losses whose importance ratio is one per sequence (the KL loss's weight under kl_loss_ratio_weighted)."""
 
 _INDICATOR_CLIPFRAC = (ppo_clip_tokens, gspo_tokens, cispo_tokens)
 """The policy losses whose clipfrac is a 0/1 indicator per token (its sums are counts: see `stacked_sample_sums`)."""
@@ -316,6 +337,8 @@ def policy_loss_scalars(
     for term in ("pg_loss", "entropy_loss", "kl_loss"):
         if term in out:
             out[term] *= config.loss_scale
+    if "entropy_loss" in out and config.entropy_agg != "loss_agg_mode":
+        out["entropy_loss"] = entropy_mean(sums, config.entropy_agg, micro_batches)
     out["loss"] = out["pg_loss"]
     if "entropy_loss" in out:
         out["loss"] -= config.entropy_coef * out["entropy_loss"]
@@ -393,8 +416,24 @@ def _aggregate(
     return out
 
 
-def micro_batch_token_means(sums: LossSums, micro_batches: torch.Tensor | None) -> dict[str, float]:
-    """Each clip metric as the mean over micro-batches of its token mean within the micro-batch:
+ENTROPY_AGGS = ("loss_agg_mode", "token_mean", "micro_batch_token_mean")
+"""The values of `entropy_agg` replay implements."""
+
+
+def entropy_mean(sums: LossSums, entropy_agg: str, micro_batches: torch.Tensor | None) -> float:
+    """entropy_loss aggregated on its own (not scaled by loss_scale): token_mean, its masked sum over the cohort's
+    masked-in tokens (0 without any); micro_batch_token_mean, the mean over micro-batches of each one's token mean
+    (`micro_batch_token_means`)."""
+    if entropy_agg == "token_mean":
+        tokens = float(sums.counts.sum())
+        return float(sums.sums["entropy_loss"].sum()) / tokens if tokens else 0.0
+    return micro_batch_token_means(sums, micro_batches, ("entropy_loss",))["entropy_loss"]
+
+
+def micro_batch_token_means(
+    sums: LossSums, micro_batches: torch.Tensor | None, names: Sequence[str] = CLIP_METRICS
+) -> dict[str, float]:
+    """Each clip metric (each of `names`) as the mean over micro-batches of its token mean within the micro-batch:
     mean_g (sum_{i in g} S_i / (sum_{i in g} T_i + 1e-8)). `micro_batches`: each sample's micro-batch as a dense
     id 0..k-1 (None: the samples are one micro-batch); a micro-batch without masked-in tokens counts as 0."""
     n = sums.counts.numel()
@@ -404,7 +443,7 @@ def micro_batch_token_means(sums: LossSums, micro_batches: torch.Tensor | None) 
     k = int(groups.max()) + 1 if n else 0
     tokens = torch.zeros(k, dtype=torch.float64).index_add_(0, groups, sums.counts)
     out = {}
-    for name in CLIP_METRICS:
+    for name in names:
         if name in sums.sums:
             totals = torch.zeros(k, dtype=torch.float64).index_add_(0, groups, sums.sums[name])
             out[name] = float((totals / (tokens + MICRO_BATCH_MEAN_EPS)).mean()) if k else 0.0
@@ -415,6 +454,7 @@ __all__ = [
     "BLOCK_TOKENS",
     "CLIP_METRICS",
     "CLIP_METRIC_AGGS",
+    "ENTROPY_AGGS",
     "LossKernels",
     "LossSums",
     "PolicyInputs",
@@ -422,6 +462,8 @@ __all__ = [
     "PolicyLossTokens",
     "ValueLossData",
     "cispo_tokens",
+    "entropy_mean",
+    "importance_ratio",
     "gspo_tokens",
     "micro_batch_token_means",
     "policy_loss_outputs",

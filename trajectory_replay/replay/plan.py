@@ -61,7 +61,7 @@ from trajectory_replay.errors import BundleError, SelectionError, UnsupportedErr
 from trajectory_replay.replay import kernels as kernels_mod
 from trajectory_replay.replay.cohort import CohortPart
 from trajectory_replay.replay.flags import setting as setting_of
-from trajectory_replay.replay.losses import CLIP_METRIC_AGGS
+from trajectory_replay.replay.losses import CLIP_METRIC_AGGS, ENTROPY_AGGS
 from trajectory_replay.replay.mismatch import (
     CORRECTION_MODES,
     DIVERGENCE_CRITERIA,
@@ -323,6 +323,10 @@ _CHOICES = {
     "masked_return": ("restart", "carry"),
     "rollout_is": CORRECTION_MODES,
     "clip_metric_agg": CLIP_METRIC_AGGS,
+    "std_scope": ("group", "batch"),
+    "nan_rewards": ("propagate", "exclude"),
+    "cispo_clip": ("window", "cap"),
+    "entropy_agg": ENTROPY_AGGS,
 }
 
 

@@ -184,14 +184,21 @@ def _upstream(ctx: StageContext, findings: StageChecks, stage: StageId, key: str
     return produced
 
 
-def _compare_per_sample(ctx: StageContext, f: StageChecks, stage: StageId, key: str, actual: torch.Tensor) -> None:
+def _compare_per_sample(
+    ctx: StageContext, f: StageChecks, stage: StageId, key: str, actual: torch.Tensor, nan_equal: bool = False
+) -> None:
     """Compare `actual` with the expected per-sample list `stage.key` (length-checked, indexed down), reported as
-    the record field that carries it."""
+    the record field that carries it; with `nan_equal`, a NaN on both sides of a sample is equal (a value recorded
+    as NaN and recomputed as NaN)."""
     field_name = STAGE_IO[stage].in_records[key]
     expected, problems = ctx.cohort.expected_list(stage.value, key)
     for p in problems:
         f.problem(p)
     if expected is not None:
+        if nan_equal and expected.numel() == actual.numel():
+            both = torch.isnan(expected.to(torch.float32)) & torch.isnan(actual.to(torch.float32))
+            zero = torch.zeros((), dtype=torch.float32)
+            expected, actual = torch.where(both, zero, expected.to(torch.float32)), torch.where(both, zero, actual)
         f.add(ctx.compare(field_name, expected, actual, ctx.cohort.sample_layout))
 
 
@@ -406,7 +413,7 @@ def _check_staleness(cfg: RecomputeConfig, f: StageChecks, c: Cohort) -> float |
 def _run_reward_raw(ctx: StageContext) -> StageOutcome:
     f = StageChecks()
     actual = _in_records(ctx, StageId.REWARD_RAW, "raw_rewards")  # scalar rewards: the recorded one is the recompute
-    _compare_per_sample(ctx, f, StageId.REWARD_RAW, "raw_rewards", actual)
+    _compare_per_sample(ctx, f, StageId.REWARD_RAW, "raw_rewards", actual, nan_equal=True)
     return StageOutcome(f, {"raw_rewards": actual})
 
 
@@ -480,6 +487,11 @@ def _run_advantage_kl(ctx: StageContext) -> StageOutcome:
     loaded = _load_payloads(ctx, f, STAGES[StageId.ADVANTAGE_KL].loaded(ctx.setting))
     if loaded is None:
         return StageOutcome(f)
+    if "kl" not in loaded and c.has_payload("kl"):  # left out of what it needs: compared when there
+        recorded = _load_payloads(ctx, f, ("kl",))
+        if recorded is None:
+            return StageOutcome(f)
+        loaded.update(recorded)
     if cfg.kl_coef == 0:
         actual = torch.zeros(c.num_tokens, dtype=torch.float32)
     else:
@@ -491,6 +503,8 @@ def _run_advantage_kl(ctx: StageContext) -> StageOutcome:
             cfg.kl_output_clamp,
             cfg.kl_clamped,
         )
+    if "kl" not in loaded:
+        return StageOutcome(f, {"kl": actual}, passed="no KL is used and production recorded none")
     # a masked-out token's KL reaches no reward: it is compared as 0 on both sides, whatever either holds
     inside, zero = loaded["loss_mask"].to(torch.bool), torch.zeros((), dtype=torch.float32)
     f.add(
