@@ -79,7 +79,7 @@ class Settings:
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"
     kl_loss_ratio_weighted: bool = False
-    pg_metrics_reported: bool = True
+    loss_terms_reported: bool = True
     cliprange_value: float = 0.2
     actor_version: int | None = None
     max_staleness: int | None = None

@@ -452,14 +452,14 @@ def _trl_delta(value: Any) -> Mapping[str, Any]:
 
 def _trl_importance_sampling_level(value: Any, others: Mapping[str, Any]) -> Mapping[str, Any]:
     """TRL's importance_sampling_level: token (the loss type's own ratio) or sequence (GSPO: one ratio per sequence,
-    clipped like PPO), which replay models for the clipped losses only."""
+    clipped like PPO), which replay models for the clipped losses only; TRL then takes its clip ratios per sequence."""
     if value == "token":
         return {}
     if value != "sequence":
         raise ValueError("no recompute config field expresses this value (known values: token, sequence)")
     if others.get("policy_loss", "ppo_clip") != "ppo_clip":
         raise ValueError(f"no recompute config field expresses it with policy_loss {others['policy_loss']!r}")
-    return {"policy_loss": "gspo"}
+    return {"policy_loss": "gspo", "clip_metric_agg": "micro_batch_seq_mean"}
 
 
 def _trl_use_vllm(value: Any, others: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -485,9 +485,10 @@ _TRL_1_16 = Profile(
         "nan_rewards": "exclude",
         "loss_agg_mode": "token_mean",
         "cispo_clip": "cap",
+        "clip_metric_agg": "micro_batch_token_mean",
         "entropy_agg": "micro_batch_token_mean",
         "kl_loss_ratio_weighted": True,
-        "pg_metrics_reported": False,
+        "loss_terms_reported": False,
     },
     {
         "loss_type": Option(

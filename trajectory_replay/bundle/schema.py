@@ -272,8 +272,9 @@ class RecomputeConfig(_Model):
     loss_scale: float = 1.0
     clip_metric_agg: str = "loss_agg_mode"
     """How pg_clipfrac, ppo_kl and vf_clipfrac are reduced: loss_agg_mode (aggregated like the loss, by the mode
-    and its denominators) or micro_batch_token_mean (a token mean per micro-batch, by the records'
-    micro_batch_id within each rank, averaged over the micro-batches)."""
+    and its denominators), micro_batch_token_mean (a token mean per micro-batch, by the records' micro_batch_id
+    within each rank, averaged over the micro-batches) or micro_batch_seq_mean (likewise, but each micro-batch's
+    mean over its samples of each one's token mean)."""
     entropy_coef: float = 0.0
     entropy_agg: str = "loss_agg_mode"
     """How entropy_loss is aggregated: loss_agg_mode (like the loss, by the mode and its denominators, times
@@ -284,8 +285,9 @@ class RecomputeConfig(_Model):
     kl_loss_ratio_weighted: bool = False
     """The KL loss term of each token is multiplied by the policy loss's importance ratio, exp(log_probs -
     old_log_probs) (per sequence for gspo), before it is aggregated."""
-    pg_metrics_reported: bool = True
-    """Production computes pg_loss and ppo_kl; false where it computes neither, and a bundle may leave them out."""
+    loss_terms_reported: bool = True
+    """Production computes pg_loss, ppo_kl and kl_loss, each aggregated like the loss; false where it computes none
+    of them (TRL, which logs other means of them), and a bundle may then leave them out."""
     cliprange_value: float = 0.2
     actor_version: int | None = None
     """The weights version of the trainer consuming the samples (staleness = actor_version - policy_version)."""

@@ -101,7 +101,7 @@ NO_KL = When(
     lambda s: s.config.kl_coef == 0 and s.config.kl_loss_coef == 0,
     lambda s: f"kl_coef={s.config.kl_coef}, kl_loss_coef={s.config.kl_loss_coef}",
 )
-PG_METRICS_UNREPORTED = When(lambda s: not s.config.pg_metrics_reported, lambda s: "pg_metrics_reported=False")
+LOSS_TERMS_UNREPORTED = When(lambda s: not s.config.loss_terms_reported, lambda s: "loss_terms_reported=False")
 NO_ENTROPY_TERM = When(lambda s: s.config.entropy_coef == 0, lambda s: f"entropy_coef={s.config.entropy_coef}")
 CORRECTED = When(
     lambda s: rollout_correction(s.config),
@@ -290,8 +290,9 @@ STAGE_IO: dict[StageId, StageIO] = {
         optional_when={
             "entropy": NO_ENTROPY_TERM,
             "entropy_loss": NO_ENTROPY_TERM,
-            "pg_loss": PG_METRICS_UNREPORTED,
-            "ppo_kl": PG_METRICS_UNREPORTED,
+            "pg_loss": LOSS_TERMS_UNREPORTED,
+            "ppo_kl": LOSS_TERMS_UNREPORTED,
+            "kl_loss": LOSS_TERMS_UNREPORTED,
         },
         planned=("rollout_log_probs", "ref_log_probs"),
     ),
@@ -328,7 +329,7 @@ __all__ = [
     "MISMATCH_FIELDS",
     "NO_ENTROPY_TERM",
     "NO_KL",
-    "PG_METRICS_UNREPORTED",
+    "LOSS_TERMS_UNREPORTED",
     "payloads_of",
     "PRE_REJECTION_MASK",
     "RECORDED_PAYLOADS",

@@ -30,7 +30,7 @@ MICRO_BATCH_MEAN_EPS = 1e-8
 """Added to a micro-batch's token count when its token mean is taken (a micro-batch without tokens gives 0)."""
 CLIP_METRICS = ("pg_clipfrac", "ppo_kl", "vf_clipfrac")
 """The loss-stage outputs `clip_metric_agg` decides the aggregation of."""
-CLIP_METRIC_AGGS = ("loss_agg_mode", "micro_batch_token_mean")
+CLIP_METRIC_AGGS = ("loss_agg_mode", "micro_batch_token_mean", "micro_batch_seq_mean")
 """The values of `clip_metric_agg` replay implements."""
 GSPO_LOG_RATIO_MAX = 10.0
 
@@ -413,6 +413,25 @@ def _aggregate(
     out = {name: float(values.mul(weights).sum()) for name, values in sums.sums.items()}
     if config.clip_metric_agg == "micro_batch_token_mean":
         out.update(micro_batch_token_means(sums, micro_batches))
+    elif config.clip_metric_agg == "micro_batch_seq_mean":
+        out.update(micro_batch_seq_means(sums, micro_batches))
+    return out
+
+
+def micro_batch_seq_means(sums: LossSums, micro_batches: torch.Tensor | None) -> dict[str, float]:
+    """Each clip metric as the mean over micro-batches of the mean over the micro-batch's samples of each sample's
+    token mean (S_i / max(T_i, 1): a sample without masked-in tokens counts as 0), for a metric that is one value
+    per sequence (TRL's clip ratios under importance_sampling_level=sequence)."""
+    n = sums.counts.numel()
+    groups = torch.zeros(n, dtype=torch.int64) if micro_batches is None else micro_batches.to(torch.int64)
+    k = int(groups.max()) + 1 if n else 0
+    rows = torch.zeros(k, dtype=torch.float64).index_add_(0, groups, torch.ones(n, dtype=torch.float64))
+    out = {}
+    for name in CLIP_METRICS:
+        if name in sums.sums:
+            means = sums.sums[name] / sums.counts.clamp(min=1.0)
+            totals = torch.zeros(k, dtype=torch.float64).index_add_(0, groups, means)
+            out[name] = float((totals / rows.clamp(min=1.0)).mean()) if k else 0.0
     return out
 
 
@@ -465,6 +484,7 @@ __all__ = [
     "entropy_mean",
     "importance_ratio",
     "gspo_tokens",
+    "micro_batch_seq_means",
     "micro_batch_token_means",
     "policy_loss_outputs",
     "policy_loss_scalars",
