@@ -7,7 +7,8 @@ import pytest
 from tests.replay.conftest import MemorySource
 from tests.replay.reference64 import algorithm_case
 from trajectory_replay.bundle.profiles import PROFILES
-from trajectory_replay.bundle.schema import BundleIndex, RecomputeConfig
+from trajectory_replay.bundle.schema import BundleIndex, ConventionsRecord, RecomputeConfig
+from trajectory_replay.errors import UsageError
 from trajectory_replay.replay.convention_search import find_conventions
 from trajectory_replay.replay.runner import replay
 
@@ -270,3 +271,50 @@ def test_the_recorded_profile_is_named_before_a_profile_that_changes_fewer_field
     recorded = ConventionsReport("b", candidates, profile="verl")
     assert recorded.best.name == "profile verl"
     assert recorded.reproducing("reward.post_process") == ["profile verl", "profile nemo_rl"]
+
+
+def _trl_bundle(production: dict, recorded: dict, seed: int = 13) -> MemorySource:
+    """A bundle whose values are those of TRL run with `production` (its option names), recording the config TRL
+    run with `recorded` would have, and the trl profile in its manifest."""
+    built = RecomputeConfig.from_profile("trl", num_generations=4, beta=0.04, **production)
+    manifest, index, expected, payloads = algorithm_case(built.model_dump(), seed=seed)
+    config = RecomputeConfig.from_profile("trl", num_generations=4, beta=0.04, **recorded)
+    index = BundleIndex.model_validate({**index.model_dump(), "config": config.model_dump()})
+    manifest = manifest.model_copy(update={"conventions": ConventionsRecord.of_profile("trl")})
+    return MemorySource(manifest, index, expected, payloads)
+
+
+def test_replay_set_takes_the_frameworks_option_names_on_a_bundle_built_from_its_profile():
+    source = _trl_bundle({"loss_type": "grpo"}, {})
+    assert replay([source]).first_divergent_stage == "loss.policy"
+    report = replay([source], overrides={"loss_type": "grpo"})
+    assert report.passed and report.overrides == {"loss_agg_mode": "seq_mean_token_mean", "policy_loss": "ppo_clip"}
+    assert replay([source], overrides={"loss_agg_mode": "seq_mean_token_mean"}).passed  # a field keeps its name
+    with pytest.raises(UsageError) as info:
+        replay([source], overrides={"loss_type": "sapo"})
+    assert str(info.value).startswith("TRL option loss_type='sapo' (profile trl)") and "\n" not in str(info.value)
+    with pytest.raises(UsageError, match="'clip_ratio' is neither a recompute config field nor a TRL option"):
+        replay([source], overrides={"clip_ratio": 0.3})
+
+
+def test_replay_set_takes_only_field_names_on_a_bundle_that_records_no_profile():
+    source = _recorded_as(algorithm_case(BASE, seed=3), BASE)
+    with pytest.raises(UsageError, match="unknown config field 'loss_type'"):
+        replay([source], overrides={"loss_type": "grpo"})
+
+
+@pytest.mark.parametrize(
+    "production, named",
+    [
+        ({"loss_type": "grpo"}, "loss_type=grpo"),
+        ({"scale_rewards": "batch"}, "scale_rewards=batch"),
+        ({"use_bias_correction_kl": False}, "use_bias_correction_kl=False"),
+    ],
+)
+def test_conventions_names_the_trl_setting_before_an_equivalent_rewrite(production, named):
+    found = find_conventions([_trl_bundle(production, {})])
+    assert found.profile == "trl"
+    assert found.best is not None and found.best.name == named and found.best.kind == "option"
+    rewrites = [c for c in found.candidates if c.reproduces_all and c.kind in ("variant", "inferred")]
+    ordered = [c["name"] for c in found.to_dict()["candidates"]]
+    assert all(ordered.index(named) < ordered.index(c.name) for c in rewrites)

@@ -64,6 +64,9 @@ class Option:
     """For an option whose meaning depends on others (verl's rollout_rs_threshold on rollout_rs): maps its value
     and the fields the other options and overrides set (and, under names no field has, the other options as given)
     to the fields it sets; it is applied after them."""
+    values: tuple[Any, ...] = ()
+    """The framework's values of a closed option, which `trajectory-replay conventions` tries on a bundle built from
+    the profile (by the option's name: `loss_type=grpo`)."""
 
     def fields(self, value: Any, others: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
         """The config fields this option's `value` sets, given the fields set by the others (`jointly`)."""
@@ -99,6 +102,26 @@ class Profile:
         for key, value in joint.items():
             fields.update(self.override(key, value, config_fields, {**overrides, **fields}))
         return fields
+
+    def changes(
+        self, overrides: Mapping[str, Any], current: Mapping[str, Any], config_fields: Collection[str]
+    ) -> dict[str, Any]:
+        """The config fields `overrides` change on a config whose fields are `current` (`replay --set` on a bundle
+        built from this profile): a config field by its own name (a name that is both means the field there), a
+        framework option as `fields` translates it (an option that reads others sees `current` with the rest of
+        `overrides` applied); ValueError naming an override that is neither, or a value no field expresses."""
+        out: dict[str, Any] = {}
+        joint = []
+        for key, value in overrides.items():
+            if key in config_fields:
+                out[key] = value
+            elif key in self.options and self.options[key].jointly is not None:
+                joint.append((key, value))
+            else:
+                out.update(self.override(key, value, config_fields))
+        for key, value in joint:
+            out.update(self.override(key, value, config_fields, {**overrides, **current, **out}))
+        return out
 
     def override(
         self, key: str, value: Any, config_fields: Collection[str], others: Mapping[str, Any] | None = None
@@ -502,6 +525,7 @@ _TRL_1_16 = Profile(
                     "cispo": {"loss_agg_mode": "token_mean", "policy_loss": "cispo"},
                 }
             ),
+            values=("dapo", "bnpo", "grpo", "dr_grpo", "cispo"),
         ),
         "beta": Option("kl_loss_coef", _number("kl_loss_coef")),
         "epsilon": Option("eps_clip", _number("eps_clip", "eps_clip_high")),
@@ -518,9 +542,14 @@ _TRL_1_16 = Profile(
                     "False": {"grpo_std_normalization": False, "std_scope": "group"},
                 }
             ),
+            values=("group", "batch", "none"),
         ),
-        "use_bias_correction_kl": Option("kl_loss_ratio_weighted", _bool("kl_loss_ratio_weighted")),
-        "importance_sampling_level": Option("policy_loss", jointly=_trl_importance_sampling_level),
+        "use_bias_correction_kl": Option(
+            "kl_loss_ratio_weighted", _bool("kl_loss_ratio_weighted"), values=(True, False)
+        ),
+        "importance_sampling_level": Option(
+            "policy_loss", jointly=_trl_importance_sampling_level, values=("token", "sequence")
+        ),
         "num_generations": Option("n_samples_per_prompt"),
         "entropy_coef": Option("entropy_coef", _number("entropy_coef")),
         "top_entropy_quantile": Option("loss_mask", _only(1.0, 1)),

@@ -8,13 +8,16 @@ The candidates, tried in this order and reported most specific first (fewest fie
 - inferred scales: where loss.policy diverges by a constant factor, the loss_scale, or for a token/sequence mean
   the global loss_denominator, that would explain it (solved from the expected and recomputed values, rounded
   to a whole count, then checked by a replay like every other candidate);
+- on a bundle built from a profile, every value of each of the framework's closed options (`loss_type=grpo`),
+  named by the framework's option, tried before the variants so that a variant equal to one is not tried again;
 - every convention profile applied to the recorded config (its conventions, the run's own hyperparameters), the
   profile the manifest records first. Where the config was built from a recorded profile, the conventions the run
   set otherwise than that profile (a framework option the user changed) stay as recorded under every profile; two
   versions of one framework that come to the same config are one candidate, named by the recorded profile if it
   is one of them.
-A candidate reproduces a stage when the stage passes under it; among candidates that reproduce, the recorded
-profile is named before other profiles. Payloads are read once for all candidates.
+A candidate reproduces a stage when the stage passes under it; among candidates that reproduce, the framework's own
+settings (the recorded profile, its options) are named before a field-level rewrite that is equivalent to one, and
+the other profiles last. Payloads are read once for all candidates.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ class Candidate:
 
     name: str
     kind: str
-    """recorded, variant, inferred or profile."""
+    """recorded, option (a framework option of the recorded profile), variant, inferred or profile."""
     changes: dict[str, Any]
     stages: dict[str, str] = field(default_factory=dict)
     """stage -> pass | fail | skipped (several ranks: fail when any rank fails)."""
@@ -124,8 +127,18 @@ class ConventionsReport(Outcome):
         return next((c for c in self._ordered() if c.reproduces_all), None)
 
     def _ordered(self) -> list[Candidate]:
+        """The recorded config, then the framework's own settings (the recorded profile and its options by name),
+        then the field-level variants and inferred scales, then the other profiles; fewest changes first in each."""
         recorded = f"profile {self.profile}"
-        return sorted(self.candidates, key=lambda c: (c.kind == "profile", c.name != recorded, len(c.changes)))
+
+        def tier(c: Candidate) -> int:
+            if c.kind == "recorded":
+                return 0
+            if c.kind == "option" or c.name == recorded:
+                return 1
+            return 3 if c.kind == "profile" else 2
+
+        return sorted(self.candidates, key=lambda c: (tier(c), len(c.changes)))
 
     def to_dict(self) -> dict[str, Any]:
         best = self.best
@@ -224,6 +237,9 @@ def find_conventions(sources: Sequence[ReplaySource], *, rank: int | None = None
         return ConventionsReport(
             sources[0].bundle_id, tuple(tried), unsupported=base.unsupported_reason, profile=built_from
         )
+    if built_from is not None:
+        for label, changes in option_variants(recorded, built_from):
+            attempt(label, "option", changes)
     for changes in single_field_variants(recorded):
         report = attempt(_label(changes), "variant", changes)
         if "loss_agg_mode" in changes and report is not None:
@@ -264,6 +280,23 @@ def _one_per_framework(tried: list[Candidate], built_from: str | None) -> list[C
         if named is None or named is candidate or named.stages != candidate.stages or named.error != candidate.error:
             kept.append(candidate)
     return kept
+
+
+def option_variants(config: RecomputeConfig, built_from: str) -> list[tuple[str, dict[str, Any]]]:
+    """(the framework's setting, the fields it changes) for every value of every closed option of the profile the
+    bundle was built from (`Option.values`) that changes the recorded config: `loss_type=grpo` on a TRL bundle."""
+    prof, current = PROFILES[built_from], config.model_dump()
+    out = []
+    for name, option in prof.options.items():
+        for value in option.values:
+            try:
+                fields = prof.changes({name: value}, current, RecomputeConfig.model_fields)
+            except ValueError:  # a value the recorded config's other settings rule out
+                continue
+            changes = {k: config_value(v) for k, v in fields.items() if v != current.get(k)}
+            if changes:
+                out.append((f"{name}={config_value(value)}", changes))
+    return out
 
 
 def single_field_variants(config: RecomputeConfig) -> list[dict[str, Any]]:
@@ -352,4 +385,4 @@ def _whole(value: float) -> float | None:
     return None
 
 
-__all__ = ["Candidate", "ConventionsReport", "find_conventions", "single_field_variants"]
+__all__ = ["Candidate", "ConventionsReport", "find_conventions", "option_variants", "single_field_variants"]

@@ -47,6 +47,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from trajectory_replay.bundle import profiles
 from trajectory_replay.bundle.schema import (
     STAGE_ORDER,
     BundleIndex,
@@ -200,7 +201,8 @@ def plan_replay(
     first = ordered[0]
     for source in ordered:
         check_topology(source.index)
-    config = effective_config(first.index.config, overrides or {})
+    changes = field_overrides(first, overrides or {})
+    config = effective_config(first.index.config, changes)
     planned = tuple(plan_stages(first.manifest, stages, config))
     running = {p.stage.id for p in planned if p.action == "run"}
     # fail before loading anything
@@ -224,7 +226,7 @@ def plan_replay(
         passes=passes,
         config=config,
         kernels=chosen,
-        overrides=tuple((k, config_value(getattr(config, k))) for k in (overrides or {})),
+        overrides=tuple((k, config_value(getattr(config, k))) for k in changes),
     )
 
 
@@ -442,6 +444,21 @@ def _check_criteria(config: RecomputeConfig) -> None:
                 raise UnsupportedError(f"unsupported {bounds}: a k1 criterion needs 0 < lower <= upper")
         elif upper is None or not upper > 0 or lower is not None:
             raise UnsupportedError(f"unsupported {bounds}: a k2 or k3 criterion needs an upper bound above 0 only")
+
+
+def field_overrides(source: ReplaySource, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`replay --set` overrides as config fields: on a bundle whose manifest records a convention profile, the
+    framework's option names too (`loss_type=grpo` on a TRL bundle), translated by the profile against the recorded
+    config; a config field's own name keeps its meaning. UsageError, one line, for a name that is neither or a value
+    the profile refuses."""
+    record = source.manifest.conventions
+    name = record.resolved() if record is not None else None
+    if name is None or not overrides:
+        return dict(overrides)
+    try:
+        return profiles.profile(name).changes(overrides, source.index.config.model_dump(), RecomputeConfig.model_fields)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def effective_config(config: RecomputeConfig, overrides: Mapping[str, Any]) -> RecomputeConfig:
