@@ -98,3 +98,20 @@ def test_conventions_of_a_bundle_replay_refuses_is_that_refusal(tmp_path):
     assert result.exit_code == 1
     report = json.loads(result.stdout)
     assert report["status"] == "unsupported" and "unsupported policy_loss 'dpo'" in report["error"]
+
+
+def test_replay_set_and_conventions_speak_trls_option_names_on_a_trl_bundle(tmp_path):
+    production = RecomputeConfig.from_profile("trl", loss_type="grpo", beta=0.04, num_generations=4)
+    recorded = RecomputeConfig.from_profile("trl", beta=0.04, num_generations=4)  # dapo, TRL's default
+    bundle = write(tmp_path, algorithm_case(production.model_dump(), seed=4), recorded)
+    assert run("replay", bundle).exit_code == 1
+    fixed = run("replay", bundle, "--set", "loss_type=grpo", "--json")
+    assert fixed.exit_code == 0, fixed.output
+    assert json.loads(fixed.stdout)["config_overrides"]["loss_agg_mode"] == "seq_mean_token_mean"
+    refused = run("replay", bundle, "--set", "loss_type=sapo")
+    assert refused.exit_code == 2 and "Traceback" not in refused.output
+    assert "TRL option loss_type='sapo' (profile trl)" in refused.output
+    found = run("conventions", bundle, "--json")
+    assert found.exit_code == 0, found.output
+    report = json.loads(found.stdout)
+    assert report["profile"] == "trl" and report["best"] == "loss_type=grpo"
