@@ -26,6 +26,7 @@ from trajectory_replay.bundle.schema import StageId
 from trajectory_replay.capture.config import ENV_CAPTURE, ENV_DIR, ENV_ROLLOUTS, ENV_STEPS
 from trajectory_replay.errors import TrajectoryReplayError
 from trajectory_replay.replay import replay
+from trajectory_replay.replay.validate import validate_bundle
 from trajectory_replay.store.layout import INFLIGHT_DIR, OBJECTS_DIR
 
 ROLLOUT_STAGES = ["sample", "reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate"]
@@ -112,6 +113,28 @@ def test_hooks_through_the_environment(tmp_path, monkeypatch):
     _replayed(str(tmp_path / "run-1" / "rollout-6"))
     _replayed(str(tmp_path / "run-1" / "step-5-1"))
     assert capture.shutdown(timeout=10)
+
+
+def test_a_rollout_without_any_kl_needs_neither_reference_log_probs_nor_kl(tmp_path, monkeypatch):
+    """A trainer that uses no KL (TRL with beta 0) computes no reference log-probs and no KL: the hook takes the
+    rollout without them, and the bundle validates and replays clean (advantage.kl compares nothing)."""
+    monkeypatch.setenv(ENV_CAPTURE, "on")
+    monkeypatch.setenv(ENV_DIR, f"file://{tmp_path}/run-1")
+    capture.maybe_enable_for_actor(0, True, [0], atexit_timeout=None, writer="thread")
+    kwargs = rollout_kwargs()
+    del kwargs["ref_log_probs"], kwargs["kl"]
+    kwargs["config"] = CONFIG.model_copy(update={"kl_coef": 0.0})
+    assert capture.capture_rollout(7, **kwargs)
+    assert capture.shutdown(timeout=10)
+    [source], report = _replayed(str(tmp_path / "run-1" / "rollout-7"))
+    assert set(source.manifest.payloads) == {"old_log_probs", "advantages", "loss_mask"}
+    assert report.stage("advantage.kl").status == "pass"
+    assert validate_bundle(str(tmp_path / "run-1" / "rollout-7")).valid
+    kwargs["config"] = CONFIG  # a KL in the reward: its `kl` must be recorded
+    capture.maybe_enable_for_actor(0, True, [0], atexit_timeout=None, writer="thread")
+    assert capture.capture_rollout(8, **kwargs)
+    assert capture.shutdown(timeout=10)
+    assert not replay(open_native(str(tmp_path / "run-1" / "rollout-8"))).passed
 
 
 def test_two_ranks_write_one_multi_rank_bundle(tmp_path, make_manager):
