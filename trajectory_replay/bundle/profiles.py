@@ -11,10 +11,12 @@ The config (`bundle/schema.py`) builds itself from a profile here and remembers 
 it (`Manifest.conventions`). `trajectory-replay conventions <bundle>` replays a bundle under every profile to tell
 which one production followed. docs/conventions.md lists what each framework does that no field expresses.
 
-Profiles are versioned where a framework's conventions changed between releases: `verl-0.8` and `verl-0.9` are
-pinned, and a framework's bare name (`verl`) is its newest modelled version (`NEWEST`). A value of a framework
-option that no field expresses is refused in one line naming the option (`Profile.fields`), never passed on as a
-value the config's fields do not mean.
+Profiles are versioned where a framework's conventions changed between releases: `verl-0.8` and `verl-0.9`,
+`trl-1.10` and `trl-1.16` are pinned, and a framework's bare name (`verl`, `trl`) is its newest modelled version
+(`NEWEST`). A bundle built from a profile takes the framework's option names in `replay --set` too
+(`Profile.changes`), and `trajectory-replay conventions` tries the values of its closed options (`Option.values`).
+A value of a framework option that no field expresses is refused in one line naming the option (`Profile.fields`),
+never passed on as a value the config's fields do not mean.
 
 Pure data and functions over field names: the schema imports this module, never the other way round.
 """
@@ -467,10 +469,18 @@ def _trl_epsilon_high(value: Any, others: Mapping[str, Any]) -> Mapping[str, Any
     return _number("eps_clip_high")(value)
 
 
-def _trl_delta(value: Any) -> Mapping[str, Any]:
+def _trl_delta(value: Any, others: Mapping[str, Any]) -> Mapping[str, Any]:
     """TRL's delta (two-sided clipping): the unclipped ratio term capped at delta, min(min(ratio, delta) A, clip(ratio)
-    A), which is the dual clip at delta (TRL requires delta > 1 + epsilon_high); None is off."""
-    return {"eps_clip_c": None} if value is None else _number("eps_clip_c")(value)
+    A), which is the dual clip at delta where delta > 1 + epsilon_high (TRL's recommendation; below it the cap also
+    acts on positive advantages, which no field expresses); None is off."""
+    if value is None:
+        return {"eps_clip_c": None}
+    delta = _number("eps_clip_c")(value)["eps_clip_c"]
+    high = next((others[k] for k in ("epsilon_high", "epsilon", "eps_clip_high") if others.get(k) is not None), 0.2)
+    upper = 1.0 + _parse_number(high)
+    if not delta > upper:
+        raise ValueError(f"no recompute config field expresses a delta of at most 1 + epsilon_high ({upper})")
+    return {"eps_clip_c": delta}
 
 
 def _trl_importance_sampling_level(value: Any, others: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -530,7 +540,7 @@ _TRL_1_16 = Profile(
         "beta": Option("kl_loss_coef", _number("kl_loss_coef")),
         "epsilon": Option("eps_clip", _number("eps_clip", "eps_clip_high")),
         "epsilon_high": Option("eps_clip_high", jointly=_trl_epsilon_high),
-        "delta": Option("eps_clip_c", _trl_delta),
+        "delta": Option("eps_clip_c", jointly=_trl_delta),
         "scale_rewards": Option(
             "grpo_std_normalization",
             _one_of_fields(

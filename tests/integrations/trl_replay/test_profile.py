@@ -109,6 +109,8 @@ def test_trl_options_translate_to_fields(options, fields):
         ({"multi_objective_aggregation": "normalize_then_sum"}, "TRL option multi_objective_aggregation"),
         ({"use_bias_correction_kl": "yes"}, "TRL option use_bias_correction_kl='yes'"),
         ({"beta": "a lot"}, "TRL option beta='a lot'"),
+        ({"delta": 1.2, "epsilon": 0.2}, "TRL option delta=1.2"),
+        ({"delta": 1.5, "epsilon_high": 0.6}, "TRL option delta=1.5"),
     ],
 )
 def test_what_no_field_expresses_is_refused_in_one_line_naming_the_trl_option(options, named):
