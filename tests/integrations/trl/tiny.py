@@ -85,8 +85,11 @@ def trainer(
     settings.update(options)
     args = GRPOConfig(output_dir=output_dir, **settings)
     dataset = Dataset.from_dict({"prompt": PROMPTS * 4})
+    weights = os.path.join(output_dir, "model")
+    if not os.path.isdir(weights):
+        model().save_pretrained(weights)  # a path: with beta != 0 TRL loads its reference model from it
     return GRPOTrainer(
-        model=model(), reward_funcs=reward_funcs, args=args, train_dataset=dataset, processing_class=tokenizer()
+        model=weights, reward_funcs=reward_funcs, args=args, train_dataset=dataset, processing_class=tokenizer()
     )
 
 
