@@ -438,9 +438,8 @@ class TrlCapture:
             on_policy=step.on_policy,
         )
         scalars = {name: _mean(step.metrics, names) for name, names in METRICS.items()}
-        entropy = scalars.pop("entropy")
         if self.trainer.accelerator.num_processes > 1:
-            entropy = None  # TRL logs the mean over every process, not this rank's
+            scalars = dict.fromkeys(scalars)  # TRL logs them over every process: no rank's own value
         return self.manager.capture_step_end(
             step.rollout_id,
             step.step_id,
@@ -450,7 +449,7 @@ class TrlCapture:
             ppo_kl=None,
             pg_clipfrac=scalars["pg_clipfrac"],
             kl_loss=scalars["kl_loss"] if float(self.args.beta) != 0.0 else None,
-            entropy_loss=entropy,
+            entropy_loss=scalars["entropy"],
         )
 
     # ---- plumbing ----------------------------------------------------------------------------------
