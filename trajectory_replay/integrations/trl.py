@@ -69,9 +69,21 @@ OPTIONS = (
 )
 """The GRPOConfig options that shape advantages or the loss, handed to the `trl` profile under TRL's names."""
 
-ALWAYS = ("loss_type", "beta", "epsilon", "num_generations", "scale_rewards")
-"""Options recorded whatever their value (the run's hyperparameters); the others only where the run set them
-otherwise than GRPOConfig's default, so the profile's conventions stand for TRL's defaults."""
+ALWAYS = (
+    "loss_type",
+    "beta",
+    "epsilon",
+    "epsilon_high",
+    "delta",
+    "num_generations",
+    "scale_rewards",
+    "use_bias_correction_kl",
+    "importance_sampling_level",
+    "mask_truncated_completions",
+    "top_entropy_quantile",
+)
+"""Options recorded whatever their value (None, TRL's "not set", left out: `epsilon_high` then follows `epsilon` as
+in TRL); the others only where the run sets them otherwise than GRPOConfig's default."""
 
 METRICS = {"pg_clipfrac": ("clip_ratio/region_mean", "cispo_clip_ratio"), "kl_loss": ("kl",), "entropy": ("entropy",)}
 """Step scalar -> the metrics `_compute_loss` logs it under (one per micro-batch), by loss type where they differ."""

@@ -4,6 +4,7 @@ first stage and sample. One trainer run per setting (module-scoped), every asser
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -230,3 +231,22 @@ def test_the_installed_trl_has_what_capture_uses(tmp_path):
     assert handle.close(timeout=60)
     assert handle.stats()["errors"] == 0
     assert ROWS_KEY not in trainer.args.to_dict()
+
+
+@pytest.mark.s3
+def test_a_step_captured_into_s3_replays_by_url(tmp_path, s3_root, s3_env):
+    url, storage_options = s3_root
+    handle = tiny.run(url, str(tmp_path / "out"), capture_options={"storage_options": storage_options}, **OFF_POLICY)
+    assert handle.manager.writer_mode == "process"  # the default: bundles written by a process of their own
+    assert handle.stats()["written"] == 3 and handle.stats()["errors"] == 0  # rollout-0, step-0-0, step-0-1
+    result = subprocess.run(
+        [sys.executable, "-m", "trajectory_replay", "replay", url, "--step", "0:1", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    report = json.loads(result.stdout)
+    stages = [(s["bundle"], s["stage"], s["status"]) for s in report["stages"]]
+    assert ("rollout-0", "reward.post_process", "pass") in stages
+    assert ("step-0-1", "link", "pass") in stages
+    assert report["status"] == "pass", stages

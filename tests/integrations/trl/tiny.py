@@ -94,13 +94,19 @@ def trainer(
 
 
 def run(
-    store: str, output_dir: str, *, before: Callable[[GRPOTrainer], None] | None = None, **options: Any
+    store: str,
+    output_dir: str,
+    *,
+    before: Callable[[GRPOTrainer], None] | None = None,
+    capture_options: dict[str, Any] | None = None,
+    **options: Any,
 ) -> TrlCapture:
-    """Train a tiny trainer with capture into `store` (writer thread), everything written when it returns."""
+    """Train a tiny trainer with capture into `store` (by default from a writer thread; `capture_options` go to
+    `enable_capture`), everything written when it returns. `before` may change the trainer first."""
     t = trainer(output_dir, **options)
     if before is not None:
         before(t)
-    handle = enable_capture(t, store, writer="thread")
+    handle = enable_capture(t, store, **(capture_options or {"writer": "thread"}))
     t.train()
     assert handle.close(timeout=120)
     return handle
