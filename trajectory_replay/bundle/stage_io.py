@@ -97,10 +97,7 @@ KL_IN_SCORE = When(
 )
 NEEDS_VALUES = When(lambda s: s.estimator.needs_values, lambda s: f"advantage_estimator={s.config.advantage_estimator}")
 KL_LOSS = When(lambda s: s.config.kl_loss_coef != 0, lambda s: f"kl_loss_coef={s.config.kl_loss_coef}")
-NO_KL = When(
-    lambda s: s.config.kl_coef == 0 and s.config.kl_loss_coef == 0,
-    lambda s: f"kl_coef={s.config.kl_coef}, kl_loss_coef={s.config.kl_loss_coef}",
-)
+NO_REWARD_KL = When(lambda s: s.config.kl_coef == 0, lambda s: f"kl_coef={s.config.kl_coef}")
 LOSS_TERMS_UNREPORTED = When(lambda s: not s.config.loss_terms_reported, lambda s: "loss_terms_reported=False")
 NO_ENTROPY_TERM = When(lambda s: s.config.entropy_coef == 0, lambda s: f"entropy_coef={s.config.entropy_coef}")
 CORRECTED = When(
@@ -248,13 +245,13 @@ STAGE_IO: dict[StageId, StageIO] = {
         only_when={"kl": KL_IN_SCORE, "loss_mask": KL_IN_SCORE},
     ),
     # compared on the tokens with mask 1 only: the KL of a masked-out token reaches no reward; without any KL (a
-    # framework that computes none) production's `kl` may be left out
+    # framework that computes none, or one whose only KL is in the loss) production's `kl` may be left out
     StageId.ADVANTAGE_KL: StageIO(
         payloads=("old_log_probs", "ref_log_probs", "loss_mask"),
         outputs=("kl",),
         per="token",
         only_when={"old_log_probs": KL_USED, "ref_log_probs": KL_USED},
-        optional_when={"kl": NO_KL},
+        optional_when={"kl": NO_REWARD_KL},
     ),
     # the reward-side KL comes from advantage.kl when it is contracted, else from the recorded `kl` payload
     StageId.ADVANTAGE_ESTIMATE: StageIO(
@@ -328,7 +325,7 @@ __all__ = [
     "LOSS_MASK",
     "MISMATCH_FIELDS",
     "NO_ENTROPY_TERM",
-    "NO_KL",
+    "NO_REWARD_KL",
     "LOSS_TERMS_UNREPORTED",
     "payloads_of",
     "PRE_REJECTION_MASK",

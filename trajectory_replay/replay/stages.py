@@ -504,7 +504,7 @@ def _run_advantage_kl(ctx: StageContext) -> StageOutcome:
             cfg.kl_clamped,
         )
     if "kl" not in loaded:
-        return StageOutcome(f, {"kl": actual}, passed="no KL is used and production recorded none")
+        return StageOutcome(f, {"kl": actual}, passed="no reward-side KL is used and production recorded none")
     # a masked-out token's KL reaches no reward: it is compared as 0 on both sides, whatever either holds
     inside, zero = loaded["loss_mask"].to(torch.bool), torch.zeros((), dtype=torch.float32)
     f.add(
