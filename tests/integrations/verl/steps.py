@@ -220,6 +220,22 @@ def build_step(options: StepOptions = StepOptions()) -> VerlStep:
     return step
 
 
+def balanced(batch: DataProto, dp_size: int) -> DataProto:
+    """A copy of `batch` reordered by verl's own `RayPPOTrainer._balance_batch` for `dp_size` ranks (verl's
+    dispatch then gives rank r chunk r), with each row's index in `batch` as the tensor `row`."""
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    out = DataProto.from_dict(
+        tensors={**dict(batch.batch.items()), "row": torch.arange(len(batch))},
+        non_tensors={k: v.copy() for k, v in batch.non_tensor_batch.items()},
+    )
+    trainer = SimpleNamespace(_get_dp_size=lambda worker_group, role: dp_size, actor_rollout_wg=None)
+    RayPPOTrainer._balance_batch(trainer, out, metrics={})  # type: ignore[arg-type]
+    return out
+
+
 def _flat_model_output(tensor: torch.Tensor, batch: DataProto, rows: list[int]) -> torch.Tensor:
     """A per-response-token tensor as the actor's unpadded forward returns it: every sequence's valid tokens,
     concatenated, each response token's value at the position before it (no_padding_2_padding undoes this)."""
