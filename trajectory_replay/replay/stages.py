@@ -22,6 +22,7 @@ from trajectory_replay.bundle.schema import RecomputeConfig, StageId
 from trajectory_replay.bundle.stage_io import (
     LOSS_FIELDS,
     MISMATCH_FIELDS,
+    OFF_POLICY_FIELDS,
     PRE_REJECTION_MASK,
     STAGE_IO,
     Setting,
@@ -274,7 +275,10 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
     ]
     over = found.over
     with_weights = c.has_payload("rollout_is_weights") and cfg.rollout_is != "none"
-    if with_weights or before_rejection:
+    recorded_metrics = (c.expected_map(StageId.ROLLOUT_MISMATCH.value) if len(c.parts) == 1 else None) or {}
+    off_policy = any(recorded_metrics.get(name) is not None for name in OFF_POLICY_FIELDS)
+    fix = None
+    if with_weights or before_rejection or (off_policy and cfg.rollout_is != "none"):
         # a masked-out token's d counts as 0, whatever it holds
         masked = torch.where(mask.to(torch.bool), mismatch.log_ratio(old_lp, rollout_lp), 0.0)
         fix = mismatch.correction(masked, mask, c.lengths, cfg)
@@ -285,7 +289,13 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
             weights = mismatch.recorded_weights(fix, mask)
             assert weights is not None  # a config with rollout_is other than 'none' has its weights
             f.add(ctx.compare("rollout_is_weights", recorded["rollout_is_weights"], weights, c.token_layout))
-    return StageOutcome(f, partial={"sums": sums, "rows": rows, "nonfinite": nonfinite, "over": over})
+    off = None
+    if off_policy:  # verl's rollout-correction metrics, recomputed only when production's are recorded
+        weights = None if fix is None else fix.weights
+        kept = fix.mask if fix is not None and before_rejection else None
+        off = mismatch.off_policy_sums(old_lp, rollout_lp, mask, c.lengths, weights=weights, kept=kept)
+    partial = {"sums": sums, "rows": rows, "nonfinite": nonfinite, "over": over, "off_policy": off}
+    return StageOutcome(f, partial=partial)
 
 
 def _finish_rollout_mismatch(
@@ -312,6 +322,10 @@ def _finish_rollout_mismatch(
         tokens = sums.tokens
         _check_finite(f, c, [partial["nonfinite"] for partial, _ in parts])
         actual.update(mismatch.metrics_of(sums).as_dict())
+        offs = [(block.index, partial["off_policy"]) for partial, block in parts]
+        if all(off is not None for _, off in offs) and offs:
+            off = mismatch.OffPolicySums.combine(offs, len(c.records))
+            actual.update(mismatch.off_policy_metrics(sums, off, cfg))
         candidates = [row for partial, _ in parts for row in partial["rows"]]
         candidates.sort(key=lambda pr: mismatch.worst_first(abs(pr[1]["log_ratio"]), pr[0]))
         rows = [row for _, row in candidates[: mismatch.WORST_TOKENS]]

@@ -8,7 +8,9 @@ and the outcome score on each response's last valid token (`token_level_scores`)
 `verl.workers.utils.losses.ppo_loss` (and `value_loss` for gae), called once per micro-batch with the
 `TensorDict` and the global batch information (`dp_size`, `batch_num_tokens`, `global_batch_size`) the FSDP engine
 gives it, and reduced over micro-batches as verl's metrics are (`Metric` SUM for the losses, MEAN for the clip
-fraction and ppo_kl).
+fraction and ppo_kl). With rollout correction (`StepOptions.rollout_correction`) the batch also holds the inference
+engine's `rollout_log_probs`, and verl's `compute_rollout_correction_and_add_to_batch` adds the importance weights and
+rejects tokens from the response mask before `compute_advantage`.
 
 The injected-bug options of `StepOptions` change only what verl's functions are given (the uids, masks, scores,
 coefficients or old log-probs of one call); the built batch keeps what production would record.
@@ -25,8 +27,10 @@ import torch
 from tensordict import TensorDict
 from verl import DataProto
 from verl.trainer.config import AlgoConfig
+from verl.trainer.config.algorithm import RolloutCorrectionConfig
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.ray_trainer import apply_kl_penalty, compute_advantage, compute_response_mask
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import CriticConfig, FSDPActorConfig, FSDPCriticConfig
 from verl.workers.utils.losses import ppo_loss, value_loss
@@ -77,6 +81,10 @@ class StepOptions:
     """Injected bug: the (adaptive) KL coefficient apply_kl_penalty used, when it is not the recorded `kl_coef`."""
     lost_score: int | None = None
     """Injected bug: this sample's score is zeroed before compute_advantage; the recorded score is the original."""
+    rollout_correction: tuple[tuple[str, Any], ...] = ()
+    """verl's rollout-correction options (`RolloutCorrectionConfig` keys and values); with any, the batch holds the
+    inference engine's `rollout_log_probs` and `compute_rollout_correction_and_add_to_batch` runs between
+    `apply_kl_penalty` and `compute_advantage`, as in verl's `fit`."""
     seed: int = 0
 
 
@@ -95,6 +103,10 @@ class VerlStep:
     micro_batches: list[list[int]]
     policy_metrics: dict[str, float] = field(default_factory=dict)
     value_metrics: dict[str, float] = field(default_factory=dict)
+    pre_rejection_mask: torch.Tensor | None = None
+    """With rollout correction: the response mask before its rejection (the batch's is the one after it)."""
+    rollout_corr_metrics: dict[str, float] = field(default_factory=dict)
+    """With rollout correction: the `rollout_corr/*` metrics verl computed."""
 
 
 def _layout(gen: torch.Generator, rnd: random.Random, multi_turn: bool) -> dict[str, torch.Tensor]:
@@ -128,6 +140,17 @@ def _layout(gen: torch.Generator, rnd: random.Random, multi_turn: bool) -> dict[
     }
 
 
+def _rollout_log_probs(old: torch.Tensor, valid: torch.Tensor, seed: int) -> torch.Tensor:
+    """The inference engine's log-probs of the sampled tokens: the trainer's old ones, off by a little on most tokens
+    and by a lot on about 2% of them, junk in the padding (from a generator of their own: the step's other tensors
+    stay what they are without rollout correction)."""
+    gen = torch.Generator().manual_seed(seed + 1000)
+    noise = torch.randn(old.shape, generator=gen) * 0.08
+    outliers = torch.rand(old.shape, generator=gen) < 0.02
+    noise = torch.where(outliers, torch.randn(old.shape, generator=gen) * 1.5, noise)
+    return _junk_outside(old - noise, valid, gen)
+
+
 def _junk_outside(values: torch.Tensor, mask: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     junk = torch.randn(values.shape, generator=gen) * 50.0
     return torch.where(mask.bool(), values, junk)
@@ -159,6 +182,9 @@ def build_step(options: StepOptions = StepOptions()) -> VerlStep:
     assert torch.equal(compute_response_mask(batch), valid)
     response_mask = batch.batch["response_mask"].clone()
 
+    pre_rejection_mask, corr_metrics = None, {}
+    if options.rollout_correction:
+        batch.batch["rollout_log_probs"] = _rollout_log_probs(old, valid, options.seed)
     reward_kl = None
     if options.use_kl_in_reward:
         reward_kl = core_algos.kl_penalty(
@@ -168,6 +194,11 @@ def build_step(options: StepOptions = StepOptions()) -> VerlStep:
         batch, _ = apply_kl_penalty(batch, core_algos.FixedKLController(kl_coef), options.kl_penalty)
     else:
         batch.batch["token_level_rewards"] = batch.batch["token_level_scores"].clone()
+    if options.rollout_correction:
+        pre_rejection_mask = batch.batch["response_mask"].clone()
+        correction = RolloutCorrectionConfig(**dict(options.rollout_correction))
+        batch, corr_metrics = compute_rollout_correction_and_add_to_batch(batch, correction)
+        response_mask = batch.batch["response_mask"].clone()
     if options.lost_score is not None:
         batch.batch["token_level_rewards"][options.lost_score] = 0.0
     algo = AlgoConfig(
@@ -213,6 +244,8 @@ def build_step(options: StepOptions = StepOptions()) -> VerlStep:
         else None,
         reward_kl=reward_kl,
         micro_batches=[list(r) for r in np.array_split(np.arange(n), options.micro_batches)],
+        pre_rejection_mask=pre_rejection_mask,
+        rollout_corr_metrics=corr_metrics,
     )
     step.policy_metrics = _policy_loss(step)
     if step.vpreds is not None:
