@@ -40,6 +40,10 @@ SAMPLES = 4
 MAX_PROMPT = 12
 MAX_RESPONSE = 64
 VOCAB = 1000
+ENDS_ON_OBSERVATION = 5
+"""In a multi-turn step, the sample whose response ends on an observation (its last two tokens have mask 0)."""
+BEYOND_CLAMP = ((7, 1, 25.0), (9, 2, -30.0))
+"""(row, token, ref - old) of the log ratios `StepOptions.ref_beyond_clamp` puts beyond verl's KL clamp at 20."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,10 @@ class StepOptions:
     """Injected bug: the (adaptive) KL coefficient apply_kl_penalty used, when it is not the recorded `kl_coef`."""
     lost_score: int | None = None
     """Injected bug: this sample's score is zeroed before compute_advantage; the recorded score is the original."""
+    interleaved_uids: bool = False
+    """A prompt's samples are not adjacent in the batch: row i belongs to prompt (7 i) mod PROMPTS."""
+    ref_beyond_clamp: bool = False
+    """The reference log-probs of a few tokens lie far from the old ones (`BEYOND_CLAMP`)."""
     rollout_correction: tuple[tuple[str, Any], ...] = ()
     """verl's rollout-correction options (`RolloutCorrectionConfig` keys and values); with any, the batch holds the
     inference engine's `rollout_log_probs` and `compute_rollout_correction_and_add_to_batch` runs between
@@ -128,6 +136,8 @@ def _layout(gen: torch.Generator, rnd: random.Random, multi_turn: bool) -> dict[
         if multi_turn and length >= 16:  # one observation span inside the response
             start = rnd.randint(2, length - 8)
             response_mask[i, start : start + rnd.randint(2, 5)] = 0
+    if multi_turn:  # and one response ends on an observation
+        response_mask[ENDS_ON_OBSERVATION, int(attn[ENDS_ON_OBSERVATION].sum()) - 2 :] = 0
     attention_mask = torch.cat([prompt_mask, attn], dim=1)
     position_ids = torch.clamp(attention_mask.cumsum(-1) - 1, min=0)
     return {
@@ -164,12 +174,17 @@ def build_step(options: StepOptions = StepOptions()) -> VerlStep:
     tensors = _layout(gen, rnd, options.multi_turn)
     valid = tensors["attention_mask"][:, MAX_PROMPT:]
     uids = np.array([f"{rnd.getrandbits(64):016x}" for _ in range(PROMPTS)], dtype=object).repeat(SAMPLES)
+    if options.interleaved_uids:
+        uids = uids[(np.arange(n) * 7) % PROMPTS * SAMPLES]
     lengths = valid.sum(-1)
     scores = torch.zeros(n, MAX_RESPONSE)
     for i in range(n):
         scores[i, lengths[i] - 1] = float(rnd.choice([0.0, 0.0, 1.0, 1.0, 0.5, -1.0]))
     old = -torch.rand(n, MAX_RESPONSE, generator=gen) * 2.0
     ref = old + torch.randn(n, MAX_RESPONSE, generator=gen) * 0.1
+    if options.ref_beyond_clamp:
+        for row, token, shift in BEYOND_CLAMP:
+            ref[row, token] = old[row, token] + shift
     cur = old + torch.randn(n, MAX_RESPONSE, generator=gen) * 0.15
     tensors.update(
         token_level_scores=scores,
