@@ -85,6 +85,8 @@ class StepOptions:
     """Injected bug: the (adaptive) KL coefficient apply_kl_penalty used, when it is not the recorded `kl_coef`."""
     lost_score: int | None = None
     """Injected bug: this sample's score is zeroed before compute_advantage; the recorded score is the original."""
+    masked_out: int | None = None
+    """This sample's every response token has mask 0 (attended, never trained on)."""
     interleaved_uids: bool = False
     """A prompt's samples are not adjacent in the batch: row i belongs to prompt (7 i) mod PROMPTS."""
     ref_beyond_clamp: bool = False
@@ -172,6 +174,8 @@ def build_step(options: StepOptions = StepOptions()) -> VerlStep:
     rnd = random.Random(options.seed)
     n = PROMPTS * SAMPLES
     tensors = _layout(gen, rnd, options.multi_turn)
+    if options.masked_out is not None:
+        tensors["response_mask"][options.masked_out] = 0
     valid = tensors["attention_mask"][:, MAX_PROMPT:]
     uids = np.array([f"{rnd.getrandbits(64):016x}" for _ in range(PROMPTS)], dtype=object).repeat(SAMPLES)
     if options.interleaved_uids:
@@ -309,6 +313,23 @@ def _micro_batch_data(step: VerlStep, rows: list[int], fields: list[str]) -> Ten
         global_batch_size=PROMPTS * SAMPLES,
     )
     return data
+
+
+def engine_micro_batch(step: VerlStep, rows: list[int], **info: Any) -> tuple[TensorDict, dict[str, torch.Tensor]]:
+    """(the TensorDict verl's engine hands its loss for `rows` of the step: the no-padding layout of
+    `left_right_2_no_padding` with the global batch information `info` (`dp_size`, `batch_num_tokens`,
+    `global_batch_size`), the actor's and critic's unpadded model output for those rows: `log_probs`, `entropy`
+    when the step has it, `values` (the current value predictions) when it has them)."""
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    data = left_right_2_no_padding(step.batch[rows].to_tensordict())
+    tu.assign_non_tensor(data, **info)
+    output = {"log_probs": _flat_model_output(step.log_probs, step.batch, rows)}
+    if step.entropy is not None:
+        output["entropy"] = _flat_model_output(step.entropy, step.batch, rows)
+    if step.vpreds is not None:
+        output["values"] = _flat_model_output(step.vpreds, step.batch, rows)
+    return data, output
 
 
 def actor_config(options: StepOptions) -> FSDPActorConfig:
