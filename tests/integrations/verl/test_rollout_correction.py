@@ -84,6 +84,11 @@ def test_replay_recomputes_what_verl_computed(tmp_path: Path, options: dict[str,
         assert f"{name} matches" in stage.message, name
     # and the rest of the step (rewards and advantages over the mask after rejection) replays clean too
     assert report.stage("advantage.estimate").status == "pass"
+    # streamed in blocks of a few groups, the metrics are put together to the same values
+    streamed = replay(sources, block_tokens=300)
+    assert streamed.passed, streamed.render_text()
+    whole, parts = stage.metrics, streamed.stage(StageId.ROLLOUT_MISMATCH.value).metrics
+    assert {name: parts[name] for name in reported} == pytest.approx({name: whole[name] for name in reported})
 
 
 @pytest.mark.parametrize("options", CONFIGURATIONS.values(), ids=CONFIGURATIONS.keys())
