@@ -90,8 +90,8 @@ def _rank(rank: int, port: int, root: str) -> None:
                 assert step.entropy is not None
                 output["entropy"] = _flat_model_output(step.entropy, step.batch, rows)
                 wrapped(config, output, micro)
-            assert manager.flush(60) and manager.stats()["errors"] == 0, manager.stats()
-            capture.shutdown(timeout=60)
+            assert manager.flush() and manager.stats()["errors"] == 0, manager.stats()
+            capture.shutdown()
     finally:
         dist.destroy_process_group()
 
