@@ -561,6 +561,22 @@ class RolloutMismatchExpected(_Model):
     log_ratio_max_abs: float | None = None
     seq_log_ratio_max_abs: float | None = None
     staleness_max: float | None = None
+    # verl's rollout-correction metrics (stage_io.OFF_POLICY_FIELDS), by verl's key less `rollout_corr/`
+    training_ppl: float | None = None
+    training_log_ppl: float | None = None
+    rollout_ppl: float | None = None
+    rollout_log_ppl: float | None = None
+    log_ppl_diff: float | None = None
+    log_ppl_abs_diff: float | None = None
+    log_ppl_diff_max: float | None = None
+    log_ppl_diff_min: float | None = None
+    ppl_ratio: float | None = None
+    chi2_token: float | None = None
+    chi2_seq: float | None = None
+    rollout_is_mean: float | None = None
+    rollout_is_max: float | None = None
+    rollout_is_min: float | None = None
+    rollout_rs_masked_fraction: float | None = None
 
 
 class LossValueExpected(_Model):

@@ -215,7 +215,27 @@ LOSS_FIELDS = ("loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl")
 VALUE_LOSS_FIELDS = ("vf_loss", "vf_clipfrac")
 """The loss.value scalars production reports."""
 
-MISMATCH_FIELDS = ("kl_k1", "kl_k3", "log_ratio_max_abs", "seq_log_ratio_max_abs", "staleness_max")
+OFF_POLICY_FIELDS = (
+    "training_ppl",
+    "training_log_ppl",
+    "rollout_ppl",
+    "rollout_log_ppl",
+    "log_ppl_diff",
+    "log_ppl_abs_diff",
+    "log_ppl_diff_max",
+    "log_ppl_diff_min",
+    "ppl_ratio",
+    "chi2_token",
+    "chi2_seq",
+    "rollout_is_mean",
+    "rollout_is_max",
+    "rollout_is_min",
+    "rollout_rs_masked_fraction",
+)
+"""The rollout.mismatch metrics of verl's rollout correction (its `rollout_corr/<name>` keys) that are functions of
+the recorded log-probs, masks and config; recomputed only when production's value is recorded."""
+
+MISMATCH_FIELDS = ("kl_k1", "kl_k3", "log_ratio_max_abs", "seq_log_ratio_max_abs", "staleness_max") + OFF_POLICY_FIELDS
 """The rollout.mismatch metrics; production's values of any of them are compared when recorded."""
 
 STAGE_IO: dict[StageId, StageIO] = {
@@ -331,6 +351,7 @@ __all__ = [
     "PRE_REJECTION_MASK",
     "RECORDED_PAYLOADS",
     "rollout_correction",
+    "OFF_POLICY_FIELDS",
     "Setting",
     "STAGE_IO",
     "StageIO",

@@ -153,7 +153,8 @@ def capture_rollout(
     `ref_log_probs` and production's reward-side `kl` may be left out where the config uses no KL.
     `rollout_log_probs` are the inference engine's log-probs of the responses, `policy_versions` the weights
     version that generated each sample: either contracts rollout.mismatch, whose metrics production reported
-    (`mismatch_metrics`: kl_k1, kl_k3, log_ratio_max_abs, seq_log_ratio_max_abs, staleness_max, any of them) and
+    (`mismatch_metrics`: any of stage_io.MISMATCH_FIELDS: kl_k1, kl_k3, log_ratio_max_abs, seq_log_ratio_max_abs,
+    staleness_max, and verl's OFF_POLICY_FIELDS) and
     importance weights (`rollout_is_weights`) are then compared. `payloads` takes any other per-token payload the
     stage table declares for the stages of a rollout-level bundle, by its name there; a name it does not declare is
     refused (logged and counted, nothing written). Filtered by TRAJECTORY_REPLAY_CAPTURE_ROLLOUTS. True if

@@ -30,6 +30,7 @@ from trajectory_replay.bundle.schema import (
     StageContract,
     StageId,
 )
+from trajectory_replay.bundle.stage_io import OFF_POLICY_FIELDS
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +80,10 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "algorithm.use_pf_ppo": (False, "replay has no priority-weighted resampling of the batch"),
 }
 """verl options replay cannot express unless they hold the value given, with the reason."""
+
+_MISMATCH_KEYS = {"rollout_corr/kl": "kl_k1", "rollout_corr/k3_kl": "kl_k3"}
+"""verl's mismatch KL metrics -> rollout.mismatch's names of them (the others of `OFF_POLICY_FIELDS` keep verl's
+name, less the `rollout_corr/` prefix)."""
 
 _VERL_KL = {"k1": "kl", "k2": "mse", "k3": "k3", "abs": "abs", "low_var_kl": "low_var_kl"}
 """Our KL estimator names -> verl's `kl_penalty` names."""
@@ -250,7 +255,8 @@ def rollout_bundle(
     """The rollout-level bundle of `batch`, a verl `DataProto` after `compute_advantage` (see the module
     docstring). `pre_rejection_mask`: the response mask before rollout correction rejected tokens, needed when the
     batch holds `rollout_log_probs` and `config` rejects (verl overwrites `response_mask`); `metrics`: verl's step
-    metrics, whose `rollout_corr/kl` and `rollout_corr/k3_kl` become rollout.mismatch's expected values;
+    metrics, whose `rollout_corr/kl`, `rollout_corr/k3_kl` and `rollout_corr/<name>` of each name of
+    `OFF_POLICY_FIELDS` become rollout.mismatch's expected values;
     `pad_size`: the padding rows `pad_dataproto_to_divisor` appended, left out."""
     import torch
     from verl.trainer.ppo import core_algos
@@ -269,8 +275,18 @@ def rollout_bundle(
     advantages = tensors["advantages"]
     estimator = config.advantage_estimator
     if estimator in GROUPED:  # r' as the estimator broadcast it over the sample's loss tokens
-        first = [int(response_mask[i].nonzero()[0]) if response_mask[i].any() else 0 for i in rows]
-        post = [float(advantages[i, t]) for i, t in zip(rows, first)]
+        first = [int(response_mask[i].nonzero()[0]) if response_mask[i].any() else None for i in rows]
+        post = [float(advantages[i, t]) if t is not None else 0.0 for i, t in zip(rows, first)]
+        if None in first:  # no loss token shows it (e.g. rejected whole): verl's estimator over a full mask
+            import numpy as np
+
+            full, _ = core_algos.get_adv_estimator_fn(estimator)(
+                token_level_rewards=tensors["token_level_rewards"][rows],
+                response_mask=torch.ones_like(response_mask[rows]),
+                index=np.array(uids, dtype=object),
+                norm_adv_by_std_in_grpo=config.grpo_std_normalization,
+            )
+            post = [float(full[k, 0]) if t is None else r for k, (t, r) in enumerate(zip(first, post))]
     elif estimator == "reinforce_plus_plus_baseline":  # the score less its uid group's mean, before verl whitens
         by_uid: dict[str, list[float]] = {}
         for uid, score in zip(uids, scores):
@@ -331,11 +347,11 @@ def rollout_bundle(
         out.payloads["pre_rejection_mask"] = out.flat(before).to(torch.uint8)
         if "rollout_is_weights" in tensors.keys():
             out.payloads["rollout_is_weights"] = out.flat(tensors["rollout_is_weights"])
-        if metrics is not None and "rollout_corr/kl" in metrics:
-            out.expected["rollout.mismatch"] = {
-                "kl_k1": float(metrics["rollout_corr/kl"]),
-                "kl_k3": float(metrics["rollout_corr/k3_kl"]),
-            }
+        if metrics is not None:
+            named = {f"rollout_corr/{name}": name for name in OFF_POLICY_FIELDS} | _MISMATCH_KEYS
+            recorded = {ours: float(metrics[key]) for key, ours in named.items() if key in metrics}
+            if recorded:
+                out.expected["rollout.mismatch"] = recorded
     return out
 
 

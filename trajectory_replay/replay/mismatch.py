@@ -3,7 +3,10 @@
 d = old_log_probs - rollout_log_probs per token, the log of the trainer's probability over the inference
 engine's. Metrics are over the tokens with mask 1 before rejection (the `pre_rejection_mask` payload where a
 bundle holds it, else the loss mask): kl_k1 = mean(-d), kl_k3 = mean(exp(d) - 1 - d),
-log_ratio_max_abs = max |d|, seq_log_ratio_max_abs = max over samples of |sum_t m d|.
+log_ratio_max_abs = max |d|, seq_log_ratio_max_abs = max over samples of |sum_t m d|. Where production recorded any
+of verl's rollout-correction metrics (`OFF_POLICY_FIELDS`: log-perplexities and their differences, chi2, importance
+weight mean/max/min, the rejected fraction), they are recomputed over the same mask as verl defines them
+(`off_policy_sums`, `off_policy_metrics`).
 
 Corrections (`rollout_is`, `rollout_rs`): the log ratio, per token or summed per sample over its masked
 tokens, is clamped to [-20, 20] before exp. Importance weights are min(ratio, rollout_is_threshold), on every
@@ -317,6 +320,105 @@ def mismatch_metrics(d: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor)
     return metrics_of(mismatch_sums(d, mask, lengths))
 
 
+@dataclass(frozen=True)
+class OffPolicySums:
+    """What verl's off-policy, importance-weight and rejection metrics (`off_policy_metrics`) are made of: per
+    sample, the sums of the old and rollout log-probs and of rho^2 = exp(2 clamp(d)) over its masked-in tokens (float64)
+    and its count of them; over the tokens, the importance weights' sum, max and min (None without weights) and the
+    tokens rejection kept (None without rejection). Samples summed apart are put together by position."""
+
+    old: torch.Tensor
+    rollout: torch.Tensor
+    rho2: torch.Tensor
+    counts: torch.Tensor
+    weights: tuple[float, float, float] | None
+    kept: int | None
+
+    @staticmethod
+    def combine(parts: list[tuple[torch.Tensor, OffPolicySums]], n: int) -> OffPolicySums:
+        """The sums of `n` samples from parts, each (the samples' positions, its sums)."""
+        old, rollout, rho2, counts = (torch.zeros(n, dtype=torch.float64) for _ in range(4))
+        for at, part in parts:
+            old[at], rollout[at], rho2[at], counts[at] = part.old, part.rollout, part.rho2, part.counts
+        weighted = [p.weights for _, p in parts if p.weights is not None]
+        weights = (
+            (sum(w[0] for w in weighted), max(w[1] for w in weighted), min(w[2] for w in weighted))
+            if weighted and len(weighted) == len(parts)
+            else None
+        )
+        kept = [p.kept for _, p in parts]
+        return OffPolicySums(
+            old, rollout, rho2, counts, weights, None if any(k is None for k in kept) else sum(k or 0 for k in kept)
+        )
+
+
+def off_policy_sums(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    weights: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
+) -> OffPolicySums:
+    """The `OffPolicySums` of whole samples over `mask` (the loss mask before rejection); `weights`: the importance
+    weights replay recomputed, `kept`: the loss mask its rejection leaves (each None when there is none)."""
+    inside = mask.to(torch.bool)
+    lengths = lengths.to(torch.int64)
+    m = inside.to(torch.float64)
+    d = torch.where(inside, log_ratio(old_log_probs, rollout_log_probs), 0.0)
+    rho2 = torch.exp(d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).square()
+    sums = [
+        masked_sample_sums(torch.where(inside, v.to(torch.float32), 0.0), m, lengths)
+        for v in (old_log_probs, rollout_log_probs, rho2, torch.ones_like(d))
+    ]
+    stats = None
+    if weights is not None:
+        w = weights.to(torch.float64)[inside]
+        stats = (float(w.sum()), float(w.max()), float(w.min())) if w.numel() else (0.0, -math.inf, math.inf)
+    count = None if kept is None else int(torch.count_nonzero(kept.to(torch.bool) & inside))
+    return OffPolicySums(sums[0], sums[1], sums[2], sums[3], stats, count)
+
+
+def off_policy_metrics(sums: MismatchSums, off: OffPolicySums, config: RecomputeConfig) -> dict[str, float]:
+    """verl's `rollout_corr/<name>` metrics of `OFF_POLICY_FIELDS` (as verl 0.9.1's `compute_offpolicy_metrics`,
+    `compute_is_metrics` and `compute_rollout_rejection_mask` define them), those the sums hold: per-sample means
+    over the masked-in tokens (count + 1e-8 below, a sample without any has mean 0), averaged over the samples;
+    token means over all masked-in tokens. Sequence-level importance weights report exp of the largest (capped at
+    20) and smallest per-sample log-ratio sum."""
+    if sums.tokens == 0:
+        return {}
+    tokens = float(sums.tokens)
+    train = off.old / (off.counts + 1e-8)
+    roll = off.rollout / (off.counts + 1e-8)
+    diff = roll - train
+    seq = sums.seq.to(torch.float64)
+    out = {
+        "training_ppl": float(torch.exp(-train).mean()),
+        "training_log_ppl": float((-train).mean()),
+        "rollout_ppl": float(torch.exp(-roll).mean()),
+        "rollout_log_ppl": float((-roll).mean()),
+        "log_ppl_diff": float(diff.mean()),
+        "log_ppl_abs_diff": float(diff.abs().mean()),
+        "log_ppl_diff_max": float(diff.max()),
+        "log_ppl_diff_min": float(diff.min()),
+        "ppl_ratio": float(torch.exp(diff).mean()),
+        "chi2_token": float(off.rho2.sum()) / tokens - 1.0,
+        "chi2_seq": float(torch.exp(2.0 * seq.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).mean()) - 1.0,
+    }
+    if off.weights is not None:
+        total, top, bottom = off.weights
+        out["rollout_is_mean"] = total / tokens
+        if config.rollout_is == "sequence":
+            out["rollout_is_max"] = math.exp(min(float(seq.max()), LOG_RATIO_CLAMP))
+            out["rollout_is_min"] = math.exp(float(seq.min()))
+        else:
+            out["rollout_is_max"], out["rollout_is_min"] = top, bottom
+    if off.kept is not None and config.rollout_rs != "none":
+        out["rollout_rs_masked_fraction"] = 1.0 - off.kept / tokens
+    return out
+
+
 def rs_bounds(config: RecomputeConfig) -> tuple[float, float]:
     """(lower, upper) ratio bounds rejection keeps: upper defaults to rollout_is_threshold, lower to 1/upper."""
     upper = config.rollout_rs_upper if config.rollout_rs_upper is not None else config.rollout_is_threshold
@@ -450,6 +552,7 @@ __all__ = [
     "MismatchMetrics",
     "MismatchPass",
     "MismatchSums",
+    "OffPolicySums",
     "WINDOW",
     "WORST_TOKENS",
     "correction",
@@ -459,6 +562,8 @@ __all__ = [
     "mismatch_metrics",
     "mismatch_pass",
     "mismatch_sums",
+    "off_policy_metrics",
+    "off_policy_sums",
     "recorded_weights",
     "rejection_criteria",
     "rs_bounds",

@@ -22,6 +22,7 @@ from trajectory_replay.bundle.schema import RecomputeConfig, StageId
 from trajectory_replay.bundle.stage_io import (
     LOSS_FIELDS,
     MISMATCH_FIELDS,
+    OFF_POLICY_FIELDS,
     PRE_REJECTION_MASK,
     STAGE_IO,
     Setting,
@@ -281,7 +282,10 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
     ]
     over = found.over
     with_weights = c.has_payload("rollout_is_weights") and cfg.rollout_is != "none"
-    if with_weights or before_rejection:
+    recorded_metrics = (c.expected_map(StageId.ROLLOUT_MISMATCH.value) if len(c.parts) == 1 else None) or {}
+    off_policy = any(recorded_metrics.get(name) is not None for name in OFF_POLICY_FIELDS)
+    fix = None
+    if with_weights or before_rejection or (off_policy and cfg.rollout_is != "none"):
         # a masked-out token's d counts as 0, whatever it holds
         masked = torch.where(mask.to(torch.bool), mismatch.log_ratio(old_lp, rollout_lp), 0.0)
         fix = mismatch.correction(masked, mask, c.lengths, cfg)
@@ -292,7 +296,13 @@ def _run_rollout_mismatch(ctx: StageContext) -> StageOutcome:
             weights = mismatch.recorded_weights(fix, mask)
             assert weights is not None  # a config with rollout_is other than 'none' has its weights
             f.add(ctx.compare("rollout_is_weights", recorded["rollout_is_weights"], weights, c.token_layout))
-    return StageOutcome(f, partial={"sums": sums, "rows": rows, "nonfinite": nonfinite, "over": over})
+    off = None
+    if off_policy:  # verl's rollout-correction metrics, recomputed only when production's are recorded
+        weights = None if fix is None else fix.weights
+        kept = fix.mask if fix is not None and before_rejection else None
+        off = mismatch.off_policy_sums(old_lp, rollout_lp, mask, c.lengths, weights=weights, kept=kept)
+    partial = {"sums": sums, "rows": rows, "nonfinite": nonfinite, "over": over, "off_policy": off}
+    return StageOutcome(f, partial=partial)
 
 
 def _finish_rollout_mismatch(
@@ -319,6 +329,10 @@ def _finish_rollout_mismatch(
         tokens = sums.tokens
         _check_finite(f, c, [partial["nonfinite"] for partial, _ in parts])
         actual.update(mismatch.metrics_of(sums).as_dict())
+        offs = [(block.index, partial["off_policy"]) for partial, block in parts]
+        if all(off is not None for _, off in offs) and offs:
+            off = mismatch.OffPolicySums.combine(offs, len(c.records))
+            actual.update(mismatch.off_policy_metrics(sums, off, cfg))
         candidates = [row for partial, _ in parts for row in partial["rows"]]
         candidates.sort(key=lambda pr: mismatch.worst_first(abs(pr[1]["log_ratio"]), pr[0]))
         rows = [row for _, row in candidates[: mismatch.WORST_TOKENS]]
@@ -458,23 +472,42 @@ def _run_reward_post_process(ctx: StageContext) -> StageOutcome:
     return StageOutcome(f, {"rewards": rewards}, passed=passed)
 
 
+ROW_ALIGN = 64
+"""Width multiple of the padded rows `_score_with_kl` sums: torch's CPU float32 row sum accumulates element i in
+the same lane whatever the row's width when the width is a multiple of 64 (4 vectors of up to 16 lanes), so trailing
+zeros leave the result's bits as they are."""
+
+ROW_CHUNK = 1 << 20
+"""Padded values `_score_with_kl` lays out at a time."""
+
+
 def _score_with_kl(
     raw: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, kl_coef: float
 ) -> torch.Tensor:
-    """Each sample's reward less kl_coef * kl on each of its masked-in tokens: the sum of its token rewards as
-    production forms them in float32 (kl_coef * kl * m on every token, subtracted from the reward at the last
-    one), summed in float64 (production's own float32 sum rounds by its summation order, which no bundle records).
-    """
+    """Each sample's reward less kl_coef * kl on each of its masked-in tokens, as verl 0.9 forms it: the token
+    rewards in float32 (-kl_coef * kl * m on every token, the reward less its penalty at the last one), laid out in
+    zero-padded rows (the width a multiple of `ROW_ALIGN`) and summed along the row in float32 by torch, as verl's
+    `compute_grpo_outcome_advantage` / `compute_rloo_outcome_advantage` sum `token_level_rewards` on the trainer's
+    CPU. A float64 sum would differ from verl's by float32 rounding, which the group normalization divides by a
+    near-tied group's small std."""
     penalty = kl.to(torch.float32) * kl_coef * mask.to(torch.float32)
     lengths = lengths.to(torch.int64)
-    nonempty = lengths > 0
-    last = kernels.sample_ends(lengths)[nonempty] - 1
-    at_last = penalty[last]
-    sums = kernels.masked_sample_sums(penalty, torch.ones_like(penalty, dtype=torch.float64), lengths)
-    sums[nonempty] -= at_last.to(torch.float64)  # the last token's term is the reward less its penalty, in float32
-    out = -sums
-    out[nonempty] += (raw.to(torch.float32)[nonempty] - at_last).to(torch.float64)
-    return out.to(torch.float32)
+    n = int(lengths.numel())
+    width = max(ROW_ALIGN, -(-int(lengths.max()) // ROW_ALIGN) * ROW_ALIGN) if n else ROW_ALIGN
+    ends = kernels.sample_ends(lengths)
+    out = torch.zeros(n, dtype=torch.float32)
+    step = max(1, ROW_CHUNK // width)
+    for first in range(0, n, step):  # a few rows at a time: the padded layout of a whole cohort can be large
+        last = min(n, first + step)
+        lens = lengths[first:last]
+        start = int(ends[first] - lengths[first])
+        rows = torch.zeros((last - first, width), dtype=torch.float32)
+        columns = torch.arange(int(lens.sum())) - torch.repeat_interleave(ends[first:last] - lens - start, lens)
+        rows[torch.repeat_interleave(torch.arange(last - first), lens), columns] = -penalty[start : int(ends[last - 1])]
+        nonempty = lens > 0
+        rows[nonempty.nonzero().flatten(), lens[nonempty] - 1] += raw[first:last].to(torch.float32)[nonempty]
+        out[first:last] = rows.sum(dim=-1)
+    return out
 
 
 def _recorded_rewards(ctx: StageContext) -> Outputs:

@@ -1,7 +1,8 @@
 """A verl step (steps.py) written as one bundle: the rollout side through the adapter
 (`trajectory_replay.integrations.verl.rollout_bundle`: valid tokens only, uid -> group, r', the reward-side KL),
 the config from `RecomputeConfig.from_profile("verl", ...)` with verl's own option names, and the trainer side (the
-actor's forward outputs, micro-batch ids and the loss scalars verl reported) added to it.
+actor's forward outputs, micro-batch ids and the loss scalars verl reported) added to it; or the rollout side alone
+(`write_rollout`), rollout correction included.
 """
 
 from __future__ import annotations
@@ -33,8 +34,36 @@ def recompute_config(step: VerlStep) -> RecomputeConfig:
         "n_samples_per_prompt": SAMPLES,
         "gamma": o.gamma,
         "lam": o.lam,
+        **dict(o.rollout_correction),
     }
     return RecomputeConfig.from_profile("verl", **options)
+
+
+def write_rollout(
+    step: VerlStep,
+    root: Path | str,
+    *,
+    config: RecomputeConfig | None = None,
+    bundle_id: str = "rollout-1",
+    metrics: dict[str, float] | None = None,
+) -> str:
+    """Write the rollout side of `step` through the adapter (`rollout_bundle`, with the mask before rejection and
+    verl's rollout-correction metrics) under `root`; `config` defaults to the step's own, `metrics` to the ones verl
+    computed. Returns its path."""
+    bundle = rollout_bundle(
+        step.batch,
+        config or recompute_config(step),
+        1,
+        bundle_id=bundle_id,
+        pre_rejection_mask=step.pre_rejection_mask,
+        metrics=step.rollout_corr_metrics if metrics is None else metrics,
+    )
+    return bundle.write(root)
+
+
+def sample_id(step: VerlStep, row: int) -> str:
+    """The adapter's sample id of the batch's `row` (the uid and the index within its group)."""
+    return f"{step.batch.non_tensor_batch['uid'][row]}-{row % SAMPLES}"
 
 
 def write_bundle(step: VerlStep, root: Path | str, bundle_id: str = "verl-step") -> str:

@@ -8,7 +8,9 @@ and the outcome score on each response's last valid token (`token_level_scores`)
 `verl.workers.utils.losses.ppo_loss` (and `value_loss` for gae), called once per micro-batch with the
 `TensorDict` and the global batch information (`dp_size`, `batch_num_tokens`, `global_batch_size`) the FSDP engine
 gives it, and reduced over micro-batches as verl's metrics are (`Metric` SUM for the losses, MEAN for the clip
-fraction and ppo_kl).
+fraction and ppo_kl). With rollout correction (`StepOptions.rollout_correction`) the batch also holds the inference
+engine's `rollout_log_probs`, and verl's `compute_rollout_correction_and_add_to_batch` adds the importance weights and
+rejects tokens from the response mask before `compute_advantage`.
 
 The injected-bug options of `StepOptions` change only what verl's functions are given (the uids, masks, scores,
 coefficients or old log-probs of one call); the built batch keeps what production would record.
@@ -25,8 +27,10 @@ import torch
 from tensordict import TensorDict
 from verl import DataProto
 from verl.trainer.config import AlgoConfig
+from verl.trainer.config.algorithm import RolloutCorrectionConfig
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.ray_trainer import apply_kl_penalty, compute_advantage, compute_response_mask
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import CriticConfig, FSDPActorConfig, FSDPCriticConfig
 from verl.workers.utils.losses import ppo_loss, value_loss
@@ -36,6 +40,10 @@ SAMPLES = 4
 MAX_PROMPT = 12
 MAX_RESPONSE = 64
 VOCAB = 1000
+ENDS_ON_OBSERVATION = 5
+"""In a multi-turn step, the sample whose response ends on an observation (its last two tokens have mask 0)."""
+BEYOND_CLAMP = ((7, 1, 25.0), (9, 2, -30.0))
+"""(row, token, ref - old) of the log ratios `StepOptions.ref_beyond_clamp` puts beyond verl's KL clamp at 20."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,16 @@ class StepOptions:
     """Injected bug: the (adaptive) KL coefficient apply_kl_penalty used, when it is not the recorded `kl_coef`."""
     lost_score: int | None = None
     """Injected bug: this sample's score is zeroed before compute_advantage; the recorded score is the original."""
+    masked_out: int | None = None
+    """This sample's every response token has mask 0 (attended, never trained on)."""
+    interleaved_uids: bool = False
+    """A prompt's samples are not adjacent in the batch: row i belongs to prompt (7 i) mod PROMPTS."""
+    ref_beyond_clamp: bool = False
+    """The reference log-probs of a few tokens lie far from the old ones (`BEYOND_CLAMP`)."""
+    rollout_correction: tuple[tuple[str, Any], ...] = ()
+    """verl's rollout-correction options (`RolloutCorrectionConfig` keys and values); with any, the batch holds the
+    inference engine's `rollout_log_probs` and `compute_rollout_correction_and_add_to_batch` runs between
+    `apply_kl_penalty` and `compute_advantage`, as in verl's `fit`."""
     seed: int = 0
 
 
@@ -95,6 +113,10 @@ class VerlStep:
     micro_batches: list[list[int]]
     policy_metrics: dict[str, float] = field(default_factory=dict)
     value_metrics: dict[str, float] = field(default_factory=dict)
+    pre_rejection_mask: torch.Tensor | None = None
+    """With rollout correction: the response mask before its rejection (the batch's is the one after it)."""
+    rollout_corr_metrics: dict[str, float] = field(default_factory=dict)
+    """With rollout correction: the `rollout_corr/*` metrics verl computed."""
 
 
 def _layout(gen: torch.Generator, rnd: random.Random, multi_turn: bool) -> dict[str, torch.Tensor]:
@@ -116,6 +138,8 @@ def _layout(gen: torch.Generator, rnd: random.Random, multi_turn: bool) -> dict[
         if multi_turn and length >= 16:  # one observation span inside the response
             start = rnd.randint(2, length - 8)
             response_mask[i, start : start + rnd.randint(2, 5)] = 0
+    if multi_turn:  # and one response ends on an observation
+        response_mask[ENDS_ON_OBSERVATION, int(attn[ENDS_ON_OBSERVATION].sum()) - 2 :] = 0
     attention_mask = torch.cat([prompt_mask, attn], dim=1)
     position_ids = torch.clamp(attention_mask.cumsum(-1) - 1, min=0)
     return {
@@ -126,6 +150,17 @@ def _layout(gen: torch.Generator, rnd: random.Random, multi_turn: bool) -> dict[
         "position_ids": position_ids,
         "response_mask": response_mask,
     }
+
+
+def _rollout_log_probs(old: torch.Tensor, valid: torch.Tensor, seed: int) -> torch.Tensor:
+    """The inference engine's log-probs of the sampled tokens: the trainer's old ones, off by a little on most tokens
+    and by a lot on about 2% of them, junk in the padding (from a generator of their own: the step's other tensors
+    stay what they are without rollout correction)."""
+    gen = torch.Generator().manual_seed(seed + 1000)
+    noise = torch.randn(old.shape, generator=gen) * 0.08
+    outliers = torch.rand(old.shape, generator=gen) < 0.02
+    noise = torch.where(outliers, torch.randn(old.shape, generator=gen) * 1.5, noise)
+    return _junk_outside(old - noise, valid, gen)
 
 
 def _junk_outside(values: torch.Tensor, mask: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -139,14 +174,21 @@ def build_step(options: StepOptions = StepOptions()) -> VerlStep:
     rnd = random.Random(options.seed)
     n = PROMPTS * SAMPLES
     tensors = _layout(gen, rnd, options.multi_turn)
+    if options.masked_out is not None:
+        tensors["response_mask"][options.masked_out] = 0
     valid = tensors["attention_mask"][:, MAX_PROMPT:]
     uids = np.array([f"{rnd.getrandbits(64):016x}" for _ in range(PROMPTS)], dtype=object).repeat(SAMPLES)
+    if options.interleaved_uids:
+        uids = uids[(np.arange(n) * 7) % PROMPTS * SAMPLES]
     lengths = valid.sum(-1)
     scores = torch.zeros(n, MAX_RESPONSE)
     for i in range(n):
         scores[i, lengths[i] - 1] = float(rnd.choice([0.0, 0.0, 1.0, 1.0, 0.5, -1.0]))
     old = -torch.rand(n, MAX_RESPONSE, generator=gen) * 2.0
     ref = old + torch.randn(n, MAX_RESPONSE, generator=gen) * 0.1
+    if options.ref_beyond_clamp:
+        for row, token, shift in BEYOND_CLAMP:
+            ref[row, token] = old[row, token] + shift
     cur = old + torch.randn(n, MAX_RESPONSE, generator=gen) * 0.15
     tensors.update(
         token_level_scores=scores,
@@ -159,6 +201,9 @@ def build_step(options: StepOptions = StepOptions()) -> VerlStep:
     assert torch.equal(compute_response_mask(batch), valid)
     response_mask = batch.batch["response_mask"].clone()
 
+    pre_rejection_mask, corr_metrics = None, {}
+    if options.rollout_correction:
+        batch.batch["rollout_log_probs"] = _rollout_log_probs(old, valid, options.seed)
     reward_kl = None
     if options.use_kl_in_reward:
         reward_kl = core_algos.kl_penalty(
@@ -168,6 +213,11 @@ def build_step(options: StepOptions = StepOptions()) -> VerlStep:
         batch, _ = apply_kl_penalty(batch, core_algos.FixedKLController(kl_coef), options.kl_penalty)
     else:
         batch.batch["token_level_rewards"] = batch.batch["token_level_scores"].clone()
+    if options.rollout_correction:
+        pre_rejection_mask = batch.batch["response_mask"].clone()
+        correction = RolloutCorrectionConfig(**dict(options.rollout_correction))
+        batch, corr_metrics = compute_rollout_correction_and_add_to_batch(batch, correction)
+        response_mask = batch.batch["response_mask"].clone()
     if options.lost_score is not None:
         batch.batch["token_level_rewards"][options.lost_score] = 0.0
     algo = AlgoConfig(
@@ -213,11 +263,29 @@ def build_step(options: StepOptions = StepOptions()) -> VerlStep:
         else None,
         reward_kl=reward_kl,
         micro_batches=[list(r) for r in np.array_split(np.arange(n), options.micro_batches)],
+        pre_rejection_mask=pre_rejection_mask,
+        rollout_corr_metrics=corr_metrics,
     )
     step.policy_metrics = _policy_loss(step)
     if step.vpreds is not None:
         step.value_metrics = _value_loss(step)
     return step
+
+
+def balanced(batch: DataProto, dp_size: int) -> DataProto:
+    """A copy of `batch` reordered by verl's own `RayPPOTrainer._balance_batch` for `dp_size` ranks (verl's
+    dispatch then gives rank r chunk r), with each row's index in `batch` as the tensor `row`."""
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    out = DataProto.from_dict(
+        tensors={**dict(batch.batch.items()), "row": torch.arange(len(batch))},
+        non_tensors={k: v.copy() for k, v in batch.non_tensor_batch.items()},
+    )
+    trainer = SimpleNamespace(_get_dp_size=lambda worker_group, role: dp_size, actor_rollout_wg=None)
+    RayPPOTrainer._balance_batch(trainer, out, metrics={})  # type: ignore[arg-type]
+    return out
 
 
 def _flat_model_output(tensor: torch.Tensor, batch: DataProto, rows: list[int]) -> torch.Tensor:
@@ -245,6 +313,23 @@ def _micro_batch_data(step: VerlStep, rows: list[int], fields: list[str]) -> Ten
         global_batch_size=PROMPTS * SAMPLES,
     )
     return data
+
+
+def engine_micro_batch(step: VerlStep, rows: list[int], **info: Any) -> tuple[TensorDict, dict[str, torch.Tensor]]:
+    """(the TensorDict verl's engine hands its loss for `rows` of the step: the no-padding layout of
+    `left_right_2_no_padding` with the global batch information `info` (`dp_size`, `batch_num_tokens`,
+    `global_batch_size`), the actor's and critic's unpadded model output for those rows: `log_probs`, `entropy`
+    when the step has it, `values` (the current value predictions) when it has them)."""
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    data = left_right_2_no_padding(step.batch[rows].to_tensordict())
+    tu.assign_non_tensor(data, **info)
+    output = {"log_probs": _flat_model_output(step.log_probs, step.batch, rows)}
+    if step.entropy is not None:
+        output["entropy"] = _flat_model_output(step.entropy, step.batch, rows)
+    if step.vpreds is not None:
+        output["values"] = _flat_model_output(step.vpreds, step.batch, rows)
+    return data, output
 
 
 def actor_config(options: StepOptions) -> FSDPActorConfig:

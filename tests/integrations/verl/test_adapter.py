@@ -5,6 +5,7 @@ functions written as rollout-level bundles that replay clean, recording the verl
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -191,3 +192,25 @@ def test_padding_rows_are_dropped_and_sample_ids_are_stable(tmp_path: Path) -> N
     ids = [r.sample_id for r in rollout_bundle(step.batch, config, 2).samples]
     assert ids == [f"s{i:03d}" for i in range(PROMPTS * SAMPLES)]
     assert replay(open_sources(bundle.write(tmp_path))).status is Status.PASS
+
+
+NEAR_TIE_SEEDS = range(32)
+
+
+def test_near_tied_groups_with_the_kl_in_the_score_replay_clean_over_many_seeds(tmp_path: Path) -> None:
+    """grpo with use_kl_in_reward: a group whose scores differ only by their KL penalties has a std of a few 1e-3,
+    which the normalization divides verl's float32 rounding of each score by. Replay sums the token rewards as verl
+    does (float32, along zero-padded rows), so such groups replay clean at default tolerances; a float64 sum would
+    not match verl's bits."""
+    options = StepOptions(use_kl_in_reward=True, kl_penalty="low_var_kl")
+    near_ties, rounded_apart = 0, 0
+    for seed in NEAR_TIE_SEEDS:
+        step = build_step(replace(options, seed=seed))
+        rewards = step.batch.batch["token_level_rewards"]
+        scores = rewards.sum(-1)
+        near_ties += int((scores.view(PROMPTS, SAMPLES).std(-1) < 0.005).sum())
+        rounded_apart += int((rewards.double().sum(-1).float() != scores).sum())
+        url = write_rollout_bundle(step.batch, recompute_config(_verl_config(step.options)), tmp_path, seed)
+        report = replay(open_sources(url))
+        assert report.status is Status.PASS, (seed, report.first_divergence)
+    assert near_ties >= 10 and rounded_apart > 0, (near_ties, rounded_apart)

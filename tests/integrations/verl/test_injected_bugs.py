@@ -14,13 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-from verl.protocol import DataProto
-from verl.trainer.config.algorithm import RolloutCorrectionConfig
-from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
 
-from tests.integrations.verl.bundles import write_bundle
+from tests.integrations.verl.bundles import recompute_config, sample_id, write_bundle, write_rollout
 from tests.integrations.verl.steps import MAX_PROMPT, SAMPLES, StepOptions, VerlStep, build_step
-from tests.integrations.verl.test_rollout_correction import _batch, _write
 from trajectory_replay.bundle import open_sources
 from trajectory_replay.outcome import Status
 from trajectory_replay.replay import replay
@@ -33,10 +29,6 @@ KL_IN_REWARD = StepOptions(adv_estimator="reinforce_plus_plus", use_kl_in_reward
 @pytest.fixture(scope="module")
 def clean() -> VerlStep:
     return build_step(CLEAN)
-
-
-def _sample_id(step: VerlStep, row: int) -> str:
-    return f"{step.batch.non_tensor_batch['uid'][row]}-{row % SAMPLES}"
 
 
 def _first_changed(clean: VerlStep, bugged: VerlStep, key: str) -> tuple[int, int]:
@@ -63,16 +55,16 @@ def test_uids_swapped_between_two_prompts_are_named_at_the_first_sample_they_reg
     row, _ = _first_changed(clean, bugged, "advantages")
     assert row in (0, 1, 2, 3)
     report = _replay(bugged, tmp_path)
-    assert report.first_divergence == _first("reward.post_process", _sample_id(bugged, row), "reward", None)
+    assert report.first_divergence == _first("reward.post_process", sample_id(bugged, row), "reward", None)
     first = report.stage("advantage.estimate").divergences[0]
-    assert (first.sample_id, first.token_offset) == (_sample_id(bugged, row), 0)
+    assert (first.sample_id, first.token_offset) == (sample_id(bugged, row), 0)
 
 
 def test_uids_shifted_by_one_sample_are_named_at_the_first_sample_they_regroup(clean, tmp_path: Path) -> None:
     bugged = build_step(replace(CLEAN, shifted_uids=True))
     row, _ = _first_changed(clean, bugged, "advantages")
     report = _replay(bugged, tmp_path)
-    assert report.first_divergence == _first("reward.post_process", _sample_id(bugged, row), "reward", None)
+    assert report.first_divergence == _first("reward.post_process", sample_id(bugged, row), "reward", None)
 
 
 def test_stale_old_log_probs_are_named_at_the_policy_loss(clean, tmp_path: Path) -> None:
@@ -100,7 +92,7 @@ def test_eos_dropped_from_the_advantage_mask_is_named_at_its_token(clean, tmp_pa
     assert token == length - 1  # the last response token, and the loss mask recorded is verl's own
     assert torch.equal(bugged.batch.batch["response_mask"], clean.batch.batch["response_mask"])
     report = _replay(bugged, tmp_path)
-    assert report.first_divergence == _first("advantage.estimate", _sample_id(bugged, row), "advantages", token)
+    assert report.first_divergence == _first("advantage.estimate", sample_id(bugged, row), "advantages", token)
 
 
 def test_an_unrecorded_adaptive_kl_coefficient_is_named_at_the_advantage(tmp_path: Path) -> None:
@@ -110,7 +102,7 @@ def test_an_unrecorded_adaptive_kl_coefficient_is_named_at_the_advantage(tmp_pat
     row, token = _first_changed(intended, bugged, "advantages")
     report = _replay(bugged, tmp_path)
     assert report.stage("advantage.kl").status == "pass"
-    assert report.first_divergence == _first("advantage.estimate", _sample_id(bugged, row), "advantages", token)
+    assert report.first_divergence == _first("advantage.estimate", sample_id(bugged, row), "advantages", token)
 
 
 def test_a_lost_score_is_named_at_its_group(clean, tmp_path: Path) -> None:
@@ -121,23 +113,16 @@ def test_a_lost_score_is_named_at_its_group(clean, tmp_path: Path) -> None:
     row, _ = _first_changed(clean, bugged, "advantages")
     assert row == lost // SAMPLES * SAMPLES  # the whole group's baseline moved
     report = _replay(bugged, tmp_path)
-    assert report.first_divergence == _first("reward.post_process", _sample_id(bugged, row), "reward", None)
-
-
-def _is_weights(batch: DataProto, threshold: float) -> torch.Tensor:
-    corrected, _ = compute_rollout_correction_and_add_to_batch(
-        batch, RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=threshold)
-    )
-    return corrected.batch["rollout_is_weights"]
+    assert report.first_divergence == _first("reward.post_process", sample_id(bugged, row), "reward", None)
 
 
 def test_a_wrong_is_threshold_is_named_at_the_first_weight_it_changes(tmp_path: Path) -> None:
-    ran = {"rollout_is": "token", "rollout_is_threshold": 2.0}
-    sources, _, _ = _write(tmp_path, "rollout-1", ran, config_options={**ran, "rollout_is_threshold": 1.5})
-    mask = _batch().batch["response_mask"].bool()
-    changed = (_is_weights(_batch(), 2.0) != _is_weights(_batch(), 1.5)) & mask
-    row = int(changed.any(-1).nonzero()[0])
-    token = int(changed[row].nonzero()[0])
-    report = replay(sources)
-    sample = f"uid-{row // SAMPLES}-{row % SAMPLES}"
-    assert report.first_divergence == _first("rollout.mismatch", sample, "rollout_is_weights", token, "rollout-1")
+    ran = replace(CLEAN, rollout_correction=(("rollout_is", "token"), ("rollout_is_threshold", 2.0)))
+    intended = replace(ran, rollout_correction=(("rollout_is", "token"), ("rollout_is_threshold", 1.5)))
+    bugged, recorded = build_step(ran), build_step(intended)
+    row, token = _first_changed(recorded, bugged, "rollout_is_weights")
+    config = recompute_config(recorded)
+    report = replay(open_sources(write_rollout(bugged, tmp_path, config=config)))
+    assert report.first_divergence == _first(
+        "rollout.mismatch", sample_id(bugged, row), "rollout_is_weights", token, "rollout-1"
+    )

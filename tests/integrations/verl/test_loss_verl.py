@@ -1,13 +1,13 @@
 """verl 0.9.1's own losses and metrics against loss.policy and loss.value.
 
-One mini-batch of 16 prompts x 4 samples (left-padded prompts and right-padded responses with junk in the padding,
-8-64 response tokens, observation spans masked out, one response masked out entirely), GRPO advantages from
-verl's `compute_grpo_outcome_advantage`, run through verl's `ppo_loss` and `value_loss` micro-batch by
-micro-batch as its engine worker runs them: each dp rank's micro-batches converted with `left_right_2_no_padding`,
-with `dp_size`, the global `batch_num_tokens` and `global_batch_size`, the metrics collected with
-`append_to_dict` per rank and reduced over ranks with `Metric.aggregate_dp` (the clip fractions of the critic as
-plain floats, averaged). Each rank's scalars are the expected values of its rank of one step bundle, written with
-`RecomputeConfig.from_profile("verl", ...)`; replay must pass at default tolerances.
+One mini-batch of 16 prompts x 4 samples (steps.py's gae step: left-padded prompts and right-padded responses with
+junk in the padding, 8-64 response tokens, observation spans masked out, one response masked out entirely), run
+through verl's `ppo_loss` and `value_loss` micro-batch by micro-batch as its engine worker runs them: each dp rank's
+micro-batches converted with `left_right_2_no_padding`, with `dp_size`, the global `batch_num_tokens` and
+`global_batch_size`, the metrics collected with `append_to_dict` per rank and reduced over ranks with
+`Metric.aggregate_dp` (the clip fractions of the critic as plain floats, averaged). Each rank's scalars are the
+expected values of its rank of one step bundle, written with `RecomputeConfig.from_profile("verl", ...)`; replay
+must pass at default tolerances.
 """
 
 from __future__ import annotations
@@ -18,15 +18,20 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from verl import DataProto
-from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-from verl.utils import tensordict_utils as tu
 from verl.utils.metric import Metric
 from verl.utils.py_functional import append_to_dict
 from verl.workers.config import CriticConfig, FSDPActorConfig
 from verl.workers.utils.losses import ppo_loss, value_loss
-from verl.workers.utils.padding import left_right_2_no_padding
 
+from tests.integrations.verl.steps import (
+    MAX_PROMPT,
+    PROMPTS,
+    SAMPLES,
+    StepOptions,
+    VerlStep,
+    build_step,
+    engine_micro_batch,
+)
 from trajectory_replay.bundle import BundleWriter, open_sources
 from trajectory_replay.bundle.schema import (
     ActorStepId,
@@ -41,116 +46,39 @@ from trajectory_replay.bundle.schema import (
 )
 from trajectory_replay.replay import replay
 
-PROMPTS, SAMPLES = 16, 4
 BATCH = PROMPTS * SAMPLES
-PROMPT_WIDTH, RESPONSE_WIDTH = 12, 64
 MASKED_OUT = 9
 """The sample whose every response token is masked out."""
 LOSS_SCALE_FACTOR = 64
 
 
-def _step(seed: int = 0) -> dict[str, Any]:
-    """The padded tensors of one mini-batch, and its valid response lengths."""
-    g = torch.Generator().manual_seed(seed)
-    prompt_lens = torch.randint(3, PROMPT_WIDTH + 1, (BATCH,), generator=g)
-    response_lens = torch.randint(8, RESPONSE_WIDTH + 1, (BATCH,), generator=g)
-    prompt_mask = (torch.arange(PROMPT_WIDTH) >= PROMPT_WIDTH - prompt_lens[:, None]).long()  # left-padded
-    response_attention = (torch.arange(RESPONSE_WIDTH) < response_lens[:, None]).long()  # right-padded
-    response_mask = response_attention.clone()
-    for i in range(0, BATCH, 3):  # a tool observation in some responses: attended, not trained on
-        start = int(torch.randint(1, int(response_lens[i]) - 2, (1,), generator=g))
-        response_mask[i, start : start + 3] = 0
-    response_mask[MASKED_OUT] = 0
-    junk = torch.randn((BATCH, RESPONSE_WIDTH), generator=g) * 1e3  # padding holds garbage, never read
-
-    def per_token(scale: float, shift: float = 0.0) -> torch.Tensor:
-        values = torch.randn((BATCH, RESPONSE_WIDTH), generator=g) * scale + shift
-        return torch.where(response_attention.bool(), values, junk)
-
-    old = per_token(0.5, -1.5).clamp(max=-0.01)
-    current = torch.where(response_attention.bool(), old + torch.randn(old.shape, generator=g) * 0.3, junk)
-    scores = torch.zeros((BATCH, RESPONSE_WIDTH))
-    scores[torch.arange(BATCH), response_lens - 1] = torch.randint(0, 2, (BATCH,), generator=g).float()
-    uid = np.array([f"prompt-{i // SAMPLES}" for i in range(BATCH)], dtype=object)
-    advantages, _ = compute_grpo_outcome_advantage(scores, response_mask, uid)
-    return {
-        "prompts": torch.where(prompt_mask.bool(), torch.randint(5, 1000, prompt_mask.shape, generator=g), 0),
-        "responses": torch.randint(5, 1000, (BATCH, RESPONSE_WIDTH), generator=g),
-        "prompt_mask": prompt_mask,
-        "response_attention": response_attention,
-        "response_mask": response_mask,
-        "old_log_probs": old,
-        "log_probs": current,
-        "advantages": torch.where(response_attention.bool(), advantages, junk),
-        "entropy": per_token(0.3, 1.0).abs(),
-        "ref_log_prob": per_token(0.5, -1.5),
-        "values": per_token(1.0),
-        "vpreds": per_token(1.0),
-        "returns": per_token(1.0),
-        "scores": scores.sum(-1),
-        "prompt_lens": prompt_lens,
-        "response_lens": response_lens,
-    }
-
-
 @pytest.fixture(scope="module")
-def step() -> dict[str, Any]:
-    return _step()
+def step() -> VerlStep:
+    built = build_step(StepOptions(adv_estimator="gae", multi_turn=True, masked_out=MASKED_OUT, gamma=0.99, lam=0.95))
+    assert not built.batch.batch["response_mask"][MASKED_OUT].any()
+    return built
 
 
-def _micro_batch(step: dict[str, Any], rows: list[int], info: dict[str, Any]):
-    """(the TensorDict verl's engine hands the loss for these rows, model outputs over the packed sequences)."""
-    t = {k: v[rows] for k, v in step.items() if isinstance(v, torch.Tensor)}
-    attention = torch.cat([t["prompt_mask"], t["response_attention"]], dim=1)
-    proto = DataProto.from_dict(
-        tensors={
-            "prompts": t["prompts"],
-            "responses": t["responses"],
-            "input_ids": torch.cat([t["prompts"], t["responses"]], dim=1),
-            "attention_mask": attention,
-            "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
-            "response_mask": t["response_mask"],
-            "old_log_probs": t["old_log_probs"],
-            "advantages": t["advantages"],
-            "ref_log_prob": t["ref_log_prob"],
-            "values": t["values"],
-            "returns": t["returns"],
-        }
-    )
-    data = left_right_2_no_padding(proto.to_tensordict())
-    tu.assign_non_tensor(data, **info)
-
-    def packed(name: str) -> torch.Tensor:
-        """The model's per-token output over each packed sequence, shifted as a causal LM's (position p predicts
-        token p + 1), the prompt positions junk."""
-        parts = []
-        for i in range(len(rows)):
-            p, r = int(t["prompt_lens"][i]), int(t["response_lens"][i])
-            part = torch.full((p + r,), 7.0)
-            part[p - 1 : p - 1 + r] = t[name][i, :r]
-            parts.append(part)
-        return torch.cat(parts)
-
-    return data, packed
+def _tokens(step: VerlStep) -> int:
+    return int(step.batch.batch["response_mask"].sum())
 
 
-def _run_verl(step, actor: FSDPActorConfig, critic: CriticConfig, dp: int, micro: int, entropy: bool):
+def _run_verl(step: VerlStep, actor: FSDPActorConfig, critic: CriticConfig, dp: int, micro: int, entropy: bool):
     """verl's losses over the mini-batch split into `dp` ranks of `micro` micro-batches: per rank its metrics
     (after append_to_dict), and the metrics reported for the step (reduced over ranks as the engine worker does)."""
     per_rank = BATCH // dp
-    batch_num_tokens = int(step["response_mask"].sum())
-    info = {"dp_size": dp, "batch_num_tokens": batch_num_tokens, "global_batch_size": BATCH}
+    info = {"dp_size": dp, "batch_num_tokens": _tokens(step), "global_batch_size": BATCH}
     ranks = []
     for r in range(dp):
         metrics: dict[str, Any] = {}
         rows = list(range(r * per_rank, (r + 1) * per_rank))
         size = per_rank // micro
         for m in range(micro):
-            data, packed = _micro_batch(step, rows[m * size : (m + 1) * size], info)
-            output = {"log_probs": packed("log_probs")} | ({"entropy": packed("entropy")} if entropy else {})
-            loss, actor_metrics = ppo_loss(actor, output, data)
+            data, output = engine_micro_batch(step, rows[m * size : (m + 1) * size], **info)
+            policy_output = {"log_probs": output["log_probs"]} | ({"entropy": output["entropy"]} if entropy else {})
+            loss, actor_metrics = ppo_loss(actor, policy_output, data)
             append_to_dict(metrics, {**actor_metrics, "loss": loss.item()})
-            critic_loss, critic_metrics = value_loss(critic, {"values": packed("vpreds")}, data)
+            critic_loss, critic_metrics = value_loss(critic, {"values": output["values"]}, data)
             append_to_dict(metrics, critic_metrics)
         ranks.append(metrics)
     reported = {}
@@ -183,24 +111,39 @@ def _rank_scalars(metrics: dict[str, Any]) -> dict[str, dict[str, float]]:
     }
 
 
-def _write(tmp_path, step, ranks, config: RecomputeConfig, dp: int, micro: int) -> list:
+def _write(tmp_path, step: VerlStep, ranks, config: RecomputeConfig, dp: int, micro: int) -> list:
     """The step bundle: every dp rank a rank, each with its samples' valid tokens and its own scalars."""
     per_rank, size = BATCH // dp, BATCH // dp // micro
+    batch = step.batch.batch
+    attention = batch["attention_mask"]
+    uids = step.batch.non_tensor_batch["uid"].tolist()
+    groups = {uid: g for g, uid in enumerate(dict.fromkeys(uids))}
+    scores = batch["token_level_scores"].sum(-1)
+    per_token = {
+        "old_log_probs": batch["old_log_probs"],
+        "log_probs": step.log_probs,
+        "advantages": batch["advantages"],
+        "ref_log_probs": batch["ref_log_prob"],
+        "values": batch["values"],
+        "vpreds": step.vpreds,
+        "returns": batch["returns"],
+        "entropy": step.entropy,
+    }
     path = tmp_path / "verl-step"
     stages = (StageId.SAMPLE, StageId.LOSS_POLICY, StageId.LOSS_VALUE)
     manifest = Manifest(bundle_id="verl-step", stage_contracts={s: StageContract(stage=s) for s in stages})
     for r in range(dp):
         rows = range(r * per_rank, (r + 1) * per_rank)
-        lengths = [int(step["response_lens"][i]) for i in rows]
+        lengths = [int(attention[i, MAX_PROMPT:].sum()) for i in rows]
         records = [
             SampleRecord(
                 sample_id=f"s-{i}",
-                group_index=i // SAMPLES,
+                group_index=groups[uids[i]],
                 response_length=n,
-                total_length=n + int(step["prompt_lens"][i]),
-                loss_mask=step["response_mask"][i, :n].tolist(),
-                raw_reward=float(step["scores"][i]),
-                reward=float(step["scores"][i]),
+                total_length=int(attention[i].sum()),
+                loss_mask=batch["response_mask"][i, :n].tolist(),
+                raw_reward=float(scores[i]),
+                reward=float(scores[i]),
                 micro_batch_id=f"mb-{(i - r * per_rank) // size}",
             )
             for i, n in zip(rows, lengths)
@@ -211,12 +154,12 @@ def _write(tmp_path, step, ranks, config: RecomputeConfig, dp: int, micro: int) 
             samples=records,
             config=config,
         )
+        with_entropy = "entropy_loss" in ranks[r]["loss.policy"]
         payloads = {
-            name: torch.cat([step[name][i, :n] for i, n in zip(rows, lengths)])
-            for name in ("old_log_probs", "log_probs", "advantages", "ref_log_prob", "values", "vpreds", "returns")
-            + (("entropy",) if "entropy_loss" in ranks[r]["loss.policy"] else ())
+            name: torch.cat([tensor[i, :n] for i, n in zip(rows, lengths)])
+            for name, tensor in per_token.items()
+            if tensor is not None and (name != "entropy" or with_entropy)
         }
-        payloads["ref_log_probs"] = payloads.pop("ref_log_prob")
         BundleWriter(str(path), manifest, index, ranks[r], rank=r, expected_ranks=list(range(dp))).finalize(
             payloads=payloads
         )
@@ -252,7 +195,7 @@ def _configs(mode: str, entropy_coeff: float, use_kl_loss: bool):
 
 def _recompute_config(step, actor: FSDPActorConfig, critic: CriticConfig, dp: int, **fields: Any) -> RecomputeConfig:
     """What the run's options amount to, through the verl profile, with the step's global denominators."""
-    denominator = int(step["response_mask"].sum()) if actor.loss_agg_mode == "token-mean" else BATCH
+    denominator = _tokens(step) if actor.loss_agg_mode == "token-mean" else BATCH
     return RecomputeConfig.from_profile(
         "verl",
         loss_agg_mode=actor.loss_agg_mode,
