@@ -46,11 +46,11 @@ from trajectory_replay.bundle.schema import ProducerInfo, RankTopology
 from trajectory_replay.capture.commit import BundleJob, storage_failure
 from trajectory_replay.capture.config import choose_writer, producer_ranks, run_identity
 from trajectory_replay.capture.records import (
+    STEP_KINDS,
     CaptureRecord,
     Columns,
     MicroBatch,
     Provenance,
-    STEP_KINDS,
     RolloutRecord,
     StepRecord,
     check_mismatch_metrics,
@@ -551,7 +551,9 @@ class CaptureManager:
                 step = self._pending.pop(key, None)
             if step is None:
                 self._count("errors")
-                log.error("capture: capture_step_end of %s without any captured micro-batch; nothing written", _name(key))
+                log.error(
+                    "capture: capture_step_end of %s without any captured micro-batch; nothing written", _name(key)
+                )
                 return False
             if step.dropped:
                 return False

@@ -433,6 +433,7 @@ class StepRecord:
             if len(parts) != len(micro_batches):
                 continue  # written as given: a payload missing in any micro-batch is left out (replay reports it)
             tensors[name] = _concat([p.reshape(-1) for p in parts]) if len(parts) != 1 else parts[0]
+        stages: tuple[StageId, ...]
         if self.kind == "critic":
             stages = CRITIC_STAGES
         else:

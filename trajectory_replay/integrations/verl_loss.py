@@ -38,6 +38,11 @@ log = logging.getLogger("trajectory_replay.capture")
 ROLLOUT_KEY = "global_steps"
 """The non-tensor entry of verl's batch read as the rollout id when none was set (`LossCapture.set_rollout`)."""
 
+REWARDS_KEY = "sample_rewards"
+"""The per-sample non-tensor column read as each sample's reward after post-processing (r', as the rollout-level
+bundle records it; `integrations.verl.enable_capture` adds it), which a chained replay links to the rollout; without
+it the score is recorded."""
+
 _SCALARS = {
     "pg_loss": "actor/pg_loss",
     "pg_clipfrac": "actor/pg_clipfrac",
@@ -168,7 +173,7 @@ class LossCapture:
             log.error("capture: verl step (%d, %d) lost a micro-batch; its step-level bundle is not written", *key)
             return False
         try:
-            scalars = {name: _reduced(metrics[m]) for name, m in self.SCALARS.items() if m in metrics}
+            scalars: dict[str, Any] = {name: _reduced(metrics[m]) for name, m in self.SCALARS.items() if m in metrics}
             if self.KIND == "step":
                 scalars["loss"] = loss
             return capture.capture_step_end(key[0], key[1], config=config, kind=self.KIND, **scalars)
@@ -217,13 +222,14 @@ class LossCapture:
             groups = [len(self._groups) + i for i in range(n)]
             self._groups.update({f"\0{mb_id}-{i}": g for i, g in enumerate(groups)})
         scores = _scores(data, response_lens)
+        rewards = _per_sample(data, REWARDS_KEY)
         return dict(
             sample_ids=[str(s) for s in sample_ids],
             group_index=groups,
             response_lengths=response_lens,
             total_lengths=[p + r for p, r in zip(prompt_lens, response_lens)],
             raw_rewards=scores,
-            rewards=scores,
+            rewards=scores if rewards is None else [float(r) for r in rewards],
         )
 
     def _capture_tensors(
