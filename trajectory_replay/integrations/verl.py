@@ -487,6 +487,7 @@ def enable_capture(
     trainer: Any,
     store_url: str | os.PathLike[str] | None = None,
     *,
+    critic: bool = True,
     environ: Mapping[str, str] | None = None,
     **manager_options: Any,
 ) -> bool:
@@ -497,7 +498,9 @@ def enable_capture(
     means nothing changes and False). The driver gets a capture manager for the rollout-level bundles
     (`TrainerCapture`), the actor worker group `ppo_loss` and the critic's `value_loss` wrapped with capture
     (`capture_loss`, `capture_value_loss`), carrying the capture variables (and `manager_options`, which go to every
-    `CaptureManager`) so that each worker process switches capture on by itself as its dp rank. A bad capture
+    `CaptureManager`) so that each worker process switches capture on by itself as its dp rank. `critic=False`
+    leaves the critic's loss as it is (no `critic-<R>-<S>` bundles, which share the anchor `step R:S` with the
+    actor's `step-<R>-<S>`, so that `--step R:S` then names both). A bad capture
     variable raises CaptureConfigError naming it; a verl option capture cannot take a one-line ValueError naming
     it."""
 
@@ -518,7 +521,8 @@ def enable_capture(
     step_config = recompute_config(trainer.config)
     worker = WorkerCapture({k: v for k, v in env.items() if k.startswith(_CAPTURE_VARIABLES)}, dict(manager_options))
     loss_fns: list[tuple[Any, Any]] = [(trainer.actor_rollout_wg, _actor_loss(trainer, capture_loss, worker))]
-    if getattr(trainer, "use_critic", False):
+    critic = critic and bool(getattr(trainer, "use_critic", False))
+    if critic:
         loss_fns.append((trainer.critic_wg, _critic_loss(trainer, capture_value_loss, worker)))
     for group, _ in loss_fns:
         if not hasattr(group, "set_loss_fn"):
@@ -531,7 +535,7 @@ def enable_capture(
         group.set_loss_fn(loss_fn)
     state = TrainerCapture(trainer, step_config)
     state.wrap("_update_actor")
-    if getattr(trainer, "use_critic", False):
+    if getattr(trainer, "use_critic", False):  # the critic's update comes first: it captures the rollout then
         state.wrap("_update_critic")
     return True
 

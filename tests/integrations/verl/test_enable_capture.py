@@ -57,6 +57,12 @@ def verl_config(adv_estimator: str) -> Any:
     return config
 
 
+def critic_config(config: Any) -> Any:
+    """The critic's config as `init_workers` binds it to value_loss (its model section left out: it loads a
+    tokenizer, and the loss reads none of it)."""
+    return omega_conf_to_dataclass(OmegaConf.masked_copy(config.critic, [k for k in config.critic if k != "model"]))
+
+
 class WorkerGroup:
     """A worker group of one dp rank in this process: `set_loss_fn` as a ONE_TO_ALL call (the function pickled,
     as Ray sends it), and the engine's training loop over the no-padding TensorDict `_update_*` hands it."""
@@ -112,7 +118,7 @@ class CapturingTrainer(RayPPOTrainer):
         actor = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
         self.actor_rollout_wg = WorkerGroup(step, "log_probs", partial(ppo_loss, config=actor))
         if self.use_critic:
-            self.critic_wg = WorkerGroup(step, "values", None)
+            self.critic_wg = WorkerGroup(step, "values", partial(value_loss, config=critic_config(self.config)))
         self.capturing = enable_capture(self, **self.capture_options)
 
 
@@ -192,11 +198,25 @@ def test_the_critic_and_the_actor_are_captured_apart_and_replay_clean(tmp_path, 
     for name in (f"rollout-{ROLLOUT}", f"step-{ROLLOUT}-0", f"critic-{ROLLOUT}-0"):
         report = replay(open_sources(str(tmp_path / name)))
         assert report.status == "pass", (name, _failed(report))
+    result = CliRunner().invoke(app, ["replay", str(tmp_path / f"critic-{ROLLOUT}-0")])
+    assert result.exit_code == 0, result.output
     [critic] = open_sources(str(tmp_path / f"critic-{ROLLOUT}-0"))
     assert {s.value for s in critic.manifest.stage_contracts} == {"sample", "loss.value"}
     reported = critic.expected["loss.value"]
     assert reported["vf_loss"] == pytest.approx(gae.value_metrics["critic/vf_loss"], rel=1e-5)
     assert reported["vf_clipfrac"] == pytest.approx(gae.value_metrics["critic/vf_clipfrac"], rel=1e-5)
+
+
+def test_critic_false_leaves_the_critic_loss_alone(tmp_path, gae):
+    made = trainer(gae, store_url=tmp_path, writer="thread", critic=False)
+    assert made.critic_wg.loss_fn.func is value_loss  # as init_workers bound it: nothing sent
+    made._update_critic(gae.batch)  # the rollout-level bundle is still captured here, before the actor's update
+    made._update_actor(gae.batch)
+    assert capture.shutdown(timeout=60)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("rollout-", "step-", "critic-"))) == [
+        f"rollout-{ROLLOUT}",
+        f"step-{ROLLOUT}-0",
+    ]
 
 
 def test_with_capture_off_nothing_changes_and_nothing_is_written(tmp_path, grpo):
@@ -270,10 +290,7 @@ def test_value_loss_run_on_stale_old_values_is_named_at_loss_value(tmp_path, gae
         return value_loss(config, model_output, moved, dp_group=dp_group)
 
     capture.set_manager(capture.CaptureManager(tmp_path, writer="thread", atexit_timeout=None))
-    critic = omega_conf_to_dataclass(
-        OmegaConf.masked_copy(verl_config("gae").critic, [k for k in verl_config("gae").critic if k != "model"])
-    )
-    group = WorkerGroup(gae, "values", partial(capture_value_loss(stale), config=critic))
+    group = WorkerGroup(gae, "values", partial(capture_value_loss(stale), config=critic_config(verl_config("gae"))))
     from verl.workers.utils.padding import left_right_2_no_padding
 
     data = left_right_2_no_padding(gae.batch.to_tensordict())
