@@ -370,14 +370,6 @@ def write_rollout_bundle(
     return bundle.write(store_url, **storage_options)
 
 
-STEP_KEY = "global_steps"
-"""The batch's meta_info entry `enable_capture` sets to the rollout id (the trainer's `global_steps`), which the
-loss wrappers read in the workers."""
-
-SAMPLE_IDS_KEY = "sample_ids"
-"""The non-tensor batch column `enable_capture` adds, each sample's id in the rollout-level bundle, which the loss
-wrappers record so that a step chains to its rollout."""
-
 _CAPTURE_VARIABLES = ("TRAJECTORY_REPLAY_", "RELAX_REPLAY_")
 """Prefixes of the environment variables the workers are handed (the capture configuration and the run id)."""
 
@@ -429,7 +421,8 @@ class TrainerCapture:
     """The trainer side of `enable_capture`: what the wrapped `_update_critic`/`_update_actor` do with the batch
     before verl's own method gets it. The first of them to see rollout R (the trainer's `global_steps`) enqueues
     the rollout-level bundle; each hands verl a shallow copy of the batch with `meta_info["global_steps"]` and the
-    `sample_ids` column set (the caller's batch is left as it was). Never raises into training: a problem is logged
+    `sample_ids` and `sample_rewards` columns set, which the loss wrappers read in the workers (the caller's batch
+    is left as it was). Never raises into training: a problem is logged
     and counted (`capture.stats()["errors"]`), and the batch then goes to verl untagged."""
 
     def __init__(self, trainer: Any, config: RecomputeConfig) -> None:
@@ -471,7 +464,7 @@ def _tagged(batch: DataProto, rollout_id: int, samples: list[SampleRecord]) -> D
     import numpy as np
     from verl import DataProto
 
-    from trajectory_replay.integrations.verl_loss import REWARDS_KEY
+    from trajectory_replay.integrations.verl_loss import REWARDS_KEY, ROLLOUT_KEY, SAMPLE_IDS_KEY
 
     if len(samples) != len(batch):
         raise ValueError(f"the batch has {len(batch)} rows, the rollout-level bundle {len(samples)} samples")
@@ -479,7 +472,7 @@ def _tagged(batch: DataProto, rollout_id: int, samples: list[SampleRecord]) -> D
     non_tensor[SAMPLE_IDS_KEY] = np.array([s.sample_id for s in samples], dtype=object)
     non_tensor[REWARDS_KEY] = np.array([s.reward for s in samples], dtype=object)
     meta = dict(batch.meta_info)
-    meta[STEP_KEY] = rollout_id
+    meta[ROLLOUT_KEY] = rollout_id
     return DataProto(batch=batch.batch, non_tensor_batch=non_tensor, meta_info=meta)
 
 

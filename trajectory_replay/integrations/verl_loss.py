@@ -38,6 +38,11 @@ log = logging.getLogger("trajectory_replay.capture")
 ROLLOUT_KEY = "global_steps"
 """The non-tensor entry of verl's batch read as the rollout id when none was set (`LossCapture.set_rollout`)."""
 
+SAMPLE_IDS_KEY = "sample_ids"
+"""The per-sample non-tensor column read as each sample's id (`integrations.verl.enable_capture` adds the ids of the
+rollout-level bundle, so that a step chains to its rollout); without it ids are made of the rollout, step and
+micro-batch."""
+
 REWARDS_KEY = "sample_rewards"
 """The per-sample non-tensor column read as each sample's reward after post-processing (r', as the rollout-level
 bundle records it; `integrations.verl.enable_capture` adds it), which a chained replay links to the rollout; without
@@ -214,7 +219,7 @@ class LossCapture:
         n = int(data.batch_size[0])
         prompt_lens, response_lens = _lengths(data)
         uids = _per_sample(data, "uid")
-        sample_ids = _per_sample(data, "sample_ids")
+        sample_ids = _per_sample(data, SAMPLE_IDS_KEY)
         if sample_ids is None:
             sample_ids = [f"s-{rollout_id}-{step_id}-{mb_id}-{i}" for i in range(n)]
         groups = [self._groups.setdefault(str(u), len(self._groups)) for u in uids] if uids is not None else None
