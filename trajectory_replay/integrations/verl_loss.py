@@ -8,8 +8,9 @@ them. `capture_value_loss` does the same for the critic's `value_loss`: a critic
     worker.loss_fn = partial(capture_loss(ppo_loss), config=actor_config)
     critic.loss_fn = partial(capture_value_loss(value_loss), config=critic_config)
 
-A wrapper made with `worker=WorkerCapture(...)` (what `integrations.verl.enable_capture` sends the workers) pickles
-and switches capture on by itself in the process that first calls it, as dp rank r of dp_size producer ranks.
+A wrapper made with `worker=WorkerCapture(...)` (what `integrations.verl_trainer.enable_capture` sends the workers)
+pickles and switches capture on by itself in the process that first calls it, as dp rank r of dp_size producer
+ranks.
 
 The wrapper keeps verl's signature `(config, model_output, data, dp_group=None)` and returns exactly what the
 wrapped function returns. It owns the mapping of verl's micro-batch `TensorDict` (no-padding layout, as the engine
@@ -39,14 +40,14 @@ ROLLOUT_KEY = "global_steps"
 """The non-tensor entry of verl's batch read as the rollout id when none was set (`LossCapture.set_rollout`)."""
 
 SAMPLE_IDS_KEY = "sample_ids"
-"""The per-sample non-tensor column read as each sample's id (`integrations.verl.enable_capture` adds the ids of the
-rollout-level bundle, so that a step chains to its rollout); without it ids are made of the rollout, step and
-micro-batch."""
+"""The per-sample non-tensor column read as each sample's id (`integrations.verl_trainer.enable_capture` adds the
+ids of the rollout-level bundle, so that a step chains to its rollout); without it ids are made of the rollout,
+step and micro-batch."""
 
 REWARDS_KEY = "sample_rewards"
 """The per-sample non-tensor column read as each sample's reward after post-processing (r', as the rollout-level
-bundle records it; `integrations.verl.enable_capture` adds it), which a chained replay links to the rollout; without
-it the score is recorded."""
+bundle records it; `integrations.verl_trainer.enable_capture` adds it), which a chained replay links to the
+rollout; without it the score is recorded."""
 
 _SCALARS = {
     "pg_loss": "actor/pg_loss",

@@ -31,8 +31,8 @@ from tests.integrations.verl.steps import PROMPTS, SAMPLES, StepOptions, VerlSte
 from trajectory_replay import capture
 from trajectory_replay.bundle import open_sources
 from trajectory_replay.cli import app
-from trajectory_replay.integrations.verl import enable_capture
 from trajectory_replay.integrations.verl_loss import WorkerCapture, capture_loss, capture_value_loss
+from trajectory_replay.integrations.verl_trainer import enable_capture
 from trajectory_replay.replay import replay
 
 ROLLOUT = 3
