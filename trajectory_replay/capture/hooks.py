@@ -4,6 +4,8 @@
     capture_rollout(R, ...)                  # rollout-level bundle rollout-<R> (this rank's shard)
     capture_microbatch(R, S, "mb-0007", ...) # once per micro-batch of actor step (R, S)
     capture_step_end(R, S, loss=..., ...)    # enqueues step-level bundle step-<R>-<S>
+    capture_microbatch(R, S, "mb-0007", kind="critic", values=..., vpreds=..., returns=..., ...)
+    capture_step_end(R, S, kind="critic", vf_loss=..., vf_clipfrac=..., ...)   # critic-<R>-<S>
     capture_slime_rollout(R, rollout_data, config=...)   # slime-family dict-of-lists layout
 
 Hooks never raise into training (a bad argument is counted in `stats()["errors"]` and logged);
@@ -213,6 +215,7 @@ def capture_microbatch(
     rollout_log_probs: Any = None,
     policy_versions: Any = None,
     payloads: Mapping[str, Any] | None = None,
+    kind: str = "step",
 ) -> bool | None:
     """One micro-batch of actor step (R, S), snapshotted now (training may reuse its buffers). `entropy` may be
     left out when the loss has no entropy term (entropy_coef 0); `ref_log_probs` feed a KL loss
@@ -221,6 +224,8 @@ def capture_microbatch(
     step's rollout.mismatch. `payloads` takes any other per-token payload the stage table declares for the stages
     of a step-level bundle, by its name there (written when every micro-batch of the step gives it); a name it
     does not declare is refused (logged and counted). A repeated micro_batch_id of the same step is ignored.
+    `kind="critic"`: a micro-batch of a critic's step (R, S), trained apart from the actor's: its value-loss inputs
+    only (the policy's log-probs and advantages may be None), for bundle `critic-<R>-<S>`.
     Filtered by TRAJECTORY_REPLAY_CAPTURE_STEPS."""
     if _MANAGER is None:
         return None
@@ -248,6 +253,7 @@ def capture_microbatch(
         rewards=rewards,
         policy_versions=policy_versions,
         payloads=payloads,
+        kind=kind,
         **named,
     )
 
@@ -256,21 +262,24 @@ def capture_step_end(
     rollout_id: int,
     step_id: int,
     *,
-    loss: Any,
-    pg_loss: Any,
-    pg_clipfrac: Any,
-    ppo_kl: Any,
+    loss: Any = None,
+    pg_loss: Any = None,
+    pg_clipfrac: Any = None,
+    ppo_kl: Any = None,
     config: Any,
     entropy_loss: Any = None,
     weight_lineage: Any = None,
     kl_loss: Any = None,
     vf_loss: Any = None,
     vf_clipfrac: Any = None,
+    kind: str = "step",
 ) -> bool | None:
     """End of actor step (R, S): enqueue step-level bundle `step-<R>-<S>` with this rank's reported loss
-    scalars (numbers or 1-element tensors; CUDA tensors are copied asynchronously): `entropy_loss` when the
-    entropy was computed (required with an entropy term), `kl_loss` with a KL loss,
-    `vf_loss` and `vf_clipfrac` with a value loss. True if enqueued."""
+    scalars (numbers or 1-element tensors; CUDA tensors are copied asynchronously): `loss`, `pg_loss`,
+    `pg_clipfrac`, `ppo_kl`; `entropy_loss` when the entropy was computed (required with an entropy term),
+    `kl_loss` with a KL loss, `vf_loss` and `vf_clipfrac` with a value loss. With `kind="critic"`: the end of a
+    critic's step, bundle `critic-<R>-<S>`, with `vf_loss` and `vf_clipfrac` only. A scalar left out is reported
+    by validate and replay. True if enqueued."""
     if _MANAGER is None:
         return None
     scalars = dict(
@@ -283,7 +292,10 @@ def capture_step_end(
         vf_loss=vf_loss,
         vf_clipfrac=vf_clipfrac,
     )
-    return _MANAGER.capture_step_end(rollout_id, step_id, config=config, weight_lineage=weight_lineage, **scalars)
+    given = {name: value for name, value in scalars.items() if value is not None}
+    return _MANAGER.capture_step_end(
+        rollout_id, step_id, config=config, weight_lineage=weight_lineage, kind=kind, **given
+    )
 
 
 def capture_slime_rollout(

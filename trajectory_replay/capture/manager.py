@@ -46,6 +46,7 @@ from trajectory_replay.bundle.schema import ProducerInfo, RankTopology
 from trajectory_replay.capture.commit import BundleJob, storage_failure
 from trajectory_replay.capture.config import choose_writer, producer_ranks, run_identity
 from trajectory_replay.capture.records import (
+    STEP_KINDS,
     CaptureRecord,
     Columns,
     MicroBatch,
@@ -156,7 +157,7 @@ class CaptureManager:
         self._bytes_in_use = 0  # queued + being written + pending micro-batches
         self._active: _Queued | None = None
         self._closing = False
-        self._pending: OrderedDict[tuple[int, int], _PendingStep] = OrderedDict()
+        self._pending: OrderedDict[tuple[int, int, str], _PendingStep] = OrderedDict()
         self._counts = dict(
             enqueued=0,
             dropped=0,
@@ -253,7 +254,7 @@ class CaptureManager:
                 self._bytes_in_use -= step.nbytes
                 if not step.dropped:
                     self._counts["dropped"] += 1
-                    log.warning("capture: step %d:%d never ended (no capture_step_end before close); dropped", *key)
+                    log.warning("capture: %s never ended (no capture_step_end before close); dropped", _name(key))
             self._cond.notify_all()
         forget_at_exit(self)
         if self._thread is None:
@@ -468,17 +469,19 @@ class CaptureManager:
         rewards: Any,
         policy_versions: Any = None,
         payloads: Mapping[str, Any] | None = None,
+        kind: str = "step",
         **named_payloads: Any,
     ) -> bool:
-        """Snapshot one micro-batch of actor step (R, S). A repeated micro_batch_id of the same step is ignored. Its
-        per-token payloads are given by name, as keywords or in `payloads`: any payload the stage table declares for
-        a step-level bundle; another name is refused (a counted error)."""
+        """Snapshot one micro-batch of actor step (R, S) (of a critic's step with `kind="critic"`). A repeated
+        micro_batch_id of the same step is ignored. Its per-token payloads are given by name, as keywords or in
+        `payloads`: any payload the stage table declares for a step-level bundle of `kind`; another name is refused
+        (a counted error)."""
         t0 = time.perf_counter()
         try:
             if not self.wants_step(rollout_id, step_id):
                 self._count("filtered")
                 return False
-            key = (int(rollout_id), int(step_id))
+            key = (int(rollout_id), int(step_id), _kind(kind))
             mb_id = str(micro_batch_id)
             with self._cond:
                 step = self._pending.get(key)
@@ -488,9 +491,9 @@ class CaptureManager:
                 return False
             if mb_id in step.ids:
                 self._count("ignored_microbatches")
-                log.debug("capture: micro-batch %s of step %d:%d already captured; ignored", mb_id, *key)
+                log.debug("capture: micro-batch %s of %s already captured; ignored", mb_id, _name(key))
                 return False
-            tensors = given_payloads("step", named_payloads, payloads)
+            tensors = given_payloads(key[2], named_payloads, payloads)
             cols = dict(
                 sample_ids=sample_ids,
                 group_index=group_index,
@@ -503,7 +506,7 @@ class CaptureManager:
             )
             nbytes = Columns.estimate(**cols) + sum(estimate_nbytes(v) for v in tensors.values())
             if not self._reserve(
-                nbytes, f"{step_bundle_id(*key)} (micro-batch {mb_id}; the whole step is dropped)", record=False
+                nbytes, f"{_name(key)} (micro-batch {mb_id}; the whole step is dropped)", record=False
             ):
                 self._drop_pending(key, step)
                 return False
@@ -524,23 +527,33 @@ class CaptureManager:
             self._hook_done(t0)
 
     def capture_step_end(
-        self, rollout_id: int, step_id: int, *, config: Any, weight_lineage: Any = None, **scalars: Any
+        self,
+        rollout_id: int,
+        step_id: int,
+        *,
+        config: Any,
+        weight_lineage: Any = None,
+        kind: str = "step",
+        **scalars: Any,
     ) -> bool:
-        """Enqueue the step-level bundle `step-<R>-<S>` from the micro-batches captured for it, with the loss scalars
-        production reported, by name (the outputs the stage table declares for loss.policy and loss.value; those
-        not given are reported by validate and replay). True if enqueued."""
+        """Enqueue the step-level bundle `step-<R>-<S>` (`critic-<R>-<S>` with `kind="critic"`) from the micro-batches
+        captured for it, with the loss scalars production reported, by name (the outputs the stage table declares
+        for the loss stages of a bundle of `kind`; those not given are reported by validate and replay). True if
+        enqueued."""
         t0 = time.perf_counter()
         try:
             if not self.wants_step(rollout_id, step_id):
                 self._count("filtered")
                 return False
-            given = step_scalars(scalars)
-            key = (int(rollout_id), int(step_id))
+            key = (int(rollout_id), int(step_id), _kind(kind))
+            given = step_scalars(scalars, key[2])
             with self._cond:
                 step = self._pending.pop(key, None)
             if step is None:
                 self._count("errors")
-                log.error("capture: capture_step_end(%d, %d) without any captured micro-batch; nothing written", *key)
+                log.error(
+                    "capture: capture_step_end of %s without any captured micro-batch; nothing written", _name(key)
+                )
                 return False
             if step.dropped:
                 return False
@@ -557,6 +570,7 @@ class CaptureManager:
                         _freeze(config),
                         _freeze(weight_lineage),
                         self.provenance,
+                        key[2],
                     )
                 )
             except BaseException:
@@ -569,7 +583,7 @@ class CaptureManager:
         finally:
             self._hook_done(t0)
 
-    def _new_pending(self, key: tuple[int, int]) -> _PendingStep:
+    def _new_pending(self, key: tuple[int, int, str]) -> _PendingStep:
         """(lock held) A new pending step; the oldest unfinished one is dropped past max_pending_steps."""
         while len(self._pending) >= self.max_pending_steps:
             old_key, old = self._pending.popitem(last=False)
@@ -577,19 +591,17 @@ class CaptureManager:
             if not old.dropped:
                 self._counts["dropped"] += 1
                 log.warning(
-                    "capture: step %d:%d never ended (more than %d steps open); dropped",
-                    *old_key,
-                    self.max_pending_steps,
+                    "capture: %s never ended (more than %d steps open); dropped", _name(old_key), self.max_pending_steps
                 )
         step = _PendingStep()
         if self._closing:  # counted once; the step's later micro-batches are ignored
             step.dropped = True
             self._counts["dropped"] += 1
-            log.warning("capture: dropped %s: the capture manager is closed", step_bundle_id(*key))
+            log.warning("capture: dropped %s: the capture manager is closed", _name(key))
         self._pending[key] = step
         return step
 
-    def _drop_pending(self, key: tuple[int, int], step: _PendingStep) -> None:
+    def _drop_pending(self, key: tuple[int, int, str], step: _PendingStep) -> None:
         """Forget a step's micro-batches (its drop is already counted); later ones are ignored cheaply."""
         with self._cond:
             self._bytes_in_use -= step.nbytes
@@ -712,6 +724,18 @@ class CaptureManager:
 
     def __repr__(self) -> str:
         return f"CaptureManager({self.capture_dir!r}, rank={self.rank}, expected_ranks={self.expected_ranks})"
+
+
+def _kind(kind: str) -> str:
+    """`kind` when it is a kind of step-level bundle, else ValueError naming it."""
+    if kind not in STEP_KINDS:
+        raise ValueError(f"kind: {kind!r} is not a kind of step-level bundle ({', '.join(STEP_KINDS)})")
+    return kind
+
+
+def _name(key: tuple[int, int, str]) -> str:
+    """The bundle id of a pending step's key (rollout, step, kind)."""
+    return step_bundle_id(key[0], key[1], key[2])
 
 
 def _freeze(value: Any) -> Any:

@@ -19,6 +19,10 @@ record names the rollout-level bundle it came from (`rollout_id` = R), which a c
 carry their micro_batch_id; expected loss.policy {loss, pg_loss, entropy_loss, pg_clipfrac, ppo_kl} (+ kl_loss
 when the config's kl_loss_coef is not 0) and loss.value {vf_loss, vf_clipfrac}.
 
+A critic's step-level bundle `critic-<R>-<S>` (kind "critic": a critic trained on its own mini-batches, apart from
+the actor's step): the same identity and records, stages sample and loss.value only; payloads values, vpreds,
+returns; expected loss.value {vf_loss, vf_clipfrac}.
+
 Each stage contract's inputs and expected outputs come from `bundle.stage_io.STAGE_IO` under the record's config
 and the flags of the estimator it names (`replay.flags`: a built-in's without loading anything, a plugin's from its
 kernel, which loads it where the bundle is built). The payloads a bundle of each kind takes are the table's too
@@ -76,11 +80,18 @@ ROLLOUT_STAGES = (
 """The stages a rollout-level bundle always contracts (rollout.mismatch follows sample when its inputs are given)."""
 STEP_STAGES = (StageId.SAMPLE, StageId.LOSS_POLICY)
 """The stages a step-level bundle always contracts (+ rollout.mismatch as above, + loss.value when given)."""
+CRITIC_STAGES = (StageId.SAMPLE, StageId.LOSS_VALUE)
+"""The stages a critic's step-level bundle contracts: the value loss of a critic trained apart from the actor."""
 BUNDLE_STAGES: dict[str, tuple[StageId, ...]] = {
     "rollout": ROLLOUT_STAGES + (StageId.ROLLOUT_MISMATCH,),
     "step": STEP_STAGES + (StageId.ROLLOUT_MISMATCH, StageId.LOSS_VALUE),
+    "critic": CRITIC_STAGES,
 }
-"""Every stage a bundle of each kind ("rollout", "step") may contract."""
+"""Every stage a bundle of each kind ("rollout", "step", "critic") may contract."""
+STEP_KINDS = ("step", "critic")
+"""The kinds of step-level bundle: the actor's step (`step-<R>-<S>`, with loss.value when the same step gives the
+value-loss inputs) and a critic's step (`critic-<R>-<S>`), which a trainer whose critic runs its own mini-batches
+captures apart."""
 
 
 def bundle_payloads(kind: str) -> tuple[str, ...]:
@@ -97,10 +108,11 @@ def value_loss_payloads() -> tuple[str, ...]:
 def given_payloads(kind: str, named: Mapping[str, Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:
     """The payloads a hook was given, by name: its named arguments, then its `payloads` mapping (`extra`), those
     that are None left out. ValueError naming the payload when one is not a payload of a bundle of `kind` (as the
-    stage table declares them: `bundle_payloads`), or is given twice."""
+    stage table declares them: `bundle_payloads`), or is given twice; a named argument the hook leaves None is not
+    given (a critic's micro-batch has no log-probs)."""
     accepted = bundle_payloads(kind)
     given: dict[str, Any] = {}
-    for source in (named, extra or {}):
+    for source in ({k: v for k, v in named.items() if v is not None}, extra or {}):
         for name, value in source.items():
             if name not in accepted:
                 raise ValueError(
@@ -114,12 +126,12 @@ def given_payloads(kind: str, named: Mapping[str, Any], extra: Mapping[str, Any]
     return given
 
 
-def step_scalars(named: Mapping[str, Any]) -> dict[str, Any]:
+def step_scalars(named: Mapping[str, Any], kind: str = "step") -> dict[str, Any]:
     """The loss scalars `capture_step_end` was given, those that are None left out. ValueError naming one that is
-    not an output of a loss stage (as the stage table declares them)."""
+    not an output of a loss stage of a step-level bundle of `kind` (as the stage table declares them)."""
     fields = tuple(
         n
-        for stage in BUNDLE_STAGES["step"]
+        for stage in BUNDLE_STAGES[kind]
         if stage != StageId.ROLLOUT_MISMATCH and STAGE_IO[stage].recorded_as == "expected"
         for n in STAGE_IO[stage].outputs
     )
@@ -174,8 +186,11 @@ def rollout_bundle_id(rollout_id: int) -> str:
     return f"rollout-{int(rollout_id)}"
 
 
-def step_bundle_id(rollout_id: int, step_id: int) -> str:
-    return f"step-{int(rollout_id)}-{int(step_id)}"
+def step_bundle_id(rollout_id: int, step_id: int, kind: str = "step") -> str:
+    """`step-<R>-<S>`, or `critic-<R>-<S>` for a critic's step (`kind`, one of STEP_KINDS)."""
+    if kind not in STEP_KINDS:
+        raise ValueError(f"kind: {kind!r} is not a kind of step-level bundle ({', '.join(STEP_KINDS)})")
+    return f"{kind}-{int(rollout_id)}-{int(step_id)}"
 
 
 @dataclass(frozen=True)
@@ -383,19 +398,23 @@ class StepRecord:
     config: Any
     weight_lineage: Any
     provenance: Provenance
+    kind: str = "step"
+    """"step" (the actor's step) or "critic" (a critic's step: sample and loss.value only)."""
 
     def __post_init__(self) -> None:
         check_fields(self, rollout_id=int, step_id=int, micro_batches=tuple, scalars=Mapping, provenance=Provenance)
+        if self.kind not in STEP_KINDS:
+            raise ValueError(f"StepRecord.kind: {self.kind!r} is not one of {', '.join(STEP_KINDS)}")
         for i, mb in enumerate(self.micro_batches):
             if not isinstance(mb, MicroBatch):
                 raise TypeError(f"StepRecord.micro_batches[{i}]: expected MicroBatch, got {type(mb).__name__}")
 
     @property
     def bundle_id(self) -> str:
-        return step_bundle_id(self.rollout_id, self.step_id)
+        return step_bundle_id(self.rollout_id, self.step_id, self.kind)
 
     def build(self) -> BundleParts:
-        """The documents and payloads of `step-<R>-<S>`."""
+        """The documents and payloads of `step-<R>-<S>` (`critic-<R>-<S>`)."""
         bundle_id, prov, micro_batches = self.bundle_id, self.provenance, self.micro_batches
         records: list[SampleRecord] = []
         for mb in micro_batches:
@@ -409,17 +428,21 @@ class StepRecord:
         )
         index = BundleIndex(bundle_id=bundle_id, identity=identity, samples=records, config=_config(self.config))
         tensors: dict[str, torch.Tensor] = {}
-        for name in bundle_payloads("step"):
+        for name in bundle_payloads(self.kind):
             parts = [p for mb in micro_batches if (p := mb.payloads.get(name)) is not None]
             if len(parts) != len(micro_batches):
                 continue  # written as given: a payload missing in any micro-batch is left out (replay reports it)
             tensors[name] = _concat([p.reshape(-1) for p in parts]) if len(parts) != 1 else parts[0]
-        stages = (
-            STEP_STAGES[:1]
-            + _mismatch_stage(records, tensors)
-            + STEP_STAGES[1:]
-            + ((StageId.LOSS_VALUE,) if self.has_value_loss else ())
-        )
+        stages: tuple[StageId, ...]
+        if self.kind == "critic":
+            stages = CRITIC_STAGES
+        else:
+            stages = (
+                STEP_STAGES[:1]
+                + _mismatch_stage(records, tensors)
+                + STEP_STAGES[1:]
+                + ((StageId.LOSS_VALUE,) if self.has_value_loss else ())
+            )
         setting = setting_of(index.config)
         expected = {
             stage.value: {k: materialize_float(self.scalars.get(k)) for k in STAGE_IO[stage].outputs_for(setting)}
@@ -445,6 +468,7 @@ __all__ = [
     "BUNDLE_STAGES",
     "BundleParts",
     "CAPTURE_RECORDS",
+    "CRITIC_STAGES",
     "CaptureRecord",
     "Columns",
     "EXACT_FIELDS",
@@ -453,6 +477,7 @@ __all__ = [
     "Provenance",
     "ROLLOUT_STAGES",
     "RolloutRecord",
+    "STEP_KINDS",
     "STEP_STAGES",
     "StepRecord",
     "bundle_payloads",
