@@ -20,7 +20,7 @@ A trigger fired by a step record is at that step. One fired by a rollout-level r
 mismatch metrics) or by `trigger(reason)` is at the next step bundle the rank ends: the first step that trains on
 that rollout.
 
-The spool is bounded: it holds at most K step bundles (the oldest evicted after each commit), with the
+The spool is bounded: it holds at most K step bundles (the oldest evicted before a step is committed), with the
 rollout-level bundles that one of them names or that no step has named yet, and at most `max_bytes` bytes on
 disk (older steps are evicted until it fits; the newest step always stays). Eviction removes a bundle's markers;
 the store's own gc (`ops.gc`, grace 0) then removes what no kept bundle names, once every K evictions (a sweep
@@ -362,10 +362,11 @@ class Recorder:
                     pass
         return total
 
-    def _evict(self) -> None:
+    def _evict(self, room: int = 0) -> None:
+        """Evict the oldest steps beyond K (`room` fewer: a step is about to be committed), then beyond the bytes."""
         s = self.settings
         gone: list[str] = []
-        while len(self.steps) > s.keep:
+        while len(self.steps) > s.keep - room:
             gone.append(self.steps.pop(0)[0])
         gone += self._unnamed_rollouts()
         if gone:
@@ -417,6 +418,10 @@ class Recorder:
         """Commit `job`'s bundle into the spool, fire and serve triggers, evict; the spool bundle's URL."""
         record = job.record
         spool_job = replace(job, capture_dir=self.settings.spool, rank=0, expected_ranks=(0,), run_id=None)
+        if self.multi:  # other ranks' triggers first, while the steps before them are still in the spool
+            self._poll_markers()
+        if isinstance(record, StepRecord):
+            self._evict(room=1)  # the spool never holds more than K steps, even while this one is committed
         url = commit_bundle(self.spool, spool_job)
         self.added += record_bytes(record)
         fired: list[Trigger] = []
