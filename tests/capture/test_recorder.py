@@ -315,7 +315,7 @@ def test_a_killed_process_leaves_no_partial_bundle_and_a_spool_gc_cleans(tmp_pat
         [sys.executable, str(script), "0", "1", str(tmp_path), "100000", "0:40"], stdout=subprocess.PIPE
     )
     try:
-        while not _markers(tmp_path / "store"):  # killed once it promotes (or later)
+        while not list((tmp_path / "store").glob("*/COMPLETE")):  # killed while it promotes (or a little later)
             assert proc.poll() is None, "the training process ended before its trigger"
             time.sleep(0.05)
     finally:
@@ -324,6 +324,7 @@ def test_a_killed_process_leaves_no_partial_bundle_and_a_spool_gc_cleans(tmp_pat
     # every bundle in the store is complete: a promotion cut short left objects no marker names
     states = scan_bundles(open_backend(str(tmp_path / "store")))
     assert states and all(s.status == COMPLETE_STATUS for s in states)
+    assert list(_markers(tmp_path / "store")) == ["step-0-40"]
     spool = tmp_path / "spool" / "rank-0"
     kept = _spool_steps(spool)
     assert 1 <= len(kept) <= 3  # the spool's bound held to the end

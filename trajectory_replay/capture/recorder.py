@@ -52,6 +52,8 @@ from trajectory_replay.bundle.markers import (
     complete_key,
     rank_key,
     read_complete,
+    read_trigger,
+    trigger_key,
     try_finalize,
 )
 from trajectory_replay.bundle.schema import BundleIndex, TriggerRecord
@@ -473,7 +475,7 @@ class Recorder:
             self.settings.keep,
             self.settings.after,
         )
-        key = f"{RECORDER_DIR}/{trigger.step}"
+        key = trigger_key(trigger.step)
         document = compact_json(trigger.record().model_dump(mode="json"))
         if not self.store.backend.create_if_absent(key, document):
             trigger = self._read_marker(key) or trigger  # another rank fired at this step first: its trigger
@@ -482,9 +484,9 @@ class Recorder:
 
     def _read_marker(self, key: str) -> Trigger | None:
         try:
-            record = TriggerRecord.model_validate(json.loads(self.store.backend.read(key)))
-        except Exception as exc:  # noqa: BLE001 - a marker that cannot be read is skipped, and said
-            log.warning("capture: trigger marker %s cannot be read: %s", key, exc)
+            record = read_trigger(self.store.backend, key)
+        except BundleError as exc:  # a marker that cannot be read is skipped, and said
+            log.warning("capture: %s", exc)
             return None
         value = record.value
         if isinstance(value, str) and value in ("nan", "inf", "-inf"):
@@ -500,7 +502,7 @@ class Recorder:
         for name in names:
             if name in self.seen_markers or name in self.remote:
                 continue
-            trigger = self._read_marker(f"{RECORDER_DIR}/{name}")
+            trigger = self._read_marker(trigger_key(name))
             if trigger is not None:
                 self.remote[name] = trigger
         ended = {step for step, _ in self.steps}
@@ -593,7 +595,9 @@ def promote(
     source = ObjectStore(spool)
     manifest = json.loads(bytes(source.get(documents.manifest.blob_ref())))
     manifest["trigger"] = trigger.model_dump(mode="json")
-    ref = store.put(compact_json(manifest))
+    plan = store.plan(compact_json(manifest))
+    report.objects_copied += len(store.missing_keys(plan.keys()))  # the manifest's chunk, record and ref, if new
+    ref = store.commit(plan)
     shard = Documents(manifest=DocRef.of(ref), index=documents.index, expected=documents.expected)
     index = BundleIndex.model_validate(json.loads(bytes(source.get(documents.index.blob_ref()))))
     anchor = Anchor.of(index.identity)
