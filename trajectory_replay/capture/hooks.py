@@ -5,6 +5,7 @@
     capture_microbatch(R, S, "mb-0007", ...) # once per micro-batch of actor step (R, S)
     capture_step_end(R, S, loss=..., ...)    # enqueues step-level bundle step-<R>-<S>
     capture_slime_rollout(R, rollout_data, config=...)   # slime-family dict-of-lists layout
+    trigger("why")                           # policy recorder:K: keep the steps up to the next one
 
 Hooks never raise into training (a bad argument is counted in `stats()["errors"]` and logged);
 only `maybe_enable_for_actor` raises, at startup, for a bad configuration.
