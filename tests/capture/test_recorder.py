@@ -333,3 +333,26 @@ def test_a_killed_process_leaves_no_partial_bundle_and_a_spool_gc_cleans(tmp_pat
     # a recorder starting on that spool (the next launch) clears it
     Recorder(RecorderSettings(spool=str(spool), keep=3), ObjectStore.open(str(tmp_path / "store")))
     assert _names(spool) == [] and not any(p.is_file() for p in (spool / "objects").rglob("*"))
+
+
+def test_a_promotion_that_fails_is_counted_and_the_recorder_goes_on(tmp_path, make_manager):
+    other = make_manager(tmp_path / "store")
+    other.capture_rollout(0, **rollout_kwargs())
+    other.capture_microbatch(0, 0, "mb-0", **microbatch_kwargs([0, 1, 2, 3]))
+    other.capture_step_end(0, 0, config=CONFIG, **{**loss_scalars([0, 1, 2, 3]), "loss": 123.0})
+    assert other.flush(60)
+    manager = _recorder(make_manager, tmp_path, "recorder:2")
+
+    def user(m, r, s):
+        if (r, s) == (0, 1):
+            m.trigger("keep")
+        return False
+
+    _run(manager, 1, 3, user)  # the trigger is at step-0-1: step-0-0 (taken by another bundle) and step-0-1
+    assert manager.stats()["errors"] == 0
+    counts = manager._writer.recorder.counts
+    # step-0-1, and rollout-0, which was there already with the same documents; step-0-0 failed
+    assert counts["promotion_errors"] == 1 and counts["promoted"] == 2
+    store = {s.name: s for s in scan_bundles(open_backend(str(tmp_path / "store")))}
+    assert sorted(store) == ["rollout-0", "step-0-0", "step-0-1"]
+    assert open_native(f"{tmp_path}/store/step-0-0")[0].manifest.trigger is None  # the other bundle, untouched

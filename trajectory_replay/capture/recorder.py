@@ -336,7 +336,19 @@ class Recorder:
         self.open: list[_Window] = []
         self.wanted: dict[int, Trigger] = {}  # rollouts of promoted steps, not in the spool yet
         self.signals: dict[str, Any] = {}
-        self.counts = dict(triggers=0, promoted=0, objects_sent=0, objects_present=0, evicted=0, sweeps=0, peak_bytes=0)
+        self.counts = dict.fromkeys(
+            (
+                "triggers",
+                "promoted",
+                "promotion_errors",
+                "objects_sent",
+                "objects_present",
+                "evicted",
+                "sweeps",
+                "peak_bytes",
+            ),
+            0,
+        )
         self.unswept = 0
         self.measured = self.added = 0
         self._clear()
@@ -535,15 +547,27 @@ class Recorder:
         for name in names:
             if name in self.promoted or not self.spool.backend.exists(complete_key(name)):
                 continue
-            report = promote(
-                self.spool.backend,
-                self.store,
-                name,
-                trigger.record(),
-                self.settings.rank,
-                list(self.settings.expected_ranks),
-                self.settings.run_id,
-            )
+            try:
+                report = promote(
+                    self.spool.backend,
+                    self.store,
+                    name,
+                    trigger.record(),
+                    self.settings.rank,
+                    list(self.settings.expected_ranks),
+                    self.settings.run_id,
+                )
+            except Exception as exc:  # noqa: BLE001 - the spool goes on; a later trigger may promote it again
+                self.counts["promotion_errors"] += 1
+                log.error(
+                    "capture: promoting %s (trigger %s at %s) failed; nothing of it is complete in the store: %s: %s",
+                    name,
+                    trigger.name,
+                    trigger.step,
+                    type(exc).__name__,
+                    exc,
+                )
+                continue
             self.promoted.add(name)
             self.counts["promoted"] += 1
             self.counts["objects_sent"] += report.objects_copied
