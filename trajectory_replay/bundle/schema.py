@@ -467,8 +467,22 @@ class ComparisonPolicy(_Model):
     tolerances: dict[str, Tolerance] = Field(default_factory=dict)
 
 
+class TriggerRecord(_Model):
+    """Why the flight recorder kept a bundle (`capture.recorder`): the trigger `name` that fired, the `value` it
+    saw (a number, or "nan"/"inf"/"-inf", or the reason a user gave), the `threshold` it compares with (None for a
+    trigger without one), the step bundle it fired at (`step`), and the rank that fired it."""
+
+    name: str
+    value: float | str | None = None
+    threshold: float | None = None
+    step: str
+    rank: int | None = None
+    detail: str | None = None
+
+
 class Manifest(_Model):
-    """What the bundle contains: stage contracts, payloads, comparison and redaction policy."""
+    """What the bundle contains: stage contracts, payloads, comparison and redaction policy; `trigger`, only in a
+    bundle the flight recorder kept, why it kept it."""
 
     format_version: str = FORMAT_VERSION
     bundle_id: str
@@ -478,6 +492,7 @@ class Manifest(_Model):
     comparison_policy: ComparisonPolicy = Field(default_factory=ComparisonPolicy)
     redaction: dict[str, str] = Field(default_factory=dict)
     conventions: ConventionsRecord | None = None
+    trigger: TriggerRecord | None = None
 
     @field_validator("bundle_id")
     @classmethod
@@ -632,6 +647,7 @@ __all__ = [
     "StageId",
     "TEXT_FIELDS",
     "Tolerance",
+    "TriggerRecord",
     "WeightLineage",
     "check_name",
     "json_schemas",
