@@ -288,6 +288,9 @@ class RecomputeConfig(_Model):
     loss_terms_reported: bool = True
     """Production computes pg_loss, ppo_kl and kl_loss, each aggregated like the loss; false where it computes none
     of them (TRL, which logs other means of them), and a bundle may then leave them out."""
+    metrics_per_rank: bool = True
+    """Production's pg_clipfrac and entropy_loss are each rank's own; false where it logs them only as means over
+    every process's tokens (TRL with several processes), and a bundle may then leave them out."""
     cliprange_value: float = 0.2
     actor_version: int | None = None
     """The weights version of the trainer consuming the samples (staleness = actor_version - policy_version)."""
