@@ -318,6 +318,20 @@ def _tagged(
     return DataProto(batch=tensors, non_tensor_batch=non_tensor, meta_info=meta)
 
 
+def _driver_policy(env: Mapping[str, str], options: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
+    """The capture variables and manager options of the driver's manager. It writes only rollout-level bundles;
+    under a flight-recorder policy (recorder:K) the workers spool their step bundles and promote the kept ones,
+    but a worker's recorder never holds the rollout-level bundles the driver wrote, so the driver writes every
+    rollout-level bundle to the store (policy all) and a promoted step always finds its rollout there."""
+    from trajectory_replay.capture.config import ENV_POLICY, load_config, policy_of
+
+    given = env.get(ENV_POLICY, "").strip()
+    chosen = load_config(env).policy if given or options.get("policy") is None else policy_of(options["policy"])
+    if chosen is None or chosen.kind != "recorder":
+        return dict(env), dict(options)
+    return {k: v for k, v in env.items() if k != ENV_POLICY}, {**options, "policy": "all"}
+
+
 def enable_capture(
     trainer: Any,
     store_url: str | os.PathLike[str] | None = None,
@@ -335,7 +349,9 @@ def enable_capture(
     (`capture_loss`, `capture_value_loss`), carrying the capture variables (and `manager_options`, which go to every
     `CaptureManager`) so that each worker process switches capture on by itself as its dp rank. `critic=False`
     leaves the critic's loss as it is (no `critic-<R>-<S>` bundles, which share the anchor `step R:S` with the
-    actor's `step-<R>-<S>`, so that `--step R:S` then names both). A bad capture
+    actor's `step-<R>-<S>`, so that `--step R:S` then names both). A capture policy (`policy=` or
+    TRAJECTORY_REPLAY_CAPTURE_POLICY) applies to the workers' step bundles; under recorder:K the driver still
+    writes every rollout-level bundle (`_driver_policy`). A bad capture
     variable raises CaptureConfigError naming it; a verl option capture cannot take a one-line ValueError naming
     it."""
 
@@ -368,7 +384,8 @@ def enable_capture(
                 "verl option trainer.use_legacy_worker_impl: enable_capture needs verl's engine workers "
                 f"(a worker group with set_loss_fn), not {type(group).__name__}"
             )
-    manager = capture.maybe_enable_for_actor(0, True, [0], environ=env, **manager_options)
+    driver_env, driver_options = _driver_policy(env, manager_options)
+    manager = capture.maybe_enable_for_actor(0, True, [0], environ=driver_env, **driver_options)
     for group, loss_fn in loss_fns:
         group.set_loss_fn(loss_fn)
     state = TrainerCapture(trainer, step_config, adaptive_kl=adaptive_kl)

@@ -250,3 +250,36 @@ def test_a_step_captured_into_s3_replays_by_url(tmp_path, s3_root, s3_env):
     assert ("rollout-0", "reward.post_process", "pass") in stages
     assert ("step-0-1", "link", "pass") in stages
     assert report["status"] == "pass", stages
+
+
+def test_the_capture_policy_variable_keeps_only_the_steps_before_a_trigger(tmp_path, monkeypatch):
+    """TRAJECTORY_REPLAY_CAPTURE_POLICY=recorder:1 reaches a GRPOTrainer's capture: of three steps only the one a
+    trigger fired at reaches the store, with its rollout, and its manifest says which trigger kept it."""
+    from transformers import TrainerCallback
+
+    from trajectory_replay.capture.config import ENV_POLICY, ENV_SPOOL
+
+    monkeypatch.setenv(ENV_POLICY, "recorder:1")
+    monkeypatch.setenv(ENV_SPOOL, str(tmp_path / "spool"))
+    handles: list[Any] = []
+
+    class TriggerAtSecondStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                assert handles[0].manager.trigger("second step") is True
+
+    def before(trainer: Any) -> None:
+        trainer.add_callback(TriggerAtSecondStep())
+
+    store = str(tmp_path / "store")
+    t = tiny.trainer(str(tmp_path / "out"), steps=3)
+    before(t)
+    handles.append(enable_capture(t, store, writer="thread"))
+    t.train()
+    assert handles[0].close(timeout=120)
+    assert _bundles(store) == ["rollout-1", "step-1-0"]
+    sources = open_for_replay(store, step="1:0")[0]
+    trigger = sources[0].manifest.trigger
+    assert trigger is not None and trigger.name == "user" and trigger.step == "step-1-0", trigger
+    report = replay(sources)
+    assert report.status == "pass", _failures(report)

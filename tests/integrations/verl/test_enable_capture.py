@@ -466,3 +466,29 @@ def test_an_adaptive_kl_coefficient_is_recorded_as_it_penalized_each_step_and_re
         assert report.stage("reward.post_process").status == "pass"
         step = replay(open_sources(str(tmp_path / f"step-{rollout}-0")))
         assert step.status == "pass", _failed(step)
+
+
+@pytest.mark.parametrize(
+    ("env_policy", "given", "driver"),
+    [
+        ("recorder:8", None, "all"),
+        (None, "recorder:4,after=1", "all"),
+        ("every:2", None, None),
+        (None, None, None),
+    ],
+)
+def test_under_a_recorder_policy_the_driver_writes_every_rollout_bundle(env_policy, given, driver):
+    """The driver writes only rollout-level bundles, which no worker's recorder holds: under recorder:K it keeps
+    them all (the workers' step bundles follow the policy); any other policy reaches it unchanged."""
+    from trajectory_replay.capture.config import ENV_POLICY
+    from trajectory_replay.integrations.verl_trainer import _driver_policy
+
+    env = {"TRAJECTORY_REPLAY_CAPTURE": "1", "TRAJECTORY_REPLAY_CAPTURE_DIR": "/unused"}
+    env.update({ENV_POLICY: env_policy} if env_policy else {})
+    options = {"policy": given} if given else {}
+    driver_env, driver_options = _driver_policy(env, options)
+    if driver is None:
+        assert (driver_env, driver_options) == (env, options)
+    else:
+        assert ENV_POLICY not in driver_env and driver_options["policy"] == driver
+        assert driver_env["TRAJECTORY_REPLAY_CAPTURE"] == "1"
