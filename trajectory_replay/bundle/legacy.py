@@ -483,7 +483,13 @@ def _v1_index_doc(index: BundleIndex) -> dict[str, Any]:
 
 
 def _anchor_fields(index: BundleIndex) -> dict[str, Any]:
-    """The identity anchor as a rank marker records it: `actor_step_id` and `rollout_id`, both keys always."""
+    """The identity anchor as a rank marker records it: `actor_step_id` and `rollout_id`, both keys always.
+    BundleError for a critic's step, which the older format cannot anchor (its step is the actor's)."""
+    if index.identity.critic_step_id is not None:
+        raise BundleError(
+            f"the older format has no anchor for a critic's step ({index.identity.anchor()}): it cannot hold this "
+            "bundle"
+        )
     step = index.identity.actor_step_id
     return {
         "actor_step_id": None if step is None else step.model_dump(mode="json"),
