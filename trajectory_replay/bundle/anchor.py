@@ -82,11 +82,6 @@ class Anchor:
                 return cls(step.rollout_id, step.step_id, role)
         return cls(identity.rollout_id)
 
-    def identity_fields(self) -> dict[str, Any]:
-        """The anchor as the keyword arguments of an index identity: `{actor_step_id: {...}}`,
-        `{critic_step_id: {...}}` or `{rollout_id: R}`."""
-        return self.to_marker()
-
     @classmethod
     def from_marker(cls, value: Any) -> Anchor:
         """The anchor a marker stores; ValueError naming the field that is wrong otherwise."""
