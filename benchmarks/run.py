@@ -20,7 +20,19 @@ from pathlib import Path
 
 from benchmarks.common import REPO_ROOT, Context, Row, print_table, write_docs
 
-GROUPS: list[str] = ["store", "bundle", "replay", "algorithms", "scale", "load", "capture", "ops", "scan", "cli"]
+GROUPS: list[str] = [
+    "store",
+    "bundle",
+    "replay",
+    "algorithms",
+    "scale",
+    "load",
+    "capture",
+    "recorder",
+    "ops",
+    "scan",
+    "cli",
+]
 """Benchmark groups in run order; group `x` lives in `benchmarks/bench_x.py`."""
 
 DEFAULT_DOCS = REPO_ROOT / "docs" / "benchmarks.md"

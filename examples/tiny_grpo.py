@@ -44,11 +44,14 @@ The algorithms are this file's own code (it plays the training framework), not t
 `--fault stale-old-logprobs` computes the old log-probs with the generator's stale weights (version max(k-1, 0))
 while the bundles still claim actor version k and an on-policy first step (replay: loss.policy, field ratio, from
 rollout 1 on). `--fault future-version` stamps the first sample of each rollout k with policy_version k + 1, ahead
-of the actor consuming it (replay: rollout.mismatch). `--fault-from-step N` injects the fault from rollout N on only
+of the actor consuming it (replay: rollout.mismatch). `--fault nan-loss` makes the loss each step reports NaN (the
+update itself is unchanged, so the run goes on: a NaN in the logged loss, which the flight recorder's nan_loss
+trigger catches; replay: loss.policy, field loss). `--fault-from-step N` injects the fault from rollout N on only
 (the rollouts before it are clean), as a bug that a change brought in mid-run.
 
 Capture (trajectory_replay.capture) is off unless TRAJECTORY_REPLAY_CAPTURE=1 and TRAJECTORY_REPLAY_CAPTURE_DIR are
-set (`--capture-dir URL` sets both for the run). Every trainer rank then writes its own shard of a rollout-level
+set (`--capture-dir URL` sets both for the run); `--capture-policy POLICY` chooses which steps are kept (e.g.
+`recorder:8`, the flight recorder of docs/capture.md). Every trainer rank then writes its own shard of a rollout-level
 bundle `rollout-<R>` per rollout and of a step-level bundle `step-<R>-<S>` per optimizer step, and flushes its
 writer at the end. Besides torch and the standard library, only trajectory_replay is used.
 """
@@ -95,7 +98,7 @@ LOSS_AGG_MODES = (
 POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
 ROLLOUT_IS = ("none", "token", "sequence")
 LOG_RATIO_CLAMP = 20.0  # rollout correction: log ratios are clamped to +-20 before exp
-FAULTS = ("pr65", "stale-old-logprobs", "future-version")
+FAULTS = ("pr65", "stale-old-logprobs", "future-version", "nan-loss")
 KL_LOSS_ESTIMATOR = "k3"
 VF_CLIP, VF_COEF = 0.2, 0.5  # value clip range; weight of vf_loss in gae's training loss
 
@@ -152,9 +155,16 @@ def _timed_hook(fn):
 
 
 def _maybe_enable_capture(
-    capture_dir: str | None, rank: int, expected_ranks: list[int], config: dict[str, Any], run_id: str | None = None
+    capture_dir: str | None,
+    rank: int,
+    expected_ranks: list[int],
+    config: dict[str, Any],
+    run_id: str | None = None,
+    policy: str | None = None,
+    queue_records: int | None = None,
 ) -> None:
-    """Every trainer rank is a producer: each DP rank writes its own shard of every bundle."""
+    """Every trainer rank is a producer: each DP rank writes its own shard of every bundle. `policy`
+    (--capture-policy) chooses which steps are kept, unless TRAJECTORY_REPLAY_CAPTURE_POLICY says."""
     _CAPTURE["config"] = dict(config)
     started = time.perf_counter()
     _CAPTURE["manager"] = capture.maybe_enable_for_actor(
@@ -163,6 +173,8 @@ def _maybe_enable_capture(
         expected_ranks=expected_ranks,
         environ=capture_environ(capture_dir, run_id),
         topology={"dp": len(expected_ranks), "tp": 1, "pp": 1, "cp": 1},
+        policy=policy,
+        **({} if queue_records is None else {"max_queue_records": queue_records}),
     )
     _CAPTURE["start_seconds"] = time.perf_counter() - started
 
@@ -188,6 +200,24 @@ def _capture_rollout(rollout_id: int, rollout_data: dict[str, list], actor_versi
         config={**_CAPTURE["config"], "actor_version": actor_version},
         weight_lineage=_lineage(rollout_data["rollout_weight_versions"], rollout_data["actor_weight_versions"]),
     )
+
+
+def check_group_rewards(rollout_id: int, shard: dict[str, list], n_per_prompt: int, estimator: str) -> None:
+    """The training program's own check of a rollout, which fires the flight recorder (capture.trigger, a no-op
+    unless the capture policy is recorder:K) the first time it fails: a group estimator's post-processed rewards
+    sum to 0 over each prompt group (checked on the groups whose every sample is in this rank's shard). --fault
+    pr65 breaks it (rewards normalized per consumer batch), and none of the recorder's built-in triggers sees
+    that: its rewards, losses and KL stay in their usual range."""
+    if _CAPTURE.get("manager") is None or estimator not in GROUP_ESTIMATORS or _CAPTURE.get("flagged"):
+        return
+    groups: dict[int, list[float]] = {}
+    for g, r in zip(shard["group_index"], shard["rewards"]):
+        groups.setdefault(int(g), []).append(float(r))
+    bad = [(g, sum(rs)) for g, rs in groups.items() if len(rs) == n_per_prompt and abs(sum(rs)) > 1e-4]
+    if bad:
+        _CAPTURE["flagged"] = True
+        g, total = bad[0]
+        capture.trigger(f"rollout {rollout_id}: rewards of group {g} sum to {total:.4g}, not 0")
 
 
 OPTIONAL_STEP_PAYLOADS = ("ref_log_probs", "values", "vpreds", "returns")
@@ -877,6 +907,8 @@ class Trainer:
         # This rank's scalars: the aggregation over all of its samples in this actor step.
         rank_sc = {key: torch.cat(v).sum() for key, v in step_means.items()}
         rank_sc["loss"] = policy_loss_of(rank_sc, args)
+        if fault_on(args, "nan-loss", k):  # the loss the trainer reports is NaN; the update itself is unchanged
+            rank_sc["loss"] = torch.tensor(float("nan"))
         _capture_step_end(
             k,
             s,
@@ -905,7 +937,15 @@ def policy_loss_of(parts: dict[str, torch.Tensor], args: argparse.Namespace) -> 
 
 def _train(rank: int, world: int, args: argparse.Namespace) -> None:
     config = recompute_config(args)
-    _maybe_enable_capture(args.capture_dir, rank, list(range(world)), config, getattr(args, "run_id", None))
+    _maybe_enable_capture(
+        args.capture_dir,
+        rank,
+        list(range(world)),
+        config,
+        getattr(args, "run_id", None),
+        args.capture_policy,
+        args.capture_queue,
+    )
     models = Models(args)
     snapshots = {0: models.snapshot()}
     board, stream, producer = WeightBoard(), queue.Queue(), None
@@ -939,6 +979,7 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> None:
             for key, vals in mine.items():
                 shard.setdefault(key, []).extend(vals)
             if s == trainer.steps_per_rollout - 1:  # this rank's shard of rollout k is complete
+                check_group_rewards(k, shard, args.n_samples_per_prompt, args.estimator)
                 _capture_rollout(k, shard, k)
             # Reported step scalars: the sum over ranks (every aggregation is a sum of per-sample shares).
             glob = torch.tensor([float(rank_sc[n]) for n in names], dtype=torch.float64)
@@ -1019,6 +1060,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "TRAJECTORY_REPLAY_CAPTURE* variables)",
     )
     p.add_argument(
+        "--capture-policy",
+        default=None,
+        metavar="POLICY",
+        help="which steps capture keeps: all, steps=R:S,..., every:N or recorder:K[,after=M][,max_bytes=B] (the "
+        "flight recorder: every step to a local spool, the K up to a trigger and M after to the store); "
+        "TRAJECTORY_REPLAY_CAPTURE_POLICY, when set, wins",
+    )
+    p.add_argument(
+        "--capture-queue",
+        type=int,
+        default=None,
+        metavar="RECORDS",
+        help="records the capture queue holds before it drops one (default: the capture manager's); this example's "
+        "steps take milliseconds, faster than a loaded host's writer may commit them",
+    )
+    p.add_argument(
         "--capture-timeout",
         type=float,
         default=120.0,
@@ -1030,7 +1087,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="inject a bug: pr65 (rewards normalized per consumer batch), stale-old-logprobs (old "
         "log-probs from the generator's weights, one version behind the actor they claim), "
-        "future-version (a sample stamped with a policy version ahead of the actor)",
+        "future-version (a sample stamped with a policy version ahead of the actor), nan-loss (the loss each "
+        "step reports is NaN)",
     )
     p.add_argument(
         "--fault-from-step",

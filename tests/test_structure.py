@@ -24,8 +24,10 @@ LAYERS: dict[str, int] = {
     "store": 2,  # content-addressed objects, blobs, refs over a backend
     "bundle": 3,  # the bundle format over a store
     "replay": 4,  # offline side: reads bundles, recomputes
-    "capture": 5,  # training side: writes bundles, asking replay's registry what a plugin estimator reads
     "ops": 6,
+    # training side: writes bundles, asking replay's registry what a plugin estimator reads; its flight recorder
+    # promotes and evicts through cp's object copy and gc
+    "capture": 6,
     "integrations": 6,  # framework adapters (verl): the recompute config and bundles of a framework's batch
     "html_plots": 6,
     "html_report": 6,

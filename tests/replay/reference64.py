@@ -80,6 +80,7 @@ class Settings:
     kl_loss_estimator: str = "k3"
     kl_loss_ratio_weighted: bool = False
     loss_terms_reported: bool = True
+    metrics_per_rank: bool = True
     cliprange_value: float = 0.2
     actor_version: int | None = None
     max_staleness: int | None = None

@@ -122,6 +122,19 @@ def test_loss_terms_production_does_not_report_may_be_left_out():
     assert "has no field 'pg_loss'" in report.stage("loss.policy").message
 
 
+def test_metrics_logged_over_every_process_may_be_left_out():
+    config = {**GRPO, "entropy_coef": 0.01, "metrics_per_rank": False}
+    manifest, index, expected, payloads = algorithm_case(config, seed=29)
+    for name in ("pg_clipfrac", "entropy_loss"):
+        del expected["loss.policy"][name]
+    report = replay([MemorySource(manifest, index, expected, payloads)])
+    assert report.passed and report.stage("loss.policy").compared > 0
+    per_rank = {**config, "metrics_per_rank": True}
+    report = replay([_recorded_as((manifest, index, expected, payloads), per_rank)])
+    assert report.first_divergent_stage == "loss.policy"
+    assert "has no field 'entropy_loss'" in report.stage("loss.policy").message
+
+
 @pytest.mark.parametrize(
     "field, value", [("std_scope", "prompt"), ("nan_rewards", "drop"), ("cispo_clip", "both"), ("entropy_agg", "max")]
 )

@@ -80,11 +80,12 @@ from trajectory_replay.bundle.documents import (
     parse_json,
     validate_document,
 )
-from trajectory_replay.bundle.schema import BundleIndex, Expected, Identity, Manifest
+from trajectory_replay.bundle.schema import BundleIndex, Expected, Identity, Manifest, TriggerRecord
 from trajectory_replay.errors import BundleError, NotFoundError, TrajectoryReplayError, ValueTooLargeError
 from trajectory_replay.outcome import one_line
 from trajectory_replay.store import BlobRecord, BlobRef, ObjectStore, hash_bytes, object_key
 from trajectory_replay.store.inventory import fetch
+from trajectory_replay.store.layout import RECORDER_DIR
 from trajectory_replay.store.records import MAX_RECORD_BYTES
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -296,6 +297,45 @@ def rank_key(name: str, rank: int) -> str:
 
 def complete_key(name: str) -> str:
     return f"{name}/{COMPLETE}"
+
+
+def trigger_key(step: str) -> str:
+    """The flight recorder's create-once marker of a trigger at step bundle `step` (`.recorder/<step>`)."""
+    return f"{RECORDER_DIR}/{step}"
+
+
+def read_trigger(backend: Backend, key: str) -> TriggerRecord:
+    """The trigger marker at `key`; BundleError naming it when it cannot be read."""
+    data = _read_bounded(backend, key)
+    if data is None or isinstance(data, ValueTooLargeError):
+        raise BundleError(f"{backend.url}/{key}: no readable trigger marker")
+    try:
+        return TriggerRecord.model_validate(json.loads(data))
+    except ValueError as exc:
+        raise BundleError(f"{backend.url}/{key}: not a trigger marker: {one_line(str(exc), 200)}") from None
+
+
+def read_triggers(backend: Backend) -> tuple[list[TriggerRecord], list[str]]:
+    """Every trigger marker of the root, in step order, and '<key>: why' for each that cannot be read."""
+    try:
+        names = backend.list_dir(RECORDER_DIR)
+    except NotFoundError:
+        return [], []
+    found, bad = [], []
+    for name in names:
+        try:
+            found.append(read_trigger(backend, trigger_key(name)))
+        except BundleError as exc:
+            bad.append(str(exc))
+    return sorted(found, key=lambda t: step_order(t.step)), bad
+
+
+def step_order(name: str) -> tuple[int, ...]:
+    """Sort key of a step bundle's name (`step-<R>-<S>`): by rollout, then step; other names last, by name."""
+    parts = name.split("-")
+    if len(parts) == 3 and parts[0] == "step" and parts[1].isdigit() and parts[2].isdigit():
+        return (int(parts[1]), int(parts[2]))
+    return (1 << 62, 0)
 
 
 def finalizer_key(name: str) -> str:

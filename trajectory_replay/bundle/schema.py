@@ -298,6 +298,9 @@ class RecomputeConfig(_Model):
     loss_terms_reported: bool = True
     """Production computes pg_loss, ppo_kl and kl_loss, each aggregated like the loss; false where it computes none
     of them (TRL, which logs other means of them), and a bundle may then leave them out."""
+    metrics_per_rank: bool = True
+    """Production's pg_clipfrac and entropy_loss are each rank's own; false where it logs them only as means over
+    every process's tokens (TRL with several processes), and a bundle may then leave them out."""
     cliprange_value: float = 0.2
     actor_version: int | None = None
     """The weights version of the trainer consuming the samples (staleness = actor_version - policy_version)."""
@@ -477,8 +480,22 @@ class ComparisonPolicy(_Model):
     tolerances: dict[str, Tolerance] = Field(default_factory=dict)
 
 
+class TriggerRecord(_Model):
+    """Why the flight recorder kept a bundle (`capture.recorder`): the trigger `name` that fired, the `value` it
+    saw (a number, or "nan"/"inf"/"-inf", or the reason a user gave), the `threshold` it compares with (None for a
+    trigger without one), the step bundle it fired at (`step`), and the rank that fired it."""
+
+    name: str
+    value: float | str | None = None
+    threshold: float | None = None
+    step: str
+    rank: int | None = None
+    detail: str | None = None
+
+
 class Manifest(_Model):
-    """What the bundle contains: stage contracts, payloads, comparison and redaction policy."""
+    """What the bundle contains: stage contracts, payloads, comparison and redaction policy; `trigger`, only in a
+    bundle the flight recorder kept, why it kept it."""
 
     format_version: str = FORMAT_VERSION
     bundle_id: str
@@ -488,6 +505,7 @@ class Manifest(_Model):
     comparison_policy: ComparisonPolicy = Field(default_factory=ComparisonPolicy)
     redaction: dict[str, str] = Field(default_factory=dict)
     conventions: ConventionsRecord | None = None
+    trigger: TriggerRecord | None = None
 
     @field_validator("bundle_id")
     @classmethod
@@ -642,6 +660,7 @@ __all__ = [
     "StageId",
     "TEXT_FIELDS",
     "Tolerance",
+    "TriggerRecord",
     "WeightLineage",
     "check_name",
     "json_schemas",

@@ -100,6 +100,11 @@ KL_LOSS = When(lambda s: s.config.kl_loss_coef != 0, lambda s: f"kl_loss_coef={s
 NO_REWARD_KL = When(lambda s: s.config.kl_coef == 0, lambda s: f"kl_coef={s.config.kl_coef}")
 LOSS_TERMS_UNREPORTED = When(lambda s: not s.config.loss_terms_reported, lambda s: "loss_terms_reported=False")
 NO_ENTROPY_TERM = When(lambda s: s.config.entropy_coef == 0, lambda s: f"entropy_coef={s.config.entropy_coef}")
+METRICS_OVER_PROCESSES = When(lambda s: not s.config.metrics_per_rank, lambda s: "metrics_per_rank=False")
+NO_ENTROPY_TERM_OR_METRICS_OVER_PROCESSES = When(
+    lambda s: NO_ENTROPY_TERM.holds(s) or METRICS_OVER_PROCESSES.holds(s),
+    lambda s: NO_ENTROPY_TERM.named(s) if NO_ENTROPY_TERM.holds(s) else METRICS_OVER_PROCESSES.named(s),
+)
 CORRECTED = When(
     lambda s: rollout_correction(s.config),
     lambda s: f"rollout_is={s.config.rollout_is!r}, rollout_rs={s.config.rollout_rs!r}",
@@ -306,7 +311,8 @@ STAGE_IO: dict[StageId, StageIO] = {
         optional=(PRE_REJECTION_MASK,),
         optional_when={
             "entropy": NO_ENTROPY_TERM,
-            "entropy_loss": NO_ENTROPY_TERM,
+            "entropy_loss": NO_ENTROPY_TERM_OR_METRICS_OVER_PROCESSES,
+            "pg_clipfrac": METRICS_OVER_PROCESSES,
             "pg_loss": LOSS_TERMS_UNREPORTED,
             "ppo_kl": LOSS_TERMS_UNREPORTED,
             "kl_loss": LOSS_TERMS_UNREPORTED,

@@ -463,8 +463,9 @@ class BundleWriter:
         doc = self.manifest.model_copy(update={"payloads": dict(payloads)}).model_dump(mode="json")
         # optional parts a bundle rarely has are left out rather than written as null, so readers that predate
         # them see the same document as before
-        if doc.get("conventions") is None:
-            doc.pop("conventions", None)
+        for optional in ("conventions", "trigger"):
+            if doc.get(optional) is None:
+                doc.pop(optional, None)
         for contract in doc["stage_contracts"].values():
             if contract.get("kernel") is None:
                 contract.pop("kernel", None)

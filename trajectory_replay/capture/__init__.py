@@ -23,6 +23,9 @@ _EXPORTS = {
     "shutdown": "hooks",
     "slime_rollout_arguments": "hooks",
     "stats": "hooks",
+    "trigger": "hooks",
+    "CapturePolicy": "config",
+    "TriggerSettings": "recorder",
     "CaptureManager": "manager",
     "rollout_bundle_id": "records",
     "step_bundle_id": "records",
@@ -63,4 +66,7 @@ __all__ = [
     "slime_rollout_arguments",
     "stats",
     "step_bundle_id",
+    "trigger",
+    "CapturePolicy",
+    "TriggerSettings",
 ]

@@ -10,7 +10,9 @@ it leaves looks complete, and what is left is garbage for gc.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from trajectory_replay.bundle.writer import BundleWriter
 from trajectory_replay.capture.records import CAPTURE_RECORDS, CaptureRecord, check_fields
@@ -33,6 +35,9 @@ class BundleJob:
     expected_ranks: tuple[int, ...] = (0,)
     run_id: str | None = None
     """The launch that captured it (`config.run_identity`), recorded in its rank marker."""
+    signals: Mapping[str, Any] = field(default_factory=dict)
+    """What the trainer reported beside the record for the flight recorder's triggers (`capture.recorder`):
+    `grad_norm` (a number), `trigger` (the reason a user gave)."""
 
     def __post_init__(self) -> None:
         check_fields(self, capture_dir=str, record=CAPTURE_RECORDS, rank=int, expected_ranks=tuple)

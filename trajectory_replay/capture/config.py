@@ -6,6 +6,17 @@
     TRAJECTORY_REPLAY_CAPTURE_ROLLOUTS   optional rollout filter: R,R,...   (unset or empty = every rollout)
     TRAJECTORY_REPLAY_CAPTURE_WRITER     optional writer: auto, process or thread (unset or empty = auto; a
                                          `writer=` the program passes to the manager wins)
+    TRAJECTORY_REPLAY_CAPTURE_POLICY     optional: which steps are kept (unset or empty = all):
+                                         all                        every step (and the STEPS filter, if set)
+                                         steps=R:S,R:S,...          these actor steps (as the STEPS variable)
+                                         every:N                    every N-th actor step of the run (N >= 1)
+                                         recorder:K[,after=M][,max_bytes=B]
+                                                                    the flight recorder (`capture.recorder`):
+                                                                    every step goes to a local spool; a
+                                                                    trigger keeps the K steps up to it and
+                                                                    the M after in the store
+    TRAJECTORY_REPLAY_CAPTURE_SPOOL      optional: the recorder's local spool directory (default
+                                         <system temp dir>/trajectory-replay-spool)
     TRAJECTORY_REPLAY_RUN_ID             optional: the identity of this launch of the training job, the same on
                                          every rank and new at every (re)start; default: what the launcher says
                                          (torchrun's TORCHELASTIC_RUN_ID and restart count, Slurm's job id and
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -41,6 +53,8 @@ ENV_STEPS = "TRAJECTORY_REPLAY_CAPTURE_STEPS"
 ENV_ROLLOUTS = "TRAJECTORY_REPLAY_CAPTURE_ROLLOUTS"
 ENV_WRITER = "TRAJECTORY_REPLAY_CAPTURE_WRITER"
 ENV_RUN_ID = "TRAJECTORY_REPLAY_RUN_ID"
+ENV_POLICY = "TRAJECTORY_REPLAY_CAPTURE_POLICY"
+ENV_SPOOL = "TRAJECTORY_REPLAY_CAPTURE_SPOOL"
 OLDER_NAMES = {
     name: name.replace("TRAJECTORY_REPLAY_", "RELAX_REPLAY_", 1)
     for name in (ENV_CAPTURE, ENV_DIR, ENV_STEPS, ENV_ROLLOUTS, ENV_WRITER)
@@ -65,6 +79,121 @@ class CaptureConfigError(TrajectoryReplayError, ValueError):
     """An environment variable of the capture configuration holds a value that cannot be used."""
 
 
+POLICY_KINDS = ("all", "steps", "every", "recorder")
+DEFAULT_RECORDER_AFTER = 0
+"""Steps a trigger keeps after the K up to it, unless `after=` says."""
+DEFAULT_RECORDER_MAX_BYTES = 8 << 30
+"""The spool's byte bound, unless `max_bytes=` says."""
+_SIZE = re.compile(r"([0-9]+)\s*([kmgt]i?b?|b)?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+@dataclass(frozen=True)
+class CapturePolicy:
+    """Which actor steps capture keeps: `all`; `steps` (those of `steps`); `every` (every `every`-th step
+    bundle the rank ends, the first included); `recorder` (every step into the local spool, `keep` steps up to a
+    trigger and `after` steps after it promoted to the store; the spool holds at most `keep` steps and
+    `max_bytes` bytes)."""
+
+    kind: str = "all"
+    steps: frozenset[tuple[int, int]] | None = None
+    every: int = 1
+    keep: int = 0
+    after: int = DEFAULT_RECORDER_AFTER
+    max_bytes: int = DEFAULT_RECORDER_MAX_BYTES
+
+    def __post_init__(self) -> None:
+        if self.kind not in POLICY_KINDS:
+            raise ValueError(f"capture policy must be one of {', '.join(POLICY_KINDS)}, got {self.kind!r}")
+        if self.kind == "every" and self.every < 1:
+            raise ValueError(f"every:N needs N >= 1, got {self.every}")
+        if self.kind == "recorder" and (self.keep < 1 or self.after < 0 or self.max_bytes < 1):
+            raise ValueError(
+                f"recorder:K needs K >= 1, after >= 0 and max_bytes >= 1, got {self.keep}, {self.after}, "
+                f"{self.max_bytes}"
+            )
+
+    @property
+    def recorder(self) -> bool:
+        return self.kind == "recorder"
+
+    def __str__(self) -> str:
+        if self.kind == "steps":
+            return "steps=" + ",".join(f"{r}:{s}" for r, s in sorted(self.steps or ()))
+        if self.kind == "every":
+            return f"every:{self.every}"
+        if self.kind == "recorder":
+            return f"recorder:{self.keep},after={self.after},max_bytes={self.max_bytes}"
+        return "all"
+
+
+def _size(text: str, variable: str, value: str, what: str) -> int:
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise _bad(variable, value, f"{what} {text.strip()!r} is not a size (bytes, or with K, M, G, T)")
+    return int(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()[:1]]
+
+
+def parse_policy(value: str | None, variable: str = ENV_POLICY) -> CapturePolicy:
+    """`all`, `steps=R:S,...`, `every:N` (or `every=N`), `recorder:K[,after=M][,max_bytes=B]` (or `recorder=K`);
+    unset or empty -> `all`. B takes K, M, G, T suffixes (powers of 1024)."""
+    if value is None or value.strip() == "":
+        return CapturePolicy()
+    text = value.strip()
+    head, sep, rest = text.partition(":") if ":" in text.split("=", 1)[0] else text.partition("=")
+    kind = head.strip().lower()
+    if kind == "all" and not sep:
+        return CapturePolicy()
+    if kind == "steps" and sep == "=":
+        steps = parse_steps(rest, variable)
+        if steps is None:
+            raise _bad(variable, value, "steps= names no step (expected steps=ROLLOUT:STEP,...)")
+        return CapturePolicy("steps", steps=steps)
+    if kind == "every" and sep:
+        n = _int(rest, variable, value, "every")
+        if n < 1:
+            raise _bad(variable, value, "every:N needs N >= 1")
+        return CapturePolicy("every", every=n)
+    if kind == "recorder" and sep:
+        first, *options = rest.split(",")
+        keep = _int(first, variable, value, "K")
+        if keep < 1:
+            raise _bad(variable, value, "recorder:K needs K >= 1")
+        after, max_bytes = DEFAULT_RECORDER_AFTER, DEFAULT_RECORDER_MAX_BYTES
+        for option in options:
+            name, eq, given = option.partition("=")
+            name = name.strip().lower()
+            if not eq or name not in ("after", "max_bytes"):
+                raise _bad(
+                    variable, value, f"unknown recorder option {option.strip()!r} (expected after=M, max_bytes=B)"
+                )
+            if name == "after":
+                after = _int(given, variable, value, "after")
+            else:
+                max_bytes = _size(given, variable, value, "max_bytes")
+                if max_bytes < 1:
+                    raise _bad(variable, value, "max_bytes must be at least 1 byte")
+        return CapturePolicy("recorder", keep=keep, after=after, max_bytes=max_bytes)
+    raise _bad(variable, value, "expected all, steps=R:S,..., every:N or recorder:K[,after=M][,max_bytes=B]")
+
+
+def parse_spool(value: str | None, variable: str = ENV_SPOOL) -> str:
+    """The recorder's spool: a local directory (default under the system temp dir); a URL is refused."""
+    if value is None or value.strip() == "":
+        return os.path.join(tempfile.gettempdir(), "trajectory-replay-spool")
+    text = value.strip()
+    if "://" in text and not text.startswith("file://"):
+        raise _bad(variable, value, "the spool is a local directory, not a URL")
+    return os.path.abspath(os.path.expanduser(text.removeprefix("file://")))
+
+
+def policy_of(policy: CapturePolicy | str | None) -> CapturePolicy | None:
+    """A policy the integration passes (a `CapturePolicy` or its text), parsed; None stays None."""
+    if policy is None or isinstance(policy, CapturePolicy):
+        return policy
+    return parse_policy(policy, "policy")
+
+
 @dataclass(frozen=True)
 class CaptureConfig:
     """The parsed configuration. `steps` / `rollouts` None means no filter (capture every one); `writer` None
@@ -81,6 +210,9 @@ class CaptureConfig:
     """The variable `capture_dir` was read from (ENV_DIR, or its older name when only that is set)."""
     writer_variable: str = ENV_WRITER
     """The variable `writer` was read from (ENV_WRITER, or its older name when only that is set)."""
+    policy: CapturePolicy = CapturePolicy()
+    spool: str | None = None
+    """The recorder's local spool directory (set when capture is on)."""
 
     def wants_step(self, rollout_id: int, step_id: int) -> bool:
         """True when the step-level bundle of actor step (rollout_id, step_id) is to be captured."""
@@ -202,10 +334,25 @@ def load_config(environ: Mapping[str, str] | None = None) -> CaptureConfig:
     writer_variable, writer = read_variable(env, ENV_WRITER, parse_writer)
     if writer is not None:
         check_env_writer(writer, env[writer_variable], capture_dir, store_given=False, variable=writer_variable)
+    steps_variable, steps = read_variable(env, ENV_STEPS, parse_steps)
+    policy = parse_policy(env.get(ENV_POLICY))
+    if policy.kind == "steps":
+        if steps is not None and steps != policy.steps:
+            raise CaptureConfigError(
+                f"{ENV_POLICY}={env[ENV_POLICY]!r} and {steps_variable}={env[steps_variable]!r} disagree: set one"
+            )
+        steps = policy.steps
+    elif steps is not None and policy.kind != "all":
+        raise CaptureConfigError(
+            f"{ENV_POLICY}={env[ENV_POLICY]!r} and {steps_variable}={env[steps_variable]!r}: a step filter goes "
+            f"with the policy all or steps=, not {policy.kind}"
+        )
     return CaptureConfig(
         enabled=True,
         capture_dir=capture_dir,
-        steps=read_variable(env, ENV_STEPS, parse_steps)[1],
+        policy=policy,
+        spool=parse_spool(env.get(ENV_SPOOL)),
+        steps=steps,
         rollouts=read_variable(env, ENV_ROLLOUTS, parse_rollouts)[1],
         writer=writer,
         run_id=run_identity(env),
@@ -278,6 +425,15 @@ def producer_ranks(rank: int, expected_ranks: Sequence[int] | None) -> list[int]
 __all__ = [
     "CaptureConfig",
     "CaptureConfigError",
+    "CapturePolicy",
+    "DEFAULT_RECORDER_AFTER",
+    "DEFAULT_RECORDER_MAX_BYTES",
+    "ENV_POLICY",
+    "ENV_SPOOL",
+    "POLICY_KINDS",
+    "parse_policy",
+    "parse_spool",
+    "policy_of",
     "ENV_CAPTURE",
     "ENV_DIR",
     "ENV_ROLLOUTS",

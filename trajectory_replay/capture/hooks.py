@@ -7,6 +7,7 @@
     capture_microbatch(R, S, "mb-0007", kind="critic", values=..., vpreds=..., returns=..., ...)
     capture_step_end(R, S, kind="critic", vf_loss=..., vf_clipfrac=..., ...)   # critic-<R>-<S>
     capture_slime_rollout(R, rollout_data, config=...)   # slime-family dict-of-lists layout
+    trigger("why")                           # policy recorder:K: keep the steps up to the next one
 
 Hooks never raise into training (a bad argument is counted in `stats()["errors"]` and logged);
 only `maybe_enable_for_actor` raises, at startup, for a bad configuration.
@@ -15,10 +16,19 @@ only `maybe_enable_for_actor` raises, at startup, for a bad configuration.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trajectory_replay.capture.config import CaptureConfigError, check_env_writer, load_config
+from trajectory_replay.capture.config import (
+    ENV_POLICY,
+    ENV_STEPS,
+    CaptureConfigError,
+    CapturePolicy,
+    check_env_writer,
+    load_config,
+    policy_of,
+)
 from trajectory_replay.capture.manager import CaptureManager
 from trajectory_replay.errors import TrajectoryReplayError
 
@@ -33,6 +43,7 @@ def maybe_enable_for_actor(
     expected_ranks: Sequence[int],
     *,
     environ: Mapping[str, str] | None = None,
+    policy: CapturePolicy | str | None = None,
     **manager_options: Any,
 ) -> CaptureManager | None:
     """Start capture on this rank if the environment switches it on and the rank is a producer.
@@ -43,8 +54,10 @@ def maybe_enable_for_actor(
     Producer ranks (e.g. the last pipeline stage of each data-parallel replica) get a CaptureManager and its
     writer; other ranks get None and start nothing. `expected_ranks` are the producer ranks of
     one bundle: with more than one, each writes its own shard (rank `rank`) of a multi-producer bundle.
-    `manager_options` go to CaptureManager (max_queue_bytes, max_queue_records, storage_options,
-    topology, producer, ...). The manager is kept module-global: the capture_* hooks use it.
+    `policy` (a `CapturePolicy` or its text: all, steps=..., every:N, recorder:K[,after=M][,max_bytes=B]) chooses
+    the steps kept unless TRAJECTORY_REPLAY_CAPTURE_POLICY is set, which wins; TRAJECTORY_REPLAY_CAPTURE_SPOOL the
+    recorder's spool. `manager_options` go to CaptureManager (max_queue_bytes, max_queue_records, storage_options,
+    topology, producer, triggers, ...). The manager is kept module-global: the capture_* hooks use it.
     """
     global _MANAGER
     config = load_config(environ)
@@ -65,6 +78,15 @@ def maybe_enable_for_actor(
         manager_options["writer"] = config.writer
     if config.run_id is not None:
         manager_options.setdefault("run_id", config.run_id)
+    env = os.environ if environ is None else environ
+    if env.get(ENV_POLICY, "").strip() or policy is None:
+        chosen = config.policy
+    else:
+        chosen = policy_of(policy) or config.policy
+        if chosen.kind not in ("all", "steps") and config.steps is not None:
+            raise CaptureConfigError(f"policy {str(chosen)!r}: a step filter ({ENV_STEPS}) goes with all or steps=")
+    manager_options.setdefault("policy", chosen)
+    manager_options.setdefault("spool", config.spool)
     try:
         manager = CaptureManager(
             config.capture_dir,
@@ -273,13 +295,15 @@ def capture_step_end(
     vf_loss: Any = None,
     vf_clipfrac: Any = None,
     kind: str = "step",
+    grad_norm: Any = None,
 ) -> bool | None:
     """End of actor step (R, S): enqueue step-level bundle `step-<R>-<S>` with this rank's reported loss
     scalars (numbers or 1-element tensors; CUDA tensors are copied asynchronously): `loss`, `pg_loss`,
     `pg_clipfrac`, `ppo_kl`; `entropy_loss` when the entropy was computed (required with an entropy term),
     `kl_loss` with a KL loss, `vf_loss` and `vf_clipfrac` with a value loss. With `kind="critic"`: the end of a
     critic's step, bundle `critic-<R>-<S>`, with `vf_loss` and `vf_clipfrac` only. A scalar left out is reported
-    by validate and replay. True if enqueued."""
+    by validate and replay. `grad_norm`, the gradient norm the trainer computed, feeds the flight recorder's
+    triggers (policy recorder:K). True if enqueued."""
     if _MANAGER is None:
         return None
     scalars = dict(
@@ -294,8 +318,16 @@ def capture_step_end(
     )
     given = {name: value for name, value in scalars.items() if value is not None}
     return _MANAGER.capture_step_end(
-        rollout_id, step_id, config=config, weight_lineage=weight_lineage, kind=kind, **given
+        rollout_id, step_id, config=config, weight_lineage=weight_lineage, kind=kind, grad_norm=grad_norm, **given
     )
+
+
+def trigger(reason: str) -> bool | None:
+    """Fire the flight recorder's `user` trigger (policy recorder:K): the next step bundle this rank ends is kept,
+    with the K before it and the M after, on every rank. None while capture is off, False under another policy."""
+    if _MANAGER is None:
+        return None
+    return _MANAGER.trigger(reason)
 
 
 def capture_slime_rollout(
@@ -423,4 +455,5 @@ __all__ = [
     "shutdown",
     "slime_rollout_arguments",
     "stats",
+    "trigger",
 ]

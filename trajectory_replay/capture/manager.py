@@ -44,7 +44,15 @@ import torch
 
 from trajectory_replay.bundle.schema import ProducerInfo, RankTopology
 from trajectory_replay.capture.commit import BundleJob, storage_failure
-from trajectory_replay.capture.config import choose_writer, producer_ranks, run_identity
+from trajectory_replay.capture.config import (
+    CapturePolicy,
+    choose_writer,
+    parse_spool,
+    policy_of,
+    producer_ranks,
+    run_identity,
+)
+from trajectory_replay.capture.recorder import RecorderSettings, TriggerSettings
 from trajectory_replay.capture.records import (
     STEP_KINDS,
     CaptureRecord,
@@ -130,6 +138,9 @@ class CaptureManager:
         writer: str = "auto",
         writer_priority: str = "idle",
         run_id: str | None = None,
+        policy: CapturePolicy | str | None = None,
+        spool: str | os.PathLike | None = None,
+        triggers: TriggerSettings | None = None,
     ) -> None:
         self.capture_dir = os.fspath(capture_dir)
         # the launch this capture belongs to, in every rank marker it writes (default: what the environment says)
@@ -142,7 +153,26 @@ class CaptureManager:
         self.rank = int(rank)
         self.expected_ranks = producer_ranks(self.rank, expected_ranks)
         self.multi_producer = len(self.expected_ranks) > 1
+        self.policy = policy_of(policy) or CapturePolicy()
+        if self.policy.kind == "steps" and steps is None:
+            steps = self.policy.steps
         self.steps, self.rollouts = steps, rollouts
+        self._step_ordinals: dict[tuple[int, int], int] = {}  # every:N: the order this rank first saw each step
+        self._steps_seen = 0
+        self._user_trigger: str | None = None
+        self.recorder: RecorderSettings | None = None
+        if self.policy.recorder:
+            root = os.fspath(spool) if spool is not None else parse_spool(None)
+            self.recorder = RecorderSettings(
+                spool=os.path.join(root, f"rank-{self.rank}"),
+                keep=self.policy.keep,
+                after=self.policy.after,
+                max_bytes=self.policy.max_bytes,
+                rank=self.rank,
+                expected_ranks=tuple(producer_ranks(self.rank, expected_ranks)),
+                run_id=run_id if run_id is not None else run_identity(),
+                triggers=triggers or TriggerSettings(),
+            )
         self.max_queue_bytes, self.max_queue_records = int(max_queue_bytes), int(max_queue_records)
         self.max_pending_steps = int(max_pending_steps)
         # one store per manager (and one in its writer process): the create-once probe runs once per process
@@ -354,8 +384,20 @@ class CaptureManager:
         self._log_drop(refusal[0], what, refusal[1])
         return False
 
-    def _job(self, record: CaptureRecord) -> BundleJob:
-        return BundleJob(self.capture_dir, record, self.rank, tuple(self.expected_ranks), self.run_id)
+    def _job(self, record: CaptureRecord, signals: Mapping[str, Any] | None = None) -> BundleJob:
+        return BundleJob(
+            self.capture_dir, record, self.rank, tuple(self.expected_ranks), self.run_id, dict(signals or {})
+        )
+
+    def trigger(self, reason: str) -> bool:
+        """Fire the flight recorder's `user` trigger with `reason`, at the next step bundle this rank ends (the
+        step is kept with the K before it). False (nothing done) unless the policy is `recorder:K`."""
+        if self.recorder is None:
+            log.warning("capture: trigger(%r) ignored: the capture policy is %s, not recorder:K", reason, self.policy)
+            return False
+        with self._cond:
+            self._user_trigger = str(reason) if self._user_trigger is None else f"{self._user_trigger}; {reason}"
+        return True
 
     def _enqueue(self, job: BundleJob, snapshot: Snapshot, nbytes: int) -> bool:
         """Queue a job whose `nbytes` are reserved; a closed manager, a store backing off or a full queue drops it
@@ -379,7 +421,19 @@ class CaptureManager:
         return self.rollouts is None or rollout_id in self.rollouts
 
     def wants_step(self, rollout_id: int, step_id: int) -> bool:
-        return self.steps is None or (rollout_id, step_id) in self.steps
+        if self.steps is not None and (rollout_id, step_id) not in self.steps:
+            return False
+        if self.policy.kind != "every":
+            return True
+        key = (int(rollout_id), int(step_id))
+        with self._cond:
+            ordinal = self._step_ordinals.get(key)
+            if ordinal is None:
+                ordinal = self._step_ordinals[key] = self._steps_seen
+                self._steps_seen += 1
+                while len(self._step_ordinals) > 4 * self.max_pending_steps:  # only open steps' ordinals matter
+                    del self._step_ordinals[next(iter(self._step_ordinals))]
+        return ordinal % self.policy.every == 0
 
     def capture_rollout(
         self,
@@ -534,12 +588,14 @@ class CaptureManager:
         config: Any,
         weight_lineage: Any = None,
         kind: str = "step",
+        grad_norm: Any = None,
         **scalars: Any,
     ) -> bool:
         """Enqueue the step-level bundle `step-<R>-<S>` (`critic-<R>-<S>` with `kind="critic"`) from the micro-batches
         captured for it, with the loss scalars production reported, by name (the outputs the stage table declares
-        for the loss stages of a bundle of `kind`; those not given are reported by validate and replay). True if
-        enqueued."""
+        for the loss stages of a bundle of `kind`; those not given are reported by validate and replay).
+        `grad_norm`, the gradient norm the trainer computed (a number, or a tensor copied with the snapshot), feeds
+        the flight recorder's triggers. True if enqueued."""
         t0 = time.perf_counter()
         try:
             if not self.wants_step(rollout_id, step_id):
@@ -560,6 +616,15 @@ class CaptureManager:
             try:
                 snap = step.snapshot
                 reported = {name: snap.tensor(v) if isinstance(v, torch.Tensor) else v for name, v in given.items()}
+                signals: dict[str, Any] = {}
+                if self.recorder is not None:
+                    if grad_norm is not None:
+                        signals["grad_norm"] = (
+                            snap.tensor(grad_norm) if isinstance(grad_norm, torch.Tensor) else grad_norm
+                        )
+                    with self._cond:
+                        if self._user_trigger is not None:
+                            signals["trigger"], self._user_trigger = self._user_trigger, None
                 snap.finish()
                 job = self._job(
                     StepRecord(
@@ -571,7 +636,8 @@ class CaptureManager:
                         _freeze(weight_lineage),
                         self.provenance,
                         key[2],
-                    )
+                    ),
+                    signals,
                 )
             except BaseException:
                 self._release(step.nbytes)
@@ -625,6 +691,7 @@ class CaptureManager:
             self._storage_options,
             self.writer_priority,
             made=self._writer_made,
+            recorder=self.recorder,
         )
         with self._scheduling:
             self._writer, self.writer_mode = writer, writer.mode

@@ -21,13 +21,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from trajectory_replay.capture.commit import InThreadWriter
+from trajectory_replay.capture.recorder import Recorder, RecorderSettings, RecorderWriter
 from trajectory_replay.capture.worker import WriterProcess, WriterSettings
 from trajectory_replay.errors import StorageUnavailableError
 from trajectory_replay.store import ObjectStore
 
 log = logging.getLogger("trajectory_replay.capture")
 
-Writer = InThreadWriter | WriterProcess
+Writer = InThreadWriter | RecorderWriter | WriterProcess
 """What the manager's writer thread hands jobs to: `write(job) -> url`, `stop()`, and its `mode`."""
 
 
@@ -38,6 +39,7 @@ def start_writer(
     storage_options: Mapping[str, Any],
     priority: str,
     made: Callable[[Writer], None] | None = None,
+    recorder: RecorderSettings | None = None,
 ) -> tuple[Writer, StorageUnavailableError | None]:
     """The writer for `mode` ("process" or "thread"), started, and the storage failure its first contact with the
     store met, if any (it still serves: the store may be back by the first job). The in-thread writer uses
@@ -45,9 +47,9 @@ def start_writer(
 
     Call it from the manager's writer thread: the writer process dies with the thread that started it. `made` is
     handed a writer process before it starts (its start, at idle priority, may take long on a busy host: a flush
-    meanwhile can hurry it)."""
+    meanwhile can hurry it). With `recorder`, every job goes to the flight recorder's spool (`capture.recorder`)."""
     if mode == "process":
-        process = WriterProcess(WriterSettings(capture_dir, dict(storage_options)), priority=priority)
+        process = WriterProcess(WriterSettings(capture_dir, dict(storage_options), recorder), priority=priority)
         if made is not None:
             made(process)
         try:
@@ -58,6 +60,8 @@ def start_writer(
                 type(exc).__name__,
                 exc,
             )
+    if recorder is not None:
+        return RecorderWriter(Recorder(recorder, store)), None
     return InThreadWriter(store), None
 
 

@@ -34,6 +34,7 @@ from typing import IO, Any, NamedTuple
 
 from trajectory_replay.bundle.codec import RawTensor
 from trajectory_replay.capture.commit import BundleJob, commit_bundle, storage_failure
+from trajectory_replay.capture.recorder import Recorder, RecorderSettings
 from trajectory_replay.capture.records import check_fields
 from trajectory_replay.errors import StorageUnavailableError
 from trajectory_replay.store import ObjectStore
@@ -83,9 +84,13 @@ class WriterSettings:
 
     capture_dir: str
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    recorder: RecorderSettings | None = None
+    """The flight recorder's settings (policy `recorder:K`): every job goes to its spool, triggers promote."""
 
     def __post_init__(self) -> None:
         check_fields(self, capture_dir=str, storage_options=Mapping)
+        if self.recorder is not None and not isinstance(self.recorder, RecorderSettings):
+            raise TypeError(f"WriterSettings.recorder: expected RecorderSettings, got {type(self.recorder).__name__}")
 
 
 class Request(NamedTuple):
@@ -323,6 +328,12 @@ def main() -> None:
         failure = storage_failure(exc)
     finally:
         probe_log.setLevel(level)
+    try:
+        recorder = None if settings.recorder is None else Recorder(settings.recorder, store)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which logs it
+        send(stdout, f"the flight recorder's spool cannot be used: {type(exc).__name__}: {exc}")
+        return
+    commit = commit_bundle if recorder is None else (lambda _store, job: recorder.commit(job))
     send(stdout, (READY, _describe(failure)))
     while True:
         try:
@@ -330,7 +341,7 @@ def main() -> None:
         except EOFError:
             return
         try:
-            reply = Reply(seq, url=commit_bundle(store, job))
+            reply = Reply(seq, url=commit(store, job))
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the parent
             reply = Reply(seq, error=f"{type(exc).__name__}: {exc}", failure=_describe(storage_failure(exc)))
         send(stdout, reply)

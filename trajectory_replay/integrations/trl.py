@@ -155,9 +155,12 @@ def loss_config(
     - dapo, cispo: the masked token sum over `num_items_in_batch` (the generation batch's tokens over every
       process) / processes x GA / steps_per_generation (`loss_denominator`);
     - bnpo: the micro-batch's own token mean (GA 1 only: `refusals`).
+
+    With several processes TRL logs its clip ratios and entropy only as token means over every process
+    (`metrics_per_rank` false): the step records no rank's own.
     """
     ga, spg = int(args.gradient_accumulation_steps), int(args.steps_per_generation)
-    update: dict[str, Any] = {"expect_on_policy": on_policy}
+    update: dict[str, Any] = {"expect_on_policy": on_policy, "metrics_per_rank": num_processes == 1}
     if args.loss_type == "grpo":
         update["loss_denominator"] = float(rows)
     elif args.loss_type == "dr_grpo":

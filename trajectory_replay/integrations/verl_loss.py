@@ -32,6 +32,7 @@ import torch
 from trajectory_replay import capture
 from trajectory_replay.bundle import profiles
 from trajectory_replay.bundle.schema import RecomputeConfig
+from trajectory_replay.bundle.stage_io import PRE_REJECTION_MASK, rollout_correction
 from trajectory_replay.integrations.verl import actor_options
 
 log = logging.getLogger("trajectory_replay.capture")
@@ -48,6 +49,11 @@ REWARDS_KEY = "sample_rewards"
 """The per-sample non-tensor column read as each sample's reward after post-processing (r', as the rollout-level
 bundle records it; `integrations.verl_trainer.enable_capture` adds it), which a chained replay links to the
 rollout; without it the score is recorded."""
+
+PRE_REJECTION_KEY = "pre_rejection_mask"
+"""The padded tensor column read as each sample's response mask before verl's rollout correction rejected tokens
+(`integrations.verl_trainer.enable_capture` adds it when the step rejected, since verl overwrites
+`response_mask`); recorded as the step's `pre_rejection_mask` payload."""
 
 _SCALARS = {
     "pg_loss": "actor/pg_loss",
@@ -94,7 +100,9 @@ class LossCapture:
 
     A mini-batch ends by itself once this rank has seen `global_batch_size / dp_size` sequences (verl's per-rank
     mini-batch), or by `end_step()`. `overrides` are further `RecomputeConfig.from_profile("verl", ...)` options
-    recorded with every step (e.g. `rollout_is`). With `worker`, the first call in a process where capture is off
+    recorded with every step (e.g. verl's rollout correction: `rollout_is`, `rollout_is_threshold`, `rollout_rs`,
+    `rollout_rs_threshold`; the micro-batch then gives `rollout_log_probs` and, with rejection, the
+    `PRE_REJECTION_KEY` column). With `worker`, the first call in a process where capture is off
     switches it on (`WorkerCapture.enable`); a failure to is logged once and capture stays off."""
 
     KIND: ClassVar[str] = "step"
@@ -244,13 +252,12 @@ class LossCapture:
         """Capture the micro-batch's per-sample columns and per-token payloads (the policy loss's)."""
         from verl.workers.utils.padding import no_padding_2_padding
 
-        if "rollout_is_weights" in data.keys():
-            raise ValueError("rollout_is_weights in the micro-batch: a trainer-side rollout correction is not captured")
         columns = self._columns(data, rollout_id, step_id, mb_id)
         lengths = columns["response_lengths"]
         fields = ["response_mask", "old_log_probs", "advantages"]
         fields += ["ref_log_prob"] if config.use_kl_loss else []
-        padded = data.select(*fields).to_padded_tensor()
+        corrected = self._corrected_fields(data)
+        padded = data.select(*fields, *corrected).to_padded_tensor()
         log_probs = no_padding_2_padding(model_output["log_probs"], data)
         entropy = model_output.get("entropy", None)
         entropy = None if entropy is None else no_padding_2_padding(entropy, data)
@@ -268,8 +275,36 @@ class LossCapture:
             advantages=rows(padded["advantages"]),
             entropy=None if entropy is None else rows(entropy),
             ref_log_probs=rows(padded["ref_log_prob"]) if config.use_kl_loss else None,
+            rollout_log_probs=rows(padded["rollout_log_probs"]) if corrected else None,
+            payloads={PRE_REJECTION_MASK: [m.to(torch.uint8) for m in rows(padded[PRE_REJECTION_KEY])]}
+            if PRE_REJECTION_KEY in corrected
+            else None,
             **columns,
         )
+
+    def _corrected_fields(self, data: Any) -> list[str]:
+        """The micro-batch's fields a rollout correction needs (the step's config says whether it has one):
+        `rollout_log_probs`, and the mask before rejection when the correction rejects. A micro-batch whose
+        correction the config does not describe is refused."""
+        assert self._config is not None
+        config = self._config
+        if "rollout_is_weights" in data.keys() and config.rollout_is == "none":
+            raise ValueError(
+                "rollout_is_weights in the micro-batch, but the step's config has rollout_is 'none': pass verl's "
+                "algorithm.rollout_correction options to capture_loss (rollout_is=..., rollout_is_threshold=...)"
+            )
+        if not rollout_correction(config):
+            return []
+        if "rollout_log_probs" not in data.keys():
+            raise ValueError("a rollout correction is configured, but the micro-batch holds no rollout_log_probs")
+        if config.rollout_rs == "none":
+            return ["rollout_log_probs"]
+        if PRE_REJECTION_KEY not in data.keys():
+            raise ValueError(
+                f"rollout_rs={config.rollout_rs!r} rejected tokens from response_mask: the micro-batch needs the mask "
+                f"before rejection as its {PRE_REJECTION_KEY!r} column"
+            )
+        return ["rollout_log_probs", PRE_REJECTION_KEY]
 
     def _recompute_config(self, config: Any, data: Any, dp_size: int) -> RecomputeConfig:
         """The step's config: the actor's options through the verl profile, with the global loss denominators."""

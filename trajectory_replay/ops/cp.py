@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ from trajectory_replay.ops.progress import Progress
 from trajectory_replay.ops.walk import Walker, open_root
 from trajectory_replay.outcome import Outcome, Status
 from trajectory_replay.store.digest import OBJECT, key_kind
-from trajectory_replay.store.inventory import Inventory, concurrently, value_problem, write_layers
+from trajectory_replay.store.inventory import BlobNode, Inventory, concurrently, value_problem, write_layers
 from trajectory_replay.units import human_bytes
 
 LIST_THRESHOLD = 1000
@@ -155,16 +156,34 @@ def copy_bundles(
         bundles=[s.name for s in states],
         skipped=skipped,
     )
-    chunks, records, refs = write_layers(
-        node for tree in trees.values() for node in [*tree.documents, *(n for _, _, n in tree.payloads)]
+    copy_objects(
+        src,
+        dest,
+        (node for tree in trees.values() for node in [*tree.documents, *(n for _, _, n in tree.payloads)]),
+        report,
+        progress,
+        workers,
     )
-    copier = _Copier(src, dest, report, progress, workers or max(src.max_workers, dest.max_workers))
-    for label, keys in (("chunks", chunks), ("records", records), ("refs", refs)):
-        copier.transfer(label, keys)
     dest.require_atomic_create()
     for state in states:
         _write_markers(src, dest, state, report)
     return report
+
+
+def copy_objects(
+    src: Backend,
+    dest: Backend,
+    nodes: Iterable[BlobNode],
+    report: CopyReport,
+    progress: Progress | None = None,
+    workers: int | None = None,
+) -> None:
+    """Copy the blobs of `nodes` that `dest` lacks: chunks, then blob records, then refs, each verified against
+    its digest on the way; counted in `report`. Names nothing at the destination: markers are the caller's."""
+    chunks, records, refs = write_layers(nodes)
+    copier = _Copier(src, dest, report, progress or Progress(), workers or max(src.max_workers, dest.max_workers))
+    for label, keys in (("chunks", chunks), ("records", records), ("refs", refs)):
+        copier.transfer(label, keys)
 
 
 def _source(source: str, want: Anchor | None, options: dict) -> tuple[Backend, Selection]:
@@ -393,4 +412,4 @@ def _documents(marker: CompleteMarker) -> dict:
     return {r: d.digests() for r, d in marker.shards.items()}
 
 
-__all__ = ["CopyReport", "copy_bundles"]
+__all__ = ["CopyReport", "copy_bundles", "copy_objects"]

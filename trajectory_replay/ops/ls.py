@@ -60,9 +60,14 @@ class BundleListing:
     detail: str = ""
     format: str = "native"
     """`native`, or `v1` for a bundle directory of the older format."""
+    trigger: dict[str, Any] | None = None
+    """The flight recorder's trigger that kept the bundle (name, value, threshold, step, rank), if any."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        doc = asdict(self)
+        if doc["trigger"] is None:  # only a bundle the flight recorder kept has the key
+            doc.pop("trigger")
+        return doc
 
 
 @dataclass
@@ -102,7 +107,10 @@ class ListReport(Outcome):
     def render_text(self) -> str:
         if not self.bundles:
             return f"{self.root}: no bundles"
-        rows = [("BUNDLE", "ANCHOR", "STATUS", "RANKS", "LOGICAL", "STORED", "AGE")]
+        triggers = any(b.trigger for b in self.bundles)
+        rows = [
+            ("BUNDLE", "ANCHOR", "STATUS", "RANKS", "LOGICAL", "STORED", "AGE") + (("TRIGGER",) if triggers else ())
+        ]
         for b in self.bundles:
             status = b.status + (f" (missing ranks {ranks_brief(b.missing_ranks)})" if b.missing_ranks else "")
             name = b.name + (" [v1]" if b.format == "v1" else "")
@@ -116,6 +124,7 @@ class ListReport(Outcome):
                     human_bytes(b.stored_bytes),
                     human_age(b.age_seconds),
                 )
+                + ((trigger_brief(b.trigger),) if triggers else ())
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
@@ -135,6 +144,16 @@ class ListReport(Outcome):
                 f"{human_bytes(sum(b.logical_bytes for b in done))} of payload files"
             )
         return "\n".join(lines)
+
+
+def trigger_brief(trigger: dict[str, Any] | None) -> str:
+    """A trigger in one cell: `name at step (value v, threshold t)`; "-" for none."""
+    if not trigger:
+        return "-"
+    value, threshold = trigger.get("value"), trigger.get("threshold")
+    shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+    limit = "" if threshold is None else f", threshold {threshold:g}"
+    return f"{trigger['name']} at {trigger['step']} (value {shown}{limit})"
 
 
 def _about(name: str, detail: str) -> str:
@@ -217,6 +236,7 @@ def _listing(state: BundleState, tree, now: float, anchor_problem: str | None = 
         stored_bytes=sum(tree.payload_chunks().values()) if tree else 0,
         age_seconds=None if state.mtime is None else max(0.0, now - state.mtime),
         detail=detail,
+        trigger=tree.trigger.model_dump(mode="json") if tree is not None and tree.trigger is not None else None,
     )
 
 
@@ -237,4 +257,4 @@ def human_age(seconds: float | None) -> str:
     return f"{int(seconds)}s"
 
 
-__all__ = ["BundleListing", "ListReport", "human_age", "human_bytes", "list_bundles", "payload_totals"]
+__all__ = ["trigger_brief", "BundleListing", "ListReport", "human_age", "human_bytes", "list_bundles", "payload_totals"]

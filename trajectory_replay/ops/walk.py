@@ -21,7 +21,7 @@ from typing import Any
 
 from trajectory_replay.backends import Backend, open_backend, redact_url
 from trajectory_replay.bundle.documents import document_size_problem, parse_json, validate_document
-from trajectory_replay.bundle.schema import Manifest, PayloadSpec
+from trajectory_replay.bundle.schema import Manifest, PayloadSpec, TriggerRecord
 from trajectory_replay.bundle.status import BundleState
 from trajectory_replay.errors import BundleError, NoSuchTargetError
 from trajectory_replay.store.inventory import BlobNode, Inventory
@@ -45,6 +45,8 @@ class BundleTree:
     name: str
     documents: list[BlobNode] = field(default_factory=list)
     payloads: list[tuple[int | None, PayloadSpec, BlobNode]] = field(default_factory=list)
+    trigger: TriggerRecord | None = None
+    """The flight recorder's trigger that kept the bundle (its first shard's manifest says), if any."""
     keys: set[str] = field(default_factory=set)
     missing: set[str] = field(default_factory=set)
     """Keys the walk needed to read and did not find (payload chunks are not read: see fsck)."""
@@ -127,6 +129,8 @@ class Walker:
                     if not doc_nodes[d.manifest.digest].problems:
                         tree.problems.append(f"{name}: manifest {d.manifest.digest}: {manifest}")
                     continue
+                if tree.trigger is None:
+                    tree.trigger = manifest.trigger
                 for spec in manifest.payloads.values():
                     if not (spec.digest and spec.record):
                         tree.problems.append(f"{name}: payload {spec.name!r} has no digest in the manifest")

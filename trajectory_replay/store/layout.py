@@ -7,6 +7,7 @@ the commands that walk a whole root (`ls`, `gc`, `fsck`) may touch what is under
     .gc/         the sweep lease and epochs of gc (`store.liveness`)          gc
     .verdicts/   scan's verdicts, one per bundle content and replay options   scan only
     .probe/      a backend's create-once probe, removed as it ends            the backend only
+    .recorder/   the flight recorder's triggers, one per step it fired at     capture, ls and scan read it
     <bundle>/    every other name: a bundle's directory, holding its markers  ls, gc and fsck
 
 "Touch" means list as a bundle (`ls`), delete under (`gc`), verify or rewrite under (`fsck`); reading an
@@ -40,9 +41,10 @@ INFLIGHT = RootEntry(".inflight", "writers' in-flight records", frozenset({GC}))
 GC_STATE = RootEntry(".gc", "the sweep lease and epochs of gc", frozenset({GC}))
 VERDICTS = RootEntry(".verdicts", "scan's verdicts")
 PROBE = RootEntry(_PROBE_NAME, "a backend's create-once probe keys (`backends.probe`)")
+RECORDER = RootEntry(".recorder", "the flight recorder's trigger markers, one per step a trigger fired at")
 
-ROOT_ENTRIES = (OBJECTS, REFS, INFLIGHT, GC_STATE, VERDICTS, PROBE)
-OBJECTS_DIR, REFS_DIR, INFLIGHT_DIR, GC_DIR, VERDICTS_DIR, PROBE_DIR = (e.name for e in ROOT_ENTRIES)
+ROOT_ENTRIES = (OBJECTS, REFS, INFLIGHT, GC_STATE, VERDICTS, PROBE, RECORDER)
+OBJECTS_DIR, REFS_DIR, INFLIGHT_DIR, GC_DIR, VERDICTS_DIR, PROBE_DIR, RECORDER_DIR = (e.name for e in ROOT_ENTRIES)
 RESERVED_NAMES = frozenset(e.name for e in ROOT_ENTRIES)
 """No bundle is ever called so."""
 
@@ -70,6 +72,8 @@ __all__ = [
     "OBJECTS_DIR",
     "PROBE",
     "PROBE_DIR",
+    "RECORDER",
+    "RECORDER_DIR",
     "REFS",
     "REFS_DIR",
     "RESERVED_NAMES",

@@ -22,7 +22,9 @@ import verl
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 from typer.testing import CliRunner
-from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+from verl import DataProto
+from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer, apply_kl_penalty, compute_advantage
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.utils.losses import ppo_loss, value_loss
@@ -30,9 +32,10 @@ from verl.workers.utils.losses import ppo_loss, value_loss
 from tests.integrations.verl.steps import PROMPTS, SAMPLES, StepOptions, VerlStep, _flat_model_output, build_step
 from trajectory_replay import capture
 from trajectory_replay.bundle import open_sources
+from trajectory_replay.bundle.stage_io import OFF_POLICY_FIELDS, PRE_REJECTION_MASK
 from trajectory_replay.cli import app
 from trajectory_replay.integrations.verl_loss import WorkerCapture, capture_loss, capture_value_loss
-from trajectory_replay.integrations.verl_trainer import enable_capture
+from trajectory_replay.integrations.verl_trainer import CorrectionTap, enable_capture
 from trajectory_replay.replay import replay
 
 ROLLOUT = 3
@@ -122,9 +125,15 @@ class CapturingTrainer(RayPPOTrainer):
         self.capturing = enable_capture(self, **self.capture_options)
 
 
-def trainer(step: VerlStep, **capture_options: Any) -> CapturingTrainer:
+def trainer(step: VerlStep, algorithm: dict[str, Any] | None = None, **capture_options: Any) -> CapturingTrainer:
+    """A trainer of `step`, its config's `algorithm` section updated by `algorithm` (dotted keys), its reward-side KL
+    controller made from the config as verl's `__init__` makes it."""
     made = object.__new__(CapturingTrainer)
     made.config = verl_config(step.options.adv_estimator)
+    for key, value in (algorithm or {}).items():
+        OmegaConf.update(made.config.algorithm, key, value)
+    if made.config.algorithm.use_kl_in_reward:
+        made.kl_ctrl_in_reward = core_algos.get_kl_controller(made.config.algorithm.kl_ctrl)
     made.use_critic = step.options.adv_estimator == "gae"
     made.global_steps = ROLLOUT
     made.step = step
@@ -316,3 +325,160 @@ def test_value_loss_run_on_stale_old_values_is_named_at_loss_value(tmp_path, gae
     report = replay(open_sources(str(tmp_path / f"critic-{ROLLOUT}-0")))
     assert report.first_divergent_stage == "loss.value"
     assert "vf_loss" in {d.field for s in report.stages if s.status == "fail" for d in s.divergences}
+
+
+CORRECTIONS = {
+    "token-tis-asymmetric-k1": {
+        "rollout_is": "token",
+        "rollout_is_threshold": 2.0,
+        "rollout_rs": "token_k1",
+        "rollout_rs_threshold": "0.9_1.2",
+    },
+    "icepop": {"rollout_is": "token", "rollout_is_threshold": "0.5_5.0"},
+    "icepop-and-chained": {
+        "rollout_is": "token",
+        "rollout_is_threshold": "0.8_1.5",
+        "rollout_rs": "token_k1,seq_mean_k3",
+        "rollout_rs_threshold": "0.85_1.1,0.03",
+    },
+}
+
+
+def _before(step: VerlStep, *drop: str) -> DataProto:
+    """The step's batch as `fit` holds it before the tensors `drop` (and the advantages) were made: response_mask
+    before any rejection."""
+    gone = {"advantages", "returns", "rollout_is_weights", *drop}
+    tensors = {k: v.clone() for k, v in step.batch.batch.items() if k not in gone}
+    if step.pre_rejection_mask is not None:
+        tensors["response_mask"] = step.pre_rejection_mask.clone()
+    return DataProto.from_dict(tensors=tensors, non_tensors={"uid": step.batch.non_tensor_batch["uid"].copy()})
+
+
+def _advantages(made: CapturingTrainer, batch: DataProto) -> DataProto:
+    """`compute_advantage` as `fit` calls it."""
+    algorithm = made.config.algorithm
+    return compute_advantage(
+        batch,
+        adv_estimator=algorithm.adv_estimator,
+        gamma=algorithm.gamma,
+        lam=algorithm.lam,
+        num_repeat=SAMPLES,
+        norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
+        config=algorithm,
+    )
+
+
+def _fit_with_correction(made: CapturingTrainer, step: VerlStep, correction: Any) -> dict[str, float]:
+    """What `fit` does from the rollout correction on: the correction imported in the body and called with the
+    config `correction`, compute_advantage, then the actor's update; verl's rollout_corr metrics."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+
+    batch, metrics = compute_rollout_correction_and_add_to_batch(_before(step), correction)
+    batch = _advantages(made, batch)
+    made._update_actor(batch)
+    return metrics
+
+
+@pytest.mark.parametrize("options", CORRECTIONS.values(), ids=CORRECTIONS.keys())
+def test_rollout_correction_is_captured_with_its_mask_and_metrics_and_replays_clean(tmp_path, options):
+    step = build_step(StepOptions(rollout_correction=tuple(options.items())))
+    made = trainer(step, {f"rollout_correction.{k}": v for k, v in options.items()}, store_url=tmp_path)
+    metrics = _fit_with_correction(made, step, made.config.algorithm.rollout_correction)
+    assert metrics == pytest.approx(step.rollout_corr_metrics)  # verl's correction ran as in steps.py
+    assert capture.stats()["errors"] == 0
+    assert capture.shutdown(timeout=60)
+    rollout = open_sources(str(tmp_path / f"rollout-{ROLLOUT}"))
+    report = replay(rollout)
+    assert report.status == "pass", _failed(report)
+    stage = report.stage("rollout.mismatch")
+    recorded = {name for name in OFF_POLICY_FIELDS if f"rollout_corr/{name}" in metrics}
+    assert {"chi2_token", "rollout_is_mean"} <= recorded
+    assert ("rollout_rs_masked_fraction" in recorded) == ("rollout_rs" in options)
+    for name in recorded | {"kl_k1", "kl_k3"}:
+        assert f"{name} matches" in stage.message, name
+    assert rollout[0].expected["rollout.mismatch"]["kl_k1"] == metrics["rollout_corr/kl"]
+    [actor] = open_sources(str(tmp_path / f"step-{ROLLOUT}-0"))
+    assert actor.index.config.rollout_is == "token"
+    assert ("rollout_rs" in options) == actor.has_payload(PRE_REJECTION_MASK)
+    result = CliRunner().invoke(app, ["replay", str(tmp_path), "--step", f"{ROLLOUT}:0", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["status"] == "pass"
+
+
+def test_a_wrong_rollout_is_threshold_is_named_at_rollout_mismatch(tmp_path):
+    options = {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "token_k1"}
+    options["rollout_rs_threshold"] = "0.9_1.2"
+    step = build_step(StepOptions(rollout_correction=tuple(options.items())))
+    recorded = {**options, "rollout_is_threshold": 1.5}
+    made = trainer(step, {f"rollout_correction.{k}": v for k, v in recorded.items()}, store_url=tmp_path)
+    ran = OmegaConf.create(dict(made.config.algorithm.rollout_correction))
+    ran.rollout_is_threshold = 2.0  # what verl's correction was given
+    _fit_with_correction(made, step, ran)
+    assert capture.shutdown(timeout=60)
+    report = replay(open_sources(str(tmp_path / f"rollout-{ROLLOUT}")))
+    assert report.first_divergent_stage == "rollout.mismatch"
+    failed = {d.field for d in report.stage("rollout.mismatch").divergences}
+    assert "rollout_is_weights" in failed, report.render_text()
+
+
+def test_the_correction_tap_is_put_back_once_capture_is_off(tmp_path):
+    from verl.trainer.ppo import rollout_corr_helper
+
+    step = build_step(StepOptions(rollout_correction=tuple(CORRECTIONS["icepop"].items())))
+    made = trainer(step, {f"rollout_correction.{k}": v for k, v in CORRECTIONS["icepop"].items()}, store_url=tmp_path)
+    tap = rollout_corr_helper.compute_rollout_correction_and_add_to_batch
+    assert isinstance(tap, CorrectionTap)
+    capture.shutdown(timeout=60)
+    _fit_with_correction(made, step, made.config.algorithm.rollout_correction)
+    assert rollout_corr_helper.compute_rollout_correction_and_add_to_batch is tap.original
+    assert not list(tmp_path.glob("rollout-*"))
+
+
+def test_a_fit_that_does_not_call_verls_correction_through_its_module_is_refused(tmp_path, grpo):
+    class OwnFit(CapturingTrainer):
+        def fit(self) -> None:
+            """A training loop of its own."""
+
+    made = object.__new__(OwnFit)
+    made.config = verl_config("grpo")
+    made.config.algorithm.rollout_correction.rollout_rs = "token_k1"
+    made.use_critic = False
+    made.actor_rollout_wg = WorkerGroup(grpo, "log_probs", None)
+    with pytest.raises(ValueError) as raised:
+        enable_capture(made, tmp_path)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("verl option algorithm.rollout_correction.rollout_rs='token_k1': ")
+    assert "compute_rollout_correction_and_add_to_batch" in message
+
+
+def test_an_adaptive_kl_coefficient_is_recorded_as_it_penalized_each_step_and_replays_clean(tmp_path, grpo):
+    algorithm = {
+        "use_kl_in_reward": True,
+        "kl_penalty": "kl",
+        "kl_ctrl.type": "adaptive",
+        "kl_ctrl.kl_coef": 0.05,
+        "kl_ctrl.target_kl": 1e-4,  # far below the step's KL: each update raises the coefficient by 20%
+        "kl_ctrl.horizon": len(grpo.batch),
+    }
+    made = trainer(grpo, algorithm, store_url=tmp_path)
+    used = []
+    for rollout in (ROLLOUT, ROLLOUT + 1):
+        made.global_steps = rollout
+        batch, kl_metrics = apply_kl_penalty(  # as fit calls it
+            _before(grpo, "token_level_rewards"), kl_ctrl=made.kl_ctrl_in_reward, kl_penalty="kl"
+        )
+        used.append(kl_metrics["actor/reward_kl_penalty_coeff"])
+        made._update_actor(_advantages(made, batch))
+    assert used == pytest.approx([0.05, 0.06])
+    assert made.kl_ctrl_in_reward.value == pytest.approx(0.072)
+    assert capture.stats()["errors"] == 0
+    assert capture.shutdown(timeout=60)
+    for rollout, coef in zip((ROLLOUT, ROLLOUT + 1), used):
+        sources = open_sources(str(tmp_path / f"rollout-{rollout}"))
+        assert sources[0].index.config.kl_coef == coef
+        report = replay(sources)
+        assert report.status == "pass", _failed(report)
+        assert report.stage("reward.post_process").status == "pass"
+        step = replay(open_sources(str(tmp_path / f"step-{rollout}-0")))
+        assert step.status == "pass", _failed(step)

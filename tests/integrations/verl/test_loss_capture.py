@@ -158,7 +158,7 @@ def test_a_refused_micro_batch_leaves_its_step_unwritten(tmp_path, step):
     config = actor_config(step.options)
     for k, rows in enumerate(step.micro_batches):
         data, output = _engine_micro_batch(step, rows)
-        if k == 1:  # a trainer-side rollout correction is not captured
+        if k == 1:  # importance weights the step's config does not describe (no rollout_is) are refused
             data["rollout_is_weights"] = torch.ones_like(data["advantages"])
         wrapped(config, output, data)
     assert manager.flush(30)

@@ -22,7 +22,7 @@ from typing import Any
 
 from trajectory_replay.backends import Backend, redact_url, split_url
 from trajectory_replay.bundle.anchor import ACTOR
-from trajectory_replay.bundle.markers import complete_key
+from trajectory_replay.bundle.markers import complete_key, read_triggers
 from trajectory_replay.bundle.status import (
     COMPLETE_STATUS,
     CORRUPT,
@@ -54,7 +54,7 @@ from trajectory_replay.ops.scan.verdicts import (
     verdict_key,
     verdict_secret,
 )
-from trajectory_replay.ops.walk import open_root
+from trajectory_replay.ops.walk import Walker, open_root
 from trajectory_replay.store.inventory import fetch
 
 ENGINES = ("local", "ray")
@@ -120,6 +120,12 @@ def scan_store(
             if by_name[name].status == ERROR and not by_name[name].attempts:
                 by_name[name].detail = by_name[name].detail or "the engine returned no verdict for it"
     report.verdicts = sorted(by_name.values(), key=lambda v: v.order)
+    triggers, unreadable = read_triggers(backend)
+    if triggers or unreadable:  # a flight recorder's store: which trigger kept each bundle (its manifest says)
+        report.triggers = [t.model_dump(mode="json") for t in triggers]
+        report.unreadable_triggers = unreadable
+        trees = Walker(backend).trees([s for s in states if s.status == COMPLETE_STATUS])
+        report.kept_by = {n: t.trigger.model_dump(mode="json") for n, t in trees.items() if t.trigger is not None}
     report.seconds = time.perf_counter() - started
     return report
 

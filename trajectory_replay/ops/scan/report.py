@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from dataclasses import field as dc_field
 from typing import Any
 
+from trajectory_replay.ops.ls import trigger_brief
 from trajectory_replay.ops.scan.verdicts import (
     DIVERGED,
     ERROR,
@@ -43,6 +44,11 @@ class ScanReport(Outcome):
     forced: bool = False
     unkept: list[str] = dc_field(default_factory=list)
     """'<bundle>: why' for each verdict reached but not kept in the store (a store this user cannot write)."""
+    triggers: list[dict[str, Any]] = dc_field(default_factory=list)
+    """The flight recorder's triggers at this root (its `.recorder/` markers), in step order."""
+    kept_by: dict[str, dict[str, Any]] = dc_field(default_factory=dict)
+    """Bundle name -> the trigger that kept it (from its manifest), for the bundles a flight recorder promoted."""
+    unreadable_triggers: list[str] = dc_field(default_factory=list)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -100,7 +106,7 @@ class ScanReport(Outcome):
             "replayed": self.replayed,
             "cached": self.cached,
             "forced": self.forced,
-            "earliest_divergence": None if first is None else first.to_dict(),
+            "earliest_divergence": None if first is None else self._with_trigger(first),
             "incomplete": [
                 {
                     "name": v.name,
@@ -115,8 +121,17 @@ class ScanReport(Outcome):
             "seconds": round(self.seconds, 3),
             "engine_start_seconds": round(self.engine_start_seconds, 3),
             "unkept": self.unkept,
-            "verdicts": [v.to_dict() for v in self.verdicts],
+            "verdicts": [self._with_trigger(v) for v in self.verdicts],
+            **({"triggers": self.triggers} if self.triggers or self.unreadable_triggers else {}),
+            **({"unreadable_triggers": self.unreadable_triggers} if self.unreadable_triggers else {}),
         }
+
+    def _with_trigger(self, verdict: Verdict) -> dict[str, Any]:
+        """A verdict's dict, with the trigger that kept its bundle where a flight recorder promoted it."""
+        doc = verdict.to_dict()
+        if verdict.name in self.kept_by:
+            doc["trigger"] = self.kept_by[verdict.name]
+        return doc
 
     def render_text(self) -> str:
         counts = self.counts
@@ -129,9 +144,12 @@ class ScanReport(Outcome):
         first = self.earliest_divergence
         if first is not None:
             where = first.place
+            kept = self.kept_by.get(first.name)
             lines.append(
                 f"earliest divergence: {first.name} ({first.anchor or 'no anchor'}) at "
-                f"{first.first_divergent_stage}" + (f": {where}" if where else "")
+                f"{first.first_divergent_stage}"
+                + (f": {where}" if where else "")
+                + (f"; kept by trigger {trigger_brief(kept)}" if kept else "")
             )
         else:
             lines.append("earliest divergence: none")
@@ -147,9 +165,17 @@ class ScanReport(Outcome):
                 f"{len(self.unkept)} verdict(s) not kept in the store (the next scan replays them again): "
                 f"{self.unkept[0]}"
             )
+        if self.triggers:
+            lines.append(f"triggers of the flight recorder ({len(self.triggers)}), in step order:")
+            lines += [f"  {trigger_brief(t)}" + (f": {t['detail']}" if t.get("detail") else "") for t in self.triggers]
+        lines += [f"trigger marker not read: {why}" for why in self.unreadable_triggers]
         if not self.verdicts:
             return "\n".join(lines)
-        rows = [("BUNDLE", "ANCHOR", "STATUS", "FIRST DIVERGENT STAGE", "SAMPLE", "FROM")]
+        triggered = bool(self.kept_by)
+        rows = [
+            ("BUNDLE", "ANCHOR", "STATUS", "FIRST DIVERGENT STAGE", "SAMPLE", "FROM")
+            + (("TRIGGER",) if triggered else ())
+        ]
         for v in self.verdicts:
             rows.append(
                 (
@@ -162,6 +188,7 @@ class ScanReport(Outcome):
                     if v.cached
                     else ("replayed" if v.status in (PASS, DIVERGED, INVALID, UNSUPPORTED) or v.attempts else "-"),
                 )
+                + ((trigger_brief(self.kept_by.get(v.name)),) if triggered else ())
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
