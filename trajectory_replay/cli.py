@@ -352,12 +352,16 @@ HtmlFlag = Annotated[
 ]
 AtolFlag = Annotated[float | None, _tolerance("--atol", "Absolute", "1e-6", "stage")]
 RtolFlag = Annotated[float | None, _tolerance("--rtol", "Relative", "1e-5", "stage")]
-StepFlag = Annotated[str | None, Value("--step", "R:S", "The step-level bundle of rollout R, step S.")]
+StepFlag = Annotated[str | None, Value("--step", "R:S", "The actor's step-level bundle of rollout R, step S.")]
+CriticFlag = Annotated[
+    str | None, Value("--critic", "R:S", "The critic's step-level bundle of rollout R, step S (critic-<R>-<S>).")
+]
 RolloutFlag = Annotated[int | None, Value("--rollout", "R", "The rollout-level bundle of rollout R.")]
 QuietFlag = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar (it is shown only on a terminal).")]
 BUNDLE_OR_DIR = "Bundle, bundle/rank-<r>, capture directory or store root (path or URL)."
 BUNDLE_OR_ROOT = (
-    "Bundle path or URL (native or older directory format), or a store root or capture directory with --step/--rollout."
+    "Bundle path or URL (native or older directory format), or a store root or capture directory with "
+    "--step/--critic/--rollout."
 )
 STORE_ROOT = "Store root (path or URL)."
 
@@ -386,6 +390,7 @@ def replay_cmd(
     group: Annotated[list[str], Value("--group", "g-N", "Prompt group g-<group_index> (repeatable).")] = [],
     batch: Annotated[list[str], Value("--batch", "mb-NNNN", "Micro-batch id (repeatable).")] = [],
     step: StepFlag = None,
+    critic: CriticFlag = None,
     rollout: RolloutFlag = None,
     stage: Annotated[list[str], Value("--stage", "STAGE", "Run this stage and what it depends on (repeatable).")] = [],
     atol: AtolFlag = None,
@@ -402,7 +407,8 @@ def replay_cmd(
         bool,
         typer.Option(
             "--no-upstream",
-            help="With --step: replay the step-level bundle alone, not with the rollout-level bundles it consumed.",
+            help="With --step or --critic: replay the step-level bundle alone, not with the rollout-level bundles it "
+            "consumed.",
         ),
     ] = False,
     block_tokens: Annotated[
@@ -418,19 +424,19 @@ def replay_cmd(
     html_path: HtmlFlag = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Recompute reward -> advantage -> loss and report the first divergence (with --step, across the rollout
-    bundles the step consumed and the step itself)."""
+    """Recompute reward -> advantage -> loss and report the first divergence (with --step or --critic, across the
+    rollout bundles the step consumed and the step itself)."""
     _import_torch()
     from trajectory_replay.bundle import open_for_replay
+    from trajectory_replay.bundle.anchor import Anchor
     from trajectory_replay.replay import replay
 
-    if step is not None and rollout is not None:
-        raise UsageError("--step and --rollout are mutually exclusive")
+    Anchor.requested(step, rollout, critic)  # a usage error before anything is opened
     atol, rtol = check_tolerance("--atol", atol), check_tolerance("--rtol", rtol)
     if block_tokens is not None and block_tokens < 1:
         raise UsageError(f"--block-tokens must be a positive number of tokens, got {block_tokens}")
     overrides = parse_overrides(set_)
-    sources, rank = open_for_replay(path, step=step, rollout=rollout)
+    sources, rank = open_for_replay(path, step=step, rollout=rollout, critic=critic)
 
     def replay_step(step_sources):
         return replay(
@@ -446,7 +452,7 @@ def replay_cmd(
             block_tokens=block_tokens,
         )
 
-    if step is not None and not no_upstream:
+    if (step is not None or critic is not None) and not no_upstream:
         from trajectory_replay.errors import NoMatchingBundleError
         from trajectory_replay.replay.chain import replay_chain
 
@@ -468,17 +474,18 @@ def replay_cmd(
 def conventions_cmd(
     path: Annotated[str, Where("BUNDLE-OR-DIR", BUNDLE_OR_DIR)],
     step: StepFlag = None,
+    critic: CriticFlag = None,
     rollout: RolloutFlag = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Replay under every convention profile and single-field variant; say which reproduce each stage."""
     _import_torch()
     from trajectory_replay.bundle import open_for_replay
+    from trajectory_replay.bundle.anchor import Anchor
     from trajectory_replay.replay.convention_search import find_conventions
 
-    if step is not None and rollout is not None:
-        raise UsageError("--step and --rollout are mutually exclusive")
-    sources, rank = open_for_replay(path, step=step, rollout=rollout)
+    Anchor.requested(step, rollout, critic)  # a usage error before anything is opened
+    sources, rank = open_for_replay(path, step=step, rollout=rollout, critic=critic)
     finish(find_conventions(sources, rank=rank), as_json)
 
 
@@ -488,6 +495,7 @@ def diff_cmd(
     a: Annotated[str, Where("A", "First bundle (path or URL, native or older format).")],
     b: Annotated[str, Where("B", "Second bundle of the same step.")],
     step: StepFlag = None,
+    critic: CriticFlag = None,
     rollout: RolloutFlag = None,
     atol: Annotated[float | None, _tolerance("--atol", "Absolute", "1e-6", "field")] = None,
     rtol: Annotated[float | None, _tolerance("--rtol", "Relative", "1e-5", "field")] = None,
@@ -498,13 +506,13 @@ def diff_cmd(
     differ, and every field compared (exit 0 identical within tolerance, 1 different)."""
     _import_torch()
     from trajectory_replay.bundle import open_for_replay
+    from trajectory_replay.bundle.anchor import Anchor
     from trajectory_replay.replay.diff import diff_bundles
 
-    if step is not None and rollout is not None:
-        raise UsageError("--step and --rollout are mutually exclusive")
+    Anchor.requested(step, rollout, critic)  # a usage error before anything is opened
     atol, rtol = check_tolerance("--atol", atol), check_tolerance("--rtol", rtol)
-    left, _ = open_for_replay(a, step=step, rollout=rollout)
-    right, _ = open_for_replay(b, step=step, rollout=rollout)
+    left, _ = open_for_replay(a, step=step, rollout=rollout, critic=critic)
+    right, _ = open_for_replay(b, step=step, rollout=rollout, critic=critic)
     report = diff_bundles(left, right, a_label=a, b_label=b, atol=atol, rtol=rtol)
     _write_html(report, html_path)
     finish(report, as_json)
@@ -515,6 +523,7 @@ def diff_cmd(
 def inspect_cmd(
     path: Annotated[str, Where("BUNDLE-OR-DIR", BUNDLE_OR_ROOT)],
     step: StepFlag = None,
+    critic: CriticFlag = None,
     rollout: RolloutFlag = None,
     as_json: JsonFlag = False,
 ) -> None:
@@ -522,7 +531,7 @@ def inspect_cmd(
     Exit 1 when a payload's blob record or blob ref is missing or corrupt."""
     from trajectory_replay.bundle.inspect import inspect_bundle
 
-    finish(inspect_bundle(path, step=step, rollout=rollout), as_json)
+    finish(inspect_bundle(path, step=step, rollout=rollout, critic=critic), as_json)
 
 
 @app.command("validate", cls=Command)
@@ -530,6 +539,7 @@ def inspect_cmd(
 def validate_cmd(
     path: Annotated[str, Where("BUNDLE-OR-DIR", BUNDLE_OR_ROOT)],
     step: StepFlag = None,
+    critic: CriticFlag = None,
     rollout: RolloutFlag = None,
     as_json: JsonFlag = False,
 ) -> None:
@@ -537,7 +547,7 @@ def validate_cmd(
     from trajectory_replay.bundle import open_bundle
     from trajectory_replay.replay.validate import validate_bundle
 
-    finish(validate_bundle(open_bundle(path, step=step, rollout=rollout, choose=False).target), as_json)
+    finish(validate_bundle(open_bundle(path, step=step, rollout=rollout, critic=critic, choose=False).target), as_json)
 
 
 @app.command("schema", cls=Command)
@@ -556,14 +566,14 @@ def import_cmd(
     store_root: Annotated[str, Where("STORE-ROOT", "Store root to import into (path or URL).")],
     as_name: Annotated[str | None, Value("--as", "NAME", "Name of the imported bundle (one bundle only).")] = None,
     step: StepFlag = None,
+    critic: CriticFlag = None,
     rollout: RolloutFlag = None,
 ) -> None:
     """Convert V1 directory bundles into native bundles of a store."""
     from trajectory_replay.ops.importer import import_v1
 
-    emit(
-        "\n".join(f"imported {url}" for url in import_v1(source, store_root, name=as_name, step=step, rollout=rollout))
-    )
+    imported = import_v1(source, store_root, name=as_name, step=step, rollout=rollout, critic=critic)
+    emit("\n".join(f"imported {url}" for url in imported))
 
 
 @app.command("demo", cls=Command)
@@ -687,9 +697,14 @@ def scan_cmd(
 @app.command("cp", cls=Command)
 @command
 def cp_cmd(
-    source: Annotated[str, Where("BUNDLE-OR-ROOT", "A bundle, or a store root with --step/--rollout/--all.")],
+    source: Annotated[str, Where("BUNDLE-OR-ROOT", "A bundle, or a store root with --step/--critic/--rollout/--all.")],
     dest_root: Annotated[str, Where("DEST-ROOT", "Destination store root (path or URL).")],
-    step: Annotated[str | None, Value("--step", "R:S", "Copy the step-level bundle of rollout R, step S.")] = None,
+    step: Annotated[
+        str | None, Value("--step", "R:S", "Copy the actor's step-level bundle of rollout R, step S.")
+    ] = None,
+    critic: Annotated[
+        str | None, Value("--critic", "R:S", "Copy the critic's step-level bundle of rollout R, step S.")
+    ] = None,
     rollout: Annotated[int | None, Value("--rollout", "R", "Copy the rollout-level bundle of rollout R.")] = None,
     all_bundles: Annotated[bool, typer.Option("--all", help="Copy every complete bundle of the root.")] = False,
     quiet: QuietFlag = False,
@@ -701,7 +716,9 @@ def cp_cmd(
     from trajectory_replay.ops.progress import terminal_progress
 
     with terminal_progress(quiet) as progress:
-        report = copy_bundles(source, dest_root, step=step, rollout=rollout, all_bundles=all_bundles, progress=progress)
+        report = copy_bundles(
+            source, dest_root, step=step, rollout=rollout, critic=critic, all_bundles=all_bundles, progress=progress
+        )
     finish(report, as_json)
 
 

@@ -48,7 +48,7 @@ class NoSuchTargetError(NotFoundError, SelectionError):
 
 
 class NoMatchingBundleError(SelectionError):
-    """A place holding bundles holds none that the --step/--rollout filter designates."""
+    """A place holding bundles holds none that the --step/--critic/--rollout filter designates."""
 
 
 class UnsupportedError(TrajectoryReplayError):

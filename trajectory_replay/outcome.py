@@ -43,7 +43,8 @@ class Status(Word):
     UNSUPPORTED = "unsupported"
     """An algorithm or topology replay does not do, or a run that compared no value (never `pass`)."""
     SELECTION = "selection"
-    """A path, selection, `--step` or `--rollout` that matches nothing, or several; a directory that is no bundle."""
+    """A path, selection, `--step`, `--critic` or `--rollout` that matches nothing, or several; a directory that
+    is no bundle."""
     USAGE = "usage"
     """A malformed command line."""
     IO = "io"

@@ -1,9 +1,10 @@
-"""The one Anchor, the one bundle_status and the one place --step/--rollout are matched.
+"""The one Anchor, the one bundle_status and the one place --step/--critic/--rollout are matched.
 
 Anchors are parsed from the command line and from markers, printed, and compared exactly (a step filter never
-matches a rollout-level bundle of the same rollout). Each bundle state is produced from real markers on disk.
-Last, one store root holding a step-level and a rollout-level bundle of the same rollout: replay, inspect,
-validate and cp pick the same bundle for the same filter, and ls shows the same anchors.
+matches a rollout-level bundle of the same rollout, nor the critic's bundle of the same step). Each bundle state is
+produced from real markers on disk. Last, one store root holding the actor's step-level, the critic's step-level and
+the rollout-level bundle of the same rollout: replay, inspect, validate and cp pick the same bundle for the same
+filter, and ls and scan show the same anchors.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from tests.bundle.helpers import write_canonical
 from tests.ops.conftest import write_ranks
 from trajectory_replay.backends import open_backend
 from trajectory_replay.bundle import BundleWriter
-from trajectory_replay.bundle.anchor import Anchor
+from trajectory_replay.bundle.anchor import CRITIC, Anchor
 from trajectory_replay.bundle.documents import compact_json
 from trajectory_replay.bundle.markers import CompleteMarker, RankMarker, complete_key, rank_key, read_marker
 from trajectory_replay.bundle.resolve import Candidate, Selection
@@ -35,6 +36,7 @@ from trajectory_replay.bundle.status import (
 )
 from trajectory_replay.cli import app
 from trajectory_replay.errors import BundleError, NoSuchTargetError, SelectionError, UsageError
+from trajectory_replay.ops.scan import scan_store
 from trajectory_replay.replay import canonical_case
 
 runner = CliRunner()
@@ -66,11 +68,29 @@ def test_rollout_flag_and_no_flag():
         Anchor.requested(step="1:0", rollout=1)
 
 
+def test_critic_flag_parses_to_a_critic_step_anchor():
+    anchor = Anchor.requested(critic=" 7 : 3 ")
+    assert anchor == Anchor.parse_step("7:3", CRITIC) == Anchor(7, 3, CRITIC) != Anchor(7, 3)
+    assert anchor.level == "step" and str(anchor) == "critic 7:3" and anchor.flag == "--critic 7:3"
+    with pytest.raises(UsageError, match=r"--critic '7': expected ROLLOUT:STEP"):
+        Anchor.requested(critic="7")
+    for flags, says in (
+        ({"step": "1:0", "critic": "1:0"}, "--step and --critic are mutually exclusive"),
+        ({"critic": "1:0", "rollout": 1}, "--critic and --rollout are mutually exclusive"),
+        ({"step": "1:0", "rollout": 1}, "--step and --rollout are mutually exclusive"),
+    ):
+        with pytest.raises(UsageError, match=says):
+            Anchor.requested(**flags)
+    with pytest.raises(ValueError, match="needs a step_id"):
+        Anchor(7, None, CRITIC)
+
+
 def test_marker_form_round_trips_and_names_what_is_wrong():
-    for anchor in (Anchor(120, 0), Anchor(5)):
+    for anchor in (Anchor(120, 0), Anchor(5), Anchor(120, 0, CRITIC)):
         assert Anchor.from_marker(anchor.to_marker()) == anchor
     assert Anchor(120, 0).to_marker() == {"actor_step_id": {"rollout_id": 120, "step_id": 0}}
     assert Anchor(5).to_marker() == {"rollout_id": 5}
+    assert Anchor(120, 0, CRITIC).to_marker() == {"critic_step_id": {"rollout_id": 120, "step_id": 0}}
     for bad, says in (
         (5, "expected an object"),
         ({}, "exactly one"),
@@ -78,6 +98,8 @@ def test_marker_form_round_trips_and_names_what_is_wrong():
         ({"actor_step_id": "x"}, "actor_step_id must be an object"),
         ({"rollout_id": True}, "rollout_id must be a 64-bit integer"),
         ({"actor_step_id": {"rollout_id": 1, "step_id": 1 << 63}}, "actor_step_id.step_id"),
+        ({"actor_step_id": {"rollout_id": 1, "step_id": 0}, "critic_step_id": {"rollout_id": 1, "step_id": 0}}, "one"),
+        ({"critic_step_id": {"rollout_id": 1}}, "critic_step_id.step_id must be a 64-bit integer, got None"),
     ):
         with pytest.raises(ValueError, match=says):
             Anchor.from_marker(bad)
@@ -91,6 +113,17 @@ def test_identity_and_markers_carry_the_same_anchor(tmp_path):
         "actor_step_id": {"rollout_id": 120, "step_id": 0}
     }  # the stored form is unchanged
     assert Identity(rollout_id=9).anchor() == "rollout 9"
+
+
+def test_a_critic_identity_is_stored_with_its_own_field_and_an_actor_identity_as_before():
+    actor = Identity(actor_step_id={"rollout_id": 3, "step_id": 1})
+    critic = Identity(critic_step_id={"rollout_id": 3, "step_id": 1})
+    assert "critic_step_id" not in actor.model_dump(mode="json")  # an actor's index is stored as it was
+    assert critic.model_dump(mode="json")["critic_step_id"] == {"rollout_id": 3, "step_id": 1}
+    assert Identity.model_validate(critic.model_dump(mode="json")) == critic
+    assert (critic.level, critic.anchor(), Anchor.of(critic)) == ("step", "critic 3:1", Anchor(3, 1, CRITIC))
+    with pytest.raises(ValueError, match="exactly one of actor_step_id, critic_step_id or rollout_id"):
+        Identity(actor_step_id={"rollout_id": 3, "step_id": 1}, critic_step_id={"rollout_id": 3, "step_id": 1})
 
 
 # ---- matching ------------------------------------------------------------------------------------
@@ -220,8 +253,13 @@ def test_inspect_shows_unfinalizable_markers_as_damage(tmp_path):
 
 
 def _rollout_level(root: str, name: str) -> None:
+    _anchored(root, name, rollout_id=120)
+
+
+def _anchored(root: str, name: str, **anchor) -> None:
+    """The canonical case as bundle `name` anchored by `anchor` (the identity's anchor fields) instead."""
     case = canonical_case(False)
-    identity = case.index.identity.model_copy(update={"actor_step_id": None, "rollout_id": 120})
+    identity = Identity.model_validate({**case.index.identity.model_dump(exclude={"actor_step_id"}), **anchor})
     index = case.index.model_copy(update={"bundle_id": name, "identity": identity})
     BundleWriter(f"{root}/{name}", case.manifest.model_copy(update={"bundle_id": name}), index, case.expected).finalize(
         payloads=case.payloads
@@ -257,3 +295,79 @@ def test_replay_inspect_validate_and_cp_pick_alike(tmp_path):
         "b-00001": ("step 120:0", 120, 0),
         "r-120": ("rollout 120", 120, None),
     }
+
+
+def test_the_actor_and_the_critic_of_one_step_are_picked_apart(tmp_path):
+    root = str(tmp_path / "store")
+    write_canonical(root)  # b-00001: the actor's step 120:0
+    _anchored(root, "c-120", critic_step_id={"rollout_id": 120, "step_id": 0})  # the critic's step 120:0
+    _rollout_level(root, "r-120")
+    marker = json.loads(open_backend(root).read(complete_key("c-120")))
+    assert marker["anchor"] == {"critic_step_id": {"rollout_id": 120, "step_id": 0}}
+    for flags, expected in (
+        (["--step", "120:0"], "b-00001"),
+        (["--critic", "120:0"], "c-120"),
+        (["--rollout", "120"], "r-120"),
+    ):
+        picked = {
+            command: _picked(command, root, flags, tmp_path) for command in ("replay", "inspect", "validate", "cp")
+        }
+        assert set(picked.values()) == {expected}, picked
+    copied = runner.invoke(app, ["ls", str(tmp_path / "copy-2"), "--json"])  # the copy made with --critic
+    assert [(r["name"], r["anchor"]) for r in json.loads(copied.stdout)["bundles"]] == [("c-120", "critic 120:0")]
+    inspected = json.loads(runner.invoke(app, ["inspect", root, "--critic", "120:0", "--json"]).stdout)
+    assert inspected["anchor"] == "critic 120:0"
+    assert inspected["identity"]["critic_step_id"] == {"rollout_id": 120, "step_id": 0}
+    rows = json.loads(runner.invoke(app, ["ls", root, "--json"]).stdout)["bundles"]
+    assert {r["name"]: r["anchor"] for r in rows} == {
+        "b-00001": "step 120:0",
+        "c-120": "critic 120:0",
+        "r-120": "rollout 120",
+    }
+    listed = runner.invoke(app, ["ls", root]).stdout
+    assert any(line.split()[:2] == ["c-120", "critic"] for line in listed.splitlines()), listed
+    scanned = scan_store(root, workers=1)
+    assert {v.name: v.anchor for v in scanned.verdicts} == {
+        "b-00001": "step 120:0",
+        "c-120": "critic 120:0",
+        "r-120": "rollout 120",
+    }
+
+
+@pytest.mark.parametrize("command", ["replay", "inspect", "validate", "cp", "diff", "conventions"])
+def test_critic_selection_errors_name_what_is_there(tmp_path, command):
+    root = str(tmp_path / "store")
+    write_canonical(root)
+    _anchored(root, "c-120", critic_step_id={"rollout_id": 120, "step_id": 0})
+    extra = {"cp": [str(tmp_path / "dest")], "diff": [root]}.get(command, [])
+    result = runner.invoke(app, [command, root, *extra, "--critic", "120:1"])
+    assert result.exit_code == 1, result.output
+    assert "no complete bundle matches --critic 120:1" in result.stderr or (
+        "no bundle matches --critic 120:1 (found: b-00001 (step 120:0), c-120 (critic 120:0))" in result.stderr
+    ), result.stderr
+    both = runner.invoke(app, [command, root, *extra, "--step", "120:0", "--critic", "120:0"])
+    assert both.exit_code == 2 and "mutually exclusive" in both.stderr, both.output
+    assert "--critic" in both.stderr and "--step" in both.stderr
+    if command in ("replay", "inspect", "validate"):  # a bundle named by its path is checked against the filter
+        direct = runner.invoke(app, [command, f"{root}/c-120", "--step", "120:0"])
+        assert direct.exit_code == 1, direct.output
+        assert "bundle is critic 120:0, which does not match --step 120:0" in direct.stderr
+
+
+def test_without_a_filter_the_critic_flag_is_offered(tmp_path):
+    root = str(tmp_path / "store")
+    write_canonical(root)
+    _anchored(root, "c-120", critic_step_id={"rollout_id": 120, "step_id": 0})
+    result = runner.invoke(app, ["replay", root])
+    assert result.exit_code == 1
+    assert "choose one with --step ROLLOUT:STEP, --critic ROLLOUT:STEP or --rollout ROLLOUT" in result.stderr
+
+
+def test_the_older_format_cannot_hold_a_critic_bundle(tmp_path):
+    root = str(tmp_path / "store")
+    _anchored(root, "c-120", critic_step_id={"rollout_id": 120, "step_id": 0})
+    result = runner.invoke(app, ["export", f"{root}/c-120", str(tmp_path / "v1"), "--quiet"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "the older format has no anchor for a critic's step (critic 120:0)" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "v1").exists() or not any((tmp_path / "v1").iterdir())  # refused before writing

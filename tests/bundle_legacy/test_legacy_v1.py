@@ -278,7 +278,8 @@ def test_non_json_or_truncated_manifest(bundle: Path, content: bytes, match: str
         (
             "index.json",
             lambda d: d["identity"].update(rollout_id=3),
-            r"b-1/index.json: field 'identity': identity must have exactly one of actor_step_id or rollout_id",
+            r"b-1/index.json: field 'identity': identity must have exactly one of actor_step_id, critic_step_id or "
+            r"rollout_id",
         ),
         (
             "expected.json",

@@ -126,7 +126,7 @@ def test_bundles_sharing_an_anchor_are_picked_by_path(tmp_path):
     write_canonical(root, name="rerun")  # also step 120:0
     for args in (["replay", root], ["replay", root, "--step", "120:0"]):
         line = one_error_line(run(*args))
-        assert "share an anchor" in line and "--step/--rollout cannot tell apart" in line
+        assert "share an anchor" in line and "--step/--critic/--rollout cannot tell apart" in line
         suggested = re.search(r"give one bundle's path instead, e.g. (\S+)$", line).group(1)
         assert suggested == f"{root}/b-00065"
         assert run("replay", suggested).exit_code == 1  # the path it names works (the buggy bundle diverges)

@@ -405,14 +405,19 @@ def value_text(value: Any) -> str:
 
 
 def inspect_bundle(
-    path_or_url: str | os.PathLike, *, step: str | None = None, rollout: int | None = None, **storage_options: Any
+    path_or_url: str | os.PathLike,
+    *,
+    step: str | None = None,
+    rollout: int | None = None,
+    critic: str | None = None,
+    **storage_options: Any,
 ) -> Inspection:
     """Inspect the native or older-format bundle an address designates (`open_bundle` without choosing among a
     store root's bundles); one that is not complete is described, not refused."""
     # the server's copy of every marker, document and record (all small), never this host's read cache: a
     # cached copy is right for its digest and would hide the same object damaged in the store
     storage_options.setdefault("trust_cache", False)
-    bundle = open_bundle(path_or_url, step=step, rollout=rollout, choose=False, **storage_options)
+    bundle = open_bundle(path_or_url, step=step, rollout=rollout, critic=critic, choose=False, **storage_options)
     if bundle.format == V1:
         return _inspect_older(bundle)
     store, name = bundle.store, bundle.name

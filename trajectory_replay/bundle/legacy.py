@@ -483,7 +483,13 @@ def _v1_index_doc(index: BundleIndex) -> dict[str, Any]:
 
 
 def _anchor_fields(index: BundleIndex) -> dict[str, Any]:
-    """The identity anchor as a rank marker records it: `actor_step_id` and `rollout_id`, both keys always."""
+    """The identity anchor as a rank marker records it: `actor_step_id` and `rollout_id`, both keys always.
+    BundleError for a critic's step, which the older format cannot anchor (its step is the actor's)."""
+    if index.identity.critic_step_id is not None:
+        raise BundleError(
+            f"the older format has no anchor for a critic's step ({index.identity.anchor()}): it cannot hold this "
+            "bundle"
+        )
     step = index.identity.actor_step_id
     return {
         "actor_step_id": None if step is None else step.model_dump(mode="json"),
@@ -511,6 +517,7 @@ def _write_bundle(
             f"{label}: manifest bundle_id {manifest.bundle_id!r} differs from index bundle_id {index.bundle_id!r}"
         )
     rank_sets = _validate(V1Ranks, {"ranks": list(ranks), "expected_ranks": list(expected_ranks)}, f"{label}/COMPLETE")
+    anchor = _anchor_fields(index)  # before anything is written: a critic's step has no V1 anchor
     if (path / "COMPLETE").exists():
         raise BundleError(f"{label}/COMPLETE: already exists; a finished bundle is never rewritten")
 
@@ -553,7 +560,7 @@ def _write_bundle(
     payload_shas = {name: entry["sha256"] for name, entry in entries.items()}
     if rank_marker and len(rank_sets.ranks) == 1:
         marker = {
-            **_anchor_fields(index),
+            **anchor,
             "payloads": payload_shas,
             "metadata": metadata.by_document(),
             "expected_ranks": rank_sets.expected_ranks,
@@ -628,6 +635,8 @@ def write_v1_multirank(
     missing = [r for r in to_land if r not in shards]
     if missing or not set(to_land) <= set(expected):
         raise BundleError(f"{root.name}: ranks to land {to_land} must have shards and be in expected_ranks {expected}")
+    for rank in to_land:
+        _anchor_fields(shards[rank][1])  # before anything is written: a critic's step has no V1 anchor
     root.mkdir(parents=True, exist_ok=True)
     for rank in to_land:
         manifest, index, docs, payloads = shards[rank]

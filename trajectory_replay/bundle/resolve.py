@@ -7,10 +7,10 @@ older-format (V1) bundle directory or a rank directory of one, or a place that h
 directory with both. An older-format bundle is never read as a native one.
 
 `open_bundle` is the one way from an address to a `Bundle`; replay, inspect, validate, import and cp all go
-through it, and `Bundle.readers()` opens it. `Selection` is the one place `--step R:S` / `--rollout R` are
-matched against bundles (an anchor matches exactly: see `bundle.anchor`): a bundle must be chosen (replay,
-inspect, validate, import: `one`) or a set of them copied (cp: `several`). No match, or several where one is
-needed, is a SelectionError that lists what is there.
+through it, and `Bundle.readers()` opens it. `Selection` is the one place `--step R:S` / `--critic R:S` /
+`--rollout R` are matched against bundles (an anchor matches exactly: see `bundle.anchor`): a bundle must be
+chosen (replay, inspect, validate, import: `one`) or a set of them copied (cp: `several`). No match, or several
+where one is needed, is a SelectionError that lists what is there.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trajectory_replay.backends import open_backend, redact_url
-from trajectory_replay.bundle.anchor import Anchor
+from trajectory_replay.bundle.anchor import FILTER_FLAGS, Anchor
 from trajectory_replay.bundle.markers import COMPLETE, RANK_MARKER
 from trajectory_replay.bundle.paths import find_v1_bundles, is_v1_bundle, split_bundle_path
 from trajectory_replay.bundle.reader import BundleReader, native_readers
@@ -78,9 +78,11 @@ def open_bundle(
     step: str | None = None,
     rollout: int | None = None,
     choose: bool = True,
+    critic: str | None = None,
     **storage_options: Any,
 ) -> Bundle:
-    """The bundle `address` designates under `--step`/`--rollout` (SelectionError when none or several do).
+    """The bundle `address` designates under `--step`/`--critic`/`--rollout` (SelectionError when none or several
+    do).
 
     Without a filter, an address that is a bundle designates itself (whatever state it is in: opening it
     says what is missing). An address that holds bundles designates its only one when `choose` (replay);
@@ -88,7 +90,7 @@ def open_bundle(
     unless it is a local directory of older-format bundles, whose one bundle it designates.
     `storage_options` open the store (e.g. `trust_cache=False`)."""
     text = os.fspath(address)
-    want = Anchor.requested(step, rollout)
+    want = Anchor.requested(step, rollout, critic)
     local = _local_path(text)
     if want is None and not choose and not _holds_older_bundles(text, local, storage_options):
         return _bundle_at(text, local, storage_options)
@@ -102,13 +104,18 @@ def open_sources(path_or_url: str | os.PathLike, **storage_options: Any) -> list
 
 
 def open_for_replay(
-    path_or_url: str | os.PathLike, *, step: str | None = None, rollout: int | None = None, **storage_options: Any
+    path_or_url: str | os.PathLike,
+    *,
+    step: str | None = None,
+    rollout: int | None = None,
+    critic: str | None = None,
+    **storage_options: Any,
 ) -> tuple[list, int | None]:
     """(sources, rank) to replay what `path_or_url` designates (see `open_bundle`). A rank of a native
     multi-rank bundle (`<bundle>/rank-<r>`) comes with its peer ranks and `rank = r`: a prompt group split across
     ranks is normalized over all of its members, so the group-level stages need the peers' rows of the rank's
     groups."""
-    sources = open_bundle(path_or_url, step=step, rollout=rollout, **storage_options).readers()
+    sources = open_bundle(path_or_url, step=step, rollout=rollout, critic=critic, **storage_options).readers()
     if len(sources) == 1 and isinstance(sources[0], BundleReader) and sources[0].rank is not None:
         return [sources[0], *sources[0].peers()], sources[0].rank
     return sources, None
@@ -128,7 +135,7 @@ def is_native_bundle(path_or_url: str | os.PathLike, **storage_options: Any) -> 
     return _native_bundle(os.fspath(path_or_url), storage_options) is not None
 
 
-# ---- the one place --step / --rollout are matched ----------------------------------------------------
+# ---- the one place --step / --critic / --rollout are matched ------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -155,7 +162,7 @@ class Candidate:
 @dataclass
 class Selection:
     """The bundles found at an address (`found`, which may be chosen; `unreadable`, which cannot be, each with
-    why) and the anchor `--step` / `--rollout` ask for (`want`; None without a filter)."""
+    why) and the anchor `--step` / `--critic` / `--rollout` ask for (`want`; None without a filter)."""
 
     shown: str
     """The address as messages show it (credentials redacted)."""
@@ -189,11 +196,11 @@ class Selection:
                 raise SelectionError(f"{self.shown}: bundle is {self.found[0].anchor}, which does not match {what}")
             raise NoMatchingBundleError(f"{self.shown}: no bundle matches {what} (found: {listing(self.found)}){bad}")
         if len(matches) > 1 or (not what and self.unreadable):
-            hint = "" if what else "; choose one with --step ROLLOUT:STEP or --rollout ROLLOUT"
+            hint = "" if what else f"; choose one with {FILTER_FLAGS}"
             if len({c.anchor for c in matches}) < len(matches):  # no flag tells these apart: only a path does
                 hint = (
-                    f"; {'they' if what else 'some'} share an anchor, which --step/--rollout cannot tell apart: "
-                    f"give one bundle's path instead, e.g. {redact_url(matches[0].url)}"
+                    f"; {'they' if what else 'some'} share an anchor, which --step/--critic/--rollout cannot tell "
+                    f"apart: give one bundle's path instead, e.g. {redact_url(matches[0].url)}"
                 )
             count = len(matches) + (0 if what else len(self.unreadable))
             raise SelectionError(
@@ -219,7 +226,7 @@ class Selection:
         if not self.direct and not what and not all_bundles and len(chosen) + len(covered) > 1:
             raise SelectionError(
                 f"{self.shown}: {len(chosen) + len(covered)} bundles ({found}){bad}; choose with "
-                "--step ROLLOUT:STEP, --rollout ROLLOUT or --all"
+                f"{FILTER_FLAGS.replace(' or ', ', ')} or --all"
             )
         return chosen, skipped
 

@@ -126,7 +126,8 @@ class StageCapability(Word):
 
 
 class ActorStepId(_Model):
-    """The anchor of a step-level bundle: which actor update consumed the samples."""
+    """The (rollout, step) of a step-level bundle: which actor update (or, as `critic_step_id`, which update of a
+    critic trained apart from the actor) consumed the samples."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -154,10 +155,12 @@ class RankTopology(_Model):
 
 
 class Identity(_Model):
-    """Exactly one anchor (actor_step_id for a step-level bundle, rollout_id for a rollout-level one) plus
-    provenance."""
+    """Exactly one anchor (actor_step_id for the actor's step-level bundle, critic_step_id for a critic's,
+    rollout_id for a rollout-level one) plus provenance. `critic_step_id` is stored only when set: every other
+    identity is stored as it was before critics had an anchor of their own."""
 
     actor_step_id: ActorStepId | None = None
+    critic_step_id: ActorStepId | None = None
     rollout_id: int | None = None
     rollout_partition_ids: list[str] = Field(default_factory=list)
     consumer_batch_ids: list[str] = Field(default_factory=list)
@@ -169,17 +172,24 @@ class Identity(_Model):
 
     @model_validator(mode="after")
     def _one_anchor(self) -> Identity:
-        if (self.actor_step_id is None) == (self.rollout_id is None):
-            raise ValueError("identity must have exactly one of actor_step_id or rollout_id")
+        if sum(x is not None for x in (self.actor_step_id, self.critic_step_id, self.rollout_id)) != 1:
+            raise ValueError("identity must have exactly one of actor_step_id, critic_step_id or rollout_id")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_unset_critic(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("critic_step_id", 0) is None:
+            del out["critic_step_id"]
+        return out
 
     @property
     def level(self) -> Literal["step", "rollout"]:
-        """`step` for a step-level bundle, `rollout` for a rollout-level one."""
-        return "step" if self.actor_step_id is not None else "rollout"
+        """`step` for a step-level bundle (the actor's or a critic's), `rollout` for a rollout-level one."""
+        return "rollout" if self.rollout_id is not None else "step"
 
     def anchor(self) -> str:
-        """A short human-readable anchor: `step R:S` or `rollout R`."""
+        """A short human-readable anchor: `step R:S`, `critic R:S` or `rollout R`."""
         return str(Anchor.of(self))
 
 

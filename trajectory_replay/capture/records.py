@@ -20,7 +20,8 @@ carry their micro_batch_id; expected loss.policy {loss, pg_loss, entropy_loss, p
 when the config's kl_loss_coef is not 0) and loss.value {vf_loss, vf_clipfrac}.
 
 A critic's step-level bundle `critic-<R>-<S>` (kind "critic": a critic trained on its own mini-batches, apart from
-the actor's step): the same identity and records, stages sample and loss.value only; payloads values, vpreds,
+the actor's step): identity critic_step_id=(R, S) (anchor `critic R:S`, apart from the actor's `step R:S`), the
+same records, stages sample and loss.value only; payloads values, vpreds,
 returns; expected loss.value {vf_loss, vf_clipfrac}.
 
 Each stage contract's inputs and expected outputs come from `bundle.stage_io.STAGE_IO` under the record's config
@@ -419,8 +420,9 @@ class StepRecord:
         records: list[SampleRecord] = []
         for mb in micro_batches:
             records.extend(mb.columns.records(mb.micro_batch_id, rollout_id=self.rollout_id))
+        step = ActorStepId(rollout_id=self.rollout_id, step_id=self.step_id)
         identity = Identity(
-            actor_step_id=ActorStepId(rollout_id=self.rollout_id, step_id=self.step_id),
+            **{"critic_step_id" if self.kind == "critic" else "actor_step_id": step},
             weight_lineage=_lineage(self.weight_lineage),
             rank=prov.topology,
             micro_batch_ids=[mb.micro_batch_id for mb in micro_batches],

@@ -348,10 +348,9 @@ def enable_capture(
     (`TrainerCapture`), the actor worker group `ppo_loss` and the critic's `value_loss` wrapped with capture
     (`capture_loss`, `capture_value_loss`), carrying the capture variables (and `manager_options`, which go to every
     `CaptureManager`) so that each worker process switches capture on by itself as its dp rank. `critic=False`
-    leaves the critic's loss as it is (no `critic-<R>-<S>` bundles, which share the anchor `step R:S` with the
-    actor's `step-<R>-<S>`, so that `--step R:S` then names both). A capture policy (`policy=` or
-    TRAJECTORY_REPLAY_CAPTURE_POLICY) applies to the workers' step bundles; under recorder:K the driver still
-    writes every rollout-level bundle (`_driver_policy`). A bad capture
+    leaves the critic's loss as it is (no `critic-<R>-<S>` bundles, anchored `critic R:S` and picked by
+    `--critic R:S`). A capture policy (`policy=` or TRAJECTORY_REPLAY_CAPTURE_POLICY) applies to the workers' step
+    bundles; under recorder:K the driver still writes every rollout-level bundle (`_driver_policy`). A bad capture
     variable raises CaptureConfigError naming it; a verl option capture cannot take a one-line ValueError naming
     it."""
 

@@ -17,7 +17,7 @@ copied whole or refused.
 
 A bundle of the older directory format, or a local directory holding only such bundles (a capture
 directory of the older tool), is converted into native bundles of the destination as `import`
-does, chosen the same way (`--step`, `--rollout`, `--all`, or the one bundle there is). In a
+does, chosen the same way (`--step`, `--critic`, `--rollout`, `--all`, or the one bundle there is). In a
 directory that also holds native bundles, only the native ones are copied.
 """
 
@@ -113,19 +113,21 @@ def copy_bundles(
     step: str | None = None,
     rollout: int | None = None,
     all_bundles: bool = False,
+    critic: str | None = None,
     source_options: dict | None = None,
     dest_options: dict | None = None,
     progress: Progress | None = None,
     workers: int | None = None,
 ) -> CopyReport:
-    """Copy one bundle (`<root>/<bundle>`), or the bundles of a root chosen by `step`/`rollout`/`all_bundles`."""
-    if sum(x is not None and x is not False for x in (step, rollout, all_bundles or None)) > 1:
-        raise UsageError("--step, --rollout and --all are mutually exclusive")
+    """Copy one bundle (`<root>/<bundle>`), or the bundles of a root chosen by `step`/`critic`/`rollout`/
+    `all_bundles`."""
+    if sum(x is not None and x is not False for x in (step, critic, rollout, all_bundles or None)) > 1:
+        raise UsageError("--step, --critic, --rollout and --all are mutually exclusive")
     progress = progress or Progress()
-    older = _older_format_selection(os.fspath(source), step, rollout, all_bundles)
+    older = _older_format_selection(os.fspath(source), step, rollout, critic, all_bundles)
     if older is not None:
         return _convert(os.fspath(source), older, dest_root, dest_options or {})
-    src, selection = _source(os.fspath(source), Anchor.requested(step, rollout), source_options or {})
+    src, selection = _source(os.fspath(source), Anchor.requested(step, rollout, critic), source_options or {})
     chosen, covered = selection.several(all_bundles)
     states, direct = [_state(c) for c in chosen], selection.direct
     skipped = [{"name": c.name, "detail": c.detail} for c in covered]
@@ -242,7 +244,7 @@ def _state(candidate: Candidate) -> BundleState:
 
 
 def _older_format_selection(
-    source: str, step: str | None, rollout: int | None, all_bundles: bool
+    source: str, step: str | None, rollout: int | None, critic: str | None, all_bundles: bool
 ) -> _OlderSelection | None:
     """The older-format bundles to convert: the source itself when it is one, else those of a local directory
     that holds no native bundle, chosen by the flags; None when the source is for the native copy."""
@@ -253,14 +255,14 @@ def _older_format_selection(
     if local is None:
         return None
     if legacy.is_v1_bundle(local):
-        return _OlderSelection([_older_path(open_bundle(local, step=step, rollout=rollout).path)], [])
+        return _OlderSelection([_older_path(open_bundle(local, step=step, rollout=rollout, critic=critic).path)], [])
     older = legacy.find_v1_bundles(local)
     if not older:
         return None
     if scan_bundles(open_root(source)):  # native bundles beside them: the native copy (older ones never scanned)
         return None
     if not all_bundles:
-        return _OlderSelection([_older_path(open_bundle(local, step=step, rollout=rollout).path)], [])
+        return _OlderSelection([_older_path(open_bundle(local, step=step, rollout=rollout, critic=critic).path)], [])
     chosen, skipped = [], []
     for path in older:
         status = legacy.v1_status(path)

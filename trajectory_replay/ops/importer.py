@@ -8,8 +8,9 @@ the name is taken, the import first runs as a dry run over the store (reads see 
 stay in memory), so a refusal writes no object and no in-flight record.
 
 The source is a bundle, a rank-<r> bundle's multi-rank parent, or a capture directory of them (the
-older tool's `replay-<R>-<S>/`, `replay-rollout-<R>/`); `step`/`rollout` pick one bundle of a capture
-directory by its identity, as `replay --step/--rollout` does.
+older tool's `replay-<R>-<S>/`, `replay-rollout-<R>/`); `step`/`rollout`/`critic` pick one bundle of a
+capture directory by its identity, as `replay --step/--rollout/--critic` does (the older format anchors no critic's
+step, so `critic` finds none).
 """
 
 from __future__ import annotations
@@ -46,15 +47,16 @@ def import_v1(
     name: str | None = None,
     step: str | None = None,
     rollout: int | None = None,
+    critic: str | None = None,
     **storage_options: Any,
 ) -> list[str]:
-    """Import one V1 bundle, or every V1 bundle of a capture directory (or the one `step`/`rollout` picks);
+    """Import one V1 bundle, or every V1 bundle of a capture directory (or the one `step`/`rollout`/`critic` picks);
     returns the native bundle URLs."""
     path = Path(os.fspath(source)).expanduser()
-    if step is not None or rollout is not None:
+    if step is not None or rollout is not None or critic is not None:
         from trajectory_replay.bundle.resolve import V1, open_bundle
 
-        chosen = open_bundle(path, step=step, rollout=rollout)
+        chosen = open_bundle(path, step=step, rollout=rollout, critic=critic)
         if chosen.format != V1:
             raise BundleError(f"{chosen.target}: a native bundle, not an older-format one; copy it with cp")
         assert chosen.path is not None  # an older-format bundle is a directory

@@ -209,7 +209,23 @@ def test_the_critic_and_the_actor_are_captured_apart_and_replay_clean(tmp_path, 
         assert report.status == "pass", (name, _failed(report))
     result = CliRunner().invoke(app, ["replay", str(tmp_path / f"critic-{ROLLOUT}-0")])
     assert result.exit_code == 0, result.output
+    for flag, bundle in (("--step", f"step-{ROLLOUT}-0"), ("--critic", f"critic-{ROLLOUT}-0")):
+        result = CliRunner().invoke(app, ["replay", str(tmp_path), flag, f"{ROLLOUT}:0", "--json"])
+        assert result.exit_code == 0, result.output
+        chain = json.loads(result.output)
+        assert [(entry["bundle"], entry["role"]) for entry in chain["chain"]] == [
+            (f"rollout-{ROLLOUT}", "upstream"),
+            (bundle, "step"),
+        ]
+        assert chain["link"]["status"] == "pass" and chain["status"] == "pass"
+    text = CliRunner().invoke(app, ["replay", str(tmp_path), "--critic", f"{ROLLOUT}:0"]).output
+    assert f"chain rollout-{ROLLOUT} -> critic-{ROLLOUT}-0" in text and f"{SAMPLES * PROMPTS} samples linked" in text
+    copy = ["cp", str(tmp_path), str(tmp_path / "copy"), "--critic", f"{ROLLOUT}:0", "--quiet", "--json"]
+    copied = CliRunner().invoke(app, copy)
+    assert copied.exit_code == 0, copied.output
+    assert json.loads(copied.stdout)["bundles"] == [f"critic-{ROLLOUT}-0"]
     [critic] = open_sources(str(tmp_path / f"critic-{ROLLOUT}-0"))
+    assert critic.index.identity.anchor() == f"critic {ROLLOUT}:0"
     assert {s.value for s in critic.manifest.stage_contracts} == {"sample", "loss.value"}
     reported = critic.expected["loss.value"]
     assert reported["vf_loss"] == pytest.approx(gae.value_metrics["critic/vf_loss"], rel=1e-5)

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from trajectory_replay.backends import Backend, redact_url, split_url
+from trajectory_replay.bundle.anchor import ACTOR
 from trajectory_replay.bundle.markers import complete_key, read_triggers
 from trajectory_replay.bundle.status import (
     COMPLETE_STATUS,
@@ -195,7 +196,7 @@ class _Collector:
             old = self.by_name[result["name"]]
             new = Verdict.from_dict(result)
             if new.rollout_id is None:  # an error or an early failure: the listing knows the anchor
-                new.rollout_id, new.step_id = old.rollout_id, old.step_id
+                new.rollout_id, new.step_id, new.role = old.rollout_id, old.step_id, old.role
             new.digest = new.digest or old.digest
             new.expected_ranks = new.expected_ranks or old.expected_ranks
             self.by_name[new.name] = new
@@ -267,6 +268,7 @@ def _listed(state: BundleState) -> Verdict:
         ERROR,
         rollout_id=anchor.rollout_id if anchor else None,
         step_id=anchor.step_id if anchor else None,
+        role=anchor.role if anchor else ACTOR,
         expected_ranks=list(state.expected_ranks),
         missing_ranks=list(state.missing_ranks),
     )

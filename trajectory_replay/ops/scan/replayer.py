@@ -84,7 +84,7 @@ class Replayer:
             verdict.digest = bundle_digest(complete)
             marker = parse_complete(complete)
             anchor = marker.anchor
-            verdict.rollout_id, verdict.step_id = anchor.rollout_id, anchor.step_id
+            verdict.rollout_id, verdict.step_id, verdict.role = anchor.rollout_id, anchor.step_id, anchor.role
             verdict.expected_ranks = list(marker.expected_ranks)
             # taken before the replay reads anything: what changes after it changes the stamp, and the verdict
             # is not trusted for it

@@ -33,6 +33,7 @@ from typing import Any
 
 from trajectory_replay import __version__
 from trajectory_replay.backends import Backend
+from trajectory_replay.bundle.anchor import ACTOR, Anchor
 from trajectory_replay.bundle.status import BundleState
 from trajectory_replay.outcome import Status
 from trajectory_replay.store.cache import default_cache_dir
@@ -99,6 +100,8 @@ class Verdict:
     """pass | diverged | invalid | incomplete | unsupported | error"""
     rollout_id: int | None = None
     step_id: int | None = None
+    role: str = ACTOR
+    """Whose step a step-level bundle's is: `actor` or `critic` (see `bundle.anchor`)."""
     digest: str | None = None
     """Digest of the COMPLETE marker replayed (None when there is none)."""
     first_divergent_stage: str | None = None
@@ -129,9 +132,7 @@ class Verdict:
 
     @property
     def anchor(self) -> str | None:
-        if self.rollout_id is None:
-            return None
-        return f"step {self.rollout_id}:{self.step_id}" if self.step_id is not None else f"rollout {self.rollout_id}"
+        return None if self.rollout_id is None else str(Anchor(self.rollout_id, self.step_id, self.role))
 
     @property
     def order(self) -> tuple:
