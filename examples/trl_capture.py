@@ -15,6 +15,7 @@ import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
@@ -28,6 +29,7 @@ CHARS = "abcdefghijklmnopqrstuvwxyz "
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character, with a pad and an end-of-sequence token."""
     vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
@@ -35,7 +37,9 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
 
-def model() -> Qwen2ForCausalLM:
+def model(seed: int = 0) -> Qwen2ForCausalLM:
+    """A random-weight Qwen2 of hidden size 32 and 2 layers over `tokenizer()`'s vocabulary."""
+    torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=len(CHARS) + 2,
         hidden_size=32,
@@ -53,6 +57,7 @@ def model() -> Qwen2ForCausalLM:
 
 
 def reward(completions: list[str], **kwargs: object) -> list[float]:
+    """More 'a's and longer answers score higher."""
     return [float(c.count("a")) + 0.1 * len(c) for c in completions]
 
 

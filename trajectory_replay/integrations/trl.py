@@ -53,24 +53,6 @@ ROWS_KEY = "trajectory_replay_rows"
 """The column added to TRL's generation batch: per row, its rollout id and its position in the batch gathered over
 processes. TRL shuffles and splits it with the other columns; `compute_loss` ignores it."""
 
-OPTIONS = (
-    "loss_type",
-    "beta",
-    "epsilon",
-    "epsilon_high",
-    "delta",
-    "num_generations",
-    "scale_rewards",
-    "use_bias_correction_kl",
-    "importance_sampling_level",
-    "mask_truncated_completions",
-    "top_entropy_quantile",
-    "entropy_coef",
-    "multi_objective_aggregation",
-    "off_policy_mask_threshold",
-)
-"""The GRPOConfig options that shape advantages or the loss, handed to the `trl` profile under TRL's names."""
-
 ALWAYS = (
     "loss_type",
     "beta",
@@ -86,6 +68,9 @@ ALWAYS = (
 )
 """Options recorded whatever their value (None, TRL's "not set", left out: `epsilon_high` then follows `epsilon` as
 in TRL); the others only where the run sets them otherwise than GRPOConfig's default."""
+
+OPTIONS = ALWAYS + ("entropy_coef", "multi_objective_aggregation", "off_policy_mask_threshold")
+"""The GRPOConfig options that shape advantages or the loss, handed to the `trl` profile under TRL's names."""
 
 METRICS = {"pg_clipfrac": ("clip_ratio/region_mean", "cispo_clip_ratio"), "kl_loss": ("kl",), "entropy": ("entropy",)}
 """Step scalar -> the metrics `_compute_loss` logs it under (one per micro-batch), by loss type where they differ."""

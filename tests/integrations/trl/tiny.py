@@ -1,5 +1,5 @@
-"""A tiny TRL 1.16 GRPOTrainer run on CPU and offline: a random-weight Qwen2 (hidden 32, 2 layers) built from a
-config, a character-level tokenizer built with `tokenizers`, a small `datasets.Dataset` and a Python reward.
+"""A tiny TRL 1.16 GRPOTrainer run on CPU and offline: the example's random-weight Qwen2 (hidden 32, 2 layers),
+character-level tokenizer and Python reward (examples/trl_capture.py), and a small `datasets.Dataset`.
 `run(store, **options)` trains it for a few steps with capture on and returns the capture handle."""
 
 from __future__ import annotations
@@ -11,48 +11,13 @@ from typing import Any
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+from examples.trl_capture import model, reward, tokenizer  # noqa: E402
 from trajectory_replay.integrations.trl import TrlCapture, enable_capture  # noqa: E402
 
-CHARS = "abcdefghijklmnopqrstuvwxyz "
 PROMPTS = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
-
-
-def tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character, with a pad and an end-of-sequence token."""
-    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-
-
-def model(seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(CHARS) + 2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        tie_word_embeddings=True,
-    )
-    return Qwen2ForCausalLM(config)
-
-
-def reward(completions: list[str], **kwargs: Any) -> list[float]:
-    """More 'a's and longer answers score higher."""
-    return [float(c.count("a")) + 0.1 * len(c) for c in completions]
 
 
 def reward_or_none(completions: list[str], **kwargs: Any) -> list[float | None]:
