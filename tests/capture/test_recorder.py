@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,6 +109,24 @@ def test_the_steps_variable_keeps_working_beside_a_policy(tmp_path):
         load_config(_env(tmp_path, **{ENV_STEPS: "1:2", ENV_POLICY: "steps=1:3"}))
     with pytest.raises(CaptureConfigError, match="a step filter goes with the policy all or steps="):
         load_config(_env(tmp_path, **{ENV_STEPS: "1:2", ENV_POLICY: "recorder:4"}))
+
+
+def test_without_a_spool_set_each_store_gets_its_own(tmp_path):
+    """Two jobs on one host that capture into different stores never share (and clear) a spool; a relaunch of a
+    job into the same store finds the spool its predecessor left."""
+    from trajectory_replay.capture.config import DEFAULT_SPOOL
+    from trajectory_replay.capture.manager import CaptureManager
+
+    spools = []
+    for store in ("a", "b", "a"):
+        manager = CaptureManager(str(tmp_path / store), policy="recorder:2", writer="thread")
+        assert manager.recorder is not None
+        spools.append(manager.recorder.spool)
+        manager.close(10)
+    assert spools[0] != spools[1] and spools[0] == spools[2]
+    assert all(os.path.dirname(os.path.dirname(s)) == DEFAULT_SPOOL and s.endswith("rank-0") for s in spools)
+    for spool in set(spools):
+        shutil.rmtree(os.path.dirname(spool), ignore_errors=True)
 
 
 def test_the_integration_passes_a_policy_and_the_environment_wins(tmp_path):

@@ -15,8 +15,8 @@
                                                                     every step goes to a local spool; a
                                                                     trigger keeps the K steps up to it and
                                                                     the M after in the store
-    TRAJECTORY_REPLAY_CAPTURE_SPOOL      optional: the recorder's local spool directory (default
-                                         <system temp dir>/trajectory-replay-spool)
+    TRAJECTORY_REPLAY_CAPTURE_SPOOL      optional: the recorder's local spool directory (default: one per
+                                         store under <system temp dir>/trajectory-replay-spool)
     TRAJECTORY_REPLAY_RUN_ID             optional: the identity of this launch of the training job, the same on
                                          every rank and new at every (re)start; default: what the launcher says
                                          (torchrun's TORCHELASTIC_RUN_ID and restart count, Slurm's job id and
@@ -44,6 +44,8 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
+
+from blake3 import blake3
 
 from trajectory_replay.errors import TrajectoryReplayError
 
@@ -177,10 +179,23 @@ def parse_policy(value: str | None, variable: str = ENV_POLICY) -> CapturePolicy
     raise _bad(variable, value, "expected all, steps=R:S,..., every:N or recorder:K[,after=M][,max_bytes=B]")
 
 
-def parse_spool(value: str | None, variable: str = ENV_SPOOL) -> str:
-    """The recorder's spool: a local directory (default under the system temp dir); a URL is refused."""
+DEFAULT_SPOOL = os.path.join(tempfile.gettempdir(), "trajectory-replay-spool")
+"""Where the recorder spools when no spool is set: one directory per store under it (`default_spool`)."""
+
+
+def default_spool(capture_dir: str) -> str:
+    """The spool of a capture into `capture_dir` when none is set: a directory under DEFAULT_SPOOL named by the
+    store's URL, so that two jobs on one host that capture into different stores never share (and clear) a spool,
+    while a relaunch of the same job finds and clears what its killed predecessor left."""
+    key = blake3(capture_dir.encode()).hexdigest()[:16]
+    return os.path.join(DEFAULT_SPOOL, key)
+
+
+def parse_spool(value: str | None, variable: str = ENV_SPOOL) -> str | None:
+    """The recorder's spool: a local directory (None when unset: `default_spool` of the store); a URL is
+    refused."""
     if value is None or value.strip() == "":
-        return os.path.join(tempfile.gettempdir(), "trajectory-replay-spool")
+        return None
     text = value.strip()
     if "://" in text and not text.startswith("file://"):
         raise _bad(variable, value, "the spool is a local directory, not a URL")
@@ -212,7 +227,7 @@ class CaptureConfig:
     """The variable `writer` was read from (ENV_WRITER, or its older name when only that is set)."""
     policy: CapturePolicy = CapturePolicy()
     spool: str | None = None
-    """The recorder's local spool directory (set when capture is on)."""
+    """The recorder's local spool directory; None: the store's `default_spool`."""
 
     def wants_step(self, rollout_id: int, step_id: int) -> bool:
         """True when the step-level bundle of actor step (rollout_id, step_id) is to be captured."""
@@ -433,6 +448,8 @@ __all__ = [
     "POLICY_KINDS",
     "parse_policy",
     "parse_spool",
+    "default_spool",
+    "DEFAULT_SPOOL",
     "policy_of",
     "ENV_CAPTURE",
     "ENV_DIR",

@@ -47,7 +47,7 @@ from trajectory_replay.capture.commit import BundleJob, storage_failure
 from trajectory_replay.capture.config import (
     CapturePolicy,
     choose_writer,
-    parse_spool,
+    default_spool,
     policy_of,
     producer_ranks,
     run_identity,
@@ -162,7 +162,7 @@ class CaptureManager:
         self._user_trigger: str | None = None
         self.recorder: RecorderSettings | None = None
         if self.policy.recorder:
-            root = os.fspath(spool) if spool is not None else parse_spool(None)
+            root = os.fspath(spool) if spool is not None else default_spool(self.capture_dir)
             self.recorder = RecorderSettings(
                 spool=os.path.join(root, f"rank-{self.rank}"),
                 keep=self.policy.keep,
