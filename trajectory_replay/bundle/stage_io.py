@@ -71,6 +71,10 @@ class When:
     holds: Callable[[Setting], bool]
     named: Callable[[Setting], str]
 
+    def __or__(self, other: When) -> When:
+        """Either condition, named by the first of the two that holds."""
+        return When(lambda s: self.holds(s) or other.holds(s), lambda s: (self if self.holds(s) else other).named(s))
+
 
 def kl_in_reward(setting: Setting) -> bool:
     """True when the config puts the reward-side KL into the token rewards of its estimator."""
@@ -101,10 +105,6 @@ NO_REWARD_KL = When(lambda s: s.config.kl_coef == 0, lambda s: f"kl_coef={s.conf
 LOSS_TERMS_UNREPORTED = When(lambda s: not s.config.loss_terms_reported, lambda s: "loss_terms_reported=False")
 NO_ENTROPY_TERM = When(lambda s: s.config.entropy_coef == 0, lambda s: f"entropy_coef={s.config.entropy_coef}")
 METRICS_OVER_PROCESSES = When(lambda s: not s.config.metrics_per_rank, lambda s: "metrics_per_rank=False")
-NO_ENTROPY_TERM_OR_METRICS_OVER_PROCESSES = When(
-    lambda s: NO_ENTROPY_TERM.holds(s) or METRICS_OVER_PROCESSES.holds(s),
-    lambda s: NO_ENTROPY_TERM.named(s) if NO_ENTROPY_TERM.holds(s) else METRICS_OVER_PROCESSES.named(s),
-)
 CORRECTED = When(
     lambda s: rollout_correction(s.config),
     lambda s: f"rollout_is={s.config.rollout_is!r}, rollout_rs={s.config.rollout_rs!r}",
@@ -311,7 +311,7 @@ STAGE_IO: dict[StageId, StageIO] = {
         optional=(PRE_REJECTION_MASK,),
         optional_when={
             "entropy": NO_ENTROPY_TERM,
-            "entropy_loss": NO_ENTROPY_TERM_OR_METRICS_OVER_PROCESSES,
+            "entropy_loss": NO_ENTROPY_TERM | METRICS_OVER_PROCESSES,
             "pg_clipfrac": METRICS_OVER_PROCESSES,
             "pg_loss": LOSS_TERMS_UNREPORTED,
             "ppo_kl": LOSS_TERMS_UNREPORTED,
