@@ -209,6 +209,14 @@ def policy_of(policy: CapturePolicy | str | None) -> CapturePolicy | None:
     return parse_policy(policy, "policy")
 
 
+def choose_policy(environ: Mapping[str, str], policy: CapturePolicy | str | None) -> CapturePolicy:
+    """The policy a capture follows: TRAJECTORY_REPLAY_CAPTURE_POLICY when it is set (the environment wins), else
+    the one an integration's call passes (`policy`), else `all`."""
+    if environ.get(ENV_POLICY, "").strip() or policy is None:
+        return parse_policy(environ.get(ENV_POLICY))
+    return policy_of(policy) or CapturePolicy()
+
+
 @dataclass(frozen=True)
 class CaptureConfig:
     """The parsed configuration. `steps` / `rollouts` None means no filter (capture every one); `writer` None
@@ -448,6 +456,7 @@ __all__ = [
     "POLICY_KINDS",
     "parse_policy",
     "parse_spool",
+    "choose_policy",
     "default_spool",
     "DEFAULT_SPOOL",
     "policy_of",

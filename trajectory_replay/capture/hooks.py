@@ -21,13 +21,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trajectory_replay.capture.config import (
-    ENV_POLICY,
     ENV_STEPS,
     CaptureConfigError,
     CapturePolicy,
     check_env_writer,
+    choose_policy,
     load_config,
-    policy_of,
 )
 from trajectory_replay.capture.manager import CaptureManager
 from trajectory_replay.errors import TrajectoryReplayError
@@ -78,13 +77,9 @@ def maybe_enable_for_actor(
         manager_options["writer"] = config.writer
     if config.run_id is not None:
         manager_options.setdefault("run_id", config.run_id)
-    env = os.environ if environ is None else environ
-    if env.get(ENV_POLICY, "").strip() or policy is None:
-        chosen = config.policy
-    else:
-        chosen = policy_of(policy) or config.policy
-        if chosen.kind not in ("all", "steps") and config.steps is not None:
-            raise CaptureConfigError(f"policy {str(chosen)!r}: a step filter ({ENV_STEPS}) goes with all or steps=")
+    chosen = choose_policy(os.environ if environ is None else environ, policy)
+    if chosen.kind not in ("all", "steps") and config.steps is not None:  # (load_config refuses the variable's)
+        raise CaptureConfigError(f"policy {str(chosen)!r}: a step filter ({ENV_STEPS}) goes with all or steps=")
     manager_options.setdefault("policy", chosen)
     manager_options.setdefault("spool", config.spool)
     try:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from trajectory_replay.bundle.schema import RecomputeConfig
-from trajectory_replay.capture.config import ENV_POLICY, ENV_SPOOL, parse_policy, parse_spool
+from trajectory_replay.capture.config import ENV_SPOOL, choose_policy, parse_spool
 from trajectory_replay.capture.manager import CaptureManager
 
 log = logging.getLogger("trajectory_replay.capture")
@@ -500,18 +500,18 @@ def enable_capture(trainer: Any, store_url: str, **manager_options: Any) -> TrlC
     """Capture `trainer` (a TRL `GRPOTrainer`) into the store at `store_url` (a path, `file://`, `s3://` or
     `memory://` URL): call once, before `trainer.train()`. Each process of a multi-process run is a producer rank of
     the same bundles. `manager_options` go to `CaptureManager` (`writer`, `storage_options`, `steps`, `rollouts`,
-    `policy`, `spool`, ...); without `policy` (`spool`) the capture variables TRAJECTORY_REPLAY_CAPTURE_POLICY
-    (TRAJECTORY_REPLAY_CAPTURE_SPOOL) decide, as for any capture: e.g. `policy="recorder:8"` keeps only the steps
-    before a trigger (docs/capture.md). ValueError in one line naming the TRL option for a setting capture refuses
-    (`refusals`), or naming what changed in a TRL whose private methods differ from 1.16's (`TrlInternals.check`)."""
+    `policy`, `spool`, ...); as for any capture, TRAJECTORY_REPLAY_CAPTURE_POLICY wins over `policy` when it is
+    set, and TRAJECTORY_REPLAY_CAPTURE_SPOOL is the spool unless `spool` is given: e.g. `policy="recorder:8"`
+    keeps only the steps before a trigger (docs/capture.md). ValueError in one line naming the TRL option for a
+    setting capture refuses (`refusals`), or naming what changed in a TRL whose private methods differ from
+    1.16's (`TrlInternals.check`)."""
     refused = refusals(trainer)
     if refused:
         raise ValueError(refused[0])
     TrlInternals.check(trainer)
     recompute_config(trainer.args)  # a refused option fails here, not in training
     accelerator = trainer.accelerator
-    if "policy" not in manager_options:
-        manager_options["policy"] = parse_policy(os.environ.get(ENV_POLICY))
+    manager_options["policy"] = choose_policy(os.environ, manager_options.get("policy"))
     if "spool" not in manager_options:
         manager_options["spool"] = parse_spool(os.environ.get(ENV_SPOOL))
     manager = CaptureManager(

@@ -323,11 +323,9 @@ def _driver_policy(env: Mapping[str, str], options: Mapping[str, Any]) -> tuple[
     under a flight-recorder policy (recorder:K) the workers spool their step bundles and promote the kept ones,
     but a worker's recorder never holds the rollout-level bundles the driver wrote, so the driver writes every
     rollout-level bundle to the store (policy all) and a promoted step always finds its rollout there."""
-    from trajectory_replay.capture.config import ENV_POLICY, load_config, policy_of
+    from trajectory_replay.capture.config import ENV_POLICY, choose_policy
 
-    given = env.get(ENV_POLICY, "").strip()
-    chosen = load_config(env).policy if given or options.get("policy") is None else policy_of(options["policy"])
-    if chosen is None or chosen.kind != "recorder":
+    if choose_policy(env, options.get("policy")).kind != "recorder":
         return dict(env), dict(options)
     return {k: v for k, v in env.items() if k != ENV_POLICY}, {**options, "policy": "all"}
 
