@@ -11,16 +11,15 @@ import pytest
 import torch
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
-from verl.workers.utils.padding import left_right_2_no_padding
 
 from tests.integrations.verl.steps import (
     PROMPTS,
     SAMPLES,
     StepOptions,
     VerlStep,
-    _flat_model_output,
     actor_config,
     build_step,
+    engine_micro_batch,
 )
 from trajectory_replay import capture
 from trajectory_replay.bundle import open_sources
@@ -44,19 +43,16 @@ def capture_off():
 
 
 def _engine_micro_batch(step: VerlStep, rows: list[int]) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(the TensorDict verl's FSDP engine hands the loss for `rows`, the actor's unpadded model output)."""
-    data = left_right_2_no_padding(step.batch[rows].to_tensordict())
-    tu.assign_non_tensor(
-        data,
+    """(the TensorDict verl's FSDP engine hands the loss for `rows`, the actor's unpadded model output), one rank of
+    the whole step's mini-batch, the rollout id in the batch."""
+    return engine_micro_batch(
+        step,
+        rows,
         dp_size=1,
         batch_num_tokens=int(step.batch.batch["response_mask"].sum()),
         global_batch_size=PROMPTS * SAMPLES,
         global_steps=ROLLOUT,
     )
-    output = {"log_probs": _flat_model_output(step.log_probs, step.batch, rows)}
-    if step.entropy is not None:
-        output["entropy"] = _flat_model_output(step.entropy, step.batch, rows)
-    return data, output
 
 
 def _run(step: VerlStep, loss_fn) -> list[tuple[Any, Any]]:
