@@ -27,7 +27,7 @@ the store's own gc (`ops.gc`, grace 0) then removes what no kept bundle names, o
 lists the whole spool: amortized, it costs about one listing per K steps) and at once whenever the spool is over
 its bytes. So the spool's bytes never stay above `max_bytes` past a commit (unless its newest step alone is
 larger), and between sweeps it holds the objects of at most 2K steps. A recorder starting on a spool
-left by an earlier launch (or a killed process) clears it first the same way.
+left by an earlier launch (or a killed process) removes everything in it first (`_clear`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -57,7 +58,7 @@ from trajectory_replay.bundle.markers import (
     try_finalize,
 )
 from trajectory_replay.bundle.schema import BundleIndex, TriggerRecord
-from trajectory_replay.bundle.status import COMPLETE_STATUS, bundle_names, bundle_status
+from trajectory_replay.bundle.status import COMPLETE_STATUS, bundle_status
 from trajectory_replay.capture.commit import BundleJob, commit_bundle
 from trajectory_replay.capture.records import RolloutRecord, StepRecord
 from trajectory_replay.capture.values import materialize_float, materialize_list
@@ -317,6 +318,15 @@ class _Window:
     after_left: int
 
 
+def _clear(spool: str) -> None:
+    """Remove whatever an earlier launch (or a killed process) left in `spool`: bundles, objects, in-flight records
+    and interrupted writes alike. A rank's spool is its own (one job per spool directory), so nothing there belongs
+    to a live writer, and gc, which must keep what a live writer's in-flight record names until it expires, would
+    leave a killed writer's last objects behind."""
+    if os.path.isdir(spool):
+        shutil.rmtree(spool)
+
+
 class Recorder:
     """The recorder of one capture writer (one rank): commits jobs into the spool, fires triggers, promotes
     windows to `store` (the configured store), evicts. Used by one thread (the writer's)."""
@@ -324,6 +334,7 @@ class Recorder:
     def __init__(self, settings: RecorderSettings, store: ObjectStore) -> None:
         self.settings, self.store = settings, store
         self.multi = len(settings.expected_ranks) > 1
+        _clear(settings.spool)
         os.makedirs(settings.spool, exist_ok=True)
         self.spool = ObjectStore.open(settings.spool)
         self.triggers = Triggers(settings.triggers, settings.rank)
@@ -351,20 +362,9 @@ class Recorder:
         )
         self.unswept = 0
         self.measured = self.added = 0
-        self._clear()
         self._measure()
 
     # ---- the spool -----------------------------------------------------------------------------------
-    def _clear(self) -> None:
-        """Forget what an earlier launch left in this spool: its bundles' markers, then gc."""
-        backend = self.spool.backend
-        names = bundle_names(backend)
-        for name in names:
-            for key in backend.list_dir(name):
-                backend.delete(f"{name}/{key}")
-        if names or backend.list_dir("objects"):
-            collect_garbage(self.settings.spool, grace=0)
-
     def spool_bytes(self) -> int:
         """Bytes the spool holds on disk now."""
         total = 0
